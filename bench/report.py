@@ -1,0 +1,20 @@
+"""The one output format of every benchmark: an aligned table, then a last line of JSON."""
+
+from __future__ import annotations
+
+import json
+
+
+def print_table(title: str, header: list[str], rows: list[list]) -> None:
+    cells = [header] + [[f"{c:,.1f}" if isinstance(c, float) else str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    print(title)
+    for j, r in enumerate(cells):
+        print("  ".join(c.rjust(w) for c, w in zip(r, widths)))
+        if j == 0:
+            print("  ".join("-" * w for w in widths))
+    print()
+
+
+def print_json(result: dict) -> None:
+    print(json.dumps(result), flush=True)

@@ -1,0 +1,119 @@
+"""Configuration dataclasses. Each checks its invariants in __post_init__ so that a bad value
+fails when the engine starts, with a message naming the value and what is allowed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from common.errors import InvalidArgument
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class ModelConfig:
+    """Shape and flavour of a decoder-only transformer. `arch` is "llama" (Llama, Qwen2, Qwen3:
+    RMSNorm, rotary positions, gated SiLU MLP) or "gpt2" (LayerNorm, learned positions, GELU MLP)."""
+
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_position_embeddings: int
+    norm_eps: float = 1e-5
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    tie_word_embeddings: bool = False
+    eos_token_ids: tuple[int, ...] = ()
+    name: str = ""
+
+    def __post_init__(self):
+        if self.arch not in ("llama", "gpt2"):
+            raise InvalidArgument(f"arch={self.arch!r} is not supported; allowed: 'llama', 'gpt2'")
+        for key in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                    "head_dim", "intermediate_size", "max_position_embeddings"):
+            if getattr(self, key) < 1:
+                raise InvalidArgument(f"{key}={getattr(self, key)} must be >= 1")
+        if self.num_heads % self.num_kv_heads:
+            raise InvalidArgument(f"num_heads={self.num_heads} must be a multiple of "
+                                  f"num_kv_heads={self.num_kv_heads}")
+        if self.arch == "llama" and self.head_dim % 2:
+            raise InvalidArgument(f"head_dim={self.head_dim} must be even for rotary embeddings")
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+
+def resolve_device(device: str | int | torch.device) -> torch.device:
+    """'cpu', 'cuda', 'cuda:N' or a bare CUDA index."""
+    if isinstance(device, int) or (isinstance(device, str) and device.isdigit()):
+        device = f"cuda:{int(device)}"
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise InvalidArgument(f"device={device!r} is not a device; allowed: 'cpu', 'cuda:N', N") from e
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise InvalidArgument(f"device={device!r} asks for CUDA but no CUDA device is available")
+        index = dev.index or 0
+        if index >= torch.cuda.device_count():
+            raise InvalidArgument(f"device={device!r}: only {torch.cuda.device_count()} CUDA devices")
+        dev = torch.device("cuda", index)
+    elif dev.type != "cpu":
+        raise InvalidArgument(f"device={device!r} is not supported; allowed: 'cpu', 'cuda:N'")
+    return dev
+
+
+@dataclass
+class EngineConfig:
+    """What one engine (one process's model replica and KV pool) is built with."""
+
+    model: str = "dummy:nanogpt"
+    device: str = "cpu"
+    dtype: str | None = None  # None: float32 on CPU, bfloat16 on GPU
+    block_size: int = 16
+    num_blocks: int | None = None  # None: from kv_cache_gb, capped at what max_num_seqs can use
+    kv_cache_gb: float | None = None  # None: 1 GiB on CPU, 90% of free GPU memory on GPU
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's context length
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"
+    torch_dtype: torch.dtype = field(init=False)
+    torch_device: torch.device = field(init=False)
+
+    def __post_init__(self):
+        self.torch_device = resolve_device(self.device)
+        if self.dtype is None:
+            self.dtype = "float32" if self.torch_device.type == "cpu" else "bfloat16"
+        if self.dtype not in DTYPES:
+            raise InvalidArgument(f"dtype={self.dtype!r} is not supported; allowed: {sorted(DTYPES)}")
+        self.torch_dtype = DTYPES[self.dtype]
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise InvalidArgument(f"block_size={self.block_size} must be a power of two >= 1")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise InvalidArgument(f"num_blocks={self.num_blocks} must be >= 1")
+        if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:
+            raise InvalidArgument(f"kv_cache_gb={self.kv_cache_gb} must be > 0")
+        if self.max_num_seqs < 1:
+            raise InvalidArgument(f"max_num_seqs={self.max_num_seqs} must be >= 1")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise InvalidArgument(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
+                f"max_num_seqs={self.max_num_seqs} so that every running request can decode each step")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise InvalidArgument(f"max_model_len={self.max_model_len} must be >= 2")
+        if self.attention_backend not in ("auto", "sdpa", "flex"):
+            raise InvalidArgument(f"attention_backend={self.attention_backend!r} is not supported; "
+                                  "allowed: 'auto', 'sdpa', 'flex'")

@@ -1,0 +1,18 @@
+"""Errors a user can act on. Each carries a code that the router will put on the wire, so the
+same failure reads the same whether it happens in-process or across a socket."""
+
+
+class PdserveError(Exception):
+    code = "INTERNAL"
+
+
+class InvalidArgument(PdserveError, ValueError):
+    """A request or configuration value outside what is allowed; the message names both."""
+
+    code = "INVALID_ARGUMENT"
+
+
+class ModelLoadError(PdserveError, ValueError):
+    """A checkpoint that cannot be loaded: missing file, unknown architecture, wrong shape."""
+
+    code = "MODEL_LOAD"

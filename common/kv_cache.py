@@ -1,0 +1,146 @@
+"""The paged KV pool and the block manager.
+
+One pool per engine, allocated once: (layers, 2, blocks, block_size, kv_heads, head_dim). A
+sequence owns a block table (list of block ids); blocks are reference counted so that prefix
+caching can share them. A full block whose KV is computed gets a hash chained from the previous
+block's hash and a fixed seed, so the same tokens hash the same in every process; a hit is
+confirmed by comparing tokens. Freed blocks keep their hash and stay findable until reused
+(least recently freed first).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+
+import torch
+
+from common.config import ModelConfig
+from common.sequence import Sequence
+
+PREFIX_HASH_SEED = hashlib.blake2b(b"pdserve/prefix-cache/v1", digest_size=16).digest()
+
+
+def block_hash(prev: bytes, token_ids) -> bytes:
+    return hashlib.blake2b(prev + array("q", token_ids).tobytes(), digest_size=16).digest()
+
+
+def allocate_kv_pool(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                     device: torch.device) -> torch.Tensor:
+    # Zeroed, not empty: masked-out slots still pass through the attention matmul, and stale NaNs
+    # there would poison a softmax even with zero weight.
+    return torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
+                       dtype=dtype, device=device)
+
+
+class Block:
+    __slots__ = ("id", "ref_count", "hash", "token_ids")
+
+    def __init__(self, block_id: int):
+        self.id = block_id
+        self.ref_count = 0
+        self.hash: bytes | None = None
+        self.token_ids: tuple[int, ...] = ()
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached: dict[bytes, int] = {}  # hash -> block id
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _prefix_hits(self, seq: Sequence) -> list[tuple[bytes, int]]:
+        """(hash, block id) for the leading full blocks already cached. The last token is never
+        taken from the cache: its logits are needed to sample."""
+        if not self.enable_prefix_caching:
+            return []
+        hits, prev, bs = [], PREFIX_HASH_SEED, self.block_size
+        for i in range((len(seq) - 1) // bs):
+            tokens = seq.token_ids[i * bs:(i + 1) * bs]
+            h = block_hash(prev, tokens)
+            block_id = self.cached.get(h)
+            if block_id is None or list(self.blocks[block_id].token_ids) != tokens:
+                break
+            hits.append((h, block_id))
+            prev = h
+        return hits
+
+    def _take_free(self, block_id: int | None = None) -> Block:
+        if block_id is None:
+            block_id, _ = self.free.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.hash is not None and self.cached.get(block.hash) == block_id:
+                del self.cached[block.hash]
+            block.hash, block.token_ids = None, ()
+        else:
+            del self.free[block_id]
+            block = self.blocks[block_id]
+        block.ref_count = 1
+        return block
+
+    def can_allocate(self, seq: Sequence, reserve: int = 0) -> bool:
+        hits = self._prefix_hits(seq)
+        shared = sum(1 for _, b in hits if self.blocks[b].ref_count > 0)
+        return self.blocks_needed(len(seq)) - shared + reserve <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence) -> None:
+        """Blocks for all of seq's current tokens, reusing cached prefix blocks."""
+        assert not seq.block_table
+        hits = self._prefix_hits(seq)
+        for h, block_id in hits:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                self._take_free(block_id)
+            else:
+                block.ref_count += 1
+            seq.block_table.append(block_id)
+        seq.block_hashes = [h for h, _ in hits]
+        seq.num_computed_tokens = seq.num_cached_tokens = len(hits) * self.block_size
+        while len(seq.block_table) < self.blocks_needed(len(seq)):
+            seq.block_table.append(self._take_free().id)
+
+    def needs_block(self, seq: Sequence) -> bool:
+        return self.blocks_needed(len(seq)) > len(seq.block_table)
+
+    def append_block(self, seq: Sequence) -> None:
+        seq.block_table.append(self._take_free().id)
+
+    def cache_computed_blocks(self, seq: Sequence) -> None:
+        """Publish the hashes of seq's blocks that became full and computed."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        prev = seq.block_hashes[-1] if seq.block_hashes else PREFIX_HASH_SEED
+        for i in range(len(seq.block_hashes), seq.num_computed_tokens // bs):
+            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            prev = block_hash(prev, tokens)
+            seq.block_hashes.append(prev)
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is None:
+                block.hash, block.token_ids = prev, tokens
+                self.cached.setdefault(prev, block.id)
+
+    def free_seq(self, seq: Sequence) -> None:
+        # Last blocks first, so a sequence's tail is reused before its (more shareable) head.
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free[block_id] = None
+        seq.block_table = []
+        seq.block_hashes = []
+        seq.num_computed_tokens = 0

@@ -1,0 +1,145 @@
+"""Sampling parameters and the batched sampler.
+
+Randomness never comes from a global RNG: the noise for a request's token at position p is a pure
+function of (request seed, p, token id), computed by a counter-based hash in int64 tensor ops. A
+request therefore samples the same tokens alone or in any batch, after a preemption, on another
+worker, and on CPU or GPU alike. Sampling itself is the Gumbel-max trick over the filtered logits.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from common.errors import InvalidArgument
+
+MAX_SEED = 2**63 - 1
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return (_is_int(x) or isinstance(x, float)) and math.isfinite(x)
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling. temperature 0 is greedy; top_k 0 (or -1) and top_p 1 disable those
+    filters; seed None draws a fresh seed when the request is admitted (then it is fixed for the
+    request's life, so preemption and migration still reproduce its tokens)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 16
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if not _is_number(self.temperature) or self.temperature < 0:
+            raise InvalidArgument(f"temperature={self.temperature!r} is invalid; allowed: a number >= 0 (0 is greedy)")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise InvalidArgument(f"top_p={self.top_p!r} is invalid; allowed: a number in (0, 1]")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise InvalidArgument(f"top_k={self.top_k!r} is invalid; allowed: an integer >= 0 (0 or -1 disables it)")
+        if self.top_k == -1:
+            self.top_k = 0
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise InvalidArgument(f"max_tokens={self.max_tokens!r} is invalid; allowed: an integer >= 1")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
+            raise InvalidArgument(f"seed={self.seed!r} is invalid; allowed: an integer in [0, 2**63 - 1] or None")
+        if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
+                _is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise InvalidArgument(f"stop_token_ids={self.stop_token_ids!r} is invalid; allowed: a list of token ids >= 0")
+        self.stop_token_ids = list(self.stop_token_ids)
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidArgument(f"ignore_eos={self.ignore_eos!r} is invalid; allowed: true or false")
+        self.temperature = float(self.temperature)
+        self.top_p = float(self.top_p)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SamplingParams":
+        if not isinstance(d, dict):
+            raise InvalidArgument(f"sampling={d!r} is invalid; allowed: a map of sampling fields")
+        unknown = set(d) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise InvalidArgument(f"unknown sampling fields {sorted(unknown)}; allowed: "
+                                  f"{sorted(cls.__dataclass_fields__)}")
+        return cls(**d)
+
+
+def fresh_seed() -> int:
+    return int.from_bytes(os.urandom(8), "little") & MAX_SEED
+
+
+def _signed(x: int) -> int:
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+_GOLDEN = _signed(0x9E3779B97F4A7C15)
+_MIX1 = _signed(0xBF58476D1CE4E5B9)
+_MIX2 = _signed(0x94D049BB133111EB)
+
+
+def _shr(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> n) & ((1 << (64 - n)) - 1)
+
+
+def _splitmix(x: torch.Tensor) -> torch.Tensor:
+    x = (x ^ _shr(x, 30)) * _MIX1
+    x = (x ^ _shr(x, 27)) * _MIX2
+    return x ^ _shr(x, 31)
+
+
+def keyed_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Uniform noise in (0, 1), shape (S, V), a pure function of (seed, position, token id)."""
+    key_S = _splitmix(seeds * _GOLDEN + positions)
+    ids_V = (torch.arange(1, vocab_size + 1, device=seeds.device, dtype=torch.int64)) * _GOLDEN
+    bits_SV = _shr(_splitmix(key_S[:, None] ^ ids_V[None, :]), 40)  # top 24 bits
+    return (bits_SV.to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+def sample(logits_SV: torch.Tensor, params: list[SamplingParams], seeds: list[int],
+           positions: list[int]) -> torch.Tensor:
+    """One token per row. Row i uses params[i], and its noise is keyed by (seeds[i], positions[i])."""
+    logits_SV = logits_SV.float()
+    greedy_S = logits_SV.argmax(dim=-1)
+    if all(p.greedy for p in params):
+        return greedy_S
+    dev = logits_SV.device
+    S, V = logits_SV.shape
+    temp_S = torch.tensor([p.temperature or 1.0 for p in params], device=dev)
+    scaled_SV = logits_SV / temp_S[:, None]
+    if any(p.top_k or p.top_p < 1.0 for p in params):
+        sorted_SV, order_SV = scaled_SV.sort(dim=-1, descending=True)
+        rank_V = torch.arange(V, device=dev)
+        k_S = torch.tensor([p.top_k if 0 < p.top_k < V else V for p in params], device=dev)
+        drop_SV = rank_V[None, :] >= k_S[:, None]
+        sorted_SV = sorted_SV.masked_fill(drop_SV, -math.inf)
+        probs_SV = sorted_SV.softmax(dim=-1)
+        mass_before_SV = probs_SV.cumsum(dim=-1) - probs_SV
+        top_p_S = torch.tensor([p.top_p for p in params], device=dev)
+        drop_SV |= mass_before_SV >= top_p_S[:, None]
+        drop_SV[:, 0] = False
+        sorted_SV = sorted_SV.masked_fill(drop_SV, -math.inf)
+        scaled_SV = torch.empty_like(scaled_SV).scatter_(1, order_SV, sorted_SV)
+    u_SV = keyed_uniform(torch.tensor(seeds, device=dev, dtype=torch.int64),
+                         torch.tensor(positions, device=dev, dtype=torch.int64), V)
+    gumbel_SV = -torch.log(-torch.log(u_SV))
+    sampled_S = (scaled_SV + gumbel_SV).argmax(dim=-1)
+    is_greedy_S = torch.tensor([p.greedy for p in params], device=dev)
+    return torch.where(is_greedy_S, greedy_S, sampled_S)

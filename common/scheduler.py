@@ -1,0 +1,100 @@
+"""Continuous batching with chunked prefill, decode first.
+
+Each step gets a token budget. Running decodes come first (one token each); when the pool has no
+block for a decode, the newest running request is preempted (its blocks freed, back to the front
+of the queue, later resumed by recompute). The rest of the budget goes to prefill chunks: first
+requests whose prompt is partly computed, then newly admitted ones. A request is admitted only
+when the pool has blocks for its whole prompt (minus cached prefix blocks), keeping a small
+watermark free for running decodes to grow into.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from common.kv_cache import BlockManager
+from common.sequence import Sequence, Status
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_tokens: int  # tokens fed this step, from seq.num_computed_tokens on
+    samples: bool = field(init=False)  # the step computes seq's last token: sample the next one
+
+    def __post_init__(self):
+        self.samples = self.seq.num_computed_tokens + self.num_tokens == len(self.seq)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.watermark = max(1, block_manager.num_blocks // 100)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order: the last is the newest
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledSeq]:
+        budget = self.max_num_batched_tokens
+        batch: list[ScheduledSeq] = []
+        for seq in list(self.running):
+            if seq.status is not Status.RUNNING or not seq.is_decoding:
+                continue
+            # Preempting newest first never touches a sequence already batched (they are older).
+            while self.bm.needs_block(seq) and self.bm.num_free_blocks == 0:
+                self._preempt(self.running[-1])
+                if seq.status is not Status.RUNNING:
+                    break
+            if seq.status is not Status.RUNNING:
+                continue
+            if self.bm.needs_block(seq):
+                self.bm.append_block(seq)
+            batch.append(ScheduledSeq(seq, 1))
+            budget -= 1
+        for seq in self.running:
+            if budget == 0:
+                break
+            if not seq.is_decoding:
+                n = min(seq.num_uncomputed, budget)
+                batch.append(ScheduledSeq(seq, n))
+                budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            reserve = self.watermark if self.running else 0
+            if not self.bm.can_allocate(seq, reserve):
+                break
+            self.waiting.popleft()
+            self.bm.allocate(seq)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            n = min(seq.num_uncomputed, budget)
+            batch.append(ScheduledSeq(seq, n))
+            budget -= n
+        return batch
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.bm.free_seq(seq)
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Take seq out of the scheduler (finished or aborted) and free its blocks."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+            self.bm.free_seq(seq)
+        elif seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason

@@ -1,0 +1,62 @@
+"""A request's state inside one engine: its tokens, where its KV lives, how far it has been
+computed, and why it finished."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from common.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, seed: int,
+                 eos_token_ids: tuple[int, ...], max_model_len: int):
+        self.request_id = request_id
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.seed = seed
+        self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+        self.max_len = min(self.num_prompt_tokens + params.max_tokens, max_model_len)
+        self.status = Status.WAITING
+        self.finish_reason: str | None = None
+        self.block_table: list[int] = []
+        self.block_hashes: list[bytes] = []  # hash chain of the full blocks whose KV is computed
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.num_cached_tokens = 0  # of those, found by prefix caching at admission
+        self.num_preemptions = 0
+        self.arrival_time = time.monotonic()
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_decoding(self) -> bool:
+        """Everything but the newest token is in the cache: the next step feeds one token."""
+        return self.num_uncomputed == 1 and len(self.token_ids) > self.num_prompt_tokens
+
+    def append_token(self, token: int) -> None:
+        self.token_ids.append(token)
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+        if token in self.stop_ids:
+            self.finish_reason = "stop"
+        elif len(self.token_ids) >= self.max_len:
+            self.finish_reason = "length"
