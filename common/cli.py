@@ -123,3 +123,7 @@ def run():
     except PdserveError as e:
         print(f"error [{e.code}]: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+if __name__ == "__main__":
+    run()

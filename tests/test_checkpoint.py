@@ -1,0 +1,75 @@
+"""Loading checkpoints: bad directories fail at load with the file, tensor and shape named."""
+
+import json
+
+import pytest
+
+from common.engine import Engine
+from common.errors import InvalidArgument, ModelLoadError
+from common.sampling import SamplingParams
+from tests.checkpoints import write_checkpoint
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama")
+    write_checkpoint(path, "llama-gqa")
+    return path
+
+
+def edited_copy(src, dst, **config_changes):
+    import shutil
+
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(config_changes)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_unsupported_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    with pytest.raises(ModelLoadError, match=r"model_type='bert' is not supported; allowed: llama, qwen2"):
+        Engine(model=str(tmp_path))
+
+
+def test_missing_weights_file(tmp_path, llama_dir):
+    d = edited_copy(llama_dir, tmp_path / "ck")
+    (d / "model.safetensors").unlink()
+    with pytest.raises(ModelLoadError, match="no model.safetensors"):
+        Engine(model=str(d))
+
+
+def test_shape_mismatch_names_file_tensor_and_shape(tmp_path, llama_dir):
+    d = edited_copy(llama_dir, tmp_path / "ck", intermediate_size=129)
+    with pytest.raises(ModelLoadError) as e:
+        Engine(model=str(d))
+    msg = str(e.value)
+    assert "model.safetensors" in msg and "'model.layers.0.mlp.gate_proj.weight'" in msg
+    assert "shape [128, 64], expected [129, 64]" in msg
+
+
+def test_missing_and_unexpected_tensors(tmp_path, llama_dir):
+    more = edited_copy(llama_dir, tmp_path / "more", num_hidden_layers=3)
+    with pytest.raises(ModelLoadError, match=r"'model.layers.2.self_attn.q_proj.weight' \(expected shape \[64, 64\]\) is missing"):
+        Engine(model=str(more))
+    fewer = edited_copy(llama_dir, tmp_path / "fewer", num_hidden_layers=1)
+    with pytest.raises(ModelLoadError, match=r"unexpected tensor 'model.layers.1"):
+        Engine(model=str(fewer))
+
+
+def test_eos_ids_from_generation_config(tmp_path, llama_dir):
+    d = edited_copy(llama_dir, tmp_path / "ck")
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 7]}))
+    engine = Engine(model=str(d))
+    assert engine.model_config.eos_token_ids == (1, 7)
+
+
+def test_checkpoint_without_tokenizer_takes_token_ids(tmp_path, llama_dir):
+    d = edited_copy(llama_dir, tmp_path / "ck")
+    (d / "tokenizer.json").unlink()
+    engine = Engine(model=str(d))
+    with pytest.raises(InvalidArgument, match="has no tokenizer.json; send token ids"):
+        engine.add_request("hello")
+    out = engine.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0]
+    assert len(out.token_ids) == 3 and out.text is None

@@ -1,0 +1,201 @@
+"""The engine's promises: a request's tokens do not depend on its batch, its chunking, a
+preemption or a prefix-cache hit; every block comes back; bad input is refused clearly."""
+
+import random
+
+import pytest
+
+from common.engine import Engine
+from common.errors import InvalidArgument
+from common.sampling import SamplingParams
+
+MODELS = ["dummy:nanogpt", "dummy:llama-tiny"]
+
+
+def prompts(n, lo, hi, seed=0, vocab=256):
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def mixed_params(n, max_tokens=12):
+    """Greedy and seeded requests side by side, with every filter in play."""
+    out = []
+    for i in range(n):
+        if i % 2 == 0:
+            out.append(SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+        else:
+            out.append(SamplingParams(temperature=0.9, top_p=0.9, top_k=50 * (i % 3), seed=1000 + i,
+                                      max_tokens=max_tokens, ignore_eos=True))
+    return out
+
+
+def tokens(outs):
+    return [o.token_ids for o in outs]
+
+
+def assert_all_blocks_free(engine):
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    assert all(b.ref_count == 0 for b in bm.blocks)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_batch_invariance(model):
+    ps, params = prompts(16, 1, 80, seed=1), mixed_params(16)
+    engine = Engine(model=model)
+    alone = [engine.generate([p], [sp])[0].token_ids for p, sp in zip(ps, params)]
+    batched = tokens(engine.generate(ps, params))
+    assert batched == alone
+    assert len({tuple(t) for t in alone}) == 16
+    assert_all_blocks_free(engine)
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("chunk", [1, 7])
+def test_chunked_prefill_same_tokens(model, chunk):
+    ps, params = prompts(4, 3, 40, seed=2), mixed_params(4, max_tokens=8)
+    whole = tokens(Engine(model=model).generate(ps, params))
+    engine = Engine(model=model, max_num_batched_tokens=chunk, max_num_seqs=min(chunk, 4))
+    assert tokens(engine.generate(ps, params)) == whole
+    assert_all_blocks_free(engine)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_preemption_recompute_same_tokens(model):
+    ps, params = prompts(6, 10, 20, seed=3), mixed_params(6, max_tokens=30)
+    reference = tokens(Engine(model=model).generate(ps, params))
+    # Each request grows to 13 blocks of 4 tokens; 26 blocks cannot hold all six.
+    engine = Engine(model=model, block_size=4, num_blocks=26)
+    assert tokens(engine.generate(ps, params)) == reference
+    assert engine.scheduler.num_preemptions > 0
+    assert_all_blocks_free(engine)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_prefix_cache_hit_same_tokens(model):
+    base = prompts(1, 40, 40, seed=4)[0]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    engine = Engine(model=model, block_size=16)
+    first = engine.generate([base], params)[0]
+    # Same 32-token prefix; then a follow-up turn that extends the first conversation, whose
+    # generated tokens were cached too (50 tokens: 3 full blocks).
+    follow_ups = [base[:32] + [7, 8, 9], base + first.token_ids + [5]]
+    outs = [engine.generate([p], params)[0] for p in follow_ups]
+    cold = Engine(model=model, enable_prefix_caching=False)
+    assert [o.token_ids for o in outs] == [cold.generate([p], params)[0].token_ids for p in follow_ups]
+    assert first.metrics["num_cached_tokens"] == 0
+    assert [o.metrics["num_cached_tokens"] for o in outs] == [32, 48]
+    assert_all_blocks_free(engine)
+
+
+def test_same_prefix_in_one_batch_is_not_read_before_computed():
+    base = prompts(1, 40, 40, seed=5)[0]
+    ps = [base + [1], base + [2], base + [3]]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    alone = [Engine(model="dummy:nanogpt").generate([p], params)[0].token_ids for p in ps]
+    engine = Engine(model="dummy:nanogpt", max_num_batched_tokens=64)  # forces chunked prefill
+    assert tokens(engine.generate(ps, params)) == alone
+
+
+def test_abort_frees_blocks():
+    engine = Engine(model="dummy:nanogpt")
+    ids = [engine.add_request(p, SamplingParams(max_tokens=50)) for p in prompts(4, 20, 40)]
+    engine.step()
+    engine.step()
+    assert engine.block_manager.num_free_blocks < engine.block_manager.num_blocks
+    for i in ids:
+        assert engine.abort_request(i)
+    assert not engine.abort_request(ids[0])
+    assert not engine.has_unfinished()
+    assert_all_blocks_free(engine)
+
+
+def test_stop_token_and_length_limits():
+    engine = Engine(model="dummy:nanogpt", max_model_len=32)
+    p = prompts(1, 10, 10, seed=6)[0]
+    free_run = engine.generate([p], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    assert free_run.finish_reason == "length" and len(free_run.token_ids) == 12
+    stop = free_run.token_ids[5]
+    first = free_run.token_ids.index(stop)
+    stopped = engine.generate([p], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop]))[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.token_ids == free_run.token_ids[:first + 1]
+    capped = engine.generate([prompts(1, 30, 30)[0]], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0]
+    assert capped.finish_reason == "length" and len(capped.token_ids) == 2  # 30 + 2 = max_model_len
+
+
+def test_seeded_sampling_is_reproducible_and_seed_dependent():
+    engine = Engine(model="dummy:llama-tiny")
+    p = prompts(1, 8, 8, seed=7)[0]
+    runs = [engine.generate([p], SamplingParams(temperature=1.0, seed=s, max_tokens=16, ignore_eos=True))[0].token_ids
+            for s in (1, 1, 2)]
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(temperature=-0.5), "temperature"), (dict(temperature=float("nan")), "temperature"),
+    (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(top_k=-2), "top_k"),
+    (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=2.5), "max_tokens"), (dict(seed=-1), "seed"),
+    (dict(stop_token_ids=[-3]), "stop_token_ids"), (dict(ignore_eos="yes"), "ignore_eos"),
+])
+def test_invalid_sampling_params_name_the_field(kwargs, name):
+    with pytest.raises(InvalidArgument, match=name):
+        SamplingParams(**kwargs)
+
+
+def test_invalid_prompts_are_refused_and_engine_keeps_serving():
+    engine = Engine(model="dummy:nanogpt", max_model_len=64)
+    with pytest.raises(InvalidArgument, match="prompt has 64 tokens; allowed: at most 63"):
+        engine.add_request([1] * 64)
+    with pytest.raises(InvalidArgument, match="empty"):
+        engine.add_request([])
+    with pytest.raises(InvalidArgument, match=r"\[258\].*\[0, 258\)"):
+        engine.add_request([1, 258])
+    with pytest.raises(InvalidArgument, match="already in use"):
+        engine.add_request([1], request_id="a")
+        engine.add_request([1], request_id="a")
+    out = engine.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    assert len(out[0].token_ids) == 3
+
+
+def test_request_larger_than_pool_is_refused():
+    engine = Engine(model="dummy:nanogpt", block_size=4, num_blocks=4)
+    with pytest.raises(InvalidArgument, match="num_blocks=4"):
+        engine.add_request([1] * 10, SamplingParams(max_tokens=10))
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(block_size=3), "block_size"), (dict(dtype="int8"), "dtype"), (dict(device="tpu"), "device"),
+    (dict(max_num_seqs=8, max_num_batched_tokens=4), "max_num_batched_tokens"),
+    (dict(model="dummy:nope"), "dummy:nanogpt"), (dict(model="/no/such/dir"), "config.json"),
+])
+def test_invalid_engine_config(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        Engine(**kwargs)
+
+
+def test_prefix_hash_is_chained_over_blocks():
+    """A block repeated inside one prompt must not hit itself: its KV depends on its position."""
+    block = prompts(1, 16, 16, seed=8)[0]
+    p = block * 3 + [1, 2]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    engine = Engine(model="dummy:llama-tiny", block_size=16)
+    engine.generate([p], params)
+    again = engine.generate([p], params)[0]
+    assert again.metrics["num_cached_tokens"] == 48
+    assert again.token_ids == Engine(model="dummy:llama-tiny", enable_prefix_caching=False).generate([p], params)[0].token_ids
+
+
+def test_prefix_hit_is_confirmed_by_tokens(monkeypatch):
+    """Even if every block hashed alike, a hit is taken only when the tokens match."""
+    import common.kv_cache
+
+    monkeypatch.setattr(common.kv_cache, "block_hash", lambda prev, tokens: b"collision")
+    ps = prompts(3, 40, 40, seed=9)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    engine = Engine(model="dummy:nanogpt", block_size=16)
+    got = [engine.generate([p], params)[0] for p in ps]
+    assert all(o.metrics["num_cached_tokens"] == 0 for o in got)
+    cold = Engine(model="dummy:nanogpt", enable_prefix_caching=False)
+    assert [o.token_ids for o in got] == [cold.generate([p], params)[0].token_ids for p in ps]

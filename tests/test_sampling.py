@@ -1,0 +1,60 @@
+"""The sampler: keyed noise is uniform and reproducible, filters do what they say, and sampling
+follows the softmax distribution."""
+
+import math
+
+import pytest
+import torch
+
+from common.sampling import SamplingParams, keyed_uniform, sample
+
+
+def test_keyed_uniform_is_deterministic_and_uniform():
+    seeds = torch.tensor([1, 2, 3, 2**62], dtype=torch.int64)
+    pos = torch.tensor([0, 5, 5, 99], dtype=torch.int64)
+    u = keyed_uniform(seeds, pos, 50_000)
+    assert torch.equal(u, keyed_uniform(seeds, pos, 50_000))
+    assert 0 < u.min() and u.max() < 1
+    assert abs(u.mean().item() - 0.5) < 0.005
+    assert abs(u.var().item() - 1 / 12) < 0.002
+    # Rows differ: seed and position both enter the key.
+    assert not torch.equal(u[1], u[2])
+    assert not torch.equal(keyed_uniform(seeds[:1], pos[:1] + 1, 10), u[:1, :10])
+
+
+def test_noise_of_a_row_does_not_depend_on_its_batch():
+    u_all = keyed_uniform(torch.tensor([7, 8, 9]), torch.tensor([3, 4, 5]), 100)
+    u_one = keyed_uniform(torch.tensor([8]), torch.tensor([4]), 100)
+    assert torch.equal(u_all[1:2], u_one)
+
+
+def test_sampling_follows_softmax():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    n = 20_000
+    logits = probs.log().expand(n, 4).clone()
+    params = [SamplingParams(temperature=1.0)] * n
+    draws = sample(logits, params, [42] * n, list(range(n)))
+    freq = torch.bincount(draws, minlength=4).float() / n
+    assert torch.allclose(freq, probs, atol=0.015), freq
+
+
+def test_filters():
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]] * 400)
+    n = logits.shape[0]
+    seeds, pos = list(range(n)), [0] * n
+    top_k = sample(logits, [SamplingParams(temperature=2.0, top_k=2)] * n, seeds, pos)
+    assert set(top_k.tolist()) == {0, 1}
+    p0 = math.exp(3) / sum(math.exp(x) for x in (3, 2, 1, 0, -1))  # mass of token 0, about 0.64
+    top_p = sample(logits, [SamplingParams(temperature=1.0, top_p=p0 + 0.01)] * n, seeds, pos)
+    assert set(top_p.tolist()) == {0, 1}
+    tiny_p = sample(logits, [SamplingParams(temperature=1.0, top_p=0.01)] * n, seeds, pos)
+    assert set(tiny_p.tolist()) == {0}
+    mixed = sample(logits[:2], [SamplingParams(temperature=0), SamplingParams(temperature=5.0)], [1, 1], [0, 0])
+    assert mixed[0].item() == 0
+
+
+@pytest.mark.parametrize("top_k", [1])
+def test_top_k_one_is_greedy(top_k):
+    logits = torch.randn(64, 300, generator=torch.Generator().manual_seed(0))
+    got = sample(logits, [SamplingParams(temperature=1.5, top_k=top_k)] * 64, list(range(64)), [3] * 64)
+    assert torch.equal(got, logits.argmax(-1))
