@@ -14,11 +14,14 @@ Both are tested equal to each other.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -116,10 +119,35 @@ class SDPAAttention:
 
 
 def make_attention(name: str, device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int):
-    if name == "auto":
-        name = "flex" if device.type == "cuda" else "sdpa"
-    if name == "flex":
-        from common.flex_attention import FlexAttention
+    """'auto' is FlexAttention on CUDA when it passes a start-up check against SDPA, else SDPA."""
+    sdpa = SDPAAttention(num_heads, num_kv_heads, head_dim)
+    if name == "sdpa" or (name == "auto" and device.type != "cuda"):
+        return sdpa
+    from common.flex_attention import FlexAttention
 
-        return FlexAttention(num_heads, num_kv_heads, head_dim)
-    return SDPAAttention(num_heads, num_kv_heads, head_dim)
+    flex = FlexAttention(num_heads, num_kv_heads, head_dim)
+    if name == "flex":
+        return flex
+    try:
+        err = _decode_difference(flex, sdpa, device)
+    except Exception as e:  # a compiler or kernel failure: the portable path still serves
+        log.warning("FlexAttention unavailable on %s (%s: %s); using SDPA", device, type(e).__name__, e)
+        return sdpa
+    if err > 2e-2:
+        log.warning("FlexAttention differs from SDPA by %.3g on %s; using SDPA", err, device)
+        return sdpa
+    return flex
+
+
+def _decode_difference(a, b, device: torch.device) -> float:
+    """Largest difference between two backends on a small random paged decode batch."""
+    gen = torch.Generator().manual_seed(0)
+    N, P, B = 8, 16, 3
+    k_cache = torch.randn(N, P, a.num_kv_heads, a.head_dim, generator=gen).to(device)
+    v_cache = torch.randn(N, P, a.num_kv_heads, a.head_dim, generator=gen).to(device)
+    q = torch.randn(B, a.num_heads, a.head_dim, generator=gen).to(device)
+    tables = torch.tensor([[3, 1, 6], [0, 2, 0], [7, 5, 4]], device=device)
+    lens = torch.tensor([40, 17, 33], device=device)
+    mask = (torch.arange(3 * P, device=device)[None, :] < lens[:, None])[:, None, None, :]
+    meta = AttentionMetadata(torch.zeros(0, dtype=torch.int64, device=device), B, tables, lens, mask, [])
+    return (a._decode(q, k_cache, v_cache, meta).float() - b._decode(q, k_cache, v_cache, meta).float()).abs().max().item()
