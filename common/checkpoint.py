@@ -71,12 +71,19 @@ def load_model(spec: str, device: torch.device, dtype: torch.dtype, attention_ba
         _fill_random(model, spec)
         tokenizer = ByteTokenizer()
     else:
-        path = _checkpoint_dir(spec)
-        _load_hf_weights(model, cfg, path)
-        tok_file = path / "tokenizer.json"
-        tokenizer = HFTokenizer(tok_file) if tok_file.exists() else None
+        _load_hf_weights(model, cfg, _checkpoint_dir(spec))
+        tokenizer = load_tokenizer(spec)
     model.setup_rope(device)
     return LoadedModel(model.eval().requires_grad_(False), cfg, tokenizer)
+
+
+def load_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer | None:
+    """The tokenizer of a spec, without its weights (what the router needs)."""
+    if spec.startswith("dummy:"):
+        _dummy_config(spec)
+        return ByteTokenizer()
+    tok_file = _checkpoint_dir(spec) / "tokenizer.json"
+    return HFTokenizer(tok_file) if tok_file.exists() else None
 
 
 def _dummy_config(spec: str) -> ModelConfig:
@@ -84,7 +91,7 @@ def _dummy_config(spec: str) -> ModelConfig:
     if preset not in DUMMY_PRESETS:
         raise ModelLoadError(f"model={spec!r}: unknown dummy preset; allowed: "
                              + ", ".join(f"dummy:{p}" for p in DUMMY_PRESETS))
-    return replace(DUMMY_PRESETS[preset], name=spec)
+    return replace(DUMMY_PRESETS[preset], name=spec, fingerprint=spec)
 
 
 def _checkpoint_dir(spec: str) -> Path:
@@ -123,9 +130,13 @@ _GPT2_ACTS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
 def hf_model_config(path: Path) -> ModelConfig:
     cfg_file = path / "config.json"
     try:
-        raw = json.loads(cfg_file.read_text())
+        text = cfg_file.read_text()
+        raw = json.loads(text)
     except (OSError, json.JSONDecodeError) as e:
         raise ModelLoadError(f"{cfg_file}: cannot read ({e})") from e
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"{cfg_file}: not a JSON object")
+    fingerprint = hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
     mt = raw.get("model_type")
     eos = _eos_ids(raw, path)
 
@@ -157,7 +168,8 @@ def hf_model_config(path: Path) -> ModelConfig:
             qkv_bias=True if mt == "qwen2" else bias, o_bias=bias if mt in ("llama", "mistral") else False,
             mlp_bias=bool(raw.get("mlp_bias", False)), qk_norm=mt == "qwen3", rope_theta=float(theta),
             rope_scaling=rope if kind != "default" else None,
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)), eos_token_ids=eos, name=str(path))
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)), eos_token_ids=eos, name=str(path),
+            fingerprint=fingerprint)
     if mt == "gpt2":
         act = raw.get("activation_function", "gelu_new")
         if act not in _GPT2_ACTS:
@@ -168,7 +180,8 @@ def hf_model_config(path: Path) -> ModelConfig:
             num_heads=heads, num_kv_heads=heads, head_dim=hidden // heads,
             intermediate_size=raw.get("n_inner") or 4 * hidden, max_position_embeddings=need("n_positions"),
             norm_eps=raw.get("layer_norm_epsilon", 1e-5),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)), eos_token_ids=eos, name=str(path))
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)), eos_token_ids=eos, name=str(path),
+            fingerprint=fingerprint)
     raise ModelLoadError(f"{cfg_file}: model_type={mt!r} is not supported; allowed: "
                          + ", ".join(_LLAMA_TYPES + ("gpt2",)))
 

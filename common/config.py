@@ -36,6 +36,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     eos_token_ids: tuple[int, ...] = ()
     name: str = ""
+    fingerprint: str = ""  # equal for equal weights: two workers must agree on it to share KV
 
     def __post_init__(self):
         if self.arch not in ("llama", "gpt2"):

@@ -20,7 +20,7 @@ from common.errors import InvalidArgument
 from common.kv_cache import BlockManager, allocate_kv_pool
 from common.sampling import SamplingParams, fresh_seed, sample
 from common.scheduler import ScheduledSeq, Scheduler
-from common.sequence import Sequence, Status
+from common.sequence import PREFILLED, Sequence, Status
 
 _CPU_KV_CACHE_GB = 1.0
 _GPU_MEMORY_FRACTION = 0.9
@@ -112,6 +112,8 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.kv_cache, bs, config.torch_device)
         self.requests: dict[str, Sequence] = {}
+        self.held: dict[str, Sequence] = {}  # prefill-only requests done, blocks kept for transfer
+        self.num_reserved_seqs = 0  # running slots promised to KV transfers not yet arrived
         self._ids = itertools.count()
 
     def _auto_num_blocks(self) -> int:
@@ -153,25 +155,94 @@ class Engine:
                     request_id: str | None = None) -> str:
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if request_id in self.requests:
-            raise InvalidArgument(f"request_id={request_id!r} is already in use")
         ids = self.tokenize(prompt)
-        seq = Sequence(request_id, ids, params, params.seed if params.seed is not None else fresh_seed(),
-                       self.model_config.eos_token_ids, self.max_model_len)
+        seed = params.seed if params.seed is not None else fresh_seed()
+        self.scheduler.add(self._new_sequence(request_id, ids, params, seed))
+        return request_id
+
+    def _new_sequence(self, request_id: str, prompt_ids: list[int], params: SamplingParams, seed: int,
+                      output_ids: list[int] = (), prefill_only: bool = False) -> Sequence:
+        if request_id in self.requests or request_id in self.held:
+            raise InvalidArgument(f"request_id={request_id!r} is already in use")
+        seq = Sequence(request_id, prompt_ids, params, seed, self.model_config.eos_token_ids, self.max_model_len,
+                       output_ids, prefill_only)
         need = self.block_manager.blocks_needed(seq.max_len)
         if need > self.num_blocks:
             raise InvalidArgument(f"request needs {need} KV blocks for {seq.max_len} tokens; the pool has "
                                   f"num_blocks={self.num_blocks} (raise num_blocks or kv_cache_gb, or lower max_tokens)")
         self.requests[request_id] = seq
-        self.scheduler.add(seq)
-        return request_id
+        return seq
 
     def abort_request(self, request_id: str) -> bool:
+        """Stop a request wherever it is (queued, running, or held for a transfer); free its blocks."""
+        if self.release(request_id):
+            return True
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return False
         self.scheduler.finish(seq, "abort")
         return True
+
+    # ------------------------------------------------------------------ disaggregation
+
+    @property
+    def kv_layout(self) -> dict:
+        """What a KV transfer's two ends must agree on."""
+        mc = self.model_config
+        return {"layers": mc.num_layers, "kv_heads": mc.num_kv_heads, "head_dim": mc.head_dim,
+                "block_size": self.config.block_size, "dtype": self.config.dtype, "model": mc.fingerprint}
+
+    def add_prefill(self, request_id: str, token_ids: list[int], num_prompt_tokens: int,
+                    params: SamplingParams, seed: int) -> None:
+        """Compute the KV of token_ids and sample one token, then hold the blocks (see `held`)
+        until `release`. token_ids past num_prompt_tokens were generated before (a migration)."""
+        ids = self.tokenize(list(token_ids))
+        if not 1 <= num_prompt_tokens <= len(ids):
+            raise InvalidArgument(f"num_prompt_tokens={num_prompt_tokens} is invalid; allowed: 1..{len(ids)}")
+        seq = self._new_sequence(request_id, ids[:num_prompt_tokens], params, seed, ids[num_prompt_tokens:],
+                                 prefill_only=True)
+        self.scheduler.add(seq)
+
+    def read_kv(self, block_ids: list[int], layer: int) -> torch.Tensor:
+        """(2, blocks, block_size, kv_heads, head_dim) copy of one layer's KV in these blocks."""
+        return self.kv_cache[layer].index_select(1, self.runner._tensor(block_ids))
+
+    def release(self, request_id: str) -> bool:
+        seq = self.held.pop(request_id, None)
+        if seq is None:
+            return False
+        self.block_manager.free_seq(seq)
+        return True
+
+    def reserve(self, num_tokens: int) -> list[int] | None:
+        """Blocks and a running slot for a sequence whose KV will be written from outside, or None
+        when either is short (the caller refuses the transfer for now: backpressure)."""
+        need = self.block_manager.blocks_needed(num_tokens + 1)  # room for the next token too
+        busy = len(self.scheduler.running) + self.num_reserved_seqs
+        if busy >= self.config.max_num_seqs or need + self.scheduler.watermark > self.block_manager.num_free_blocks:
+            return None
+        self.num_reserved_seqs += 1
+        return self.block_manager.take_blocks(need)
+
+    def unreserve(self, block_ids: list[int]) -> None:
+        self.num_reserved_seqs -= 1
+        self.block_manager.release_blocks(block_ids)
+
+    def write_kv(self, block_ids: list[int], layer: int, data: torch.Tensor) -> None:
+        """data: (2, blocks, block_size, kv_heads, head_dim), as read_kv returns it."""
+        self.kv_cache[layer].index_copy_(1, self.runner._tensor(block_ids), data.to(self.kv_cache.device))
+
+    def add_prefilled(self, request_id: str, token_ids: list[int], num_prompt_tokens: int,
+                      params: SamplingParams, seed: int, block_ids: list[int]) -> None:
+        """Start decoding a sequence whose KV for token_ids[:-1] was written into its reserved
+        blocks; token_ids[-1] is the token sampled by the prefill."""
+        seq = self._new_sequence(request_id, token_ids[:num_prompt_tokens], params, seed,
+                                 token_ids[num_prompt_tokens:])
+        self.num_reserved_seqs -= 1
+        seq.block_table = list(block_ids)
+        seq.num_computed_tokens = len(seq) - 1
+        self.block_manager.cache_computed_blocks(seq)
+        self.scheduler.admit_prefilled(seq)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -192,9 +263,12 @@ class Engine:
                 continue
             seq.append_token(next(sampled))
             if seq.finish_reason is not None:
-                self.scheduler.finish(seq, seq.finish_reason)
+                held = seq.finish_reason == PREFILLED
+                self.scheduler.finish(seq, seq.finish_reason, free_blocks=not held)
                 seq.finish_time = time.monotonic()
                 del self.requests[seq.request_id]
+                if held:
+                    self.held[seq.request_id] = seq
             outputs.append(self._output(seq, [seq.token_ids[-1]]))
         return outputs
 

@@ -134,13 +134,22 @@ class BlockManager:
                 block.hash, block.token_ids = prev, tokens
                 self.cached.setdefault(prev, block.id)
 
-    def free_seq(self, seq: Sequence) -> None:
-        # Last blocks first, so a sequence's tail is reused before its (more shareable) head.
-        for block_id in reversed(seq.block_table):
+    def take_blocks(self, n: int) -> list[int]:
+        """n blocks outside any sequence (a reservation for KV arriving from another worker)."""
+        assert n <= self.num_free_blocks
+        return [self._take_free().id for _ in range(n)]
+
+    def release_blocks(self, block_ids: list[int]) -> None:
+        """Drop one reference to each block; the last ones listed become reusable first."""
+        for block_id in reversed(block_ids):
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free[block_id] = None
+
+    def free_seq(self, seq: Sequence) -> None:
+        # Last blocks first, so a sequence's tail is reused before its (more shareable) head.
+        self.release_blocks(seq.block_table)
         seq.block_table = []
         seq.block_hashes = []
         seq.num_computed_tokens = 0

@@ -89,11 +89,18 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def finish(self, seq: Sequence, reason: str) -> None:
-        """Take seq out of the scheduler (finished or aborted) and free its blocks."""
+    def admit_prefilled(self, seq: Sequence) -> None:
+        """A sequence whose KV arrived from elsewhere joins the running batch directly."""
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+
+    def finish(self, seq: Sequence, reason: str, free_blocks: bool = True) -> None:
+        """Take seq out of the scheduler (finished or aborted) and, unless told to keep them for a
+        KV transfer, free its blocks."""
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
-            self.bm.free_seq(seq)
+            if free_blocks:
+                self.bm.free_seq(seq)
         elif seq.status is Status.WAITING:
             self.waiting.remove(seq)
         seq.status = Status.FINISHED

@@ -9,6 +9,9 @@ import time
 from common.sampling import SamplingParams
 
 
+PREFILLED = "prefilled"  # finish reason of a prefill-only request: KV computed, more to generate
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -17,10 +20,13 @@ class Status(enum.Enum):
 
 class Sequence:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, seed: int,
-                 eos_token_ids: tuple[int, ...], max_model_len: int):
+                 eos_token_ids: tuple[int, ...], max_model_len: int, output_token_ids: list[int] = (),
+                 prefill_only: bool = False):
         self.request_id = request_id
-        self.token_ids = list(prompt_token_ids)
+        self.token_ids = list(prompt_token_ids) + list(output_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
+        # Stop after the next token and keep the KV blocks: a prefill worker's request.
+        self.prefill_only = prefill_only
         self.params = params
         self.seed = seed
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
@@ -60,3 +66,5 @@ class Sequence:
             self.finish_reason = "stop"
         elif len(self.token_ids) >= self.max_len:
             self.finish_reason = "length"
+        elif self.prefill_only:
+            self.finish_reason = PREFILLED

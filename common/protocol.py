@@ -1,0 +1,287 @@
+"""Every message that crosses a socket, declared once.
+
+A message is a msgpack map {"v": PROTOCOL_VERSION, "type": <tag>, ...fields}. Tensor bytes never
+go inside it: they travel as separate zero-copy frames after the header. Decoding is for
+untrusted bytes: the size is capped before unpacking, msgpack's own length limits are set, the
+version and type must be known, and every field is checked against its declared type. Anything
+else raises ProtocolError with what was wrong; a receiver answers or drops it and carries on.
+No pickle anywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+
+import msgpack
+
+from common.errors import PdserveError
+
+PROTOCOL_VERSION = 1
+DEFAULT_MAX_MESSAGE_BYTES = 16 * 2**20  # header frames; KV frames are capped separately
+
+
+class ProtocolError(PdserveError, ValueError):
+    code = "INVALID_ARGUMENT"
+
+
+# ----------------------------------------------------------------------------- client <-> router
+
+@dataclass
+class Generate:
+    request_id: str
+    prompt: str | list[int]
+    sampling: dict = field(default_factory=dict)
+    stream: bool = True
+
+
+@dataclass
+class Cancel:
+    request_id: str
+
+
+@dataclass
+class StatusRequest:
+    pass
+
+
+@dataclass
+class Token:
+    """Generated tokens [index, index + len(token_ids)) of a request, in order."""
+    request_id: str
+    index: int
+    token_ids: list[int]
+    text: str = ""
+
+
+@dataclass
+class Done:
+    request_id: str
+    finish_reason: str
+    token_ids: list[int]
+    text: str | None = None
+    prompt_token_ids: list[int] = field(default_factory=list)
+    timings: dict = field(default_factory=dict)
+
+
+@dataclass
+class Error:
+    request_id: str | None
+    code: str  # INVALID_ARGUMENT, OVERLOADED, UNAVAILABLE, CANCELLED, TIMEOUT, INTERNAL
+    message: str
+
+
+@dataclass
+class StatusReply:
+    workers: list[dict]
+    queued: int
+    in_flight: int
+
+
+# ----------------------------------------------------------------------------- workers <-> router
+
+@dataclass
+class Register:
+    role: str  # "prefill", "decode" or "mono" (both in one process)
+    worker_id: str
+    incarnation: str
+    device: str
+    total_blocks: int
+    block_size: int
+    kv_address: str = ""  # decode/mono: where prefill workers push KV
+    model: str = ""
+
+
+@dataclass
+class Registered:
+    worker_id: str
+    incarnation: str
+
+
+@dataclass
+class Heartbeat:
+    worker_id: str
+    incarnation: str
+    queued: int
+    running: int
+    free_blocks: int
+    total_blocks: int
+
+
+@dataclass
+class PrefillWork:
+    """Router -> prefill (or mono) worker: compute the KV of token_ids and sample the next token.
+    token_ids may extend the prompt with tokens already generated (a migrated request)."""
+    request_id: str
+    attempt: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling: dict
+    seed: int
+    decode_worker_id: str = ""
+    decode_kv_address: str = ""
+
+
+@dataclass
+class WorkerTokens:
+    """Prefill/decode worker -> router: tokens at positions [index, ...) of the generated output."""
+    request_id: str
+    attempt: int
+    index: int
+    token_ids: list[int]
+    finish_reason: str | None = None
+    timings: dict = field(default_factory=dict)
+
+
+@dataclass
+class WorkerError:
+    request_id: str
+    attempt: int
+    code: str
+    message: str
+
+
+@dataclass
+class CancelWork:
+    request_id: str
+
+
+@dataclass
+class Shutdown:
+    reason: str = ""
+
+
+# ----------------------------------------------------------------------------- prefill <-> decode
+
+@dataclass
+class KVReserve:
+    """Prefill -> decode: hold blocks for this many tokens of KV (a lease, until expiry)."""
+    request_id: str
+    attempt: int
+    num_tokens: int
+    layout: dict
+
+
+@dataclass
+class KVGrant:
+    request_id: str
+    attempt: int
+    block_ids: list[int]
+    lease_s: float
+
+
+@dataclass
+class KVRefuse:
+    request_id: str
+    attempt: int
+    code: str  # BUSY (retry later), LAYOUT_MISMATCH, INVALID_ARGUMENT, CANCELLED
+    message: str
+
+
+@dataclass
+class KVTransfer:
+    """Header of the KV of one request; the tensor bytes follow as frames, one per layer, each
+    the (2, blocks, block_size, kv_heads, head_dim) slice of that layer."""
+    request_id: str
+    attempt: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    first_token: int
+    sampling: dict
+    seed: int
+    layout: dict
+    num_tokens: int
+    block_ids: list[int]  # the decode worker's blocks granted for it
+
+
+@dataclass
+class KVAck:
+    request_id: str
+    attempt: int
+    ok: bool
+    message: str = ""
+
+
+MESSAGES: dict[str, type] = {cls.__name__: cls for cls in (
+    Generate, Cancel, StatusRequest, Token, Done, Error, StatusReply,
+    Register, Registered, Heartbeat, PrefillWork, WorkerTokens, WorkerError, CancelWork, Shutdown,
+    KVReserve, KVGrant, KVRefuse, KVTransfer, KVAck)}
+
+
+def encode(msg) -> bytes:
+    body = dataclasses.asdict(msg)
+    body["v"] = PROTOCOL_VERSION
+    body["type"] = type(msg).__name__
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def decode(buf: bytes | memoryview, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+    if len(buf) > max_bytes:
+        raise ProtocolError(f"message of {len(buf)} bytes is over the limit of {max_bytes}")
+    try:
+        body = msgpack.unpackb(buf, raw=False, strict_map_key=True,
+                               max_str_len=max_bytes, max_bin_len=max_bytes,
+                               max_array_len=max_bytes // 2, max_map_len=4096)
+    except Exception as e:  # msgpack raises several unrelated types for bad input
+        raise ProtocolError(f"message is not valid msgpack ({type(e).__name__}: {e})") from None
+    if not isinstance(body, dict):
+        raise ProtocolError(f"message must be a map, got {type(body).__name__}")
+    version = body.pop("v", None)
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {version!r} is not supported; allowed: {PROTOCOL_VERSION}")
+    tag = body.pop("type", None)
+    cls = MESSAGES.get(tag) if isinstance(tag, str) else None
+    if cls is None:
+        raise ProtocolError(f"message type {tag!r} is unknown")
+    return _build(cls, body)
+
+
+_HINTS: dict[type, dict] = {}
+
+
+def _build(cls, body: dict):
+    hints = _HINTS.get(cls) or _HINTS.setdefault(cls, typing.get_type_hints(cls))
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = set(body) - set(fields)
+    if unknown:
+        raise ProtocolError(f"{cls.__name__}: unknown fields {sorted(map(str, unknown))}; allowed: {sorted(fields)}")
+    for name, f in fields.items():
+        if name not in body:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ProtocolError(f"{cls.__name__}: missing field {name!r}")
+            continue
+        if not _matches(body[name], hints[name]):
+            raise ProtocolError(f"{cls.__name__}.{name}={_short(body[name])} has the wrong type; "
+                                f"allowed: {_type_name(hints[name])}")
+    return cls(**body)
+
+
+def _matches(value, hint) -> bool:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if origin is list:
+        (item,) = typing.get_args(hint) or (typing.Any,)
+        return isinstance(value, list) and all(_matches(v, item) for v in value)
+    if origin is dict or hint is dict:
+        return isinstance(value, dict)
+    if hint is typing.Any:
+        return True
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
+def _type_name(hint) -> str:
+    return hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "")
+
+
+def _short(value) -> str:
+    r = repr(value)
+    return r if len(r) <= 60 else r[:57] + "..."

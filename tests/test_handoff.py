@@ -1,0 +1,75 @@
+"""The engine's disaggregation hooks, in-process: a prefill engine computes a prompt's KV and first
+token, its blocks are copied into blocks a decode engine reserved, and the decode engine finishes
+the request with exactly the monolithic engine's tokens."""
+
+import pytest
+
+from common.engine import Engine
+from common.sampling import SamplingParams
+from tests.test_engine import assert_all_blocks_free, mixed_params, prompts
+
+
+def handoff(prefill: Engine, decode: Engine, ps, params, migrate_after: int = 0):
+    """Run each request P->D; with migrate_after, re-prefill prompt + the first tokens generated
+    on a second pass, as a migration after a decode worker died would."""
+    seeds = [sp.seed if sp.seed is not None else 7 for sp in params]
+    for i, (p, sp) in enumerate(zip(ps, params)):
+        prefill.add_prefill(f"r{i}", p, len(p), sp, seeds[i])
+    results = {}
+    while prefill.has_unfinished():
+        for out in prefill.step():
+            assert out.finished
+            if out.finish_reason != "prefilled":
+                results[out.request_id] = out.token_ids
+                continue
+            i = int(out.request_id[1:])
+            tokens = out.prompt_token_ids + out.token_ids
+            blocks = decode.reserve(len(tokens) - 1)
+            assert blocks is not None
+            src_blocks = prefill.held[out.request_id].block_table
+            assert len(src_blocks) <= len(blocks)
+            for layer in range(prefill.model_config.num_layers):
+                decode.write_kv(blocks[:len(src_blocks)], layer, prefill.read_kv(src_blocks, layer))
+            assert prefill.release(out.request_id)
+            decode.add_prefilled(out.request_id, tokens, len(ps[i]), params[i], seeds[i], blocks)
+    while decode.has_unfinished():
+        for out in decode.step():
+            if out.finished:
+                results[out.request_id] = out.token_ids
+    return [results[f"r{i}"] for i in range(len(ps))]
+
+
+@pytest.mark.parametrize("model", ["dummy:nanogpt", "dummy:llama-tiny"])
+def test_prefill_to_decode_handoff_matches_monolithic(model):
+    ps, params = prompts(12, 1, 70, seed=20), mixed_params(12, max_tokens=10)
+    params[0] = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)  # done at prefill
+    ps[1] = ps[1][:1] * 32  # a prompt filling its blocks exactly: decode needs one block more
+    expected = [o.token_ids for o in Engine(model=model).generate(ps, params)]
+    prefill = Engine(model=model, max_num_batched_tokens=64)
+    decode = Engine(model=model, block_size=16)
+    assert handoff(prefill, decode, ps, params) == expected
+    assert_all_blocks_free(prefill)
+    assert_all_blocks_free(decode)
+    assert decode.num_reserved_seqs == 0
+
+
+def test_reserve_backpressure_and_unreserve():
+    engine = Engine(model="dummy:nanogpt", block_size=4, num_blocks=20, max_num_seqs=2)
+    a = engine.reserve(30)  # 8 blocks
+    b = engine.reserve(10)
+    assert a and b
+    assert engine.reserve(1) is None  # no running slot left
+    engine.unreserve(b)
+    assert engine.reserve(60) is None  # 16 blocks: more than are free
+    engine.unreserve(a)
+    assert engine.num_reserved_seqs == 0
+    assert_all_blocks_free(engine)
+
+
+def test_abort_releases_held_blocks():
+    engine = Engine(model="dummy:nanogpt")
+    engine.add_prefill("x", [1, 2, 3, 4], 4, SamplingParams(max_tokens=5), 1)
+    (out,) = engine.step()
+    assert out.finish_reason == "prefilled" and "x" in engine.held
+    assert engine.abort_request("x")
+    assert_all_blocks_free(engine)
