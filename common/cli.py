@@ -43,6 +43,32 @@ def engine_options(f):
     return wrapper
 
 
+def engine_argv(engine_kwargs: dict) -> list[str]:
+    """engine_kwargs back to the command-line flags that produce them (for child processes)."""
+    argv = []
+    for key, value in engine_kwargs.items():
+        if key in ("model", "device") or value is None:
+            continue
+        if key == "enable_prefix_caching":
+            argv += [] if value else ["--no-prefix-caching"]
+        else:
+            argv += [f"--{key.replace('_', '-')}", str(value)]
+    return argv
+
+
+def sampling_kwargs(max_tokens, temperature, top_p, top_k, seed, ignore_eos) -> dict:
+    out = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, ignore_eos=ignore_eos)
+    if seed is not None:
+        out["seed"] = seed
+    return out
+
+
+def setup_logging(level: str = "INFO"):
+    import logging
+
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
 def sampling_options(f):
     for opt in reversed([
         click.option("--max-tokens", default=32, show_default=True, type=int),
@@ -72,27 +98,157 @@ def main():
 @click.option("--prompt", "prompts", multiple=True, help="prompt text (repeatable)")
 @click.option("--prompt-ids", "prompt_ids", multiple=True, help="comma-separated token ids (repeatable)")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object per prompt per line")
+@click.option("--router", "router_address", default=None, help="generate through a running router instead")
 @sampling_options
 @engine_options
-def generate(prompts, prompt_ids, as_json, max_tokens, temperature, top_p, top_k, seed, ignore_eos, engine_kwargs):
-    """Generate text for one or more prompts with the monolithic engine."""
-    from common.engine import Engine
-    from common.sampling import SamplingParams
-
+def generate(prompts, prompt_ids, as_json, router_address, max_tokens, temperature, top_p, top_k, seed, ignore_eos,
+             engine_kwargs):
+    """Generate text for one or more prompts: in-process, or through a cluster with --router."""
     all_prompts = list(prompts) + [parse_prompt_ids(p) for p in prompt_ids]
     if not all_prompts:
         raise click.UsageError("give at least one --prompt or --prompt-ids")
-    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
-                            seed=seed, ignore_eos=ignore_eos)
-    engine = Engine(**engine_kwargs)
-    for prompt, out in zip(all_prompts, engine.generate(all_prompts, params)):
+    sampling = sampling_kwargs(max_tokens, temperature, top_p, top_k, seed, ignore_eos)
+    if router_address:
+        from router.client import Client
+
+        with Client(router_address) as client:
+            results = client.generate_many(all_prompts, **sampling)
+        rows = [(r.prompt_token_ids, r.token_ids, r.text, r.finish_reason) for r in results]
+    else:
+        from common.engine import Engine
+        from common.sampling import SamplingParams
+
+        outs = Engine(**engine_kwargs).generate(all_prompts, SamplingParams(**sampling))
+        rows = [(o.prompt_token_ids, o.token_ids, o.text, o.finish_reason) for o in outs]
+    for prompt, (prompt_ids_, token_ids, text, reason) in zip(all_prompts, rows):
         if as_json:
-            print(json.dumps({"prompt": prompt, "prompt_token_ids": out.prompt_token_ids,
-                              "token_ids": out.token_ids, "text": out.text,
-                              "finish_reason": out.finish_reason}), flush=True)
+            print(json.dumps({"prompt": prompt, "prompt_token_ids": prompt_ids_, "token_ids": token_ids,
+                              "text": text, "finish_reason": reason}), flush=True)
         else:
-            shown = prompt if isinstance(prompt, str) else out.prompt_token_ids
-            print(f"{shown!r} -> {out.text if out.text is not None else out.token_ids!r}", flush=True)
+            shown = prompt if isinstance(prompt, str) else prompt_ids_
+            print(f"{shown!r} -> {text if text is not None else token_ids!r}", flush=True)
+
+
+@main.command()
+@click.option("--model", default="dummy:nanogpt", show_default=True, help="for tokenizing and validating requests")
+@click.option("--host", default="127.0.0.1", show_default=True, help="bind address (loopback unless set)")
+@click.option("--port", default=7100, show_default=True, type=int, help="client port")
+@click.option("--worker-port", default=None, type=int, help="worker port [default: port + 1]")
+@click.option("--policy", default="least_loaded", show_default=True, type=click.Choice(["least_loaded", "round_robin"]))
+@click.option("--max-queue", default=1024, show_default=True, type=int, help="requests held at once; more are OVERLOADED")
+@click.option("--heartbeat-timeout", default=2.0, show_default=True, type=float, help="seconds of silence before a worker is dead")
+@click.option("--max-attempts", default=3, show_default=True, type=int)
+@click.option("--log-level", default="INFO", show_default=True)
+def router(model, host, port, worker_port, policy, max_queue, heartbeat_timeout, max_attempts, log_level):
+    """Run the router: clients connect to --port, workers to --worker-port."""
+    from router.server import RouterConfig, run_router
+
+    setup_logging(log_level)
+    run_router(RouterConfig(model=model, host=host, port=port, worker_port=worker_port or port + 1, policy=policy,
+                            max_queue=max_queue, heartbeat_timeout_s=heartbeat_timeout, max_attempts=max_attempts))
+
+
+def worker_command(role: str):
+    @click.option("--router", "router_address", default="tcp://127.0.0.1:7101", show_default=True,
+                  help="the router's worker address")
+    @click.option("--worker-id", default=None, help="[default: ROLE-PID]")
+    @click.option("--host", default="127.0.0.1", show_default=True, help="where the KV ingress binds (decode, mono)")
+    @click.option("--threads", default=None, type=int, help="torch threads")
+    @click.option("--log-level", default="INFO", show_default=True)
+    @engine_options
+    def command(router_address, worker_id, host, threads, log_level, engine_kwargs):
+        from common.config import EngineConfig
+        from common.worker import WorkerConfig
+
+        setup_logging(log_level)
+        cfg = WorkerConfig(router=router_address, engine=EngineConfig(**engine_kwargs), worker_id=worker_id,
+                           host=host, threads=threads)
+        if role == "prefill":
+            from prefill_worker.worker import PrefillWorker
+
+            PrefillWorker(cfg).run()
+        else:
+            from decode_worker.worker import DecodeWorker
+
+            DecodeWorker(cfg, mono=role == "mono").run()
+
+    command.__doc__ = {"prefill": "Run a prefill worker.", "decode": "Run a decode worker.",
+                       "mono": "Run a monolithic worker (prefill and decode in one process)."}[role]
+    return main.command(name=role)(command)
+
+
+for _role in ("prefill", "decode", "mono"):
+    worker_command(_role)
+
+
+@main.command()
+@click.option("--prefill", default=1, show_default=True, type=int)
+@click.option("--decode", default=1, show_default=True, type=int)
+@click.option("--mono", default=0, show_default=True, type=int, help="monolithic workers (use with --prefill 0 --decode 0)")
+@click.option("--devices", default="cpu", show_default=True, help="comma-separated, assigned to workers in turn")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=7100, show_default=True, type=int, help="client port (0: any free port)")
+@click.option("--worker-port", default=0, type=int, help="[default: any free port]")
+@click.option("--policy", default="least_loaded", show_default=True, type=click.Choice(["least_loaded", "round_robin"]))
+@click.option("--log-dir", default="pdserve-logs", show_default=True)
+@click.option("--threads", default=None, type=int, help="torch threads per worker [default: cores / workers]")
+@click.option("--no-restart", is_flag=True, help="do not restart crashed workers")
+@engine_options
+def launch(prefill, decode, mono, devices, host, port, worker_port, policy, log_dir, threads, no_restart, engine_kwargs):
+    """Bring up router + workers on this host; stop them all on Ctrl-C."""
+    from router.launcher import Cluster, run_launch
+
+    try:
+        cluster = Cluster(engine_kwargs["model"], prefill, decode, mono, devices.split(","), host, port, worker_port,
+                          log_dir, policy, engine_argv(engine_kwargs), threads, restart=not no_restart)
+    except ValueError as e:
+        raise click.UsageError(str(e))
+    run_launch(cluster)
+
+
+@main.command()
+@click.option("--router", "router_address", default="tcp://127.0.0.1:7100", show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def status(router_address, as_json):
+    """Print the router's live registry of workers."""
+    from bench.report import print_table
+    from router.client import Client
+
+    with Client(router_address) as client:
+        reply = client.status()
+    if as_json:
+        print(json.dumps({"workers": reply.workers, "queued": reply.queued, "in_flight": reply.in_flight}))
+        return
+    print_table(f"router {router_address}: {reply.queued} queued, {reply.in_flight} in flight",
+                ["worker", "role", "device", "alive", "queued", "running", "free blocks", "total blocks", "heartbeat age s"],
+                [[w["worker_id"], w["role"], w["device"], w["alive"], w["queued"], w["running"], w["free_blocks"],
+                  w["total_blocks"], w["heartbeat_age_s"]] for w in reply.workers])
+
+
+@main.command()
+@click.option("--router", "router_address", default="tcp://127.0.0.1:7100", show_default=True)
+@click.option("--prompt", default=None)
+@click.option("--prompt-ids", default=None)
+@click.option("--json", "as_json", is_flag=True, help="print the final result as JSON")
+@sampling_options
+def client(router_address, prompt, prompt_ids, as_json, max_tokens, temperature, top_p, top_k, seed, ignore_eos):
+    """Stream one generation from a running router."""
+    from router.client import Client
+
+    if (prompt is None) == (prompt_ids is None):
+        raise click.UsageError("give exactly one of --prompt or --prompt-ids")
+    with Client(router_address) as c:
+        stream = c.stream(prompt if prompt is not None else parse_prompt_ids(prompt_ids),
+                          **sampling_kwargs(max_tokens, temperature, top_p, top_k, seed, ignore_eos))
+        for chunk in stream:
+            if not as_json:
+                print(chunk.text if chunk.text else "", end="", flush=True)
+        r = stream.result
+    if as_json:
+        print(json.dumps({"token_ids": r.token_ids, "text": r.text, "finish_reason": r.finish_reason,
+                          "timings": r.timings}))
+    else:
+        print(f"\n[{r.finish_reason}, {len(r.token_ids)} tokens]")
 
 
 @main.group()
@@ -118,9 +274,11 @@ def bench_engine(num_requests, prompt_len, output_len, batch_sizes, kv_lens, ste
 
 
 def run():
+    from router.client import RequestError
+
     try:
         main(standalone_mode=True)
-    except PdserveError as e:
+    except (PdserveError, RequestError) as e:
         print(f"error [{e.code}]: {e}", file=sys.stderr)
         sys.exit(2)
 

@@ -192,15 +192,16 @@ class Engine:
         return {"layers": mc.num_layers, "kv_heads": mc.num_kv_heads, "head_dim": mc.head_dim,
                 "block_size": self.config.block_size, "dtype": self.config.dtype, "model": mc.fingerprint}
 
-    def add_prefill(self, request_id: str, token_ids: list[int], num_prompt_tokens: int,
-                    params: SamplingParams, seed: int) -> None:
-        """Compute the KV of token_ids and sample one token, then hold the blocks (see `held`)
-        until `release`. token_ids past num_prompt_tokens were generated before (a migration)."""
+    def add_sequence(self, request_id: str, token_ids: list[int], num_prompt_tokens: int,
+                     params: SamplingParams, seed: int, prefill_only: bool = False) -> None:
+        """A request given as token ids, of which those past num_prompt_tokens were generated
+        before (a migrated request resumes that way). With prefill_only, stop after sampling one
+        token and hold the blocks (see `held`) until `release`: the prefill worker's request."""
         ids = self.tokenize(list(token_ids))
         if not 1 <= num_prompt_tokens <= len(ids):
             raise InvalidArgument(f"num_prompt_tokens={num_prompt_tokens} is invalid; allowed: 1..{len(ids)}")
         seq = self._new_sequence(request_id, ids[:num_prompt_tokens], params, seed, ids[num_prompt_tokens:],
-                                 prefill_only=True)
+                                 prefill_only)
         self.scheduler.add(seq)
 
     def read_kv(self, block_ids: list[int], layer: int) -> torch.Tensor:

@@ -14,7 +14,7 @@ def handoff(prefill: Engine, decode: Engine, ps, params, migrate_after: int = 0)
     on a second pass, as a migration after a decode worker died would."""
     seeds = [sp.seed if sp.seed is not None else 7 for sp in params]
     for i, (p, sp) in enumerate(zip(ps, params)):
-        prefill.add_prefill(f"r{i}", p, len(p), sp, seeds[i])
+        prefill.add_sequence(f"r{i}", p, len(p), sp, seeds[i], prefill_only=True)
     results = {}
     while prefill.has_unfinished():
         for out in prefill.step():
@@ -68,7 +68,7 @@ def test_reserve_backpressure_and_unreserve():
 
 def test_abort_releases_held_blocks():
     engine = Engine(model="dummy:nanogpt")
-    engine.add_prefill("x", [1, 2, 3, 4], 4, SamplingParams(max_tokens=5), 1)
+    engine.add_sequence("x", [1, 2, 3, 4], 4, SamplingParams(max_tokens=5), 1, prefill_only=True)
     (out,) = engine.step()
     assert out.finish_reason == "prefilled" and "x" in engine.held
     assert engine.abort_request("x")

@@ -1,0 +1,110 @@
+"""Typed ZeroMQ endpoints: one socket plus the protocol, so no process's logic touches raw
+sockets or bytes.
+
+    chan = Channel.bind(ctx, zmq.ROUTER, "tcp://127.0.0.1:0")
+    env = chan.recv()                      # Envelope(sender, msg, frames, error)
+    chan.send(Reply(...), to=env.sender)
+
+A ROUTER endpoint's envelopes carry the peer's identity; DEALER ones do not. Extra frames (KV
+bytes) are sent without copying and received as zmq.Frame objects whose `.buffer` is a
+zero-copy memoryview. Works with a plain or a zmq.asyncio context (`arecv` for the latter).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import zmq
+
+from common import protocol
+from common.protocol import ProtocolError
+
+log = logging.getLogger(__name__)
+
+LOOPBACK = "127.0.0.1"
+
+
+@dataclass
+class Envelope:
+    sender: bytes | None
+    msg: object | None
+    frames: list = field(default_factory=list)  # zmq.Frame, after the header
+    error: ProtocolError | None = None
+
+
+class Channel:
+    def __init__(self, sock: zmq.Socket, max_header_bytes: int = protocol.DEFAULT_MAX_MESSAGE_BYTES):
+        self.sock = sock
+        self.max_header_bytes = max_header_bytes
+        self.is_router = sock.type == zmq.ROUTER
+
+    @classmethod
+    def _make(cls, ctx, kind: int, max_frame_bytes: int | None, identity: bytes | None):
+        sock = ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        if max_frame_bytes is not None:
+            sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)  # larger frames drop the peer
+        if identity is not None:
+            sock.setsockopt(zmq.IDENTITY, identity)
+        if kind == zmq.ROUTER:
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone peer raises, not vanishes
+        return sock
+
+    @classmethod
+    def bind(cls, ctx, kind: int, address: str, max_frame_bytes: int | None = None, **kw) -> "Channel":
+        sock = cls._make(ctx, kind, max_frame_bytes, None)
+        sock.bind(address)
+        return cls(sock, **kw)
+
+    @classmethod
+    def connect(cls, ctx, kind: int, address: str, identity: bytes | None = None,
+                max_frame_bytes: int | None = None, **kw) -> "Channel":
+        sock = cls._make(ctx, kind, max_frame_bytes, identity)
+        sock.connect(address)
+        return cls(sock, **kw)
+
+    @property
+    def address(self) -> str:
+        """The bound address with the real port (after binding port 0)."""
+        return self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def send(self, msg, frames=(), to: bytes | None = None, track: bool = False):
+        """Returns zmq's tracker when track=True (it covers only this send's last frame), or the
+        asyncio future of an async socket."""
+        parts = ([to] if to is not None else []) + [protocol.encode(msg)] + list(frames)
+        if track:
+            return self.sock.send_multipart(parts, copy=False, track=True)
+        return self.sock.send_multipart(parts, copy=False)
+
+    def try_send(self, msg, frames=(), to: bytes | None = None) -> bool:
+        """Send, or log and return False if the peer is gone (ROUTER) or the send would block."""
+        try:
+            self.send(msg, frames, to)
+            return True
+        except zmq.ZMQError as e:
+            log.warning("could not send %s to %r: %s", type(msg).__name__, to, e)
+            return False
+
+    def _parse(self, parts: list) -> Envelope:
+        sender = None
+        if self.is_router:
+            sender, parts = parts[0].bytes, parts[1:]
+        if not parts:
+            return Envelope(sender, None, [], ProtocolError("empty message"))
+        try:
+            msg = protocol.decode(parts[0].buffer, self.max_header_bytes)
+        except ProtocolError as e:
+            return Envelope(sender, None, parts[1:], e)
+        return Envelope(sender, msg, parts[1:])
+
+    def recv(self, timeout_ms: int | None = None) -> Envelope | None:
+        if timeout_ms is not None and not self.sock.poll(timeout_ms):
+            return None
+        return self._parse(self.sock.recv_multipart(copy=False))
+
+    async def arecv(self) -> Envelope:
+        return self._parse(await self.sock.recv_multipart(copy=False))
+
+    def close(self):
+        self.sock.close(linger=0)

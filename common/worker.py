@@ -1,0 +1,182 @@
+"""What the prefill and decode workers share: the engine, the link to the router (register,
+heartbeat, re-register under a new incarnation when the router no longer knows us), and the main
+loop, which is short on purpose:
+
+    while running:
+        poll sockets (no wait while the engine has work)  ->  handle messages
+        engine.step()                                      ->  handle outputs
+        heartbeat, leases, retries                          (on_tick)
+
+One thread, and each socket is used by it alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+import zmq
+
+from common import protocol as P
+from common.channel import Channel, Envelope
+from common.config import EngineConfig
+from common.engine import Engine, RequestOutput
+
+log = logging.getLogger("pdserve.worker")
+
+
+@dataclass
+class WorkerConfig:
+    router: str = "tcp://127.0.0.1:7101"  # the router's worker address
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    worker_id: str | None = None
+    host: str = "127.0.0.1"  # where a decode worker binds its KV ingress
+    heartbeat_interval_s: float = 0.2
+    kv_lease_s: float = 30.0  # reserved blocks come back if no KV arrives by then
+    transfer_timeout_s: float = 30.0  # a prefill gives up a transfer not acknowledged by then
+    max_kv_frame_bytes: int = 2**31
+    threads: int | None = None  # torch intra-op threads
+
+
+def tensor_frame(t: torch.Tensor) -> memoryview:
+    """A tensor's bytes for a zero-copy frame (any dtype; bfloat16 has no numpy twin)."""
+    return memoryview(t.detach().cpu().contiguous().view(torch.uint8).numpy())
+
+
+def frame_tensor(frame: zmq.Frame, dtype: torch.dtype, shape) -> torch.Tensor:
+    """A received frame as a tensor, without copying (read-only: copy out before it is freed)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch warns that the buffer is read-only
+        return torch.frombuffer(frame.buffer, dtype=torch.uint8).view(dtype).view(shape)
+
+
+class WorkerBase:
+    role = "worker"
+
+    def __init__(self, cfg: WorkerConfig):
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        self.cfg = cfg
+        self.engine = Engine(cfg.engine)
+        self.worker_id = cfg.worker_id or f"{self.role}-{os.getpid()}"
+        self.ctx = zmq.Context()
+        self.poller = zmq.Poller()
+        self.handlers: dict[zmq.Socket, tuple[Channel, callable]] = {}
+        self.router: Channel | None = None
+        self.stopping = False
+        self.kv_address = ""
+        self._connect_router()
+
+    # ------------------------------------------------------------------ sockets
+
+    def watch(self, chan: Channel, handler):
+        self.poller.register(chan.sock, zmq.POLLIN)
+        self.handlers[chan.sock] = (chan, handler)
+
+    def unwatch(self, chan: Channel):
+        self.poller.unregister(chan.sock)
+        self.handlers.pop(chan.sock, None)
+        chan.close()
+
+    def _connect_router(self):
+        if self.router is not None:
+            self.unwatch(self.router)
+        self.incarnation = uuid.uuid4().hex[:12]
+        self.router = Channel.connect(self.ctx, zmq.DEALER, self.cfg.router,
+                                      identity=f"{self.worker_id}/{self.incarnation}".encode())
+        self.watch(self.router, self._on_router)
+        self.registered = False
+        self._last_register = 0.0
+        self._last_heartbeat = 0.0
+
+    def _on_router(self, env: Envelope):
+        if env.error is not None:
+            log.warning("bad message from the router: %s", env.error)
+            return
+        msg = env.msg
+        if isinstance(msg, P.Registered):
+            self.registered = msg.incarnation == self.incarnation
+            if self.registered:
+                log.info("%s registered (incarnation %s)", self.worker_id, self.incarnation)
+        elif isinstance(msg, P.Shutdown):
+            if msg.reason == "re-register":
+                log.warning("the router does not know %s; dropping its work and registering anew", self.worker_id)
+                self.drop_all_work()
+                self._connect_router()
+            else:
+                log.error("router asked %s to stop: %s", self.worker_id, msg.reason)
+                self.stopping = True
+        else:
+            self.on_router(msg)
+
+    def to_router(self, msg):
+        self.router.try_send(msg)
+
+    def _register(self, now: float):
+        self._last_register = now
+        e = self.engine
+        self.to_router(P.Register(self.role, self.worker_id, self.incarnation, str(e.config.torch_device),
+                                  e.num_blocks, e.config.block_size, self.kv_address, e.model_config.fingerprint))
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: setattr(self, "stopping", True))
+        log.info("%s %s on %s: %s, %d KV blocks", self.role, self.worker_id, self.engine.config.torch_device,
+                 self.engine.config.model, self.engine.num_blocks)
+        try:
+            while not self.stopping:
+                timeout = 0 if self.engine.has_unfinished() else 10
+                for sock, _ in self.poller.poll(timeout):
+                    chan, handler = self.handlers.get(sock, (None, None))
+                    for _ in range(1000):  # drain, but never starve the engine
+                        env = chan.recv(0) if chan is not None and sock in self.handlers else None
+                        if env is None:
+                            break
+                        try:
+                            handler(env)
+                        except Exception:
+                            log.exception("handling %s failed", type(env.msg).__name__)
+                if self.engine.has_unfinished():
+                    self.on_outputs(self.engine.step())
+                self._tick(time.monotonic())
+        finally:
+            self.close()
+
+    def _tick(self, now: float):
+        if not self.registered and now - self._last_register > 0.5:
+            self._register(now)
+        if self.registered and now - self._last_heartbeat > self.cfg.heartbeat_interval_s:
+            self._last_heartbeat = now
+            s, bm = self.engine.scheduler, self.engine.block_manager
+            self.to_router(P.Heartbeat(self.worker_id, self.incarnation, len(s.waiting), len(s.running),
+                                       bm.num_free_blocks, bm.num_blocks))
+        self.on_tick(now)
+
+    def close(self):
+        for chan, _ in list(self.handlers.values()):
+            chan.close()
+        self.ctx.term()
+
+    # ------------------------------------------------------------------ for the roles
+
+    def on_router(self, msg):
+        raise NotImplementedError
+
+    def on_outputs(self, outputs: list[RequestOutput]):
+        raise NotImplementedError
+
+    def on_tick(self, now: float):
+        pass
+
+    def drop_all_work(self):
+        for rid in list(self.engine.requests) + list(self.engine.held):
+            self.engine.abort_request(rid)

@@ -1,0 +1,1 @@
+"""The decode worker process."""

@@ -1,0 +1,255 @@
+"""The client SDK: talk to a running router over ZeroMQ.
+
+    with Client("tcp://127.0.0.1:7100") as c:
+        print(c.generate("Hello", max_tokens=16, temperature=0).text)
+        for chunk in c.stream([1, 2, 3], max_tokens=8):
+            print(chunk.token_ids, chunk.text)
+        results = c.generate_many(["a", "b"], max_tokens=4, seed=1)
+
+    async with AsyncClient(addr) as c:
+        result = await c.generate("Hello")
+        async for chunk in c.stream("Hello"): ...
+
+Sampling options are SamplingParams' fields (temperature, top_p, top_k, max_tokens, seed,
+stop_token_ids, ignore_eos). Failures raise RequestError carrying the router's code
+(INVALID_ARGUMENT, OVERLOADED, UNAVAILABLE, TIMEOUT, ...) and message. Many requests may be in
+flight on one client; replies are matched to them by request id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+import uuid
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+
+from common import protocol as P
+from common.channel import Channel
+
+
+class RequestError(Exception):
+    def __init__(self, code: str, message: str, request_id: str | None = None):
+        super().__init__(f"{code}: {message}")
+        self.code, self.message, self.request_id = code, message, request_id
+
+
+@dataclass
+class Chunk:
+    request_id: str
+    index: int  # position of token_ids[0] in the generated output
+    token_ids: list[int]
+    text: str
+
+
+@dataclass
+class Result:
+    request_id: str
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str
+    prompt_token_ids: list[int] = field(default_factory=list)
+    timings: dict = field(default_factory=dict)
+
+
+def _result(msg: P.Done) -> Result:
+    return Result(msg.request_id, msg.token_ids, msg.text, msg.finish_reason, msg.prompt_token_ids, msg.timings)
+
+
+def _raise(msg: P.Error):
+    raise RequestError(msg.code, msg.message, msg.request_id)
+
+
+class _Ids:
+    def __init__(self):
+        self._prefix = uuid.uuid4().hex[:8]
+        self._n = itertools.count()
+
+    def __call__(self) -> str:
+        return f"{self._prefix}-{next(self._n)}"
+
+
+class Stream:
+    """Iterator of Chunks for one request; `.result` holds the Result once it is exhausted."""
+
+    def __init__(self, client: "Client", request_id: str, timeout: float | None):
+        self.client, self.request_id = client, request_id
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.result: Result | None = None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> Chunk:
+        if self.result is not None:
+            raise StopIteration
+        msg = self.client._next(self.request_id, self.deadline)
+        if isinstance(msg, P.Token):
+            return Chunk(msg.request_id, msg.index, msg.token_ids, msg.text)
+        self.result = _result(msg)
+        raise StopIteration
+
+
+class Client:
+    def __init__(self, address: str, timeout: float | None = 120.0):
+        self.address, self.timeout = address, timeout
+        self.ctx = zmq.Context()
+        self.chan = Channel.connect(self.ctx, zmq.DEALER, address)
+        self._inbox: dict[str | None, deque] = defaultdict(deque)
+        self._new_id = _Ids()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self):
+        self.chan.close()
+        self.ctx.term()
+
+    def submit(self, prompt: str | list[int], stream: bool = True, request_id: str | None = None, **sampling) -> str:
+        request_id = request_id or self._new_id()
+        self.chan.send(P.Generate(request_id, prompt, sampling, stream))
+        return request_id
+
+    def cancel(self, request_id: str) -> None:
+        self.chan.send(P.Cancel(request_id))
+
+    def _next(self, key: str | None, deadline: float | None):
+        """The next message for `key`, reading (and filing) others' messages meanwhile."""
+        while not self._inbox[key]:
+            wait = None if deadline is None else deadline - time.monotonic()
+            if wait is not None and wait <= 0:
+                if key is not None:
+                    self.cancel(key)
+                raise RequestError("TIMEOUT", f"no reply within the client's timeout of {self.timeout}s", key)
+            env = self.chan.recv(None if wait is None else max(1, int(wait * 1000)))
+            if env is None:
+                continue
+            if env.error is not None:
+                raise RequestError("INTERNAL", f"undecodable reply from the router: {env.error}")
+            msg = env.msg
+            self._inbox[None if isinstance(msg, P.StatusReply) else getattr(msg, "request_id", None)].append(msg)
+        msg = self._inbox[key].popleft()
+        if not self._inbox[key]:
+            del self._inbox[key]
+        if isinstance(msg, P.Error):
+            _raise(msg)
+        return msg
+
+    def _deadline(self, timeout):
+        timeout = self.timeout if timeout is None else timeout
+        return None if timeout is None else time.monotonic() + timeout
+
+    def stream(self, prompt, timeout: float | None = None, **sampling) -> Stream:
+        return Stream(self, self.submit(prompt, stream=True, **sampling), self.timeout if timeout is None else timeout)
+
+    def generate(self, prompt, timeout: float | None = None, **sampling) -> Result:
+        rid = self.submit(prompt, stream=False, **sampling)
+        return self.wait(rid, timeout)
+
+    def wait(self, request_id: str, timeout: float | None = None) -> Result:
+        deadline = self._deadline(timeout)
+        while True:
+            msg = self._next(request_id, deadline)
+            if isinstance(msg, P.Done):
+                return _result(msg)
+
+    def generate_many(self, prompts: list, timeout: float | None = None, **sampling) -> list[Result]:
+        """All prompts in flight at once; results in prompt order. The first failure raises."""
+        ids = [self.submit(p, stream=False, **sampling) for p in prompts]
+        return [self.wait(rid, timeout) for rid in ids]
+
+    def status(self, timeout: float | None = 10.0) -> P.StatusReply:
+        self.chan.send(P.StatusRequest())
+        return self._next(None, self._deadline(timeout))
+
+
+class AsyncClient:
+    def __init__(self, address: str, timeout: float | None = 120.0):
+        self.address, self.timeout = address, timeout
+        self.ctx = zmq.asyncio.Context()
+        self.chan = Channel.connect(self.ctx, zmq.DEALER, address)
+        self._queues: dict[str | None, asyncio.Queue] = defaultdict(asyncio.Queue)
+        self._reader: asyncio.Task | None = None
+        self._new_id = _Ids()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.close()
+
+    async def close(self):
+        if self._reader is not None:
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+        self.chan.close()
+        self.ctx.term()
+
+    async def _read(self):
+        while True:
+            env = await self.chan.arecv()
+            if env.error is not None:
+                continue
+            msg = env.msg
+            key = None if isinstance(msg, P.StatusReply) else getattr(msg, "request_id", None)
+            self._queues[key].put_nowait(msg)
+
+    async def submit(self, prompt, stream: bool = True, request_id: str | None = None, **sampling) -> str:
+        if self._reader is None:
+            self._reader = asyncio.ensure_future(self._read())
+        request_id = request_id or self._new_id()
+        await self.chan.send(P.Generate(request_id, prompt, sampling, stream))
+        return request_id
+
+    async def cancel(self, request_id: str) -> None:
+        await self.chan.send(P.Cancel(request_id))
+
+    async def _next(self, key, timeout):
+        try:
+            msg = await asyncio.wait_for(self._queues[key].get(), timeout)
+        except asyncio.TimeoutError:
+            if key is not None:
+                await self.cancel(key)
+            raise RequestError("TIMEOUT", f"no reply within the client's timeout of {timeout}s", key) from None
+        if isinstance(msg, P.Error):
+            self._queues.pop(key, None)
+            _raise(msg)
+        if isinstance(msg, P.Done):
+            self._queues.pop(key, None)
+        return msg
+
+    async def stream(self, prompt, timeout: float | None = None, **sampling):
+        """Async iterator of Chunks; the last item is the Result."""
+        rid = await self.submit(prompt, stream=True, **sampling)
+        timeout = self.timeout if timeout is None else timeout
+        while True:
+            msg = await self._next(rid, timeout)
+            if isinstance(msg, P.Token):
+                yield Chunk(msg.request_id, msg.index, msg.token_ids, msg.text)
+            else:
+                yield _result(msg)
+                return
+
+    async def generate(self, prompt, timeout: float | None = None, **sampling) -> Result:
+        rid = await self.submit(prompt, stream=False, **sampling)
+        timeout = self.timeout if timeout is None else timeout
+        while True:
+            msg = await self._next(rid, timeout)
+            if isinstance(msg, P.Done):
+                return _result(msg)
+
+    async def generate_many(self, prompts: list, timeout: float | None = None, **sampling) -> list[Result]:
+        return list(await asyncio.gather(*(self.generate(p, timeout, **sampling) for p in prompts)))
+
+    async def status(self, timeout: float | None = 10.0) -> P.StatusReply:
+        if self._reader is None:
+            self._reader = asyncio.ensure_future(self._read())
+        await self.chan.send(P.StatusRequest())
+        return await self._next(None, timeout)

@@ -1,0 +1,168 @@
+"""`pdserve launch`: a whole cluster on this host (router, prefill, decode and mono workers), one
+OS process each, logs per process, and supervision:
+
+- prints `ready: router at tcp://HOST:PORT` once every worker has registered;
+- restarts a crashed worker with exponential backoff (it rejoins under a new incarnation);
+- on Ctrl-C / SIGTERM stops every child (SIGTERM, then SIGKILL after a grace period), and each
+  child also gets SIGTERM from the kernel if the launcher itself dies, so none is orphaned.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PR_SET_PDEATHSIG = 1
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent():
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    log_path: Path
+    proc: subprocess.Popen | None = None
+    restarts: int = 0
+    next_start: float = 0.0
+    started_at: float = 0.0
+    env: dict = field(default_factory=dict)
+
+    def start(self):
+        log = open(self.log_path, "ab")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
+        self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     preexec_fn=_die_with_parent, env=env)
+        log.close()
+        self.started_at = time.monotonic()
+
+
+class Cluster:
+    def __init__(self, model: str, prefill: int, decode: int, mono: int, devices: list[str], host: str, port: int,
+                 worker_port: int, log_dir: Path, policy: str, worker_args: list[str], threads: int | None,
+                 restart: bool = True, router_args: list[str] = ()):
+        self.host, self.port, self.worker_port = host, port or free_port(host), worker_port or free_port(host)
+        self.log_dir = Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.restart = restart
+        self.expected = prefill + decode + mono
+        if self.expected == 0:
+            raise ValueError("a cluster needs at least one worker: --prefill/--decode, or --mono")
+        if (prefill == 0) != (decode == 0):
+            raise ValueError(f"--prefill {prefill} --decode {decode}: disaggregation needs both roles, or use --mono")
+        threads = threads or max(1, (os.cpu_count() or 1) // self.expected)
+        cli = [sys.executable, "-m", "common.cli"]
+        self.router = Child("router", cli + ["router", "--model", model, "--host", host, "--port", str(self.port),
+                                             "--worker-port", str(self.worker_port), "--policy", policy,
+                                             *router_args], self.log_dir / "router.log")
+        self.workers = []
+        roles = ["prefill"] * prefill + ["decode"] * decode + ["mono"] * mono
+        counts: dict[str, int] = {}
+        for i, role in enumerate(roles):
+            n = counts[role] = counts.get(role, -1) + 1
+            name = f"{role}-{n}"
+            argv = cli + [role, "--router", f"tcp://{host}:{self.worker_port}", "--worker-id", name,
+                          "--model", model, "--device", devices[i % len(devices)], "--host", host,
+                          "--threads", str(threads), *worker_args]
+            self.workers.append(Child(name, argv, self.log_dir / f"{name}.log"))
+
+    @property
+    def address(self) -> str:
+        return f"tcp://{self.host}:{self.port}"
+
+    @property
+    def children(self) -> list[Child]:
+        return [self.router] + self.workers
+
+    def start(self, ready_timeout: float = 180.0):
+        for c in self.children:
+            c.start()
+        self.wait_ready(ready_timeout)
+
+    def wait_ready(self, timeout: float):
+        from router.client import Client, RequestError
+
+        deadline = time.monotonic() + timeout
+        with Client(self.address, timeout=2.0) as client:
+            while time.monotonic() < deadline:
+                for c in self.children:
+                    if c.proc.poll() is not None:
+                        raise RuntimeError(f"{c.name} exited with {c.proc.returncode} during start-up; "
+                                           f"see {c.log_path}:\n{c.log_path.read_text()[-2000:]}")
+                try:
+                    status = client.status(timeout=2.0)
+                except RequestError:
+                    continue
+                if sum(w["alive"] for w in status.workers) >= self.expected:
+                    return
+                time.sleep(0.1)
+        raise TimeoutError(f"cluster not ready within {timeout}s; logs in {self.log_dir}")
+
+    def supervise_once(self):
+        """Restart any child that exited, with exponential backoff."""
+        now = time.monotonic()
+        for c in self.children:
+            if c.proc is None or c.proc.poll() is None:
+                continue
+            if not self.restart:
+                continue
+            if c.next_start == 0.0:
+                if now - c.started_at > 30:
+                    c.restarts = 0  # it had been healthy: start the backoff over
+                delay = min(0.5 * 2 ** c.restarts, 8.0)
+                c.next_start = now + delay
+                with open(c.log_path, "a") as f:
+                    f.write(f"\n[launcher] {c.name} exited with {c.proc.returncode}; restarting in {delay:.1f}s\n")
+            elif now >= c.next_start:
+                c.restarts += 1
+                c.next_start = 0.0
+                c.start()
+
+    def stop(self, grace_s: float = 5.0):
+        procs = [c.proc for c in self.children if c.proc is not None and c.proc.poll() is None]
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for p in procs:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def run_launch(cluster: Cluster):
+    stopping = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stopping.append(True))
+    try:
+        cluster.start()
+        print(f"ready: router at {cluster.address}", flush=True)
+        while not stopping:
+            cluster.supervise_once()
+            time.sleep(0.1)
+    finally:
+        cluster.stop()
+        print("stopped", flush=True)

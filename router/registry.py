@@ -1,0 +1,64 @@
+"""The router's view of its workers: who is registered, how loaded, when last heard from, and
+the balancing policies that pick among them."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+PREFILL_ROLES = ("prefill", "mono")
+DECODE_ROLES = ("decode", "mono")
+
+
+@dataclass
+class Worker:
+    worker_id: str
+    role: str
+    incarnation: str
+    identity: bytes  # the worker's DEALER identity on the router's backend socket
+    device: str
+    total_blocks: int
+    block_size: int
+    kv_address: str
+    registered_at: float = field(default_factory=time.monotonic)
+    last_seen: float = field(default_factory=time.monotonic)
+    queued: int = 0
+    running: int = 0
+    free_blocks: int = 0
+    assigned: set[str] = field(default_factory=set)  # router request ids in this worker's hands
+    alive: bool = True
+
+    def describe(self, now: float) -> dict:
+        return {"worker_id": self.worker_id, "role": self.role, "incarnation": self.incarnation,
+                "device": self.device, "alive": self.alive, "queued": self.queued, "running": self.running,
+                "assigned": len(self.assigned), "free_blocks": self.free_blocks,
+                "total_blocks": self.total_blocks, "kv_address": self.kv_address,
+                "heartbeat_age_s": round(now - self.last_seen, 3)}
+
+
+class Registry:
+    def __init__(self, policy: str = "least_loaded"):
+        if policy not in ("least_loaded", "round_robin"):
+            raise ValueError(f"policy={policy!r} is not supported; allowed: least_loaded, round_robin")
+        self.policy = policy
+        self.workers: dict[str, Worker] = {}
+        self._turn = itertools.count()
+
+    def alive(self, roles) -> list[Worker]:
+        return [w for w in self.workers.values() if w.alive and w.role in roles]
+
+    def pick(self, roles) -> Worker | None:
+        candidates = sorted(self.alive(roles), key=lambda w: w.worker_id)
+        if not candidates:
+            return None
+        if self.policy == "round_robin":
+            return candidates[next(self._turn) % len(candidates)]
+        # The router's own count is current; the heartbeat's queue adds what it cannot see.
+        return min(candidates, key=lambda w: (len(w.assigned) + w.queued / 2, w.worker_id))
+
+    def by_identity(self, identity: bytes) -> Worker | None:
+        for w in self.workers.values():
+            if w.identity == identity:
+                return w
+        return None

@@ -1,0 +1,408 @@
+"""The router process: admits requests from clients, picks a prefill and a decode worker, tracks
+each request through its states, streams tokens back in order, and recovers from workers dying.
+
+    client --Generate--> frontend   backend <--Register/Heartbeat/WorkerTokens-- workers
+           <--Token/Done--                  --PrefillWork/CancelWork-->
+
+States: queued -> prefill (PrefillWork sent, waiting for the first token) -> decode (tokens
+flowing) -> done. Each dispatch of a request is an attempt with its own number; messages from
+any attempt but the current one are dropped, so a slow or dead worker's late output can never
+duplicate or reorder tokens. Every state has a deadline; a missed one, or the death of a worker
+holding the request, re-dispatches it as prompt + the tokens already delivered (a migration).
+The router never carries KV bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+
+from common import protocol as P
+from common.channel import Channel, Envelope
+from common.checkpoint import load_tokenizer, model_config
+from common.errors import InvalidArgument
+from common.sampling import SamplingParams, fresh_seed
+from router.registry import DECODE_ROLES, PREFILL_ROLES, Registry, Worker
+
+log = logging.getLogger("pdserve.router")
+
+
+@dataclass
+class RouterConfig:
+    model: str = "dummy:nanogpt"
+    host: str = "127.0.0.1"
+    port: int = 7100  # clients
+    worker_port: int = 7101  # workers
+    policy: str = "least_loaded"
+    max_queue: int = 1024  # requests in the router at once; more get OVERLOADED
+    heartbeat_timeout_s: float = 2.0  # a worker silent this long is dead
+    prefill_timeout_s: float = 60.0  # dispatch -> first token
+    decode_stall_timeout_s: float = 30.0  # longest gap between two tokens
+    queue_timeout_s: float = 30.0  # longest wait for a live worker
+    max_attempts: int = 3
+    max_message_bytes: int = 4 * 2**20
+
+
+@dataclass
+class Request:
+    rid: str
+    client: bytes
+    client_request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    stream: bool
+    arrival: float = field(default_factory=time.monotonic)
+    state: str = "queued"
+    attempt: int = 0
+    prefill_worker: str | None = None
+    decode_worker: str | None = None
+    deadline: float = math.inf
+    tokens: list[int] = field(default_factory=list)  # delivered to the client, in order
+    pending: dict[int, int] = field(default_factory=dict)  # arrived ahead of a gap
+    finish_at: int | None = None
+    finish_reason: str | None = None
+    text_sent: str = ""
+    dispatched_at: float | None = None
+    first_token_at: float | None = None
+    worker_timings: dict = field(default_factory=dict)
+
+
+class Router:
+    def __init__(self, cfg: RouterConfig):
+        self.cfg = cfg
+        self.tokenizer = load_tokenizer(cfg.model)
+        self.model_config = model_config(cfg.model)
+        self.registry = Registry(cfg.policy)
+        self.requests: dict[str, Request] = {}
+        self.by_client: dict[tuple[bytes, str], str] = {}
+        self._ids = itertools.count()
+        self.ctx = zmq.asyncio.Context()
+        self.frontend = Channel.bind(self.ctx, zmq.ROUTER, f"tcp://{cfg.host}:{cfg.port}",
+                                     max_frame_bytes=cfg.max_message_bytes, max_header_bytes=cfg.max_message_bytes)
+        self.backend = Channel.bind(self.ctx, zmq.ROUTER, f"tcp://{cfg.host}:{cfg.worker_port}",
+                                    max_frame_bytes=cfg.max_message_bytes, max_header_bytes=cfg.max_message_bytes)
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _send(self, chan: Channel, msg, to: bytes):
+        try:
+            fut = chan.send(msg, to=to)
+        except zmq.ZMQError as e:  # the peer is gone (ROUTER_MANDATORY)
+            log.warning("dropped %s to %r: %s", type(msg).__name__, to, e)
+            return
+        fut.add_done_callback(lambda f: f.exception() and log.warning("send failed: %s", f.exception()))
+
+    def reply(self, req: Request, msg):
+        self._send(self.frontend, msg, req.client)
+
+    def error(self, req: Request, code: str, message: str):
+        self.reply(req, P.Error(req.client_request_id, code, message))
+        self._finish(req)
+
+    def _finish(self, req: Request):
+        self.requests.pop(req.rid, None)
+        self.by_client.pop((req.client, req.client_request_id), None)
+        for w in self.registry.workers.values():
+            w.assigned.discard(req.rid)
+        req.state = "done"
+
+    async def serve(self, stop: asyncio.Event | None = None):
+        stop = stop or asyncio.Event()
+        tasks = [asyncio.ensure_future(t) for t in (self._frontend_loop(), self._backend_loop(), self._monitor_loop())]
+        log.info("router ready: clients at %s, workers at %s", self.frontend.address, self.backend.address)
+        try:
+            await stop.wait()
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self.frontend.close()
+            self.backend.close()
+            self.ctx.term()
+
+    # ------------------------------------------------------------------ clients
+
+    async def _frontend_loop(self):
+        while True:
+            env = await self.frontend.arecv()
+            try:
+                self.on_client(env)
+            except Exception:
+                log.exception("client message handling failed")
+
+    def on_client(self, env: Envelope):
+        if env.error is not None:
+            log.info("refused a client message: %s", env.error)
+            self._send(self.frontend, P.Error(None, env.error.code, str(env.error)), env.sender)
+            return
+        msg = env.msg
+        if isinstance(msg, P.Generate):
+            self.admit(env.sender, msg)
+        elif isinstance(msg, P.Cancel):
+            self.cancel(env.sender, msg.request_id)
+        elif isinstance(msg, P.StatusRequest):
+            now = time.monotonic()
+            workers = [w.describe(now) for w in sorted(self.registry.workers.values(), key=lambda w: w.worker_id)]
+            queued = sum(r.state == "queued" for r in self.requests.values())
+            self._send(self.frontend, P.StatusReply(workers, queued, len(self.requests) - queued), env.sender)
+        else:
+            self._send(self.frontend, P.Error(None, "INVALID_ARGUMENT",
+                                              f"{type(msg).__name__} is not a client message"), env.sender)
+
+    def _validate(self, msg: P.Generate) -> tuple[list[int], SamplingParams]:
+        params = SamplingParams.from_dict(msg.sampling)
+        if isinstance(msg.prompt, str):
+            if self.tokenizer is None:
+                raise InvalidArgument(f"model {self.cfg.model!r} has no tokenizer; send token ids")
+            ids = self.tokenizer.encode(msg.prompt)
+        else:
+            ids = msg.prompt
+            V = self.model_config.vocab_size
+            bad = [t for t in ids if not 0 <= t < V]
+            if bad:
+                raise InvalidArgument(f"prompt token ids {bad[:5]} are invalid; allowed: integers in [0, {V})")
+        limit = self.model_config.max_position_embeddings
+        if not ids:
+            raise InvalidArgument("prompt is empty; allowed: at least one token")
+        if len(ids) >= limit:
+            raise InvalidArgument(f"prompt has {len(ids)} tokens; allowed: at most {limit - 1} "
+                                  f"(the model's context is {limit})")
+        return ids, params
+
+    def admit(self, client: bytes, msg: P.Generate):
+        def refuse(code, text):
+            self._send(self.frontend, P.Error(msg.request_id, code, text), client)
+
+        if (client, msg.request_id) in self.by_client:
+            return refuse("INVALID_ARGUMENT", f"request_id={msg.request_id!r} is already in flight")
+        try:
+            ids, params = self._validate(msg)
+        except InvalidArgument as e:
+            return refuse(e.code, str(e))
+        if len(self.requests) >= self.cfg.max_queue:
+            return refuse("OVERLOADED", f"the router holds {len(self.requests)} requests, its limit "
+                                        f"(max_queue={self.cfg.max_queue}); retry later")
+        for roles, what in ((PREFILL_ROLES, "prefill"), (DECODE_ROLES, "decode")):
+            if not self.registry.alive(roles):
+                return refuse("UNAVAILABLE", f"no live {what} worker")
+        req = Request(str(next(self._ids)), client, msg.request_id, ids, params,
+                      params.seed if params.seed is not None else fresh_seed(), msg.stream)
+        self.requests[req.rid] = req
+        self.by_client[(client, msg.request_id)] = req.rid
+        self.dispatch(req)
+
+    def cancel(self, client: bytes, client_request_id: str):
+        rid = self.by_client.get((client, client_request_id))
+        if rid is None:
+            return
+        req = self.requests[rid]
+        self._cancel_work(req)
+        self.reply(req, P.Done(req.client_request_id, "cancelled", req.tokens, self._text(req.tokens),
+                               req.prompt_ids, self._timings(req)))
+        self._finish(req)
+
+    def _cancel_work(self, req: Request):
+        for wid in {req.prefill_worker, req.decode_worker} - {None}:
+            w = self.registry.workers.get(wid)
+            if w is not None and w.alive:
+                self._send(self.backend, P.CancelWork(req.rid), w.identity)
+
+    # ------------------------------------------------------------------ dispatch
+
+    def dispatch(self, req: Request):
+        """Send req (prompt + tokens delivered so far) to a prefill worker, naming its decode worker."""
+        p = self.registry.pick(PREFILL_ROLES)
+        d = p if p is not None and p.role == "mono" else self.registry.pick(("decode",))
+        if p is None or d is None:
+            req.state, req.deadline = "queued", req.arrival + self.cfg.queue_timeout_s
+            return
+        req.attempt += 1
+        req.state = "prefill"
+        req.prefill_worker, req.decode_worker = p.worker_id, d.worker_id
+        req.deadline = time.monotonic() + self.cfg.prefill_timeout_s
+        req.pending.clear()
+        req.dispatched_at = req.dispatched_at or time.monotonic()
+        p.assigned.add(req.rid)
+        d.assigned.add(req.rid)
+        self._send(self.backend, P.PrefillWork(req.rid, req.attempt, req.prompt_ids + req.tokens, len(req.prompt_ids),
+                                               req.params.to_dict(), req.seed, d.worker_id, d.kv_address), p.identity)
+
+    def retry(self, req: Request, why: str):
+        self._cancel_work(req)
+        for w in self.registry.workers.values():
+            w.assigned.discard(req.rid)
+        if req.attempt >= self.cfg.max_attempts:
+            return self.error(req, "UNAVAILABLE", f"gave up after {req.attempt} attempts; last: {why}")
+        log.info("request %s attempt %d failed (%s); re-dispatching", req.rid, req.attempt, why)
+        self.dispatch(req)
+
+    # ------------------------------------------------------------------ workers
+
+    async def _backend_loop(self):
+        while True:
+            env = await self.backend.arecv()
+            try:
+                self.on_worker(env)
+            except Exception:
+                log.exception("worker message handling failed")
+
+    def on_worker(self, env: Envelope):
+        if env.error is not None:
+            log.warning("dropped a bad worker message: %s", env.error)
+            return
+        msg = env.msg
+        if isinstance(msg, P.Register):
+            self.register(env.sender, msg)
+            return
+        w = self.registry.by_identity(env.sender)
+        if w is None or not w.alive:
+            # A worker we do not know (the router restarted, or it was declared dead): make it
+            # register again, under a new incarnation.
+            self._send(self.backend, P.Shutdown("re-register"), env.sender)
+            return
+        w.last_seen = time.monotonic()
+        if isinstance(msg, P.Heartbeat):
+            w.queued, w.running, w.free_blocks = msg.queued, msg.running, msg.free_blocks
+        elif isinstance(msg, P.WorkerTokens):
+            self.on_tokens(w, msg)
+        elif isinstance(msg, P.WorkerError):
+            self.on_worker_error(w, msg)
+
+    def register(self, identity: bytes, msg: P.Register):
+        if msg.model and msg.model != self.model_config.fingerprint:
+            log.error("refused worker %s: it serves model %r, the router %r", msg.worker_id, msg.model,
+                      self.model_config.fingerprint)
+            self._send(self.backend, P.Shutdown(f"model mismatch: router serves {self.cfg.model}"), identity)
+            return
+        old = self.registry.workers.get(msg.worker_id)
+        if old is not None and old.incarnation != msg.incarnation:
+            self.worker_lost(old, "restarted under a new incarnation")
+        self.registry.workers[msg.worker_id] = Worker(msg.worker_id, msg.role, msg.incarnation, identity, msg.device,
+                                                      msg.total_blocks, msg.block_size, msg.kv_address,
+                                                      free_blocks=msg.total_blocks)
+        log.info("worker %s registered: role=%s device=%s blocks=%d kv=%s", msg.worker_id, msg.role, msg.device,
+                 msg.total_blocks, msg.kv_address or "-")
+        self._send(self.backend, P.Registered(msg.worker_id, msg.incarnation), identity)
+
+    def worker_lost(self, w: Worker, why: str):
+        w.alive = False
+        log.warning("worker %s lost (%s); %d requests to recover", w.worker_id, why, len(w.assigned))
+        for rid in sorted(w.assigned):
+            req = self.requests.get(rid)
+            if req is not None:
+                self.retry(req, f"worker {w.worker_id} {why}")
+        w.assigned.clear()
+
+    def on_tokens(self, w: Worker, msg: P.WorkerTokens):
+        req = self.requests.get(msg.request_id)
+        if req is None or msg.attempt != req.attempt:
+            return  # a finished, cancelled or abandoned attempt
+        now = time.monotonic()
+        req.worker_timings.update(msg.timings)
+        if req.state == "prefill":
+            req.state = "decode"
+            pw = self.registry.workers.get(req.prefill_worker)
+            if pw is not None and pw.role == "prefill":
+                pw.assigned.discard(req.rid)
+        req.deadline = now + self.cfg.decode_stall_timeout_s
+        for i, t in enumerate(msg.token_ids):
+            if msg.index + i >= len(req.tokens):
+                req.pending[msg.index + i] = t
+        if msg.finish_reason is not None:
+            req.finish_at, req.finish_reason = msg.index + len(msg.token_ids), msg.finish_reason
+        start = len(req.tokens)
+        while len(req.tokens) in req.pending:
+            req.tokens.append(req.pending.pop(len(req.tokens)))
+        if len(req.tokens) > start:
+            req.first_token_at = req.first_token_at or now
+            if req.stream:
+                self.reply(req, P.Token(req.client_request_id, start, req.tokens[start:], self._text_delta(req)))
+        if req.finish_at is not None and len(req.tokens) >= req.finish_at:
+            del req.tokens[req.finish_at:]
+            self.reply(req, P.Done(req.client_request_id, req.finish_reason, req.tokens, self._text(req.tokens),
+                                   req.prompt_ids, self._timings(req)))
+            self._finish(req)
+
+    def on_worker_error(self, w: Worker, msg: P.WorkerError):
+        req = self.requests.get(msg.request_id)
+        if req is None or msg.attempt != req.attempt:
+            return
+        if msg.code == "INVALID_ARGUMENT":
+            self.error(req, msg.code, msg.message)
+        else:
+            self.retry(req, f"{msg.code} from {w.worker_id}: {msg.message}")
+
+    # ------------------------------------------------------------------ time
+
+    async def _monitor_loop(self):
+        while True:
+            await asyncio.sleep(0.05)
+            try:
+                self.tick(time.monotonic())
+            except Exception:
+                log.exception("monitor tick failed")
+
+    def tick(self, now: float):
+        for w in list(self.registry.workers.values()):
+            if w.alive and now - w.last_seen > self.cfg.heartbeat_timeout_s:
+                self.worker_lost(w, f"silent for {now - w.last_seen:.1f}s")
+        for req in list(self.requests.values()):
+            if now < req.deadline:
+                continue
+            if req.state == "queued":
+                self.error(req, "UNAVAILABLE", f"no live worker for {self.cfg.queue_timeout_s}s")
+            else:
+                self.retry(req, f"{req.state} deadline passed")
+        for req in list(self.requests.values()):
+            if req.state == "queued":
+                self.dispatch(req)
+
+    # ------------------------------------------------------------------ text and timings
+
+    def _text(self, ids: list[int]) -> str | None:
+        return self.tokenizer.decode(ids) if self.tokenizer is not None else None
+
+    def _text_delta(self, req: Request) -> str:
+        """New text since the last delta; held back while it ends inside a multi-byte character."""
+        text = self._text(req.tokens) or ""
+        if text.endswith("\ufffd") or not text.startswith(req.text_sent):
+            return ""
+        delta, req.text_sent = text[len(req.text_sent):], text
+        return delta
+
+    def _timings(self, req: Request) -> dict:
+        now = time.monotonic()
+        t = dict(req.worker_timings)
+        t.update(attempts=req.attempt, e2e_s=now - req.arrival)
+        if req.dispatched_at is not None:
+            t["queue_s"] = req.dispatched_at - req.arrival
+        if req.first_token_at is not None:
+            t["ttft_s"] = req.first_token_at - req.arrival
+            if len(req.tokens) > 1:
+                t["tpot_s"] = (now - req.first_token_at) / (len(req.tokens) - 1)
+        return t
+
+
+def run_router(cfg: RouterConfig):
+    import uvloop
+
+    async def main():
+        import signal
+
+        router = Router(cfg)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        print(f"router: clients at {router.frontend.address}, workers at {router.backend.address}", flush=True)
+        await router.serve(stop)
+
+    uvloop.run(main())

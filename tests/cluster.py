@@ -1,0 +1,34 @@
+"""Real clusters for tests: router and workers as separate OS processes on loopback, free ports,
+logs in a temporary directory, and every child stopped (then killed) however the test ends."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+from router.client import Client
+from router.launcher import Cluster
+
+
+@contextlib.contextmanager
+def cluster(tmp_path, model="dummy:nanogpt", prefill=1, decode=1, mono=0, worker_args=(), router_args=(),
+            restart=False):
+    c = Cluster(model, prefill, decode, mono, ["cpu"], "127.0.0.1", 0, 0, tmp_path / "logs", "least_loaded",
+                list(worker_args), threads=1, restart=restart, router_args=list(router_args))
+    try:
+        c.start()
+        yield c
+    finally:
+        c.stop()
+        for child in c.children:
+            assert child.proc.poll() is not None, f"{child.name} still running"
+
+
+def wait_blocks_free(client: Client, timeout: float = 10.0) -> list[dict]:
+    """Workers' status once every worker reports all its KV blocks free (or the last seen)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        workers = client.status().workers
+        if all(w["free_blocks"] == w["total_blocks"] for w in workers) or time.monotonic() > deadline:
+            return workers
+        time.sleep(0.1)

@@ -1,0 +1,158 @@
+"""Disaggregated clusters (real processes on loopback) give exactly the monolithic engine's tokens,
+stream them in order, refuse bad requests with coded errors while serving on, shed load with
+OVERLOADED, and return every KV block on cancellation."""
+
+import asyncio
+import random
+import time
+
+import pytest
+import zmq
+
+from common import protocol as P
+from common.channel import Channel
+from common.engine import Engine
+from common.sampling import SamplingParams
+from router.client import AsyncClient, Client, RequestError
+from tests.checkpoints import VOCAB, write_checkpoint
+from tests.cluster import cluster, wait_blocks_free
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def workload(n=50, seed=0, vocab=256):
+    """Mixed prompt lengths and sampling: greedy and seeded with filters."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(vocab) for _ in range(rng.choice([1, 5, 20, 60, 150]))] for _ in range(n)]
+    sampling = []
+    for i in range(n):
+        s = dict(max_tokens=rng.randint(1, 24), ignore_eos=True)
+        if i % 2:
+            s.update(temperature=0.8, top_p=0.95, top_k=40, seed=100 + i)
+        else:
+            s.update(temperature=0.0)
+        sampling.append(s)
+    return prompts, sampling
+
+
+def monolithic(model, prompts, sampling):
+    engine = Engine(model=model)
+    return [o.token_ids for o in engine.generate(prompts, [SamplingParams(**s) for s in sampling])]
+
+
+async def run_concurrently(address, prompts, sampling):
+    """All requests in flight at once, streamed; returns (final tokens, streamed chunks) per request."""
+    async with AsyncClient(address, timeout=300) as client:
+        async def one(p, s):
+            chunks, result = [], None
+            async for item in client.stream(p, **s):
+                if hasattr(item, "finish_reason"):
+                    result = item
+                else:
+                    chunks.append(item)
+            return result, chunks
+        return await asyncio.gather(*(one(p, s) for p, s in zip(prompts, sampling)))
+
+
+def check_cluster_matches(address, model, n=50, seed=0, vocab=256):
+    prompts, sampling = workload(n, seed, vocab)
+    expected = monolithic(model, prompts, sampling)
+    results = asyncio.run(run_concurrently(address, prompts, sampling))
+    for (result, chunks), want in zip(results, expected):
+        assert result.token_ids == want
+        streamed = [t for c in chunks for t in c.token_ids]
+        assert streamed == want
+        assert [c.index for c in chunks] == [sum(len(c.token_ids) for c in chunks[:i]) for i in range(len(chunks))]
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (2, 2)])
+def test_cluster_matches_monolithic_nanogpt(tmp_path, shape):
+    with cluster(tmp_path, prefill=shape[0], decode=shape[1]) as c:
+        check_cluster_matches(c.address, "dummy:nanogpt")
+        with Client(c.address) as client:
+            workers = wait_blocks_free(client)
+            assert sorted(w["role"] for w in workers) == sorted(["prefill"] * shape[0] + ["decode"] * shape[1])
+            assert all(w["free_blocks"] == w["total_blocks"] for w in workers)
+            if shape == (2, 2):  # both of each role took work
+                assert all(w["alive"] for w in workers)
+
+
+def test_cluster_matches_monolithic_llama_checkpoint(tmp_path):
+    ckpt = tmp_path / "llama"
+    write_checkpoint(ckpt, "llama-gqa")
+    with cluster(tmp_path, model=str(ckpt), prefill=1, decode=1) as c:
+        check_cluster_matches(c.address, str(ckpt), vocab=VOCAB)
+        with Client(c.address) as client:  # text goes through the checkpoint's tokenizer.json
+            r = client.generate("the quick brown fox", max_tokens=5, temperature=0, ignore_eos=True)
+            want = Engine(model=str(ckpt)).generate("the quick brown fox",
+                                                    SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))[0]
+            assert (r.prompt_token_ids, r.token_ids, r.text) == (want.prompt_token_ids, want.token_ids, want.text)
+
+
+def test_bad_requests_get_coded_errors_and_cluster_serves_on(tmp_path):
+    with cluster(tmp_path, router_args=["--max-queue", "4"]) as c, Client(c.address, timeout=60) as client:
+        cases = [
+            (dict(prompt="hi", nonsense=1), "unknown sampling fields ['nonsense']"),
+            (dict(prompt="hi", temperature=-1), "temperature=-1"),
+            (dict(prompt="hi", top_p=0), "top_p=0"),
+            (dict(prompt="hi", max_tokens=0), "max_tokens=0"),
+            (dict(prompt=[1, 999]), "[999]"),
+            (dict(prompt=[1] * 1024), "prompt has 1024 tokens; allowed: at most 1023"),
+            (dict(prompt=""), "prompt is empty"),
+        ]
+        for kwargs, text in cases:
+            with pytest.raises(RequestError) as e:
+                client.generate(**kwargs)
+            assert e.value.code == "INVALID_ARGUMENT" and text in e.value.message, e.value
+        # Frames that do not decode at all, sent raw, get an error reply, not silence.
+        raw = Channel.connect(client.ctx, zmq.DEALER, c.address)
+        for junk in (b"\x00\x01garbage", P.encode(P.Cancel("x"))[:-3], b""):
+            raw.sock.send(junk)
+            reply = raw.recv(5000)
+            assert isinstance(reply.msg, P.Error) and reply.msg.code == "INVALID_ARGUMENT"
+        raw.sock.send_multipart([P.encode(P.Generate("w", {"not": "a prompt"}, {}, True))])  # wrong type
+        assert raw.recv(5000).msg.code == "INVALID_ARGUMENT"
+        raw.close()
+        # Still serving, and the queue limit sheds load at once.
+        assert len(client.generate([1, 2, 3], max_tokens=3, temperature=0).token_ids) == 3
+        ids = [client.submit([1, 2, 3], stream=False, max_tokens=200, ignore_eos=True) for _ in range(8)]
+        outcomes = []
+        for rid in ids:
+            try:
+                outcomes.append(len(client.wait(rid).token_ids))
+            except RequestError as e:
+                outcomes.append(e.code)
+        assert outcomes.count("OVERLOADED") >= 4 and outcomes.count(200) >= 1, outcomes
+        assert set(outcomes) <= {"OVERLOADED", 200}
+
+
+def test_cancel_mid_stream_frees_every_block(tmp_path):
+    with cluster(tmp_path) as c, Client(c.address, timeout=60) as client:
+        streams = [client.stream([i + 1] * 40, max_tokens=500, ignore_eos=True, temperature=0) for i in range(4)]
+        for s in streams:
+            next(s)  # decoding has started
+        deadline = time.monotonic() + 10  # free block counts arrive with heartbeats
+        while all(w["free_blocks"] == w["total_blocks"] for w in client.status().workers):
+            assert time.monotonic() < deadline, "no worker ever reported blocks in use"
+            time.sleep(0.05)
+        for s in streams:
+            client.cancel(s.request_id)
+        for s in streams:
+            for _ in s:
+                pass
+            assert s.result.finish_reason == "cancelled" and len(s.result.token_ids) < 500
+        workers = wait_blocks_free(client)
+        assert all(w["free_blocks"] == w["total_blocks"] for w in workers), workers
+
+
+def test_unavailable_without_workers(tmp_path):
+    with cluster(tmp_path, prefill=1, decode=1) as c, Client(c.address, timeout=30) as client:
+        c.workers[1].proc.kill()  # the only decode worker
+        c.workers[1].proc.wait()
+        deadline = time.monotonic() + 10
+        while any(w["alive"] and w["role"] == "decode" for w in client.status().workers):
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        with pytest.raises(RequestError) as e:
+            client.generate([1, 2, 3], max_tokens=2)
+        assert e.value.code == "UNAVAILABLE" and "no live decode worker" in e.value.message
