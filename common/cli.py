@@ -273,6 +273,24 @@ def bench_engine(num_requests, prompt_len, output_len, batch_sizes, kv_lens, ste
                      parse_prompt_ids(kv_lens), steps, seed)
 
 
+@bench.command("serve")
+@click.option("--model", default="dummy:nanogpt", show_default=True)
+@click.option("--topologies", default="mono,1p1d,2p2d", show_default=True, help="mono and/or XpYd")
+@click.option("--scenarios", default="smoke_test,staggered_arrivals,batch_pressure,long_prompts,long_decode,"
+              "stress_test,realistic", show_default=True)
+@click.option("--router", "router_address", default=None, help="bench a running cluster instead of launching")
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--worker-arg", "worker_args", multiple=True, help="extra flag for every worker (repeatable)")
+def bench_serve(model, topologies, scenarios, router_address, seed, worker_args):
+    """Serving load: TTFT, inter-token and end-to-end latency, throughput, per topology."""
+    from bench.serve import run_serve_bench
+
+    try:
+        run_serve_bench(model, topologies.split(","), scenarios.split(","), router_address, seed, list(worker_args))
+    except ValueError as e:
+        raise click.UsageError(str(e))
+
+
 def run():
     from router.client import RequestError
 

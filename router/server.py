@@ -73,6 +73,7 @@ class Request:
     dispatched_at: float | None = None
     first_token_at: float | None = None
     worker_timings: dict = field(default_factory=dict)
+    router_s: float = 0.0  # the router's own time on the first-token path: admit + forward
 
 
 class Router:
@@ -178,6 +179,8 @@ class Router:
         return ids, params
 
     def admit(self, client: bytes, msg: P.Generate):
+        received = time.monotonic()
+
         def refuse(code, text):
             self._send(self.frontend, P.Error(msg.request_id, code, text), client)
 
@@ -194,10 +197,12 @@ class Router:
             if not self.registry.alive(roles):
                 return refuse("UNAVAILABLE", f"no live {what} worker")
         req = Request(str(next(self._ids)), client, msg.request_id, ids, params,
-                      params.seed if params.seed is not None else fresh_seed(), msg.stream)
+                      params.seed if params.seed is not None else fresh_seed(), msg.stream, arrival=received)
         self.requests[req.rid] = req
         self.by_client[(client, msg.request_id)] = req.rid
         self.dispatch(req)
+        if req.dispatched_at is not None:
+            req.router_s += time.monotonic() - received
 
     def cancel(self, client: bytes, client_request_id: str):
         rid = self.by_client.get((client, client_request_id))
@@ -322,9 +327,11 @@ class Router:
         while len(req.tokens) in req.pending:
             req.tokens.append(req.pending.pop(len(req.tokens)))
         if len(req.tokens) > start:
-            req.first_token_at = req.first_token_at or now
             if req.stream:
                 self.reply(req, P.Token(req.client_request_id, start, req.tokens[start:], self._text_delta(req)))
+            if req.first_token_at is None:
+                req.first_token_at = now
+                req.router_s += time.monotonic() - now
         if req.finish_at is not None and len(req.tokens) >= req.finish_at:
             del req.tokens[req.finish_at:]
             self.reply(req, P.Done(req.client_request_id, req.finish_reason, req.tokens, self._text(req.tokens),
@@ -381,7 +388,7 @@ class Router:
     def _timings(self, req: Request) -> dict:
         now = time.monotonic()
         t = dict(req.worker_timings)
-        t.update(attempts=req.attempt, e2e_s=now - req.arrival)
+        t.update(attempts=req.attempt, e2e_s=now - req.arrival, router_s=req.router_s)
         if req.dispatched_at is not None:
             t["queue_s"] = req.dispatched_at - req.arrival
         if req.first_token_at is not None:

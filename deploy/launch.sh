@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# Bring up a pdserve cluster on this host from the shell: one router and N prefill + M decode
+# workers (or K mono workers), each a separate process started exactly as you would start it on
+# its own host in a multi-host deployment. Logs go to one file per process; a worker that crashes
+# is restarted with backoff; Ctrl-C or SIGTERM stops every process started here.
+#
+#   deploy/launch.sh [--prefill N] [--decode M] [--mono K] [--model SPEC] [--devices cpu,cuda:0,...]
+#                    [--host ADDR] [--port P] [--worker-port P] [--log-dir DIR] [-- WORKER_ARGS...]
+#
+# Prints "ready: router at tcp://HOST:PORT" once every worker has registered.
+set -uo pipefail
+
+PREFILL=1 DECODE=1 MONO=0 MODEL=dummy:nanogpt DEVICES=cpu HOST=127.0.0.1 PORT=7100 WORKER_PORT="" LOG_DIR=pdserve-logs
+WORKER_ARGS=()
+while (($#)); do
+  case "$1" in
+    --prefill) PREFILL=$2; shift 2 ;;
+    --decode) DECODE=$2; shift 2 ;;
+    --mono) MONO=$2; shift 2 ;;
+    --model) MODEL=$2; shift 2 ;;
+    --devices) DEVICES=$2; shift 2 ;;
+    --host) HOST=$2; shift 2 ;;
+    --port) PORT=$2; shift 2 ;;
+    --worker-port) WORKER_PORT=$2; shift 2 ;;
+    --log-dir) LOG_DIR=$2; shift 2 ;;
+    --) shift; WORKER_ARGS=("$@"); break ;;
+    -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
+    *) echo "launch.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
+  esac
+done
+WORKER_PORT=${WORKER_PORT:-$((PORT + 1))}
+PDSERVE=${PDSERVE:-pdserve}
+command -v "$PDSERVE" >/dev/null || PDSERVE="python3 -m common.cli"
+mkdir -p "$LOG_DIR"
+IFS=, read -ra DEVICE_LIST <<<"$DEVICES"
+WORKERS=$((PREFILL + DECODE + MONO))
+THREADS=$(( $(nproc) / (WORKERS > 0 ? WORKERS : 1) )); ((THREADS < 1)) && THREADS=1
+
+# Run "$@" as process NAME, restarting it with exponential backoff (0.5 s doubling to 8 s, reset
+# after 30 s of health) until this supervisor is told to stop.
+supervise() {
+  local name=$1; shift
+  local child="" delay=0.5 started
+  trap '[[ -n $child ]] && kill -TERM "$child" 2>/dev/null; wait "$child" 2>/dev/null; exit 0' TERM
+  while true; do
+    # shellcheck disable=SC2086
+    $PDSERVE "$@" >>"$LOG_DIR/$name.log" 2>&1 &
+    child=$!
+    started=$SECONDS
+    wait "$child"
+    local rc=$?
+    ((SECONDS - started > 30)) && delay=0.5
+    echo "[launch.sh] $name exited with $rc; restarting in ${delay}s" >>"$LOG_DIR/$name.log"
+    sleep "$delay" & wait $!
+    delay=$(awk -v d="$delay" 'BEGIN { d *= 2; print (d > 8 ? 8 : d) }')
+  done
+}
+
+PIDS=()
+stop() {
+  trap - INT TERM EXIT
+  ((${#PIDS[@]})) && kill -TERM "${PIDS[@]}" 2>/dev/null
+  wait
+  echo "stopped"
+}
+trap 'stop; exit 0' INT TERM
+trap stop EXIT
+
+supervise router router --model "$MODEL" --host "$HOST" --port "$PORT" --worker-port "$WORKER_PORT" &
+PIDS+=($!)
+i=0
+for role in prefill decode mono; do
+  count_var=${role^^}
+  for ((n = 0; n < ${!count_var}; n++)); do
+    device=${DEVICE_LIST[$((i % ${#DEVICE_LIST[@]}))]}
+    supervise "$role-$n" "$role" --router "tcp://$HOST:$WORKER_PORT" --worker-id "$role-$n" --model "$MODEL" \
+      --device "$device" --host "$HOST" --threads "$THREADS" "${WORKER_ARGS[@]}" &
+    PIDS+=($!)
+    i=$((i + 1))
+  done
+done
+
+# Ready once the router reports every worker alive.
+for _ in $(seq 1 600); do
+  alive=$($PDSERVE status --router "tcp://$HOST:$PORT" --json 2>/dev/null |
+          python3 -c 'import json,sys; print(sum(w["alive"] for w in json.load(sys.stdin)["workers"]))' 2>/dev/null)
+  if [[ "${alive:-0}" -ge "$WORKERS" ]]; then
+    echo "ready: router at tcp://$HOST:$PORT"
+    break
+  fi
+  sleep 0.5
+done
+[[ "${alive:-0}" -ge "$WORKERS" ]] || { echo "launch.sh: cluster not ready; logs in $LOG_DIR" >&2; exit 1; }
+while true; do wait; done

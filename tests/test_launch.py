@@ -1,0 +1,68 @@
+"""deploy/launch.sh and `pdserve launch` bring up a cluster that answers, and stop without leaving
+a single process behind."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from router.client import Client
+from router.launcher import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.timeout(300)
+
+
+def processes_mentioning(text: str) -> list[str]:
+    out = subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines()[1:] if text in line and "ps -ww" not in line]
+
+
+def read_until_ready(proc, timeout=180.0) -> str:
+    deadline = time.monotonic() + timeout
+    lines = []
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if line.startswith("ready: router at "):
+            return line.split()[-1]
+    raise AssertionError(f"no ready line; output: {''.join(lines)}")
+
+
+@pytest.mark.parametrize("how", ["launch.sh", "pdserve launch"])
+def test_launch_answers_and_stops_cleanly(tmp_path, how):
+    port = free_port()
+    args = ["--prefill", "1", "--decode", "1", "--port", str(port), "--log-dir", str(tmp_path / "logs")]
+    if how == "launch.sh":
+        cmd = ["bash", str(ROOT / "deploy" / "launch.sh"), *args]
+    else:
+        cmd = [sys.executable, "-m", "common.cli", "launch", *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                            start_new_session=True)
+    marker = f"--port {port}"
+    try:
+        address = read_until_ready(proc)
+        assert address == f"tcp://127.0.0.1:{port}"
+        with Client(address, timeout=60) as client:
+            r = client.generate("Hello", max_tokens=5, temperature=0, ignore_eos=True)
+        assert len(r.token_ids) == 5
+        assert len(processes_mentioning(marker)) >= 1
+        assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == ["decode-0.log", "prefill-0.log", "router.log"]
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while processes_mentioning(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert processes_mentioning(marker) == []
+    workers_left = processes_mentioning(str(tmp_path / "logs")) + [
+        p for p in processes_mentioning("common.cli") if f":{port}" in p]
+    assert workers_left == []
