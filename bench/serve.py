@@ -45,7 +45,7 @@ SCENARIOS = {s.name: s for s in [
     Scenario("long_prompts", 6, (40, 40), (8, 8)),
     Scenario("long_decode", 6, (16, 16), (32, 32)),
     Scenario("stress_test", 16, (16, 16), (10, 10)),
-    Scenario("realistic", 24, (256, 2048), (16, 64), "poisson", 2.0),
+    Scenario("realistic", 48, (256, 2048), (32, 128), "poisson", 3.0),
 ]}
 
 

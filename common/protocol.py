@@ -197,6 +197,14 @@ class KVTransfer:
 
 
 @dataclass
+class KVRelease:
+    """Prefill -> decode: the reservation is not needed after all (the request finished at its
+    first token, failed, or was cancelled)."""
+    request_id: str
+    attempt: int
+
+
+@dataclass
 class KVAck:
     request_id: str
     attempt: int
@@ -207,7 +215,7 @@ class KVAck:
 MESSAGES: dict[str, type] = {cls.__name__: cls for cls in (
     Generate, Cancel, StatusRequest, Token, Done, Error, StatusReply,
     Register, Registered, Heartbeat, PrefillWork, WorkerTokens, WorkerError, CancelWork, Shutdown,
-    KVReserve, KVGrant, KVRefuse, KVTransfer, KVAck)}
+    KVReserve, KVGrant, KVRefuse, KVRelease, KVTransfer, KVAck)}
 
 
 def encode(msg) -> bytes:

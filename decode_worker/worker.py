@@ -83,6 +83,11 @@ class DecodeWorker(WorkerBase):
         msg = env.msg
         if isinstance(msg, P.KVReserve):
             self._reserve(env.sender, msg)
+        elif isinstance(msg, P.KVRelease):
+            r = self.reservations.get(msg.request_id)
+            if r is not None and r.attempt == msg.attempt:
+                del self.reservations[msg.request_id]
+                self.engine.unreserve(r.block_ids)
         elif isinstance(msg, P.KVTransfer):
             ok, why = self._receive(msg, env.frames)
             self.ingress.try_send(P.KVAck(msg.request_id, msg.attempt, ok, why), to=env.sender)

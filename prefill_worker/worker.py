@@ -2,8 +2,11 @@
 token, reports it to the router at once (time to first token does not wait for the transfer),
 and pushes the KV straight to the decode worker the router named:
 
-    KVReserve -> (decode) KVGrant(blocks) | KVRefuse(BUSY: retry later)
-    KVTransfer(header + one frame per layer) -> (decode) KVAck -> free our blocks
+    on accepting the work:  KVReserve -> (decode) KVGrant(blocks) | KVRefuse(BUSY: retry later)
+    once prefilled and granted:  KVTransfer(header + one frame per layer) -> KVAck -> free our blocks
+
+The reservation is asked for when the work arrives, so the grant's round trip overlaps the
+prefill instead of following it; a request that ends at its first token sends KVRelease.
 
 Our blocks are held until the decode worker acknowledges, and given up (with a WorkerError that
 makes the router retry) on refusal, cancellation or timeout, so none can leak.
@@ -26,16 +29,16 @@ from common.worker import WorkerBase, tensor_frame
 
 log = logging.getLogger("pdserve.prefill")
 
-RETRY_BACKOFF_S = (0.005, 0.02, 0.05, 0.1, 0.2)
+RETRY_BACKOFF_S = (0.002, 0.005, 0.01, 0.02)
 
 
 @dataclass
 class Transfer:
     work: P.PrefillWork
-    first_token: int
-    started: float
     deadline: float
-    state: str = "reserving"  # reserving -> sending -> (acked: removed)
+    first_token: int | None = None  # set once prefilled
+    block_ids: list[int] | None = None  # set once granted
+    state: str = "reserving"  # reserving -> (granted) -> sending -> (acked: removed)
     retries: int = 0
     retry_at: float | None = None
     buffers: list = field(default_factory=list)  # KV tensors kept alive until acknowledged
@@ -57,14 +60,14 @@ class PrefillWorker(WorkerBase):
             self.accept(msg)
         elif isinstance(msg, P.CancelWork):
             self.work.pop(msg.request_id, None)
-            self.transfers.pop(msg.request_id, None)
+            self._release_reservation(msg.request_id)
             self.engine.abort_request(msg.request_id)
 
     def accept(self, work: P.PrefillWork):
         rid = work.request_id
         if rid in self.work or rid in self.transfers:  # a newer attempt replaces an older one
             self.work.pop(rid, None)
-            self.transfers.pop(rid, None)
+            self._release_reservation(rid)
             self.engine.abort_request(rid)
         try:
             params = SamplingParams.from_dict(work.sampling)
@@ -73,7 +76,10 @@ class PrefillWorker(WorkerBase):
         except InvalidArgument as e:
             self.to_router(P.WorkerError(rid, work.attempt, e.code, str(e)))
             return
-        self.work[rid] = (work, time.monotonic())
+        now = time.monotonic()
+        self.work[rid] = (work, now)
+        self.transfers[rid] = Transfer(work, now + self.cfg.transfer_timeout_s)
+        self._reserve(rid)
 
     # ------------------------------------------------------------------ engine
 
@@ -88,10 +94,14 @@ class PrefillWorker(WorkerBase):
             timings = {"prefill_s": now - received}
             if out.finish_reason != "prefilled":  # finished at its first token: nothing to transfer
                 self.to_router(P.WorkerTokens(out.request_id, work.attempt, index, [first], out.finish_reason, timings))
+                self._release_reservation(out.request_id)
                 continue
             self.to_router(P.WorkerTokens(out.request_id, work.attempt, index, [first], None, timings))
-            self.transfers[out.request_id] = Transfer(work, first, now, now + self.cfg.transfer_timeout_s)
-            self._reserve(out.request_id)
+            t = self.transfers.get(out.request_id)
+            if t is not None:
+                t.first_token = first
+                if t.block_ids is not None:
+                    self._send_kv(out.request_id, t)
 
     # ------------------------------------------------------------------ decode peers
 
@@ -109,9 +119,17 @@ class PrefillWorker(WorkerBase):
         self._peer(t.work.decode_kv_address).try_send(
             P.KVReserve(rid, t.work.attempt, len(t.work.token_ids), self.engine.kv_layout))
 
-    def _give_up(self, rid: str, code: str, message: str):
+    def _release_reservation(self, rid: str):
         t = self.transfers.pop(rid, None)
+        if t is not None:
+            self._peer(t.work.decode_kv_address).try_send(P.KVRelease(rid, t.work.attempt))
+        return t
+
+    def _give_up(self, rid: str, code: str, message: str):
+        t = self._release_reservation(rid)
         self.engine.release(rid)
+        self.work.pop(rid, None)
+        self.engine.abort_request(rid)
         if t is not None:
             log.warning("transfer of %s to %s failed: %s %s", rid, t.work.decode_worker_id, code, message)
             self.to_router(P.WorkerError(rid, t.work.attempt, code, message))
@@ -125,7 +143,9 @@ class PrefillWorker(WorkerBase):
         if t is None or msg.attempt != t.work.attempt:
             return
         if isinstance(msg, P.KVGrant):
-            self._send_kv(msg.request_id, t, msg.block_ids)
+            t.block_ids, t.state = msg.block_ids, "granted"
+            if t.first_token is not None:
+                self._send_kv(msg.request_id, t)
         elif isinstance(msg, P.KVRefuse):
             if msg.code == "BUSY" and time.monotonic() < t.deadline:
                 t.retry_at = time.monotonic() + RETRY_BACKOFF_S[min(t.retries, len(RETRY_BACKOFF_S) - 1)]
@@ -139,13 +159,14 @@ class PrefillWorker(WorkerBase):
             else:
                 self._give_up(msg.request_id, "TRANSFER_FAILED", msg.message)
 
-    def _send_kv(self, rid: str, t: Transfer, block_ids: list[int]):
+    def _send_kv(self, rid: str, t: Transfer):
+        block_ids = t.block_ids
         held = self.engine.held.get(rid)
         if held is None:
             return self._give_up(rid, "CANCELLED", "blocks no longer held")
         ours = held.block_table
         if len(block_ids) < len(ours):
-            return self._give_up(rid, "INVALID_ARGUMENT", f"granted {len(block_ids)} blocks, need {len(ours)}")
+            return self._give_up(rid, "TRANSFER_FAILED", f"granted {len(block_ids)} blocks, need {len(ours)}")
         t.buffers = [self.engine.read_kv(ours, layer) for layer in range(self.engine.model_config.num_layers)]
         w = t.work
         header = P.KVTransfer(rid, w.attempt, w.token_ids + [t.first_token], w.num_prompt_tokens, t.first_token,
