@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import sys
+from pathlib import Path
 
 import click
 
@@ -137,15 +138,22 @@ def generate(prompts, prompt_ids, as_json, router_address, max_tokens, temperatu
 @click.option("--policy", default="least_loaded", show_default=True, type=click.Choice(["least_loaded", "round_robin"]))
 @click.option("--max-queue", default=1024, show_default=True, type=int, help="requests held at once; more are OVERLOADED")
 @click.option("--heartbeat-timeout", default=2.0, show_default=True, type=float, help="seconds of silence before a worker is dead")
-@click.option("--max-attempts", default=3, show_default=True, type=int)
+@click.option("--max-attempts", default=3, show_default=True, type=int, help="dispatches of one request before it fails")
+@click.option("--prefill-timeout", default=60.0, show_default=True, type=float, help="seconds from dispatch to first token")
+@click.option("--decode-stall-timeout", default=30.0, show_default=True, type=float, help="longest gap between tokens")
+@click.option("--queue-timeout", default=30.0, show_default=True, type=float, help="longest wait for a live worker")
+@click.option("--max-message-bytes", default=4 * 2**20, show_default=True, type=int)
 @click.option("--log-level", default="INFO", show_default=True)
-def router(model, host, port, worker_port, policy, max_queue, heartbeat_timeout, max_attempts, log_level):
+def router(model, host, port, worker_port, policy, max_queue, heartbeat_timeout, max_attempts, prefill_timeout,
+           decode_stall_timeout, queue_timeout, max_message_bytes, log_level):
     """Run the router: clients connect to --port, workers to --worker-port."""
     from router.server import RouterConfig, run_router
 
     setup_logging(log_level)
     run_router(RouterConfig(model=model, host=host, port=port, worker_port=worker_port or port + 1, policy=policy,
-                            max_queue=max_queue, heartbeat_timeout_s=heartbeat_timeout, max_attempts=max_attempts))
+                            max_queue=max_queue, heartbeat_timeout_s=heartbeat_timeout, max_attempts=max_attempts,
+                            prefill_timeout_s=prefill_timeout, decode_stall_timeout_s=decode_stall_timeout,
+                            queue_timeout_s=queue_timeout, max_message_bytes=max_message_bytes))
 
 
 def worker_command(role: str):
@@ -289,6 +297,24 @@ def bench_serve(model, topologies, scenarios, router_address, seed, worker_args)
         run_serve_bench(model, topologies.split(","), scenarios.split(","), router_address, seed, list(worker_args))
     except ValueError as e:
         raise click.UsageError(str(e))
+
+
+@bench.command("chaos")
+@click.option("--model", default="dummy:nanogpt", show_default=True)
+@click.option("--prefill", default=2, show_default=True, type=int)
+@click.option("--decode", default=2, show_default=True, type=int)
+@click.option("--requests", default=500, show_default=True, type=int)
+@click.option("--kills", default=10, show_default=True, type=int, help="faults to inject (SIGKILL or SIGSTOP)")
+@click.option("--concurrency", default=24, show_default=True, type=int)
+@click.option("--interval", default=1.5, show_default=True, type=float, help="seconds between faults")
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--log-dir", default=None, help="keep the cluster's logs here")
+def bench_chaos(model, prefill, decode, requests, kills, concurrency, interval, seed, log_dir):
+    """Kill and stop random workers under load; check every request completes token-exact."""
+    from bench.chaos import run_chaos
+
+    run_chaos(model, prefill, decode, requests, kills, concurrency, seed, interval_s=interval,
+              log_dir=Path(log_dir) if log_dir else None)
 
 
 def run():

@@ -13,7 +13,9 @@
 Sampling options are SamplingParams' fields (temperature, top_p, top_k, max_tokens, seed,
 stop_token_ids, ignore_eos). Failures raise RequestError carrying the router's code
 (INVALID_ARGUMENT, OVERLOADED, UNAVAILABLE, TIMEOUT, ...) and message. Many requests may be in
-flight on one client; replies are matched to them by request id.
+flight on one client; replies are matched to them by request id. If the connection to the router
+drops (the router died or restarted), every request in flight fails at once with UNAVAILABLE
+rather than waiting out its timeout; the client reconnects by itself for new requests.
 """
 
 from __future__ import annotations
@@ -28,8 +30,12 @@ from dataclasses import dataclass, field
 import zmq
 import zmq.asyncio
 
+from zmq.utils.monitor import recv_monitor_message
+
 from common import protocol as P
 from common.channel import Channel
+
+LOST = "lost the connection to the router (it died or restarted); the request's outcome is unknown"
 
 
 class RequestError(Exception):
@@ -99,7 +105,12 @@ class Client:
         self.address, self.timeout = address, timeout
         self.ctx = zmq.Context()
         self.chan = Channel.connect(self.ctx, zmq.DEALER, address)
+        self._monitor = self.chan.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._poller = zmq.Poller()
+        self._poller.register(self.chan.sock, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
         self._inbox: dict[str | None, deque] = defaultdict(deque)
+        self._open: set[str] = set()  # submitted, no Done or Error yet
         self._new_id = _Ids()
 
     def __enter__(self):
@@ -109,12 +120,15 @@ class Client:
         self.close()
 
     def close(self):
+        self.chan.sock.disable_monitor()
+        self._monitor.close(linger=0)
         self.chan.close()
         self.ctx.term()
 
     def submit(self, prompt: str | list[int], stream: bool = True, request_id: str | None = None, **sampling) -> str:
         request_id = request_id or self._new_id()
         self.chan.send(P.Generate(request_id, prompt, sampling, stream))
+        self._open.add(request_id)
         return request_id
 
     def cancel(self, request_id: str) -> None:
@@ -128,7 +142,15 @@ class Client:
                 if key is not None:
                     self.cancel(key)
                 raise RequestError("TIMEOUT", f"no reply within the client's timeout of {self.timeout}s", key)
-            env = self.chan.recv(None if wait is None else max(1, int(wait * 1000)))
+            ready = dict(self._poller.poll(None if wait is None else max(1, int(wait * 1000))))
+            if self._monitor in ready:
+                recv_monitor_message(self._monitor)
+                for rid in self._open:
+                    self._inbox[rid].append(P.Error(rid, "UNAVAILABLE", LOST))
+                self._open.clear()
+            if self.chan.sock not in ready:
+                continue
+            env = self.chan.recv(0)
             if env is None:
                 continue
             if env.error is not None:
@@ -138,6 +160,8 @@ class Client:
         msg = self._inbox[key].popleft()
         if not self._inbox[key]:
             del self._inbox[key]
+        if isinstance(msg, (P.Error, P.Done)):
+            self._open.discard(key)
         if isinstance(msg, P.Error):
             _raise(msg)
         return msg
@@ -177,6 +201,7 @@ class AsyncClient:
         self.chan = Channel.connect(self.ctx, zmq.DEALER, address)
         self._queues: dict[str | None, asyncio.Queue] = defaultdict(asyncio.Queue)
         self._reader: asyncio.Task | None = None
+        self._open: set[str] = set()
         self._new_id = _Ids()
 
     async def __aenter__(self):
@@ -192,6 +217,10 @@ class AsyncClient:
         self.chan.close()
         self.ctx.term()
 
+    def _start(self):
+        if self._reader is None:
+            self._reader = asyncio.ensure_future(asyncio.gather(self._read(), self._watch()))
+
     async def _read(self):
         while True:
             env = await self.chan.arecv()
@@ -201,11 +230,23 @@ class AsyncClient:
             key = None if isinstance(msg, P.StatusReply) else getattr(msg, "request_id", None)
             self._queues[key].put_nowait(msg)
 
+    async def _watch(self):
+        monitor = self.chan.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
+            while True:
+                await monitor.recv_multipart()
+                for rid in self._open:
+                    self._queues[rid].put_nowait(P.Error(rid, "UNAVAILABLE", LOST))
+                self._open.clear()
+        finally:
+            self.chan.sock.disable_monitor()
+            monitor.close(linger=0)
+
     async def submit(self, prompt, stream: bool = True, request_id: str | None = None, **sampling) -> str:
-        if self._reader is None:
-            self._reader = asyncio.ensure_future(self._read())
+        self._start()
         request_id = request_id or self._new_id()
         await self.chan.send(P.Generate(request_id, prompt, sampling, stream))
+        self._open.add(request_id)
         return request_id
 
     async def cancel(self, request_id: str) -> None:
@@ -218,11 +259,11 @@ class AsyncClient:
             if key is not None:
                 await self.cancel(key)
             raise RequestError("TIMEOUT", f"no reply within the client's timeout of {timeout}s", key) from None
+        if isinstance(msg, (P.Error, P.Done)):
+            self._queues.pop(key, None)
+            self._open.discard(key)
         if isinstance(msg, P.Error):
-            self._queues.pop(key, None)
             _raise(msg)
-        if isinstance(msg, P.Done):
-            self._queues.pop(key, None)
         return msg
 
     async def stream(self, prompt, timeout: float | None = None, **sampling):
@@ -249,7 +290,6 @@ class AsyncClient:
         return list(await asyncio.gather(*(self.generate(p, timeout, **sampling) for p in prompts)))
 
     async def status(self, timeout: float | None = 10.0) -> P.StatusReply:
-        if self._reader is None:
-            self._reader = asyncio.ensure_future(self._read())
+        self._start()
         await self.chan.send(P.StatusRequest())
         return await self._next(None, timeout)

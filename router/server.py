@@ -86,10 +86,13 @@ class Router:
         self.by_client: dict[tuple[bytes, str], str] = {}
         self._ids = itertools.count()
         self.ctx = zmq.asyncio.Context()
+        # Messages over max_message_bytes get an error naming the limit; ZeroMQ itself drops a peer
+        # sending frames over 4x that, before they are buffered whole.
+        hard_cap = 4 * cfg.max_message_bytes
         self.frontend = Channel.bind(self.ctx, zmq.ROUTER, f"tcp://{cfg.host}:{cfg.port}",
-                                     max_frame_bytes=cfg.max_message_bytes, max_header_bytes=cfg.max_message_bytes)
+                                     max_frame_bytes=hard_cap, max_header_bytes=cfg.max_message_bytes)
         self.backend = Channel.bind(self.ctx, zmq.ROUTER, f"tcp://{cfg.host}:{cfg.worker_port}",
-                                    max_frame_bytes=cfg.max_message_bytes, max_header_bytes=cfg.max_message_bytes)
+                                    max_frame_bytes=hard_cap, max_header_bytes=cfg.max_message_bytes)
 
     # ------------------------------------------------------------------ plumbing
 
@@ -194,8 +197,10 @@ class Router:
             return refuse("OVERLOADED", f"the router holds {len(self.requests)} requests, its limit "
                                         f"(max_queue={self.cfg.max_queue}); retry later")
         for roles, what in ((PREFILL_ROLES, "prefill"), (DECODE_ROLES, "decode")):
-            if not self.registry.alive(roles):
-                return refuse("UNAVAILABLE", f"no live {what} worker")
+            # None ever registered: say so now. Some did but are down: they may be restarting, so
+            # the request waits (dispatch queues it) up to queue_timeout_s.
+            if not any(w.role in roles for w in self.registry.workers.values()):
+                return refuse("UNAVAILABLE", f"no {what} worker has registered")
         req = Request(str(next(self._ids)), client, msg.request_id, ids, params,
                       params.seed if params.seed is not None else fresh_seed(), msg.stream, arrival=received)
         self.requests[req.rid] = req
@@ -222,8 +227,24 @@ class Router:
 
     # ------------------------------------------------------------------ dispatch
 
+    def _already_finished(self, req: Request) -> str | None:
+        """A migrating request whose delivered tokens already end it (its Done was lost with its worker)."""
+        if not req.tokens:
+            return None
+        stops = set(req.params.stop_token_ids) | (set() if req.params.ignore_eos else set(self.model_config.eos_token_ids))
+        if req.tokens[-1] in stops:
+            return "stop"
+        if len(req.tokens) >= req.params.max_tokens or len(req.prompt_ids) + len(req.tokens) >= self.model_config.max_position_embeddings:
+            return "length"
+        return None
+
     def dispatch(self, req: Request):
         """Send req (prompt + tokens delivered so far) to a prefill worker, naming its decode worker."""
+        reason = self._already_finished(req)
+        if reason is not None:
+            self.reply(req, P.Done(req.client_request_id, reason, req.tokens, self._text(req.tokens), req.prompt_ids,
+                                   self._timings(req)))
+            return self._finish(req)
         p = self.registry.pick(PREFILL_ROLES)
         d = p if p is not None and p.role == "mono" else self.registry.pick(("decode",))
         if p is None or d is None:
@@ -282,6 +303,16 @@ class Router:
             self.on_worker_error(w, msg)
 
     def register(self, identity: bytes, msg: P.Register):
+        problem = None
+        if msg.role not in ("prefill", "decode", "mono"):
+            problem = f"role={msg.role!r}; allowed: prefill, decode, mono"
+        elif msg.role != "prefill" and not msg.kv_address.startswith(("tcp://", "ipc://")):
+            problem = f"kv_address={msg.kv_address!r}; allowed: tcp://HOST:PORT or ipc://PATH"
+        elif msg.total_blocks < 1 or msg.block_size < 1:
+            problem = f"total_blocks={msg.total_blocks}, block_size={msg.block_size}; both must be >= 1"
+        if problem:
+            log.warning("refused a registration from %r: %s", identity, problem)
+            return
         if msg.model and msg.model != self.model_config.fingerprint:
             log.error("refused worker %s: it serves model %r, the router %r", msg.worker_id, msg.model,
                       self.model_config.fingerprint)
@@ -314,8 +345,10 @@ class Router:
         req.worker_timings.update(msg.timings)
         if req.state == "prefill":
             req.state = "decode"
+        if w.worker_id == req.decode_worker and w.worker_id != req.prefill_worker:
+            # Tokens from the decode worker: the KV arrived, the prefill worker is done with it.
             pw = self.registry.workers.get(req.prefill_worker)
-            if pw is not None and pw.role == "prefill":
+            if pw is not None:
                 pw.assigned.discard(req.rid)
         req.deadline = now + self.cfg.decode_stall_timeout_s
         for i, t in enumerate(msg.token_ids):
@@ -365,7 +398,10 @@ class Router:
             if now < req.deadline:
                 continue
             if req.state == "queued":
-                self.error(req, "UNAVAILABLE", f"no live worker for {self.cfg.queue_timeout_s}s")
+                missing = [what for roles, what in ((PREFILL_ROLES, "prefill"), (DECODE_ROLES, "decode"))
+                           if not self.registry.alive(roles)]
+                self.error(req, "UNAVAILABLE", f"no live {' or '.join(missing) or 'worker'} worker "
+                                               f"for {self.cfg.queue_timeout_s}s")
             else:
                 self.retry(req, f"{req.state} deadline passed")
         for req in list(self.requests.values()):

@@ -146,13 +146,40 @@ def test_cancel_mid_stream_frees_every_block(tmp_path):
 
 
 def test_unavailable_without_workers(tmp_path):
-    with cluster(tmp_path, prefill=1, decode=1) as c, Client(c.address, timeout=30) as client:
+    with cluster(tmp_path, prefill=1, decode=1, router_args=["--queue-timeout", "1", "--heartbeat-timeout", "0.5"]) as c, \
+            Client(c.address, timeout=30) as client:
         c.workers[1].proc.kill()  # the only decode worker
         c.workers[1].proc.wait()
         deadline = time.monotonic() + 10
         while any(w["alive"] and w["role"] == "decode" for w in client.status().workers):
             assert time.monotonic() < deadline
             time.sleep(0.1)
+        # It may come back (a launcher restarts workers), so the request waits, then fails clearly.
         with pytest.raises(RequestError) as e:
             client.generate([1, 2, 3], max_tokens=2)
-        assert e.value.code == "UNAVAILABLE" and "no live decode worker" in e.value.message
+        assert e.value.code == "UNAVAILABLE" and "no live decode worker for 1.0s" in e.value.message
+
+
+def test_unavailable_when_no_worker_ever_registered(tmp_path):
+    import subprocess
+    import sys
+
+    from router.launcher import free_port
+
+    port = free_port()
+    router = subprocess.Popen([sys.executable, "-m", "common.cli", "router", "--port", str(port),
+                               "--worker-port", str(free_port())], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        with Client(f"tcp://127.0.0.1:{port}", timeout=30) as client:
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    client.generate([1, 2, 3], max_tokens=2, timeout=2)
+                except RequestError as e:
+                    if e.code == "TIMEOUT" and time.monotonic() < deadline:
+                        continue  # the router is still starting
+                    assert e.code == "UNAVAILABLE" and "no prefill worker has registered" in e.message
+                    break
+    finally:
+        router.terminate()
+        router.wait(10)

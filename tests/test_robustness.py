@@ -1,0 +1,156 @@
+"""Bad input and overload: thousands of malformed, truncated, wrongly versioned and oversized
+messages at the router's client and worker ports and at a decode worker's KV ingress leave every
+process serving, token-exact; a burst far past the queue limit is shed with OVERLOADED while the
+accepted requests complete, and memory does not grow from one burst to the next."""
+
+import asyncio
+import time
+from pathlib import Path
+
+import msgpack
+import pytest
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from common import protocol as P
+from common.engine import Engine
+from common.sampling import SamplingParams
+from router.client import AsyncClient, Client, RequestError
+from tests.cluster import cluster
+
+pytestmark = pytest.mark.timeout(600)
+
+leaves = st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**64 - 1), st.floats(allow_nan=True),
+                   st.text(max_size=20), st.binary(max_size=40))
+values = st.recursive(leaves, lambda inner: st.one_of(st.lists(inner, max_size=5),
+                                                      st.dictionaries(st.text(max_size=10), inner, max_size=5)),
+                      max_leaves=12)
+
+
+@st.composite
+def message_like(draw):
+    """Maps that look like protocol messages: a known or unknown type, right or wrong version,
+    real field names with values of any type, plus unknown fields."""
+    cls = draw(st.sampled_from(sorted(P.MESSAGES.values(), key=lambda c: c.__name__)))
+    names = list(cls.__dataclass_fields__)
+    chosen = draw(st.lists(st.sampled_from(names), max_size=len(names), unique=True)) if names else []
+    body = {n: draw(values) for n in chosen}
+    if draw(st.booleans()):
+        body[draw(st.text(max_size=8))] = draw(values)
+    body["type"] = draw(st.one_of(st.just(cls.__name__), st.text(max_size=12), values))
+    body["v"] = draw(st.one_of(st.just(P.PROTOCOL_VERSION), values))
+    return msgpack.packb(body, use_bin_type=True)
+
+
+@st.composite
+def truncated(draw):
+    msg = P.Generate("r", [1, 2, 3], {"temperature": 0.5}, True)
+    raw = P.encode(draw(st.sampled_from([msg, P.Cancel("x"), P.KVReserve("a", 1, 4, {"layers": 4})])))
+    return raw[:draw(st.integers(0, len(raw) - 1))]
+
+
+frame = st.one_of(st.binary(max_size=512), message_like(), truncated(), values.map(lambda v: msgpack.packb(v)))
+multipart = st.lists(frame, min_size=1, max_size=4)
+
+
+def serves_exactly(address):
+    want = Engine(model="dummy:nanogpt").generate([[3, 1, 4, 1, 5]], SamplingParams(temperature=0, max_tokens=6,
+                                                                                     ignore_eos=True))[0].token_ids
+    with Client(address, timeout=60) as client:
+        assert client.generate([3, 1, 4, 1, 5], temperature=0, max_tokens=6, ignore_eos=True).token_ids == want
+        workers = client.status().workers
+    assert len(workers) == 2 and all(w["alive"] for w in workers)
+
+
+@pytest.fixture(scope="module")
+def fuzz_cluster(tmp_path_factory):
+    with cluster(tmp_path_factory.mktemp("fuzz"), router_args=["--max-message-bytes", str(2**20)]) as c:
+        with Client(c.address) as client:
+            c.kv_address = next(w["kv_address"] for w in client.status().workers if w["role"] == "decode")
+        yield c
+
+
+@pytest.mark.parametrize("target", ["frontend", "backend", "kv_ingress"])
+def test_fuzzed_frames_leave_every_process_serving(fuzz_cluster, target):
+    c = fuzz_cluster
+    address = {"frontend": c.address, "backend": f"tcp://127.0.0.1:{c.worker_port}", "kv_ingress": c.kv_address}[target]
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 100000)
+    sock.connect(address)
+    sent = []
+
+    @settings(max_examples=1500, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(multipart)
+    def fuzz(parts):
+        sock.send_multipart(parts)
+        sent.append(1)
+        while sock.poll(0):
+            sock.recv_multipart()  # replies (errors) are fine; just do not let them pile up
+
+    try:
+        fuzz()
+        time.sleep(0.5)
+        assert len(sent) >= 1000
+        for child in c.children:
+            assert child.proc.poll() is None, f"{child.name} died"
+        serves_exactly(c.address)
+    finally:
+        sock.close()
+        ctx.term()
+    for child in c.children:
+        log = Path(child.log_path).read_text()
+        assert "Traceback" not in log, f"{child.name} logged a traceback:\n{log[-3000:]}"
+
+
+def test_oversized_message_is_refused_with_its_size(fuzz_cluster):
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(fuzz_cluster.address)
+    try:
+        sock.send(P.encode(P.Generate("big", [1000] * 700_000, {}, True)))  # ~2 MB > the 1 MiB limit
+        assert sock.poll(10_000)
+        reply = P.decode(sock.recv())
+        assert isinstance(reply, P.Error) and reply.code == "INVALID_ARGUMENT"
+        assert "over the limit of 1048576" in reply.message
+        sock.send(b"\x00" * (5 * 2**20))  # past the hard cap: the router drops this peer, serves others
+    finally:
+        sock.close()
+        ctx.term()
+    serves_exactly(fuzz_cluster.address)
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_burst_far_past_capacity_is_shed_and_memory_settles(tmp_path):
+    async def burst(address, n):
+        async with AsyncClient(address, timeout=120) as client:
+            async def one(i):
+                try:
+                    return len((await client.generate([i % 200 + 1] * 20, max_tokens=16, ignore_eos=True)).token_ids)
+                except RequestError as e:
+                    return e.code
+            return await asyncio.gather(*(one(i) for i in range(n)))
+
+    with cluster(tmp_path, router_args=["--max-queue", "16"]) as c:
+        asyncio.run(burst(c.address, 20))  # warm-up: allocator and caches at their working size
+        before = {ch.name: rss_mb(ch.proc.pid) for ch in c.children}
+        sizes = []
+        for _ in range(3):
+            outcomes = asyncio.run(burst(c.address, 600))
+            assert set(outcomes) <= {"OVERLOADED", 16}, set(outcomes)
+            assert outcomes.count("OVERLOADED") >= 400 and outcomes.count(16) >= 16
+            sizes.append({ch.name: rss_mb(ch.proc.pid) for ch in c.children})
+        for name in before:
+            # Growth stops after the first burst: the second and third leave memory where it was.
+            assert sizes[2][name] - sizes[0][name] < 16, (name, before[name], [s[name] for s in sizes])
+            assert sizes[2][name] - before[name] < 64, (name, before[name], [s[name] for s in sizes])
+        serves_exactly(c.address)
