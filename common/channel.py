@@ -19,6 +19,7 @@ import zmq
 
 from common import protocol
 from common.protocol import ProtocolError
+from common.security import secure
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +41,9 @@ class Channel:
         self.is_router = sock.type == zmq.ROUTER
 
     @classmethod
-    def _make(cls, ctx, kind: int, max_frame_bytes: int | None, identity: bytes | None):
+    def _make(cls, ctx, kind: int, max_frame_bytes: int | None, identity: bytes | None, server: bool):
         sock = ctx.socket(kind)
+        secure(sock, ctx, server)  # CURVE when PDSERVE_CURVE_DIR is set
         sock.setsockopt(zmq.LINGER, 0)
         if max_frame_bytes is not None:
             sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)  # larger frames drop the peer
@@ -53,14 +55,14 @@ class Channel:
 
     @classmethod
     def bind(cls, ctx, kind: int, address: str, max_frame_bytes: int | None = None, **kw) -> "Channel":
-        sock = cls._make(ctx, kind, max_frame_bytes, None)
+        sock = cls._make(ctx, kind, max_frame_bytes, None, server=True)
         sock.bind(address)
         return cls(sock, **kw)
 
     @classmethod
     def connect(cls, ctx, kind: int, address: str, identity: bytes | None = None,
                 max_frame_bytes: int | None = None, **kw) -> "Channel":
-        sock = cls._make(ctx, kind, max_frame_bytes, identity)
+        sock = cls._make(ctx, kind, max_frame_bytes, identity, server=False)
         sock.connect(address)
         return cls(sock, **kw)
 

@@ -91,8 +91,28 @@ def parse_prompt_ids(text: str) -> list[int]:
 
 
 @click.group()
-def main():
+@click.option("--curve-dir", default=None, envvar="PDSERVE_CURVE_DIR",
+              help="CURVE key directory (pdserve keys): encrypt and authenticate every socket")
+def main(curve_dir):
     """pdserve: LLM serving with disaggregated prefill and decode."""
+    import os
+
+    if curve_dir:
+        from common.security import CurveKeys
+
+        CurveKeys.load(curve_dir)  # fail now, clearly, on a bad directory
+        os.environ["PDSERVE_CURVE_DIR"] = curve_dir  # for this process's sockets and its children
+
+
+@main.command()
+@click.option("--dir", "directory", required=True, help="where to write the keys")
+def keys(directory):
+    """Create CURVE keys: server and client keypairs, and authorized/ with the client's public key."""
+    from common.security import create_keys
+
+    d = create_keys(directory)
+    print(f"CURVE keys in {d}: share it (or server.key, client.key_secret and authorized/) with every "
+          f"process, then run each with --curve-dir {d} (or PDSERVE_CURVE_DIR={d})")
 
 
 @main.command()

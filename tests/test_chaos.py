@@ -32,12 +32,12 @@ def stream_all(client, prompts, sampling):
     return [client.stream(p, **s) for p, s in zip(prompts, sampling)]
 
 
-def collect(streams):
+def collect(streams, first_chunks=None):
     """Drain streams; return (final tokens, streamed tokens, attempts) per stream, checking order."""
     out = []
-    for s in streams:
+    for i, s in enumerate(streams):
         streamed = []
-        for chunk in s:
+        for chunk in ([first_chunks[i]] if first_chunks else []) + list(s):
             assert chunk.index == len(streamed), "duplicated or missing position in the stream"
             streamed += chunk.token_ids
         out.append((s.result.token_ids, streamed, s.result.timings.get("attempts")))
@@ -57,12 +57,11 @@ def test_decode_worker_lost_mid_stream_requests_migrate(tmp_path, fault):
     want = reference(prompts, sampling)
     with cluster(tmp_path, prefill=1, decode=2, router_args=FAST_FAILOVER) as c, Client(c.address, timeout=120) as client:
         streams = stream_all(client, prompts, sampling)
-        for s in streams:
-            next(s)  # every request is decoding
+        first = [next(s) for s in streams]  # every request is decoding
         victim = c.workers[1].proc  # decode-0
         victim.send_signal(fault)
         try:
-            results = collect(streams)
+            results = collect(streams, first)
         finally:
             if fault == signal.SIGSTOP:
                 victim.send_signal(signal.SIGCONT)
@@ -122,9 +121,14 @@ def test_router_restart_fails_inflight_clearly_and_workers_rejoin(tmp_path):
         r = client.generate([5, 6, 7], max_tokens=4, temperature=0, ignore_eos=True)
         assert r.token_ids == reference([[5, 6, 7]], [dict(max_tokens=4, temperature=0, ignore_eos=True)])[0]
         # A crashed worker is restarted too, and rejoins.
-        c.workers[0].proc.kill()
-        wait_for(lambda: (c.supervise_once(), c.workers[0].proc.poll() is None)[1], what="prefill-0 to restart")
-        wait_for(lambda: sum(w["alive"] for w in client.status().workers) == 2, what="prefill-0 to rejoin")
+        old = c.workers[0].proc
+        old.kill()
+        old.wait()
+        wait_for(lambda: (c.supervise_once(), c.workers[0].proc is not old)[1], what="prefill-0 to restart")
+        incarnations = lambda: {w["incarnation"] for w in client.status().workers
+                                if w["alive"] and w["worker_id"] == "prefill-0"}
+        before = incarnations()
+        wait_for(lambda: incarnations() and incarnations() != before, what="prefill-0 to rejoin")
         assert len(client.generate([1, 2], max_tokens=3, ignore_eos=True).token_ids) == 3
 
 
