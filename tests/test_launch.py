@@ -18,7 +18,7 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def processes_mentioning(text: str) -> list[str]:
-    out = subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    out = subprocess.run(["ps", "-ww", "-eo", "pid,pgid,args"], capture_output=True, text=True).stdout
     return [line for line in out.splitlines()[1:] if text in line and "ps -ww" not in line]
 
 
@@ -54,6 +54,21 @@ def test_launch_answers_and_stops_cleanly(tmp_path, how):
         assert len(r.token_ids) == 5
         assert len(processes_mentioning(marker)) >= 1
         assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == ["decode-0.log", "prefill-0.log", "router.log"]
+        # A crashed worker is restarted and rejoins under a new incarnation.
+        with Client(address, timeout=60) as client:
+            def incarnation():
+                return {w["incarnation"] for w in client.status().workers if w["worker_id"] == "prefill-0" and w["alive"]}
+            before = incarnation()
+            victim = [int(line.split()[0]) for line in processes_mentioning("--worker-id prefill-0")
+                      if int(line.split()[1]) == proc.pid]
+            assert len(victim) == 1
+            os.kill(victim[0], signal.SIGKILL)
+            deadline = time.monotonic() + 60
+            while not (incarnation() and incarnation() != before):
+                assert time.monotonic() < deadline, "prefill-0 was not restarted"
+                time.sleep(0.2)
+            assert len(client.generate("Hello", max_tokens=3, ignore_eos=True).token_ids) == 3
+        assert "restarting in" in (tmp_path / "logs" / "prefill-0.log").read_text()
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
     finally:
