@@ -32,6 +32,7 @@ from common.sampling import SamplingParams, fresh_seed
 from router.registry import DECODE_ROLES, PREFILL_ROLES, Registry, Worker
 
 log = logging.getLogger("pdserve.router")
+DEAD_WORKER_MEMORY_S = 300.0  # how long `pdserve status` still lists a dead worker
 
 
 @dataclass
@@ -394,6 +395,8 @@ class Router:
         for w in list(self.registry.workers.values()):
             if w.alive and now - w.last_seen > self.cfg.heartbeat_timeout_s:
                 self.worker_lost(w, f"silent for {now - w.last_seen:.1f}s")
+            elif not w.alive and now - w.last_seen > DEAD_WORKER_MEMORY_S:
+                del self.registry.workers[w.worker_id]  # long gone: forget it
         for req in list(self.requests.values()):
             if now < req.deadline:
                 continue
