@@ -24,6 +24,7 @@ from common.security import secure
 log = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
+DEFAULT_MAX_FRAME_BYTES = 64 * 2**20  # every socket has a cap; KV ingress sets its own, larger
 
 
 @dataclass
@@ -45,8 +46,8 @@ class Channel:
         sock = ctx.socket(kind)
         secure(sock, ctx, server)  # CURVE when PDSERVE_CURVE_DIR is set
         sock.setsockopt(zmq.LINGER, 0)
-        if max_frame_bytes is not None:
-            sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)  # larger frames drop the peer
+        # A peer sending a larger frame is disconnected before the frame is buffered whole.
+        sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes or DEFAULT_MAX_FRAME_BYTES)
         if identity is not None:
             sock.setsockopt(zmq.IDENTITY, identity)
         if kind == zmq.ROUTER:
