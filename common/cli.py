@@ -9,6 +9,7 @@ from pathlib import Path
 
 import click
 
+from common.config import KV_TRANSPORTS
 from common.errors import PdserveError
 
 
@@ -28,15 +29,18 @@ def engine_options(f):
         click.option("--no-prefix-caching", is_flag=True),
         click.option("--attention-backend", default="auto", show_default=True,
                      type=click.Choice(["auto", "sdpa", "flex"])),
+        click.option("--kv-transport", default="auto", show_default=True, type=click.Choice(KV_TRANSPORTS),
+                     help="how KV crosses from prefill to decode workers; auto: the fastest both ends support"),
     ]
 
     @functools.wraps(f)
     def wrapper(*args, model, device, dtype, block_size, num_blocks, kv_cache_gb, max_num_seqs,
-                max_num_batched_tokens, max_model_len, no_prefix_caching, attention_backend, **kwargs):
+                max_num_batched_tokens, max_model_len, no_prefix_caching, attention_backend, kv_transport, **kwargs):
         engine_kwargs = dict(model=model, device=device, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
                              kv_cache_gb=kv_cache_gb, max_num_seqs=max_num_seqs,
                              max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                             enable_prefix_caching=not no_prefix_caching, attention_backend=attention_backend)
+                             enable_prefix_caching=not no_prefix_caching, attention_backend=attention_backend,
+                             kv_transport=kv_transport)
         return f(*args, engine_kwargs=engine_kwargs, **kwargs)
 
     for opt in reversed(opts):
@@ -335,6 +339,22 @@ def bench_chaos(model, prefill, decode, requests, kills, concurrency, interval, 
 
     run_chaos(model, prefill, decode, requests, kills, concurrency, seed, interval_s=interval,
               log_dir=Path(log_dir) if log_dir else None)
+
+
+@bench.command("transfer")
+@click.option("--transport", default="zmq", show_default=True, type=click.Choice(KV_TRANSPORTS[1:]))
+@click.option("--model", default="dummy:llama-1b", show_default=True, help="only its KV layout is used")
+@click.option("--tokens", default=1024, show_default=True, type=int, help="KV of this many tokens per transfer")
+@click.option("--repeats", default=20, show_default=True, type=int)
+@click.option("--block-size", default=16, show_default=True, type=int)
+@click.option("--dtype", default=None, help="[default: float32 on CPU, bfloat16 on GPU]")
+@click.option("--device", default=None, help="[default: cpu; cuda:0 for cuda_ipc and nccl]")
+@click.option("--fragmented", is_flag=True, help="scattered block ids on both sides instead of runs")
+def bench_transfer(transport, model, tokens, repeats, block_size, dtype, device, fragmented):
+    """One KV transport between two processes: GB/s and latency, beside raw ZeroMQ and memcpy."""
+    from bench.transfer import run_transfer_bench
+
+    run_transfer_bench(transport, model, tokens, repeats, block_size, dtype, device, fragmented)
 
 
 def run():

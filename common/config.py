@@ -10,6 +10,8 @@ import torch
 from common.errors import InvalidArgument
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+KV_TRANSPORTS = ("auto", "zmq", "shm", "gloo", "cuda_ipc", "nccl")  # implemented in common/kv_transport.py
+KV_TRANSPORT_DEVICE = {"shm": "cpu", "cuda_ipc": "cuda", "nccl": "cuda"}  # the others work with any pool
 
 
 @dataclass
@@ -91,6 +93,8 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's context length
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
+    kv_transport: str = "auto"  # how KV crosses between workers; auto: the fastest both ends support
+    kv_shared: bool = False  # the KV pool in a named shared-memory segment (CPU): what shm writes into
     torch_dtype: torch.dtype = field(init=False)
     torch_device: torch.device = field(init=False)
 
@@ -118,3 +122,14 @@ class EngineConfig:
         if self.attention_backend not in ("auto", "sdpa", "flex"):
             raise InvalidArgument(f"attention_backend={self.attention_backend!r} is not supported; "
                                   "allowed: 'auto', 'sdpa', 'flex'")
+        if self.kv_transport not in KV_TRANSPORTS:
+            raise InvalidArgument(f"kv_transport={self.kv_transport!r} is not supported; "
+                                  f"allowed: {list(KV_TRANSPORTS)}")
+        kind = self.torch_device.type
+        if KV_TRANSPORT_DEVICE.get(self.kv_transport, kind) != kind:
+            allowed = [t for t in KV_TRANSPORTS if KV_TRANSPORT_DEVICE.get(t, kind) == kind]
+            raise InvalidArgument(f"kv_transport={self.kv_transport!r} does not work with device={self.device!r}; "
+                                  f"allowed there: {allowed}")
+        if self.kv_shared and self.torch_device.type != "cpu":
+            raise InvalidArgument(f"kv_shared=True needs device='cpu', got device={self.device!r} "
+                                  "(a CUDA pool is shared by CUDA IPC instead)")

@@ -107,7 +107,8 @@ class Engine:
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         bs = config.block_size
         self.num_blocks = config.num_blocks or self._auto_num_blocks()
-        self.kv_cache = allocate_kv_pool(mc, self.num_blocks, bs, config.torch_dtype, config.torch_device)
+        self.kv_cache, self.kv_segment = allocate_kv_pool(mc, self.num_blocks, bs, config.torch_dtype,
+                                                          config.torch_device, shared=config.kv_shared)
         self.block_manager = BlockManager(self.num_blocks, bs, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.kv_cache, bs, config.torch_device)
@@ -215,6 +216,15 @@ class Engine:
         self.block_manager.free_seq(seq)
         return True
 
+    def detach(self, request_id: str) -> list[int]:
+        """Take a held request's blocks away from it without freeing them (a transport may still
+        be reading them); free_blocks() them once it is done."""
+        seq = self.held.pop(request_id, None)
+        return seq.block_table if seq is not None else []
+
+    def free_blocks(self, block_ids: list[int]) -> None:
+        self.block_manager.release_blocks(block_ids)
+
     def reserve(self, num_tokens: int) -> list[int] | None:
         """Blocks and a running slot for a sequence whose KV will be written from outside, or None
         when either is short (the caller refuses the transfer for now: backpressure)."""
@@ -247,6 +257,13 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def close(self) -> None:
+        """Give back what outlives the process otherwise: the shared KV segment, if any."""
+        if self.kv_segment is not None:
+            self.runner.kv_cache = self.kv_cache = None
+            self.kv_segment.close()
+            self.kv_segment = None
 
     # ------------------------------------------------------------------ stepping
 

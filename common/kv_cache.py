@@ -1,8 +1,9 @@
 """The paged KV pool and the block manager.
 
-One pool per engine, allocated once: (layers, 2, blocks, block_size, kv_heads, head_dim). A
-sequence owns a block table (list of block ids); blocks are reference counted so that prefix
-caching can share them. A full block whose KV is computed gets a hash chained from the previous
+One pool per engine, allocated once: (layers, 2, blocks, block_size, kv_heads, head_dim), in
+private memory or (for the shm KV transport) in a named shared-memory segment. A sequence owns
+a block table (list of block ids); blocks are reference counted so that prefix caching can
+share them. A full block whose KV is computed gets a hash chained from the previous
 block's hash and a fixed seed, so the same tokens hash the same in every process; a hit is
 confirmed by comparing tokens. Freed blocks keep their hash and stay findable until reused
 (least recently freed first).
@@ -11,12 +12,18 @@ confirmed by comparing tokens. Freed blocks keep their hash and stay findable un
 from __future__ import annotations
 
 import hashlib
+import math
+import mmap
+import os
+import secrets
 from array import array
 from collections import OrderedDict
+from multiprocessing import shared_memory
 
 import torch
 
 from common.config import ModelConfig
+from common.errors import InvalidArgument
 from common.sequence import Sequence
 
 PREFIX_HASH_SEED = hashlib.blake2b(b"pdserve/prefix-cache/v1", digest_size=16).digest()
@@ -27,11 +34,95 @@ def block_hash(prev: bytes, token_ids) -> bytes:
 
 
 def allocate_kv_pool(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                     device: torch.device) -> torch.Tensor:
+                     device: torch.device, shared: bool = False) -> tuple[torch.Tensor, SharedSegment | None]:
+    """The pool, and its shared-memory segment when shared (CPU only; close it when done)."""
+    shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    if shared:
+        segment = SharedSegment.create(shape, dtype)  # zeroed: fresh tmpfs pages are
+        return segment.tensor, segment
     # Zeroed, not empty: masked-out slots still pass through the attention matmul, and stale NaNs
     # there would poison a softmax even with zero weight.
-    return torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
-                       dtype=dtype, device=device)
+    return torch.zeros(shape, dtype=dtype, device=device), None
+
+
+SHM_PREFIX = "pdserve-kv"
+SHM_DIR = "/dev/shm"  # where POSIX shared memory lives on Linux
+_SHM_HEADER = 4096  # the first page holds the nonce; the pool starts page-aligned after it
+_NONCE_BYTES = 16
+
+
+class SharedSegment:
+    """A tensor in a named POSIX shared-memory segment (/dev/shm/pdserve-kv-PID-XXXXXXXX) that
+    another process on this host maps, to write KV straight into the blocks (the shm transport).
+
+    The creator unlinks it on close(); if the creator is killed, multiprocessing's resource
+    tracker (a process of its own) unlinks it. A mapper maps the file itself, outside the
+    tracker (which would otherwise unlink the creator's segment when the mapper exits), and never
+    unlinks. The first page holds a random nonce that a mapper checks, so that a segment of the
+    same name elsewhere (another host, an earlier run) is never taken for this one."""
+
+    def __init__(self, name: str, buffer, tensor: torch.Tensor, nonce: bytes,
+                 owned: shared_memory.SharedMemory | None):
+        self.name, self.buffer, self.tensor, self.nonce, self.owned = name, buffer, tensor, nonce, owned
+
+    @classmethod
+    def create(cls, shape, dtype: torch.dtype) -> "SharedSegment":
+        nbytes = math.prod(shape) * dtype.itemsize
+        st = os.statvfs(SHM_DIR)
+        if nbytes > st.f_bavail * st.f_frsize:
+            raise InvalidArgument(f"a shared KV pool of {nbytes / 2**30:.2f} GiB does not fit in {SHM_DIR} "
+                                  f"({st.f_bavail * st.f_frsize / 2**30:.2f} GiB free); lower kv_cache_gb or "
+                                  "num_blocks, enlarge /dev/shm, or use kv_transport='zmq'")
+        name = f"{SHM_PREFIX}-{os.getpid()}-{secrets.token_hex(4)}"
+        segment = shared_memory.SharedMemory(name, create=True, size=_SHM_HEADER + nbytes)
+        nonce = secrets.token_bytes(_NONCE_BYTES)
+        segment.buf[:_NONCE_BYTES] = nonce
+        return cls(name, segment.buf, _tensor(segment.buf, shape, dtype), nonce, segment)
+
+    @classmethod
+    def attach(cls, name: str, nonce: bytes, shape, dtype: torch.dtype) -> "SharedSegment":
+        """Map another process's segment; raises ValueError if it is not there or not that one."""
+        if not name.startswith(SHM_PREFIX + "-") or "/" in name:
+            raise ValueError(f"segment name {name!r} is not one of ours ({SHM_PREFIX}-...)")
+        try:
+            fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+        except OSError as e:
+            raise ValueError(f"shared-memory segment {name!r} cannot be opened here ({e})") from None
+        try:
+            mapping = mmap.mmap(fd, 0)
+        finally:
+            os.close(fd)
+        nbytes = math.prod(shape) * dtype.itemsize
+        if mapping[:_NONCE_BYTES] != nonce or len(mapping) < _SHM_HEADER + nbytes:
+            mapping.close()
+            raise ValueError(f"shared-memory segment {name!r} here is not the advertised one "
+                             f"(nonce or size differs; expected {_SHM_HEADER + nbytes} bytes)")
+        return cls(name, mapping, _tensor(mapping, shape, dtype), nonce, None)
+
+    @staticmethod
+    def creator(name: str) -> int:
+        """The pid that created a segment of this name (-1 if the name is not one of ours)."""
+        parts = name.split("-")
+        return int(parts[2]) if len(parts) == 4 and parts[2].isdigit() else -1
+
+    def close(self) -> None:
+        self.tensor = None
+        try:
+            (self.owned or self.buffer).close()
+        except BufferError:  # views of the tensor still alive: the mapping goes when they do
+            pass
+        if self.owned is not None:
+            try:
+                self.owned.unlink()
+            except FileNotFoundError:
+                pass
+            self.owned = None
+
+
+def _tensor(buffer, shape, dtype: torch.dtype) -> torch.Tensor:
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes, offset=_SHM_HEADER)
+    return raw.view(dtype).view(shape)
 
 
 class Block:

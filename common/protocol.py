@@ -1,7 +1,8 @@
 """Every message that crosses a socket, declared once.
 
 A message is a msgpack map {"v": PROTOCOL_VERSION, "type": <tag>, ...fields}. Tensor bytes never
-go inside it: they travel as separate zero-copy frames after the header. Decoding is for
+go inside it: they travel as separate zero-copy frames after the header (KVChunk), or off the
+socket altogether (common/kv_transport.py). Decoding is for
 untrusted bytes: the size is capped before unpacking, msgpack's own length limits are set, the
 version and type must be known, and every field is checked against its declared type. Anything
 else raises ProtocolError with what was wrong; a receiver answers or drops it and carries on.
@@ -92,6 +93,7 @@ class Register:
     block_size: int
     kv_address: str = ""  # decode/mono: where prefill workers push KV
     model: str = ""
+    kv_transports: list[str] = field(default_factory=list)  # decode/mono: KV transports it receives by
 
 
 @dataclass
@@ -170,6 +172,7 @@ class KVGrant:
     attempt: int
     block_ids: list[int]
     lease_s: float
+    transports: dict = field(default_factory=dict)  # transport name -> how to reach it (common/kv_transport.py)
 
 
 @dataclass
@@ -181,9 +184,23 @@ class KVRefuse:
 
 
 @dataclass
+class KVChunk:
+    """Prefill -> decode, zmq transport: one frame of KV units, for the blocks granted to this
+    request and attempt. A unit is one block of one layer's K or V; the request's units are
+    numbered in (layer, K/V, block) order over its first num_blocks granted blocks, and this
+    frame holds units first_unit, first_unit + 1, ... (as many as its length holds)."""
+    request_id: str
+    attempt: int
+    num_blocks: int
+    first_unit: int
+
+
+@dataclass
 class KVTransfer:
-    """Header of the KV of one request; the tensor bytes follow as frames, one per layer, each
-    the (2, blocks, block_size, kv_heads, head_dim) slice of that layer."""
+    """Prefill -> decode: the KV of one request is (or, for gloo, is being) put into these granted
+    blocks by `transport`; start decoding it once all of it is there. No frames: the bytes went
+    as KVChunks (zmq), straight into the decode worker's pool (shm, cuda_ipc), or point to point
+    (gloo, nccl), as transport_info says."""
     request_id: str
     attempt: int
     token_ids: list[int]
@@ -194,6 +211,8 @@ class KVTransfer:
     layout: dict
     num_tokens: int
     block_ids: list[int]  # the decode worker's blocks granted for it
+    transport: str = "zmq"
+    transport_info: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -215,7 +234,7 @@ class KVAck:
 MESSAGES: dict[str, type] = {cls.__name__: cls for cls in (
     Generate, Cancel, StatusRequest, Token, Done, Error, StatusReply,
     Register, Registered, Heartbeat, PrefillWork, WorkerTokens, WorkerError, CancelWork, Shutdown,
-    KVReserve, KVGrant, KVRefuse, KVRelease, KVTransfer, KVAck)}
+    KVReserve, KVGrant, KVRefuse, KVRelease, KVChunk, KVTransfer, KVAck)}
 
 
 def encode(msg) -> bytes:

@@ -1,10 +1,16 @@
 """The decode worker: binds a KV ingress endpoint (advertised on registration), reserves blocks
-for incoming KV before the bytes arrive, writes the bytes into them, adds the request to its
-continuous decode batch and streams every new token to the router.
+for incoming KV before the bytes arrive, lets a KV transport (common/kv_transport.py) put the
+bytes into them, adds the request to its continuous decode batch and streams every new token to
+the router:
+
+    KVReserve -> KVGrant(blocks, the transports we offer) | KVRefuse(BUSY: retry later)
+    [KVChunk...] KVTransfer(header) -> the transport settles -> start decoding -> KVAck
 
 Reservations are leases: blocks granted to a transfer that never arrives (the prefill died, the
 request was cancelled) come back when the lease expires. A full pool or a full batch refuses a
-reservation with BUSY, and the prefill worker retries: that is the backpressure.
+reservation with BUSY, and the prefill worker retries: that is the backpressure. Where a peer
+may write our blocks itself (shm), a cancelled reservation's blocks are fenced: they come back
+only when that writer says it is done, or at the end of the lease.
 
 Role "mono" also takes PrefillWork from the router and runs the whole request itself: the
 monolithic engine behind the same router, the baseline the disaggregated topologies must beat.
@@ -13,20 +19,18 @@ monolithic engine behind the same router, the baseline the disaggregated topolog
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass
 
-import torch
 import zmq
 
 from common import protocol as P
 from common.channel import Channel, Envelope
-from common.config import DTYPES
 from common.engine import RequestOutput
 from common.errors import InvalidArgument
+from common.kv_transport import Inbox, make_receivers, offered, tune_malloc
 from common.sampling import SamplingParams
-from common.worker import WorkerBase, frame_tensor
+from common.worker import WorkerBase
 
 log = logging.getLogger("pdserve.decode")
 
@@ -37,6 +41,7 @@ class Reservation:
     block_ids: list[int]
     expires: float
     granted_at: float
+    inbox: Inbox | None = None  # made by the first KVChunk or the KVTransfer
 
 
 class DecodeWorker(WorkerBase):
@@ -45,12 +50,28 @@ class DecodeWorker(WorkerBase):
     def __init__(self, cfg, mono: bool = False):
         if mono:
             self.role = "mono"
+        tune_malloc()
+        names = ["zmq"] if mono else offered(cfg.engine.kv_transport, cfg.engine.torch_device)  # mono: its own KV
+        cfg.engine.kv_shared = "shm" in names
         super().__init__(cfg)
+        e = self.engine
+        self.receivers = make_receivers(names, e.kv_cache, e.kv_segment, e.config.dtype, cfg.host, cfg.kv_lease_s,
+                                        required=not mono and cfg.engine.kv_transport != "auto")
+        self.offer = {name: r.advert() for name, r in self.receivers.items()}
+        self.one_sided = any(r.one_sided for r in self.receivers.values())
         self.ingress = Channel.bind(self.ctx, zmq.ROUTER, f"tcp://{cfg.host}:0", max_frame_bytes=cfg.max_kv_frame_bytes)
         self.kv_address = self.ingress.address
         self.watch(self.ingress, self._on_ingress)
         self.reservations: dict[str, Reservation] = {}
+        self.fenced: dict[tuple[str, int], Reservation] = {}  # (request id, attempt): dropped, maybe being written
+        self.arriving: dict[str, tuple[P.KVTransfer, bytes]] = {}  # header in, the transport still settling
         self.streams: dict[str, tuple[int, dict]] = {}  # request id -> (attempt, timings)
+        log.info("KV transports offered: %s", list(self.receivers))
+
+    def to_router(self, msg):
+        if isinstance(msg, P.Register):
+            msg.kv_transports = list(self.receivers)
+        super().to_router(msg)
 
     # ------------------------------------------------------------------ router
 
@@ -70,9 +91,29 @@ class DecodeWorker(WorkerBase):
     def _drop(self, rid: str):
         r = self.reservations.pop(rid, None)
         if r is not None:
-            self.engine.unreserve(r.block_ids)
+            self._free(rid, r, writer_done=self.arriving.pop(rid, None) is not None)
         self.streams.pop(rid, None)
         self.engine.abort_request(rid)
+
+    def _free(self, rid: str, r: Reservation, writer_done: bool):
+        """Unreserve r's blocks, or fence them while a peer may still be writing them."""
+        if self.one_sided and not writer_done:
+            self.fenced[(rid, r.attempt)] = r
+        else:
+            self.engine.unreserve(r.block_ids)
+
+    def _writer_done(self, rid: str, attempt: int) -> bool:
+        """A KVRelease or KVTransfer from this attempt's writer: unreserve what it held."""
+        r = self.reservations.get(rid)
+        if r is not None and r.attempt == attempt:
+            del self.reservations[rid]
+            self.arriving.pop(rid, None)
+        else:
+            r = self.fenced.pop((rid, attempt), None)
+        if r is None:
+            return False
+        self.engine.unreserve(r.block_ids)
+        return True
 
     # ------------------------------------------------------------------ KV ingress
 
@@ -84,13 +125,11 @@ class DecodeWorker(WorkerBase):
         if isinstance(msg, P.KVReserve):
             self._reserve(env.sender, msg)
         elif isinstance(msg, P.KVRelease):
-            r = self.reservations.get(msg.request_id)
-            if r is not None and r.attempt == msg.attempt:
-                del self.reservations[msg.request_id]
-                self.engine.unreserve(r.block_ids)
+            self._writer_done(msg.request_id, msg.attempt)
+        elif isinstance(msg, P.KVChunk):
+            self._on_chunk(msg, env.frames)
         elif isinstance(msg, P.KVTransfer):
-            ok, why = self._receive(msg, env.frames)
-            self.ingress.try_send(P.KVAck(msg.request_id, msg.attempt, ok, why), to=env.sender)
+            self._on_transfer(msg, env.sender)
         else:
             log.warning("unexpected %s on the KV ingress", type(msg).__name__)
 
@@ -120,38 +159,76 @@ class DecodeWorker(WorkerBase):
                 return refuse("BUSY", "no free KV blocks or batch slots now")
             now = time.monotonic()
             self.reservations[msg.request_id] = Reservation(msg.attempt, blocks, now + self.cfg.kv_lease_s, now)
-        self.ingress.try_send(P.KVGrant(msg.request_id, msg.attempt, blocks, self.cfg.kv_lease_s), to=sender)
+        self.ingress.try_send(P.KVGrant(msg.request_id, msg.attempt, blocks, self.cfg.kv_lease_s, self.offer),
+                              to=sender)
 
-    def _receive(self, msg: P.KVTransfer, frames) -> tuple[bool, str]:
+    def _on_chunk(self, msg: P.KVChunk, frames):
         r = self.reservations.get(msg.request_id)
         if r is None or r.attempt != msg.attempt:
-            return False, "no reservation for this request and attempt (expired or cancelled)"
+            return  # late, or for a cancelled attempt: its KVTransfer will be refused
+        if r.inbox is None:
+            r.inbox = Inbox(self.engine.kv_cache, r.block_ids[:msg.num_blocks])
+            if not 0 < msg.num_blocks <= len(r.block_ids):
+                r.inbox.fail(f"KVChunk.num_blocks={msg.num_blocks}; allowed: 1..{len(r.block_ids)} (granted)")
+        if len(r.inbox.block_ids) != msg.num_blocks:
+            r.inbox.fail(f"KVChunks for {msg.num_blocks} and {len(r.inbox.block_ids)} blocks")
+        elif "zmq" not in self.receivers:
+            r.inbox.fail(f"KVChunk on a worker that does not offer zmq; offered: {list(self.receivers)}")
+        elif r.inbox.error is None:
+            self.receivers["zmq"].chunk(r.inbox, msg, frames)
+
+    def _on_transfer(self, msg: P.KVTransfer, sender: bytes):
+        def refuse(why: str):
+            self.ingress.try_send(P.KVAck(msg.request_id, msg.attempt, False, why), to=sender)
+
+        r = self.reservations.get(msg.request_id)
+        if r is None or r.attempt != msg.attempt:
+            self._writer_done(msg.request_id, msg.attempt)  # fenced blocks, if any, come back
+            return refuse("no reservation for this request and attempt (expired or cancelled)")
         problem = self._layout_problem(msg.layout)
-        e = self.engine
         n = len(msg.block_ids)
-        shape = (2, n, e.config.block_size, e.model_config.num_kv_heads, e.model_config.head_dim)
-        dtype = DTYPES[e.config.dtype]
-        size = math.prod(shape) * torch.finfo(dtype).bits // 8
-        if problem is None and len(frames) != e.model_config.num_layers:
-            problem = f"{len(frames)} KV frames; expected one per layer ({e.model_config.num_layers})"
         if problem is None and (not set(msg.block_ids) <= set(r.block_ids) or
-                                e.block_manager.blocks_needed(msg.num_tokens) != n):
+                                self.engine.block_manager.blocks_needed(msg.num_tokens) != n):
             problem = f"block_ids {msg.block_ids} are not the {n} granted blocks needed for {msg.num_tokens} tokens"
-        if problem is None and any(len(f.buffer) != size for f in frames):
-            problem = f"KV frame sizes {[len(f.buffer) for f in frames]}; expected {size} bytes each"
         if problem is None and len(msg.token_ids) != msg.num_tokens + 1:
             problem = f"{len(msg.token_ids)} token ids for {msg.num_tokens} tokens of KV; expected one more"
+        receiver = self.receivers.get(msg.transport)
+        if problem is None and receiver is None:
+            problem = f"KV transport {msg.transport!r} is not offered here; offered: {list(self.receivers)}"
+        if problem is None:
+            if r.inbox is None:
+                r.inbox = Inbox(self.engine.kv_cache, msg.block_ids)
+            elif r.inbox.block_ids != msg.block_ids:
+                problem = f"KV chunks were for blocks {r.inbox.block_ids}, the header names {msg.block_ids}"
         if problem:
-            self._drop(msg.request_id)
-            return False, problem
-        for layer, frame in enumerate(frames):
-            e.write_kv(msg.block_ids, layer, frame_tensor(frame, dtype, shape))
-        del self.reservations[msg.request_id]
+            self._writer_done(msg.request_id, msg.attempt)
+            return refuse(problem)
+        receiver.begin(r.inbox, msg.transport_info)
+        self.arriving[msg.request_id] = (msg, sender)
+        self._settle()
+
+    def _settle(self):
+        """Start decoding every request whose KV the transport has put in place; acknowledge."""
+        for rid, (msg, sender) in list(self.arriving.items()):
+            r = self.reservations.get(rid)
+            if r is None:  # dropping a reservation drops its arrival too; this is for safety
+                del self.arriving[rid]
+                continue
+            if not self.receivers[msg.transport].settle(r.inbox):
+                continue
+            del self.arriving[rid], self.reservations[rid]
+            ok, why = self._start(msg, r)
+            self.ingress.try_send(P.KVAck(rid, msg.attempt, ok, why), to=sender)
+
+    def _start(self, msg: P.KVTransfer, r: Reservation) -> tuple[bool, str]:
+        if r.inbox.error is not None:
+            self.engine.unreserve(r.block_ids)
+            return False, r.inbox.error
         try:
-            e.add_prefilled(msg.request_id, msg.token_ids, msg.num_prompt_tokens,
-                            SamplingParams.from_dict(msg.sampling), msg.seed, r.block_ids)
+            self.engine.add_prefilled(msg.request_id, msg.token_ids, msg.num_prompt_tokens,
+                                      SamplingParams.from_dict(msg.sampling), msg.seed, r.block_ids)
         except InvalidArgument as err:
-            e.unreserve(r.block_ids)
+            self.engine.unreserve(r.block_ids)
             return False, str(err)
         self.streams[msg.request_id] = (msg.attempt, {"transfer_s": time.monotonic() - r.granted_at})
         return True, ""
@@ -171,14 +248,30 @@ class DecodeWorker(WorkerBase):
                 del self.streams[out.request_id]
 
     def on_tick(self, now: float):
+        self._settle()
         for rid, r in list(self.reservations.items()):
             if now > r.expires:
                 log.warning("KV lease of %s expired; freeing %d blocks", rid, len(r.block_ids))
                 del self.reservations[rid]
+                self.arriving.pop(rid, None)
                 self.engine.unreserve(r.block_ids)
+        for key, r in list(self.fenced.items()):
+            if now > r.expires:  # no writer writes past its lease
+                del self.fenced[key]
+                self.engine.unreserve(r.block_ids)
+        for receiver in self.receivers.values():
+            receiver.poll(now)
 
     def drop_all_work(self):
         for rid in list(self.reservations):
             self._drop(rid)
         self.streams.clear()
         super().drop_all_work()
+
+    def close(self):
+        try:
+            super().close()
+        finally:
+            for receiver in self.receivers.values():
+                receiver.close()
+            self.engine.close()  # unlinks the shared KV segment

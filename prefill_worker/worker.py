@@ -2,14 +2,18 @@
 token, reports it to the router at once (time to first token does not wait for the transfer),
 and pushes the KV straight to the decode worker the router named:
 
-    on accepting the work:  KVReserve -> (decode) KVGrant(blocks) | KVRefuse(BUSY: retry later)
-    once prefilled and granted:  KVTransfer(header + one frame per layer) -> KVAck -> free our blocks
+    on accepting the work:  KVReserve -> (decode) KVGrant(blocks, transports) | KVRefuse(BUSY: retry later)
+    once prefilled and granted:  the KV by the fastest transport both ends support
+                                 (common/kv_transport.py), then KVTransfer(header) -> KVAck -> free our blocks
 
 The reservation is asked for when the work arrives, so the grant's round trip overlaps the
 prefill instead of following it; a request that ends at its first token sends KVRelease.
 
 Our blocks are held until the decode worker acknowledges, and given up (with a WorkerError that
-makes the router retry) on refusal, cancellation or timeout, so none can leak.
+makes the router retry) on refusal, cancellation or timeout, so none can leak; blocks that a
+transport may still be reading (zmq frames sent in place, gloo sends) come back once it is done.
+A transfer that times out also drops what we hold for that decode worker (socket, shared-memory
+mapping, process group): it is likely gone, and closing its socket ends what was queued for it.
 """
 
 from __future__ import annotations
@@ -24,12 +28,24 @@ from common import protocol as P
 from common.channel import Channel, Envelope
 from common.engine import RequestOutput
 from common.errors import InvalidArgument
+from common.kv_transport import Handle, Outgoing, TransportError, choose, make_senders, offered, tune_malloc
 from common.sampling import SamplingParams
-from common.worker import WorkerBase, tensor_frame
+from common.worker import WorkerBase
 
 log = logging.getLogger("pdserve.prefill")
 
 RETRY_BACKOFF_S = (0.002, 0.005, 0.01, 0.02)
+LEASE_MARGIN_S = 1.0  # never start writing a peer's blocks closer than this to the end of their lease
+
+
+@dataclass
+class Draining:
+    """Blocks of a given-up transfer that its transport may still be reading."""
+    handle: Handle
+    block_ids: list[int]
+    address: str
+    offer: dict
+    deadline: float  # then the decode worker is taken for gone, and what we hold for it dropped
 
 
 @dataclass
@@ -38,20 +54,29 @@ class Transfer:
     deadline: float
     first_token: int | None = None  # set once prefilled
     block_ids: list[int] | None = None  # set once granted
+    offer: dict = field(default_factory=dict)  # the decode worker's transports, from its grant
+    lease_end: float = 0.0  # the grant holds until at least then (its lease, counted from our request)
     state: str = "reserving"  # reserving -> (granted) -> sending -> (acked: removed)
     retries: int = 0
     retry_at: float | None = None
-    buffers: list = field(default_factory=list)  # KV tensors kept alive until acknowledged
+    requested_at: float = 0.0
+    transport: str = ""
+    handle: Handle | None = None  # the transport's transfer under way
 
 
 class PrefillWorker(WorkerBase):
     role = "prefill"
 
     def __init__(self, cfg):
+        tune_malloc()
         super().__init__(cfg)
         self.work: dict[str, tuple[P.PrefillWork, float]] = {}
         self.transfers: dict[str, Transfer] = {}
         self.peers: dict[str, Channel] = {}
+        self.senders = make_senders(offered(cfg.engine.kv_transport, cfg.engine.torch_device), self.worker_id,
+                                    cfg.host, cfg.transfer_timeout_s, cfg.engine.torch_device)
+        self.chosen: dict[str, str] = {}  # decode KV address -> transport last used (for the log)
+        self.draining: list[Draining] = []
 
     # ------------------------------------------------------------------ router
 
@@ -59,16 +84,12 @@ class PrefillWorker(WorkerBase):
         if isinstance(msg, P.PrefillWork):
             self.accept(msg)
         elif isinstance(msg, P.CancelWork):
-            self.work.pop(msg.request_id, None)
-            self._release_reservation(msg.request_id)
-            self.engine.abort_request(msg.request_id)
+            self._drop(msg.request_id)
 
     def accept(self, work: P.PrefillWork):
         rid = work.request_id
         if rid in self.work or rid in self.transfers:  # a newer attempt replaces an older one
-            self.work.pop(rid, None)
-            self._release_reservation(rid)
-            self.engine.abort_request(rid)
+            self._drop(rid)
         try:
             params = SamplingParams.from_dict(work.sampling)
             self.engine.add_sequence(rid, work.token_ids, work.num_prompt_tokens, params, work.seed,
@@ -109,13 +130,26 @@ class PrefillWorker(WorkerBase):
         chan = self.peers.get(address)
         if chan is None:
             chan = Channel.connect(self.ctx, zmq.DEALER, address)
+            chan.sock.setsockopt(zmq.SNDTIMEO, 0)  # a full queue (a stuck peer) fails a send, never blocks us
             self.peers[address] = chan
             self.watch(chan, self._on_peer)
         return chan
 
+    def _forget_peer(self, address: str, offer: dict):
+        """Drop what we hold for a decode worker that seems gone, unless a transfer still uses it."""
+        if any(t.work.decode_kv_address == address for t in self.transfers.values()):
+            return
+        chan = self.peers.pop(address, None)
+        if chan is not None:
+            self.unwatch(chan)  # also frees KV chunks queued for it
+        for name, sender in self.senders.items():
+            if name in offer:
+                sender.forget(offer[name])
+        self.chosen.pop(address, None)
+
     def _reserve(self, rid: str):
         t = self.transfers[rid]
-        t.state, t.retry_at = "reserving", None
+        t.state, t.retry_at, t.requested_at = "reserving", None, time.monotonic()
         self._peer(t.work.decode_kv_address).try_send(
             P.KVReserve(rid, t.work.attempt, len(t.work.token_ids), self.engine.kv_layout))
 
@@ -125,12 +159,21 @@ class PrefillWorker(WorkerBase):
             self._peer(t.work.decode_kv_address).try_send(P.KVRelease(rid, t.work.attempt))
         return t
 
-    def _give_up(self, rid: str, code: str, message: str):
-        t = self._release_reservation(rid)
-        self.engine.release(rid)
+    def _drop(self, rid: str) -> Transfer | None:
+        """Forget rid: its reservation (KVRelease), its work, and its blocks once no transport reads them."""
         self.work.pop(rid, None)
+        t = self._release_reservation(rid)
+        if t is not None and t.handle is not None and not t.handle.sent():
+            self.draining.append(Draining(t.handle, self.engine.detach(rid), t.work.decode_kv_address, t.offer,
+                                          t.deadline))
         self.engine.abort_request(rid)
+        return t
+
+    def _give_up(self, rid: str, code: str, message: str):
+        t = self._drop(rid)
         if t is not None:
+            if code == "TIMEOUT" and t.state == "sending":
+                self._forget_peer(t.work.decode_kv_address, t.offer)
             log.warning("transfer of %s to %s failed: %s %s", rid, t.work.decode_worker_id, code, message)
             self.to_router(P.WorkerError(rid, t.work.attempt, code, message))
 
@@ -144,6 +187,7 @@ class PrefillWorker(WorkerBase):
             return
         if isinstance(msg, P.KVGrant):
             t.block_ids, t.state = msg.block_ids, "granted"
+            t.offer, t.lease_end = msg.transports, t.requested_at + msg.lease_s
             if t.first_token is not None:
                 self._send_kv(msg.request_id, t)
         elif isinstance(msg, P.KVRefuse):
@@ -167,22 +211,61 @@ class PrefillWorker(WorkerBase):
         ours = held.block_table
         if len(block_ids) < len(ours):
             return self._give_up(rid, "TRANSFER_FAILED", f"granted {len(block_ids)} blocks, need {len(ours)}")
-        t.buffers = [self.engine.read_kv(ours, layer) for layer in range(self.engine.model_config.num_layers)]
+        if time.monotonic() + LEASE_MARGIN_S > min(t.lease_end, t.deadline):
+            return self._give_up(rid, "TIMEOUT", "the grant's lease or our deadline ends before the transfer could")
         w = t.work
+        chan = self._peer(w.decode_kv_address)
+
+        def send(msg, frames):
+            try:
+                return chan.send(msg, frames, track=True)
+            except zmq.ZMQError as e:
+                log.warning("could not send %s to %s: %s", type(msg).__name__, w.decode_worker_id, e)
+                return None
+        try:
+            t.transport = choose(self.senders, t.offer, w.decode_worker_id, self.cfg.engine.kv_transport)
+            t.handle = self.senders[t.transport].start(Outgoing(
+                rid, w.attempt, self.engine.kv_cache, ours, block_ids[:len(ours)], t.offer[t.transport], send))
+        except TransportError as e:
+            return self._give_up(rid, e.code, str(e))
+        if t.handle.error() is not None:
+            return self._give_up(rid, "TRANSFER_FAILED", f"{t.transport}: {t.handle.error()}")
+        if self.chosen.get(w.decode_kv_address) != t.transport:
+            self.chosen[w.decode_kv_address] = t.transport
+            log.info("KV to %s (%s) by %s", w.decode_worker_id, w.decode_kv_address, t.transport)
         header = P.KVTransfer(rid, w.attempt, w.token_ids + [t.first_token], w.num_prompt_tokens, t.first_token,
-                              w.sampling, w.seed, self.engine.kv_layout, len(w.token_ids), block_ids[:len(ours)])
+                              w.sampling, w.seed, self.engine.kv_layout, len(w.token_ids), block_ids[:len(ours)],
+                              t.transport, t.handle.info)
         t.state = "sending"
-        if not self._peer(w.decode_kv_address).try_send(header, [tensor_frame(b) for b in t.buffers]):
+        if not chan.try_send(header):
             self._give_up(rid, "TRANSFER_FAILED", "could not send KV")
 
     def on_tick(self, now: float):
         for rid, t in list(self.transfers.items()):
             if now > t.deadline:
                 self._give_up(rid, "TIMEOUT", f"no acknowledgement within {self.cfg.transfer_timeout_s}s")
+            elif t.handle is not None and t.handle.error() is not None:
+                self._give_up(rid, "TRANSFER_FAILED", f"{t.transport}: {t.handle.error()}")
             elif t.retry_at is not None and now >= t.retry_at:
                 self._reserve(rid)
+        draining, self.draining = self.draining, []
+        for d in draining:
+            if d.handle.sent():
+                self.engine.free_blocks(d.block_ids)
+                continue
+            if now > d.deadline:  # closing what we hold for the peer ends the reads
+                self._forget_peer(d.address, d.offer)
+            self.draining.append(d)
 
     def drop_all_work(self):
+        for rid in list(self.transfers):
+            self._drop(rid)
         self.work.clear()
-        self.transfers.clear()
         super().drop_all_work()
+
+    def close(self):
+        try:
+            super().close()
+        finally:
+            for sender in self.senders.values():
+                sender.close()

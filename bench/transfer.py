@@ -1,0 +1,307 @@
+"""`pdserve bench transfer`: the KV of N tokens moved from a sender process to a receiver process
+by one KV transport, through the very code the workers run (common/kv_transport.py), beside the
+ceilings measured in the same run: plain ZeroMQ PUSH/PULL of the same bytes in the same frames
+between two processes, and a memcpy of the same bytes. Repetitions of the three are taken in
+turn, so that the machine's drift hits all alike.
+
+Only the model's KV layout is needed, not its weights. One repetition is one whole transfer as
+a prefill worker makes it: the sender moves its blocks and sends the KVTransfer header; the
+receiver (a decode worker's KV ingress without the engine) settles the bytes into its granted
+blocks and answers KVAck. Latency is taken at the sender, from start to acknowledgement. A
+first, untimed transfer makes the gloo pair or maps the shared pool, and checks that the
+receiver's blocks equal the sender's, bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+import os
+import random
+import time
+
+import torch
+import zmq
+
+from bench.report import print_json, print_table
+from common import protocol as P
+from common.channel import Channel
+from common.checkpoint import model_config
+from common.config import DTYPES, KV_TRANSPORT_DEVICE, resolve_device
+from common.errors import InvalidArgument
+from common.kv_cache import SharedSegment
+from common.kv_transport import (Inbox, Outgoing, frame_plan, make_receivers, make_senders, tune_malloc, unit_bytes,
+                                 unit_ids)
+
+TIMEOUT_S = 60.0
+SEED = 1234
+
+
+def kv_shape(spec: str, tokens: int, block_size: int, dtype: str | None, device: str | None, transport: str):
+    """(pool shape, dtype, device, blocks per transfer) for the KV of `tokens` tokens of this model."""
+    if tokens < 1 or block_size < 1:
+        raise InvalidArgument(f"tokens={tokens}, block_size={block_size}; allowed: both >= 1")
+    device = resolve_device(device or ("cuda:0" if KV_TRANSPORT_DEVICE.get(transport) == "cuda" else "cpu"))
+    if KV_TRANSPORT_DEVICE.get(transport, device.type) != device.type:
+        raise InvalidArgument(f"transport={transport!r} does not work with device={str(device)!r}; it needs a "
+                              f"{KV_TRANSPORT_DEVICE[transport]} pool")
+    dtype = dtype or ("float32" if device.type == "cpu" else "bfloat16")
+    if dtype not in DTYPES:
+        raise InvalidArgument(f"dtype={dtype!r} is not supported; allowed: {sorted(DTYPES)}")
+    mc = model_config(spec)
+    n = -(-tokens // block_size)
+    shape = (mc.num_layers, 2, n + 1, block_size, mc.num_kv_heads, mc.head_dim)  # one spare block each side
+    return shape, dtype, device, n
+
+
+def _block_ids(n: int, fragmented: bool, seed: int) -> list[int]:
+    """n of a pool's n + 1 blocks: consecutive (offset by seed), or shuffled by it."""
+    ids = list(range(n + 1))
+    if fragmented:
+        random.Random(seed).shuffle(ids)
+    return ids[:n] if fragmented else ids[seed % 2:seed % 2 + n]
+
+
+def _sender_pool(shape, dtype: str, device: torch.device) -> torch.Tensor:
+    g = torch.Generator().manual_seed(SEED)
+    return torch.randn(shape, generator=g).to(DTYPES[dtype]).to(device)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+# ----------------------------------------------------------------------------- the two processes
+
+def _receiver(transport: str, shape, dtype: str, device: str, src: list[int], dst: list[int], conn):
+    """Receiver process: a decode worker's KV ingress and nothing else."""
+    torch.set_num_threads(1)
+    tune_malloc()
+    dev = torch.device(device)
+    segment = SharedSegment.create(shape, DTYPES[dtype]) if transport == "shm" else None
+    pool = segment.tensor if segment else torch.zeros(shape, dtype=DTYPES[dtype], device=dev)
+    receiver = make_receivers([transport], pool, segment, dtype, "127.0.0.1", TIMEOUT_S, required=True)[transport]
+    ctx = zmq.Context()
+    chan = Channel.bind(ctx, zmq.ROUTER, "tcp://127.0.0.1:0")
+    conn.send((chan.address, receiver.advert()))
+    inboxes: dict[str, Inbox] = {}
+    arriving: dict[str, tuple[P.KVTransfer, bytes]] = {}
+    parent = os.getppid()
+    try:
+        while os.getppid() == parent:
+            env = chan.recv(1 if arriving else 100)  # gloo settles off this thread: do not spin
+            msg = env.msg if env is not None else None
+            if isinstance(msg, P.KVRelease):
+                break
+            if isinstance(msg, (P.KVChunk, P.KVTransfer)):  # dst: the blocks "granted" to every transfer
+                inbox = inboxes.setdefault(msg.request_id, Inbox(pool, dst))
+            if isinstance(msg, P.KVChunk):
+                receiver.chunk(inbox, msg, env.frames)
+            elif isinstance(msg, P.KVTransfer):
+                receiver.begin(inbox, msg.transport_info)
+                arriving[msg.request_id] = (msg, env.sender)
+            for rid, (msg, sender) in list(arriving.items()):
+                inbox = inboxes[rid]
+                if receiver.settle(inbox):
+                    del arriving[rid], inboxes[rid]
+                    why = inbox.error or ""
+                    if not why and rid == "warmup":
+                        want = _sender_pool(shape, dtype, dev)[:, :, src]
+                        if not _same_bits(pool[:, :, msg.block_ids], want):
+                            why = "the received KV differs from the sent KV"
+                    chan.send(P.KVAck(rid, msg.attempt, not why, why), to=sender)
+    finally:
+        receiver.close()
+        chan.close()
+        ctx.term()
+        if segment is not None:
+            pool = None
+            segment.close()
+
+
+def _raw_puller(address: str, ack_address: str, nbytes: int, repeats: int):
+    """Receiver of the raw ZeroMQ ceiling: counts the bytes of each repetition, then acknowledges."""
+    tune_malloc()  # as the workers do: the ceiling gets the same help
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    pull.connect(address)
+    push.connect(ack_address)
+    for _ in range(repeats):
+        got = 0
+        while got < nbytes:
+            got += len(pull.recv(copy=False).buffer)
+        push.send(b"")
+    push.close(linger=1000)
+    pull.close(linger=0)
+    ctx.term()
+
+
+def _spawn(target, *args) -> mp.Process:
+    proc = mp.get_context("spawn").Process(target=target, args=args, daemon=True)
+    proc.start()
+    return proc
+
+
+def _stop(proc: mp.Process):
+    proc.join(10)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+
+
+# ----------------------------------------------------------------------------- measurements
+
+class TransportRun:
+    """Sender side of transfers by one transport to a receiver process; one() times one of them."""
+
+    def __init__(self, transport: str, shape, dtype: str, device: torch.device, n: int, fragmented: bool = False):
+        self.transport, self.shape, self.n = transport, shape, n
+        self.src, self.dst = _block_ids(n, fragmented, 0), _block_ids(n, fragmented, 1)
+        self.pool = _sender_pool(shape, dtype, device)
+        self.layout = {"layers": shape[0], "block_size": shape[3], "kv_heads": shape[4], "head_dim": shape[5],
+                       "dtype": dtype}
+        peer = device if transport != "nccl" else torch.device("cuda", (device.index or 0) + 1)  # a rank a GPU
+        parent_conn, child_conn = mp.get_context("spawn").Pipe()
+        self.proc = _spawn(_receiver, transport, shape, dtype, str(peer), self.src, self.dst, child_conn)
+        self.ctx = zmq.Context()
+        self.sender = make_senders([transport], f"bench-{os.getpid()}", "127.0.0.1", TIMEOUT_S, device)[transport]
+        self.chan = None
+        self.count = 0
+        try:
+            deadline = time.monotonic() + TIMEOUT_S
+            while not parent_conn.poll(0.1):
+                if not self.proc.is_alive() or time.monotonic() > deadline:
+                    raise RuntimeError(f"the {transport} receiver process did not start "
+                                       f"(exit code {self.proc.exitcode})")
+            address, self.advert = parent_conn.recv()
+            self.chan = Channel.connect(self.ctx, zmq.DEALER, address)
+            self.one(check=True)  # warm-up: makes the gloo pair, maps the shared pool
+        except BaseException:
+            self.close()
+            raise
+
+    def one(self, check: bool = False) -> float:
+        rid = "warmup" if check else f"r{self.count}"
+        self.count += 1
+        tokens = self.n * self.shape[3]
+        t0 = time.perf_counter()
+        handle = self.sender.start(Outgoing(rid, 0, self.pool, self.src, self.dst, self.advert,
+                                            lambda m, f: self.chan.send(m, f, track=True)))
+        self.chan.send(P.KVTransfer(rid, 0, [0] * (tokens + 1), tokens, 0, {}, 0, self.layout, tokens, self.dst,
+                                    self.transport, handle.info))
+        env = self.chan.recv(int(TIMEOUT_S * 1000))
+        elapsed = time.perf_counter() - t0
+        if env is None or not isinstance(env.msg, P.KVAck):
+            raise RuntimeError(f"no acknowledgement of transfer {rid} within {TIMEOUT_S}s")
+        if not env.msg.ok:
+            raise RuntimeError(f"transfer {rid} by {self.transport} failed: {env.msg.message}")
+        return elapsed
+
+    def close(self):
+        if self.chan is not None:
+            self.chan.send(P.KVRelease("stop", 0))
+        self.sender.close()
+        _stop(self.proc)
+        if self.chan is not None:
+            self.chan.close()
+        self.ctx.term()
+
+
+class RawZmqRun:
+    """Plain PUSH/PULL of the same bytes in the same frames as the zmq transport sends, one
+    message each, acknowledged once all arrived."""
+
+    def __init__(self, frame_sizes: list[int], repeats: int):
+        self.nbytes = nbytes = sum(frame_sizes)
+        self.bounds = [(sum(frame_sizes[:i]), sum(frame_sizes[:i + 1])) for i in range(len(frame_sizes))]
+        self.ctx = zmq.Context()
+        self.push, self.acks = self.ctx.socket(zmq.PUSH), self.ctx.socket(zmq.PULL)
+        self.push.bind("tcp://127.0.0.1:0")
+        self.acks.bind("tcp://127.0.0.1:0")
+        self.proc = _spawn(_raw_puller, self.push.getsockopt_string(zmq.LAST_ENDPOINT),
+                           self.acks.getsockopt_string(zmq.LAST_ENDPOINT), nbytes, repeats + 1)
+        self.buf = memoryview(torch.randn(-(-nbytes // 4)).numpy()).cast("B")[:nbytes]
+        self.one()  # warm-up
+
+    def one(self) -> float:
+        t0 = time.perf_counter()
+        for first, end in self.bounds:
+            self.push.send(self.buf[first:end], copy=False)
+        if not self.acks.poll(int(TIMEOUT_S * 1000)):
+            raise RuntimeError(f"raw ZeroMQ receiver did not acknowledge within {TIMEOUT_S}s")
+        self.acks.recv()
+        return time.perf_counter() - t0
+
+    def close(self):
+        _stop(self.proc)
+        self.push.close(linger=0)
+        self.acks.close(linger=0)
+        self.ctx.term()
+
+
+class MemcpyRun:
+    def __init__(self, nbytes: int):
+        self.src = torch.randn(-(-nbytes // 4))
+        self.dst = torch.empty_like(self.src)
+        self.dst.copy_(self.src)
+
+    def one(self) -> float:
+        t0 = time.perf_counter()
+        self.dst.copy_(self.src)
+        return time.perf_counter() - t0
+
+    def close(self):
+        pass
+
+
+def measure(transport: str, shape, dtype: str, device: torch.device, n: int, repeats: int,
+            fragmented: bool = False) -> dict[str, list[float]]:
+    """Seconds per repetition of the transport and of each ceiling, taken in turn (this machine's
+    speed drifts: interleaving keeps the ratios honest)."""
+    nbytes = math.prod(shape) // shape[2] * n * DTYPES[dtype].itemsize
+    runs = {}
+    try:
+        runs[transport] = run = TransportRun(transport, shape, dtype, device, n, fragmented)
+        ub = unit_bytes(run.pool)
+        runs["raw zmq"] = RawZmqRun([(b - a) * ub for a, b, _ in frame_plan(unit_ids(run.pool, run.src), ub)], repeats)
+        runs["memcpy"] = MemcpyRun(nbytes)
+        times = {name: [] for name in runs}
+        for _ in range(repeats):
+            for name, run in runs.items():
+                times[name].append(run.one())
+        return times
+    finally:
+        for run in runs.values():
+            run.close()
+
+
+def percentile(times: list[float], q: float) -> float:
+    ordered = sorted(times)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
+
+
+def run_transfer_bench(transport: str, spec: str, tokens: int, repeats: int, block_size: int = 16,
+                       dtype: str | None = None, device: str | None = None, fragmented: bool = False) -> dict:
+    if repeats < 1:
+        raise InvalidArgument(f"repeats={repeats}; allowed: >= 1")
+    shape, dtype, dev, n = kv_shape(spec, tokens, block_size, dtype, device, transport)
+    torch.set_num_threads(1)
+    tune_malloc()
+    nbytes = math.prod(shape) // shape[2] * n * DTYPES[dtype].itemsize
+    result = {"bench": "transfer", "transport": transport, "model": spec, "tokens": n * block_size, "bytes": nbytes,
+              "repeats": repeats, "device": str(dev), "dtype": dtype, "fragmented": fragmented}
+    rows = []
+    for name, times in measure(transport, shape, dtype, dev, n, repeats, fragmented).items():
+        p50, p99 = percentile(times, 50), percentile(times, 99)
+        key = {"raw zmq": "raw_zmq_", "memcpy": "memcpy_"}.get(name, "")
+        result.update({f"{key}gbps": round(nbytes / p50 / 1e9, 3), f"{key}p50_ms": round(p50 * 1e3, 3),
+                       f"{key}p99_ms": round(p99 * 1e3, 3)})
+        rows.append([name, f"{nbytes / p50 / 1e9:.2f}", f"{p50 * 1e3:.2f}", f"{p99 * 1e3:.2f}",
+                     f"{result['gbps'] * p50 / nbytes * 1e9:.2f}x"])
+    result["vs_raw_zmq"] = round(result["gbps"] / result["raw_zmq_gbps"], 3)
+    result["vs_memcpy"] = round(result["gbps"] / result["memcpy_gbps"], 3)
+    print_table(f"pdserve bench transfer: {transport}, {spec} KV of {n * block_size} tokens = {nbytes / 2**20:.1f} MiB "
+                f"({dtype}, {'scattered' if fragmented else 'consecutive'} blocks), p50 of {repeats}, taken in turn",
+                ["path", "GB/s", "p50 ms", "p99 ms", f"{transport} / path"], rows)
+    print_json(result)
+    return result

@@ -1,0 +1,313 @@
+"""KV transports (common/kv_transport.py), CPU ones: each moves KV bit for bit between two real
+processes; a 1P1D cluster on each gives exactly the monolithic engine's tokens; a decode worker
+refuses a mismatched layout, an unoffered transport and a malformed chunk with clear errors; a
+forced transport the peer lacks is refused naming both; and a decode worker killed mid-transfer
+leaves the prefill worker no blocks held and no shared-memory segment behind."""
+
+import contextlib
+import glob
+import os
+import signal
+import subprocess
+import sys
+import time
+import types
+
+import pytest
+import torch
+import zmq
+
+import bench.transfer as B
+from common import protocol as P
+from common.channel import Channel
+from common.config import EngineConfig
+from common.engine import Engine
+from common.kv_cache import SharedSegment
+from common.kv_transport import ShmSender, TransportError, ZmqSender, choose
+from common.worker import WorkerConfig
+from prefill_worker.worker import PrefillWorker
+from router.client import Client, RequestError
+from router.launcher import Cluster
+from tests.cluster import cluster, wait_blocks_free
+from tests.test_cluster import check_cluster_matches
+
+pytestmark = pytest.mark.timeout(300)
+
+CPU_TRANSPORTS = ["zmq", "shm", "gloo"]
+
+
+def leaked_segments(before: set[str]) -> set[str]:
+    """New /dev/shm/pdserve-kv-PID-* segments whose creator is gone."""
+    return {p for p in set(glob.glob("/dev/shm/pdserve-kv-*")) - before
+            if not os.path.exists(f"/proc/{SharedSegment.creator(os.path.basename(p))}")}
+
+
+@pytest.fixture(autouse=True)
+def no_shm_leaks():
+    before = set(glob.glob("/dev/shm/pdserve-kv-*"))
+    yield
+    deadline = time.monotonic() + 10  # a killed creator's resource tracker unlinks its segment
+    while leaked_segments(before) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not leaked_segments(before)
+
+
+# ----------------------------------------------------------------------------- two processes, one transport
+
+@pytest.mark.parametrize("fragmented", [False, True], ids=["consecutive", "scattered"])
+@pytest.mark.parametrize("transport", CPU_TRANSPORTS)
+def test_transport_delivers_bit_identical_kv(transport, fragmented):
+    shape, dtype, device, n = B.kv_shape("dummy:llama-tiny", 300, 16, None, None, transport)
+    run = B.TransportRun(transport, shape, dtype, device, n, fragmented)  # its warm-up compares every bit
+    try:
+        for _ in range(3):
+            run.one()
+        run.one(check=True)
+    finally:
+        run.close()
+
+
+def test_bfloat16_kv_crosses_zmq_bit_identical():
+    shape, dtype, device, n = B.kv_shape("dummy:nanogpt", 100, 8, "bfloat16", None, "zmq")
+    B.TransportRun("zmq", shape, dtype, device, n, fragmented=True).close()
+
+
+def test_the_bit_check_catches_wrong_kv():
+    shape, dtype, device, n = B.kv_shape("dummy:llama-tiny", 64, 16, None, None, "zmq")
+    run = B.TransportRun("zmq", shape, dtype, device, n)
+    try:
+        run.src = run.src[1:] + run.src[:1]  # the sender now sends other blocks than the receiver expects
+        with pytest.raises(RuntimeError, match="the received KV differs from the sent KV"):
+            run.one(check=True)
+    finally:
+        run.close()
+
+
+@pytest.mark.gpu
+def test_cuda_ipc_delivers_bit_identical_kv():
+    shape, dtype, device, n = B.kv_shape("dummy:llama-tiny", 300, 16, None, "cuda:0", "cuda_ipc")
+    run = B.TransportRun("cuda_ipc", shape, dtype, device, n, fragmented=True)
+    try:
+        run.one(check=True)
+    finally:
+        run.close()
+
+
+@pytest.mark.gpu
+def test_nccl_delivers_bit_identical_kv():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("NCCL point to point needs two GPUs, one per rank")
+    shape, dtype, device, n = B.kv_shape("dummy:llama-tiny", 300, 16, None, "cuda:0", "nccl")
+    run = B.TransportRun("nccl", shape, dtype, device, n, fragmented=True)
+    try:
+        run.one(check=True)
+    finally:
+        run.close()
+
+
+def test_choose_prefers_the_fastest_and_names_both_ends_when_none_fits():
+    senders = {"shm": ShmSender(), "zmq": ZmqSender()}
+    assert choose(senders, {"zmq": {}, "gloo": {"host": "h", "port": 1}}, "decode-0") == "zmq"
+    far = {"shm": {"host": "elsewhere", "segment": "pdserve-kv-1-x", "nonce": "00", "shape": [1], "dtype": "float32"}}
+    with pytest.raises(TransportError) as e:
+        choose(senders, dict(far, gloo={}), "decode-0")
+    assert "decode worker 'decode-0'" in str(e.value) and "it offers ['gloo', 'shm']" in str(e.value)
+    assert "this prefill worker uses ['shm', 'zmq']" in str(e.value)
+    assert "its pool is on host 'elsewhere'" in str(e.value)
+    forced = r"kv_transport='shm' is forced on this prefill worker, it offers \['zmq'\]"
+    with pytest.raises(TransportError, match=forced):
+        choose({"shm": senders["shm"]}, {"zmq": {}}, "decode-0", forced="shm")
+
+
+# ----------------------------------------------------------------------------- clusters
+
+@pytest.mark.parametrize("transport", CPU_TRANSPORTS + ["auto"])
+def test_cluster_on_each_transport_matches_monolithic(tmp_path, transport):
+    with cluster(tmp_path, worker_args=["--kv-transport", transport]) as c:
+        check_cluster_matches(c.address, "dummy:nanogpt", n=30)
+        with Client(c.address) as client:
+            workers = wait_blocks_free(client)
+            assert all(w["free_blocks"] == w["total_blocks"] for w in workers), workers
+    used = "shm" if transport == "auto" else transport  # same host, CPU: shared memory is the fastest
+    assert f"by {used}" in (tmp_path / "logs" / "prefill-0.log").read_text()
+
+
+def test_forced_transport_the_peer_lacks_is_refused_naming_both(tmp_path):
+    c = Cluster("dummy:nanogpt", 1, 1, 0, ["cpu"], "127.0.0.1", 0, 0, tmp_path / "logs", "least_loaded", [],
+                threads=1, restart=False)
+    c.workers[0].argv += ["--kv-transport", "shm"]  # prefill-0
+    c.workers[1].argv += ["--kv-transport", "zmq"]  # decode-0
+    try:
+        c.start()
+        with Client(c.address, timeout=60) as client, pytest.raises(RequestError) as e:
+            client.generate([1, 2, 3], max_tokens=4, temperature=0)
+    finally:
+        c.stop()
+    assert "no KV transport in common with decode worker 'decode-0'" in e.value.message
+    assert "kv_transport='shm' is forced on this prefill worker, it offers ['zmq']" in e.value.message
+
+
+# ----------------------------------------------------------------------------- one decode worker, by hand
+
+@contextlib.contextmanager
+def decode_worker(tmp_path, transport: str, model: str = "dummy:nanogpt"):
+    """A real decode worker process whose router is this test: its Register says where its KV
+    ingress is; it is answered so that it heartbeats."""
+    ctx = zmq.Context()
+    router = Channel.bind(ctx, zmq.ROUTER, "tcp://127.0.0.1:0")
+    with open(tmp_path / f"decode-{transport}.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "common.cli", "decode", "--router", router.address,
+                                 "--model", model, "--kv-transport", transport, "--threads", "1"],
+                                stdout=log, stderr=subprocess.STDOUT)
+    try:
+        env = router.recv(120_000)
+        assert env is not None and isinstance(env.msg, P.Register), (tmp_path / f"decode-{transport}.log").read_text()
+        router.send(P.Registered(env.msg.worker_id, env.msg.incarnation), to=env.sender)
+        yield types.SimpleNamespace(proc=proc, register=env.msg, identity=env.sender, router=router, ctx=ctx)
+    finally:
+        if proc.poll() is None:
+            proc.terminate()  # a clean exit unlinks its shared pool
+        proc.wait(30)
+        ctx.destroy(linger=0)  # also closes the test's own sockets on it
+
+
+def heartbeat(d, timeout: float = 10.0) -> P.Heartbeat:
+    """The decode worker's first heartbeat sent after now (older ones are skipped)."""
+    while d.router.recv(0) is not None:
+        pass
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        env = d.router.recv(100)
+        if env is not None and isinstance(env.msg, P.Heartbeat):
+            return env.msg
+    raise AssertionError("no heartbeat from the decode worker")
+
+
+def test_decode_worker_refuses_bad_transfers_with_clear_errors(tmp_path):
+    layout = Engine(model="dummy:nanogpt", num_blocks=4).kv_layout
+    with decode_worker(tmp_path, "auto") as d:
+        assert d.register.kv_transports == ["shm", "zmq", "gloo"]
+        chan = Channel.connect(d.ctx, zmq.DEALER, d.register.kv_address)
+
+        def ask(msg, frames=()):
+            chan.send(msg, frames)
+            env = chan.recv(10_000)
+            assert env is not None, f"no answer to {type(msg).__name__}"
+            return env.msg
+
+        bad = dict(layout, head_dim=layout["head_dim"] * 2, dtype="bfloat16")
+        refused = ask(P.KVReserve("a", 1, 20, bad))
+        assert isinstance(refused, P.KVRefuse) and refused.code == "LAYOUT_MISMATCH"
+        assert f"head_dim={bad['head_dim']!r}/{layout['head_dim']!r}" in refused.message
+        assert "dtype='bfloat16'/'float32'" in refused.message
+
+        def transfer(rid, transport, info=None, the_layout=layout, chunks=()):
+            grant = ask(P.KVReserve(rid, 1, 20, layout))
+            assert isinstance(grant, P.KVGrant) and set(grant.transports) == {"shm", "zmq", "gloo"}
+            for chunk, frame in chunks:
+                chan.send(chunk, [frame])
+            ack = ask(P.KVTransfer(rid, 1, list(range(21)), 20, 0, {}, 0, the_layout, 20, grant.block_ids[:2],
+                                   transport, info if info is not None else {}))
+            assert isinstance(ack, P.KVAck) and not ack.ok
+            return ack.message
+
+        differ = transfer("b", "zmq", the_layout=bad)
+        assert "KV layouts differ (sender, receiver): dtype='bfloat16'/'float32'" in differ
+        assert transfer("c", "nccl") == "KV transport 'nccl' is not offered here; offered: ['shm', 'zmq', 'gloo']"
+        assert "a KV frame of 100 bytes; expected a positive multiple of" in \
+            transfer("d", "zmq", chunks=[(P.KVChunk("d", 1, 2, 0), b"x" * 100)])
+        assert "only 0 of" in transfer("e", "zmq")  # no chunks at all
+        assert "shm transfer into 'elsewhere'" in transfer("f", "shm", {"key": "elsewhere"})
+        assert "is not {pair: str" in transfer("g", "gloo", {"pair": 3})
+        hb = heartbeat(d)
+        while hb.free_blocks != hb.total_blocks:  # every refused reservation came back
+            hb = heartbeat(d)
+        assert d.proc.poll() is None
+
+
+@pytest.mark.parametrize("transport", ["shm", "zmq"])
+def test_cancelled_reservation_waits_for_a_one_sided_writer(tmp_path, transport):
+    """shm writers copy into our blocks unseen: a cancelled reservation's blocks come back when the
+    writer says it is done (KVRelease), not before; with zmq only, at once."""
+    layout = Engine(model="dummy:nanogpt", num_blocks=4).kv_layout
+    with decode_worker(tmp_path, transport) as d:
+        chan = Channel.connect(d.ctx, zmq.DEALER, d.register.kv_address)
+        chan.send(P.KVReserve("x", 1, 100, layout))
+        grant = chan.recv(10_000).msg
+        assert isinstance(grant, P.KVGrant)
+        d.router.send(P.CancelWork("x"), to=d.identity)
+        time.sleep(0.5)  # the cancel is long handled by the next heartbeat
+        hb = heartbeat(d)
+        held = hb.total_blocks - hb.free_blocks
+        assert held == (len(grant.block_ids) if transport == "shm" else 0), hb
+        chan.send(P.KVRelease("x", 1))  # the writer is done with them
+        while hb.free_blocks != hb.total_blocks:
+            hb = heartbeat(d)
+
+
+@pytest.fixture(scope="module")
+def wide_kv_model(tmp_path_factory) -> str:
+    """A tiny Llama whose KV is wide (64 KiB a token), so that a 1,000-token prompt's 64 MB of KV
+    cannot hide in socket buffers."""
+    from tests.checkpoints import VOCAB, _classes, randomize, write_tokenizer
+
+    path = tmp_path_factory.mktemp("wide-kv")
+    config_cls, model_cls = _classes("llama")
+    config = config_cls(vocab_size=VOCAB, bos_token_id=0, eos_token_id=1, hidden_size=64, num_hidden_layers=4,
+                        num_attention_heads=8, num_key_value_heads=8, head_dim=256, intermediate_size=128,
+                        max_position_embeddings=2048)
+    model = model_cls(config).eval()
+    randomize(model, 0)
+    model.save_pretrained(path)
+    write_tokenizer(path)
+    return str(path)
+
+
+def spin(worker: PrefillWorker, until, timeout: float = 30.0, steps: bool = True):
+    """Run the prefill worker's loop by hand until until() holds."""
+    deadline = time.monotonic() + timeout
+    while not until():
+        assert time.monotonic() < deadline, "timed out"
+        for sock, _ in worker.poller.poll(5):
+            chan, handler = worker.handlers.get(sock, (None, None))
+            env = chan.recv(0) if chan is not None else None
+            while env is not None:
+                handler(env)
+                env = chan.recv(0) if sock in worker.handlers else None
+        if steps and worker.engine.has_unfinished():
+            worker.on_outputs(worker.engine.step())
+        worker._tick(time.monotonic())
+
+
+@pytest.mark.parametrize("transport", CPU_TRANSPORTS)
+def test_decode_killed_mid_transfer_leaves_prefill_no_blocks(tmp_path, transport, wide_kv_model):
+    with decode_worker(tmp_path, transport, wide_kv_model) as d:
+        cfg = WorkerConfig(router=d.router.address, worker_id="prefill-test", transfer_timeout_s=3.0,
+                           engine=EngineConfig(model=wide_kv_model, kv_transport=transport))
+        prefill = PrefillWorker(cfg)
+        try:
+            blocks = prefill.engine.block_manager
+            prompt = [(7 * i) % 300 for i in range(1000)]  # 64 MB of KV
+            prefill.accept(P.PrefillWork("r1", 1, prompt, len(prompt), {"max_tokens": 8, "temperature": 0.0}, 7,
+                                         "decode-0", d.register.kv_address))
+            spin(prefill, lambda: prefill.transfers["r1"].state == "granted", steps=False)
+            os.kill(d.proc.pid, signal.SIGSTOP)  # granted, and now it will never answer
+            spin(prefill, lambda: prefill.transfers["r1"].state == "sending")  # prefilled, the KV sent into it
+            t = prefill.transfers["r1"]
+            assert t.transport == transport and blocks.num_free_blocks < blocks.num_blocks
+            segment = t.offer["shm"]["segment"] if transport == "shm" else None
+            d.proc.kill()
+            d.proc.wait()
+            spin(prefill, lambda: not prefill.transfers and not prefill.draining and
+                 blocks.num_free_blocks == blocks.num_blocks)
+            errors = [env.msg for env in iter(lambda: d.router.recv(100), None) if isinstance(env.msg, P.WorkerError)]
+            assert [(e.request_id, e.code) for e in errors] in ([("r1", "TIMEOUT")], [("r1", "TRANSFER_FAILED")])
+            assert d.register.kv_address not in prefill.peers  # what we held for the dead peer is dropped
+            if segment is not None:
+                deadline = time.monotonic() + 10  # its resource tracker unlinks the segment it left
+                while os.path.exists(f"/dev/shm/{segment}"):
+                    assert time.monotonic() < deadline, f"/dev/shm/{segment} left behind"
+                    time.sleep(0.1)
+                assert not prefill.senders["shm"].maps
+        finally:
+            prefill.close()
