@@ -9,8 +9,8 @@ from pathlib import Path
 
 import click
 
-from common.config import KV_TRANSPORTS
 from common.errors import PdserveError
+from common.protocol import KV_TRANSPORTS  # no torch here: the CLI starts light
 
 
 def engine_options(f):

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 import torch
 
 from common.errors import InvalidArgument
+from common.protocol import KV_TRANSPORTS
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-KV_TRANSPORTS = ("auto", "zmq", "shm", "gloo", "cuda_ipc", "nccl")  # implemented in common/kv_transport.py
 KV_TRANSPORT_DEVICE = {"shm": "cpu", "cuda_ipc": "cuda", "nccl": "cuda"}  # the others work with any pool
 
 

@@ -47,14 +47,14 @@ from typing import Callable
 import torch
 
 from common import protocol as P
-from common.config import DTYPES, KV_TRANSPORT_DEVICE, KV_TRANSPORTS
+from common.config import DTYPES, KV_TRANSPORT_DEVICE
 from common.errors import PdserveError
 from common.kv_cache import SharedSegment
 
 log = logging.getLogger("pdserve.kv")
 
 PREFERENCE = ("cuda_ipc", "shm", "nccl", "zmq", "gloo")  # fastest first (`pdserve bench transfer`)
-assert set(PREFERENCE) == set(KV_TRANSPORTS) - {"auto"}
+assert set(PREFERENCE) == set(P.KV_TRANSPORTS) - {"auto"}
 CHUNK_BYTES = 4 << 20  # largest frame or point-to-point message: pipelines, stays on the heap
 MIN_FRAME_BYTES = 64 << 10  # pyzmq copies smaller frames
 MAX_CHUNKS = 1024  # per transfer: each gloo/nccl chunk has a tag of its own

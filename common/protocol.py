@@ -22,6 +22,7 @@ from common.errors import PdserveError
 
 PROTOCOL_VERSION = 1
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 2**20  # header frames; KV frames are capped separately
+KV_TRANSPORTS = ("auto", "zmq", "shm", "gloo", "cuda_ipc", "nccl")  # KVTransfer.transport: common/kv_transport.py
 
 
 class ProtocolError(PdserveError, ValueError):
