@@ -43,20 +43,6 @@ class WorkerConfig:
     threads: int | None = None  # torch intra-op threads
 
 
-def tensor_frame(t: torch.Tensor) -> memoryview:
-    """A tensor's bytes for a zero-copy frame (any dtype; bfloat16 has no numpy twin)."""
-    return memoryview(t.detach().cpu().contiguous().view(torch.uint8).numpy())
-
-
-def frame_tensor(frame: zmq.Frame, dtype: torch.dtype, shape) -> torch.Tensor:
-    """A received frame as a tensor, without copying (read-only: copy out before it is freed)."""
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # torch warns that the buffer is read-only
-        return torch.frombuffer(frame.buffer, dtype=torch.uint8).view(dtype).view(shape)
-
-
 class WorkerBase:
     role = "worker"
 
