@@ -5,7 +5,7 @@ between two processes, and a memcpy of the same bytes. Repetitions of the three 
 turn, so that the machine's drift hits all alike.
 
 Only the model's KV layout is needed, not its weights. One repetition is one whole transfer as
-a prefill worker makes it: the sender moves its blocks and sends the KVTransfer header; the
+a prefill worker makes it (in --layer-groups pieces, as layer-wise streaming sends it): the sender moves its blocks and sends the KVTransfer header; the
 receiver (a decode worker's KV ingress without the engine) settles the bytes into its granted
 blocks and answers KVAck. Latency is taken at the sender, from start to acknowledgement. A
 first, untimed transfer makes the gloo pair or maps the shared pool, and checks that the
@@ -31,7 +31,7 @@ from common.config import DTYPES, KV_TRANSPORT_DEVICE, resolve_device
 from common.errors import InvalidArgument
 from common.kv_cache import SharedSegment
 from common.kv_transport import (Inbox, Outgoing, frame_plan, make_receivers, make_senders, tune_malloc, unit_bytes,
-                                 unit_ids)
+                                 unit_rows)
 
 TIMEOUT_S = 60.0
 SEED = 1234
@@ -154,8 +154,11 @@ def _stop(proc: mp.Process):
 class TransportRun:
     """Sender side of transfers by one transport to a receiver process; one() times one of them."""
 
-    def __init__(self, transport: str, shape, dtype: str, device: torch.device, n: int, fragmented: bool = False):
+    def __init__(self, transport: str, shape, dtype: str, device: torch.device, n: int, fragmented: bool = False,
+                 layer_groups: int = 1):
         self.transport, self.shape, self.n = transport, shape, n
+        bounds = [shape[0] * i // layer_groups for i in range(layer_groups + 1)]
+        self.pieces = [(range(a, b), range(n)) for a, b in zip(bounds, bounds[1:])]  # as layer-wise streaming sends
         self.src, self.dst = _block_ids(n, fragmented, 0), _block_ids(n, fragmented, 1)
         self.pool = _sender_pool(shape, dtype, device)
         self.layout = {"layers": shape[0], "block_size": shape[3], "kv_heads": shape[4], "head_dim": shape[5],
@@ -180,13 +183,17 @@ class TransportRun:
             self.close()
             raise
 
-    def one(self, check: bool = False) -> float:
+    def one(self, check: bool = False, pieces: list[tuple[range, range]] | None = None) -> float:
+        """One transfer, all at once or in these (layers, blocks) pieces in this order."""
         rid = "warmup" if check else f"r{self.count}"
         self.count += 1
         tokens = self.n * self.shape[3]
         t0 = time.perf_counter()
-        handle = self.sender.start(Outgoing(rid, 0, self.pool, self.src, self.dst, self.advert,
-                                            lambda m, f: self.chan.send(m, f, track=True)))
+        out = Outgoing(rid, 0, self.pool, self.src, self.dst, self.advert, lambda m, f: self.chan.send(m, f, track=True))
+        handle = self.sender.open(out)
+        for layers, blocks in pieces or self.pieces:
+            self.sender.send(out, handle, layers, blocks)
+        self.sender.finish(handle)
         self.chan.send(P.KVTransfer(rid, 0, [0] * (tokens + 1), tokens, 0, {}, 0, self.layout, tokens, self.dst,
                                     self.transport, handle.info))
         env = self.chan.recv(int(TIMEOUT_S * 1000))
@@ -255,15 +262,15 @@ class MemcpyRun:
 
 
 def measure(transport: str, shape, dtype: str, device: torch.device, n: int, repeats: int,
-            fragmented: bool = False) -> dict[str, list[float]]:
+            fragmented: bool = False, layer_groups: int = 1) -> dict[str, list[float]]:
     """Seconds per repetition of the transport and of each ceiling, taken in turn (this machine's
     speed drifts: interleaving keeps the ratios honest)."""
     nbytes = math.prod(shape) // shape[2] * n * DTYPES[dtype].itemsize
     runs = {}
     try:
-        runs[transport] = run = TransportRun(transport, shape, dtype, device, n, fragmented)
+        runs[transport] = run = TransportRun(transport, shape, dtype, device, n, fragmented, layer_groups)
         ub = unit_bytes(run.pool)
-        runs["raw zmq"] = RawZmqRun([(b - a) * ub for a, b, _ in frame_plan(unit_ids(run.pool, run.src), ub)], repeats)
+        runs["raw zmq"] = RawZmqRun([(b - a) * ub for a, b, _ in frame_plan(unit_rows(run.pool, run.src), ub)], repeats)
         runs["memcpy"] = MemcpyRun(nbytes)
         times = {name: [] for name in runs}
         for _ in range(repeats):
@@ -281,17 +288,21 @@ def percentile(times: list[float], q: float) -> float:
 
 
 def run_transfer_bench(transport: str, spec: str, tokens: int, repeats: int, block_size: int = 16,
-                       dtype: str | None = None, device: str | None = None, fragmented: bool = False) -> dict:
+                       dtype: str | None = None, device: str | None = None, fragmented: bool = False,
+                       layer_groups: int = 1) -> dict:
     if repeats < 1:
         raise InvalidArgument(f"repeats={repeats}; allowed: >= 1")
     shape, dtype, dev, n = kv_shape(spec, tokens, block_size, dtype, device, transport)
+    if not 1 <= layer_groups <= shape[0]:
+        raise InvalidArgument(f"layer_groups={layer_groups}; allowed: 1..{shape[0]} (the model's layers)")
     torch.set_num_threads(1)
     tune_malloc()
     nbytes = math.prod(shape) // shape[2] * n * DTYPES[dtype].itemsize
     result = {"bench": "transfer", "transport": transport, "model": spec, "tokens": n * block_size, "bytes": nbytes,
-              "repeats": repeats, "device": str(dev), "dtype": dtype, "fragmented": fragmented}
+              "repeats": repeats, "device": str(dev), "dtype": dtype, "fragmented": fragmented,
+              "layer_groups": layer_groups}
     rows = []
-    for name, times in measure(transport, shape, dtype, dev, n, repeats, fragmented).items():
+    for name, times in measure(transport, shape, dtype, dev, n, repeats, fragmented, layer_groups).items():
         p50, p99 = percentile(times, 50), percentile(times, 99)
         key = {"raw zmq": "raw_zmq_", "memcpy": "memcpy_"}.get(name, "")
         result.update({f"{key}gbps": round(nbytes / p50 / 1e9, 3), f"{key}p50_ms": round(p50 * 1e3, 3),
@@ -301,7 +312,8 @@ def run_transfer_bench(transport: str, spec: str, tokens: int, repeats: int, blo
     result["vs_raw_zmq"] = round(result["gbps"] / result["raw_zmq_gbps"], 3)
     result["vs_memcpy"] = round(result["gbps"] / result["memcpy_gbps"], 3)
     print_table(f"pdserve bench transfer: {transport}, {spec} KV of {n * block_size} tokens = {nbytes / 2**20:.1f} MiB "
-                f"({dtype}, {'scattered' if fragmented else 'consecutive'} blocks), p50 of {repeats}, taken in turn",
+                f"({dtype}, {'scattered' if fragmented else 'consecutive'} blocks, in {layer_groups} layer "
+                f"group{'s' * (layer_groups > 1)}), p50 of {repeats}, taken in turn",
                 ["path", "GB/s", "p50 ms", "p99 ms", f"{transport} / path"], rows)
     print_json(result)
     return result

@@ -186,15 +186,17 @@ def worker_command(role: str):
     @click.option("--worker-id", default=None, help="[default: ROLE-PID]")
     @click.option("--host", default="127.0.0.1", show_default=True, help="where the KV ingress binds (decode, mono)")
     @click.option("--threads", default=None, type=int, help="torch threads")
+    @click.option("--no-kv-stream", is_flag=True,
+                  help="prefill: send the KV after the forward pass, not layer by layer during it")
     @click.option("--log-level", default="INFO", show_default=True)
     @engine_options
-    def command(router_address, worker_id, host, threads, log_level, engine_kwargs):
+    def command(router_address, worker_id, host, threads, no_kv_stream, log_level, engine_kwargs):
         from common.config import EngineConfig
         from common.worker import WorkerConfig
 
         setup_logging(log_level)
         cfg = WorkerConfig(router=router_address, engine=EngineConfig(**engine_kwargs), worker_id=worker_id,
-                           host=host, threads=threads)
+                           host=host, threads=threads, kv_stream=not no_kv_stream)
         if role == "prefill":
             from prefill_worker.worker import PrefillWorker
 
@@ -341,6 +343,20 @@ def bench_chaos(model, prefill, decode, requests, kills, concurrency, interval, 
               log_dir=Path(log_dir) if log_dir else None)
 
 
+@bench.command("handoff")
+@click.option("--model", default="dummy:nanogpt", show_default=True)
+@click.option("--tokens", default=1000, show_default=True, type=int, help="prompt length")
+@click.option("--requests", default=8, show_default=True, type=int, help="per mode, after one warm-up")
+@click.option("--transport", default="auto", show_default=True, type=click.Choice(KV_TRANSPORTS))
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--worker-arg", "worker_args", multiple=True, help="extra flag for every worker (repeatable)")
+def bench_handoff(model, tokens, requests, transport, seed, worker_args):
+    """Prefill start to decode start of long prompts, KV streamed layer by layer vs sent after."""
+    from bench.handoff import run_handoff_bench
+
+    run_handoff_bench(model, tokens, requests, transport, seed, list(worker_args))
+
+
 @bench.command("transfer")
 @click.option("--transport", default="zmq", show_default=True, type=click.Choice(KV_TRANSPORTS[1:]))
 @click.option("--model", default="dummy:llama-1b", show_default=True, help="only its KV layout is used")
@@ -350,11 +366,13 @@ def bench_chaos(model, prefill, decode, requests, kills, concurrency, interval, 
 @click.option("--dtype", default=None, help="[default: float32 on CPU, bfloat16 on GPU]")
 @click.option("--device", default=None, help="[default: cpu; cuda:0 for cuda_ipc and nccl]")
 @click.option("--fragmented", is_flag=True, help="scattered block ids on both sides instead of runs")
-def bench_transfer(transport, model, tokens, repeats, block_size, dtype, device, fragmented):
+@click.option("--layer-groups", default=1, show_default=True, type=int,
+              help="send each transfer in this many groups of layers, as layer-wise streaming does")
+def bench_transfer(transport, model, tokens, repeats, block_size, dtype, device, fragmented, layer_groups):
     """One KV transport between two processes: GB/s and latency, beside raw ZeroMQ and memcpy."""
     from bench.transfer import run_transfer_bench
 
-    run_transfer_bench(transport, model, tokens, repeats, block_size, dtype, device, fragmented)
+    run_transfer_bench(transport, model, tokens, repeats, block_size, dtype, device, fragmented, layer_groups)
 
 
 def run():

@@ -54,7 +54,7 @@ class ModelConfig:
             raise InvalidArgument(f"head_dim={self.head_dim} must be even for rotary embeddings")
 
     @property
-    def kv_bytes_per_token(self) -> int:
+    def kv_values_per_token(self) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -22,6 +23,7 @@ from common.sampling import SamplingParams, fresh_seed, sample
 from common.scheduler import ScheduledSeq, Scheduler
 from common.sequence import PREFILLED, Sequence, Status
 
+LayerHook = Callable[[int, list[ScheduledSeq]], None]
 _CPU_KV_CACHE_GB = 1.0
 _GPU_MEMORY_FRACTION = 0.9
 
@@ -85,10 +87,11 @@ class ModelRunner:
         return ordered, self._tensor(input_ids), self._tensor(positions), meta, sample_rows
 
     @torch.inference_mode()
-    def run(self, batch: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], list[int]]:
+    def run(self, batch: list[ScheduledSeq], on_layer: LayerHook | None = None) -> tuple[list[ScheduledSeq], list[int]]:
         """Returns the batch in packed order and the tokens sampled for its `samples` entries."""
         ordered, input_ids, positions, meta, sample_rows = self.prepare(batch)
-        hidden_TC = self.model(input_ids, positions, self.kv_cache, meta)
+        hook = None if on_layer is None else (lambda i: on_layer(i, ordered))
+        hidden_TC = self.model(input_ids, positions, self.kv_cache, meta, hook)
         if not sample_rows:
             return ordered, []
         logits_SV = self.model.logits(hidden_TC[self._tensor(sample_rows)])
@@ -119,7 +122,7 @@ class Engine:
 
     def _auto_num_blocks(self) -> int:
         cfg, bs = self.config, self.config.block_size
-        block_bytes = self.model_config.kv_bytes_per_token * bs * torch.finfo(cfg.torch_dtype).bits // 8
+        block_bytes = self.model_config.kv_values_per_token * bs * torch.finfo(cfg.torch_dtype).bits // 8
         useful = cfg.max_num_seqs * -(-self.max_model_len // bs)
         if cfg.kv_cache_gb is not None:
             budget = cfg.kv_cache_gb * 2**30
@@ -217,10 +220,15 @@ class Engine:
         return True
 
     def detach(self, request_id: str) -> list[int]:
-        """Take a held request's blocks away from it without freeing them (a transport may still
-        be reading them); free_blocks() them once it is done."""
+        """End a request (held, or still prefilling) but keep its blocks (a transport may still be
+        reading them); free_blocks() them once it is done."""
         seq = self.held.pop(request_id, None)
-        return seq.block_table if seq is not None else []
+        if seq is None:
+            seq = self.requests.pop(request_id, None)
+            if seq is None:
+                return []
+            self.scheduler.finish(seq, "abort", free_blocks=False)
+        return seq.block_table
 
     def free_blocks(self, block_ids: list[int]) -> None:
         self.block_manager.release_blocks(block_ids)
@@ -267,11 +275,14 @@ class Engine:
 
     # ------------------------------------------------------------------ stepping
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, on_layer: LayerHook | None = None) -> list[RequestOutput]:
+        """One packed forward. on_layer(i, batch) runs as soon as layer i's KV of the whole batch
+        is in the pool, before the later layers run (layer-wise KV streaming); the batch's
+        num_computed_tokens still count the tokens before this step."""
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        ordered, tokens = self.runner.run(batch)
+        ordered, tokens = self.runner.run(batch, on_layer)
         outputs, sampled = [], iter(tokens)
         for s in ordered:
             seq = s.seq

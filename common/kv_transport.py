@@ -3,24 +3,30 @@ decode worker reserved for it. Every transport has the same shape:
 
     decode worker (Receiver)                     prefill worker (Sender)
     KVGrant(blocks, transports={name: advert}) -> choose(): the fastest both ends can use
+                                                  open(), then send(layers, blocks) as often as
                                                <- the bytes, by the transport's own means
                                                <- KVTransfer(header, transport, transport_info)
     receiver.begin(inbox, info); once receiver.settle(inbox): start decoding, KVAck
 
-    zmq       KVChunk messages, one frame of 64 KiB..4 MiB each, on the same socket before the
-              header, sent from the pool in place where blocks are consecutive. Works across hosts.
+A transfer is sent in pieces, each some layers' K and V in some of the request's blocks: all of
+it at once after the prefill, or layer by layer while the forward pass runs (layer-wise
+streaming, prefill_worker/stream.py). The pieces may come in any order; each unit once.
+
+    zmq       KVChunk messages, each with one frame of 64 KiB..4 MiB, on the same socket ahead of
+              the header, sent from the pool in place where blocks are consecutive. Any hosts.
     shm       the decode worker's pool lives in a shared-memory segment (common/kv_cache.py);
               the prefill maps it once and copies its blocks straight into the granted ones,
               then only the header crosses ZeroMQ. Same host, CPU pools.
     gloo      a two-rank torch.distributed group per prefill/decode pair, made on first use
-              from a store the decode worker hosts; the decode receives into staging chunks
-              and copies them into its blocks. Any host, any pool (bytes staged on the CPU).
+              from a store the decode worker hosts. Each chunk is announced by a KVChunk without
+              a frame that names its tag; the decode worker posts the receive into a staging
+              buffer then, and copies it into its blocks. Any hosts, any pool (staged on the CPU).
     cuda_ipc  shm's shape for CUDA pools (the pool shared by a CUDA IPC handle).  } not run in
     nccl      gloo's shape for CUDA pools (NCCL backend, staging on the GPU).    } CI: no GPU
 
 Both ends see a request's KV as units: one block of one layer's K or V, (block_size, kv_heads,
 head_dim), contiguous in the pool. A request's units are numbered in (layer, K/V, block) order,
-so a chunk of them says where it goes by its first unit alone.
+and a chunk lists the runs of unit numbers it holds.
 
 shm and cuda_ipc are one-sided: the decode worker cannot tell when a writer is done, so blocks
 granted by a decode worker that offers them come back only on word from the writer (KVTransfer
@@ -33,10 +39,14 @@ from __future__ import annotations
 import concurrent.futures
 import ctypes
 import datetime
+import functools
+import itertools
 import logging
 import math
 import os
+import queue
 import socket
+import threading
 import time
 import types
 import uuid
@@ -57,7 +67,6 @@ PREFERENCE = ("cuda_ipc", "shm", "nccl", "zmq", "gloo")  # fastest first (`pdser
 assert set(PREFERENCE) == set(P.KV_TRANSPORTS) - {"auto"}
 CHUNK_BYTES = 4 << 20  # largest frame or point-to-point message: pipelines, stays on the heap
 MIN_FRAME_BYTES = 64 << 10  # pyzmq copies smaller frames
-MAX_CHUNKS = 1024  # per transfer: each gloo/nccl chunk has a tag of its own
 HOSTNAME = socket.gethostname()
 
 
@@ -111,23 +120,33 @@ def unit_bytes(pool: torch.Tensor) -> int:
     return math.prod(pool.shape[3:]) * pool.element_size()
 
 
-def unit_ids(pool: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
-    """Row of unit_view(pool) of each unit of these blocks, in (layer, K/V, block) order."""
-    rows = torch.arange(pool.shape[0] * 2, device=pool.device)[:, None] * pool.shape[2]
-    return (rows + torch.tensor(block_ids, dtype=torch.int64, device=pool.device)[None, :]).flatten()
+def unit_rows(pool: torch.Tensor, block_ids: list[int], layers: range | None = None) -> torch.Tensor:
+    """Row of unit_view(pool) of each unit of these blocks in these layers (default all), in
+    (layer, K/V, block) order."""
+    layers = range(pool.shape[0]) if layers is None else layers
+    kv_rows = torch.arange(2 * layers.start, 2 * layers.stop, device=pool.device)[:, None] * pool.shape[2]
+    return (kv_rows + torch.tensor(block_ids, dtype=torch.int64, device=pool.device)[None, :]).flatten()
 
 
-def chunk_ranges(num_units: int, unit_nbytes: int) -> list[tuple[int, int]]:
-    """[first, end) unit ranges of about CHUNK_BYTES, none under MIN_FRAME_BYTES unless all is."""
-    per = max(1, CHUNK_BYTES // unit_nbytes, -(-num_units // MAX_CHUNKS))
-    ranges = [(u, min(u + per, num_units)) for u in range(0, num_units, per)]
-    if len(ranges) > 1 and (ranges[-1][1] - ranges[-1][0]) * unit_nbytes < MIN_FRAME_BYTES:
-        ranges[-2:] = [(ranges[-2][0], num_units)]
-    return ranges
+def unit_numbers(num_blocks: int, layers: range, blocks: range) -> list[int]:
+    """The request's numbers of its units in these layers and these of its blocks, in
+    (layer, K/V, block) order: unit_rows' order."""
+    return [kv * num_blocks + b for kv in range(2 * layers.start, 2 * layers.stop) for b in blocks]
+
+
+def runs(numbers: list[int]) -> list[list[int]]:
+    """Ascending unit numbers as [first, count] runs of consecutive ones."""
+    out = []
+    for u in numbers:
+        if out and out[-1][0] + out[-1][1] == u:
+            out[-1][1] += 1
+        else:
+            out.append([u, 1])
+    return out
 
 
 def frame_plan(ids: torch.Tensor, unit_nbytes: int) -> list[tuple[int, int, bool]]:
-    """[first, end) unit ranges covering a request, and whether each is one stretch of the pool
+    """[first, end) ranges of these pool rows, and whether each is one stretch of the pool
     (send it in place) or must be gathered. Stretches of at least MIN_FRAME_BYTES go in place, cut
     evenly to at most CHUNK_BYTES; the rest is gathered into chunks of up to CHUNK_BYTES."""
     rows = ids.tolist()
@@ -157,16 +176,17 @@ def frame_plan(ids: torch.Tensor, unit_nbytes: int) -> list[tuple[int, int, bool
     return plan
 
 
-def copy_blocks(src: torch.Tensor, src_blocks: list[int], dst: torch.Tensor, dst_blocks: list[int]) -> None:
-    """dst's blocks = src's blocks, all layers: one strided copy per run of consecutive ids on
-    both sides (a fresh pool's blocks mostly are), no staging."""
+def copy_blocks(src: torch.Tensor, src_blocks: list[int], dst: torch.Tensor, dst_blocks: list[int],
+                layers: slice = slice(None)) -> None:
+    """dst's blocks = src's blocks in these layers: one strided copy per run of consecutive ids
+    on both sides (a fresh pool's blocks mostly are), no staging."""
     i, n = 0, len(src_blocks)
     while i < n:
         j = i + 1
         while j < n and src_blocks[j] == src_blocks[j - 1] + 1 and dst_blocks[j] == dst_blocks[j - 1] + 1:
             j += 1
         s, d = src_blocks[i], dst_blocks[i]
-        dst[:, :, d:d + j - i].copy_(src[:, :, s:s + j - i])
+        dst[layers, :, d:d + j - i].copy_(src[layers, :, s:s + j - i])
         i = j
 
 
@@ -191,9 +211,9 @@ class Inbox:
         self.num_units = pool.shape[0] * 2 * len(block_ids)
         self.arrived = bytearray(self.num_units)
         self.error: str | None = None
-        self.future: concurrent.futures.Future | None = None  # gloo/nccl: the staging chunks' receipt
+        self.pending: list[tuple[list, concurrent.futures.Future]] = []  # gloo/nccl: (runs, staging's receipt)
         self.pair: str = ""
-        self._ids: torch.Tensor | None = None
+        self._rows: list[int] | None = None
 
     @property
     def complete(self) -> bool:
@@ -202,18 +222,43 @@ class Inbox:
     def fail(self, why: str) -> None:
         self.error = self.error or why
 
-    def put(self, first_unit: int, units: torch.Tensor) -> None:
-        """Write units [first_unit, first_unit + len(units)) into the pool."""
-        k = units.shape[0]
-        if not 0 <= first_unit < first_unit + k <= self.num_units:
-            return self.fail(f"KV units [{first_unit}, {first_unit + k}) are outside this transfer's "
-                             f"[0, {self.num_units})")
-        if self.arrived.find(1, first_unit, first_unit + k) != -1:
-            return self.fail(f"KV units [{first_unit}, {first_unit + k}) arrived twice")
-        if self._ids is None:
-            self._ids = unit_ids(self.pool, self.block_ids)
-        unit_view(self.pool).index_copy_(0, self._ids[first_unit:first_unit + k], units.to(self.pool.device))
-        self.arrived[first_unit:first_unit + k] = b"\x01" * k
+    def check(self, unit_runs: list) -> int | None:
+        """How many units these [first, count] runs hold, or None (and the inbox failed) if any
+        is malformed, outside this transfer or already arrived."""
+        total = 0
+        for r in unit_runs:
+            if not (isinstance(r, list) and len(r) == 2 and r[1] > 0 and 0 <= r[0] and r[0] + r[1] <= self.num_units):
+                self.fail(f"KV unit run {repr(r)[:40]} is not [first, count] inside this transfer's "
+                          f"[0, {self.num_units})")
+                return None
+            if self.arrived.find(1, r[0], r[0] + r[1]) != -1:
+                self.fail(f"KV units [{r[0]}, {r[0] + r[1]}) arrived twice")
+                return None
+            total += r[1]
+        if not total:
+            self.fail("a KV chunk with no units")
+            return None
+        return total
+
+    def put(self, unit_runs: list, units: torch.Tensor) -> None:
+        """Write these runs of units, in order, from units (as many rows as the runs hold)."""
+        if self.check(unit_runs) != units.shape[0]:
+            return self.fail(self.error or f"KV unit runs of {sum(r[1] for r in unit_runs)} units with "
+                                           f"{units.shape[0]} units of data")
+        if self._rows is None:
+            self._rows = unit_rows(self.pool, self.block_ids).tolist()
+        pool, src, k = unit_view(self.pool), units.to(self.pool.device), 0
+        for first, count in unit_runs:
+            rows = self._rows[first:first + count]
+            i = 0
+            while i < count:  # one plain copy per stretch of consecutive rows
+                j = i + 1
+                while j < count and rows[j] == rows[j - 1] + 1:
+                    j += 1
+                pool[rows[i]:rows[i] + j - i].copy_(src[k + i:k + j])
+                i = j
+            k += count
+            self.arrived[first:first + count] = b"\x01" * count
 
     def put_all(self) -> None:
         """The bytes were written straight into the pool by the peer (one-sided transports)."""
@@ -244,18 +289,19 @@ class Outgoing:
 class Handle:
     """A transfer under way, prefill side."""
     info: dict = field(default_factory=dict)  # for KVTransfer.transport_info
-    future: concurrent.futures.Future | None = None  # point-to-point sends; done once all delivered
+    futures: list = field(default_factory=list)  # point-to-point sends, shm/cuda_ipc copies: done once delivered
     trackers: list = field(default_factory=list)  # zmq: one per frame sent in place from the pool
-    failed: str | None = None  # a start that failed half way (some bytes may be under way)
+    failed: str | None = None  # a send that failed half way (some bytes may be under way)
+    peer: object = None  # what the sends go into: the peer's pool (shm, cuda_ipc), the pair (gloo, nccl)
 
     def sent(self) -> bool:
         """Nothing reads our blocks for this transfer any more: they may be reused."""
-        return (self.future is None or self.future.done()) and all(t.done for t in self.trackers)
+        return all(f.done() for f in self.futures) and all(t.done for t in self.trackers)
 
     def error(self) -> str | None:
-        if self.failed is not None:
-            return self.failed
-        return _failure(self.future)
+        if self.failed is None:
+            self.failed = next((why for why in map(_failure, self.futures) if why is not None), None)
+        return self.failed
 
 
 # ----------------------------------------------------------------------------- interfaces
@@ -268,10 +314,24 @@ class Sender:
         """Why the peer that advertised this cannot be reached from here, or None."""
         return None
 
-    def start(self, out: Outgoing) -> Handle:
-        """Set the bytes moving. Raises TransportError if none could be; a failure after some
-        were is the handle's error()."""
+    def open(self, out: Outgoing) -> Handle:
+        """Get ready to send this request's KV. Raises TransportError if it cannot be sent."""
+        return Handle()
+
+    def send(self, out: Outgoing, handle: Handle, layers: range, blocks: range) -> None:
+        """Set moving the units of these layers in these of the request's blocks (indices into
+        out.src_blocks and out.dst_blocks). A failure is the handle's error()."""
         raise NotImplementedError
+
+    def finish(self, handle: Handle) -> None:
+        """Return once the header may follow what was sent: for one-sided transports, once every
+        byte is in place (the header says so); for the others at once (the bytes go ahead of it)."""
+
+    def start(self, out: Outgoing) -> Handle:
+        """All of the request's KV at once."""
+        handle = self.open(out)
+        self.send(out, handle, range(out.pool.shape[0]), range(len(out.src_blocks)))
+        return handle
 
     def forget(self, advert: dict) -> None:
         """The peer is gone: drop what we hold for it."""
@@ -288,8 +348,15 @@ class Receiver:
     def advert(self) -> dict:
         return {}
 
+    def chunk(self, inbox: Inbox, msg: P.KVChunk, frames: list) -> None:
+        """A KVChunk: take its units in (or fail the inbox)."""
+        inbox.fail(f"a KVChunk by {self.name}, which sends none")
+
+    def drop(self, msg: P.KVChunk) -> None:
+        """A chunk that no transfer takes (late, cancelled, failed): let it go."""
+
     def begin(self, inbox: Inbox, info: dict) -> None:
-        """The header arrived: take the rest in (or fail the inbox)."""
+        """The header arrived: every chunk was sent ahead of it."""
 
     def settle(self, inbox: Inbox) -> bool:
         """True once the KV is in the pool, or the inbox failed."""
@@ -302,6 +369,17 @@ class Receiver:
         pass
 
 
+def _check_complete(inbox: Inbox) -> None:
+    if not inbox.complete:
+        inbox.fail(f"only {inbox.num_units - inbox.arrived.count(0)} of {inbox.num_units} KV units arrived")
+
+
+def _piece(out: Outgoing, layers: range, blocks: range) -> tuple[torch.Tensor, list[int]]:
+    """Pool rows of a piece's units and their numbers in the request, in the same order."""
+    return (unit_rows(out.pool, out.src_blocks[blocks.start:blocks.stop], layers),
+            unit_numbers(len(out.dst_blocks), layers, blocks))
+
+
 # ----------------------------------------------------------------------------- zmq
 
 class ZmqSender(Sender):
@@ -310,20 +388,19 @@ class ZmqSender(Sender):
     keeps the blocks until zmq is done with them (Handle.sent); the rest is gathered first."""
     name = "zmq"
 
-    def start(self, out: Outgoing) -> Handle:
-        units, ids = unit_view(out.pool), unit_ids(out.pool, out.src_blocks)
-        handle = Handle()
-        for first, end, in_place in frame_plan(ids, unit_bytes(out.pool)):
-            row = int(ids[first])
-            chunk = units[row:row + end - first] if in_place else units.index_select(0, ids[first:end])
-            header = P.KVChunk(out.request_id, out.attempt, len(out.dst_blocks), first)
+    def send(self, out: Outgoing, handle: Handle, layers: range, blocks: range) -> None:
+        rows, numbers = _piece(out, layers, blocks)
+        units = unit_view(out.pool)
+        for first, end, in_place in frame_plan(rows, unit_bytes(out.pool)):
+            row = int(rows[first])
+            chunk = units[row:row + end - first] if in_place else units.index_select(0, rows[first:end])
+            header = P.KVChunk(out.request_id, out.attempt, len(out.dst_blocks), runs(numbers[first:end]))
             tracker = out.send(header, [tensor_frame(chunk)])
             if tracker is None:
                 handle.failed = "the decode worker's socket takes no more KV chunks (its queue is full)"
-                break
+                return
             if in_place:
                 handle.trackers.append(tracker)
-        return handle
 
 
 class ZmqReceiver(Receiver):
@@ -331,26 +408,27 @@ class ZmqReceiver(Receiver):
 
     def chunk(self, inbox: Inbox, msg: P.KVChunk, frames: list) -> None:
         if len(frames) != 1:
-            return inbox.fail(f"a KVChunk with {len(frames)} frames; expected 1")
+            return inbox.fail(f"a zmq KVChunk with {len(frames)} frames; expected 1")
         buf, ub = frames[0].buffer, unit_bytes(inbox.pool)
         if len(buf) == 0 or len(buf) % ub:
             return inbox.fail(f"a KV frame of {len(buf)} bytes; expected a positive multiple of {ub} "
                               "(one block of one layer's K or V)")
-        inbox.put(msg.first_unit, frame_tensor(buf, inbox.pool.dtype, (len(buf) // ub, *inbox.pool.shape[3:])))
+        inbox.put(msg.runs, frame_tensor(buf, inbox.pool.dtype, (len(buf) // ub, *inbox.pool.shape[3:])))
 
     def settle(self, inbox: Inbox) -> bool:
-        if not inbox.complete:  # chunks travel ahead of the header on the same socket
-            inbox.fail(f"only {inbox.num_units - inbox.arrived.count(0)} of {inbox.num_units} KV units arrived")
+        _check_complete(inbox)  # chunks travel ahead of the header on the same socket
         return True
 
 
 # ----------------------------------------------------------------------------- shm, cuda_ipc
 
 class MappedSender(Sender):
-    """Writes straight into a peer's pool mapped into this process (shm, cuda_ipc)."""
+    """Writes straight into a peer's pool mapped into this process (shm, cuda_ipc), from a thread
+    of its own, so that a streamed transfer's copies overlap the forward pass."""
 
     def __init__(self):
         self.maps: dict[str, object] = {}  # advert key -> mapping holding .tensor
+        self.copier = JobThread(f"pdserve-kv-{self.name}")
 
     def _key(self, advert: dict) -> str:
         raise NotImplementedError
@@ -378,16 +456,26 @@ class MappedSender(Sender):
             return f"cannot map its pool ({type(e).__name__}: {e})"
         return None
 
-    def start(self, out: Outgoing) -> Handle:
+    def open(self, out: Outgoing) -> Handle:
         peer = self._mapped(out.advert).tensor
         if peer.shape[3:] != out.pool.shape[3:] or peer.shape[:2] != out.pool.shape[:2] or peer.dtype != out.pool.dtype:
             raise TransportError(f"peer pool {tuple(peer.shape)} {peer.dtype} does not match ours "
                                  f"{tuple(out.pool.shape)} {out.pool.dtype} but for the block count")
         if not 0 <= min(out.dst_blocks) <= max(out.dst_blocks) < peer.shape[2]:
             raise TransportError(f"granted blocks {out.dst_blocks} are outside the peer pool of {peer.shape[2]}")
-        copy_blocks(out.pool, out.src_blocks, peer, out.dst_blocks)
-        self._sync(out.pool, peer)
-        return Handle({"key": self._key(out.advert)})
+        return Handle({"key": self._key(out.advert)}, peer=peer)
+
+    def send(self, out: Outgoing, handle: Handle, layers: range, blocks: range) -> None:
+        b, peer = slice(blocks.start, blocks.stop), handle.peer
+
+        def copy():
+            with torch.inference_mode():  # as the forward that made (or mapped) the tensors
+                copy_blocks(out.pool, out.src_blocks[b], peer, out.dst_blocks[b], slice(layers.start, layers.stop))
+                self._sync(out.pool, peer)
+        handle.futures.append(self.copier.submit(copy))
+
+    def finish(self, handle: Handle) -> None:
+        concurrent.futures.wait(handle.futures)
 
     def _sync(self, ours: torch.Tensor, peer: torch.Tensor) -> None:
         """Make the copies complete before the header says they are."""
@@ -404,6 +492,7 @@ class MappedSender(Sender):
             mapping.close()
 
     def close(self) -> None:
+        self.copier.shutdown()
         for key in list(self.maps):
             self.forget_key(key)
 
@@ -480,13 +569,48 @@ class CudaIpcReceiver(MappedReceiver):
 
 # ----------------------------------------------------------------------------- gloo, nccl
 
+class JobThread:
+    """One daemon thread that runs jobs in order. Not a ThreadPoolExecutor: the interpreter joins
+    those at exit, so a connect stuck on a peer that never came would hold up our exit."""
+
+    def __init__(self, name: str):
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._loop, name=name, daemon=True).start()
+
+    def submit(self, fn: Callable, *args) -> concurrent.futures.Future:
+        future = concurrent.futures.Future()
+        self.jobs.put((future, fn, args))
+        return future
+
+    def _loop(self):
+        while (job := self.jobs.get()) is not None:
+            future, fn, args = job
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as e:
+                    future.set_exception(e)
+
+    def shutdown(self):
+        """Cancel the jobs not started; the thread ends after the one running, if any."""
+        while True:
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job[0].cancel()
+        self.jobs.put(None)
+
+
 class Pair:
     """One two-rank process group between a decode worker (rank 0) and a prefill worker (rank
     1), made from a TCPStore that the decode worker hosts, and the one thread that uses it: it
-    connects, then runs transfers in order. A transfer given up on either side still runs to its
-    end (its peer is past the header, so it finishes too); one that fails (a peer died, the
-    group's timeout) breaks the pair, and the prefill worker makes a new one, which replaces it
-    on the decode side too. Closed then, on a transfer timeout, or when either worker stops."""
+    connects, then runs chunks' sends (or receives) in order, each under a tag of its own. Every
+    announced chunk is received, even for a transfer given up on either side, so the two stay in
+    step; a chunk that fails (a peer died, the group's timeout) breaks the pair, and the prefill
+    worker makes a new one, which replaces it on the decode side too. Closed then, on a transfer
+    timeout, or when either worker stops."""
 
     def __init__(self, pair_id: str, backend: str, rank: int, host: str, timeout_s: float,
                  store: Callable[[], object], device: torch.device):
@@ -494,7 +618,8 @@ class Pair:
         self.pg = None
         self.closed = self.broken = False
         self.last_used = time.monotonic()
-        self.thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"pdserve-kv-{backend}")
+        self.thread = JobThread(f"pdserve-kv-{backend}")
+        self._tags = itertools.count()
         self.connected = self.thread.submit(self._connect, rank, host, timeout_s, store)
 
     def _connect(self, rank, host, timeout_s, store):
@@ -519,6 +644,9 @@ class Pair:
         self.pg = pg
         if self.closed:
             self.close()
+
+    def next_tag(self) -> int:
+        return next(self._tags) % 2**31
 
     def run(self, job: Callable) -> concurrent.futures.Future:
         """job(send_or_recv) on the pair's thread, after it connected; send_or_recv(tensors, tag)
@@ -551,7 +679,7 @@ class Pair:
                 pg.abort()  # a send or receive still waiting fails at once
             except Exception as e:  # the group may be half made or already broken
                 log.debug("aborting %s pair %s: %s", self.backend, self.id, e)
-        self.thread.shutdown(wait=False, cancel_futures=True)
+        self.thread.shutdown()
 
 
 class GroupSender(Sender):
@@ -561,7 +689,6 @@ class GroupSender(Sender):
     def __init__(self, worker_id: str, host: str, timeout_s: float, device: torch.device):
         self.worker_id, self.host, self.timeout_s, self.device = worker_id, host, timeout_s, device
         self.pairs: dict[tuple, Pair] = {}
-        self.seq = 0
 
     def unusable(self, advert: dict) -> str | None:
         if not (isinstance(advert.get("host"), str) and isinstance(advert.get("port"), int)):
@@ -583,19 +710,26 @@ class GroupSender(Sender):
             self.pairs[key] = pair
         return pair
 
-    def start(self, out: Outgoing) -> Handle:
+    def open(self, out: Outgoing) -> Handle:
         pair = self._pair(out.advert)
-        units, ids = unit_view(out.pool), unit_ids(out.pool, out.src_blocks)
-        plan = frame_plan(ids, unit_bytes(out.pool))
-        if len(plan) > MAX_CHUNKS:  # scattered blocks: gather all, in at most MAX_CHUNKS chunks
-            plan = [(a, b, False) for a, b in chunk_ranges(len(ids), unit_bytes(out.pool))]
-        tag = (self.seq % (2**31 // MAX_CHUNKS)) * MAX_CHUNKS
-        self.seq += 1
+        return Handle({"pair": pair.id}, peer=pair)
 
-        def job(post):  # on the pair's thread, so gathering overlaps sending
-            post([self._stage(units[int(ids[a]):int(ids[a]) + b - a] if in_place else units.index_select(0, ids[a:b]))
-                  for a, b, in_place in plan], tag)
-        return Handle({"pair": pair.id, "tag": tag, "sizes": [b - a for a, b, _ in plan]}, pair.run(job))
+    def send(self, out: Outgoing, handle: Handle, layers: range, blocks: range) -> None:
+        pair, units = handle.peer, unit_view(out.pool)
+        rows, numbers = _piece(out, layers, blocks)
+
+        def job(post, first, end, in_place, tag):  # on the pair's thread, so gathering overlaps sending
+            row = int(rows[first])
+            post([self._stage(units[row:row + end - first] if in_place else units.index_select(0, rows[first:end]))],
+                 tag)
+        for first, end, in_place in frame_plan(rows, unit_bytes(out.pool)):
+            tag = pair.next_tag()
+            announce = P.KVChunk(out.request_id, out.attempt, len(out.dst_blocks), runs(numbers[first:end]), self.name,
+                                 {"pair": pair.id, "tag": tag})
+            if out.send(announce, []) is None:
+                handle.failed = "the decode worker's socket takes no more KV chunks (its queue is full)"
+                return
+            handle.futures.append(pair.run(functools.partial(job, first=first, end=end, in_place=in_place, tag=tag)))
 
     def _stage(self, chunk: torch.Tensor) -> torch.Tensor:
         return chunk.cpu()  # in place on a CPU pool
@@ -615,10 +749,11 @@ class GroupReceiver(Receiver):
     backend = "gloo"
     IDLE_S = 600.0  # a pair unused this long is closed (its prefill worker may be gone)
 
-    def __init__(self, host: str, timeout_s: float, device: torch.device):
+    def __init__(self, host: str, timeout_s: float, pool: torch.Tensor):
         from torch.distributed import TCPStore
 
-        self.host, self.timeout_s, self.device = host, timeout_s, device
+        self.host, self.timeout_s, self.device = host, timeout_s, pool.device
+        self.unit_shape, self.dtype, self.max_units = pool.shape[3:], pool.dtype, pool.shape[0] * 2 * pool.shape[2]
         sock = socket.socket()
         sock.bind((host, 0))  # our own socket: TCPStore would listen on every interface
         sock.listen(128)
@@ -630,24 +765,43 @@ class GroupReceiver(Receiver):
     def advert(self) -> dict:
         return {"host": self.host, "port": self.port}
 
-    def begin(self, inbox: Inbox, info: dict) -> None:
-        pair_id, tag, sizes = info.get("pair"), info.get("tag"), info.get("sizes")
-        if not (isinstance(pair_id, str) and "/" in pair_id and isinstance(tag, int) and isinstance(sizes, list)
-                and all(isinstance(k, int) and k > 0 for k in sizes) and len(sizes) <= MAX_CHUNKS):
-            return inbox.fail(f"{self.name} transport_info {repr(info)[:80]} is not {{pair: str, tag: int, "
-                              f"sizes: [int, ...]}}")
-        if sum(sizes) != inbox.num_units:
-            return inbox.fail(f"{self.name} chunks of {sum(sizes)} KV units for a transfer of {inbox.num_units}")
+    def chunk(self, inbox: Inbox, msg: P.KVChunk, frames: list) -> None:
+        pair_id = msg.transport_info.get("pair")
+        if frames:
+            inbox.fail(f"a {self.name} KVChunk with {len(frames)} frames; expected none")
+        elif inbox.pair and inbox.pair != pair_id:
+            inbox.fail(f"{self.name} chunks of one transfer over pairs {inbox.pair} and {pair_id}")
+        count = inbox.check(msg.runs) if inbox.error is None else None
+        if count is None:
+            return self.drop(msg)
+        future = self._receive(msg, count)
+        if future is None:
+            return inbox.fail(f"{self.name} KVChunk transport_info {repr(msg.transport_info)[:80]} is not "
+                              f"{{pair: str, tag: int}} of a working pair")
+        inbox.pair = pair_id
+        inbox.pending.append((msg.runs, future))
+
+    def drop(self, msg: P.KVChunk) -> None:
+        """An announced chunk that no transfer takes (cancelled, failed): receive it anyway, into
+        scratch, or its send would wait, and break the pair, when it times out."""
+        count = sum(r[1] for r in msg.runs if isinstance(r, list) and len(r) == 2 and r[1] > 0)
+        if 0 < count <= self.max_units:
+            self._receive(msg, count)
+
+    def _receive(self, msg: P.KVChunk, count: int) -> concurrent.futures.Future | None:
+        pair_id, tag = msg.transport_info.get("pair"), msg.transport_info.get("tag")
+        if not (isinstance(pair_id, str) and "/" in pair_id and isinstance(tag, int)):
+            return None
         pair = self.pairs.get(pair_id) or self._open(pair_id)
         if pair.broken:  # its sender's side fails too, and makes a new pair
-            return inbox.fail(f"{self.name} pair {pair_id} broke on an earlier transfer")
-        shape, dtype, device = inbox.pool.shape[3:], inbox.pool.dtype, self._staging_device()
+            return None
+        shape, dtype, device = self.unit_shape, self.dtype, self._staging_device()
 
         def job(post):
-            staging = [torch.empty((k, *shape), dtype=dtype, device=device) for k in sizes]
-            post(staging, tag)
+            staging = torch.empty((count, *shape), dtype=dtype, device=device)
+            post([staging], tag)
             return staging
-        inbox.pair, inbox.future = pair_id, pair.run(job)
+        return pair.run(job)
 
     def _staging_device(self) -> torch.device:
         return torch.device("cpu")
@@ -661,22 +815,20 @@ class GroupReceiver(Receiver):
         return pair
 
     def settle(self, inbox: Inbox) -> bool:
-        f = inbox.future
-        if f is None:
-            return True
-        if not f.done():
+        while inbox.pending and inbox.pending[0][1].done():
+            unit_runs, f = inbox.pending.pop(0)
+            why = _failure(f)
+            if why is not None:
+                inbox.fail(f"{self.name} receive failed: {why}")
+                inbox.pending.clear()  # the pair is closed: the rest fail too
+                pair = self.pairs.pop(inbox.pair, None)
+                if pair is not None:
+                    pair.close()
+            elif inbox.error is None:
+                inbox.put(unit_runs, f.result())
+        if inbox.pending:
             return False
-        inbox.future = None
-        if _failure(f) is not None:
-            inbox.fail(f"{self.name} receive failed: {_failure(f)}")
-            pair = self.pairs.pop(inbox.pair, None)
-            if pair is not None:
-                pair.close()
-            return True
-        first = 0
-        for chunk in f.result():
-            inbox.put(first, chunk)
-            first += chunk.shape[0]
+        _check_complete(inbox)
         return True
 
     def poll(self, now: float) -> None:
@@ -733,7 +885,7 @@ def make_receivers(names: list[str], pool: torch.Tensor, segment: SharedSegment 
                 receivers[name] = CudaIpcReceiver(pool, dtype)
             else:
                 cls = GroupReceiver if name == "gloo" else NcclReceiver
-                receivers[name] = cls(host, timeout_s, pool.device)
+                receivers[name] = cls(host, timeout_s, pool)
         except (TransportError, OSError, RuntimeError) as e:
             if required:
                 raise TransportError(f"kv_transport={name!r} cannot receive here: {e}") from e

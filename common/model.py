@@ -115,8 +115,9 @@ class Transformer(nn.Module):
             freqs_PF = torch.outer(torch.arange(self.cfg.max_position_embeddings).float(), inv_freq)
             self.rope_cos, self.rope_sin = freqs_PF.cos().to(device), freqs_PF.sin().to(device)
 
-    def forward(self, input_ids_T, positions_T, kv_cache, meta: AttentionMetadata):
-        """kv_cache: (layers, 2, blocks, block_size, kv_heads, head_dim). Returns hidden (T, C)."""
+    def forward(self, input_ids_T, positions_T, kv_cache, meta: AttentionMetadata, on_layer=None):
+        """kv_cache: (layers, 2, blocks, block_size, kv_heads, head_dim). Returns hidden (T, C).
+        on_layer(i), if given, runs once layer i's KV is written (queued, on a GPU)."""
         x_TC = self.embed(input_ids_T)
         rope = None
         if self.pos_embed is not None:
@@ -126,6 +127,8 @@ class Transformer(nn.Module):
             rope = (self.rope_cos[positions_T].to(dtype), self.rope_sin[positions_T].to(dtype))
         for i, layer in enumerate(self.layers):
             x_TC = layer(x_TC, rope, kv_cache[i, 0], kv_cache[i, 1], meta)
+            if on_layer is not None:
+                on_layer(i)
         return x_TC
 
     def logits(self, hidden_SC):

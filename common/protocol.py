@@ -186,22 +186,26 @@ class KVRefuse:
 
 @dataclass
 class KVChunk:
-    """Prefill -> decode, zmq transport: one frame of KV units, for the blocks granted to this
-    request and attempt. A unit is one block of one layer's K or V; the request's units are
-    numbered in (layer, K/V, block) order over its first num_blocks granted blocks, and this
-    frame holds units first_unit, first_unit + 1, ... (as many as its length holds)."""
+    """Prefill -> decode, ahead of the KVTransfer header: some of a request's KV units, for the
+    blocks granted to this request and attempt. A unit is one block of one layer's K or V; the
+    request's units are numbered in (layer, K/V, block) order over its first num_blocks granted
+    blocks, and this chunk holds the runs [first, count] of them, in order: in its one frame
+    (zmq), or point to point under transport_info's pair and tag (gloo, nccl)."""
     request_id: str
     attempt: int
     num_blocks: int
-    first_unit: int
+    runs: list[list[int]]
+    transport: str = "zmq"
+    transport_info: dict = field(default_factory=dict)
 
 
 @dataclass
 class KVTransfer:
-    """Prefill -> decode: the KV of one request is (or, for gloo, is being) put into these granted
-    blocks by `transport`; start decoding it once all of it is there. No frames: the bytes went
-    as KVChunks (zmq), straight into the decode worker's pool (shm, cuda_ipc), or point to point
-    (gloo, nccl), as transport_info says."""
+    """Prefill -> decode: the KV of one request is (or, for gloo and nccl, is being) put into
+    these granted blocks by `transport`; start decoding it once all of it is there. No frames:
+    the bytes went in the KVChunks ahead of it (zmq), straight into the decode worker's pool (shm,
+    cuda_ipc), or point to point as those KVChunks announced (gloo, nccl). prefilled_at: the
+    prefill's wall-clock time when it sampled the first token, for the decode worker's handoff_s."""
     request_id: str
     attempt: int
     token_ids: list[int]
@@ -214,6 +218,7 @@ class KVTransfer:
     block_ids: list[int]  # the decode worker's blocks granted for it
     transport: str = "zmq"
     transport_info: dict = field(default_factory=dict)
+    prefilled_at: float = 0.0
 
 
 @dataclass
@@ -238,8 +243,13 @@ MESSAGES: dict[str, type] = {cls.__name__: cls for cls in (
     KVReserve, KVGrant, KVRefuse, KVRelease, KVChunk, KVTransfer, KVAck)}
 
 
+_FIELDS: dict[type, tuple[str, ...]] = {}
+
+
 def encode(msg) -> bytes:
-    body = dataclasses.asdict(msg)
+    cls = type(msg)
+    names = _FIELDS.get(cls) or _FIELDS.setdefault(cls, tuple(f.name for f in dataclasses.fields(cls)))
+    body = {name: getattr(msg, name) for name in names}  # fields are plain data: no deep copy (asdict's)
     body["v"] = PROTOCOL_VERSION
     body["type"] = type(msg).__name__
     return msgpack.packb(body, use_bin_type=True)
@@ -294,6 +304,8 @@ def _matches(value, hint) -> bool:
         return value is None
     if origin is list:
         (item,) = typing.get_args(hint) or (typing.Any,)
+        if item is int:  # token ids: the long lists, checked fast (msgpack gives exact ints)
+            return isinstance(value, list) and all(type(v) is int for v in value)
         return isinstance(value, list) and all(_matches(v, item) for v in value)
     if origin is dict or hint is dict:
         return isinstance(value, dict)

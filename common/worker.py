@@ -39,6 +39,7 @@ class WorkerConfig:
     heartbeat_interval_s: float = 0.2
     kv_lease_s: float = 30.0  # reserved blocks come back if no KV arrives by then
     transfer_timeout_s: float = 30.0  # a prefill gives up a transfer not acknowledged by then
+    kv_stream: bool = True  # a prefill sends KV layer by layer during the forward pass
     max_kv_frame_bytes: int = 2**31
     threads: int | None = None  # torch intra-op threads
 
@@ -132,7 +133,7 @@ class WorkerBase:
                         except Exception:
                             log.exception("handling %s failed", type(env.msg).__name__)
                 if self.engine.has_unfinished():
-                    self.on_outputs(self.engine.step())
+                    self.on_outputs(self.step())
                 self._tick(time.monotonic())
         finally:
             self.close()
@@ -153,6 +154,9 @@ class WorkerBase:
         self.ctx.term()
 
     # ------------------------------------------------------------------ for the roles
+
+    def step(self) -> list[RequestOutput]:
+        return self.engine.step()
 
     def on_router(self, msg):
         raise NotImplementedError

@@ -163,19 +163,24 @@ class DecodeWorker(WorkerBase):
                               to=sender)
 
     def _on_chunk(self, msg: P.KVChunk, frames):
+        receiver = self.receivers.get(msg.transport)
+        if receiver is None:
+            log.warning("a KVChunk of %s by %r, which is not offered here; offered: %s", msg.request_id,
+                        msg.transport, list(self.receivers))
+            return  # the KVTransfer header will be refused for the same reason
         r = self.reservations.get(msg.request_id)
         if r is None or r.attempt != msg.attempt:
-            return  # late, or for a cancelled attempt: its KVTransfer will be refused
+            return receiver.drop(msg)  # late, or for a cancelled attempt: its KVTransfer will be refused
         if r.inbox is None:
             r.inbox = Inbox(self.engine.kv_cache, r.block_ids[:msg.num_blocks])
             if not 0 < msg.num_blocks <= len(r.block_ids):
                 r.inbox.fail(f"KVChunk.num_blocks={msg.num_blocks}; allowed: 1..{len(r.block_ids)} (granted)")
         if len(r.inbox.block_ids) != msg.num_blocks:
             r.inbox.fail(f"KVChunks for {msg.num_blocks} and {len(r.inbox.block_ids)} blocks")
-        elif "zmq" not in self.receivers:
-            r.inbox.fail(f"KVChunk on a worker that does not offer zmq; offered: {list(self.receivers)}")
-        elif r.inbox.error is None:
-            self.receivers["zmq"].chunk(r.inbox, msg, frames)
+        if r.inbox.error is None:
+            receiver.chunk(r.inbox, msg, frames)
+        else:
+            receiver.drop(msg)
 
     def _on_transfer(self, msg: P.KVTransfer, sender: bytes):
         def refuse(why: str):
@@ -230,7 +235,10 @@ class DecodeWorker(WorkerBase):
         except InvalidArgument as err:
             self.engine.unreserve(r.block_ids)
             return False, str(err)
-        self.streams[msg.request_id] = (msg.attempt, {"transfer_s": time.monotonic() - r.granted_at})
+        timings = {"transfer_s": time.monotonic() - r.granted_at}
+        if msg.prefilled_at > 0:  # wall clocks: exact on one host, as good as their sync across hosts
+            timings["handoff_s"] = max(0.0, time.time() - msg.prefilled_at)
+        self.streams[msg.request_id] = (msg.attempt, timings)
         return True, ""
 
     # ------------------------------------------------------------------ engine

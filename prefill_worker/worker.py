@@ -9,6 +9,13 @@ and pushes the KV straight to the decode worker the router named:
 The reservation is asked for when the work arrives, so the grant's round trip overlaps the
 prefill instead of following it; a request that ends at its first token sends KVRelease.
 
+Layer-wise streaming (on unless --no-kv-stream): once granted, a request's KV goes out while the
+forward pass runs. After each layer, the blocks it has finished (every full block of the step's
+chunk; all of them in its last chunk) are sent for the layers not sent yet, as soon as they make
+STREAM_MIN_BYTES (so a short prompt goes at once after its last layer, in one piece). A grant that
+arrives during the forward is read between layers, so even a one-step prefill streams from the
+layer after it. The header follows the first token, with only the last group's bytes still to go.
+
 Our blocks are held until the decode worker acknowledges, and given up (with a WorkerError that
 makes the router retry) on refusal, cancellation or timeout, so none can leak; blocks that a
 transport may still be reading (zmq frames sent in place, gloo sends) come back once it is done.
@@ -30,12 +37,14 @@ from common.engine import RequestOutput
 from common.errors import InvalidArgument
 from common.kv_transport import Handle, Outgoing, TransportError, choose, make_senders, offered, tune_malloc
 from common.sampling import SamplingParams
+from common.scheduler import ScheduledSeq
 from common.worker import WorkerBase
 
 log = logging.getLogger("pdserve.prefill")
 
 RETRY_BACKOFF_S = (0.002, 0.005, 0.01, 0.02)
 LEASE_MARGIN_S = 1.0  # never start writing a peer's blocks closer than this to the end of their lease
+STREAM_MIN_BYTES = 1 << 20  # layer-wise streaming sends groups of layers at least this big (but the last)
 
 
 @dataclass
@@ -53,15 +62,20 @@ class Transfer:
     work: P.PrefillWork
     deadline: float
     first_token: int | None = None  # set once prefilled
+    prefilled_at: float = 0.0  # wall clock, for the decode worker's handoff_s
     block_ids: list[int] | None = None  # set once granted
     offer: dict = field(default_factory=dict)  # the decode worker's transports, from its grant
     lease_end: float = 0.0  # the grant holds until at least then (its lease, counted from our request)
-    state: str = "reserving"  # reserving -> (granted) -> sending -> (acked: removed)
+    state: str = "reserving"  # reserving -> (granted) -> [streaming] -> sending -> (acked: removed)
     retries: int = 0
     retry_at: float | None = None
     requested_at: float = 0.0
     transport: str = ""
+    out: Outgoing | None = None  # once the transport is chosen
     handle: Handle | None = None  # the transport's transfer under way
+    streamed: int = 0  # leading blocks whose every layer was sent
+    next_layer: int = 0  # streaming, in a step: the first layer of its finished blocks not yet sent
+    failure: tuple[str, str] | None = None  # (code, message) of a send that failed mid-step
 
 
 class PrefillWorker(WorkerBase):
@@ -77,6 +91,17 @@ class PrefillWorker(WorkerBase):
                                     cfg.host, cfg.transfer_timeout_s, cfg.engine.torch_device)
         self.chosen: dict[str, str] = {}  # decode KV address -> transport last used (for the log)
         self.draining: list[Draining] = []
+        self.stream = self._on_layer if cfg.kv_stream else None
+        self.deferred: list[Envelope] = []  # decode workers' answers read mid-forward, but for grants
+        kv = self.engine.kv_cache
+        self.layer_bytes = 2 * kv[0, 0, 0].numel() * kv.element_size()  # one block of one layer's K and V
+
+    def step(self) -> list[RequestOutput]:
+        outputs = self.engine.step(self.stream)
+        deferred, self.deferred = self.deferred, []
+        for env in deferred:
+            self._on_peer(env)
+        return outputs
 
     # ------------------------------------------------------------------ router
 
@@ -120,7 +145,7 @@ class PrefillWorker(WorkerBase):
             self.to_router(P.WorkerTokens(out.request_id, work.attempt, index, [first], None, timings))
             t = self.transfers.get(out.request_id)
             if t is not None:
-                t.first_token = first
+                t.first_token, t.prefilled_at = first, time.time()
                 if t.block_ids is not None:
                     self._send_kv(out.request_id, t)
 
@@ -203,47 +228,105 @@ class PrefillWorker(WorkerBase):
             else:
                 self._give_up(msg.request_id, "TRANSFER_FAILED", msg.message)
 
-    def _send_kv(self, rid: str, t: Transfer):
-        block_ids = t.block_ids
-        held = self.engine.held.get(rid)
-        if held is None:
-            return self._give_up(rid, "CANCELLED", "blocks no longer held")
-        ours = held.block_table
-        if len(block_ids) < len(ours):
-            return self._give_up(rid, "TRANSFER_FAILED", f"granted {len(block_ids)} blocks, need {len(ours)}")
+    # ------------------------------------------------------------------ sending KV
+
+    def _on_layer(self, layer: int, batch: list[ScheduledSeq]):
+        """Stream what layer `layer` finished of each granted request in this step (see the
+        module docstring). Failures wait for the end of the step (t.failure): the engine is mid-forward."""
+        last = layer == self.engine.model_config.num_layers - 1
+        waiting = {t.work.decode_kv_address for t in map(self.transfers.get, (s.seq.request_id for s in batch))
+                   if t is not None and t.state == "reserving"}
+        for address in waiting:  # a grant that came during the forward lets streaming start now
+            chan = self.peers.get(address)
+            while chan is not None and (env := chan.recv(0)) is not None:
+                if isinstance(env.msg, P.KVGrant):
+                    self._on_peer(env)
+                else:
+                    self.deferred.append(env)  # handling it might end a request the forward is running
+        for s in batch:
+            t = self.transfers.get(s.seq.request_id)
+            if t is None or t.state not in ("granted", "streaming") or t.failure is not None:
+                continue
+            if layer == 0:
+                t.next_layer = 0
+            table = s.seq.block_table
+            upto = len(table) if s.samples else (s.seq.num_computed_tokens + s.num_tokens) // self.engine.config.block_size
+            layers = range(t.next_layer, layer + 1)
+            if upto <= t.streamed or (not last and len(layers) * (upto - t.streamed) * self.layer_bytes < STREAM_MIN_BYTES):
+                continue
+            if self._push(s.seq.request_id, t, table, layers, range(t.streamed, upto)):
+                t.next_layer = layer + 1
+                if last:
+                    t.streamed = upto
+
+    def _push(self, rid: str, t: Transfer, src_blocks: list[int], layers: range, blocks: range) -> bool:
+        """Send these layers of these blocks, choosing the transport first if this is the first
+        piece; False (and t.failure) if that failed."""
         if time.monotonic() + LEASE_MARGIN_S > min(t.lease_end, t.deadline):
-            return self._give_up(rid, "TIMEOUT", "the grant's lease or our deadline ends before the transfer could")
-        w = t.work
-        chan = self._peer(w.decode_kv_address)
+            t.failure = ("TIMEOUT", "the grant's lease or our deadline ends before the transfer could")
+            return False
+        if t.handle is None:
+            if len(t.block_ids) < len(src_blocks):
+                t.failure = ("TRANSFER_FAILED", f"granted {len(t.block_ids)} blocks, need {len(src_blocks)}")
+                return False
+            w = t.work
+            try:
+                t.transport = choose(self.senders, t.offer, w.decode_worker_id, self.cfg.engine.kv_transport)
+                t.out = Outgoing(rid, w.attempt, self.engine.kv_cache, list(src_blocks), t.block_ids[:len(src_blocks)],
+                                 t.offer[t.transport], self._sender_to(w.decode_kv_address, w.decode_worker_id))
+                t.handle = self.senders[t.transport].open(t.out)
+            except TransportError as e:
+                t.failure = (e.code, str(e))
+                return False
+            t.state = "streaming"
+            if self.chosen.get(w.decode_kv_address) != t.transport:
+                self.chosen[w.decode_kv_address] = t.transport
+                log.info("KV to %s (%s) by %s", w.decode_worker_id, w.decode_kv_address, t.transport)
+        self.senders[t.transport].send(t.out, t.handle, layers, blocks)
+        if t.handle.error() is not None:
+            t.failure = ("TRANSFER_FAILED", f"{t.transport}: {t.handle.error()}")
+            return False
+        return True
+
+    def _sender_to(self, address: str, worker_id: str):
+        chan = self._peer(address)
 
         def send(msg, frames):
             try:
                 return chan.send(msg, frames, track=True)
             except zmq.ZMQError as e:
-                log.warning("could not send %s to %s: %s", type(msg).__name__, w.decode_worker_id, e)
+                log.warning("could not send %s to %s: %s", type(msg).__name__, worker_id, e)
                 return None
-        try:
-            t.transport = choose(self.senders, t.offer, w.decode_worker_id, self.cfg.engine.kv_transport)
-            t.handle = self.senders[t.transport].start(Outgoing(
-                rid, w.attempt, self.engine.kv_cache, ours, block_ids[:len(ours)], t.offer[t.transport], send))
-        except TransportError as e:
-            return self._give_up(rid, e.code, str(e))
-        if t.handle.error() is not None:
-            return self._give_up(rid, "TRANSFER_FAILED", f"{t.transport}: {t.handle.error()}")
-        if self.chosen.get(w.decode_kv_address) != t.transport:
-            self.chosen[w.decode_kv_address] = t.transport
-            log.info("KV to %s (%s) by %s", w.decode_worker_id, w.decode_kv_address, t.transport)
+        return send
+
+    def _send_kv(self, rid: str, t: Transfer):
+        """Prefilled and granted: send what streaming has not, then the header."""
+        held = self.engine.held.get(rid)
+        if held is None:
+            return self._give_up(rid, "CANCELLED", "blocks no longer held")
+        ours, layers = held.block_table, range(self.engine.model_config.num_layers)
+        if t.failure is None and t.streamed < len(ours):
+            self._push(rid, t, ours, layers, range(t.streamed, len(ours)))
+        if t.failure is None:
+            self.senders[t.transport].finish(t.handle)
+            if t.handle.error() is not None:
+                t.failure = ("TRANSFER_FAILED", f"{t.transport}: {t.handle.error()}")
+        if t.failure is not None:
+            return self._give_up(rid, *t.failure)
+        w = t.work
         header = P.KVTransfer(rid, w.attempt, w.token_ids + [t.first_token], w.num_prompt_tokens, t.first_token,
-                              w.sampling, w.seed, self.engine.kv_layout, len(w.token_ids), block_ids[:len(ours)],
-                              t.transport, t.handle.info)
+                              w.sampling, w.seed, self.engine.kv_layout, len(w.token_ids), t.out.dst_blocks,
+                              t.transport, t.handle.info, t.prefilled_at)
         t.state = "sending"
-        if not chan.try_send(header):
+        if not self._peer(w.decode_kv_address).try_send(header):
             self._give_up(rid, "TRANSFER_FAILED", "could not send KV")
 
     def on_tick(self, now: float):
         for rid, t in list(self.transfers.items()):
             if now > t.deadline:
                 self._give_up(rid, "TIMEOUT", f"no acknowledgement within {self.cfg.transfer_timeout_s}s")
+            elif t.failure is not None:
+                self._give_up(rid, *t.failure)
             elif t.handle is not None and t.handle.error() is not None:
                 self._give_up(rid, "TRANSFER_FAILED", f"{t.transport}: {t.handle.error()}")
             elif t.retry_at is not None and now >= t.retry_at:

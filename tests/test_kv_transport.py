@@ -204,8 +204,8 @@ def test_decode_worker_refuses_bad_transfers_with_clear_errors(tmp_path):
         def transfer(rid, transport, info=None, the_layout=layout, chunks=()):
             grant = ask(P.KVReserve(rid, 1, 20, layout))
             assert isinstance(grant, P.KVGrant) and set(grant.transports) == {"shm", "zmq", "gloo"}
-            for chunk, frame in chunks:
-                chan.send(chunk, [frame])
+            for chunk, frames in chunks:
+                chan.send(chunk, frames)
             ack = ask(P.KVTransfer(rid, 1, list(range(21)), 20, 0, {}, 0, the_layout, 20, grant.block_ids[:2],
                                    transport, info if info is not None else {}))
             assert isinstance(ack, P.KVAck) and not ack.ok
@@ -215,10 +215,13 @@ def test_decode_worker_refuses_bad_transfers_with_clear_errors(tmp_path):
         assert "KV layouts differ (sender, receiver): dtype='bfloat16'/'float32'" in differ
         assert transfer("c", "nccl") == "KV transport 'nccl' is not offered here; offered: ['shm', 'zmq', 'gloo']"
         assert "a KV frame of 100 bytes; expected a positive multiple of" in \
-            transfer("d", "zmq", chunks=[(P.KVChunk("d", 1, 2, 0), b"x" * 100)])
+            transfer("d", "zmq", chunks=[(P.KVChunk("d", 1, 2, [[0, 1]]), [b"x" * 100])])
         assert "only 0 of" in transfer("e", "zmq")  # no chunks at all
         assert "shm transfer into 'elsewhere'" in transfer("f", "shm", {"key": "elsewhere"})
-        assert "is not {pair: str" in transfer("g", "gloo", {"pair": 3})
+        bad_pair = P.KVChunk("g", 1, 2, [[0, 1]], "gloo", {"pair": 3})
+        assert "is not {pair: str, tag: int} of a working pair" in transfer("g", "gloo", chunks=[(bad_pair, [])])
+        outside = P.KVChunk("h", 1, 2, [[0, 1], [10_000, 2]], "gloo", {"pair": "p/1", "tag": 0})
+        assert "KV unit run [10000, 2] is not [first, count] inside" in transfer("h", "gloo", chunks=[(outside, [])])
         hb = heartbeat(d)
         while hb.free_blocks != hb.total_blocks:  # every refused reservation came back
             hb = heartbeat(d)
@@ -275,7 +278,7 @@ def spin(worker: PrefillWorker, until, timeout: float = 30.0, steps: bool = True
                 handler(env)
                 env = chan.recv(0) if sock in worker.handlers else None
         if steps and worker.engine.has_unfinished():
-            worker.on_outputs(worker.engine.step())
+            worker.on_outputs(worker.step())
         worker._tick(time.monotonic())
 
 

@@ -1,0 +1,74 @@
+"""`pdserve bench handoff`: how much a long prompt's KV handoff adds to its prefill, with layer-wise
+streaming and without.
+
+Two 1P1D clusters run side by side, one streaming (the default) and one with --no-kv-stream, and
+requests go to each in turn, one at a time, so that the machine's drift hits both alike. Each is a
+fresh prompt of --tokens tokens (no prefix-cache hit) with max_tokens=2. The workers report, per
+request, prefill_s (the prefill worker, from receiving the work to sampling the first token) and
+handoff_s (from then until the decode worker starts the request: the KV left to move, the header,
+the acknowledgement of nothing). The figure that matters is prefill start to decode start over the
+prefill alone: (prefill_s + handoff_s) / prefill_s of the non-streaming cluster, whose prefill runs
+with no transfer beside it.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import tempfile
+from pathlib import Path
+
+from bench.report import print_json, print_table
+from common.checkpoint import model_config
+from common.errors import InvalidArgument
+from router.client import Client
+from router.launcher import Cluster
+
+MODES = {"streamed": [], "after prefill": ["--no-kv-stream"]}
+
+
+def run_handoff_bench(model: str, tokens: int, requests: int, transport: str, seed: int = 0,
+                      worker_args: list[str] = ()) -> dict:
+    cfg = model_config(model)
+    if not 1 <= tokens < cfg.max_position_embeddings:
+        raise InvalidArgument(f"tokens={tokens}; allowed: 1..{cfg.max_position_embeddings - 1} ({model}'s context)")
+    if requests < 1:
+        raise InvalidArgument(f"requests={requests}; allowed: >= 1")
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(cfg.vocab_size) for _ in range(tokens)] for _ in range(2 * requests + 2)]
+    samples: dict[str, list[tuple[float, float]]] = {mode: [] for mode in MODES}
+    with tempfile.TemporaryDirectory() as logs:
+        clusters = {}
+        try:
+            for mode, extra in MODES.items():
+                clusters[mode] = c = Cluster(model, 1, 1, 0, ["cpu"], "127.0.0.1", 0, 0, Path(logs) / mode.replace(" ", "-"),
+                                             "least_loaded", ["--kv-transport", transport, *worker_args, *extra],
+                                             threads=None, restart=False)
+                c.start()
+            clients = {mode: Client(c.address, timeout=600) for mode, c in clusters.items()}
+            for i in range(requests + 1):  # the first is a warm-up
+                for mode, client in sorted(clients.items(), reverse=i % 2 == 1):  # who goes first alternates
+                    r = client.generate(prompts.pop(), max_tokens=2, temperature=0, ignore_eos=True)
+                    if i:
+                        samples[mode].append((r.timings["prefill_s"], r.timings["handoff_s"]))
+            for client in clients.values():
+                client.close()
+        finally:
+            for c in clusters.values():
+                c.stop()
+    alone = statistics.median(p for p, _ in samples["after prefill"])
+    rows, result = [], {"bench": "handoff", "model": model, "tokens": tokens, "requests": requests,
+                        "transport": transport, "kv_bytes": tokens * cfg.kv_values_per_token * 4}
+    for mode, pairs in samples.items():
+        prefill = statistics.median(p for p, _ in pairs)
+        handoff = statistics.median(h for _, h in pairs)
+        total = statistics.median(p + h for p, h in pairs)
+        key = "stream" if mode == "streamed" else "after"
+        result.update({f"{key}_prefill_ms": round(prefill * 1e3, 2), f"{key}_handoff_ms": round(handoff * 1e3, 2),
+                       f"{key}_to_decode_ms": round(total * 1e3, 2), f"{key}_vs_prefill_alone": round(total / alone, 3)})
+        rows.append([mode, prefill * 1e3, handoff * 1e3, total * 1e3, f"{total / alone:.3f}x"])
+    print_table(f"pdserve bench handoff: {model}, {tokens}-token prompts, {transport} KV transport "
+                f"({result['kv_bytes'] / 2**20:.0f} MiB of float32 KV each), p50 of {requests}, taken in turn (ms)",
+                ["KV sent", "prefill", "handoff", "prefill start to decode start", "vs prefill alone"], rows)
+    print_json(result)
+    return result
