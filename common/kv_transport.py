@@ -605,12 +605,13 @@ class JobThread:
 
 class Pair:
     """One two-rank process group between a decode worker (rank 0) and a prefill worker (rank
-    1), made from a TCPStore that the decode worker hosts, and the one thread that uses it: it
-    connects, then runs chunks' sends (or receives) in order, each under a tag of its own. Every
-    announced chunk is received, even for a transfer given up on either side, so the two stay in
-    step; a chunk that fails (a peer died, the group's timeout) breaks the pair, and the prefill
-    worker makes a new one, which replaces it on the decode side too. Closed then, on a transfer
-    timeout, or when either worker stops."""
+    1), made from a TCPStore that the decode worker hosts, and two threads that use it: one
+    connects, then posts chunks' sends (or receives) in order, each under a tag of its own,
+    without waiting; the other waits for them in order, so that chunks are in flight together.
+    Every announced chunk is received, even for a transfer given up on either side, so the two
+    stay in step; a chunk that fails (a peer died, the group's timeout) breaks the pair, and the
+    prefill worker makes a new one, which replaces it on the decode side too. Closed then, on a
+    transfer timeout, or when either worker stops."""
 
     def __init__(self, pair_id: str, backend: str, rank: int, host: str, timeout_s: float,
                  store: Callable[[], object], device: torch.device):
@@ -618,9 +619,9 @@ class Pair:
         self.pg = None
         self.closed = self.broken = False
         self.last_used = time.monotonic()
-        self.thread = JobThread(f"pdserve-kv-{backend}")
+        self.poster, self.waiter = JobThread(f"pdserve-kv-{backend}-post"), JobThread(f"pdserve-kv-{backend}-wait")
         self._tags = itertools.count()
-        self.connected = self.thread.submit(self._connect, rank, host, timeout_s, store)
+        self.connected = self.poster.submit(self._connect, rank, host, timeout_s, store)
 
     def _connect(self, rank, host, timeout_s, store):
         from torch.distributed import PrefixStore
@@ -648,28 +649,30 @@ class Pair:
     def next_tag(self) -> int:
         return next(self._tags) % 2**31
 
-    def run(self, job: Callable) -> concurrent.futures.Future:
-        """job(send_or_recv) on the pair's thread, after it connected; send_or_recv(tensors, tag)
-        posts this rank's half of a transfer and returns the works to wait on."""
+    def transfer(self, make: Callable[[], torch.Tensor], tag: int) -> concurrent.futures.Future:
+        """Post this rank's half of one chunk, the tensor make() gives (on the posting thread:
+        staging or gathering overlaps the chunks before it); a future of that tensor, done once
+        the chunk went through."""
         self.last_used = time.monotonic()
 
-        def call():
+        def post():
             self.connected.result()
             if self.pg is None:
                 raise TransportError(f"{self.backend} pair {self.id} is closed")
-            return job(self._post)
-        future = self.thread.submit(call)
+            tensor = make()
+            op = self.pg.send if self.pg.rank() == 1 else self.pg.recv
+            return tensor, op([tensor], 1 - self.pg.rank(), tag)
+
+        def wait():
+            tensor, work = posted.result()
+            work.wait()
+            if self.backend == "nccl":
+                torch.cuda.current_stream(self.device).synchronize()
+            return tensor
+        posted = self.poster.submit(post)
+        future = self.waiter.submit(wait)
         future.add_done_callback(lambda f: f.cancelled() or f.exception() is None or setattr(self, "broken", True))
         return future
-
-    def _post(self, tensors: list[torch.Tensor], tag: int):
-        peer = 1 - self.pg.rank()
-        op = self.pg.send if self.pg.rank() == 1 else self.pg.recv
-        works = [op([t], peer, tag + i) for i, t in enumerate(tensors)]
-        for w in works:
-            w.wait()
-        if self.backend == "nccl":
-            torch.cuda.current_stream(self.device).synchronize()
 
     def close(self) -> None:
         self.closed = True
@@ -679,7 +682,8 @@ class Pair:
                 pg.abort()  # a send or receive still waiting fails at once
             except Exception as e:  # the group may be half made or already broken
                 log.debug("aborting %s pair %s: %s", self.backend, self.id, e)
-        self.thread.shutdown()
+        self.poster.shutdown()
+        self.waiter.shutdown()
 
 
 class GroupSender(Sender):
@@ -718,10 +722,9 @@ class GroupSender(Sender):
         pair, units = handle.peer, unit_view(out.pool)
         rows, numbers = _piece(out, layers, blocks)
 
-        def job(post, first, end, in_place, tag):  # on the pair's thread, so gathering overlaps sending
+        def chunk(first, end, in_place):
             row = int(rows[first])
-            post([self._stage(units[row:row + end - first] if in_place else units.index_select(0, rows[first:end]))],
-                 tag)
+            return self._stage(units[row:row + end - first] if in_place else units.index_select(0, rows[first:end]))
         for first, end, in_place in frame_plan(rows, unit_bytes(out.pool)):
             tag = pair.next_tag()
             announce = P.KVChunk(out.request_id, out.attempt, len(out.dst_blocks), runs(numbers[first:end]), self.name,
@@ -729,7 +732,7 @@ class GroupSender(Sender):
             if out.send(announce, []) is None:
                 handle.failed = "the decode worker's socket takes no more KV chunks (its queue is full)"
                 return
-            handle.futures.append(pair.run(functools.partial(job, first=first, end=end, in_place=in_place, tag=tag)))
+            handle.futures.append(pair.transfer(functools.partial(chunk, first, end, in_place), tag))
 
     def _stage(self, chunk: torch.Tensor) -> torch.Tensor:
         return chunk.cpu()  # in place on a CPU pool
@@ -749,10 +752,10 @@ class GroupReceiver(Receiver):
     backend = "gloo"
     IDLE_S = 600.0  # a pair unused this long is closed (its prefill worker may be gone)
 
-    def __init__(self, host: str, timeout_s: float, pool: torch.Tensor):
+    def __init__(self, host: str, timeout_s: float, pool: torch.Tensor, wake: Callable[[], None]):
         from torch.distributed import TCPStore
 
-        self.host, self.timeout_s, self.device = host, timeout_s, pool.device
+        self.host, self.timeout_s, self.device, self.wake = host, timeout_s, pool.device, wake
         self.unit_shape, self.dtype, self.max_units = pool.shape[3:], pool.dtype, pool.shape[0] * 2 * pool.shape[2]
         sock = socket.socket()
         sock.bind((host, 0))  # our own socket: TCPStore would listen on every interface
@@ -796,12 +799,9 @@ class GroupReceiver(Receiver):
         if pair.broken:  # its sender's side fails too, and makes a new pair
             return None
         shape, dtype, device = self.unit_shape, self.dtype, self._staging_device()
-
-        def job(post):
-            staging = torch.empty((count, *shape), dtype=dtype, device=device)
-            post([staging], tag)
-            return staging
-        return pair.run(job)
+        future = pair.transfer(lambda: torch.empty((count, *shape), dtype=dtype, device=device), tag)
+        future.add_done_callback(lambda _: self.wake())
+        return future
 
     def _staging_device(self) -> torch.device:
         return torch.device("cpu")
@@ -869,9 +869,10 @@ def make_senders(names: list[str], worker_id: str, host: str, timeout_s: float,
 
 
 def make_receivers(names: list[str], pool: torch.Tensor, segment: SharedSegment | None, dtype: str, host: str,
-                   timeout_s: float, required: bool) -> dict[str, Receiver]:
+                   timeout_s: float, required: bool, wake: Callable[[], None] = lambda: None) -> dict[str, Receiver]:
     """Receivers for these transports into this pool. One that cannot be set up here (shm without
-    a shared pool, a store that cannot bind) is left out with a warning, or raises if required."""
+    a shared pool, a store that cannot bind) is left out with a warning, or raises if required.
+    wake() is called from another thread when a receive there finishes (gloo, nccl)."""
     receivers = {}
     for name in names:
         try:
@@ -885,7 +886,7 @@ def make_receivers(names: list[str], pool: torch.Tensor, segment: SharedSegment 
                 receivers[name] = CudaIpcReceiver(pool, dtype)
             else:
                 cls = GroupReceiver if name == "gloo" else NcclReceiver
-                receivers[name] = cls(host, timeout_s, pool)
+                receivers[name] = cls(host, timeout_s, pool, wake)
         except (TransportError, OSError, RuntimeError) as e:
             if required:
                 raise TransportError(f"kv_transport={name!r} cannot receive here: {e}") from e

@@ -55,6 +55,9 @@ class WorkerBase:
         self.worker_id = cfg.worker_id or f"{self.role}-{os.getpid()}"
         self.ctx = zmq.Context()
         self.poller = zmq.Poller()
+        self._wake_r, self._wake_w = os.pipe()  # wake(): news from another thread ends the poll at once
+        os.set_blocking(self._wake_w, False)
+        self.poller.register(self._wake_r, zmq.POLLIN)
         self.handlers: dict[zmq.Socket, tuple[Channel, callable]] = {}
         self.router: Channel | None = None
         self.stopping = False
@@ -123,6 +126,9 @@ class WorkerBase:
             while not self.stopping:
                 timeout = 0 if self.engine.has_unfinished() else 10
                 for sock, _ in self.poller.poll(timeout):
+                    if sock == self._wake_r:
+                        os.read(self._wake_r, 4096)
+                        continue
                     chan, handler = self.handlers.get(sock, (None, None))
                     for _ in range(1000):  # drain, but never starve the engine
                         env = chan.recv(0) if chan is not None and sock in self.handlers else None
@@ -148,10 +154,19 @@ class WorkerBase:
                                        bm.num_free_blocks, bm.num_blocks))
         self.on_tick(now)
 
+    def wake(self):
+        """Thread-safe: run the loop now (a KV receive finished on another thread)."""
+        try:
+            os.write(self._wake_w, b"\0")
+        except (BlockingIOError, OSError):  # full (a wake-up is pending anyway) or closed
+            pass
+
     def close(self):
         for chan, _ in list(self.handlers.values()):
             chan.close()
         self.ctx.term()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
 
     # ------------------------------------------------------------------ for the roles
 

@@ -56,7 +56,7 @@ class DecodeWorker(WorkerBase):
         super().__init__(cfg)
         e = self.engine
         self.receivers = make_receivers(names, e.kv_cache, e.kv_segment, e.config.dtype, cfg.host, cfg.kv_lease_s,
-                                        required=not mono and cfg.engine.kv_transport != "auto")
+                                        required=not mono and cfg.engine.kv_transport != "auto", wake=self.wake)
         self.offer = {name: r.advert() for name, r in self.receivers.items()}
         self.one_sided = any(r.one_sided for r in self.receivers.values())
         self.ingress = Channel.bind(self.ctx, zmq.ROUTER, f"tcp://{cfg.host}:0", max_frame_bytes=cfg.max_kv_frame_bytes)
