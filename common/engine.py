@@ -277,8 +277,9 @@ class Engine:
 
     def step(self, on_layer: LayerHook | None = None) -> list[RequestOutput]:
         """One packed forward. on_layer(i, batch) runs as soon as layer i's KV of the whole batch
-        is in the pool, before the later layers run (layer-wise KV streaming); the batch's
-        num_computed_tokens still count the tokens before this step."""
+        is written (on a GPU: queued on the current stream), before the later layers run
+        (layer-wise KV streaming); the batch's num_computed_tokens still count the tokens before
+        this step."""
         batch = self.scheduler.schedule()
         if not batch:
             return []

@@ -10,7 +10,7 @@ decode worker reserved for it. Every transport has the same shape:
 
 A transfer is sent in pieces, each some layers' K and V in some of the request's blocks: all of
 it at once after the prefill, or layer by layer while the forward pass runs (layer-wise
-streaming, prefill_worker/stream.py). The pieces may come in any order; each unit once.
+streaming, prefill_worker/worker.py). The pieces may come in any order; each unit once.
 
     zmq       KVChunk messages, each with one frame of 64 KiB..4 MiB, on the same socket ahead of
               the header, sent from the pool in place where blocks are consecutive. Any hosts.
@@ -36,6 +36,7 @@ the lease (measured from its request, so earlier than the decode worker's).
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import ctypes
 import datetime
@@ -452,7 +453,7 @@ class MappedSender(Sender):
             return f"its pool is on host {advert.get('host')!r}, this is {HOSTNAME!r}"
         try:
             self._mapped(advert)
-        except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as e:
             return f"cannot map its pool ({type(e).__name__}: {e})"
         return None
 
@@ -575,11 +576,16 @@ class JobThread:
 
     def __init__(self, name: str):
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.closed = False
         threading.Thread(target=self._loop, name=name, daemon=True).start()
 
     def submit(self, fn: Callable, *args) -> concurrent.futures.Future:
+        """A future of fn(*args); cancelled at once if the thread was shut down."""
         future = concurrent.futures.Future()
-        self.jobs.put((future, fn, args))
+        if self.closed:
+            future.cancel()
+        else:
+            self.jobs.put((future, fn, args))
         return future
 
     def _loop(self):
@@ -593,6 +599,7 @@ class JobThread:
 
     def shutdown(self):
         """Cancel the jobs not started; the thread ends after the one running, if any."""
+        self.closed = True
         while True:
             try:
                 job = self.jobs.get_nowait()
@@ -608,10 +615,11 @@ class Pair:
     1), made from a TCPStore that the decode worker hosts, and two threads that use it: one
     connects, then posts chunks' sends (or receives) in order, each under a tag of its own,
     without waiting; the other waits for them in order, so that chunks are in flight together.
-    Every announced chunk is received, even for a transfer given up on either side, so the two
-    stay in step; a chunk that fails (a peer died, the group's timeout) breaks the pair, and the
-    prefill worker makes a new one, which replaces it on the decode side too. Closed then, on a
-    transfer timeout, or when either worker stops."""
+    The decode worker receives every well-formed chunk announced on a working pair, even for a
+    transfer given up on either side, so the two stay in step; a chunk that fails (a peer died,
+    the group's timeout, a chunk never received) breaks the pair, and the prefill worker makes a
+    new one, which replaces it on the decode side too. Closed then, on a transfer timeout, or
+    when either worker stops; a closed pair is never reopened."""
 
     def __init__(self, pair_id: str, backend: str, rank: int, host: str, timeout_s: float,
                  store: Callable[[], object], device: torch.device):
@@ -720,6 +728,9 @@ class GroupSender(Sender):
 
     def send(self, out: Outgoing, handle: Handle, layers: range, blocks: range) -> None:
         pair, units = handle.peer, unit_view(out.pool)
+        if pair.closed or pair.broken:  # by another transfer's failure: nothing more goes on it
+            handle.failed = handle.failed or f"{self.name} pair {pair.id} broke during this transfer"
+            return
         rows, numbers = _piece(out, layers, blocks)
 
         def chunk(first, end, in_place):
@@ -764,6 +775,7 @@ class GroupReceiver(Receiver):
         self.store = TCPStore(host, self.port, None, True, datetime.timedelta(seconds=timeout_s),
                               wait_for_workers=False, master_listen_fd=sock.detach())
         self.pairs: dict[str, Pair] = {}
+        self.closed_pairs: collections.deque = collections.deque(maxlen=1024)  # ids never to reopen
 
     def advert(self) -> dict:
         return {"host": self.host, "port": self.port}
@@ -795,6 +807,8 @@ class GroupReceiver(Receiver):
         pair_id, tag = msg.transport_info.get("pair"), msg.transport_info.get("tag")
         if not (isinstance(pair_id, str) and "/" in pair_id and isinstance(tag, int)):
             return None
+        if pair_id in self.closed_pairs:  # a late chunk on a pair that broke: its sender fails too
+            return None
         pair = self.pairs.get(pair_id) or self._open(pair_id)
         if pair.broken:  # its sender's side fails too, and makes a new pair
             return None
@@ -809,7 +823,7 @@ class GroupReceiver(Receiver):
     def _open(self, pair_id: str) -> Pair:
         worker = pair_id.rsplit("/", 1)[0]
         for old in [p for p in self.pairs if p.rsplit("/", 1)[0] == worker]:  # its earlier pair broke
-            self.pairs.pop(old).close()
+            self._close(old)
         pair = self.pairs[pair_id] = Pair(pair_id, self.backend, 0, self.host, self.timeout_s, lambda: self.store,
                                           self.device)
         return pair
@@ -821,9 +835,7 @@ class GroupReceiver(Receiver):
             if why is not None:
                 inbox.fail(f"{self.name} receive failed: {why}")
                 inbox.pending.clear()  # the pair is closed: the rest fail too
-                pair = self.pairs.pop(inbox.pair, None)
-                if pair is not None:
-                    pair.close()
+                self._close(inbox.pair)
             elif inbox.error is None:
                 inbox.put(unit_runs, f.result())
         if inbox.pending:
@@ -834,11 +846,17 @@ class GroupReceiver(Receiver):
     def poll(self, now: float) -> None:
         for pair_id, pair in list(self.pairs.items()):
             if now - pair.last_used > self.IDLE_S:
-                self.pairs.pop(pair_id).close()
+                self._close(pair_id)
+
+    def _close(self, pair_id: str) -> None:
+        pair = self.pairs.pop(pair_id, None)
+        if pair is not None:
+            pair.close()
+            self.closed_pairs.append(pair_id)
 
     def close(self) -> None:
         for pair_id in list(self.pairs):
-            self.pairs.pop(pair_id).close()
+            self._close(pair_id)
         self.store = None
 
 

@@ -156,17 +156,21 @@ class WorkerBase:
 
     def wake(self):
         """Thread-safe: run the loop now (a KV receive finished on another thread)."""
+        fd = self._wake_w
+        if fd is None:
+            return
         try:
-            os.write(self._wake_w, b"\0")
-        except (BlockingIOError, OSError):  # full (a wake-up is pending anyway) or closed
+            os.write(fd, b"\0")
+        except OSError:  # full: a wake-up is pending anyway
             pass
 
     def close(self):
         for chan, _ in list(self.handlers.values()):
             chan.close()
         self.ctx.term()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        fds, self._wake_r, self._wake_w = (self._wake_r, self._wake_w), None, None
+        for fd in fds:
+            os.close(fd)
 
     # ------------------------------------------------------------------ for the roles
 

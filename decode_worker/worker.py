@@ -278,8 +278,8 @@ class DecodeWorker(WorkerBase):
 
     def close(self):
         try:
+            for receiver in self.receivers.values():  # first: their threads may still wake() us
+                receiver.close()
             super().close()
         finally:
-            for receiver in self.receivers.values():
-                receiver.close()
             self.engine.close()  # unlinks the shared KV segment

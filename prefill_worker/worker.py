@@ -18,7 +18,8 @@ layer after it. The header follows the first token, with only the last group's b
 
 Our blocks are held until the decode worker acknowledges, and given up (with a WorkerError that
 makes the router retry) on refusal, cancellation or timeout, so none can leak; blocks that a
-transport may still be reading (zmq frames sent in place, gloo sends) come back once it is done.
+transport may still be reading (zmq frames sent in place, gloo sends) come back once it is done,
+and a one-sided writer (shm, cuda_ipc) finishes its queued copies before it sends KVRelease.
 A transfer that times out also drops what we hold for that decode worker (socket, shared-memory
 mapping, process group): it is likely gone, and closing its socket ends what was queued for it.
 """
@@ -100,7 +101,10 @@ class PrefillWorker(WorkerBase):
         outputs = self.engine.step(self.stream)
         deferred, self.deferred = self.deferred, []
         for env in deferred:
-            self._on_peer(env)
+            try:
+                self._on_peer(env)
+            except Exception:
+                log.exception("handling %s failed", type(env.msg).__name__)
         return outputs
 
     # ------------------------------------------------------------------ router
@@ -187,6 +191,9 @@ class PrefillWorker(WorkerBase):
     def _drop(self, rid: str) -> Transfer | None:
         """Forget rid: its reservation (KVRelease), its work, and its blocks once no transport reads them."""
         self.work.pop(rid, None)
+        t = self.transfers.get(rid)
+        if t is not None and t.handle is not None:  # a one-sided writer's KVRelease says it is done writing
+            self.senders[t.transport].finish(t.handle)
         t = self._release_reservation(rid)
         if t is not None and t.handle is not None and not t.handle.sent():
             self.draining.append(Draining(t.handle, self.engine.detach(rid), t.work.decode_kv_address, t.offer,
@@ -239,25 +246,35 @@ class PrefillWorker(WorkerBase):
         for address in waiting:  # a grant that came during the forward lets streaming start now
             chan = self.peers.get(address)
             while chan is not None and (env := chan.recv(0)) is not None:
-                if isinstance(env.msg, P.KVGrant):
-                    self._on_peer(env)
-                else:
+                if not isinstance(env.msg, P.KVGrant):
                     self.deferred.append(env)  # handling it might end a request the forward is running
+                    continue
+                try:
+                    self._on_peer(env)
+                except Exception:  # as the main loop does: one bad message never takes the worker down
+                    log.exception("handling a KVGrant failed")
         for s in batch:
             t = self.transfers.get(s.seq.request_id)
             if t is None or t.state not in ("granted", "streaming") or t.failure is not None:
                 continue
-            if layer == 0:
-                t.next_layer = 0
-            table = s.seq.block_table
-            upto = len(table) if s.samples else (s.seq.num_computed_tokens + s.num_tokens) // self.engine.config.block_size
-            layers = range(t.next_layer, layer + 1)
-            if upto <= t.streamed or (not last and len(layers) * (upto - t.streamed) * self.layer_bytes < STREAM_MIN_BYTES):
-                continue
-            if self._push(s.seq.request_id, t, table, layers, range(t.streamed, upto)):
-                t.next_layer = layer + 1
-                if last:
-                    t.streamed = upto
+            try:
+                self._stream(layer, last, s, t)
+            except Exception as e:
+                log.exception("streaming the KV of %s failed", s.seq.request_id)
+                t.failure = ("TRANSFER_FAILED", f"{type(e).__name__}: {e}")
+
+    def _stream(self, layer: int, last: bool, s: ScheduledSeq, t: Transfer):
+        if layer == 0:
+            t.next_layer = 0
+        table = s.seq.block_table
+        upto = len(table) if s.samples else (s.seq.num_computed_tokens + s.num_tokens) // self.engine.config.block_size
+        layers = range(t.next_layer, layer + 1)
+        if upto <= t.streamed or (not last and len(layers) * (upto - t.streamed) * self.layer_bytes < STREAM_MIN_BYTES):
+            return
+        if self._push(s.seq.request_id, t, table, layers, range(t.streamed, upto)):
+            t.next_layer = layer + 1
+            if last:
+                t.streamed = upto
 
     def _push(self, rid: str, t: Transfer, src_blocks: list[int], layers: range, blocks: range) -> bool:
         """Send these layers of these blocks, choosing the transport first if this is the first

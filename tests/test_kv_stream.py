@@ -4,6 +4,7 @@ worker sends a layer's KV before the next layer runs; and clusters streaming lon
 prefix-sharing prompts give exactly the monolithic engine's tokens."""
 
 import random
+import time
 
 import pytest
 import torch
@@ -120,3 +121,43 @@ def test_cluster_streaming_long_chunked_prompts_matches_monolithic(tmp_path, tra
         assert all(r.timings["handoff_s"] >= 0 for r in results)
         workers = wait_blocks_free(client)
         assert all(w["free_blocks"] == w["total_blocks"] for w in workers), workers
+
+
+def test_a_cancelled_shm_stream_says_it_is_done_only_after_its_last_copy(tmp_path, wide_kv_model, monkeypatch):
+    """shm copies run on a thread; KVRelease tells the decode worker it may reuse the blocks, so
+    it must not go while a copy into them is still queued."""
+    from common.kv_transport import JobThread, MappedSender
+
+    slow = JobThread("slow-copier")
+    monkeypatch.setattr(MappedSender, "send", lambda self, out, handle, layers, blocks: handle.futures.append(
+        slow.submit(time.sleep, 0.3)))
+    prompt = [(5 * i) % 300 for i in range(1000)]
+    with decode_worker(tmp_path, "shm", wide_kv_model) as d:
+        cfg = WorkerConfig(router=d.router.address, worker_id="prefill-test",
+                           engine=EngineConfig(model=wide_kv_model, kv_transport="shm", max_num_batched_tokens=400))
+        prefill = PrefillWorker(cfg)
+        released = []
+        release = prefill._release_reservation
+        prefill._release_reservation = lambda rid: (released.append(all(f.done() for f in t.handle.futures)),
+                                                    release(rid))[1]
+        try:
+            prefill.accept(P.PrefillWork("r1", 1, prompt, len(prompt), {"max_tokens": 2, "temperature": 0.0}, 7,
+                                         "decode-0", d.register.kv_address))
+            spin(prefill, lambda: prefill.transfers["r1"].state == "streaming")
+            t = prefill.transfers["r1"]
+            assert not all(f.done() for f in t.handle.futures)  # copies still queued
+            prefill.on_router(P.CancelWork("r1"))
+            assert released == [True]
+        finally:
+            prefill.close()
+            slow.shutdown()
+
+
+def test_a_job_thread_that_was_shut_down_cancels_what_it_is_given():
+    from common.kv_transport import JobThread
+
+    jobs = JobThread("test")
+    assert jobs.submit(lambda: 7).result(5) == 7
+    jobs.shutdown()
+    late = jobs.submit(lambda: 8)
+    assert late.cancelled()
