@@ -328,12 +328,6 @@ class Sender:
         """Return once the header may follow what was sent: for one-sided transports, once every
         byte is in place (the header says so); for the others at once (the bytes go ahead of it)."""
 
-    def start(self, out: Outgoing) -> Handle:
-        """All of the request's KV at once."""
-        handle = self.open(out)
-        self.send(out, handle, range(out.pool.shape[0]), range(len(out.src_blocks)))
-        return handle
-
     def forget(self, advert: dict) -> None:
         """The peer is gone: drop what we hold for it."""
 

@@ -84,21 +84,12 @@ def test_the_bit_check_catches_wrong_kv():
 
 
 @pytest.mark.gpu
-def test_cuda_ipc_delivers_bit_identical_kv():
-    shape, dtype, device, n = B.kv_shape("dummy:llama-tiny", 300, 16, None, "cuda:0", "cuda_ipc")
-    run = B.TransportRun("cuda_ipc", shape, dtype, device, n, fragmented=True)
-    try:
-        run.one(check=True)
-    finally:
-        run.close()
-
-
-@pytest.mark.gpu
-def test_nccl_delivers_bit_identical_kv():
-    if torch.cuda.device_count() < 2:
+@pytest.mark.parametrize("transport", ["cuda_ipc", "nccl"])
+def test_gpu_transport_delivers_bit_identical_kv(transport):
+    if transport == "nccl" and torch.cuda.device_count() < 2:
         pytest.skip("NCCL point to point needs two GPUs, one per rank")
-    shape, dtype, device, n = B.kv_shape("dummy:llama-tiny", 300, 16, None, "cuda:0", "nccl")
-    run = B.TransportRun("nccl", shape, dtype, device, n, fragmented=True)
+    shape, dtype, device, n = B.kv_shape("dummy:llama-tiny", 300, 16, None, "cuda:0", transport)
+    run = B.TransportRun(transport, shape, dtype, device, n, fragmented=True)
     try:
         run.one(check=True)
     finally:
