@@ -22,6 +22,8 @@ transport may still be reading (zmq frames sent in place, gloo sends) come back 
 and a one-sided writer (shm, cuda_ipc) finishes its queued copies before it sends KVRelease.
 A transfer that times out also drops what we hold for that decode worker (socket, shared-memory
 mapping, process group): it is likely gone, and closing its socket ends what was queued for it.
+So does a decode worker not sent to for PEER_IDLE_S: one that died or came back at another
+address would otherwise keep its socket reconnecting and its process group open for good.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ log = logging.getLogger("pdserve.prefill")
 RETRY_BACKOFF_S = (0.002, 0.005, 0.01, 0.02)
 LEASE_MARGIN_S = 1.0  # never start writing a peer's blocks closer than this to the end of their lease
 STREAM_MIN_BYTES = 1 << 20  # layer-wise streaming sends groups of layers at least this big (but the last)
+PEER_IDLE_S = 300.0  # what we hold for a decode worker not used this long is dropped (remade on demand)
 
 
 @dataclass
@@ -87,7 +90,9 @@ class PrefillWorker(WorkerBase):
         super().__init__(cfg)
         self.work: dict[str, tuple[P.PrefillWork, float]] = {}
         self.transfers: dict[str, Transfer] = {}
-        self.peers: dict[str, Channel] = {}
+        self.peers: dict[str, Channel] = {}  # decode KV address -> our socket to it
+        self.peer_used: dict[str, float] = {}  # ... -> when we last sent to it
+        self.offers: dict[str, dict] = {}  # ... -> the transports it offered last (what senders hold for it)
         self.senders = make_senders(offered(cfg.engine.kv_transport, cfg.engine.torch_device), self.worker_id,
                                     cfg.host, cfg.transfer_timeout_s, cfg.engine.torch_device)
         self.chosen: dict[str, str] = {}  # decode KV address -> transport last used (for the log)
@@ -156,6 +161,7 @@ class PrefillWorker(WorkerBase):
     # ------------------------------------------------------------------ decode peers
 
     def _peer(self, address: str) -> Channel:
+        self.peer_used[address] = time.monotonic()
         chan = self.peers.get(address)
         if chan is None:
             chan = Channel.connect(self.ctx, zmq.DEALER, address)
@@ -174,7 +180,8 @@ class PrefillWorker(WorkerBase):
         for name, sender in self.senders.items():
             if name in offer:
                 sender.forget(offer[name])
-        self.chosen.pop(address, None)
+        for held in (self.chosen, self.peer_used, self.offers):
+            held.pop(address, None)
 
     def _reserve(self, rid: str):
         t = self.transfers[rid]
@@ -220,6 +227,7 @@ class PrefillWorker(WorkerBase):
         if isinstance(msg, P.KVGrant):
             t.block_ids, t.state = msg.block_ids, "granted"
             t.offer, t.lease_end = msg.transports, t.requested_at + msg.lease_s
+            self.offers[t.work.decode_kv_address] = msg.transports
             if t.first_token is not None:
                 self._send_kv(msg.request_id, t)
         elif isinstance(msg, P.KVRefuse):
@@ -356,6 +364,11 @@ class PrefillWorker(WorkerBase):
             if now > d.deadline:  # closing what we hold for the peer ends the reads
                 self._forget_peer(d.address, d.offer)
             self.draining.append(d)
+        busy = {d.address for d in self.draining}
+        for address, used in list(self.peer_used.items()):
+            if now - used > PEER_IDLE_S and address not in busy:
+                log.info("dropping what we hold for idle decode worker %s", address)
+                self._forget_peer(address, self.offers.get(address, {}))
 
     def drop_all_work(self):
         for rid in list(self.transfers):

@@ -24,6 +24,7 @@ from common.config import EngineConfig
 from common.engine import Engine
 from common.kv_cache import SharedSegment
 from common.kv_transport import ShmSender, TransportError, ZmqSender, choose
+from common.sampling import SamplingParams
 from common.worker import WorkerConfig
 from prefill_worker.worker import PrefillWorker
 from router.client import Client, RequestError
@@ -305,3 +306,42 @@ def test_decode_killed_mid_transfer_leaves_prefill_no_blocks(tmp_path, transport
                 assert not prefill.senders["shm"].maps
         finally:
             prefill.close()
+
+
+@pytest.mark.parametrize("transport", CPU_TRANSPORTS)
+def test_an_idle_decode_peer_is_dropped_and_made_again_when_needed(tmp_path, transport):
+    """What a prefill worker holds for a decode worker (socket, shared-pool mapping, gloo pair)
+    goes once unused for PEER_IDLE_S, and the next request to that worker makes it anew."""
+    from prefill_worker.worker import PEER_IDLE_S
+
+    prompts = [[(3 * i + k) % 200 for i in range(90)] for k in (1, 2)]
+    with decode_worker(tmp_path, transport) as d:
+        prefill = PrefillWorker(WorkerConfig(router=d.router.address, worker_id="prefill-test",
+                                             engine=EngineConfig(model="dummy:nanogpt", kv_transport=transport)))
+        held = {"zmq": lambda: {}, "shm": lambda: prefill.senders["shm"].maps,
+                "gloo": lambda: prefill.senders["gloo"].pairs}[transport]
+        tokens = {}
+        try:
+            for k, prompt in enumerate(prompts):
+                rid = f"r{k}"
+                prefill.accept(P.PrefillWork(rid, 1, prompt, len(prompt), {"max_tokens": 4, "temperature": 0.0, "ignore_eos": True},
+                                             7, "decode-0", d.register.kv_address))
+                spin(prefill, lambda: not prefill.transfers)  # acknowledged
+                assert d.register.kv_address in prefill.peers and (transport == "zmq" or held())
+                prefill.on_tick(time.monotonic() + 1)  # not idle yet: kept
+                assert d.register.kv_address in prefill.peers
+                prefill.on_tick(time.monotonic() + PEER_IDLE_S + 1)
+                assert not prefill.peers and not prefill.peer_used and not prefill.offers and not held()
+                while (env := d.router.recv(30_000)) is not None and not (
+                        isinstance(env.msg, P.WorkerTokens) and env.msg.finish_reason):
+                    assert not isinstance(env.msg, P.WorkerError), env.msg
+                    if isinstance(env.msg, P.WorkerTokens):  # the first token, from the prefill worker
+                        tokens[env.msg.request_id, env.msg.index] = env.msg.token_ids
+                assert env is not None, "the decode worker did not finish"
+                tokens[env.msg.request_id, env.msg.index] = env.msg.token_ids
+        finally:
+            prefill.close()
+    expected = Engine(model="dummy:nanogpt").generate(prompts, SamplingParams(temperature=0, max_tokens=4,
+                                                                              ignore_eos=True))
+    got = [[t for (rid, _), ids in sorted(tokens.items()) if rid == f"r{k}" for t in ids] for k in range(2)]
+    assert got == [e.token_ids for e in expected]
