@@ -2,7 +2,8 @@
 # Bring up a pdserve cluster on this host from the shell: one router and N prefill + M decode
 # workers (or K mono workers), each a separate process started exactly as you would start it on
 # its own host in a multi-host deployment. Logs go to one file per process; a worker that crashes
-# is restarted with backoff; Ctrl-C or SIGTERM stops every process started here.
+# is restarted with backoff; Ctrl-C or SIGTERM stops every process started here, and so does
+# killing this script outright.
 #
 #   deploy/launch.sh [--prefill N] [--decode M] [--mono K] [--model SPEC] [--devices cpu,cuda:0,...]
 #                    [--host ADDR] [--port P] [--worker-port P] [--log-dir DIR] [-- WORKER_ARGS...]
@@ -24,7 +25,7 @@ while (($#)); do
     --worker-port) WORKER_PORT=$2; shift 2 ;;
     --log-dir) LOG_DIR=$2; shift 2 ;;
     --) shift; WORKER_ARGS=("$@"); break ;;
-    -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
     *) echo "launch.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -79,6 +80,17 @@ for role in prefill decode mono; do
     i=$((i + 1))
   done
 done
+
+# A SIGKILL of this script runs no trap: a watcher stops the cluster once the script is gone
+# (its parent is no longer this script; a killed script not yet reaped is still "alive" to kill -0).
+watch_launcher() {
+  trap - INT TERM EXIT
+  local me=$BASHPID
+  while [[ $(ps -o ppid= -p "$me" 2>/dev/null | tr -d ' ') == "$$" ]]; do sleep 1; done
+  kill -TERM "${PIDS[@]}" 2>/dev/null
+}
+watch_launcher &
+PIDS+=($!)
 
 # Ready once the router reports every worker alive.
 for _ in $(seq 1 600); do

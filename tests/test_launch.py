@@ -81,3 +81,31 @@ def test_launch_answers_and_stops_cleanly(tmp_path, how):
     workers_left = processes_mentioning(str(tmp_path / "logs")) + [
         p for p in processes_mentioning("common.cli") if f":{port}" in p]
     assert workers_left == []
+
+
+@pytest.mark.parametrize("how", ["launch.sh", "pdserve launch"])
+def test_killing_the_launcher_outright_takes_its_cluster_down(tmp_path, how):
+    """SIGKILL runs no handler: the workers and the router must notice their launcher is gone."""
+    port = free_port()
+    args = ["--prefill", "1", "--decode", "1", "--port", str(port), "--log-dir", str(tmp_path / "logs")]
+    cmd = ["bash", str(ROOT / "deploy" / "launch.sh"), *args] if how == "launch.sh" else \
+        [sys.executable, "-m", "common.cli", "launch", *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                            start_new_session=True)
+    try:
+        read_until_ready(proc)
+
+        def group():  # every process the launcher started stays in its process group
+            return [p for p in processes_mentioning("") if int(p.split()[1]) == proc.pid]
+        assert len(group()) >= 4, group()  # the launcher, the router and two workers at least
+        proc.kill()
+        proc.wait(10)  # reaped at once, as a shell would
+        deadline = time.monotonic() + 30
+        while group() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert group() == []
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
