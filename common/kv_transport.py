@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import ctypes
 import datetime
 import functools
@@ -123,10 +124,16 @@ def unit_bytes(pool: torch.Tensor) -> int:
 
 def unit_rows(pool: torch.Tensor, block_ids: list[int], layers: range | None = None) -> torch.Tensor:
     """Row of unit_view(pool) of each unit of these blocks in these layers (default all), in
-    (layer, K/V, block) order."""
+    (layer, K/V, block) order. On the CPU whatever the pool's device: reading them (frame_plan)
+    must not wait for a GPU that is still running the forward."""
     layers = range(pool.shape[0]) if layers is None else layers
-    kv_rows = torch.arange(2 * layers.start, 2 * layers.stop, device=pool.device)[:, None] * pool.shape[2]
-    return (kv_rows + torch.tensor(block_ids, dtype=torch.int64, device=pool.device)[None, :]).flatten()
+    kv_rows = torch.arange(2 * layers.start, 2 * layers.stop)[:, None] * pool.shape[2]
+    return (kv_rows + torch.tensor(block_ids, dtype=torch.int64)[None, :]).flatten()
+
+
+def gather(units: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """These rows of unit_view(pool), copied together (on the current stream, for a CUDA pool)."""
+    return units.index_select(0, rows.to(units.device))
 
 
 def unit_numbers(num_blocks: int, layers: range, blocks: range) -> list[int]:
@@ -189,6 +196,17 @@ def copy_blocks(src: torch.Tensor, src_blocks: list[int], dst: torch.Tensor, dst
         s, d = src_blocks[i], dst_blocks[i]
         dst[layers, :, d:d + j - i].copy_(src[layers, :, s:s + j - i])
         i = j
+
+
+def written(t: torch.Tensor):
+    """For a CUDA tensor, an event after the work queued so far on this thread's stream (the
+    forward that wrote it), for a transport's own stream to wait on; None elsewhere. Waiting on
+    this and not on the whole stream lets a streamed layer go before the later layers are done."""
+    if t.device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(t.device))
+    return event
 
 
 def tensor_frame(t: torch.Tensor) -> memoryview:
@@ -388,7 +406,7 @@ class ZmqSender(Sender):
         units = unit_view(out.pool)
         for first, end, in_place in frame_plan(rows, unit_bytes(out.pool)):
             row = int(rows[first])
-            chunk = units[row:row + end - first] if in_place else units.index_select(0, rows[first:end])
+            chunk = units[row:row + end - first] if in_place else gather(units, rows[first:end])
             header = P.KVChunk(out.request_id, out.attempt, len(out.dst_blocks), runs(numbers[first:end]))
             tracker = out.send(header, [tensor_frame(chunk)])
             if tracker is None:
@@ -461,19 +479,19 @@ class MappedSender(Sender):
         return Handle({"key": self._key(out.advert)}, peer=peer)
 
     def send(self, out: Outgoing, handle: Handle, layers: range, blocks: range) -> None:
-        b, peer = slice(blocks.start, blocks.stop), handle.peer
+        b, peer, after = slice(blocks.start, blocks.stop), handle.peer, written(out.pool)
 
         def copy():
-            with torch.inference_mode():  # as the forward that made (or mapped) the tensors
+            with torch.inference_mode(), self._copying(out.pool.device, peer.device, after):  # as the forward
                 copy_blocks(out.pool, out.src_blocks[b], peer, out.dst_blocks[b], slice(layers.start, layers.stop))
-                self._sync(out.pool, peer)
         handle.futures.append(self.copier.submit(copy))
 
     def finish(self, handle: Handle) -> None:
         concurrent.futures.wait(handle.futures)
 
-    def _sync(self, ours: torch.Tensor, peer: torch.Tensor) -> None:
-        """Make the copies complete before the header says they are."""
+    def _copying(self, ours: torch.device, peers: torch.device, after) -> contextlib.AbstractContextManager:
+        """Where the copies run, once `after` (written()) is reached; they are complete when it exits."""
+        return contextlib.nullcontext()
 
     def forget(self, advert: dict) -> None:
         try:
@@ -534,6 +552,10 @@ class CudaIpcSender(MappedSender):
     """Not run in CI (no GPU): the pool opened from its CUDA IPC handle, as torch.multiprocessing does."""
     name = "cuda_ipc"
 
+    def __init__(self):
+        super().__init__()
+        self.streams: dict[torch.device, torch.cuda.Stream] = {}  # used on the copier thread only
+
     def _key(self, advert: dict) -> str:
         return advert["ipc"][7].hex()  # the allocation's IPC handle
 
@@ -545,9 +567,25 @@ class CudaIpcSender(MappedSender):
             torch.Tensor, torch.Size(a[1]), tuple(a[2]), a[3], torch.storage.TypedStorage, DTYPES[a[5]], *a[6:10],
             False, *a[11:]))
 
-    def _sync(self, ours: torch.Tensor, peer: torch.Tensor) -> None:
-        torch.cuda.synchronize(ours.device)
-        torch.cuda.synchronize(peer.device)
+    @contextlib.contextmanager
+    def _copying(self, ours: torch.device, peers: torch.device, after):
+        """On a stream of our own, so that a streamed layer's copy waits for that layer only and the
+        forward's later layers do not wait for it. A copy to another GPU runs on the source's stream,
+        but without peer access ends on the peer device's current stream (torch copies through a
+        temporary there), which nothing else of ours uses: both streams' ends are the copies' end,
+        also when one failed (the blocks are handed back after this)."""
+        torch.cuda.set_device(ours)  # this thread's: leaving the stream context must not switch to GPU 0
+        if ours not in self.streams:
+            self.streams[ours] = torch.cuda.Stream(ours)
+        stream = self.streams[ours]
+        stream.wait_event(after)
+        try:
+            with torch.cuda.stream(stream):
+                yield
+        finally:
+            stream.synchronize()
+            if peers != ours:
+                torch.cuda.current_stream(peers).synchronize()
 
 
 class CudaIpcReceiver(MappedReceiver):
@@ -623,6 +661,11 @@ class Pair:
         self.last_used = time.monotonic()
         self.poster, self.waiter = JobThread(f"pdserve-kv-{backend}-post"), JobThread(f"pdserve-kv-{backend}-wait")
         self._tags = itertools.count()
+        # NCCL: posts on a stream of our own and waits on another (so a wait covers its chunk alone,
+        # not the posts queued after it). On the default stream, work.wait() would make every later
+        # decode step wait for this transfer, which a streamed one may take long.
+        nccl = backend == "nccl"
+        self.stream, self.wait_stream = (torch.cuda.Stream(device), torch.cuda.Stream(device)) if nccl else (None, None)
         self.connected = self.poster.submit(self._connect, rank, host, timeout_s, store)
 
     def _connect(self, rank, host, timeout_s, store):
@@ -651,30 +694,42 @@ class Pair:
     def next_tag(self) -> int:
         return next(self._tags) % 2**31
 
-    def transfer(self, make: Callable[[], torch.Tensor], tag: int) -> concurrent.futures.Future:
+    def transfer(self, make: Callable[[], torch.Tensor], tag: int, after=None) -> concurrent.futures.Future:
         """Post this rank's half of one chunk, the tensor make() gives (on the posting thread:
-        staging or gathering overlaps the chunks before it); a future of that tensor, done once
-        the chunk went through."""
+        staging or gathering overlaps the chunks before it), once `after` (written()) is reached;
+        a future of that tensor, done once the chunk went through."""
         self.last_used = time.monotonic()
 
         def post():
             self.connected.result()
             if self.pg is None:
                 raise TransportError(f"{self.backend} pair {self.id} is closed")
-            tensor = make()
-            op = self.pg.send if self.pg.rank() == 1 else self.pg.recv
-            return tensor, op([tensor], 1 - self.pg.rank(), tag)
+            if after is not None and self.stream is None:
+                after.synchronize()  # gloo from a CUDA pool
+            with self._on(self.stream):
+                if after is not None and self.stream is not None:
+                    self.stream.wait_event(after)
+                tensor = make()
+                op = self.pg.send if self.pg.rank() == 1 else self.pg.recv
+                return tensor, op([tensor], 1 - self.pg.rank(), tag)
 
         def wait():
             tensor, work = posted.result()
-            work.wait()
-            if self.backend == "nccl":
-                torch.cuda.current_stream(self.device).synchronize()
+            with self._on(self.wait_stream):
+                work.wait()  # NCCL: our waiting stream waits for the transfer; gloo: we do
+            if self.wait_stream is not None:
+                self.wait_stream.synchronize()
             return tensor
         posted = self.poster.submit(post)
         future = self.waiter.submit(wait)
         future.add_done_callback(lambda f: f.cancelled() or f.exception() is None or setattr(self, "broken", True))
         return future
+
+    def _on(self, stream) -> contextlib.AbstractContextManager:
+        if stream is None:
+            return contextlib.nullcontext()
+        torch.cuda.set_device(self.device)  # this thread's: leaving the stream context must not switch to GPU 0
+        return torch.cuda.stream(stream)
 
     def close(self) -> None:
         self.closed = True
@@ -725,11 +780,11 @@ class GroupSender(Sender):
         if pair.closed or pair.broken:  # by another transfer's failure: nothing more goes on it
             handle.failed = handle.failed or f"{self.name} pair {pair.id} broke during this transfer"
             return
-        rows, numbers = _piece(out, layers, blocks)
+        rows, numbers, after = *_piece(out, layers, blocks), written(out.pool)
 
         def chunk(first, end, in_place):
             row = int(rows[first])
-            return self._stage(units[row:row + end - first] if in_place else units.index_select(0, rows[first:end]))
+            return self._stage(units[row:row + end - first] if in_place else gather(units, rows[first:end]))
         for first, end, in_place in frame_plan(rows, unit_bytes(out.pool)):
             tag = pair.next_tag()
             announce = P.KVChunk(out.request_id, out.attempt, len(out.dst_blocks), runs(numbers[first:end]), self.name,
@@ -737,7 +792,7 @@ class GroupSender(Sender):
             if out.send(announce, []) is None:
                 handle.failed = "the decode worker's socket takes no more KV chunks (its queue is full)"
                 return
-            handle.futures.append(pair.transfer(functools.partial(chunk, first, end, in_place), tag))
+            handle.futures.append(pair.transfer(functools.partial(chunk, first, end, in_place), tag, after))
 
     def _stage(self, chunk: torch.Tensor) -> torch.Tensor:
         return chunk.cpu()  # in place on a CPU pool
@@ -831,7 +886,10 @@ class GroupReceiver(Receiver):
                 inbox.pending.clear()  # the pair is closed: the rest fail too
                 self._close(inbox.pair)
             elif inbox.error is None:
-                inbox.put(unit_runs, f.result())
+                staged = f.result()
+                inbox.put(unit_runs, staged)
+                if staged.is_cuda:  # made on the pair's stream, read on ours: not to be reused before
+                    staged.record_stream(torch.cuda.current_stream(staged.device))
         if inbox.pending:
             return False
         _check_complete(inbox)
