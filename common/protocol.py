@@ -94,7 +94,7 @@ class Register:
     block_size: int
     kv_address: str = ""  # decode/mono: where prefill workers push KV
     model: str = ""
-    kv_transports: list[str] = field(default_factory=list)  # decode/mono: KV transports it receives by
+    kv_transports: list[str] = field(default_factory=list)  # KV transports it sends (prefill) or receives by
 
 
 @dataclass
@@ -180,7 +180,7 @@ class KVGrant:
 class KVRefuse:
     request_id: str
     attempt: int
-    code: str  # BUSY (retry later), LAYOUT_MISMATCH, INVALID_ARGUMENT, CANCELLED
+    code: str  # BUSY (retry later), NO_ROOM (never: the pool is too small), LAYOUT_MISMATCH, INVALID_ARGUMENT, CANCELLED
     message: str
 
 

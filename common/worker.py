@@ -109,11 +109,16 @@ class WorkerBase:
     def to_router(self, msg):
         self.router.try_send(msg)
 
+    def kv_transports(self) -> list[str]:
+        """What this worker moves KV by, fastest first, for the router to pair workers that share one."""
+        return []
+
     def _register(self, now: float):
         self._last_register = now
         e = self.engine
         self.to_router(P.Register(self.role, self.worker_id, self.incarnation, str(e.config.torch_device),
-                                  e.num_blocks, e.config.block_size, self.kv_address, e.model_config.fingerprint))
+                                  e.num_blocks, e.config.block_size, self.kv_address, e.model_config.fingerprint,
+                                  self.kv_transports()))
 
     # ------------------------------------------------------------------ the loop
 

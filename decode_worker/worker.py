@@ -68,10 +68,8 @@ class DecodeWorker(WorkerBase):
         self.streams: dict[str, tuple[int, dict]] = {}  # request id -> (attempt, timings)
         log.info("KV transports offered: %s", list(self.receivers))
 
-    def to_router(self, msg):
-        if isinstance(msg, P.Register):
-            msg.kv_transports = list(self.receivers)
-        super().to_router(msg)
+    def kv_transports(self) -> list[str]:
+        return list(self.receivers)
 
     # ------------------------------------------------------------------ router
 
@@ -149,6 +147,11 @@ class DecodeWorker(WorkerBase):
             return refuse("LAYOUT_MISMATCH", problem)
         if not 0 < msg.num_tokens < self.engine.max_model_len:
             return refuse("INVALID_ARGUMENT", f"num_tokens={msg.num_tokens}; allowed: 1..{self.engine.max_model_len - 1}")
+        need = self.engine.block_manager.blocks_needed(msg.num_tokens + 1)
+        room = self.engine.num_blocks - self.engine.scheduler.watermark
+        if need > room:  # never, here (BUSY would wait in vain): the router tries another decode worker
+            return refuse("NO_ROOM", f"{msg.num_tokens} tokens need {need} KV blocks; this decode worker grants "
+                                     f"at most {room}")
         old = self.reservations.get(msg.request_id)
         if old is not None and old.attempt == msg.attempt:
             blocks = old.block_ids  # a repeated request: grant the same blocks again

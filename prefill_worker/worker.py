@@ -102,6 +102,9 @@ class PrefillWorker(WorkerBase):
         kv = self.engine.kv_cache
         self.layer_bytes = 2 * kv[0, 0, 0].numel() * kv.element_size()  # one block of one layer's K and V
 
+    def kv_transports(self) -> list[str]:
+        return list(self.senders)
+
     def step(self) -> list[RequestOutput]:
         outputs = self.engine.step(self.stream)
         deferred, self.deferred = self.deferred, []

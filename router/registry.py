@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 PREFILL_ROLES = ("prefill", "mono")
 DECODE_ROLES = ("decode", "mono")
@@ -21,6 +22,7 @@ class Worker:
     total_blocks: int
     block_size: int
     kv_address: str
+    kv_transports: list[str] = field(default_factory=list)  # what it sends (prefill) or receives (decode) KV by
     registered_at: float = field(default_factory=time.monotonic)
     last_seen: float = field(default_factory=time.monotonic)
     queued: int = 0
@@ -33,7 +35,7 @@ class Worker:
         return {"worker_id": self.worker_id, "role": self.role, "incarnation": self.incarnation,
                 "device": self.device, "alive": self.alive, "queued": self.queued, "running": self.running,
                 "assigned": len(self.assigned), "free_blocks": self.free_blocks,
-                "total_blocks": self.total_blocks, "kv_address": self.kv_address,
+                "total_blocks": self.total_blocks, "kv_address": self.kv_address, "kv_transports": self.kv_transports,
                 "heartbeat_age_s": round(now - self.last_seen, 3)}
 
 
@@ -48,8 +50,12 @@ class Registry:
     def alive(self, roles) -> list[Worker]:
         return [w for w in self.workers.values() if w.alive and w.role in roles]
 
-    def pick(self, roles) -> Worker | None:
+    def pick(self, roles, fits: Callable[[Worker], bool] | None = None) -> Worker | None:
+        """A live worker of these roles, by the policy among those that fit if any do (if none does,
+        among all: the worker then says why it cannot, which the caller passes on)."""
         candidates = sorted(self.alive(roles), key=lambda w: w.worker_id)
+        if fits is not None:
+            candidates = [w for w in candidates if fits(w)] or candidates
         if not candidates:
             return None
         if self.policy == "round_robin":

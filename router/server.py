@@ -74,6 +74,7 @@ class Request:
     dispatched_at: float | None = None
     first_token_at: float | None = None
     worker_timings: dict = field(default_factory=dict)
+    failed_pairs: set[tuple[str, str]] = field(default_factory=set)  # (prefill, decode) that failed it
     router_s: float = 0.0  # the router's own time on the first-token path: admit + forward
 
 
@@ -247,7 +248,7 @@ class Router:
                                    self._timings(req)))
             return self._finish(req)
         p = self.registry.pick(PREFILL_ROLES)
-        d = p if p is not None and p.role == "mono" else self.registry.pick(("decode",))
+        d = p if p is None or p.role == "mono" else self.registry.pick(("decode",), lambda d: pairs(req, p, d))
         if p is None or d is None:
             req.state, req.deadline = "queued", req.arrival + self.cfg.queue_timeout_s
             return
@@ -324,9 +325,9 @@ class Router:
             self.worker_lost(old, "restarted under a new incarnation")
         self.registry.workers[msg.worker_id] = Worker(msg.worker_id, msg.role, msg.incarnation, identity, msg.device,
                                                       msg.total_blocks, msg.block_size, msg.kv_address,
-                                                      free_blocks=msg.total_blocks)
-        log.info("worker %s registered: role=%s device=%s blocks=%d kv=%s", msg.worker_id, msg.role, msg.device,
-                 msg.total_blocks, msg.kv_address or "-")
+                                                      list(msg.kv_transports), free_blocks=msg.total_blocks)
+        log.info("worker %s registered: role=%s device=%s blocks=%d kv=%s by %s", msg.worker_id, msg.role,
+                 msg.device, msg.total_blocks, msg.kv_address or "-", ",".join(msg.kv_transports) or "-")
         self._send(self.backend, P.Registered(msg.worker_id, msg.incarnation), identity)
 
     def worker_lost(self, w: Worker, why: str):
@@ -379,6 +380,7 @@ class Router:
         if msg.code == "INVALID_ARGUMENT":
             self.error(req, msg.code, msg.message)
         else:
+            req.failed_pairs.add((req.prefill_worker, req.decode_worker))
             self.retry(req, f"{msg.code} from {w.worker_id}: {msg.message}")
 
     # ------------------------------------------------------------------ time
@@ -435,6 +437,13 @@ class Router:
             if len(req.tokens) > 1:
                 t["tpot_s"] = (now - req.first_token_at) / (len(req.tokens) - 1)
         return t
+
+
+def pairs(req: Request, p: Worker, d: Worker) -> bool:
+    """Whether to send req's KV from p to d: they share a KV transport (by name: whether it works
+    between their hosts only p can tell), and req has not failed between them already."""
+    shared = not p.kv_transports or not d.kv_transports or set(p.kv_transports) & set(d.kv_transports)
+    return bool(shared) and (p.worker_id, d.worker_id) not in req.failed_pairs
 
 
 def run_router(cfg: RouterConfig):

@@ -345,3 +345,44 @@ def test_an_idle_decode_peer_is_dropped_and_made_again_when_needed(tmp_path, tra
                                                                               ignore_eos=True))
     got = [[t for (rid, _), ids in sorted(tokens.items()) if rid == f"r{k}" for t in ids] for k in range(2)]
     assert got == [e.token_ids for e in expected]
+
+
+def _two_decode_cluster(tmp_path, prefill_args=(), decode0_args=()) -> Cluster:
+    c = Cluster("dummy:nanogpt", 1, 2, 0, ["cpu"], "127.0.0.1", 0, 0, tmp_path / "logs", "least_loaded", [],
+                threads=1, restart=False)
+    c.workers[0].argv += list(prefill_args)  # prefill-0
+    c.workers[1].argv += list(decode0_args)  # decode-0, which least_loaded tries first
+    return c
+
+
+def test_the_router_pairs_only_workers_that_share_a_kv_transport(tmp_path):
+    """By what each registered: a prefill worker forced to shm never gets decode-0, which takes zmq only."""
+    c = _two_decode_cluster(tmp_path, ["--kv-transport", "shm"], ["--kv-transport", "zmq"])
+    try:
+        c.start()
+        with Client(c.address, timeout=60) as client:
+            by = {w["worker_id"]: w["kv_transports"] for w in client.status().workers}
+            assert by == {"prefill-0": ["shm"], "decode-0": ["zmq"], "decode-1": ["shm", "zmq", "gloo"]}
+            results = client.generate_many([[1, 2, 3, k] for k in range(6)], max_tokens=3, temperature=0)
+            assert all(len(r.token_ids) == 3 for r in results)
+    finally:
+        c.stop()
+    assert "re-dispatching" not in (tmp_path / "logs" / "router.log").read_text()
+
+
+def test_a_request_that_failed_between_two_workers_is_retried_between_others(tmp_path):
+    """decode-0's pool is too small for a 300-token prompt: it says so at once (NO_ROOM, not BUSY
+    until the timeout), and the router's retry goes to decode-1, not to decode-0 again."""
+    prompt = [(11 * i) % 250 for i in range(300)]
+    c = _two_decode_cluster(tmp_path, decode0_args=["--num-blocks", "8"])
+    try:
+        c.start()
+        with Client(c.address, timeout=60) as client:
+            r = client.generate(prompt, max_tokens=4, temperature=0, ignore_eos=True)
+    finally:
+        c.stop()
+    expected = Engine(model="dummy:nanogpt").generate([prompt], SamplingParams(temperature=0, max_tokens=4,
+                                                                               ignore_eos=True))
+    assert r.token_ids == expected[0].token_ids
+    log = (tmp_path / "logs" / "router.log").read_text()
+    assert log.count("re-dispatching") == 1 and "NO_ROOM from prefill-0" in log, log
