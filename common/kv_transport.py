@@ -144,6 +144,8 @@ def unit_numbers(num_blocks: int, layers: range, blocks: range) -> list[int]:
 
 def runs(numbers: list[int]) -> list[list[int]]:
     """Ascending unit numbers as [first, count] runs of consecutive ones."""
+    if numbers and numbers[-1] - numbers[0] == len(numbers) - 1:  # the usual chunk: one run
+        return [[numbers[0], len(numbers)]]
     out = []
     for u in numbers:
         if out and out[-1][0] + out[-1][1] == u:
@@ -153,11 +155,16 @@ def runs(numbers: list[int]) -> list[list[int]]:
     return out
 
 
+def stretches(ids: torch.Tensor) -> list[int]:
+    """Where ids (CPU, 1-D) break into stretches of consecutive values: [0, ..., len(ids)]."""
+    breaks = torch.nonzero(ids[1:] != ids[:-1] + 1).flatten() + 1
+    return [0, *breaks.tolist(), len(ids)]
+
+
 def frame_plan(ids: torch.Tensor, unit_nbytes: int) -> list[tuple[int, int, bool]]:
     """[first, end) ranges of these pool rows, and whether each is one stretch of the pool
     (send it in place) or must be gathered. Stretches of at least MIN_FRAME_BYTES go in place, cut
     evenly to at most CHUNK_BYTES; the rest is gathered into chunks of up to CHUNK_BYTES."""
-    rows = ids.tolist()
     least, most = -(-MIN_FRAME_BYTES // unit_nbytes), max(1, CHUNK_BYTES // unit_nbytes)
     plan, loose = [], None  # loose: where the units to gather began
 
@@ -166,11 +173,10 @@ def frame_plan(ids: torch.Tensor, unit_nbytes: int) -> list[tuple[int, int, bool
         bounds = [first + (end - first) * i // pieces for i in range(pieces + 1)]
         plan.extend((a, b, in_place) for a, b in zip(bounds, bounds[1:]))
 
-    u = 0
-    while u < len(rows):
-        v = u + 1
-        while v < len(rows) and rows[v] == rows[v - 1] + 1:
-            v += 1
+    if not len(ids):
+        return plan
+    bounds = stretches(ids)
+    for u, v in zip(bounds, bounds[1:]):
         if v - u >= least:
             if loose is not None:
                 cut(loose, u, False)
@@ -178,9 +184,8 @@ def frame_plan(ids: torch.Tensor, unit_nbytes: int) -> list[tuple[int, int, bool
             cut(u, v, True)
         elif loose is None:
             loose = u
-        u = v
     if loose is not None:
-        cut(loose, len(rows), False)
+        cut(loose, len(ids), False)
     return plan
 
 
