@@ -25,7 +25,7 @@ import zmq
 
 from bench.report import print_json, print_table
 from common import protocol as P
-from common.channel import Channel
+from common.channel import Channel, Waker
 from common.checkpoint import model_config
 from common.config import DTYPES, KV_TRANSPORT_DEVICE, resolve_device
 from common.errors import InvalidArgument
@@ -80,16 +80,24 @@ def _receiver(transport: str, shape, dtype: str, device: str, src: list[int], ds
     dev = torch.device(device)
     segment = SharedSegment.create(shape, DTYPES[dtype]) if transport == "shm" else None
     pool = segment.tensor if segment else torch.zeros(shape, dtype=DTYPES[dtype], device=dev)
-    receiver = make_receivers([transport], pool, segment, dtype, "127.0.0.1", TIMEOUT_S, required=True)[transport]
+    waker = Waker()  # gloo settles off this thread: it wakes us, as it wakes a decode worker
+    receiver = make_receivers([transport], pool, segment, dtype, "127.0.0.1", TIMEOUT_S, required=True,
+                              wake=waker.wake)[transport]
     ctx = zmq.Context()
     chan = Channel.bind(ctx, zmq.ROUTER, "tcp://127.0.0.1:0")
+    poller = zmq.Poller()
+    poller.register(chan.sock, zmq.POLLIN)
+    poller.register(waker.fd, zmq.POLLIN)
     conn.send((chan.address, receiver.advert()))
     inboxes: dict[str, Inbox] = {}
     arriving: dict[str, tuple[P.KVTransfer, bytes]] = {}
     parent = os.getppid()
     try:
         while os.getppid() == parent:
-            env = chan.recv(1 if arriving else 100)  # gloo settles off this thread: do not spin
+            ready = dict(poller.poll(100))
+            if waker.fd in ready:
+                waker.drain()
+            env = chan.recv(0) if chan.sock in ready else None
             msg = env.msg if env is not None else None
             if isinstance(msg, P.KVRelease):
                 break
@@ -114,6 +122,7 @@ def _receiver(transport: str, shape, dtype: str, device: str, src: list[int], ds
         receiver.close()
         chan.close()
         ctx.term()
+        waker.close()
         if segment is not None:
             pool = None
             segment.close()

@@ -13,6 +13,7 @@ zero-copy memoryview. Works with a plain or a zmq.asyncio context (`arecv` for t
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 
 import zmq
@@ -111,3 +112,32 @@ class Channel:
 
     def close(self):
         self.sock.close(linger=0)
+
+
+class Waker:
+    """A pipe that a zmq.Poller waits on beside its sockets, so that another thread can end the
+    poll at once (a KV receive finished there) rather than the loop polling on a timer."""
+
+    def __init__(self):
+        self.fd, self._w = os.pipe()
+        os.set_blocking(self._w, False)
+
+    def wake(self) -> None:
+        """Thread-safe."""
+        w = self._w
+        if w is None:
+            return
+        try:
+            os.write(w, b"\0")
+        except OSError:  # full: a wake-up is pending anyway
+            pass
+
+    def drain(self) -> None:
+        os.read(self.fd, 4096)
+
+    def close(self) -> None:
+        w, self._w = self._w, None  # a late wake() from another thread now writes nothing
+        if w is None:
+            return
+        os.close(self.fd)
+        os.close(w)

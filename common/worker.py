@@ -23,7 +23,7 @@ import torch
 import zmq
 
 from common import protocol as P
-from common.channel import Channel, Envelope
+from common.channel import Channel, Envelope, Waker
 from common.config import EngineConfig
 from common.engine import Engine, RequestOutput
 
@@ -55,9 +55,8 @@ class WorkerBase:
         self.worker_id = cfg.worker_id or f"{self.role}-{os.getpid()}"
         self.ctx = zmq.Context()
         self.poller = zmq.Poller()
-        self._wake_r, self._wake_w = os.pipe()  # wake(): news from another thread ends the poll at once
-        os.set_blocking(self._wake_w, False)
-        self.poller.register(self._wake_r, zmq.POLLIN)
+        self.waker = Waker()  # wake(): news from another thread ends the poll at once
+        self.poller.register(self.waker.fd, zmq.POLLIN)
         self.handlers: dict[zmq.Socket, tuple[Channel, callable]] = {}
         self.router: Channel | None = None
         self.stopping = False
@@ -131,8 +130,8 @@ class WorkerBase:
             while not self.stopping:
                 timeout = 0 if self.engine.has_unfinished() else 10
                 for sock, _ in self.poller.poll(timeout):
-                    if sock == self._wake_r:
-                        os.read(self._wake_r, 4096)
+                    if sock == self.waker.fd:
+                        self.waker.drain()
                         continue
                     chan, handler = self.handlers.get(sock, (None, None))
                     for _ in range(1000):  # drain, but never starve the engine
@@ -161,21 +160,13 @@ class WorkerBase:
 
     def wake(self):
         """Thread-safe: run the loop now (a KV receive finished on another thread)."""
-        fd = self._wake_w
-        if fd is None:
-            return
-        try:
-            os.write(fd, b"\0")
-        except OSError:  # full: a wake-up is pending anyway
-            pass
+        self.waker.wake()
 
     def close(self):
         for chan, _ in list(self.handlers.values()):
             chan.close()
         self.ctx.term()
-        fds, self._wake_r, self._wake_w = (self._wake_r, self._wake_w), None, None
-        for fd in fds:
-            os.close(fd)
+        self.waker.close()
 
     # ------------------------------------------------------------------ for the roles
 
