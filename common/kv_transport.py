@@ -408,12 +408,16 @@ class ZmqSender(Sender):
 
     def send(self, out: Outgoing, handle: Handle, layers: range, blocks: range) -> None:
         rows, numbers = _piece(out, layers, blocks)
-        units = unit_view(out.pool)
-        for first, end, in_place in frame_plan(rows, unit_bytes(out.pool)):
+        units, ub = unit_view(out.pool), unit_bytes(out.pool)
+        pool_bytes = tensor_frame(units) if units.device.type == "cpu" else None  # in-place frames: slices of it
+        for first, end, in_place in frame_plan(rows, ub):
             row = int(rows[first])
-            chunk = units[row:row + end - first] if in_place else gather(units, rows[first:end])
+            if in_place and pool_bytes is not None:
+                frame = pool_bytes[row * ub:(row + end - first) * ub]
+            else:
+                frame = tensor_frame(units[row:row + end - first] if in_place else gather(units, rows[first:end]))
             header = P.KVChunk(out.request_id, out.attempt, len(out.dst_blocks), runs(numbers[first:end]))
-            tracker = out.send(header, [tensor_frame(chunk)])
+            tracker = out.send(header, [frame])
             if tracker is None:
                 handle.failed = "the decode worker's socket takes no more KV chunks (its queue is full)"
                 return
