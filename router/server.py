@@ -247,7 +247,8 @@ class Router:
             self.reply(req, P.Done(req.client_request_id, reason, req.tokens, self._text(req.tokens), req.prompt_ids,
                                    self._timings(req)))
             return self._finish(req)
-        p = self.registry.pick(PREFILL_ROLES)
+        decoders = self.registry.alive(("decode",))
+        p = self.registry.pick(PREFILL_ROLES, lambda p: p.role == "mono" or any(pairs(req, p, d) for d in decoders))
         d = p if p is None or p.role == "mono" else self.registry.pick(("decode",), lambda d: pairs(req, p, d))
         if p is None or d is None:
             req.state, req.deadline = "queued", req.arrival + self.cfg.queue_timeout_s

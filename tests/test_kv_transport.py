@@ -370,6 +370,23 @@ def test_the_router_pairs_only_workers_that_share_a_kv_transport(tmp_path):
     assert "re-dispatching" not in (tmp_path / "logs" / "router.log").read_text()
 
 
+def test_a_prefill_worker_with_no_decode_worker_to_pair_with_gets_no_work(tmp_path):
+    """prefill-0 is forced to shm, the only decode worker takes zmq: prefill-1 gets every request."""
+    c = Cluster("dummy:nanogpt", 2, 1, 0, ["cpu"], "127.0.0.1", 0, 0, tmp_path / "logs", "least_loaded", [],
+                threads=1, restart=False)
+    c.workers[0].argv += ["--kv-transport", "shm"]  # prefill-0, which least_loaded tries first
+    c.workers[2].argv += ["--kv-transport", "zmq"]  # decode-0
+    try:
+        c.start()
+        with Client(c.address, timeout=60) as client:
+            results = client.generate_many([[4, 5, k] for k in range(6)], max_tokens=3, temperature=0)
+            assert all(len(r.token_ids) == 3 for r in results)
+    finally:
+        c.stop()
+    assert "re-dispatching" not in (tmp_path / "logs" / "router.log").read_text()
+    assert "KV to" not in (tmp_path / "logs" / "prefill-0.log").read_text()
+
+
 def test_a_request_that_failed_between_two_workers_is_retried_between_others(tmp_path):
     """decode-0's pool is too small for a 300-token prompt: it says so at once (NO_ROOM, not BUSY
     until the timeout), and the router's retry goes to decode-1, not to decode-0 again."""
