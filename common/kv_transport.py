@@ -31,7 +31,8 @@ and a chunk lists the runs of unit numbers it holds.
 shm and cuda_ipc are one-sided: the decode worker cannot tell when a writer is done, so blocks
 granted by a decode worker that offers them come back only on word from the writer (KVTransfer
 or KVRelease) or at the end of the lease; the prefill never starts writing past its own view of
-the lease (measured from its request, so earlier than the decode worker's).
+the lease (measured from its request, so earlier than the decode worker's), checked as each copy
+starts, not when it is queued.
 """
 
 from __future__ import annotations
@@ -307,6 +308,7 @@ class Outgoing:
     dst_blocks: list[int]
     advert: dict  # what the decode worker advertised for this transport
     send: Callable[[object, list], object]  # a message and frames to the decode worker: zmq's tracker, or None
+    write_by: float = math.inf  # time.monotonic() after which no copy into the peer's blocks may start (its lease)
 
 
 @dataclass(eq=False)
@@ -491,6 +493,8 @@ class MappedSender(Sender):
         b, peer, after = slice(blocks.start, blocks.stop), handle.peer, written(out.pool)
 
         def copy():
+            if time.monotonic() > out.write_by:  # queued too long: the blocks may be someone else's by now
+                raise TransportError("the grant's lease ended before this copy could start")
             with torch.inference_mode(), self._copying(out.pool.device, peer.device, after):  # as the forward
                 copy_blocks(out.pool, out.src_blocks[b], peer, out.dst_blocks[b], slice(layers.start, layers.stop))
         handle.futures.append(self.copier.submit(copy))

@@ -301,7 +301,8 @@ class PrefillWorker(WorkerBase):
             try:
                 t.transport = choose(self.senders, t.offer, w.decode_worker_id, self.cfg.engine.kv_transport)
                 t.out = Outgoing(rid, w.attempt, self.engine.kv_cache, list(src_blocks), t.block_ids[:len(src_blocks)],
-                                 t.offer[t.transport], self._sender_to(w.decode_kv_address, w.decode_worker_id))
+                                 t.offer[t.transport], self._sender_to(w.decode_kv_address, w.decode_worker_id),
+                                 min(t.lease_end, t.deadline) - LEASE_MARGIN_S)
                 t.handle = self.senders[t.transport].open(t.out)
             except TransportError as e:
                 t.failure = (e.code, str(e))

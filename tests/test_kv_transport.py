@@ -23,7 +23,7 @@ from common.channel import Channel
 from common.config import EngineConfig
 from common.engine import Engine
 from common.kv_cache import SharedSegment
-from common.kv_transport import ShmSender, TransportError, ZmqSender, choose
+from common.kv_transport import Outgoing, ShmReceiver, ShmSender, TransportError, ZmqSender, choose
 from common.sampling import SamplingParams
 from common.worker import WorkerConfig
 from prefill_worker.worker import PrefillWorker
@@ -95,6 +95,31 @@ def test_gpu_transport_delivers_bit_identical_kv(transport):
         run.one(check=True)
     finally:
         run.close()
+
+
+def test_a_one_sided_copy_queued_past_the_lease_writes_nothing():
+    """shm copies run on a thread: one that starts after the grant's lease (the blocks may have
+    gone to another request) must fail its transfer, not write into them."""
+    shape = (2, 2, 4, 16, 2, 8)
+    segment = SharedSegment.create(shape, torch.float32)
+    ours = torch.randn(shape)
+    sender = ShmSender()
+    try:
+        advert = ShmReceiver(segment.tensor, segment, "float32").advert()
+        for write_by, copied in ((time.monotonic() - 0.001, False), (time.monotonic() + 60, True)):
+            segment.tensor.zero_()
+            out = Outgoing("r", 1, ours, [0, 1], [2, 3], advert, lambda m, f: None, write_by)
+            handle = sender.open(out)
+            sender.send(out, handle, range(2), range(2))
+            sender.finish(handle)
+            assert torch.equal(segment.tensor[:, :, 2:], ours[:, :, :2]) is copied
+            assert (handle.error() is None) is copied
+            if not copied:
+                assert "lease ended before this copy could start" in handle.error()
+                assert not segment.tensor.any()
+    finally:
+        sender.close()
+        segment.close()
 
 
 def test_choose_prefers_the_fastest_and_names_both_ends_when_none_fits():
