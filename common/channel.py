@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from dataclasses import dataclass, field
 
 import zmq
@@ -78,14 +79,16 @@ class Channel:
         asyncio future of an async socket. Frames go without copying; the header is copied (it
         is small, and a tracked frame per part costs more than the copy)."""
         head = ([to] if to is not None else []) + [protocol.encode(msg)]
-        if not frames:
-            return self.sock.send_multipart(head, copy=False, track=track)
+        if not (frames and track):
+            return self.sock.send_multipart(head + list(frames), copy=False, track=track)
+        # Frames made first: once the header is out, nothing but the socket may fail mid-message.
+        *rest, last = frames
+        tail = [zmq.Frame(f, copy=False) for f in rest] + [zmq.Frame(last, copy=False, track=True)]
         for part in head:
             self.sock.send(part, zmq.SNDMORE)
-        *rest, last = frames
-        for frame in rest:
-            self.sock.send(frame, zmq.SNDMORE, copy=False)
-        return self.sock.send(last, 0, copy=False, track=track)
+        for frame in tail[:-1]:
+            self.sock.send(frame, zmq.SNDMORE)
+        return self.sock.send(tail[-1], 0, track=True)
 
     def try_send(self, msg, frames=(), to: bytes | None = None) -> bool:
         """Send, or log and return False if the peer is gone (ROUTER) or the send would block."""
@@ -127,22 +130,24 @@ class Waker:
     def __init__(self):
         self.fd, self._w = os.pipe()
         os.set_blocking(self._w, False)
+        self._lock = threading.Lock()  # a wake() never writes to a descriptor close() let go of
 
     def wake(self) -> None:
         """Thread-safe."""
-        w = self._w
-        if w is None:
-            return
-        try:
-            os.write(w, b"\0")
-        except OSError:  # full: a wake-up is pending anyway
-            pass
+        with self._lock:
+            if self._w is None:
+                return
+            try:
+                os.write(self._w, b"\0")
+            except OSError:  # full: a wake-up is pending anyway
+                pass
 
     def drain(self) -> None:
         os.read(self.fd, 4096)
 
     def close(self) -> None:
-        w, self._w = self._w, None  # a late wake() from another thread now writes nothing
+        with self._lock:
+            w, self._w = self._w, None  # a late wake() from another thread now writes nothing
         if w is None:
             return
         os.close(self.fd)

@@ -25,7 +25,7 @@ while (($#)); do
     --worker-port) WORKER_PORT=$2; shift 2 ;;
     --log-dir) LOG_DIR=$2; shift 2 ;;
     --) shift; WORKER_ARGS=("$@"); break ;;
-    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
     *) echo "launch.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -83,11 +83,15 @@ done
 
 # A SIGKILL of this script runs no trap: a watcher stops the cluster once the script is gone
 # (its parent is no longer this script; a killed script not yet reaped is still "alive" to kill -0).
+# Builtins and /proc only, no ps: where /proc cannot be read it watches nothing.
 watch_launcher() {
   trap - INT TERM EXIT
-  local me=$BASHPID
-  while [[ $(ps -o ppid= -p "$me" 2>/dev/null | tr -d ' ') == "$$" ]]; do sleep 1; done
-  kill -TERM "${PIDS[@]}" 2>/dev/null
+  local stat ppid
+  while read -r stat <"/proc/$BASHPID/stat"; do
+    read -r _ ppid _ <<<"${stat##*) }"  # after "PID (NAME) ": STATE PPID ...
+    [[ $ppid == "$$" ]] || { kill -TERM "${PIDS[@]}" 2>/dev/null; return; }
+    sleep 1
+  done 2>/dev/null
 }
 watch_launcher &
 PIDS+=($!)

@@ -45,7 +45,7 @@ class Registry:
             raise ValueError(f"policy={policy!r} is not supported; allowed: least_loaded, round_robin")
         self.policy = policy
         self.workers: dict[str, Worker] = {}
-        self._turn = itertools.count()
+        self._turns: dict[tuple, itertools.count] = {}  # round_robin: one turn per role set
 
     def alive(self, roles) -> list[Worker]:
         return [w for w in self.workers.values() if w.alive and w.role in roles]
@@ -59,7 +59,7 @@ class Registry:
         if not candidates:
             return None
         if self.policy == "round_robin":
-            return candidates[next(self._turn) % len(candidates)]
+            return candidates[next(self._turns.setdefault(tuple(roles), itertools.count())) % len(candidates)]
         # The router's own count is current; the heartbeat's queue adds what it cannot see.
         return min(candidates, key=lambda w: (len(w.assigned) + w.queued / 2, w.worker_id))
 

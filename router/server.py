@@ -248,7 +248,8 @@ class Router:
                                    self._timings(req)))
             return self._finish(req)
         decoders = self.registry.alive(("decode",))
-        p = self.registry.pick(PREFILL_ROLES, lambda p: p.role == "mono" or any(pairs(req, p, d) for d in decoders))
+        p = self.registry.pick(PREFILL_ROLES,
+                               lambda p: any(pairs(req, p, d) for d in ([p] if p.role == "mono" else decoders)))
         d = p if p is None or p.role == "mono" else self.registry.pick(("decode",), lambda d: pairs(req, p, d))
         if p is None or d is None:
             req.state, req.deadline = "queued", req.arrival + self.cfg.queue_timeout_s
@@ -381,7 +382,8 @@ class Router:
         if msg.code == "INVALID_ARGUMENT":
             self.error(req, msg.code, msg.message)
         else:
-            req.failed_pairs.add((req.prefill_worker, req.decode_worker))
+            # the decode worker's own fault (its pool, its model) holds for every prefill worker
+            req.failed_pairs.add(("*" if msg.code in DECODE_FAULTS else req.prefill_worker, req.decode_worker))
             self.retry(req, f"{msg.code} from {w.worker_id}: {msg.message}")
 
     # ------------------------------------------------------------------ time
@@ -440,11 +442,14 @@ class Router:
         return t
 
 
+DECODE_FAULTS = ("NO_ROOM", "LAYOUT_MISMATCH")  # WorkerError codes that say the decode worker cannot take it
+
+
 def pairs(req: Request, p: Worker, d: Worker) -> bool:
     """Whether to send req's KV from p to d: they share a KV transport (by name: whether it works
     between their hosts only p can tell), and req has not failed between them already."""
     shared = not p.kv_transports or not d.kv_transports or set(p.kv_transports) & set(d.kv_transports)
-    return bool(shared) and (p.worker_id, d.worker_id) not in req.failed_pairs
+    return bool(shared) and not {(p.worker_id, d.worker_id), ("*", d.worker_id)} & req.failed_pairs
 
 
 def run_router(cfg: RouterConfig):

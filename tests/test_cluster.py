@@ -183,3 +183,31 @@ def test_unavailable_when_no_worker_ever_registered(tmp_path):
     finally:
         router.terminate()
         router.wait(10)
+
+
+def test_round_robin_takes_turns_within_each_role():
+    """One turn counter per role: with two of each, consecutive requests alternate decode workers too."""
+    from router.registry import DECODE_ROLES, PREFILL_ROLES, Registry, Worker
+
+    registry = Registry("round_robin")
+    for role in ("prefill", "decode"):
+        for i in range(2):
+            registry.workers[f"{role}-{i}"] = Worker(f"{role}-{i}", role, "x", b"", "cpu", 8, 16, "")
+    picks = [(registry.pick(PREFILL_ROLES).worker_id, registry.pick(DECODE_ROLES).worker_id) for _ in range(4)]
+    assert picks == [("prefill-0", "decode-0"), ("prefill-1", "decode-1")] * 2
+
+
+def test_pairs_skips_failed_pairs_and_a_decode_worker_that_cannot_take_the_request():
+    from router.registry import Worker
+    from router.server import Request, pairs
+
+    def worker(name, transports):
+        return Worker(name, name.split("-")[0], "x", b"", "cpu", 8, 16, "", transports)
+    p0, p1 = worker("prefill-0", ["shm", "zmq"]), worker("prefill-1", [])
+    d0, d1 = worker("decode-0", ["zmq"]), worker("decode-1", ["gloo"])
+    req = Request("r", b"c", "c", [1], SamplingParams(), 0, False)
+    assert [pairs(req, p, d) for p in (p0, p1) for d in (d0, d1)] == [True, False, True, True]  # [] = any
+    req.failed_pairs.add(("prefill-0", "decode-0"))  # a failure between these two only
+    assert not pairs(req, p0, d0) and pairs(req, p1, d0)
+    req.failed_pairs.add(("*", "decode-1"))  # decode-1's own fault: NO_ROOM, LAYOUT_MISMATCH
+    assert not pairs(req, p0, d1) and not pairs(req, p1, d1)
