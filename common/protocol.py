@@ -165,6 +165,7 @@ class KVReserve:
     attempt: int
     num_tokens: int
     layout: dict
+    max_len: int = 0  # the longest the sequence may grow (prompt + max_tokens, before the decode worker's cap)
 
 
 @dataclass

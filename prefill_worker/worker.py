@@ -77,6 +77,7 @@ class Transfer:
     transport: str = ""
     out: Outgoing | None = None  # once the transport is chosen
     handle: Handle | None = None  # the transport's transfer under way
+    max_len: int = 0  # prompt + max_tokens: what the decode worker must be able to hold
     streamed: int = 0  # leading blocks whose every layer was sent
     next_layer: int = 0  # streaming, in a step: the first layer of its finished blocks not yet sent
     failure: tuple[str, str] | None = None  # (code, message) of a send that failed mid-step
@@ -136,7 +137,8 @@ class PrefillWorker(WorkerBase):
             return
         now = time.monotonic()
         self.work[rid] = (work, now)
-        self.transfers[rid] = Transfer(work, now + self.cfg.transfer_timeout_s)
+        self.transfers[rid] = Transfer(work, now + self.cfg.transfer_timeout_s,
+                                       max_len=work.num_prompt_tokens + params.max_tokens)
         self._reserve(rid)
 
     # ------------------------------------------------------------------ engine
@@ -190,7 +192,7 @@ class PrefillWorker(WorkerBase):
         t = self.transfers[rid]
         t.state, t.retry_at, t.requested_at = "reserving", None, time.monotonic()
         self._peer(t.work.decode_kv_address).try_send(
-            P.KVReserve(rid, t.work.attempt, len(t.work.token_ids), self.engine.kv_layout))
+            P.KVReserve(rid, t.work.attempt, len(t.work.token_ids), self.engine.kv_layout, t.max_len))
 
     def _release_reservation(self, rid: str):
         t = self.transfers.pop(rid, None)

@@ -7,6 +7,7 @@ leaves the prefill worker no blocks held and no shared-memory segment behind."""
 import contextlib
 import glob
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -413,18 +414,20 @@ def test_a_prefill_worker_with_no_decode_worker_to_pair_with_gets_no_work(tmp_pa
 
 
 def test_a_request_that_failed_between_two_workers_is_retried_between_others(tmp_path):
-    """decode-0's pool is too small for a 300-token prompt: it says so at once (NO_ROOM, not BUSY
-    until the timeout), and the router's retry goes to decode-1, not to decode-0 again."""
-    prompt = [(11 * i) % 250 for i in range(300)]
+    """decode-0's pool (8 blocks of 16 tokens) cannot hold a 300-token prompt, nor a 100-token one
+    allowed 60 more tokens: it says so at once (NO_ROOM, not BUSY until the timeout, nor a grant
+    that fails once the KV arrived), and the router's retry goes to decode-1, not to decode-0 again."""
+    rng = random.Random(3)
+    prompts = [[rng.randrange(250) for _ in range(n)] for n in (300, 100)]
     c = _two_decode_cluster(tmp_path, decode0_args=["--num-blocks", "8"])
     try:
         c.start()
         with Client(c.address, timeout=60) as client:
-            r = client.generate(prompt, max_tokens=4, temperature=0, ignore_eos=True)
+            got = [client.generate(p, max_tokens=60, temperature=0, ignore_eos=True).token_ids for p in prompts]
     finally:
         c.stop()
-    expected = Engine(model="dummy:nanogpt").generate([prompt], SamplingParams(temperature=0, max_tokens=4,
-                                                                               ignore_eos=True))
-    assert r.token_ids == expected[0].token_ids
+    expected = Engine(model="dummy:nanogpt").generate(prompts, SamplingParams(temperature=0, max_tokens=60,
+                                                                              ignore_eos=True))
+    assert got == [e.token_ids for e in expected]
     log = (tmp_path / "logs" / "router.log").read_text()
-    assert log.count("re-dispatching") == 1 and "NO_ROOM from prefill-0" in log, log
+    assert log.count("re-dispatching") == 2 and log.count("NO_ROOM from prefill-0") == 2, log
