@@ -215,6 +215,15 @@ def written(t: torch.Tensor):
     return event
 
 
+def on_stream(stream) -> contextlib.AbstractContextManager:
+    """Run on this CUDA stream, from any thread (None: as is). The thread's device is set first, so
+    that leaving the context does not switch the thread to GPU 0."""
+    if stream is None:
+        return contextlib.nullcontext()
+    torch.cuda.set_device(stream.device)
+    return torch.cuda.stream(stream)
+
+
 def tensor_frame(t: torch.Tensor) -> memoryview:
     """A tensor's bytes for a zero-copy frame (any dtype; bfloat16 has no numpy twin)."""
     return memoryview(t.detach().cpu().contiguous().view(torch.uint8).numpy()).cast("B")
@@ -587,13 +596,12 @@ class CudaIpcSender(MappedSender):
         but without peer access ends on the peer device's current stream (torch copies through a
         temporary there), which nothing else of ours uses: both streams' ends are the copies' end,
         also when one failed (the blocks are handed back after this)."""
-        torch.cuda.set_device(ours)  # this thread's: leaving the stream context must not switch to GPU 0
         if ours not in self.streams:
             self.streams[ours] = torch.cuda.Stream(ours)
         stream = self.streams[ours]
         stream.wait_event(after)
         try:
-            with torch.cuda.stream(stream):
+            with on_stream(stream):
                 yield
         finally:
             stream.synchronize()
@@ -719,7 +727,7 @@ class Pair:
                 raise TransportError(f"{self.backend} pair {self.id} is closed")
             if after is not None and self.stream is None:
                 after.synchronize()  # gloo from a CUDA pool
-            with self._on(self.stream):
+            with on_stream(self.stream):
                 if after is not None and self.stream is not None:
                     self.stream.wait_event(after)
                 tensor = make()
@@ -728,7 +736,7 @@ class Pair:
 
         def wait():
             tensor, work = posted.result()
-            with self._on(self.wait_stream):
+            with on_stream(self.wait_stream):
                 work.wait()  # NCCL: our waiting stream waits for the transfer; gloo: we do
             if self.wait_stream is not None:
                 self.wait_stream.synchronize()
@@ -737,12 +745,6 @@ class Pair:
         future = self.waiter.submit(wait)
         future.add_done_callback(lambda f: f.cancelled() or f.exception() is None or setattr(self, "broken", True))
         return future
-
-    def _on(self, stream) -> contextlib.AbstractContextManager:
-        if stream is None:
-            return contextlib.nullcontext()
-        torch.cuda.set_device(self.device)  # this thread's: leaving the stream context must not switch to GPU 0
-        return torch.cuda.stream(stream)
 
     def close(self) -> None:
         self.closed = True

@@ -138,10 +138,7 @@ class WorkerBase:
                         env = chan.recv(0) if chan is not None and sock in self.handlers else None
                         if env is None:
                             break
-                        try:
-                            handler(env)
-                        except Exception:
-                            log.exception("handling %s failed", type(env.msg).__name__)
+                        self.handle(handler, env)
                 if self.engine.has_unfinished():
                     self.on_outputs(self.step())
                 self._tick(time.monotonic())
@@ -157,6 +154,14 @@ class WorkerBase:
             self.to_router(P.Heartbeat(self.worker_id, self.incarnation, len(s.waiting), len(s.running),
                                        bm.num_free_blocks, bm.num_blocks))
         self.on_tick(now)
+
+    @staticmethod
+    def handle(handler, env: Envelope) -> None:
+        """Give one message to its handler: a message that breaks it never takes the worker down."""
+        try:
+            handler(env)
+        except Exception:
+            log.exception("handling %s failed", type(env.msg).__name__)
 
     def wake(self):
         """Thread-safe: run the loop now (a KV receive finished on another thread)."""

@@ -82,6 +82,15 @@ class Transfer:
     next_layer: int = 0  # streaming, in a step: the first layer of its finished blocks not yet sent
     failure: tuple[str, str] | None = None  # (code, message) of a send that failed mid-step
 
+    @property
+    def write_by(self) -> float:
+        """No byte of ours may start into the peer's blocks after this (time.monotonic())."""
+        return min(self.lease_end, self.deadline) - LEASE_MARGIN_S
+
+    def transport_failure(self) -> tuple[str, str] | None:
+        why = self.handle.error() if self.handle is not None else None
+        return None if why is None else ("TRANSFER_FAILED", f"{self.transport}: {why}")
+
 
 class PrefillWorker(WorkerBase):
     role = "prefill"
@@ -110,10 +119,7 @@ class PrefillWorker(WorkerBase):
         outputs = self.engine.step(self.stream)
         deferred, self.deferred = self.deferred, []
         for env in deferred:
-            try:
-                self._on_peer(env)
-            except Exception:
-                log.exception("handling %s failed", type(env.msg).__name__)
+            self.handle(self._on_peer, env)
         return outputs
 
     # ------------------------------------------------------------------ router
@@ -259,13 +265,10 @@ class PrefillWorker(WorkerBase):
         for address in waiting:  # a grant that came during the forward lets streaming start now
             chan = self.peers.get(address)
             while chan is not None and (env := chan.recv(0)) is not None:
-                if not isinstance(env.msg, P.KVGrant):
+                if isinstance(env.msg, P.KVGrant):
+                    self.handle(self._on_peer, env)
+                else:
                     self.deferred.append(env)  # handling it might end a request the forward is running
-                    continue
-                try:
-                    self._on_peer(env)
-                except Exception:  # as the main loop does: one bad message never takes the worker down
-                    log.exception("handling a KVGrant failed")
         for s in batch:
             t = self.transfers.get(s.seq.request_id)
             if t is None or t.state not in ("granted", "streaming") or t.failure is not None:
@@ -292,7 +295,7 @@ class PrefillWorker(WorkerBase):
     def _push(self, rid: str, t: Transfer, src_blocks: list[int], layers: range, blocks: range) -> bool:
         """Send these layers of these blocks, choosing the transport first if this is the first
         piece; False (and t.failure) if that failed."""
-        if time.monotonic() + LEASE_MARGIN_S > min(t.lease_end, t.deadline):
+        if time.monotonic() > t.write_by:
             t.failure = ("TIMEOUT", "the grant's lease or our deadline ends before the transfer could")
             return False
         if t.handle is None:
@@ -304,7 +307,7 @@ class PrefillWorker(WorkerBase):
                 t.transport = choose(self.senders, t.offer, w.decode_worker_id, self.cfg.engine.kv_transport)
                 t.out = Outgoing(rid, w.attempt, self.engine.kv_cache, list(src_blocks), t.block_ids[:len(src_blocks)],
                                  t.offer[t.transport], self._sender_to(w.decode_kv_address, w.decode_worker_id),
-                                 min(t.lease_end, t.deadline) - LEASE_MARGIN_S)
+                                 t.write_by)
                 t.handle = self.senders[t.transport].open(t.out)
             except TransportError as e:
                 t.failure = (e.code, str(e))
@@ -314,10 +317,8 @@ class PrefillWorker(WorkerBase):
                 self.chosen[w.decode_kv_address] = t.transport
                 log.info("KV to %s (%s) by %s", w.decode_worker_id, w.decode_kv_address, t.transport)
         self.senders[t.transport].send(t.out, t.handle, layers, blocks)
-        if t.handle.error() is not None:
-            t.failure = ("TRANSFER_FAILED", f"{t.transport}: {t.handle.error()}")
-            return False
-        return True
+        t.failure = t.transport_failure()
+        return t.failure is None
 
     def _sender_to(self, address: str, worker_id: str):
         chan = self._peer(address)
@@ -340,8 +341,7 @@ class PrefillWorker(WorkerBase):
             self._push(rid, t, ours, layers, range(t.streamed, len(ours)))
         if t.failure is None:
             self.senders[t.transport].finish(t.handle)
-            if t.handle.error() is not None:
-                t.failure = ("TRANSFER_FAILED", f"{t.transport}: {t.handle.error()}")
+            t.failure = t.transport_failure()
         if t.failure is not None:
             return self._give_up(rid, *t.failure)
         w = t.work
@@ -358,8 +358,8 @@ class PrefillWorker(WorkerBase):
                 self._give_up(rid, "TIMEOUT", f"no acknowledgement within {self.cfg.transfer_timeout_s}s")
             elif t.failure is not None:
                 self._give_up(rid, *t.failure)
-            elif t.handle is not None and t.handle.error() is not None:
-                self._give_up(rid, "TRANSFER_FAILED", f"{t.transport}: {t.handle.error()}")
+            elif t.transport_failure() is not None:
+                self._give_up(rid, *t.transport_failure())
             elif t.retry_at is not None and now >= t.retry_at:
                 self._reserve(rid)
         draining, self.draining = self.draining, []
