@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgpack
@@ -277,46 +278,67 @@ def decode(buf: bytes | memoryview, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
     return _build(cls, body)
 
 
-_HINTS: dict[type, dict] = {}
+@dataclass(frozen=True)
+class _Field:
+    name: str
+    required: bool
+    hint: object
+    check: Callable[[object], bool]
+
+
+_SCHEMAS: dict[type, tuple[frozenset, tuple[_Field, ...]]] = {}
+
+
+def _schema(cls) -> tuple[frozenset, tuple[_Field, ...]]:
+    """A message class's field names and fields, each with its type check made once: decoding
+    runs for every message (32 KV chunks to a 64 MB transfer), and reading type hints is slow."""
+    schema = _SCHEMAS.get(cls)
+    if schema is None:
+        hints = typing.get_type_hints(cls)
+        fields = tuple(_Field(f.name, f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
+                              hints[f.name], _checker(hints[f.name])) for f in dataclasses.fields(cls))
+        schema = _SCHEMAS[cls] = (frozenset(f.name for f in fields), fields)
+    return schema
 
 
 def _build(cls, body: dict):
-    hints = _HINTS.get(cls) or _HINTS.setdefault(cls, typing.get_type_hints(cls))
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = set(body) - set(fields)
-    if unknown:
-        raise ProtocolError(f"{cls.__name__}: unknown fields {sorted(map(str, unknown))}; allowed: {sorted(fields)}")
-    for name, f in fields.items():
-        if name not in body:
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise ProtocolError(f"{cls.__name__}: missing field {name!r}")
-            continue
-        if not _matches(body[name], hints[name]):
-            raise ProtocolError(f"{cls.__name__}.{name}={_short(body[name])} has the wrong type; "
-                                f"allowed: {_type_name(hints[name])}")
+    names, fields = _schema(cls)
+    if not names.issuperset(body):
+        unknown = set(body) - names
+        raise ProtocolError(f"{cls.__name__}: unknown fields {sorted(map(str, unknown))}; allowed: {sorted(names)}")
+    for f in fields:
+        if f.name not in body:
+            if f.required:
+                raise ProtocolError(f"{cls.__name__}: missing field {f.name!r}")
+        elif not f.check(body[f.name]):
+            raise ProtocolError(f"{cls.__name__}.{f.name}={_short(body[f.name])} has the wrong type; "
+                                f"allowed: {_type_name(f.hint)}")
     return cls(**body)
 
 
-def _matches(value, hint) -> bool:
+def _checker(hint) -> Callable[[object], bool]:
+    """Whether a decoded value is of this type (msgpack gives exact ints, lists and dicts)."""
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
-        return any(_matches(value, h) for h in typing.get_args(hint))
+        checks = [_checker(h) for h in typing.get_args(hint)]
+        return lambda v: any(c(v) for c in checks)
     if hint is type(None):
-        return value is None
+        return lambda v: v is None
     if origin is list:
         (item,) = typing.get_args(hint) or (typing.Any,)
-        if item is int:  # token ids: the long lists, checked fast (msgpack gives exact ints)
-            return isinstance(value, list) and all(type(v) is int for v in value)
-        return isinstance(value, list) and all(_matches(v, item) for v in value)
+        if item is int:  # token ids: the long lists, checked fast
+            return lambda v: isinstance(v, list) and all(type(x) is int for x in v)
+        check = _checker(item)
+        return lambda v: isinstance(v, list) and all(check(x) for x in v)
     if origin is dict or hint is dict:
-        return isinstance(value, dict)
+        return lambda v: isinstance(v, dict)
     if hint is typing.Any:
-        return True
+        return lambda v: True
     if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
+        return lambda v: isinstance(v, int) and not isinstance(v, bool)
     if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    return isinstance(value, hint)
+        return lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+    return lambda v: isinstance(v, hint)
 
 
 def _type_name(hint) -> str:

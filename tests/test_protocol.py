@@ -1,0 +1,55 @@
+"""The wire format (common/protocol.py): every message survives a round trip, and a header with
+a wrong, missing or unknown field is refused naming the field and what is allowed."""
+
+import re
+
+import msgpack
+import pytest
+
+from common import protocol as P
+
+
+def raw(tag: str, **body) -> bytes:
+    return msgpack.packb({"v": P.PROTOCOL_VERSION, "type": tag, **body}, use_bin_type=True)
+
+
+@pytest.mark.parametrize("msg", [
+    P.Generate("r1", [1, 2, 3], {"max_tokens": 4}),
+    P.Generate("r2", "text prompt"),
+    P.Done("r1", "length", [5, 6], text=None),
+    P.Error(None, "INVALID_ARGUMENT", "bad"),
+    P.KVChunk("r1", 2, 64, [[0, 128], [300, 4]], "gloo", {"pair": "p", "tag": 7}),
+    P.KVAck("r1", 0, False, "why"),
+], ids=lambda m: type(m).__name__)
+def test_messages_round_trip(msg):
+    assert P.decode(P.encode(msg)) == msg
+
+
+@pytest.mark.parametrize("body, field, allowed", [
+    (dict(request_id="r", attempt=0, num_blocks=4, runs=[[0, "1"]]), "runs", "list[list[int]]"),
+    (dict(request_id="r", attempt=0, num_blocks=4, runs=[0, 1]), "runs", "list[list[int]]"),
+    (dict(request_id="r", attempt=True, num_blocks=4, runs=[]), "attempt", "int"),
+    (dict(request_id=5, attempt=0, num_blocks=4, runs=[]), "request_id", "str"),
+    (dict(request_id="r", attempt=0, num_blocks=4, runs=[], transport_info=[]), "transport_info", "dict"),
+])
+def test_a_field_of_the_wrong_type_is_refused_naming_it(body, field, allowed):
+    with pytest.raises(P.ProtocolError, match=rf"KVChunk\.{field}=.* has the wrong type; allowed: {re.escape(allowed)}"):
+        P.decode(raw("KVChunk", **body))
+
+
+def test_optional_and_union_fields_take_each_of_their_types():
+    assert P.decode(raw("Error", request_id=None, code="X", message="m")).request_id is None
+    assert P.decode(raw("Generate", request_id="r", prompt=[1, 2])).prompt == [1, 2]
+    with pytest.raises(P.ProtocolError, match=r"Generate\.prompt=.*allowed: str \| list\[int\]"):
+        P.decode(raw("Generate", request_id="r", prompt=[1, "2"]))
+    with pytest.raises(P.ProtocolError, match=r"Error\.request_id=3 has the wrong type"):
+        P.decode(raw("Error", request_id=3, code="X", message="m"))
+
+
+def test_unknown_and_missing_fields_are_refused_naming_them():
+    with pytest.raises(P.ProtocolError, match=r"KVAck: unknown fields \['extra'\]; allowed: \["):
+        P.decode(raw("KVAck", request_id="r", attempt=0, ok=True, message="", extra=1))
+    with pytest.raises(P.ProtocolError, match=r"KVAck: missing field 'ok'"):
+        P.decode(raw("KVAck", request_id="r", attempt=0))
+    with pytest.raises(P.ProtocolError, match=r"message type 'Nope' is unknown"):
+        P.decode(raw("Nope"))
