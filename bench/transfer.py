@@ -31,7 +31,7 @@ from common.config import DTYPES, KV_TRANSPORT_DEVICE, resolve_device
 from common.errors import InvalidArgument
 from common.kv_cache import SharedSegment
 from common.kv_transport import (Inbox, Outgoing, frame_plan, make_receivers, make_senders, tune_malloc, unit_bytes,
-                                 unit_rows)
+                                 unit_stretches)
 
 TIMEOUT_S = 60.0
 SEED = 1234
@@ -279,7 +279,8 @@ def measure(transport: str, shape, dtype: str, device: torch.device, n: int, rep
     try:
         runs[transport] = run = TransportRun(transport, shape, dtype, device, n, fragmented, layer_groups)
         ub = unit_bytes(run.pool)
-        runs["raw zmq"] = RawZmqRun([(b - a) * ub for a, b, _ in frame_plan(unit_rows(run.pool, run.src), ub)], repeats)
+        plan = list(frame_plan(unit_stretches(shape[2], run.src, range(shape[0])), ub))
+        runs["raw zmq"] = RawZmqRun([(f.end - f.first) * ub for f in plan], repeats)
         runs["memcpy"] = MemcpyRun(nbytes)
         times = {name: [] for name in runs}
         for _ in range(repeats):

@@ -37,6 +37,7 @@ starts, not when it is queued.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import concurrent.futures
 import contextlib
@@ -55,7 +56,7 @@ import types
 import uuid
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator, NamedTuple
 
 import torch
 
@@ -123,71 +124,107 @@ def unit_bytes(pool: torch.Tensor) -> int:
     return math.prod(pool.shape[3:]) * pool.element_size()
 
 
-def unit_rows(pool: torch.Tensor, block_ids: list[int], layers: range | None = None) -> torch.Tensor:
-    """Row of unit_view(pool) of each unit of these blocks in these layers (default all), in
-    (layer, K/V, block) order. On the CPU whatever the pool's device: reading them (frame_plan)
-    must not wait for a GPU that is still running the forward."""
-    layers = range(pool.shape[0]) if layers is None else layers
-    kv_rows = torch.arange(2 * layers.start, 2 * layers.stop)[:, None] * pool.shape[2]
-    return (kv_rows + torch.tensor(block_ids, dtype=torch.int64)[None, :]).flatten()
-
-
-def gather(units: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """These rows of unit_view(pool), copied together (on the current stream, for a CUDA pool)."""
-    return units.index_select(0, rows.to(units.device))
-
-
-def unit_numbers(num_blocks: int, layers: range, blocks: range) -> list[int]:
-    """The request's numbers of its units in these layers and these of its blocks, in
-    (layer, K/V, block) order: unit_rows' order."""
-    return [kv * num_blocks + b for kv in range(2 * layers.start, 2 * layers.stop) for b in blocks]
-
-
-def runs(numbers: list[int]) -> list[list[int]]:
-    """Ascending unit numbers as [first, count] runs of consecutive ones."""
-    if numbers and numbers[-1] - numbers[0] == len(numbers) - 1:  # the usual chunk: one run
-        return [[numbers[0], len(numbers)]]
-    out = []
-    for u in numbers:
-        if out and out[-1][0] + out[-1][1] == u:
+def block_runs(ids: list[int]) -> list[tuple[int, int]]:
+    """Block ids as (first, count) runs of consecutive ids, in order."""
+    out: list[list[int]] = []
+    for b in ids:
+        if out and out[-1][0] + out[-1][1] == b:
             out[-1][1] += 1
         else:
-            out.append([u, 1])
+            out.append([b, 1])
+    return [(first, count) for first, count in out]
+
+
+def unit_stretches(pool_blocks: int, block_ids: list[int], layers: range) -> list[list[int]]:
+    """The rows of unit_view(pool) that hold these blocks' units in these layers, in (layer, K/V,
+    block) order, as [first row, count] stretches of consecutive rows. Plain integers, no
+    tensors: this is on the way to a transfer's first byte, where caches are cold."""
+    out: list[list[int]] = []
+    blocks = block_runs(block_ids)
+    for kv in range(2 * layers.start, 2 * layers.stop):
+        for first, count in blocks:
+            row = kv * pool_blocks + first
+            if out and out[-1][0] + out[-1][1] == row:
+                out[-1][1] += count
+            else:
+                out.append([row, count])
     return out
 
 
-def stretches(ids: torch.Tensor) -> list[int]:
-    """Where ids (CPU, 1-D) break into stretches of consecutive values: [0, ..., len(ids)]."""
-    breaks = torch.nonzero(ids[1:] != ids[:-1] + 1).flatten() + 1
-    return [0, *breaks.tolist(), len(ids)]
+def number_runs(num_blocks: int, layers: range, blocks: range, first: int, end: int) -> list[list[int]]:
+    """[first, count] runs of the request's unit numbers (numbered in (layer, K/V, block) order
+    over its num_blocks blocks) of the units at [first, end) of the piece that holds these layers
+    in these of its blocks."""
+    out: list[list[int]] = []
+    width, p = len(blocks), first
+    while p < end:
+        kv, i = divmod(p, width)
+        take = min(width - i, end - p)
+        u = (2 * layers.start + kv) * num_blocks + blocks.start + i
+        if out and out[-1][0] + out[-1][1] == u:
+            out[-1][1] += take
+        else:
+            out.append([u, take])
+        p += take
+    return out
 
 
-def frame_plan(ids: torch.Tensor, unit_nbytes: int) -> list[tuple[int, int, bool]]:
-    """[first, end) ranges of these pool rows, and whether each is one stretch of the pool
-    (send it in place) or must be gathered. Stretches of at least MIN_FRAME_BYTES go in place, cut
-    evenly to at most CHUNK_BYTES; the rest is gathered into chunks of up to CHUNK_BYTES."""
+class Frame(NamedTuple):
+    """One frame's worth of a piece: its units at [first, end) of the piece, which lie in these
+    [row, count] stretches of pool rows. In place: one stretch, sent as the pool's own memory."""
+    first: int
+    end: int
+    parts: list
+    in_place: bool
+
+    def take(self, units: torch.Tensor) -> torch.Tensor:
+        """Its units of unit_view(pool): a view if in place, else gathered into a new tensor (on
+        the current stream, for a CUDA pool)."""
+        if self.in_place:
+            row, count = self.parts[0]
+            return units[row:row + count]
+        rows = torch.tensor([r + i for r, c in self.parts for i in range(c)], dtype=torch.int64)
+        return units.index_select(0, rows.to(units.device))
+
+
+def frame_plan(stretches: list[list[int]], unit_nbytes: int) -> Iterator[Frame]:
+    """Frames of a piece whose units lie in these stretches of pool rows, each as soon as it is
+    known (the first goes out before the rest are planned). Stretches of at least MIN_FRAME_BYTES
+    go in place, cut evenly to at most CHUNK_BYTES; the units of the shorter ones are gathered
+    into frames of up to CHUNK_BYTES."""
     least, most = -(-MIN_FRAME_BYTES // unit_nbytes), max(1, CHUNK_BYTES // unit_nbytes)
-    plan, loose = [], None  # loose: where the units to gather began
+    loose: list[list[int]] = []  # short stretches waiting to be gathered
+    p = 0  # position in the piece
+    for row, count in [*stretches, [-1, 0]]:  # the sentinel flushes the last loose ones
+        if loose and (count >= least or count == 0):
+            yield from _cut(loose, p, most, False)
+            p += sum(c for _, c in loose)
+            loose = []
+        if count >= least:
+            yield from _cut([[row, count]], p, most, True)
+            p += count
+        elif count:
+            loose.append([row, count])
 
-    def cut(first, end, in_place):
-        pieces = -(-(end - first) // most)
-        bounds = [first + (end - first) * i // pieces for i in range(pieces + 1)]
-        plan.extend((a, b, in_place) for a, b in zip(bounds, bounds[1:]))
 
-    if not len(ids):
-        return plan
-    bounds = stretches(ids)
-    for u, v in zip(bounds, bounds[1:]):
-        if v - u >= least:
-            if loose is not None:
-                cut(loose, u, False)
-                loose = None
-            cut(u, v, True)
-        elif loose is None:
-            loose = u
-    if loose is not None:
-        cut(loose, len(ids), False)
-    return plan
+def _cut(parts: list[list[int]], p: int, most: int, in_place: bool) -> Iterator[Frame]:
+    """These stretches, starting at position p of the piece, in even frames of at most `most` units."""
+    total = sum(c for _, c in parts)
+    pieces = -(-total // most)
+    bounds = [total * i // pieces for i in range(pieces + 1)]
+    for a, b in zip(bounds, bounds[1:]):
+        yield Frame(p + a, p + b, _within(parts, a, b), in_place)
+
+
+def _within(parts: list[list[int]], a: int, b: int) -> list[list[int]]:
+    """The stretches that hold units [a, b) of these, in order."""
+    out, p = [], 0
+    for row, count in parts:
+        lo, hi = max(a, p), min(b, p + count)
+        if lo < hi:
+            out.append([row + lo - p, hi - lo])
+        p += count
+    return out
 
 
 def copy_blocks(src: torch.Tensor, src_blocks: list[int], dst: torch.Tensor, dst_blocks: list[int],
@@ -247,7 +284,8 @@ class Inbox:
         self.error: str | None = None
         self.pending: list[tuple[list, concurrent.futures.Future]] = []  # gloo/nccl: (runs, staging's receipt)
         self.pair: str = ""
-        self._rows: list[int] | None = None
+        self._stretches: list[list[int]] | None = None  # unit_stretches of the whole transfer
+        self._starts: list[int] = []  # the unit number each of them begins with
 
     @property
     def complete(self) -> bool:
@@ -279,19 +317,18 @@ class Inbox:
         if self.check(unit_runs) != units.shape[0]:
             return self.fail(self.error or f"KV unit runs of {sum(r[1] for r in unit_runs)} units with "
                                            f"{units.shape[0]} units of data")
-        if self._rows is None:
-            self._rows = unit_rows(self.pool, self.block_ids).tolist()
+        if self._stretches is None:
+            self._stretches = unit_stretches(self.pool.shape[2], self.block_ids, range(self.pool.shape[0]))
+            self._starts = list(itertools.accumulate((c for _, c in self._stretches), initial=0))
         pool, src, k = unit_view(self.pool), units.to(self.pool.device), 0
         for first, count in unit_runs:
-            rows = self._rows[first:first + count]
-            i = 0
-            while i < count:  # one plain copy per stretch of consecutive rows
-                j = i + 1
-                while j < count and rows[j] == rows[j - 1] + 1:
-                    j += 1
-                pool[rows[i]:rows[i] + j - i].copy_(src[k + i:k + j])
-                i = j
-            k += count
+            i, u = bisect.bisect_right(self._starts, first) - 1, first
+            while u < first + count:  # one plain copy per stretch of consecutive rows
+                row, held = self._stretches[i]
+                skip = u - self._starts[i]
+                take = min(held - skip, first + count - u)
+                pool[row + skip:row + skip + take].copy_(src[k:k + take])
+                i, u, k = i + 1, u + take, k + take
             self.arrived[first:first + count] = b"\x01" * count
 
     def put_all(self) -> None:
@@ -316,7 +353,7 @@ class Outgoing:
     src_blocks: list[int]
     dst_blocks: list[int]
     advert: dict  # what the decode worker advertised for this transport
-    send: Callable[[object, list], object]  # a message and frames to the decode worker: zmq's tracker, or None
+    send: Callable[[object, list], object]  # a message and frames to the decode worker: a Released, or None
     write_by: float = math.inf  # time.monotonic() after which no copy into the peer's blocks may start (its lease)
 
 
@@ -403,10 +440,11 @@ def _check_complete(inbox: Inbox) -> None:
         inbox.fail(f"only {inbox.num_units - inbox.arrived.count(0)} of {inbox.num_units} KV units arrived")
 
 
-def _piece(out: Outgoing, layers: range, blocks: range) -> tuple[torch.Tensor, list[int]]:
-    """Pool rows of a piece's units and their numbers in the request, in the same order."""
-    return (unit_rows(out.pool, out.src_blocks[blocks.start:blocks.stop], layers),
-            unit_numbers(len(out.dst_blocks), layers, blocks))
+def _piece(out: Outgoing, layers: range, blocks: range) -> Iterator[tuple[Frame, list]]:
+    """The frames of a piece and the runs of the request's unit numbers each holds."""
+    stretches = unit_stretches(out.pool.shape[2], out.src_blocks[blocks.start:blocks.stop], layers)
+    for f in frame_plan(stretches, unit_bytes(out.pool)):
+        yield f, number_runs(len(out.dst_blocks), layers, blocks, f.first, f.end)
 
 
 # ----------------------------------------------------------------------------- zmq
@@ -417,22 +455,31 @@ class ZmqSender(Sender):
     keeps the blocks until zmq is done with them (Handle.sent); the rest is gathered first."""
     name = "zmq"
 
+    def __init__(self):
+        self._pool: tuple = (None, None, None)  # the pool last sent from, its units, and its bytes on a CPU
+
+    def _views(self, pool: torch.Tensor) -> tuple[torch.Tensor, memoryview | None]:
+        """unit_view(pool) and, for a CPU pool, its bytes: in-place frames are slices of them. Kept
+        for the next transfer (a worker has one pool): made on the way to the first byte, where
+        caches are cold, they cost more than all the rest of the planning."""
+        if self._pool[0] is not pool:
+            units = unit_view(pool)
+            self._pool = (pool, units, tensor_frame(units) if units.device.type == "cpu" else None)
+        return self._pool[1], self._pool[2]
+
     def send(self, out: Outgoing, handle: Handle, layers: range, blocks: range) -> None:
-        rows, numbers = _piece(out, layers, blocks)
-        units, ub = unit_view(out.pool), unit_bytes(out.pool)
-        pool_bytes = tensor_frame(units) if units.device.type == "cpu" else None  # in-place frames: slices of it
-        for first, end, in_place in frame_plan(rows, ub):
-            row = int(rows[first])
-            if in_place and pool_bytes is not None:
-                frame = pool_bytes[row * ub:(row + end - first) * ub]
+        (units, pool_bytes), ub = self._views(out.pool), unit_bytes(out.pool)
+        for frame, unit_runs in _piece(out, layers, blocks):
+            if frame.in_place and pool_bytes is not None:
+                row, count = frame.parts[0]
+                buf = pool_bytes[row * ub:(row + count) * ub]
             else:
-                frame = tensor_frame(units[row:row + end - first] if in_place else gather(units, rows[first:end]))
-            header = P.KVChunk(out.request_id, out.attempt, len(out.dst_blocks), runs(numbers[first:end]))
-            tracker = out.send(header, [frame])
+                buf = tensor_frame(frame.take(units))
+            tracker = out.send(P.KVChunk(out.request_id, out.attempt, len(out.dst_blocks), unit_runs), [buf])
             if tracker is None:
                 handle.failed = "the decode worker's socket takes no more KV chunks (its queue is full)"
                 return
-            if in_place:
+            if frame.in_place:
                 handle.trackers.append(tracker)
 
 
@@ -795,19 +842,18 @@ class GroupSender(Sender):
         if pair.closed or pair.broken:  # by another transfer's failure: nothing more goes on it
             handle.failed = handle.failed or f"{self.name} pair {pair.id} broke during this transfer"
             return
-        rows, numbers, after = *_piece(out, layers, blocks), written(out.pool)
-
-        def chunk(first, end, in_place):
-            row = int(rows[first])
-            return self._stage(units[row:row + end - first] if in_place else gather(units, rows[first:end]))
-        for first, end, in_place in frame_plan(rows, unit_bytes(out.pool)):
+        after = written(out.pool)
+        for frame, unit_runs in _piece(out, layers, blocks):
             tag = pair.next_tag()
-            announce = P.KVChunk(out.request_id, out.attempt, len(out.dst_blocks), runs(numbers[first:end]), self.name,
+            announce = P.KVChunk(out.request_id, out.attempt, len(out.dst_blocks), unit_runs, self.name,
                                  {"pair": pair.id, "tag": tag})
             if out.send(announce, []) is None:
                 handle.failed = "the decode worker's socket takes no more KV chunks (its queue is full)"
                 return
-            handle.futures.append(pair.transfer(functools.partial(chunk, first, end, in_place), tag, after))
+            handle.futures.append(pair.transfer(functools.partial(self._take, frame, units), tag, after))
+
+    def _take(self, frame: Frame, units: torch.Tensor) -> torch.Tensor:
+        return self._stage(frame.take(units))
 
     def _stage(self, chunk: torch.Tensor) -> torch.Tensor:
         return chunk.cpu()  # in place on a CPU pool

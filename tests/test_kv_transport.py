@@ -24,7 +24,9 @@ from common.channel import Channel
 from common.config import EngineConfig
 from common.engine import Engine
 from common.kv_cache import SharedSegment
-from common.kv_transport import Outgoing, ShmReceiver, ShmSender, TransportError, ZmqSender, choose
+import common.kv_transport as K
+from common.kv_transport import (Inbox, Outgoing, ShmReceiver, ShmSender, TransportError,
+                                 ZmqSender, _piece, choose, unit_bytes, unit_view)
 from common.sampling import SamplingParams
 from common.worker import WorkerConfig
 from prefill_worker.worker import PrefillWorker
@@ -83,6 +85,47 @@ def test_the_bit_check_catches_wrong_kv():
             run.one(check=True)
     finally:
         run.close()
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_pieces_in_any_layout_and_order_land_in_the_right_blocks(seed, monkeypatch):
+    """The sender's frame plan and the receiver's placement, without processes: random pools,
+    block tables with runs and holes, pieces of random layers and blocks in random order, frame
+    bounds small enough that stretches are cut and gathered."""
+    rng = random.Random(seed)
+    layers, pool_blocks, block_size = rng.randint(1, 6), rng.randint(8, 40), rng.choice([1, 4, 16])
+    shape = (layers, 2, pool_blocks, block_size, rng.choice([1, 2, 8]), rng.choice([8, 64, 256]))
+    n = rng.randint(1, pool_blocks)
+
+    def table():  # some consecutive runs, some scattered blocks
+        ids = list(range(pool_blocks))
+        if rng.random() < 0.5:
+            rng.shuffle(ids)
+        else:
+            cut = rng.randrange(pool_blocks)
+            ids = ids[cut:] + ids[:cut]
+        return ids[:n]
+    src_pool = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+    dst_pool = torch.zeros(shape)
+    out = Outgoing("r", 0, src_pool, table(), table(), {}, None)
+    inbox = Inbox(dst_pool, out.dst_blocks)
+    ub, units = unit_bytes(src_pool), unit_view(src_pool)
+    monkeypatch.setattr(K, "MIN_FRAME_BYTES", ub * rng.randint(1, 4))
+    monkeypatch.setattr(K, "CHUNK_BYTES", K.MIN_FRAME_BYTES * rng.randint(2, 6))  # as the real ones: at least twice
+    bounds = sorted({0, layers, *rng.sample(range(layers + 1), min(2, layers + 1))})
+    block_bounds = sorted({0, n, *rng.sample(range(n + 1), min(2, n + 1))})
+    pieces = [(range(a, b), range(c, d)) for a, b in zip(bounds, bounds[1:])
+              for c, d in zip(block_bounds, block_bounds[1:])]
+    rng.shuffle(pieces)
+    for layer_range, block_range in pieces:
+        for frame, unit_runs in _piece(out, layer_range, block_range):
+            assert (frame.end - frame.first) * ub <= K.CHUNK_BYTES
+            if frame.in_place:
+                assert len(frame.parts) == 1 and frame.parts[0][1] * ub >= K.MIN_FRAME_BYTES
+            inbox.put(unit_runs, frame.take(units).clone())
+            assert inbox.error is None
+    assert inbox.complete
+    assert torch.equal(dst_pool[:, :, out.dst_blocks], src_pool[:, :, out.src_blocks])
 
 
 @pytest.mark.gpu
