@@ -87,6 +87,37 @@ def test_the_bit_check_catches_wrong_kv():
         run.close()
 
 
+def test_a_tracked_send_is_released_only_once_zmq_lets_go_of_every_frame():
+    """The prefill worker reuses blocks sent in place only once Released says so. On inproc,
+    zmq shares the very memory with the receiver: released only when the receiver drops it."""
+    ctx = zmq.Context()
+    sender = Channel.connect(ctx, zmq.DEALER, "inproc://released")  # no peer yet: the message waits
+    data = memoryview(bytearray(os.urandom(1 << 20)))
+    released = sender.send(P.KVRelease("r", 0), [data[:300_000], data[300_000:]], track=True)
+    receiver = None
+    try:
+        time.sleep(0.2)
+        assert not released.done
+        receiver = Channel.bind(ctx, zmq.ROUTER, "inproc://released")
+        env = receiver.recv(5000)
+        assert b"".join(bytes(f.buffer) for f in env.frames) == data.tobytes()
+        time.sleep(0.2)
+        assert not released.done  # the receiver still holds both frames
+        env.frames.pop()
+        time.sleep(0.2)
+        assert not released.done  # and still the first
+        del env
+        deadline = time.monotonic() + 5  # pyzmq's collector thread lets go of it
+        while not released.done:
+            assert time.monotonic() < deadline, "the frames were never released"
+            time.sleep(0.01)
+    finally:
+        sender.close()
+        if receiver is not None:
+            receiver.close()
+        ctx.term()
+
+
 @pytest.mark.parametrize("seed", range(40))
 def test_pieces_in_any_layout_and_order_land_in_the_right_blocks(seed, monkeypatch):
     """The sender's frame plan and the receiver's placement, without processes: random pools,
