@@ -76,20 +76,19 @@ class Channel:
         return self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
     def send(self, msg, frames=(), to: bytes | None = None, track: bool = False):
-        """Frames go without copying; the header is copied (it is small). Returns a Released that
-        covers every frame when track=True (the caller must not keep the frames' buffer objects:
-        pass fresh slices), or the asyncio future of an async socket."""
+        """Frames go without copying; the header is copied (it is small). With track=True, returns
+        a Released that covers every frame: the frames must be fresh memoryview slices (or other
+        weakly referable buffers) that the caller does not keep. Otherwise returns the asyncio
+        future of an async socket."""
         head = ([to] if to is not None else []) + [protocol.encode(msg)]
-        if not (frames and track):
+        if not track:
             return self.sock.send_multipart(head + list(frames), copy=False)
         # Frames made first: once the header is out, nothing but the socket may fail mid-message.
-        tail = [zmq.Frame(f, copy=False) for f in frames]
+        parts = head + [zmq.Frame(f, copy=False) for f in frames]
         released = Released(frames)
-        for part in head:
+        for part in parts[:-1]:
             self.sock.send(part, zmq.SNDMORE)
-        for frame in tail[:-1]:
-            self.sock.send(frame, zmq.SNDMORE)
-        self.sock.send(tail[-1], 0)
+        self.sock.send(parts[-1], 0)
         return released
 
     def try_send(self, msg, frames=(), to: bytes | None = None) -> bool:
@@ -131,7 +130,7 @@ class Released:
     exporter lives while its memory is in use), so a weak reference to the object dies just then.
     zmq.MessageTracker tells the same for one frame of a message at the cost of an Event per
     frame, set from pyzmq's collector thread; on a 64 MB KV transfer that was a tenth of the
-    sender's Python time. A frame pyzmq copies (under 64 KiB) is released at once."""
+    sender's Python time."""
     __slots__ = ("_refs",)
 
     def __init__(self, buffers):

@@ -70,7 +70,7 @@ log = logging.getLogger("pdserve.kv")
 PREFERENCE = ("cuda_ipc", "shm", "nccl", "zmq", "gloo")  # fastest first (`pdserve bench transfer`)
 assert set(PREFERENCE) == set(P.KV_TRANSPORTS) - {"auto"}
 CHUNK_BYTES = 4 << 20  # largest frame or point-to-point message: pipelines, stays on the heap
-MIN_FRAME_BYTES = 64 << 10  # pyzmq copies smaller frames
+MIN_FRAME_BYTES = 64 << 10  # shorter stretches are gathered: below this a copy costs less than a frame
 HOSTNAME = socket.gethostname()
 
 
@@ -464,7 +464,8 @@ class ZmqSender(Sender):
         caches are cold, they cost more than all the rest of the planning."""
         if self._pool[0] is not pool:
             units = unit_view(pool)
-            self._pool = (pool, units, tensor_frame(units) if units.device.type == "cpu" else None)
+            aliased = units.device.type == "cpu" and units.is_contiguous()  # else tensor_frame would copy it
+            self._pool = (pool, units, tensor_frame(units) if aliased else None)
         return self._pool[1], self._pool[2]
 
     def send(self, out: Outgoing, handle: Handle, layers: range, blocks: range) -> None:
