@@ -245,13 +245,8 @@ MESSAGES: dict[str, type] = {cls.__name__: cls for cls in (
     KVReserve, KVGrant, KVRefuse, KVRelease, KVChunk, KVTransfer, KVAck)}
 
 
-_FIELDS: dict[type, tuple[str, ...]] = {}
-
-
 def encode(msg) -> bytes:
-    cls = type(msg)
-    names = _FIELDS.get(cls) or _FIELDS.setdefault(cls, tuple(f.name for f in dataclasses.fields(cls)))
-    body = {name: getattr(msg, name) for name in names}  # fields are plain data: no deep copy (asdict's)
+    body = {f.name: getattr(msg, f.name) for f in _schema(type(msg))[1]}  # plain data: no deep copy (asdict's)
     body["v"] = PROTOCOL_VERSION
     body["type"] = type(msg).__name__
     return msgpack.packb(body, use_bin_type=True)
