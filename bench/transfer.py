@@ -5,11 +5,12 @@ between two processes, and a memcpy of the same bytes. Repetitions of the three 
 turn, so that the machine's drift hits all alike.
 
 Only the model's KV layout is needed, not its weights. One repetition is one whole transfer as
-a prefill worker makes it (in --layer-groups pieces, as layer-wise streaming sends it): the sender moves its blocks and sends the KVTransfer header; the
-receiver (a decode worker's KV ingress without the engine) settles the bytes into its granted
-blocks and answers KVAck. Latency is taken at the sender, from start to acknowledgement. A
-first, untimed transfer makes the gloo pair or maps the shared pool, and checks that the
-receiver's blocks equal the sender's, bit for bit.
+a prefill worker makes it (in --layer-groups pieces, as layer-wise streaming sends it): the
+sender moves its blocks and sends the KVTransfer header; the receiver (a decode worker's KV
+ingress without the engine) settles the bytes into its granted blocks and answers KVAck.
+Latency is taken at the sender, from start to acknowledgement. A first, untimed transfer makes
+the gloo pair or maps the shared pool, and checks that the receiver's blocks equal the
+sender's, bit for bit.
 """
 
 from __future__ import annotations

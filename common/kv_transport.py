@@ -124,30 +124,25 @@ def unit_bytes(pool: torch.Tensor) -> int:
     return math.prod(pool.shape[3:]) * pool.element_size()
 
 
-def block_runs(ids: list[int]) -> list[tuple[int, int]]:
-    """Block ids as (first, count) runs of consecutive ids, in order."""
-    out: list[list[int]] = []
-    for b in ids:
-        if out and out[-1][0] + out[-1][1] == b:
-            out[-1][1] += 1
-        else:
-            out.append([b, 1])
-    return [(first, count) for first, count in out]
+def _add_run(out: list[list[int]], first: int, count: int) -> None:
+    """Append the run [first, count], joined to the last one if it carries it on."""
+    if out and out[-1][0] + out[-1][1] == first:
+        out[-1][1] += count
+    else:
+        out.append([first, count])
 
 
 def unit_stretches(pool_blocks: int, block_ids: list[int], layers: range) -> list[list[int]]:
     """The rows of unit_view(pool) that hold these blocks' units in these layers, in (layer, K/V,
     block) order, as [first row, count] stretches of consecutive rows. Plain integers, no
     tensors: this is on the way to a transfer's first byte, where caches are cold."""
+    blocks: list[list[int]] = []  # runs of consecutive block ids
+    for b in block_ids:
+        _add_run(blocks, b, 1)
     out: list[list[int]] = []
-    blocks = block_runs(block_ids)
     for kv in range(2 * layers.start, 2 * layers.stop):
         for first, count in blocks:
-            row = kv * pool_blocks + first
-            if out and out[-1][0] + out[-1][1] == row:
-                out[-1][1] += count
-            else:
-                out.append([row, count])
+            _add_run(out, kv * pool_blocks + first, count)
     return out
 
 
@@ -160,11 +155,7 @@ def number_runs(num_blocks: int, layers: range, blocks: range, first: int, end: 
     while p < end:
         kv, i = divmod(p, width)
         take = min(width - i, end - p)
-        u = (2 * layers.start + kv) * num_blocks + blocks.start + i
-        if out and out[-1][0] + out[-1][1] == u:
-            out[-1][1] += take
-        else:
-            out.append([u, take])
+        _add_run(out, (2 * layers.start + kv) * num_blocks + blocks.start + i, take)
         p += take
     return out
 

@@ -312,7 +312,7 @@ def _build(cls, body: dict):
 
 
 def _checker(hint) -> Callable[[object], bool]:
-    """Whether a decoded value is of this type (msgpack gives exact ints, lists and dicts)."""
+    """A test of whether a decoded value is of this type (msgpack gives exact ints, lists and dicts)."""
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
         checks = [_checker(h) for h in typing.get_args(hint)]
