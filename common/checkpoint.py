@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from common.attention import make_attention
+from common.chat import hf_chat_template
 from common.config import ModelConfig
 from common.errors import ModelLoadError
 from common.model import Transformer
@@ -82,8 +83,9 @@ def load_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer | None:
     if spec.startswith("dummy:"):
         _dummy_config(spec)
         return ByteTokenizer()
-    tok_file = _checkpoint_dir(spec) / "tokenizer.json"
-    return HFTokenizer(tok_file) if tok_file.exists() else None
+    path = _checkpoint_dir(spec)
+    tok_file = path / "tokenizer.json"
+    return HFTokenizer.from_file(tok_file, hf_chat_template(path)) if tok_file.exists() else None
 
 
 def _dummy_config(spec: str) -> ModelConfig:

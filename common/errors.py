@@ -16,3 +16,9 @@ class ModelLoadError(PdserveError, ValueError):
     """A checkpoint that cannot be loaded: missing file, unknown architecture, wrong shape."""
 
     code = "MODEL_LOAD"
+
+
+def short_repr(value, limit: int = 60) -> str:
+    """repr(value), cut to `limit` characters: for naming a bad value in an error message."""
+    r = repr(value)
+    return r if len(r) <= limit else r[:limit - 3] + "..."

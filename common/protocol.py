@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import msgpack
 
-from common.errors import PdserveError
+from common.errors import PdserveError, short_repr as _short
 
 PROTOCOL_VERSION = 1
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 2**20  # header frames; KV frames are capped separately
@@ -34,10 +34,13 @@ class ProtocolError(PdserveError, ValueError):
 
 @dataclass
 class Generate:
+    """prompt is text or token ids; or, with messages (OpenAI-style chat), prompt is "" and the
+    router renders messages with the model's chat template (common/chat.py)."""
     request_id: str
     prompt: str | list[int]
     sampling: dict = field(default_factory=dict)
     stream: bool = True
+    messages: list[dict] | None = None
 
 
 @dataclass
@@ -338,8 +341,3 @@ def _checker(hint) -> Callable[[object], bool]:
 
 def _type_name(hint) -> str:
     return hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "")
-
-
-def _short(value) -> str:
-    r = repr(value)
-    return r if len(r) <= 60 else r[:57] + "..."

@@ -1,43 +1,66 @@
 """Tokenizers: a byte-level one for the embedded dummy models (no files), and Hugging Face
-`tokenizer.json` files through the `tokenizers` library (no `transformers`)."""
+`tokenizer.json` files through the `tokenizers` library (no `transformers`).
+
+Both carry the model's chat template (common/chat.py), or None, and `encode_chat` turns messages
+into prompt ids the way `transformers`' apply_chat_template does: render, then encode without
+adding special tokens (the template writes them)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from common.errors import ModelLoadError
+from common.chat import DUMMY_CHAT_TEMPLATE, ChatTemplate
+from common.errors import InvalidArgument, ModelLoadError
 
 
-class ByteTokenizer:
+class _ChatMixin:
+    chat_template: ChatTemplate | None = None
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        if self.chat_template is None:
+            raise InvalidArgument("this model has no chat template; send a prompt instead of messages")
+        return self.encode(self.chat_template.render(messages, add_generation_prompt), add_special_tokens=False)
+
+
+class ByteTokenizer(_ChatMixin):
     """Ids 0..255 are the UTF-8 bytes of the text; 256 is BOS and 257 EOS. Ids past 257 (the
-    model's padded vocabulary) decode to nothing."""
+    model's padded vocabulary) decode to nothing. Nothing is added by encode."""
 
     bos_token_id = 256
     eos_token_id = 257
     vocab_size = 258
 
-    def encode(self, text: str) -> list[int]:
+    def __init__(self):
+        self.chat_template = ChatTemplate(DUMMY_CHAT_TEMPLATE, origin="dummy chat template")
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
 
-class HFTokenizer:
-    """A checkpoint's tokenizer.json. Special tokens (BOS) are added as the file's post-processor
-    says, as `transformers` would."""
+class HFTokenizer(_ChatMixin):
+    """A `tokenizers` Tokenizer: a checkpoint's tokenizer.json, or one built in memory (GGUF).
+    Special tokens (BOS) are added as its post-processor says, as `transformers` would."""
 
-    def __init__(self, path: Path):
+    def __init__(self, tokenizer, chat_template: ChatTemplate | None = None):
+        self._tok = tokenizer
+        self.chat_template = chat_template
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @classmethod
+    def from_file(cls, path: Path, chat_template: ChatTemplate | None = None) -> "HFTokenizer":
         from tokenizers import Tokenizer
 
         try:
-            self._tok = Tokenizer.from_file(str(path))
+            tok = Tokenizer.from_file(str(path))
         except Exception as e:  # the library raises its own exception types
             raise ModelLoadError(f"{path}: not a readable tokenizer.json ({e})") from e
-        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        return cls(tok, chat_template)
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)

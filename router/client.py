@@ -10,7 +10,8 @@
         result = await c.generate("Hello")
         async for chunk in c.stream("Hello"): ...
 
-Sampling options are SamplingParams' fields (temperature, top_p, top_k, max_tokens, seed,
+A chat goes as `messages=[{"role": "user", "content": "Hi"}]` instead of a prompt; the router
+renders it with the model's chat template. Sampling options are SamplingParams' fields (temperature, top_p, top_k, max_tokens, seed,
 stop_token_ids, ignore_eos). Failures raise RequestError carrying the router's code
 (INVALID_ARGUMENT, OVERLOADED, UNAVAILABLE, TIMEOUT, ...) and message. Many requests may be in
 flight on one client; replies are matched to them by request id. If the connection to the router
@@ -64,6 +65,12 @@ class Result:
 
 def _result(msg: P.Done) -> Result:
     return Result(msg.request_id, msg.token_ids, msg.text, msg.finish_reason, msg.prompt_token_ids, msg.timings)
+
+
+def _generate(request_id: str, prompt, messages, sampling: dict, stream: bool) -> P.Generate:
+    if (prompt is None) == (messages is None):
+        raise ValueError("give exactly one of prompt (text or token ids) or messages (chat)")
+    return P.Generate(request_id, "" if prompt is None else prompt, sampling, stream, messages)
 
 
 def _raise(msg: P.Error):
@@ -125,9 +132,10 @@ class Client:
         self.chan.close()
         self.ctx.term()
 
-    def submit(self, prompt: str | list[int], stream: bool = True, request_id: str | None = None, **sampling) -> str:
+    def submit(self, prompt: str | list[int] | None = None, stream: bool = True, request_id: str | None = None,
+               messages: list[dict] | None = None, **sampling) -> str:
         request_id = request_id or self._new_id()
-        self.chan.send(P.Generate(request_id, prompt, sampling, stream))
+        self.chan.send(_generate(request_id, prompt, messages, sampling, stream))
         self._open.add(request_id)
         return request_id
 
@@ -170,10 +178,10 @@ class Client:
         timeout = self.timeout if timeout is None else timeout
         return None if timeout is None else time.monotonic() + timeout
 
-    def stream(self, prompt, timeout: float | None = None, **sampling) -> Stream:
+    def stream(self, prompt=None, timeout: float | None = None, **sampling) -> Stream:
         return Stream(self, self.submit(prompt, stream=True, **sampling), self.timeout if timeout is None else timeout)
 
-    def generate(self, prompt, timeout: float | None = None, **sampling) -> Result:
+    def generate(self, prompt=None, timeout: float | None = None, **sampling) -> Result:
         rid = self.submit(prompt, stream=False, **sampling)
         return self.wait(rid, timeout)
 
@@ -242,10 +250,11 @@ class AsyncClient:
             self.chan.sock.disable_monitor()
             monitor.close(linger=0)
 
-    async def submit(self, prompt, stream: bool = True, request_id: str | None = None, **sampling) -> str:
+    async def submit(self, prompt=None, stream: bool = True, request_id: str | None = None,
+                     messages: list[dict] | None = None, **sampling) -> str:
         self._start()
         request_id = request_id or self._new_id()
-        await self.chan.send(P.Generate(request_id, prompt, sampling, stream))
+        await self.chan.send(_generate(request_id, prompt, messages, sampling, stream))
         self._open.add(request_id)
         return request_id
 
@@ -266,7 +275,7 @@ class AsyncClient:
             _raise(msg)
         return msg
 
-    async def stream(self, prompt, timeout: float | None = None, **sampling):
+    async def stream(self, prompt=None, timeout: float | None = None, **sampling):
         """Async iterator of Chunks; the last item is the Result."""
         rid = await self.submit(prompt, stream=True, **sampling)
         timeout = self.timeout if timeout is None else timeout
@@ -278,7 +287,7 @@ class AsyncClient:
                 yield _result(msg)
                 return
 
-    async def generate(self, prompt, timeout: float | None = None, **sampling) -> Result:
+    async def generate(self, prompt=None, timeout: float | None = None, **sampling) -> Result:
         rid = await self.submit(prompt, stream=False, **sampling)
         timeout = self.timeout if timeout is None else timeout
         while True:

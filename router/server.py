@@ -165,10 +165,15 @@ class Router:
 
     def _validate(self, msg: P.Generate) -> tuple[list[int], SamplingParams]:
         params = SamplingParams.from_dict(msg.sampling)
-        if isinstance(msg.prompt, str):
+        if msg.messages is not None or isinstance(msg.prompt, str):
             if self.tokenizer is None:
                 raise InvalidArgument(f"model {self.cfg.model!r} has no tokenizer; send token ids")
-            ids = self.tokenizer.encode(msg.prompt)
+            if msg.messages is None:
+                ids = self.tokenizer.encode(msg.prompt)
+            elif msg.prompt:
+                raise InvalidArgument("a request with messages must have an empty prompt; send one or the other")
+            else:
+                ids = self.tokenizer.encode_chat(msg.messages)
         else:
             ids = msg.prompt
             V = self.model_config.vocab_size

@@ -1,0 +1,95 @@
+"""Chat templates: rendered as transformers renders them, checked messages, and chat requests
+through a real cluster."""
+
+import json
+
+import pytest
+
+from common.chat import DUMMY_CHAT_TEMPLATE, ChatTemplate, check_messages
+from common.checkpoint import load_tokenizer
+from common.errors import InvalidArgument, ModelLoadError
+from common.tokenizer import ByteTokenizer
+from tests.checkpoints import write_checkpoint
+from router.client import Client, RequestError
+from tests.cluster import cluster
+
+# Llama-3-style: bos in the text, a system default, an error for a bad role order.
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m['role'] == 'user' and loop.index0 % 2 == 1 and messages[0]['role'] != 'system' %}"
+    "{{ raise_exception('roles must alternate') }}{% endif %}"
+    "<|{{ m['role'] }}|>{{ m['content'] | trim }}{{ eos_token }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": " the quick fox "},
+                {"role": "assistant", "content": "hello world"}, {"role": "user", "content": [
+                    {"type": "text", "text": "the lazy "}, {"type": "text", "text": "dog"}]}]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("chat") / "llama"
+    write_checkpoint(path, "llama-gqa")
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": TEMPLATE, "bos_token": "<s>", "eos_token": "</s>",
+         "tokenizer_class": "PreTrainedTokenizerFast"}))
+    return path
+
+
+def test_checkpoint_template_renders_and_encodes_as_transformers(checkpoint):
+    from transformers import AutoTokenizer
+
+    ref = AutoTokenizer.from_pretrained(str(checkpoint))
+    tok = load_tokenizer(str(checkpoint))
+    plain = [{"role": m["role"], "content": m["content"] if isinstance(m["content"], str) else "the lazy dog"}
+             for m in CONVERSATION]
+    for gen in (True, False):
+        text = ref.apply_chat_template(plain, tokenize=False, add_generation_prompt=gen)
+        assert tok.chat_template.render(CONVERSATION, add_generation_prompt=gen) == text
+        expected = ref.apply_chat_template(plain, tokenize=True, add_generation_prompt=gen, return_dict=False)
+        assert tok.encode_chat(CONVERSATION, add_generation_prompt=gen) == list(expected)
+    assert tok.encode_chat(CONVERSATION).count(ref.bos_token_id) == 1  # the template's BOS, not a second one
+
+
+def test_template_errors_name_the_problem(checkpoint):
+    tok = load_tokenizer(str(checkpoint))
+    with pytest.raises(InvalidArgument, match="roles must alternate"):
+        tok.encode_chat([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
+    with pytest.raises(ModelLoadError, match="not a valid Jinja template"):
+        ChatTemplate("{% for %}", origin="x")
+    with pytest.raises(Exception, match="access to attribute"):  # the sandbox holds
+        ChatTemplate("{{ messages.__class__.__mro__ }}").render([{"role": "user", "content": "x"}])
+
+
+@pytest.mark.parametrize("bad, field", [
+    ([], "messages="), ("hi", "messages="), ([{"role": "robot", "content": "x"}], r"messages\[0\].role"),
+    ([{"role": "user", "content": 3}], r"messages\[0\].content"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], r"messages\[0\].content\[0\]"),
+])
+def test_bad_messages(bad, field):
+    with pytest.raises(InvalidArgument, match=field):
+        check_messages(bad)
+
+
+def test_dummy_template():
+    tok = ByteTokenizer()
+    text = tok.chat_template.render([{"role": "system", "content": "You are terse."},
+                                     {"role": "user", "content": "Hello"}])
+    assert text == "<|system|>\nYou are terse.\n<|user|>\nHello\n<|assistant|>\n"
+    assert tok.encode_chat([{"role": "user", "content": "Hi"}]) == list(b"<|user|>\nHi\n<|assistant|>\n")
+    assert ChatTemplate(DUMMY_CHAT_TEMPLATE).render([{"role": "user", "content": "Hi"}]) == "<|user|>\nHi\n<|assistant|>\n"
+
+
+def test_chat_through_cluster_equals_prompt_of_rendered_text(tmp_path):
+    messages = [{"role": "user", "content": "Hello"}]
+    rendered = ByteTokenizer().chat_template.render(messages)
+    with cluster(tmp_path) as c:
+        with Client(c.address) as client:
+            by_chat = client.generate(messages=messages, max_tokens=8, temperature=0)
+            by_text = client.generate(rendered, max_tokens=8, temperature=0)
+            assert by_chat.prompt_token_ids == list(rendered.encode())
+            assert by_chat.token_ids == by_text.token_ids
+            with pytest.raises(RequestError, match="messages\\[0\\].role"):
+                client.generate(messages=[{"role": "bot", "content": "x"}], max_tokens=2)
+            with pytest.raises(ValueError, match="exactly one"):
+                client.generate("x", messages=messages)
