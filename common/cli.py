@@ -94,6 +94,17 @@ def parse_prompt_ids(text: str) -> list[int]:
         raise click.BadParameter(f"{text!r} is not a comma-separated list of token ids", param_hint="--prompt-ids")
 
 
+def http_options(f):
+    for opt in reversed([
+        click.option("--http-port", default=None, type=int,
+                     help="serve OpenAI's API and /metrics on this port (0: any free port) [default: no HTTP]"),
+        click.option("--api-key", default=None, envvar="PDSERVE_API_KEY",
+                     help="HTTP /v1/ requires 'Authorization: Bearer KEY' [env: PDSERVE_API_KEY]"),
+    ]):
+        f = opt(f)
+    return f
+
+
 @click.group()
 @click.option("--curve-dir", default=None, envvar="PDSERVE_CURVE_DIR",
               help="CURVE key directory (pdserve keys): encrypt and authenticate every socket")
@@ -166,18 +177,20 @@ def generate(prompts, prompt_ids, as_json, router_address, max_tokens, temperatu
 @click.option("--prefill-timeout", default=60.0, show_default=True, type=float, help="seconds from dispatch to first token")
 @click.option("--decode-stall-timeout", default=30.0, show_default=True, type=float, help="longest gap between tokens")
 @click.option("--queue-timeout", default=30.0, show_default=True, type=float, help="longest wait for a live worker")
-@click.option("--max-message-bytes", default=4 * 2**20, show_default=True, type=int)
+@click.option("--max-message-bytes", default=4 * 2**20, show_default=True, type=int, help="also the HTTP body limit")
+@http_options
 @click.option("--log-level", default="INFO", show_default=True)
 def router(model, host, port, worker_port, policy, max_queue, heartbeat_timeout, max_attempts, prefill_timeout,
-           decode_stall_timeout, queue_timeout, max_message_bytes, log_level):
-    """Run the router: clients connect to --port, workers to --worker-port."""
+           decode_stall_timeout, queue_timeout, max_message_bytes, http_port, api_key, log_level):
+    """Run the router: clients connect to --port, workers to --worker-port, HTTP to --http-port."""
     from router.server import RouterConfig, run_router
 
     setup_logging(log_level)
     run_router(RouterConfig(model=model, host=host, port=port, worker_port=worker_port or port + 1, policy=policy,
                             max_queue=max_queue, heartbeat_timeout_s=heartbeat_timeout, max_attempts=max_attempts,
                             prefill_timeout_s=prefill_timeout, decode_stall_timeout_s=decode_stall_timeout,
-                            queue_timeout_s=queue_timeout, max_message_bytes=max_message_bytes))
+                            queue_timeout_s=queue_timeout, max_message_bytes=max_message_bytes, http_port=http_port,
+                            api_key=api_key))
 
 
 def worker_command(role: str):
@@ -227,14 +240,17 @@ for _role in ("prefill", "decode", "mono"):
 @click.option("--log-dir", default="pdserve-logs", show_default=True)
 @click.option("--threads", default=None, type=int, help="torch threads per worker [default: cores / workers]")
 @click.option("--no-restart", is_flag=True, help="do not restart crashed workers")
+@http_options
 @engine_options
-def launch(prefill, decode, mono, devices, host, port, worker_port, policy, log_dir, threads, no_restart, engine_kwargs):
+def launch(prefill, decode, mono, devices, host, port, worker_port, policy, log_dir, threads, no_restart, http_port,
+           api_key, engine_kwargs):
     """Bring up router + workers on this host; stop them all on Ctrl-C."""
     from router.launcher import Cluster, run_launch
 
     try:
         cluster = Cluster(engine_kwargs["model"], prefill, decode, mono, devices.split(","), host, port, worker_port,
-                          log_dir, policy, engine_argv(engine_kwargs), threads, restart=not no_restart)
+                          log_dir, policy, engine_argv(engine_kwargs), threads, restart=not no_restart,
+                          http_port=http_port, api_key=api_key)
     except ValueError as e:
         raise click.UsageError(str(e))
     run_launch(cluster)
