@@ -331,14 +331,20 @@ def bench_engine(num_requests, prompt_len, output_len, batch_sizes, kv_lens, ste
 @click.option("--scenarios", default="smoke_test,staggered_arrivals,batch_pressure,long_prompts,long_decode,"
               "stress_test,realistic", show_default=True)
 @click.option("--router", "router_address", default=None, help="bench a running cluster instead of launching")
+@click.option("--base-url", default=None, help="bench any OpenAI-compatible server (http://HOST:PORT) instead")
+@click.option("--frontends", default="zmq", show_default=True,
+              help="zmq (the SDK), http (OpenAI's API) or zmq,http: both on each launched cluster, in turn")
+@click.option("--repeats", default=1, show_default=True, type=int, help="runs of each scenario per frontend")
+@click.option("--api-key", default=None, envvar="PDSERVE_API_KEY", help="for --base-url or launched clusters' HTTP")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--worker-arg", "worker_args", multiple=True, help="extra flag for every worker (repeatable)")
-def bench_serve(model, topologies, scenarios, router_address, seed, worker_args):
-    """Serving load: TTFT, inter-token and end-to-end latency, throughput, per topology."""
+def bench_serve(model, topologies, scenarios, router_address, base_url, frontends, repeats, api_key, seed, worker_args):
+    """Serving load: TTFT, inter-token and end-to-end latency, throughput, per topology and frontend."""
     from bench.serve import run_serve_bench
 
     try:
-        run_serve_bench(model, topologies.split(","), scenarios.split(","), router_address, seed, list(worker_args))
+        run_serve_bench(model, topologies.split(","), scenarios.split(","), router_address, seed, list(worker_args),
+                        tuple(frontends.split(",")), base_url, repeats, api_key)
     except ValueError as e:
         raise click.UsageError(str(e))
 
