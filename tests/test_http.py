@@ -370,6 +370,16 @@ def test_metrics_parse_and_count_known_requests(served):
     assert all(re.fullmatch(r"pdserve:[a-z0-9_]+", n) for n, _ in after)
 
 
+def test_bench_serve_drives_the_http_api(served, capsys):
+    from bench.serve import run_serve_bench
+
+    result = run_serve_bench(MODEL, [], ["smoke_test"], None, 0, [], base_url=served.http_url, api_key=KEY)
+    (row,) = result["results"]
+    assert (row["frontend"], row["requests"], row["output_tokens"]) == ("http", 4, 4 * 8)
+    assert row["ttft_p50_ms"] > 0 and row["output_tok_s"] > 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result
+
+
 # ----------------------------------------------------------------------------- without workers, and failures
 
 
