@@ -151,7 +151,7 @@ class HttpFront:
             if total > router.cfg.max_queue:
                 raise ApiError("INVALID_ARGUMENT", f"{len(prepared)} prompts x n={job.n} make {total} choices; "
                                                    f"allowed: at most {router.cfg.max_queue} (the router's max_queue)",
-                               "n")
+                               "n" if job.n > 1 else "prompt")
         except (ApiError, InvalidArgument, web.HTTPRequestEntityTooLarge) as e:
             router.metrics.on_error("TOO_LARGE" if isinstance(e, web.HTTPException) else e.code)
             raise

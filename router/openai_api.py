@@ -120,14 +120,19 @@ def _check_fields(body, allowed: set[str]):
     if unknown:
         raise InvalidArgument(f"unknown field {unknown[0]!r}; allowed: {', '.join(sorted(allowed))}", param=unknown[0])
     for name, (values, allowed_text) in NEUTRAL.items():
-        if name in body and not any(body[name] == v and type(body[name]) is type(v) or
-                                    (isinstance(v, float) and _is_int(body[name]) and body[name] == v)
-                                    for v in values):
+        if name in body and not any(body[name] == v and type(body[name]) is type(v) for v in values):
             raise InvalidArgument(f"{name}={short_repr(body[name])} is not supported; allowed: {allowed_text}",
                                   param=name)
 
 
-def _common(body: dict, served_model: str, chat: bool, max_tokens_default: int) -> dict:
+def _sampling(body: dict, max_tokens: int, **extra) -> dict:
+    """The SamplingParams fields of a body (SamplingParams checks them), max_tokens by default."""
+    return {"max_tokens": max_tokens, **{k: body[k] for k in SAMPLING if body.get(k) is not None}, **extra}
+
+
+def _job(body: dict, served_model: str, chat: bool, prompts: list, messages: list | None, sampling: dict,
+         echo: bool, logprobs: int | None) -> Job:
+    """Check the fields both endpoints share, and make the Job."""
     model = _get(body, "model", STRING, served_model)
     if model != served_model:
         raise ApiError("NOT_FOUND", f"the model {model!r} does not exist; served: {served_model!r}", "model")
@@ -142,25 +147,16 @@ def _common(body: dict, served_model: str, chat: bool, max_tokens_default: int) 
     include_usage = _get(options or {}, "include_usage", BOOL, False)
     _get(body, "user", STRING)
     _get(body, "metadata", (lambda v: isinstance(v, dict), "an object"))
-    sampling = {name: body[name] for name in SAMPLING if body.get(name) is not None}
-    if chat and body.get("max_completion_tokens") is not None:
-        sampling["max_tokens"] = body["max_completion_tokens"]
-        param_of = {"max_tokens": "max_completion_tokens"}
-    else:
-        param_of = {}
-    sampling.setdefault("max_tokens", max_tokens_default)
     n = _get(body, "n", (lambda v: _is_int(v) and v >= 1, "an integer >= 1"), 1)
-    return dict(model=model, stream=stream, include_usage=include_usage, sampling=sampling, n=n,
-                token_ids_as_text=_get(body, "return_tokens_as_token_ids", BOOL, False), param_of=param_of)
-
-
-def _params(sampling: dict, param_of: dict) -> SamplingParams:
+    as_ids = _get(body, "return_tokens_as_token_ids", BOOL, False)
     try:
-        return SamplingParams(**sampling)
+        params = SamplingParams(**sampling)
     except InvalidArgument as e:
-        if e.param in param_of:
-            raise InvalidArgument(str(e).replace(e.param, param_of[e.param], 1), param=param_of[e.param]) from None
+        if e.param == "max_tokens" and body.get("max_completion_tokens") is not None:  # chat's newer name
+            raise InvalidArgument(str(e).replace("max_tokens", "max_completion_tokens", 1),
+                                  param="max_completion_tokens") from None
         raise
+    return Job(chat, model, prompts, messages, params, n, stream, include_usage, echo, logprobs, as_ids)
 
 
 LOGPROBS = (lambda v: _is_int(v) and 0 <= v <= MAX_LOGPROBS, f"an integer in [0, {MAX_LOGPROBS}]")
@@ -168,7 +164,6 @@ LOGPROBS = (lambda v: _is_int(v) and 0 <= v <= MAX_LOGPROBS, f"an integer in [0,
 
 def parse_completion(body, served_model: str) -> Job:
     _check_fields(body, COMPLETION_FIELDS)
-    c = _common(body, served_model, chat=False, max_tokens_default=16)  # OpenAI's default
     prompt = body.get("prompt")
     if isinstance(prompt, str) or (_is_token_ids(prompt) and prompt):
         prompts = [prompt]
@@ -177,17 +172,16 @@ def parse_completion(body, served_model: str) -> Job:
     else:
         raise InvalidArgument(f"prompt={short_repr(prompt)} is invalid; allowed: a string, a list of token ids, "
                               "or a non-empty list of either", param="prompt")
-    _get(body, "best_of", (lambda v: v == c["n"], f"null or n ({c['n']}): no best-of selection"))
+    n = body.get("n") or 1
+    _get(body, "best_of", (lambda v: v == n, f"null or n ({n}): no best-of selection"))
     echo = _get(body, "echo", BOOL, False)
     logprobs = _get(body, "logprobs", LOGPROBS)
-    sampling = dict(c["sampling"], logprobs=logprobs, prompt_logprobs=logprobs if echo else None)
-    return Job(False, c["model"], prompts, None, _params(sampling, c["param_of"]), c["n"], c["stream"],
-               c["include_usage"], echo, logprobs, c["token_ids_as_text"])
+    sampling = _sampling(body, 16, logprobs=logprobs, prompt_logprobs=logprobs if echo else None)  # OpenAI's 16
+    return _job(body, served_model, False, prompts, None, sampling, echo, logprobs)
 
 
 def parse_chat(body, served_model: str, context: int) -> Job:
     _check_fields(body, CHAT_FIELDS)
-    c = _common(body, served_model, chat=True, max_tokens_default=context)  # as vLLM: up to the context's end
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidArgument(f"messages={short_repr(messages)} is invalid; allowed: a non-empty list of "
@@ -197,8 +191,10 @@ def parse_chat(body, served_model: str, context: int) -> Job:
     if top is not None and not want:
         raise InvalidArgument("top_logprobs needs logprobs=true", param="top_logprobs")
     logprobs = (top or 0) if want else None
-    return Job(True, c["model"], [""], messages, _params(dict(c["sampling"], logprobs=logprobs), c["param_of"]),
-               c["n"], c["stream"], c["include_usage"], False, logprobs, c["token_ids_as_text"])
+    sampling = _sampling(body, context, logprobs=logprobs)  # by default up to the context's end, as vLLM
+    if body.get("max_completion_tokens") is not None:
+        sampling["max_tokens"] = body["max_completion_tokens"]
+    return _job(body, served_model, True, [""], messages, sampling, False, logprobs)
 
 
 # ----------------------------------------------------------------------------- responses

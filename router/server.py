@@ -66,7 +66,7 @@ class Request:
     params: SamplingParams
     seed: int
     stream: bool
-    reply_to: Callable[[object], None] | None = None  # takes Token, Done, Error; None: back over ZeroMQ to client
+    reply_to: Callable[[object], None] | None = None  # where its Token, Done and Error go (Router.submit sets it)
     arrival: float = field(default_factory=time.monotonic)
     state: str = "queued"
     attempt: int = 0

@@ -296,6 +296,7 @@ def test_overload_is_429_with_retry_after_and_a_disconnect_frees_every_block(ser
             for s in sessions:
                 await s.close()  # gone mid-stream
 
+    before = scrape(served)
     with Client(served.address, timeout=60) as sdk:
         asyncio.run(scenario())
         workers = wait_blocks_free(sdk)
@@ -304,6 +305,13 @@ def test_overload_is_429_with_retry_after_and_a_disconnect_frees_every_block(ser
         while sdk.status().in_flight:
             assert time.monotonic() < deadline, "requests of closed connections still in flight"
             time.sleep(0.1)
+    after = scrape(served)  # cancelled, not run to their end
+    cancelled = [value(m, "pdserve:request_success_total", finished_reason="cancelled") for m in (before, after)]
+    assert cancelled[1] - cancelled[0] == 16
+    assert value(after, "pdserve:request_errors_total", code="OVERLOADED") - \
+        value(before, "pdserve:request_errors_total", code="OVERLOADED") == 1
+    log = served.router.log_path.read_text()
+    assert "Traceback" not in log and "ERROR" not in log, log[-3000:]
 
 
 def test_api_key_guards_v1_but_not_health_and_metrics(served):

@@ -151,3 +151,58 @@ def test_held_back_text_never_shows_a_stop_string():
     assert ts.add(ord("c"))
     shown += ts.delta()
     assert shown == ts.final() == "xxabx"
+
+
+# ----------------------------------------------------------------------------- the router's side, with a scripted worker
+
+
+def test_router_stops_at_a_stop_string_and_cancels_the_workers_work():
+    """A real Router on loopback and a scripted worker on its worker socket: tokens "x", "a", then
+    "b" and "c" together. "ab" spans two messages; the router cuts the text before it, drops the
+    token after it, tells the worker to cancel, and ends the request with stop."""
+    import asyncio
+
+    import zmq
+    import zmq.asyncio
+
+    from common import protocol as P
+    from common.channel import Channel
+    from common.checkpoint import model_config
+    from common.sampling import SamplingParams
+    from router.launcher import free_port
+    from router.server import Router, RouterConfig
+
+    async def scenario():
+        router = Router(RouterConfig(port=free_port(), worker_port=free_port()))
+        stop = asyncio.Event()
+        serving = asyncio.ensure_future(router.serve(stop))
+        ctx = zmq.asyncio.Context()
+        worker = Channel.connect(ctx, zmq.DEALER, router.backend.address, identity=b"w/1")
+        try:
+            await worker.send(P.Register("mono", "w", "1", "cpu", 64, 16, "tcp://127.0.0.1:1",
+                                         model_config(MODEL).fingerprint))
+            assert isinstance((await worker.arecv()).msg, P.Registered)
+            replies = []
+            params = SamplingParams(max_tokens=500, stop=["ab"], logprobs=0, ignore_eos=True)
+            assert router.submit("test", "r1", [1, 2, 3], params, True, replies.append)
+            work = (await worker.arecv()).msg
+            assert isinstance(work, P.PrefillWork) and work.sampling["stop"] == ["ab"]
+            for index, tokens in ((0, [ord("x")]), (1, [ord("a")]), (2, [ord("b"), ord("c")])):
+                await worker.send(P.WorkerTokens(work.request_id, work.attempt, index, tokens,
+                                                 logprobs=[[-1.0 - index, [], []]] * len(tokens)))
+            cancel = (await asyncio.wait_for(worker.arecv(), 10)).msg
+            assert cancel == P.CancelWork(work.request_id)
+            done = replies[-1]
+            assert isinstance(done, P.Done) and (done.finish_reason, done.stop_reason) == ("stop", "ab")
+            assert (done.text, done.token_ids) == ("x", [ord("x"), ord("a"), ord("b")])
+            assert [lp[0] for lp in done.logprobs] == [-1.0, -2.0, -3.0]
+            streamed = [m for m in replies if isinstance(m, P.Token)]
+            assert "".join(m.text for m in streamed) == "x" and sum(len(m.token_ids) for m in streamed) == 3
+            assert not router.requests
+        finally:
+            worker.close()
+            ctx.term()
+            stop.set()
+            await serving
+
+    asyncio.run(scenario())
