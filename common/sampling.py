@@ -17,6 +17,7 @@ import torch
 from common.errors import InvalidArgument, short_repr
 
 MAX_SEED = 2**63 - 1
+MAX_COUNT = 2**31 - 1  # max_tokens, top_k and token ids: far past any model, and safe on the wire
 MAX_LOGPROBS = 20  # top alternatives per token, as vLLM's default max_logprobs
 MAX_STOP_STRINGS = 16
 
@@ -66,17 +67,17 @@ class SamplingParams:
             raise _bad("temperature", self.temperature, "a number >= 0 (0 is greedy)")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise _bad("top_p", self.top_p, "a number in (0, 1]")
-        if not _is_int(self.top_k) or self.top_k < -1:
-            raise _bad("top_k", self.top_k, "an integer >= 0 (0 or -1 disables it)")
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= MAX_COUNT:
+            raise _bad("top_k", self.top_k, "an integer in [0, 2**31 - 1] (0 or -1 disables it)")
         if self.top_k == -1:
             self.top_k = 0
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise _bad("max_tokens", self.max_tokens, "an integer >= 1")
+        if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_COUNT:
+            raise _bad("max_tokens", self.max_tokens, "an integer in [1, 2**31 - 1]")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
             raise _bad("seed", self.seed, "an integer in [0, 2**63 - 1] or None")
         if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
-                _is_int(t) and t >= 0 for t in self.stop_token_ids):
-            raise _bad("stop_token_ids", self.stop_token_ids, "a list of token ids >= 0")
+                _is_int(t) and 0 <= t <= MAX_COUNT for t in self.stop_token_ids):
+            raise _bad("stop_token_ids", self.stop_token_ids, "a list of token ids in [0, 2**31 - 1]")
         self.stop_token_ids = list(self.stop_token_ids)
         if not isinstance(self.ignore_eos, bool):
             raise _bad("ignore_eos", self.ignore_eos, "true or false")

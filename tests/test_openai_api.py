@@ -5,11 +5,13 @@ byte tokenizer and a real BPE tokenizer.json whose tokens span several character
 import random
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from common.errors import InvalidArgument
 from common.sampling import choice_seed
 from common.tokenizer import ByteTokenizer, HFTokenizer
-from router.openai_api import ApiError, parse_chat, parse_completion
+from router.openai_api import CHAT_FIELDS, COMPLETION_FIELDS, ApiError, parse_chat, parse_completion
 from router.text import TextStream
 from tests.checkpoints import VOCAB, write_tokenizer
 
@@ -42,7 +44,7 @@ def test_chat_body_becomes_a_job():
 
 
 @pytest.mark.parametrize("body, param, text", [
-    ({"prompt": "x", "max_tokens": -1}, "max_tokens", "max_tokens=-1 is invalid; allowed: an integer >= 1"),
+    ({"prompt": "x", "max_tokens": -1}, "max_tokens", "max_tokens=-1 is invalid; allowed: an integer in [1, 2**31 - 1]"),
     ({"prompt": "x", "max_tokens": True}, "max_tokens", "max_tokens=True"),
     ({"prompt": "x", "temperature": "0.5"}, "temperature", "allowed: a number >= 0"),
     ({"prompt": "x", "n": 0}, "n", "allowed: an integer >= 1"),
@@ -60,7 +62,9 @@ def test_chat_body_becomes_a_job():
     ({"prompt": []}, "prompt", "a string, a list of token ids"),
     ({"prompt": [1, "a"]}, "prompt", "a string, a list of token ids"),
     ({"prompt": None}, "prompt", "a string, a list of token ids"),
-    ({"prompt": "x", "top_k": -2}, "top_k", "an integer >= 0"),
+    ({"prompt": "x", "top_k": -2}, "top_k", "an integer in [0, 2**31 - 1]"),
+    ({"prompt": "x", "max_tokens": 2**70}, "max_tokens", "[1, 2**31 - 1]"),
+    ({"prompt": "x", "stop_token_ids": [2**64]}, "stop_token_ids", "token ids in [0, 2**31 - 1]"),
 ])
 def test_bad_completion_fields_are_named(body, param, text):
     with pytest.raises(InvalidArgument) as e:
@@ -80,6 +84,25 @@ def test_bad_chat_fields_are_named(body, param, text):
     with pytest.raises(InvalidArgument) as e:
         parse_chat(body, MODEL, 1024)
     assert e.value.param == param and text in str(e.value), str(e.value)
+
+
+json_values = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(),
+                                      st.text(max_size=8)),
+                            lambda inner: st.one_of(st.lists(inner, max_size=4),
+                                                    st.dictionaries(st.text(max_size=6), inner, max_size=4)),
+                            max_leaves=10)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@given(st.booleans(), st.dictionaries(st.sampled_from(sorted(CHAT_FIELDS | COMPLETION_FIELDS | {"x"})), json_values,
+                                      max_size=8))
+def test_any_json_body_is_a_job_or_a_named_refusal(chat, body):
+    """Whatever a client sends, parsing ends in a Job or a coded refusal, never another exception."""
+    try:
+        job = parse_chat(body, MODEL, 1024) if chat else parse_completion(body, MODEL)
+    except (InvalidArgument, ApiError):
+        return
+    assert job.n >= 1 and job.params.max_tokens >= 1 and job.prompts
 
 
 def test_unknown_model_is_not_found():
