@@ -42,6 +42,7 @@ class Scenario:
     rate: float = 0.0  # requests per second for rate / poisson
     worker_args: list[str] = field(default_factory=list)
     concurrency: int = 0  # at most this many requests in flight (0: no limit)
+    background: tuple[int, int] = (0, 0)  # (streams, tokens each) decoding throughout, not measured
 
 
 SCENARIOS = {s.name: s for s in [
@@ -54,6 +55,8 @@ SCENARIOS = {s.name: s for s in [
     Scenario("realistic", 48, (256, 2048), (32, 128), "poisson", 3.0),
     Scenario("concurrent_64", 256, (64, 192), (32, 96), concurrency=64),  # 64 streams in flight throughout
     Scenario("sequential", 48, (32, 32), (8, 8), concurrency=1),  # no queueing: TTFT is the path itself
+    # one request at a time beside 63 others (64 streams, a decode batch's default): TTFT without a queue
+    Scenario("ttft_64_streams", 48, (32, 32), (4, 4), concurrency=1, background=(63, 240)),
 ]}
 
 
@@ -201,7 +204,7 @@ def run_serve_bench(model: str, topologies: list[str], scenarios: list[str], rou
                             asyncio.run(drivers[frontend](reqs[:2], 0))  # warm-up
                         for _ in range(repeats):  # the frontends in turn: machine drift hits both alike
                             for frontend in frontends:
-                                samples, wall = asyncio.run(drivers[frontend](reqs, s.concurrency))
+                                samples, wall = asyncio.run(beside_background(drivers[frontend], reqs, s))
                                 rows.append({"topology": topo, "scenario": name, "frontend": frontend,
                                              **summarize(samples, wall)})
                 finally:
@@ -227,6 +230,19 @@ def run_serve_bench(model: str, topologies: list[str], scenarios: list[str], rou
         result["http_vs_zmq"] = compare_frontends(rows)
     print_json(result)
     return result
+
+
+async def beside_background(driver, reqs, s: Scenario) -> tuple[list, float]:
+    """Drive reqs while s.background's streams decode (through the same frontend); those are not
+    measured, and run to their end so that the next run starts on an idle cluster."""
+    streams, tokens = s.background
+    if not streams:
+        return await driver(reqs, s.concurrency)
+    background = asyncio.ensure_future(driver([(0.0, [i % 200 + 1] * 64, tokens) for i in range(streams)], 0))
+    await asyncio.sleep(1.0)  # they are decoding by then
+    measured = await driver(reqs, s.concurrency)
+    await background
+    return measured
 
 
 def compare_frontends(rows: list[dict]) -> list[dict]:

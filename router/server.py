@@ -353,6 +353,9 @@ class Router:
                 self.on_worker(env)
             except Exception:
                 log.exception("worker message handling failed")
+            # arecv does not yield while messages wait: let the HTTP streams write what this one
+            # gave them now, as ZeroMQ replies go at once, not after the whole backlog
+            await asyncio.sleep(0)
 
     def on_worker(self, env: Envelope):
         if env.error is not None:
