@@ -56,7 +56,7 @@ SCENARIOS = {s.name: s for s in [
     Scenario("concurrent_64", 256, (64, 192), (32, 96), concurrency=64),  # 64 streams in flight throughout
     Scenario("sequential", 48, (32, 32), (8, 8), concurrency=1),  # no queueing: TTFT is the path itself
     # one request at a time beside 63 others (64 streams, a decode batch's default): TTFT without a queue
-    Scenario("ttft_64_streams", 48, (32, 32), (4, 4), concurrency=1, background=(63, 240)),
+    Scenario("ttft_64_streams", 64, (32, 32), (4, 4), concurrency=1, background=(63, 320)),
 ]}
 
 
@@ -202,8 +202,8 @@ def run_serve_bench(model: str, topologies: list[str], scenarios: list[str], rou
                         reqs = make_requests(s, cfg.vocab_size, cfg.max_position_embeddings, seed)
                         for frontend in frontends:
                             asyncio.run(drivers[frontend](reqs[:2], 0))  # warm-up
-                        for _ in range(repeats):  # the frontends in turn: machine drift hits both alike
-                            for frontend in frontends:
+                        for rep in range(repeats):  # in turn, first one then the other first: drift hits both alike
+                            for frontend in (frontends if rep % 2 == 0 else frontends[::-1]):
                                 samples, wall = asyncio.run(beside_background(drivers[frontend], reqs, s))
                                 rows.append({"topology": topo, "scenario": name, "frontend": frontend,
                                              **summarize(samples, wall)})
