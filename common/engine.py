@@ -39,7 +39,7 @@ class RequestOutput:
     text: str | None = None  # set once finished, when the model has a tokenizer
     metrics: dict = field(default_factory=dict)
     logprobs: list | None = None  # of the tokens sampled here (SamplingParams.logprobs), in order
-    prompt_logprobs: list | None = None  # with the first token sampled here and once finished (SamplingParams.prompt_logprobs)
+    prompt_logprobs: list | None = None  # SamplingParams.prompt_logprobs: with the first token sampled here, and the last
 
 
 class ModelRunner:
@@ -96,7 +96,8 @@ class ModelRunner:
         for s in ordered:
             seq, start = s.seq, s.seq.num_computed_tokens
             if seq.prompt_logprobs is not None:
-                out += [(seq, row + p - start, p) for p in range(start, min(start + s.num_tokens, seq.num_prompt_tokens - 1))]
+                end = min(start + s.num_tokens, seq.num_prompt_tokens - 1)
+                out += [(seq, row + p - start, p) for p in range(start, end)]
             row += s.num_tokens
         return out
 

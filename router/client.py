@@ -14,8 +14,9 @@ A chat goes as `messages=[{"role": "user", "content": "Hi"}]` instead of a promp
 renders it with the model's chat template. Sampling options are SamplingParams' fields
 (temperature, top_p, top_k, max_tokens, seed, stop_token_ids, ignore_eos, stop, logprobs, ...):
 `stop=["\n\n"]` ends the text at that string (finish_reason "stop"), `logprobs=N` gives each
-token's logprob and N alternatives (Chunk.logprobs, Result.logprobs). Failures raise RequestError carrying the router's code
-(INVALID_ARGUMENT, OVERLOADED, UNAVAILABLE, TIMEOUT, ...) and message. Many requests may be in
+token's logprob and N alternatives (Chunk.logprobs, Result.logprobs). Failures raise
+RequestError carrying the router's code (INVALID_ARGUMENT, OVERLOADED, UNAVAILABLE, TIMEOUT, ...)
+and message. Many requests may be in
 flight on one client; replies are matched to them by request id. If the connection to the router
 drops (the router died or restarted), every request in flight fails at once with UNAVAILABLE
 rather than waiting out its timeout; the client reconnects by itself for new requests.

@@ -48,7 +48,7 @@ class RouterMetrics:
             return Counter(f"pdserve:{name}", doc, ["model_name"], **reg).labels(model)
 
         self.ttft = histogram("time_to_first_token_seconds", "Arrival at the router to the first token", TTFT_BUCKETS)
-        self.itl = histogram("inter_token_latency_seconds", "Time between deliveries of a request's tokens", ITL_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Between deliveries of a request's tokens", ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival at the router to the last token", E2E_BUCKETS)
         self.queue = histogram("request_queue_time_seconds", "Waiting for a worker and in its queue", TTFT_BUCKETS)
         self.handoff = histogram("kv_handoff_seconds", "First token sampled by the prefill to decoding started",
@@ -118,7 +118,7 @@ class _StateCollector:
     def collect(self):
         router, model = self.router, self.router.cfg.model
         queued = sum(r.state == "queued" for r in router.requests.values())
-        for name, doc, value in (("num_requests_running", "Requests dispatched to workers", len(router.requests) - queued),
+        for name, doc, value in (("num_requests_running", "Requests with workers", len(router.requests) - queued),
                                  ("num_requests_waiting", "Requests waiting for a live worker", queued)):
             g = GaugeMetricFamily(f"pdserve:{name}", doc, labels=["model_name"])
             g.add_metric([model], value)

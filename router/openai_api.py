@@ -255,7 +255,8 @@ class Choice:
         for token, entry in zip(token_ids, entries or ()):
             if entry is not None:
                 logprob, top_ids, top_lps = entry
-                content.append({**item(token, logprob), "top_logprobs": [item(t, lp) for t, lp in zip(top_ids, top_lps)]})
+                top = [item(t, lp) for t, lp in zip(top_ids, top_lps)]
+                content.append({**item(token, logprob), "top_logprobs": top})
         return {"content": content}
 
     def logprobs(self, token_ids, entries, prompt_entries=None):
