@@ -92,8 +92,8 @@ class HttpFront:
             return error_response(ApiError("INVALID_ARGUMENT", str(e), e.param))
         except web.HTTPException as e:  # aiohttp's own: no route, wrong method, body too large
             return error_response(self._http_error(request, e))
-        except ConnectionError:
-            raise  # the client went away mid-stream: nothing to answer
+        except ConnectionError:  # the client went away: this answer will not reach it (aiohttp takes that quietly)
+            return web.Response(status=499, text="client closed the connection")
         except Exception as e:
             log.exception("HTTP %s %s failed", request.method, request.path)
             return error_response(ApiError("INTERNAL", f"{type(e).__name__}: {e}"))
@@ -196,29 +196,32 @@ class HttpFront:
     async def _stream(self, request: web.Request, job: Job, choices: list[Choice], queue: asyncio.Queue,
                       item) -> web.StreamResponse:
         response = web.StreamResponse(headers=SSE_HEADERS)
-        await response.prepare(request)
         envelope = Envelope(job)
-        remaining = len(choices)
-        batch = [item]
-        while True:
-            while not queue.empty():  # what arrived meanwhile goes in the same write
-                batch.append(queue.get_nowait())
-            out, failed = [], False
-            for i, msg in batch:
-                if isinstance(msg, P.Error):
-                    out.append(b"data: " + json.dumps(ApiError(msg.code, msg.message).body()).encode() + b"\n\n")
-                    failed = True
-                    break
-                out += [envelope.chunk([entry]) for entry in choices[i].chunks(msg)]
-                remaining -= isinstance(msg, P.Done)
-            if failed or not remaining:
-                if job.include_usage and not failed:
-                    out.append(envelope.chunk([], usage(job, choices)))
-                out.append(b"data: [DONE]\n\n")
+        remaining, batch, last = len(choices), [item], False
+        try:
+            await response.prepare(request)  # its headers go out with the first chunk
+            while not last:
+                while not queue.empty():  # what arrived meanwhile goes in the same write
+                    batch.append(queue.get_nowait())
+                out = []
+                for i, msg in batch:
+                    if isinstance(msg, P.Error):
+                        out.append(b"data: " + json.dumps(ApiError(msg.code, msg.message).body()).encode() + b"\n\n")
+                        remaining = -1
+                        break
+                    out += [envelope.chunk([entry]) for entry in choices[i].chunks(msg)]
+                    remaining -= isinstance(msg, P.Done)
+                last = remaining <= 0
+                if last:
+                    if job.include_usage and remaining == 0:
+                        out.append(envelope.chunk([], usage(job, choices)))
+                    out.append(b"data: [DONE]\n\n")
                 await response.write(b"".join(out))
-                return response
-            await response.write(b"".join(out))
-            batch = [await queue.get()]
+                if not last:
+                    batch = [await queue.get()]
+        except ConnectionError:  # the client went away (the caller cancels its requests)
+            pass
+        return response
 
 
 async def _json(request: web.Request):
