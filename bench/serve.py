@@ -5,6 +5,11 @@ latency and end-to-end latency (p50/p99), and the router's own share of TTFT.
 Topologies: `mono` (one monolithic worker behind the router: the baseline), `XpYd` (X prefill
 and Y decode workers, e.g. 1p1d, 2p2d). Each topology gets the whole machine: the launcher
 splits the cores between its workers.
+
+Frontends: `zmq` (the SDK) and `http` (OpenAI's API, bench/openai_load.py). With both, each
+launched cluster serves both and every scenario runs through each in turn, `--repeats` times,
+so the two are compared on one cluster in one run. `--base-url` drives any OpenAI-compatible
+server instead (vLLM, SGLang, or a pdserve router's HTTP port).
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ class Scenario:
     arrival: str = "burst"  # burst (all at once), rate (fixed interval), poisson
     rate: float = 0.0  # requests per second for rate / poisson
     worker_args: list[str] = field(default_factory=list)
+    concurrency: int = 0  # at most this many requests in flight (0: no limit)
+    background: tuple[int, int] = (0, 0)  # (streams, tokens each) decoding throughout, not measured
 
 
 SCENARIOS = {s.name: s for s in [
@@ -46,6 +53,10 @@ SCENARIOS = {s.name: s for s in [
     Scenario("long_decode", 6, (16, 16), (32, 32)),
     Scenario("stress_test", 16, (16, 16), (10, 10)),
     Scenario("realistic", 48, (256, 2048), (32, 128), "poisson", 3.0),
+    Scenario("concurrent_64", 256, (64, 192), (32, 96), concurrency=64),  # 64 streams in flight throughout
+    Scenario("sequential", 48, (32, 32), (8, 8), concurrency=1),  # no queueing: TTFT is the path itself
+    # one request at a time beside 63 others (64 streams, a decode batch's default): TTFT without a queue
+    Scenario("ttft_64_streams", 64, (32, 32), (4, 4), concurrency=1, background=(63, 320)),
 ]}
 
 
@@ -84,12 +95,14 @@ class Sample:
     router_s: float = 0.0
 
 
-async def drive(address: str, requests) -> tuple[list[Sample], float]:
+async def drive(address: str, requests, concurrency: int = 0) -> tuple[list[Sample], float]:
     async with AsyncClient(address, timeout=600) as client:
         start = time.perf_counter()
+        gate = asyncio.Semaphore(concurrency or len(requests) or 1)
 
         async def one(offset, prompt, max_tokens) -> Sample:
             await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
+            await gate.acquire()  # at most `concurrency` in flight
             s = Sample(time.perf_counter())
             async for item in client.stream(prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True):
                 now = time.perf_counter()
@@ -98,6 +111,7 @@ async def drive(address: str, requests) -> tuple[list[Sample], float]:
                 else:
                     s.first = s.first or now
                     s.token_times += [now] * len(item.token_ids)
+            gate.release()
             return s
 
         samples = await asyncio.gather(*(one(*r) for r in requests))
@@ -152,32 +166,47 @@ def loopback_rtt_ms(n: int = 2000) -> float:
 
 
 def run_serve_bench(model: str, topologies: list[str], scenarios: list[str], router: str | None, seed: int,
-                    worker_args: list[str]) -> dict:
+                    worker_args: list[str], frontends: tuple[str, ...] = ("zmq",), base_url: str | None = None,
+                    repeats: int = 1, api_key: str | None = None) -> dict:
+    from bench.openai_load import drive_http  # it imports Sample from here
+
     for name in scenarios:
         if name not in SCENARIOS:
             raise ValueError(f"scenario {name!r} is unknown; allowed: {', '.join(SCENARIOS)}")
+    if set(frontends) - {"zmq", "http"} or not frontends:
+        raise ValueError(f"frontends {','.join(frontends)!r} are not supported; allowed: zmq, http or both")
+    if router and base_url:
+        raise ValueError("give --router (a ZeroMQ address) or --base-url (an HTTP server), not both")
+    frontends = ("http",) if base_url else ("zmq",) if router else tuple(frontends)
     cfg = model_config(model)
     rows = []
     groups: dict[tuple, list[str]] = {}
     for name in scenarios:
         groups.setdefault(tuple(SCENARIOS[name].worker_args), []).append(name)
-    for topo in ([f"external {router}"] if router else topologies):
+    external = router or base_url
+    for topo in ([f"external {external}"] if external else topologies):
         for extra, names in groups.items():
             with tempfile.TemporaryDirectory() as logs:
                 cluster = None
-                if router is None:
+                if not external:
                     p, d, m = parse_topology(topo)
                     cluster = Cluster(model, p, d, m, ["cpu"], "127.0.0.1", 0, 0, Path(logs), "least_loaded",
-                                      worker_args + list(extra), threads=None, restart=False)
+                                      worker_args + list(extra), threads=None, restart=False,
+                                      http_port=0 if "http" in frontends else None, api_key=api_key)
                     cluster.start()
                 try:
-                    address = router or cluster.address
+                    drivers = {"zmq": lambda reqs, n: drive(router or cluster.address, reqs, n),
+                               "http": lambda reqs, n: drive_http(base_url or cluster.http_url, reqs, n, api_key)}
                     for name in names:
                         s = SCENARIOS[name]
                         reqs = make_requests(s, cfg.vocab_size, cfg.max_position_embeddings, seed)
-                        asyncio.run(drive(address, reqs[:2]))  # warm-up
-                        samples, wall = asyncio.run(drive(address, reqs))
-                        rows.append({"topology": topo, "scenario": name, **summarize(samples, wall)})
+                        for frontend in frontends:
+                            asyncio.run(drivers[frontend](reqs[:2], 0))  # warm-up
+                        for rep in range(repeats):  # in turn, first one then the other first: drift hits both alike
+                            for frontend in (frontends if rep % 2 == 0 else frontends[::-1]):
+                                samples, wall = asyncio.run(beside_background(drivers[frontend], reqs, s))
+                                rows.append({"topology": topo, "scenario": name, "frontend": frontend,
+                                             **summarize(samples, wall)})
                 finally:
                     if cluster is not None:
                         cluster.stop()
@@ -185,15 +214,53 @@ def run_serve_bench(model: str, topologies: list[str], scenarios: list[str], rou
     order = {n: i for i, n in enumerate(scenarios)}
     rows.sort(key=lambda r: (order[r["scenario"]], r["topology"]))
     print_table(f"pdserve bench serve: {model}, greedy, ignore_eos (latencies in ms)",
-                ["scenario", "topology", "reqs", "out tok/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99",
+                ["scenario", "topology", "frontend", "reqs", "out tok/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99",
                  "E2E p50", "E2E p99", "router p99"],
-                [[r["scenario"], r["topology"], r["requests"], r["output_tok_s"], r["ttft_p50_ms"], r["ttft_p99_ms"],
-                  r["itl_p50_ms"], r["itl_p99_ms"], r["e2e_p50_ms"], r["e2e_p99_ms"], r["router_p99_ms"]]
-                 for r in rows])
-    router_p50 = statistics.median([r["router_p50_ms"] for r in rows]) if rows else float("nan")
-    print(f"router overhead on TTFT: {router_p50:.3f} ms processing (median over scenarios) + one loopback "
-          f"round trip of {rtt:.3f} ms = {router_p50 + rtt:.3f} ms\n")
-    result = {"bench": "serve", "model": model, "results": rows, "loopback_rtt_ms": round(rtt, 4),
-              "router_overhead_ms": round(router_p50 + rtt, 4)}
+                [[r["scenario"], r["topology"], r["frontend"], r["requests"], r["output_tok_s"], r["ttft_p50_ms"],
+                  r["ttft_p99_ms"], r["itl_p50_ms"], r["itl_p99_ms"], r["e2e_p50_ms"], r["e2e_p99_ms"],
+                  r["router_p99_ms"] if r["frontend"] == "zmq" else "-"] for r in rows])
+    result = {"bench": "serve", "model": model, "results": rows, "loopback_rtt_ms": round(rtt, 4)}
+    zmq_rows = [r for r in rows if r["frontend"] == "zmq"]
+    if zmq_rows:
+        router_p50 = statistics.median([r["router_p50_ms"] for r in zmq_rows])
+        print(f"router overhead on TTFT: {router_p50:.3f} ms processing (median over scenarios) + one loopback "
+              f"round trip of {rtt:.3f} ms = {router_p50 + rtt:.3f} ms\n")
+        result["router_overhead_ms"] = round(router_p50 + rtt, 4)
+    if len(frontends) == 2:
+        result["http_vs_zmq"] = compare_frontends(rows)
     print_json(result)
     return result
+
+
+async def beside_background(driver, reqs, s: Scenario) -> tuple[list, float]:
+    """Drive reqs while s.background's streams decode (through the same frontend); those are not
+    measured, and run to their end so that the next run starts on an idle cluster."""
+    streams, tokens = s.background
+    if not streams:
+        return await driver(reqs, s.concurrency)
+    background = asyncio.ensure_future(driver([(0.0, [i % 200 + 1] * 64, tokens) for i in range(streams)], 0))
+    await asyncio.sleep(1.0)  # they are decoding by then
+    measured = await driver(reqs, s.concurrency)
+    await background
+    return measured
+
+
+def compare_frontends(rows: list[dict]) -> list[dict]:
+    """Per topology and scenario: HTTP's TTFT p50 minus the SDK's, and HTTP's output tok/s over
+    the SDK's, run by run (the two ran back to back, so each pair saw the same machine), and the
+    median over the runs."""
+    out = []
+    for topo, name in dict.fromkeys((r["topology"], r["scenario"]) for r in rows):
+        zmq_runs, http_runs = ([r for r in rows if (r["topology"], r["scenario"], r["frontend"]) == (topo, name, fe)]
+                               for fe in ("zmq", "http"))
+        deltas = [h["ttft_p50_ms"] - z["ttft_p50_ms"] for z, h in zip(zmq_runs, http_runs)]
+        ratios = [h["output_tok_s"] / z["output_tok_s"] for z, h in zip(zmq_runs, http_runs)]
+        delta, ratio = statistics.median(deltas), statistics.median(ratios)
+        out.append({"topology": topo, "scenario": name, "runs": len(deltas), "ttft_p50_delta_ms": round(delta, 2),
+                    "output_tok_s_ratio": round(ratio, 3), "ttft_p50_delta_ms_per_run": [round(d, 2) for d in deltas],
+                    "output_tok_s_ratio_per_run": [round(r, 3) for r in ratios]})
+        print(f"HTTP vs ZeroMQ SDK, {name} on {topo}, median of {len(deltas)} back-to-back pairs: TTFT p50 "
+              f"{delta:+.2f} ms (runs: {', '.join(f'{d:+.2f}' for d in deltas)}), output tok/s {ratio:.3f}x "
+              f"(runs: {', '.join(f'{r:.3f}' for r in ratios)})")
+    print()
+    return out

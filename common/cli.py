@@ -94,6 +94,17 @@ def parse_prompt_ids(text: str) -> list[int]:
         raise click.BadParameter(f"{text!r} is not a comma-separated list of token ids", param_hint="--prompt-ids")
 
 
+def http_options(f):
+    for opt in reversed([
+        click.option("--http-port", default=None, type=int,
+                     help="serve OpenAI's API and /metrics on this port (0: any free port) [default: no HTTP]"),
+        click.option("--api-key", default=None, envvar="PDSERVE_API_KEY",
+                     help="HTTP /v1/ requires 'Authorization: Bearer KEY' [env: PDSERVE_API_KEY]"),
+    ]):
+        f = opt(f)
+    return f
+
+
 @click.group()
 @click.option("--curve-dir", default=None, envvar="PDSERVE_CURVE_DIR",
               help="CURVE key directory (pdserve keys): encrypt and authenticate every socket")
@@ -166,18 +177,20 @@ def generate(prompts, prompt_ids, as_json, router_address, max_tokens, temperatu
 @click.option("--prefill-timeout", default=60.0, show_default=True, type=float, help="seconds from dispatch to first token")
 @click.option("--decode-stall-timeout", default=30.0, show_default=True, type=float, help="longest gap between tokens")
 @click.option("--queue-timeout", default=30.0, show_default=True, type=float, help="longest wait for a live worker")
-@click.option("--max-message-bytes", default=4 * 2**20, show_default=True, type=int)
+@click.option("--max-message-bytes", default=4 * 2**20, show_default=True, type=int, help="also the HTTP body limit")
+@http_options
 @click.option("--log-level", default="INFO", show_default=True)
 def router(model, host, port, worker_port, policy, max_queue, heartbeat_timeout, max_attempts, prefill_timeout,
-           decode_stall_timeout, queue_timeout, max_message_bytes, log_level):
-    """Run the router: clients connect to --port, workers to --worker-port."""
+           decode_stall_timeout, queue_timeout, max_message_bytes, http_port, api_key, log_level):
+    """Run the router: clients connect to --port, workers to --worker-port, HTTP to --http-port."""
     from router.server import RouterConfig, run_router
 
     setup_logging(log_level)
     run_router(RouterConfig(model=model, host=host, port=port, worker_port=worker_port or port + 1, policy=policy,
                             max_queue=max_queue, heartbeat_timeout_s=heartbeat_timeout, max_attempts=max_attempts,
                             prefill_timeout_s=prefill_timeout, decode_stall_timeout_s=decode_stall_timeout,
-                            queue_timeout_s=queue_timeout, max_message_bytes=max_message_bytes))
+                            queue_timeout_s=queue_timeout, max_message_bytes=max_message_bytes, http_port=http_port,
+                            api_key=api_key))
 
 
 def worker_command(role: str):
@@ -227,14 +240,17 @@ for _role in ("prefill", "decode", "mono"):
 @click.option("--log-dir", default="pdserve-logs", show_default=True)
 @click.option("--threads", default=None, type=int, help="torch threads per worker [default: cores / workers]")
 @click.option("--no-restart", is_flag=True, help="do not restart crashed workers")
+@http_options
 @engine_options
-def launch(prefill, decode, mono, devices, host, port, worker_port, policy, log_dir, threads, no_restart, engine_kwargs):
+def launch(prefill, decode, mono, devices, host, port, worker_port, policy, log_dir, threads, no_restart, http_port,
+           api_key, engine_kwargs):
     """Bring up router + workers on this host; stop them all on Ctrl-C."""
     from router.launcher import Cluster, run_launch
 
     try:
         cluster = Cluster(engine_kwargs["model"], prefill, decode, mono, devices.split(","), host, port, worker_port,
-                          log_dir, policy, engine_argv(engine_kwargs), threads, restart=not no_restart)
+                          log_dir, policy, engine_argv(engine_kwargs), threads, restart=not no_restart,
+                          http_port=http_port, api_key=api_key)
     except ValueError as e:
         raise click.UsageError(str(e))
     run_launch(cluster)
@@ -315,14 +331,20 @@ def bench_engine(num_requests, prompt_len, output_len, batch_sizes, kv_lens, ste
 @click.option("--scenarios", default="smoke_test,staggered_arrivals,batch_pressure,long_prompts,long_decode,"
               "stress_test,realistic", show_default=True)
 @click.option("--router", "router_address", default=None, help="bench a running cluster instead of launching")
+@click.option("--base-url", default=None, help="bench any OpenAI-compatible server (http://HOST:PORT) instead")
+@click.option("--frontends", default="zmq", show_default=True,
+              help="zmq (the SDK), http (OpenAI's API) or zmq,http: both on each launched cluster, in turn")
+@click.option("--repeats", default=1, show_default=True, type=int, help="runs of each scenario per frontend")
+@click.option("--api-key", default=None, envvar="PDSERVE_API_KEY", help="for --base-url or launched clusters' HTTP")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--worker-arg", "worker_args", multiple=True, help="extra flag for every worker (repeatable)")
-def bench_serve(model, topologies, scenarios, router_address, seed, worker_args):
-    """Serving load: TTFT, inter-token and end-to-end latency, throughput, per topology."""
+def bench_serve(model, topologies, scenarios, router_address, base_url, frontends, repeats, api_key, seed, worker_args):
+    """Serving load: TTFT, inter-token and end-to-end latency, throughput, per topology and frontend."""
     from bench.serve import run_serve_bench
 
     try:
-        run_serve_bench(model, topologies.split(","), scenarios.split(","), router_address, seed, list(worker_args))
+        run_serve_bench(model, topologies.split(","), scenarios.split(","), router_address, seed, list(worker_args),
+                        tuple(frontends.split(",")), base_url, repeats, api_key)
     except ValueError as e:
         raise click.UsageError(str(e))
 

@@ -19,7 +19,7 @@ from common.checkpoint import load_model
 from common.config import EngineConfig
 from common.errors import InvalidArgument
 from common.kv_cache import BlockManager, allocate_kv_pool
-from common.sampling import SamplingParams, fresh_seed, sample
+from common.sampling import Logprob, SamplingParams, fresh_seed, sample, token_logprobs
 from common.scheduler import ScheduledSeq, Scheduler
 from common.sequence import PREFILLED, Sequence, Status
 
@@ -38,6 +38,8 @@ class RequestOutput:
     finish_reason: str | None = None
     text: str | None = None  # set once finished, when the model has a tokenizer
     metrics: dict = field(default_factory=dict)
+    logprobs: list | None = None  # of the tokens sampled here (SamplingParams.logprobs), in order
+    prompt_logprobs: list | None = None  # SamplingParams.prompt_logprobs: with the first token sampled here, and the last
 
 
 class ModelRunner:
@@ -86,19 +88,48 @@ class ModelRunner:
         meta = AttentionMetadata(self._tensor(slots), len(decodes), decode_tables, decode_lens, decode_mask, chunks)
         return ordered, self._tensor(input_ids), self._tensor(positions), meta, sample_rows
 
+    @staticmethod
+    def prompt_logprob_rows(ordered: list[ScheduledSeq]) -> list[tuple[Sequence, int, int]]:
+        """(seq, packed row, position) of every row that predicts a prompt token of a sequence
+        asking for prompt logprobs (row at position p predicts token p + 1)."""
+        out, row = [], 0
+        for s in ordered:
+            seq, start = s.seq, s.seq.num_computed_tokens
+            if seq.prompt_logprobs is not None:
+                end = min(start + s.num_tokens, seq.num_prompt_tokens - 1)
+                out += [(seq, row + p - start, p) for p in range(start, end)]
+            row += s.num_tokens
+        return out
+
     @torch.inference_mode()
-    def run(self, batch: list[ScheduledSeq], on_layer: LayerHook | None = None) -> tuple[list[ScheduledSeq], list[int]]:
-        """Returns the batch in packed order and the tokens sampled for its `samples` entries."""
+    def run(self, batch: list[ScheduledSeq], on_layer: LayerHook | None = None
+            ) -> tuple[list[ScheduledSeq], list[int], list[Logprob | None]]:
+        """Returns the batch in packed order, the tokens sampled for its `samples` entries and
+        their logprobs (None where not asked for). Prompt logprobs go straight into their sequences."""
         ordered, input_ids, positions, meta, sample_rows = self.prepare(batch)
         hook = None if on_layer is None else (lambda i: on_layer(i, ordered))
         hidden_TC = self.model(input_ids, positions, self.kv_cache, meta, hook)
+        prompt_rows = self.prompt_logprob_rows(ordered)
+        if prompt_rows:
+            logits_PV = self.model.logits(hidden_TC[self._tensor([r for _, r, _ in prompt_rows])])
+            entries = token_logprobs(logits_PV, [q.token_ids[p + 1] for q, _, p in prompt_rows],
+                                     [q.params.prompt_logprobs for q, _, _ in prompt_rows])
+            for (q, _, p), entry in zip(prompt_rows, entries):
+                q.prompt_logprobs[p + 1] = entry
         if not sample_rows:
-            return ordered, []
+            return ordered, [], []
         logits_SV = self.model.logits(hidden_TC[self._tensor(sample_rows)])
         sampled = [s.seq for s in ordered if s.samples]
         tokens = sample(logits_SV, [q.params for q in sampled], [q.seed for q in sampled],
-                        [len(q) for q in sampled])
-        return ordered, tokens.tolist()
+                        [len(q) for q in sampled]).tolist()
+        logprobs: list[Logprob | None] = [None] * len(sampled)
+        wanted = [i for i, q in enumerate(sampled) if q.params.logprobs is not None]
+        if wanted:
+            entries = token_logprobs(logits_SV[self._tensor(wanted)], [tokens[i] for i in wanted],
+                                     [sampled[i].params.logprobs for i in wanted])
+            for i, entry in zip(wanted, entries):
+                logprobs[i] = entry
+        return ordered, tokens, logprobs
 
 
 class Engine:
@@ -258,6 +289,7 @@ class Engine:
         seq = self._new_sequence(request_id, token_ids[:num_prompt_tokens], params, seed,
                                  token_ids[num_prompt_tokens:])
         self.num_reserved_seqs -= 1
+        seq.prompt_logprobs = None  # the prefill computed them
         seq.block_table = list(block_ids)
         seq.num_computed_tokens = len(seq) - 1
         self.block_manager.cache_computed_blocks(seq)
@@ -283,15 +315,16 @@ class Engine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        ordered, tokens = self.runner.run(batch, on_layer)
-        outputs, sampled = [], iter(tokens)
+        ordered, tokens, logprobs = self.runner.run(batch, on_layer)
+        outputs, sampled = [], iter(zip(tokens, logprobs))
         for s in ordered:
             seq = s.seq
             seq.num_computed_tokens += s.num_tokens
             self.block_manager.cache_computed_blocks(seq)
             if not s.samples:
                 continue
-            seq.append_token(next(sampled))
+            first = seq.first_token_time is None
+            seq.append_token(*next(sampled))
             if seq.finish_reason is not None:
                 held = seq.finish_reason == PREFILLED
                 self.scheduler.finish(seq, seq.finish_reason, free_blocks=not held)
@@ -299,10 +332,10 @@ class Engine:
                 del self.requests[seq.request_id]
                 if held:
                     self.held[seq.request_id] = seq
-            outputs.append(self._output(seq, [seq.token_ids[-1]]))
+            outputs.append(self._output(seq, [seq.token_ids[-1]], first))
         return outputs
 
-    def _output(self, seq: Sequence, new: list[int]) -> RequestOutput:
+    def _output(self, seq: Sequence, new: list[int], first: bool = False) -> RequestOutput:
         finished = seq.status is Status.FINISHED
         text = self.tokenizer.decode(seq.output_token_ids) if finished and self.tokenizer else None
         metrics = {}
@@ -310,8 +343,11 @@ class Engine:
             metrics = {"ttft_s": seq.first_token_time - seq.arrival_time,
                        "e2e_s": seq.finish_time - seq.arrival_time,
                        "num_cached_tokens": seq.num_cached_tokens, "num_preemptions": seq.num_preemptions}
+            if seq.scheduled_time is not None:
+                metrics["queue_s"] = seq.scheduled_time - seq.arrival_time
         return RequestOutput(seq.request_id, seq.token_ids[:seq.num_prompt_tokens], seq.output_token_ids, new,
-                             finished, seq.finish_reason, text, metrics)
+                             finished, seq.finish_reason, text, metrics, seq.logprobs,
+                             seq.prompt_logprobs if first or finished else None)
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
         """Generate for one prompt (text or token ids) or a list of them; results in prompt order."""

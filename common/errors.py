@@ -7,9 +7,14 @@ class PdserveError(Exception):
 
 
 class InvalidArgument(PdserveError, ValueError):
-    """A request or configuration value outside what is allowed; the message names both."""
+    """A request or configuration value outside what is allowed; the message names both, and
+    `param` the field, where there is one (the HTTP API reports it in the error's "param")."""
 
     code = "INVALID_ARGUMENT"
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class ModelLoadError(PdserveError, ValueError):

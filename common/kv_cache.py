@@ -146,6 +146,7 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[bytes, int] = {}  # hash -> block id
+        self.prefix_queries = self.prefix_hits = 0  # tokens looked up in the prefix cache, and found
 
     @property
     def num_blocks(self) -> int:
@@ -160,8 +161,9 @@ class BlockManager:
 
     def _prefix_hits(self, seq: Sequence) -> list[tuple[bytes, int]]:
         """(hash, block id) for the leading full blocks already cached. The last token is never
-        taken from the cache: its logits are needed to sample."""
-        if not self.enable_prefix_caching:
+        taken from the cache: its logits are needed to sample. Nor is any of a prompt whose
+        logprobs are asked for: they need every position's logits."""
+        if not self.enable_prefix_caching or seq.prompt_logprobs is not None:
             return []
         hits, prev, bs = [], PREFIX_HASH_SEED, self.block_size
         for i in range((len(seq) - 1) // bs):
@@ -205,6 +207,8 @@ class BlockManager:
             seq.block_table.append(block_id)
         seq.block_hashes = [h for h, _ in hits]
         seq.num_computed_tokens = seq.num_cached_tokens = len(hits) * self.block_size
+        self.prefix_queries += len(seq)
+        self.prefix_hits += seq.num_cached_tokens
         while len(seq.block_table) < self.blocks_needed(len(seq)):
             seq.block_table.append(self._take_free().id)
 

@@ -55,11 +55,14 @@ class StatusRequest:
 
 @dataclass
 class Token:
-    """Generated tokens [index, index + len(token_ids)) of a request, in order."""
+    """Generated tokens [index, index + len(token_ids)) of a request, in order. logprobs: one
+    entry per token when asked for (common/sampling.py Logprob); prompt_logprobs on the first."""
     request_id: str
     index: int
     token_ids: list[int]
     text: str = ""
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None
 
 
 @dataclass
@@ -70,6 +73,9 @@ class Done:
     text: str | None = None
     prompt_token_ids: list[int] = field(default_factory=list)
     timings: dict = field(default_factory=dict)
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it, if one did
 
 
 @dataclass
@@ -109,12 +115,16 @@ class Registered:
 
 @dataclass
 class Heartbeat:
+    """Load and, for the router's metrics, counters since the worker (incarnation) started."""
     worker_id: str
     incarnation: str
     queued: int
     running: int
     free_blocks: int
     total_blocks: int
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_hits: int = 0  # ... and found there
+    kv_bytes: dict = field(default_factory=dict)  # KV transport -> bytes sent by it
 
 
 @dataclass
@@ -140,6 +150,8 @@ class WorkerTokens:
     token_ids: list[int]
     finish_reason: str | None = None
     timings: dict = field(default_factory=dict)
+    logprobs: list | None = None  # one entry per token, when the sampling asks for them
+    prompt_logprobs: list | None = None  # with the first token, when asked for
 
 
 @dataclass

@@ -14,9 +14,17 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from common.errors import InvalidArgument
+from common.errors import InvalidArgument, short_repr
 
 MAX_SEED = 2**63 - 1
+MAX_COUNT = 2**31 - 1  # max_tokens, top_k and token ids: far past any model, and safe on the wire
+MAX_LOGPROBS = 20  # top alternatives per token, as vLLM's default max_logprobs
+MAX_STOP_STRINGS = 16
+
+# A token's logprob entry: [the token's logprob, ids of the top N tokens, their logprobs] (best
+# first; lists, as msgpack carries them). Logprobs are log_softmax of the model's raw logits,
+# before temperature and filters (vLLM's default, "raw_logprobs").
+Logprob = list
 
 
 def _is_int(x) -> bool:
@@ -27,11 +35,20 @@ def _is_number(x) -> bool:
     return (_is_int(x) or isinstance(x, float)) and math.isfinite(x)
 
 
+def _bad(name: str, value, allowed: str) -> InvalidArgument:
+    return InvalidArgument(f"{name}={short_repr(value)} is invalid; allowed: {allowed}", param=name)
+
+
 @dataclass
 class SamplingParams:
     """Per-request sampling. temperature 0 is greedy; top_k 0 (or -1) and top_p 1 disable those
     filters; seed None draws a fresh seed when the request is admitted (then it is fixed for the
-    request's life, so preemption and migration still reproduce its tokens)."""
+    request's life, so preemption and migration still reproduce its tokens).
+
+    stop: strings that end the text (the router finds them, across tokens, and cuts them off
+    unless include_stop_str_in_output). logprobs: None, or N in [0, 20]: each generated token's
+    logprob and the N most likely alternatives; prompt_logprobs the same for the prompt's tokens
+    (computed by the prefill, which then skips the prefix cache)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -40,26 +57,42 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    stop: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         if not _is_number(self.temperature) or self.temperature < 0:
-            raise InvalidArgument(f"temperature={self.temperature!r} is invalid; allowed: a number >= 0 (0 is greedy)")
+            raise _bad("temperature", self.temperature, "a number >= 0 (0 is greedy)")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
-            raise InvalidArgument(f"top_p={self.top_p!r} is invalid; allowed: a number in (0, 1]")
-        if not _is_int(self.top_k) or self.top_k < -1:
-            raise InvalidArgument(f"top_k={self.top_k!r} is invalid; allowed: an integer >= 0 (0 or -1 disables it)")
+            raise _bad("top_p", self.top_p, "a number in (0, 1]")
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= MAX_COUNT:
+            raise _bad("top_k", self.top_k, "an integer in [0, 2**31 - 1] (0 or -1 disables it)")
         if self.top_k == -1:
             self.top_k = 0
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise InvalidArgument(f"max_tokens={self.max_tokens!r} is invalid; allowed: an integer >= 1")
+        if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_COUNT:
+            raise _bad("max_tokens", self.max_tokens, "an integer in [1, 2**31 - 1]")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
-            raise InvalidArgument(f"seed={self.seed!r} is invalid; allowed: an integer in [0, 2**63 - 1] or None")
+            raise _bad("seed", self.seed, "an integer in [0, 2**63 - 1] or None")
         if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
-                _is_int(t) and t >= 0 for t in self.stop_token_ids):
-            raise InvalidArgument(f"stop_token_ids={self.stop_token_ids!r} is invalid; allowed: a list of token ids >= 0")
+                _is_int(t) and 0 <= t <= MAX_COUNT for t in self.stop_token_ids):
+            raise _bad("stop_token_ids", self.stop_token_ids, "a list of token ids in [0, 2**31 - 1]")
         self.stop_token_ids = list(self.stop_token_ids)
         if not isinstance(self.ignore_eos, bool):
-            raise InvalidArgument(f"ignore_eos={self.ignore_eos!r} is invalid; allowed: true or false")
+            raise _bad("ignore_eos", self.ignore_eos, "true or false")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if (not isinstance(self.stop, (list, tuple)) or len(self.stop) > MAX_STOP_STRINGS
+                or not all(isinstance(s, str) and s for s in self.stop)):
+            raise _bad("stop", self.stop, f"a non-empty string or a list of at most {MAX_STOP_STRINGS} of them")
+        self.stop = list(self.stop)
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise _bad("include_stop_str_in_output", self.include_stop_str_in_output, "true or false")
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(self, name)
+            if n is not None and (not _is_int(n) or not 0 <= n <= MAX_LOGPROBS):
+                raise _bad(name, n, f"an integer in [0, {MAX_LOGPROBS}] or None")
         self.temperature = float(self.temperature)
         self.top_p = float(self.top_p)
 
@@ -73,12 +106,18 @@ class SamplingParams:
     @classmethod
     def from_dict(cls, d: dict) -> "SamplingParams":
         if not isinstance(d, dict):
-            raise InvalidArgument(f"sampling={d!r} is invalid; allowed: a map of sampling fields")
+            raise InvalidArgument(f"sampling={short_repr(d)} is invalid; allowed: a map of sampling fields")
         unknown = set(d) - set(cls.__dataclass_fields__)
         if unknown:
             raise InvalidArgument(f"unknown sampling fields {sorted(unknown)}; allowed: "
-                                  f"{sorted(cls.__dataclass_fields__)}")
+                                  f"{sorted(cls.__dataclass_fields__)}", param=sorted(unknown)[0])
         return cls(**d)
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice `index` of a request for n choices with this seed (vLLM's rule, seed +
+    index): noise is keyed by (seed, position), so n copies under one seed would be identical."""
+    return (seed + index) & MAX_SEED
 
 
 def fresh_seed() -> int:
@@ -143,3 +182,15 @@ def sample(logits_SV: torch.Tensor, params: list[SamplingParams], seeds: list[in
     sampled_S = (scaled_SV + gumbel_SV).argmax(dim=-1)
     is_greedy_S = torch.tensor([p.greedy for p in params], device=dev)
     return torch.where(is_greedy_S, greedy_S, sampled_S)
+
+
+def token_logprobs(logits_SV: torch.Tensor, token_ids: list[int], num_top: list[int]) -> list[Logprob]:
+    """Row i: [log_softmax(logits_SV[i])[token_ids[i]], the num_top[i] best ids, their logprobs]."""
+    logprobs_SV = logits_SV.float().log_softmax(dim=-1)
+    chosen_S = logprobs_SV.gather(1, torch.tensor(token_ids, device=logits_SV.device)[:, None])[:, 0].tolist()
+    k = max(num_top, default=0)
+    if k == 0:
+        return [[lp, [], []] for lp in chosen_S]
+    top_SK, ids_SK = logprobs_SV.topk(min(k, logprobs_SV.shape[-1]), dim=-1)
+    top, ids = top_SK.tolist(), ids_SK.tolist()
+    return [[lp, i[:n], t[:n]] for lp, i, t, n in zip(chosen_S, ids, top, num_top)]

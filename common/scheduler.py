@@ -10,6 +10,7 @@ watermark free for running decodes to grow into.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -75,6 +76,7 @@ class Scheduler:
             self.waiting.popleft()
             self.bm.allocate(seq)
             seq.status = Status.RUNNING
+            seq.scheduled_time = seq.scheduled_time or time.monotonic()
             self.running.append(seq)
             n = min(seq.num_uncomputed, budget)
             batch.append(ScheduledSeq(seq, n))

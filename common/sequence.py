@@ -38,7 +38,11 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_cached_tokens = 0  # of those, found by prefix caching at admission
         self.num_preemptions = 0
+        # Logprobs of the tokens sampled here, and of the prompt's tokens (the first has none).
+        self.logprobs: list | None = [] if params.logprobs is not None else None
+        self.prompt_logprobs: list | None = None if params.prompt_logprobs is None else [None] * self.num_prompt_tokens
         self.arrival_time = time.monotonic()
+        self.scheduled_time: float | None = None  # first admitted to the running batch
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
 
@@ -58,8 +62,10 @@ class Sequence:
         """Everything but the newest token is in the cache: the next step feeds one token."""
         return self.num_uncomputed == 1 and len(self.token_ids) > self.num_prompt_tokens
 
-    def append_token(self, token: int) -> None:
+    def append_token(self, token: int, logprob=None) -> None:
         self.token_ids.append(token)
+        if self.logprobs is not None:
+            self.logprobs.append(logprob)
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
         if token in self.stop_ids:

@@ -61,6 +61,7 @@ class WorkerBase:
         self.router: Channel | None = None
         self.stopping = False
         self.kv_address = ""
+        self.kv_bytes: dict[str, int] = {}  # KV bytes sent, by transport (prefill), for the router's metrics
         self._connect_router()
 
     # ------------------------------------------------------------------ sockets
@@ -152,7 +153,8 @@ class WorkerBase:
             self._last_heartbeat = now
             s, bm = self.engine.scheduler, self.engine.block_manager
             self.to_router(P.Heartbeat(self.worker_id, self.incarnation, len(s.waiting), len(s.running),
-                                       bm.num_free_blocks, bm.num_blocks))
+                                       bm.num_free_blocks, bm.num_blocks, bm.prefix_queries, bm.prefix_hits,
+                                       self.kv_bytes))
         self.on_tick(now)
 
     @staticmethod

@@ -265,8 +265,10 @@ class DecodeWorker(WorkerBase):
                 continue
             index = len(out.token_ids) - len(out.new_token_ids)
             reason = out.finish_reason if out.finished else None
+            new = len(out.new_token_ids)
             self.to_router(P.WorkerTokens(out.request_id, attempt, index, out.new_token_ids, reason,
-                                          timings if out.finished else {}))
+                                          timings if out.finished else {}, out.logprobs and out.logprobs[-new:],
+                                          out.prompt_logprobs if index == 0 else None))  # mono: with the first token
             if out.finished:
                 del self.streams[out.request_id]
 

@@ -6,12 +6,15 @@
 # killing this script outright.
 #
 #   deploy/launch.sh [--prefill N] [--decode M] [--mono K] [--model SPEC] [--devices cpu,cuda:0,...]
-#                    [--host ADDR] [--port P] [--worker-port P] [--log-dir DIR] [-- WORKER_ARGS...]
+#                    [--host ADDR] [--port P] [--worker-port P] [--http-port P] [--log-dir DIR]
+#                    [-- WORKER_ARGS...]
 #
-# Prints "ready: router at tcp://HOST:PORT" once every worker has registered.
+# Prints "ready: router at tcp://HOST:PORT" once every worker has registered (after "HTTP API at
+# http://HOST:P" with --http-port; PDSERVE_API_KEY in the environment sets its key).
 set -uo pipefail
 
-PREFILL=1 DECODE=1 MONO=0 MODEL=dummy:nanogpt DEVICES=cpu HOST=127.0.0.1 PORT=7100 WORKER_PORT="" LOG_DIR=pdserve-logs
+PREFILL=1 DECODE=1 MONO=0 MODEL=dummy:nanogpt DEVICES=cpu HOST=127.0.0.1 PORT=7100 WORKER_PORT="" HTTP_PORT=""
+LOG_DIR=pdserve-logs
 WORKER_ARGS=()
 while (($#)); do
   case "$1" in
@@ -23,9 +26,10 @@ while (($#)); do
     --host) HOST=$2; shift 2 ;;
     --port) PORT=$2; shift 2 ;;
     --worker-port) WORKER_PORT=$2; shift 2 ;;
+    --http-port) HTTP_PORT=$2; shift 2 ;;
     --log-dir) LOG_DIR=$2; shift 2 ;;
     --) shift; WORKER_ARGS=("$@"); break ;;
-    -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
     *) echo "launch.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -67,7 +71,9 @@ stop() {
 trap 'stop; exit 0' INT TERM
 trap stop EXIT
 
-supervise router router --model "$MODEL" --host "$HOST" --port "$PORT" --worker-port "$WORKER_PORT" &
+ROUTER_ARGS=()
+[[ -n $HTTP_PORT ]] && ROUTER_ARGS=(--http-port "$HTTP_PORT")
+supervise router router --model "$MODEL" --host "$HOST" --port "$PORT" --worker-port "$WORKER_PORT" "${ROUTER_ARGS[@]}" &
 PIDS+=($!)
 i=0
 for role in prefill decode mono; do
@@ -101,6 +107,7 @@ for _ in $(seq 1 600); do
   alive=$($PDSERVE status --router "tcp://$HOST:$PORT" --json 2>/dev/null |
           python3 -c 'import json,sys; print(sum(w["alive"] for w in json.load(sys.stdin)["workers"]))' 2>/dev/null)
   if [[ "${alive:-0}" -ge "$WORKERS" ]]; then
+    [[ -n $HTTP_PORT ]] && echo "HTTP API at http://$HOST:$HTTP_PORT"
     echo "ready: router at tcp://$HOST:$PORT"
     break
   fi

@@ -158,11 +158,15 @@ class PrefillWorker(WorkerBase):
             index = len(work.token_ids) - work.num_prompt_tokens
             first = out.token_ids[-1]
             timings = {"prefill_s": now - received}
-            if out.finish_reason != "prefilled":  # finished at its first token: nothing to transfer
-                self.to_router(P.WorkerTokens(out.request_id, work.attempt, index, [first], out.finish_reason, timings))
+            if "queue_s" in out.metrics:  # waiting for the engine to take it
+                timings["queue_s"] = out.metrics["queue_s"]
+            done = out.finish_reason != "prefilled"  # finished at its first token: nothing to transfer
+            self.to_router(P.WorkerTokens(out.request_id, work.attempt, index, [first],
+                                          out.finish_reason if done else None, timings,
+                                          out.logprobs and out.logprobs[-1:], out.prompt_logprobs))
+            if done:
                 self._release_reservation(out.request_id)
                 continue
-            self.to_router(P.WorkerTokens(out.request_id, work.attempt, index, [first], None, timings))
             t = self.transfers.get(out.request_id)
             if t is not None:
                 t.first_token, t.prefilled_at = first, time.time()
@@ -251,6 +255,8 @@ class PrefillWorker(WorkerBase):
             if msg.ok:
                 self.transfers.pop(msg.request_id)
                 self.engine.release(msg.request_id)
+                sent = len(t.out.dst_blocks) * self.engine.model_config.num_layers * self.layer_bytes
+                self.kv_bytes[t.transport] = self.kv_bytes.get(t.transport, 0) + sent
             else:
                 self._give_up(msg.request_id, "TRANSFER_FAILED", msg.message)
 

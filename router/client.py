@@ -11,9 +11,12 @@
         async for chunk in c.stream("Hello"): ...
 
 A chat goes as `messages=[{"role": "user", "content": "Hi"}]` instead of a prompt; the router
-renders it with the model's chat template. Sampling options are SamplingParams' fields (temperature, top_p, top_k, max_tokens, seed,
-stop_token_ids, ignore_eos). Failures raise RequestError carrying the router's code
-(INVALID_ARGUMENT, OVERLOADED, UNAVAILABLE, TIMEOUT, ...) and message. Many requests may be in
+renders it with the model's chat template. Sampling options are SamplingParams' fields
+(temperature, top_p, top_k, max_tokens, seed, stop_token_ids, ignore_eos, stop, logprobs, ...):
+`stop=["\n\n"]` ends the text at that string (finish_reason "stop"), `logprobs=N` gives each
+token's logprob and N alternatives (Chunk.logprobs, Result.logprobs). Failures raise
+RequestError carrying the router's code (INVALID_ARGUMENT, OVERLOADED, UNAVAILABLE, TIMEOUT, ...)
+and message. Many requests may be in
 flight on one client; replies are matched to them by request id. If the connection to the router
 drops (the router died or restarted), every request in flight fails at once with UNAVAILABLE
 rather than waiting out its timeout; the client reconnects by itself for new requests.
@@ -51,6 +54,7 @@ class Chunk:
     index: int  # position of token_ids[0] in the generated output
     token_ids: list[int]
     text: str
+    logprobs: list | None = None  # per token: [logprob, top ids, top logprobs] (common/sampling.py)
 
 
 @dataclass
@@ -61,10 +65,18 @@ class Result:
     finish_reason: str
     prompt_token_ids: list[int] = field(default_factory=list)
     timings: dict = field(default_factory=dict)
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
 
 
 def _result(msg: P.Done) -> Result:
-    return Result(msg.request_id, msg.token_ids, msg.text, msg.finish_reason, msg.prompt_token_ids, msg.timings)
+    return Result(msg.request_id, msg.token_ids, msg.text, msg.finish_reason, msg.prompt_token_ids, msg.timings,
+                  msg.logprobs, msg.prompt_logprobs, msg.stop_reason)
+
+
+def _chunk(msg: P.Token) -> Chunk:
+    return Chunk(msg.request_id, msg.index, msg.token_ids, msg.text, msg.logprobs)
 
 
 def _generate(request_id: str, prompt, messages, sampling: dict, stream: bool) -> P.Generate:
@@ -102,7 +114,7 @@ class Stream:
             raise StopIteration
         msg = self.client._next(self.request_id, self.deadline)
         if isinstance(msg, P.Token):
-            return Chunk(msg.request_id, msg.index, msg.token_ids, msg.text)
+            return _chunk(msg)
         self.result = _result(msg)
         raise StopIteration
 
@@ -282,7 +294,7 @@ class AsyncClient:
         while True:
             msg = await self._next(rid, timeout)
             if isinstance(msg, P.Token):
-                yield Chunk(msg.request_id, msg.index, msg.token_ids, msg.text)
+                yield _chunk(msg)
             else:
                 yield _result(msg)
                 return

@@ -55,8 +55,12 @@ class Child:
 class Cluster:
     def __init__(self, model: str, prefill: int, decode: int, mono: int, devices: list[str], host: str, port: int,
                  worker_port: int, log_dir: Path, policy: str, worker_args: list[str], threads: int | None,
-                 restart: bool = True, router_args: list[str] = ()):
+                 restart: bool = True, router_args: list[str] = (), http_port: int | None = None,
+                 api_key: str | None = None):
         self.host, self.port, self.worker_port = host, port or free_port(host), worker_port or free_port(host)
+        self.http_port = None if http_port is None else http_port or free_port(host)
+        if self.http_port is not None:
+            router_args = ["--http-port", str(self.http_port), *router_args]
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.restart = restart
@@ -69,7 +73,8 @@ class Cluster:
         cli = [sys.executable, "-m", "common.cli"]
         self.router = Child("router", cli + ["router", "--model", model, "--host", host, "--port", str(self.port),
                                              "--worker-port", str(self.worker_port), "--policy", policy,
-                                             *router_args], self.log_dir / "router.log")
+                                             *router_args], self.log_dir / "router.log",
+                            env={"PDSERVE_API_KEY": api_key} if api_key else {})  # a key in argv would show in ps
         self.workers = []
         roles = ["prefill"] * prefill + ["decode"] * decode + ["mono"] * mono
         counts: dict[str, int] = {}
@@ -84,6 +89,10 @@ class Cluster:
     @property
     def address(self) -> str:
         return f"tcp://{self.host}:{self.port}"
+
+    @property
+    def http_url(self) -> str | None:
+        return None if self.http_port is None else f"http://{self.host}:{self.http_port}"
 
     @property
     def children(self) -> list[Child]:
@@ -159,6 +168,8 @@ def run_launch(cluster: Cluster):
         signal.signal(sig, lambda *_: stopping.append(True))
     try:
         cluster.start()
+        if cluster.http_url:
+            print(f"HTTP API at {cluster.http_url}", flush=True)
         print(f"ready: router at {cluster.address}", flush=True)
         while not stopping:
             cluster.supervise_once()

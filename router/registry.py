@@ -30,6 +30,7 @@ class Worker:
     free_blocks: int = 0
     assigned: set[str] = field(default_factory=set)  # router request ids in this worker's hands
     alive: bool = True
+    counters: dict = field(default_factory=dict)  # its heartbeat's counters, last seen (router/metrics.py)
 
     def describe(self, now: float) -> dict:
         return {"worker_id": self.worker_id, "role": self.role, "incarnation": self.incarnation,

@@ -15,11 +15,13 @@ The router never carries KV bytes.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import zmq
 import zmq.asyncio
@@ -29,7 +31,9 @@ from common.channel import Channel, Envelope
 from common.checkpoint import load_tokenizer, model_config
 from common.errors import InvalidArgument
 from common.sampling import SamplingParams, fresh_seed
+from router.metrics import RouterMetrics
 from router.registry import DECODE_ROLES, PREFILL_ROLES, Registry, Worker
+from router.text import TextStream
 
 log = logging.getLogger("pdserve.router")
 DEAD_WORKER_MEMORY_S = 300.0  # how long `pdserve status` still lists a dead worker
@@ -48,18 +52,21 @@ class RouterConfig:
     decode_stall_timeout_s: float = 30.0  # longest gap between two tokens
     queue_timeout_s: float = 30.0  # longest wait for a live worker
     max_attempts: int = 3
-    max_message_bytes: int = 4 * 2**20
+    max_message_bytes: int = 4 * 2**20  # also the HTTP body limit
+    http_port: int | None = None  # the OpenAI-compatible HTTP API and /metrics (router/http.py)
+    api_key: str | None = None  # HTTP: required as "Authorization: Bearer <key>" on /v1/
 
 
 @dataclass
 class Request:
     rid: str
-    client: bytes
+    client: object  # who asked: a ZeroMQ identity (bytes), or the HTTP front
     client_request_id: str
     prompt_ids: list[int]
     params: SamplingParams
     seed: int
     stream: bool
+    reply_to: Callable[[object], None] | None = None  # where its Token, Done and Error go (Router.submit sets it)
     arrival: float = field(default_factory=time.monotonic)
     state: str = "queued"
     attempt: int = 0
@@ -67,12 +74,15 @@ class Request:
     decode_worker: str | None = None
     deadline: float = math.inf
     tokens: list[int] = field(default_factory=list)  # delivered to the client, in order
-    pending: dict[int, int] = field(default_factory=dict)  # arrived ahead of a gap
+    logprobs: list | None = None  # of tokens, when params.logprobs asks for them
+    prompt_logprobs: list | None = None  # when params.prompt_logprobs asks for them
+    pending: dict[int, tuple] = field(default_factory=dict)  # (token, logprob) arrived ahead of a gap
     finish_at: int | None = None
     finish_reason: str | None = None
-    text_sent: str = ""
+    text: TextStream | None = None  # streamed text and stop strings (None: decoded once, at the end)
     dispatched_at: float | None = None
     first_token_at: float | None = None
+    last_token_at: float = 0.0
     worker_timings: dict = field(default_factory=dict)
     failed_pairs: set[tuple[str, str]] = field(default_factory=set)  # (prefill, decode) that failed it
     router_s: float = 0.0  # the router's own time on the first-token path: admit + forward
@@ -95,6 +105,12 @@ class Router:
                                      max_frame_bytes=hard_cap, max_header_bytes=cfg.max_message_bytes)
         self.backend = Channel.bind(self.ctx, zmq.ROUTER, f"tcp://{cfg.host}:{cfg.worker_port}",
                                     max_frame_bytes=hard_cap, max_header_bytes=cfg.max_message_bytes)
+        self.metrics = RouterMetrics(self)
+        self.http = None
+        if cfg.http_port is not None:
+            from router.http import HttpFront  # aiohttp is imported only where HTTP is served
+
+            self.http = HttpFront(self, cfg.host, cfg.http_port, cfg.api_key, cfg.max_message_bytes)
 
     # ------------------------------------------------------------------ plumbing
 
@@ -107,10 +123,22 @@ class Router:
         fut.add_done_callback(lambda f: f.exception() and log.warning("send failed: %s", f.exception()))
 
     def reply(self, req: Request, msg):
-        self._send(self.frontend, msg, req.client)
+        req.reply_to(msg)
 
     def error(self, req: Request, code: str, message: str):
         self.reply(req, P.Error(req.client_request_id, code, message))
+        self.metrics.on_error(code)
+        self._finish(req)
+
+    def done(self, req: Request, reason: str):
+        """Finish req with its tokens so far: Done to the client."""
+        text = req.text.final() if req.text is not None else self._text(req.tokens)
+        stop_reason = req.text.stop_reason if req.text is not None else None
+        if stop_reason is None and reason == "stop" and req.tokens and req.tokens[-1] in req.params.stop_token_ids:
+            stop_reason = req.tokens[-1]
+        self.reply(req, P.Done(req.client_request_id, reason, req.tokens, text, req.prompt_ids, self._timings(req),
+                               req.logprobs, req.prompt_logprobs, stop_reason))
+        self.metrics.on_done(req, reason)
         self._finish(req)
 
     def _finish(self, req: Request):
@@ -120,16 +148,24 @@ class Router:
             w.assigned.discard(req.rid)
         req.state = "done"
 
-    async def serve(self, stop: asyncio.Event | None = None):
+    async def serve(self, stop: asyncio.Event | None = None, on_ready: Callable[[str], None] | None = None):
         stop = stop or asyncio.Event()
+        if self.http is not None:
+            await self.http.start()
         tasks = [asyncio.ensure_future(t) for t in (self._frontend_loop(), self._backend_loop(), self._monitor_loop())]
-        log.info("router ready: clients at %s, workers at %s", self.frontend.address, self.backend.address)
+        where = f"clients at {self.frontend.address}, workers at {self.backend.address}" + (
+            f", HTTP at {self.http.url}" if self.http else "")
+        log.info("router ready: %s", where)
+        if on_ready is not None:
+            on_ready(where)
         try:
             await stop.wait()
         finally:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            if self.http is not None:
+                await self.http.close()
             self.frontend.close()
             self.backend.close()
             self.ctx.term()
@@ -163,43 +199,64 @@ class Router:
             self._send(self.frontend, P.Error(None, "INVALID_ARGUMENT",
                                               f"{type(msg).__name__} is not a client message"), env.sender)
 
-    def _validate(self, msg: P.Generate) -> tuple[list[int], SamplingParams]:
-        params = SamplingParams.from_dict(msg.sampling)
-        if msg.messages is not None or isinstance(msg.prompt, str):
+    def validate(self, prompt: str | list[int], messages: list[dict] | None,
+                 sampling: dict | SamplingParams) -> tuple[list[int], SamplingParams]:
+        """A request's prompt ids and sampling, or InvalidArgument naming what is wrong."""
+        params = sampling if isinstance(sampling, SamplingParams) else SamplingParams.from_dict(sampling)
+        if messages is not None or isinstance(prompt, str):
             if self.tokenizer is None:
-                raise InvalidArgument(f"model {self.cfg.model!r} has no tokenizer; send token ids")
-            if msg.messages is None:
-                ids = self.tokenizer.encode(msg.prompt)
-            elif msg.prompt:
-                raise InvalidArgument("a request with messages must have an empty prompt; send one or the other")
+                raise InvalidArgument(f"model {self.cfg.model!r} has no tokenizer; send token ids", param="prompt")
+            if messages is None:
+                ids = self.tokenizer.encode(prompt)
+            elif prompt:
+                raise InvalidArgument("a request with messages must have an empty prompt; send one or the other",
+                                      param="prompt")
             else:
-                ids = self.tokenizer.encode_chat(msg.messages)
+                try:
+                    ids = self.tokenizer.encode_chat(messages)
+                except InvalidArgument as e:
+                    e.param = e.param or "messages"
+                    raise
         else:
-            ids = msg.prompt
+            ids = prompt
             V = self.model_config.vocab_size
             bad = [t for t in ids if not 0 <= t < V]
             if bad:
-                raise InvalidArgument(f"prompt token ids {bad[:5]} are invalid; allowed: integers in [0, {V})")
+                raise InvalidArgument(f"prompt token ids {bad[:5]} are invalid; allowed: integers in [0, {V})",
+                                      param="prompt")
         limit = self.model_config.max_position_embeddings
         if not ids:
-            raise InvalidArgument("prompt is empty; allowed: at least one token")
+            raise InvalidArgument("prompt is empty; allowed: at least one token", param="prompt")
         if len(ids) >= limit:
             raise InvalidArgument(f"prompt has {len(ids)} tokens; allowed: at most {limit - 1} "
-                                  f"(the model's context is {limit})")
+                                  f"(the model's context is {limit})", param="prompt")
         return ids, params
 
     def admit(self, client: bytes, msg: P.Generate):
+        """A Generate from a ZeroMQ client."""
         received = time.monotonic()
+        try:
+            ids, params = self.validate(msg.prompt, msg.messages, msg.sampling)
+        except InvalidArgument as e:
+            self.metrics.on_error(e.code)
+            return self._send(self.frontend, P.Error(msg.request_id, e.code, str(e)), client)
+        self.submit(client, msg.request_id, ids, params, msg.stream, received=received)
+
+    def submit(self, client, client_request_id: str, ids: list[int], params: SamplingParams, stream: bool,
+               reply_to: Callable[[object], None] | None = None, received: float | None = None) -> bool:
+        """Admit a validated request and dispatch it. Its replies (Token if stream, then Done or
+        Error) go to reply_to, in-process (the HTTP front), or else back to the ZeroMQ identity
+        client. False if refused (the Error went to reply_to too)."""
+        received = received or time.monotonic()
+        reply_to = reply_to or functools.partial(self._reply_zmq, client)
 
         def refuse(code, text):
-            self._send(self.frontend, P.Error(msg.request_id, code, text), client)
+            reply_to(P.Error(client_request_id, code, text))
+            self.metrics.on_error(code)
+            return False
 
-        if (client, msg.request_id) in self.by_client:
-            return refuse("INVALID_ARGUMENT", f"request_id={msg.request_id!r} is already in flight")
-        try:
-            ids, params = self._validate(msg)
-        except InvalidArgument as e:
-            return refuse(e.code, str(e))
+        if (client, client_request_id) in self.by_client:
+            return refuse("INVALID_ARGUMENT", f"request_id={client_request_id!r} is already in flight")
         if len(self.requests) >= self.cfg.max_queue:
             return refuse("OVERLOADED", f"the router holds {len(self.requests)} requests, its limit "
                                         f"(max_queue={self.cfg.max_queue}); retry later")
@@ -208,23 +265,29 @@ class Router:
             # the request waits (dispatch queues it) up to queue_timeout_s.
             if not any(w.role in roles for w in self.registry.workers.values()):
                 return refuse("UNAVAILABLE", f"no {what} worker has registered")
-        req = Request(str(next(self._ids)), client, msg.request_id, ids, params,
-                      params.seed if params.seed is not None else fresh_seed(), msg.stream, arrival=received)
+        req = Request(str(next(self._ids)), client, client_request_id, ids, params,
+                      params.seed if params.seed is not None else fresh_seed(), stream, reply_to, arrival=received)
+        if params.logprobs is not None:
+            req.logprobs = []
+        if self.tokenizer is not None and (stream or params.stop):
+            req.text = TextStream(self.tokenizer, params.stop, params.include_stop_str_in_output)
         self.requests[req.rid] = req
-        self.by_client[(client, msg.request_id)] = req.rid
+        self.by_client[(client, client_request_id)] = req.rid
         self.dispatch(req)
         if req.dispatched_at is not None:
             req.router_s += time.monotonic() - received
+        return True
 
-    def cancel(self, client: bytes, client_request_id: str):
+    def _reply_zmq(self, client: bytes, msg):
+        self._send(self.frontend, msg, client)
+
+    def cancel(self, client, client_request_id: str):
         rid = self.by_client.get((client, client_request_id))
         if rid is None:
             return
         req = self.requests[rid]
         self._cancel_work(req)
-        self.reply(req, P.Done(req.client_request_id, "cancelled", req.tokens, self._text(req.tokens),
-                               req.prompt_ids, self._timings(req)))
-        self._finish(req)
+        self.done(req, "cancelled")
 
     def _cancel_work(self, req: Request):
         for wid in {req.prefill_worker, req.decode_worker} - {None}:
@@ -249,9 +312,7 @@ class Router:
         """Send req (prompt + tokens delivered so far) to a prefill worker, naming its decode worker."""
         reason = self._already_finished(req)
         if reason is not None:
-            self.reply(req, P.Done(req.client_request_id, reason, req.tokens, self._text(req.tokens), req.prompt_ids,
-                                   self._timings(req)))
-            return self._finish(req)
+            return self.done(req, reason)
         decoders = self.registry.alive(("decode",))
         p = self.registry.pick(PREFILL_ROLES,
                                lambda p: any(pairs(req, p, d) for d in ([p] if p.role == "mono" else decoders)))
@@ -267,8 +328,11 @@ class Router:
         req.dispatched_at = req.dispatched_at or time.monotonic()
         p.assigned.add(req.rid)
         d.assigned.add(req.rid)
+        sampling = req.params.to_dict()
+        if req.prompt_logprobs is not None:  # a migration: they came with the first attempt
+            sampling["prompt_logprobs"] = None
         self._send(self.backend, P.PrefillWork(req.rid, req.attempt, req.prompt_ids + req.tokens, len(req.prompt_ids),
-                                               req.params.to_dict(), req.seed, d.worker_id, d.kv_address), p.identity)
+                                               sampling, req.seed, d.worker_id, d.kv_address), p.identity)
 
     def retry(self, req: Request, why: str):
         self._cancel_work(req)
@@ -277,6 +341,7 @@ class Router:
         if req.attempt >= self.cfg.max_attempts:
             return self.error(req, "UNAVAILABLE", f"gave up after {req.attempt} attempts; last: {why}")
         log.info("request %s attempt %d failed (%s); re-dispatching", req.rid, req.attempt, why)
+        self.metrics.on_retry(req)
         self.dispatch(req)
 
     # ------------------------------------------------------------------ workers
@@ -288,6 +353,9 @@ class Router:
                 self.on_worker(env)
             except Exception:
                 log.exception("worker message handling failed")
+            # arecv does not yield while messages wait: let the HTTP streams write what this one
+            # gave them now, as ZeroMQ replies go at once, not after the whole backlog
+            await asyncio.sleep(0)
 
     def on_worker(self, env: Envelope):
         if env.error is not None:
@@ -306,6 +374,7 @@ class Router:
         w.last_seen = time.monotonic()
         if isinstance(msg, P.Heartbeat):
             w.queued, w.running, w.free_blocks = msg.queued, msg.running, msg.free_blocks
+            self.metrics.on_heartbeat(w, msg)
         elif isinstance(msg, P.WorkerTokens):
             self.on_tokens(w, msg)
         elif isinstance(msg, P.WorkerError):
@@ -339,6 +408,7 @@ class Router:
 
     def worker_lost(self, w: Worker, why: str):
         w.alive = False
+        self.metrics.worker_deaths.inc()
         log.warning("worker %s lost (%s); %d requests to recover", w.worker_id, why, len(w.assigned))
         for rid in sorted(w.assigned):
             req = self.requests.get(rid)
@@ -360,25 +430,41 @@ class Router:
             if pw is not None:
                 pw.assigned.discard(req.rid)
         req.deadline = now + self.cfg.decode_stall_timeout_s
+        if msg.prompt_logprobs is not None and req.prompt_logprobs is None and req.params.prompt_logprobs is not None:
+            req.prompt_logprobs = msg.prompt_logprobs
+        logprobs = msg.logprobs or ()
         for i, t in enumerate(msg.token_ids):
             if msg.index + i >= len(req.tokens):
-                req.pending[msg.index + i] = t
+                req.pending[msg.index + i] = (t, logprobs[i] if i < len(logprobs) else None)
         if msg.finish_reason is not None:
             req.finish_at, req.finish_reason = msg.index + len(msg.token_ids), msg.finish_reason
         start = len(req.tokens)
         while len(req.tokens) in req.pending:
-            req.tokens.append(req.pending.pop(len(req.tokens)))
+            token, logprob = req.pending.pop(len(req.tokens))
+            req.tokens.append(token)
+            if req.logprobs is not None:
+                req.logprobs.append(logprob)
+            if req.text is not None and req.text.add(token):  # a stop string: the workers need not go on
+                req.finish_at, req.finish_reason = len(req.tokens), "stop"
+                req.pending.clear()
+                self._cancel_work(req)
+                break
         if len(req.tokens) > start:
+            self.metrics.on_tokens(req, now, len(req.tokens) - start)
             if req.stream:
-                self.reply(req, P.Token(req.client_request_id, start, req.tokens[start:], self._text_delta(req)))
+                self.reply(req, P.Token(req.client_request_id, start, req.tokens[start:],
+                                        req.text.delta() if req.text is not None else "",
+                                        None if req.logprobs is None else req.logprobs[start:],
+                                        req.prompt_logprobs if start == 0 else None))
             if req.first_token_at is None:
                 req.first_token_at = now
                 req.router_s += time.monotonic() - now
+            req.last_token_at = now
         if req.finish_at is not None and len(req.tokens) >= req.finish_at:
             del req.tokens[req.finish_at:]
-            self.reply(req, P.Done(req.client_request_id, req.finish_reason, req.tokens, self._text(req.tokens),
-                                   req.prompt_ids, self._timings(req)))
-            self._finish(req)
+            if req.logprobs is not None:
+                del req.logprobs[req.finish_at:]
+            self.done(req, req.finish_reason)
 
     def on_worker_error(self, w: Worker, msg: P.WorkerError):
         req = self.requests.get(msg.request_id)
@@ -426,14 +512,6 @@ class Router:
     def _text(self, ids: list[int]) -> str | None:
         return self.tokenizer.decode(ids) if self.tokenizer is not None else None
 
-    def _text_delta(self, req: Request) -> str:
-        """New text since the last delta; held back while it ends inside a multi-byte character."""
-        text = self._text(req.tokens) or ""
-        if text.endswith("\ufffd") or not text.startswith(req.text_sent):
-            return ""
-        delta, req.text_sent = text[len(req.text_sent):], text
-        return delta
-
     def _timings(self, req: Request) -> dict:
         now = time.monotonic()
         t = dict(req.worker_timings)
@@ -468,7 +546,6 @@ def run_router(cfg: RouterConfig):
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        print(f"router: clients at {router.frontend.address}, workers at {router.backend.address}", flush=True)
-        await router.serve(stop)
+        await router.serve(stop, on_ready=lambda where: print(f"router: {where}", flush=True))
 
     uvloop.run(main())

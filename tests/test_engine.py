@@ -199,3 +199,23 @@ def test_prefix_hit_is_confirmed_by_tokens(monkeypatch):
     assert all(o.metrics["num_cached_tokens"] == 0 for o in got)
     cold = Engine(model="dummy:nanogpt", enable_prefix_caching=False)
     assert [o.token_ids for o in got] == [cold.generate([p], params)[0].token_ids for p in ps]
+
+
+def test_logprobs_of_prompt_and_output_do_not_depend_on_chunking_or_the_prefix_cache():
+    """Prompt logprobs need every prompt position's logits: a cached prefix is recomputed for
+    them, and chunked prefill gives the same values; output logprobs match too."""
+    base = prompts(1, 50, 50, seed=6)[0]
+    asks = SamplingParams(temperature=0.8, seed=5, max_tokens=6, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+    whole = Engine(model="dummy:nanogpt", enable_prefix_caching=False).generate([base], asks)[0]
+    assert whole.prompt_logprobs[0] is None and len(whole.prompt_logprobs) == 50 and len(whole.logprobs) == 6
+    assert all(len(e[1]) == 2 for e in whole.prompt_logprobs[1:]) and all(len(e[1]) == 3 for e in whole.logprobs)
+    engine = Engine(model="dummy:nanogpt", max_num_batched_tokens=7, max_num_seqs=4)
+    engine.generate([base], SamplingParams(temperature=0, max_tokens=2))  # caches the prefix
+    out = engine.generate([base], asks)[0]
+    assert out.metrics["num_cached_tokens"] == 0  # not taken from the cache
+    assert out.token_ids == whole.token_ids
+    for got, want in zip(out.prompt_logprobs[1:] + out.logprobs, whole.prompt_logprobs[1:] + whole.logprobs):
+        assert got[1] == want[1] and got[0] == pytest.approx(want[0], abs=1e-4)
+    plain = engine.generate([base], SamplingParams(temperature=0, max_tokens=2))[0]
+    assert plain.logprobs is None and plain.prompt_logprobs is None and plain.metrics["num_cached_tokens"] == 48
+    assert_all_blocks_free(engine)

@@ -1,11 +1,13 @@
 """deploy/launch.sh and `pdserve launch` bring up a cluster that answers, and stop without leaving
 a single process behind."""
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,8 @@ from router.client import Client
 from router.launcher import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
+# launch.sh runs `pdserve` if one is installed: make it this checkout's, which a test is about.
+CHECKOUT_ENV = dict(os.environ, PDSERVE=f"{sys.executable} -m common.cli")
 pytestmark = pytest.mark.timeout(300)
 
 
@@ -22,9 +26,9 @@ def processes_mentioning(text: str) -> list[str]:
     return [line for line in out.splitlines()[1:] if text in line and "ps -ww" not in line]
 
 
-def read_until_ready(proc, timeout=180.0) -> str:
+def read_until_ready(proc, timeout=180.0, lines=None) -> str:
     deadline = time.monotonic() + timeout
-    lines = []
+    lines = [] if lines is None else lines
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
         if not line:
@@ -37,21 +41,26 @@ def read_until_ready(proc, timeout=180.0) -> str:
 
 @pytest.mark.parametrize("how", ["launch.sh", "pdserve launch"])
 def test_launch_answers_and_stops_cleanly(tmp_path, how):
-    port = free_port()
-    args = ["--prefill", "1", "--decode", "1", "--port", str(port), "--log-dir", str(tmp_path / "logs")]
+    port, http_port = free_port(), free_port()
+    args = ["--prefill", "1", "--decode", "1", "--port", str(port), "--log-dir", str(tmp_path / "logs"),
+            "--http-port", str(http_port)]
     if how == "launch.sh":
         cmd = ["bash", str(ROOT / "deploy" / "launch.sh"), *args]
     else:
         cmd = [sys.executable, "-m", "common.cli", "launch", *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                            start_new_session=True)
+                            start_new_session=True, env=CHECKOUT_ENV)
     marker = f"--port {port}"
     try:
-        address = read_until_ready(proc)
+        lines = []
+        address = read_until_ready(proc, lines=lines)
         assert address == f"tcp://127.0.0.1:{port}"
+        assert f"HTTP API at http://127.0.0.1:{http_port}\n" in lines
         with Client(address, timeout=60) as client:
             r = client.generate("Hello", max_tokens=5, temperature=0, ignore_eos=True)
         assert len(r.token_ids) == 5
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/health", timeout=30) as health:
+            assert json.load(health)["status"] == "ok"
         assert len(processes_mentioning(marker)) >= 1
         assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == ["decode-0.log", "prefill-0.log", "router.log"]
         # A crashed worker is restarted and rejoins under a new incarnation.
@@ -91,7 +100,7 @@ def test_killing_the_launcher_outright_takes_its_cluster_down(tmp_path, how):
     cmd = ["bash", str(ROOT / "deploy" / "launch.sh"), *args] if how == "launch.sh" else \
         [sys.executable, "-m", "common.cli", "launch", *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                            start_new_session=True)
+                            start_new_session=True, env=CHECKOUT_ENV)
     try:
         read_until_ready(proc)
 

@@ -53,3 +53,16 @@ def test_unknown_and_missing_fields_are_refused_naming_them():
         P.decode(raw("KVAck", request_id="r", attempt=0))
     with pytest.raises(P.ProtocolError, match=r"message type 'Nope' is unknown"):
         P.decode(raw("Nope"))
+
+
+def test_fields_added_later_have_defaults_so_older_messages_still_decode():
+    """Logprobs (WorkerTokens, Token, Done) and metrics counters (Heartbeat) came after version 1:
+    a message without them decodes, with their defaults."""
+    old = P.decode(raw("WorkerTokens", request_id="r", attempt=1, index=0, token_ids=[5]))
+    assert (old.logprobs, old.prompt_logprobs) == (None, None)
+    beat = P.decode(raw("Heartbeat", worker_id="w", incarnation="i", queued=0, running=1, free_blocks=2, total_blocks=3))
+    assert (beat.prefix_queries, beat.prefix_hits, beat.kv_bytes) == (0, 0, {})
+    assert P.decode(raw("Done", request_id="r", finish_reason="stop", token_ids=[])).stop_reason is None
+    new = P.WorkerTokens("r", 1, 0, [5, 6], "stop", {}, [[-0.5, [5, 9], [-0.5, -1.5]], [-0.1, [], []]], [None, [-2.0, [], []]])
+    assert P.decode(P.encode(new)) == new
+    assert P.decode(P.encode(P.Done("r", "stop", [1], stop_reason="\n\n"))).stop_reason == "\n\n"

@@ -1,0 +1,62 @@
+"""The load of `pdserve bench serve` over HTTP, for any OpenAI-compatible server (pdserve's router
+with --http-port, vLLM, SGLang, ...): the same requests as the SDK driver (bench/serve.py drive),
+sent to POST /v1/completions as token-id prompts, greedy, ignore_eos, streamed, with
+stream_options.include_usage so the token count comes from the server's usage. aiohttp, as vLLM's
+own benchmark_serving uses: a light client matters when the load generator shares the machine.
+
+A sample's first token is its first chunk with a choice; its inter-token gaps are between chunks
+(a chunk may carry more than one token, which only usage tells).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import aiohttp
+
+from bench.serve import Sample
+
+
+async def served_model(session: aiohttp.ClientSession, base_url: str, headers: dict) -> str:
+    async with session.get(f"{base_url}/v1/models", headers=headers) as r:
+        if r.status != 200:
+            raise RuntimeError(f"GET {base_url}/v1/models answered {r.status}: {await r.text()}")
+        return (await r.json())["data"][0]["id"]
+
+
+async def drive_http(base_url: str, requests, concurrency: int = 0, api_key: str | None = None
+                     ) -> tuple[list[Sample], float]:
+    base_url = base_url.rstrip("/").removesuffix("/v1")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
+        model = await served_model(session, base_url, headers)
+        gate = asyncio.Semaphore(concurrency or len(requests) or 1)
+        start = time.perf_counter()
+
+        async def one(offset, prompt, max_tokens) -> Sample:
+            await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
+            body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                    "stream": True, "stream_options": {"include_usage": True}}
+            async with gate:
+                s = Sample(time.perf_counter())
+                async with session.post(f"{base_url}/v1/completions", json=body, headers=headers) as r:
+                    if r.status != 200:
+                        raise RuntimeError(f"POST /v1/completions answered {r.status}: {await r.text()}")
+                    async for line in r.content:
+                        if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                            continue
+                        now = time.perf_counter()
+                        chunk = json.loads(line[6:])
+                        if chunk.get("usage"):
+                            s.tokens = chunk["usage"]["completion_tokens"]
+                        if chunk.get("choices"):
+                            s.first = s.first or now
+                            s.token_times.append(now)
+                s.end = time.perf_counter()
+            return s
+
+        samples = await asyncio.gather(*(one(*r) for r in requests))
+        return list(samples), time.perf_counter() - start

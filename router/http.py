@@ -1,0 +1,237 @@
+"""The router's HTTP front: OpenAI's API (/v1/completions, /v1/chat/completions, /v1/models),
+/health and Prometheus /metrics, served in the router process, on its event loop.
+
+    HTTP client --POST /v1/completions--> HttpFront --Router.submit(reply_to=queue)--> request state machine
+                <--SSE chunks / JSON--    (one asyncio.Queue per HTTP request)  <--Token/Done/Error--
+
+An HTTP request becomes one or more router requests (a batch of prompts, n choices each) admitted
+in-process: no extra socket hop, the same validation, dispatch, recovery and stop strings as a
+ZeroMQ client gets. Their replies land in an asyncio queue that the handler turns into OpenAI's
+shapes (router/openai_api.py). A client that goes away (its connection closes) cancels every one
+of its requests at once: aiohttp cancels the handler, and the handler's `finally` cancels the work
+on the workers, which free its KV blocks.
+
+Why aiohttp: it runs as an AppRunner on the loop the router already has (uvloop), with no second
+loop, thread or ASGI layer between a token and its socket write; each SSE chunk is one transport
+write. FastAPI on uvicorn (vLLM's and SGLang's choice) could be run the same way, but adds ASGI
+message passing and pydantic validation per request and per chunk to a process that must stay
+within a millisecond of the ZeroMQ path, and we check requests ourselves anyway (to name the field
+and what is allowed, as every pdserve error does). aiohttp's client also drives
+`pdserve bench serve --base-url`.
+
+Errors are OpenAI's shape, {"error": {"message", "type", "param", "code"}}, with our codes:
+INVALID_ARGUMENT 400 (malformed JSON too), UNAUTHENTICATED 401, NOT_FOUND 404 (model or route),
+TOO_LARGE 413 (a body over --max-message-bytes), OVERLOADED 429 with Retry-After, UNAVAILABLE 503.
+A stream sends its headers with its first token, so an error before it still gets its status; one
+after it comes as an SSE event {"error": ...}, then [DONE].
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from common import protocol as P
+from common.errors import InvalidArgument
+from router.openai_api import RETRY_AFTER_S, ApiError, Choice, Envelope, Job, parse_chat, parse_completion, usage
+from router.registry import DECODE_ROLES, PREFILL_ROLES
+
+log = logging.getLogger("pdserve.http")
+HTTP_CLIENT = "http"  # the Router.submit client of every HTTP request (their request ids are unique)
+ROUTES = "GET /health, GET /metrics, GET /v1/models, POST /v1/completions, POST /v1/chat/completions"
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+
+class HttpFront:
+    def __init__(self, router, host: str, port: int, api_key: str | None, max_body_bytes: int):
+        self.router, self.host, self.port = router, host, port
+        self.api_key = api_key.encode() if api_key else None
+        self.max_body_bytes = max_body_bytes
+        self.created = int(time.time())
+        self.app = web.Application(client_max_size=max_body_bytes, middlewares=[self._guard])
+        self.app.router.add_get("/health", self.health)
+        self.app.router.add_get("/metrics", self.metrics)
+        self.app.router.add_get("/v1/models", self.models)
+        self.app.router.add_post("/v1/completions", self.completions)
+        self.app.router.add_post("/v1/chat/completions", self.chat_completions)
+        self.runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    async def start(self):
+        self.runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, self.host, self.port, backlog=1024)
+        await site.start()
+        self.port = self.runner.addresses[0][1]  # the real one, if port 0 asked for any
+
+    async def close(self):
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+    # ------------------------------------------------------------------ errors and auth
+
+    @web.middleware
+    async def _guard(self, request: web.Request, handler):
+        try:
+            if self.api_key is not None and request.path.startswith("/v1/"):
+                self._authorize(request)
+            return await handler(request)
+        except ApiError as e:
+            return error_response(e)
+        except InvalidArgument as e:
+            return error_response(ApiError("INVALID_ARGUMENT", str(e), e.param))
+        except web.HTTPException as e:  # aiohttp's own: no route, wrong method, body too large
+            return error_response(self._http_error(request, e))
+        except ConnectionError:  # the client went away: this answer will not reach it (aiohttp takes that quietly)
+            return web.Response(status=499, text="client closed the connection")
+        except Exception as e:
+            log.exception("HTTP %s %s failed", request.method, request.path)
+            return error_response(ApiError("INTERNAL", f"{type(e).__name__}: {e}"))
+
+    def _authorize(self, request: web.Request):
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key):
+            raise ApiError("UNAUTHENTICATED", "a valid API key is required: send the header "
+                                              "'Authorization: Bearer <key>'")
+
+    def _http_error(self, request: web.Request, e: web.HTTPException) -> ApiError:
+        if e.status == 413:
+            return ApiError("TOO_LARGE", f"the request body is over the limit of {self.max_body_bytes} bytes")
+        if e.status == 405:
+            return ApiError("METHOD_NOT_ALLOWED", f"{request.method} {request.path} is not served; allowed: {ROUTES}")
+        if e.status == 404:
+            return ApiError("NOT_FOUND", f"{request.method} {request.path} is not served; allowed: {ROUTES}")
+        return ApiError("INVALID_ARGUMENT" if e.status < 500 else "INTERNAL", e.reason)
+
+    # ------------------------------------------------------------------ routes
+
+    async def health(self, request: web.Request) -> web.Response:
+        """200 while at least one worker of each needed role (prefill or mono, decode or mono) is alive."""
+        registry = self.router.registry
+        missing = [what for roles, what in ((PREFILL_ROLES, "prefill"), (DECODE_ROLES, "decode"))
+                   if not registry.alive(roles)]
+        if missing:
+            raise ApiError("UNAVAILABLE", f"no live {' or '.join(missing)} worker")
+        return web.json_response({"status": "ok", "workers": len(registry.alive(PREFILL_ROLES + DECODE_ROLES))})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.router.metrics.registry),
+                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{
+            "id": self.router.cfg.model, "object": "model", "created": self.created, "owned_by": "pdserve",
+            "max_model_len": self.router.model_config.max_position_embeddings}]})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, lambda body: parse_completion(body, self.router.cfg.model))
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        context = self.router.model_config.max_position_embeddings
+        return await self._serve(request, lambda body: parse_chat(body, self.router.cfg.model, context))
+
+    # ------------------------------------------------------------------ requests
+
+    async def _serve(self, request: web.Request, parse) -> web.StreamResponse:
+        router = self.router
+        try:
+            job: Job = parse(await _json(request))
+            prepared = [router.validate(prompt, job.messages, job.params) for prompt in job.prompts]
+            total = len(prepared) * job.n
+            if total > router.cfg.max_queue:
+                raise ApiError("INVALID_ARGUMENT", f"{len(prepared)} prompts x n={job.n} make {total} choices; "
+                                                   f"allowed: at most {router.cfg.max_queue} (the router's max_queue)",
+                               "n" if job.n > 1 else "prompt")
+        except (ApiError, InvalidArgument, web.HTTPRequestEntityTooLarge) as e:
+            router.metrics.on_error("TOO_LARGE" if isinstance(e, web.HTTPException) else e.code)
+            raise
+        choices = []
+        for i in range(total):
+            prompt, (ids, _) = job.prompts[i // job.n], prepared[i // job.n]
+            prompt_text = (prompt if isinstance(prompt, str) else router._text(ids) or "") if job.echo else ""
+            choices.append(Choice(i, job, router.tokenizer, ids, prompt_text))
+        queue: asyncio.Queue = asyncio.Queue()
+        base = uuid.uuid4().hex
+        try:
+            for c in choices:
+                reply_to = lambda msg, i=c.index: queue.put_nowait((i, msg))
+                if not router.submit(HTTP_CLIENT, f"{base}-{c.index}", c.prompt_ids, job.choice_params(c.index),
+                                     job.stream, reply_to):
+                    break  # its Error is in the queue
+            first = await queue.get()
+            if isinstance(first[1], P.Error):
+                raise ApiError(first[1].code, first[1].message)
+            if job.stream:
+                return await self._stream(request, job, choices, queue, first)
+            return await self._collect(job, choices, queue, first)
+        finally:  # done, failed, or the client went away: nothing of it goes on
+            for c in choices:
+                router.cancel(HTTP_CLIENT, f"{base}-{c.index}")
+
+    async def _collect(self, job: Job, choices: list[Choice], queue: asyncio.Queue, item) -> web.Response:
+        entries: list[dict | None] = [None] * len(choices)
+        remaining = len(choices)
+        while True:
+            i, msg = item
+            if isinstance(msg, P.Error):
+                raise ApiError(msg.code, msg.message)
+            if isinstance(msg, P.Done):
+                entries[i] = choices[i].final(msg)
+                remaining -= 1
+                if not remaining:
+                    break
+            item = await queue.get()
+        return web.json_response(Envelope(job).response(job, choices, entries))
+
+    async def _stream(self, request: web.Request, job: Job, choices: list[Choice], queue: asyncio.Queue,
+                      item) -> web.StreamResponse:
+        response = web.StreamResponse(headers=SSE_HEADERS)
+        envelope = Envelope(job)
+        remaining, batch, last = len(choices), [item], False
+        try:
+            await response.prepare(request)  # its headers go out with the first chunk
+            while not last:
+                while not queue.empty():  # what arrived meanwhile goes in the same write
+                    batch.append(queue.get_nowait())
+                out = []
+                for i, msg in batch:
+                    if isinstance(msg, P.Error):
+                        out.append(b"data: " + json.dumps(ApiError(msg.code, msg.message).body()).encode() + b"\n\n")
+                        remaining = -1
+                        break
+                    out += [envelope.chunk([entry]) for entry in choices[i].chunks(msg)]
+                    remaining -= isinstance(msg, P.Done)
+                last = remaining <= 0
+                if last:
+                    if job.include_usage and remaining == 0:
+                        out.append(envelope.chunk([], usage(job, choices)))
+                    out.append(b"data: [DONE]\n\n")
+                await response.write(b"".join(out))
+                if not last:
+                    batch = [await queue.get()]
+        except ConnectionError:  # the client went away (the caller cancels its requests)
+            pass
+        return response
+
+
+async def _json(request: web.Request):
+    raw = await request.read()  # over client_max_size: 413
+    try:
+        return json.loads(raw)
+    except ValueError as e:
+        raise ApiError("INVALID_ARGUMENT", f"the body is not valid JSON ({e})") from None
+
+
+def error_response(e: ApiError) -> web.Response:
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status == 429 else None
+    return web.json_response(e.body(), status=e.status, headers=headers)

@@ -1,0 +1,140 @@
+"""The router's Prometheus metrics, served at GET /metrics by the HTTP front (router/http.py).
+
+Names follow vLLM's (`vllm:time_to_first_token_seconds` is `pdserve:time_to_first_token_seconds`,
+with the same `model_name` label) so a vLLM dashboard adapts by a change of prefix; metrics vLLM
+has no counterpart for (KV handoff, migrations, per-worker state) use the same style.
+
+Request metrics are observed by the router as requests move (it sees every token). Gauges are
+read at scrape time from the router's state: nothing to keep in step. Per-worker figures come
+with heartbeats; a worker's counters (prefix cache, KV bytes) count from its start, so the router
+adds the increase since the previous heartbeat to counters of its own, which never go down when a
+worker restarts.
+
+Each Router has a registry of its own (tests run several routers in one process).
+"""
+
+from __future__ import annotations
+
+import time
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+
+from common import protocol as P
+
+prometheus_client.disable_created_metrics()  # no *_created series: noise for dashboards (vLLM does the same)
+
+# vLLM's buckets, with finer ones below its smallest (a small model on loopback is that fast)
+TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+               1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+               60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class RouterMetrics:
+    def __init__(self, router):
+        self.router = router
+        self.registry = CollectorRegistry()
+        model = router.cfg.model
+        reg = dict(registry=self.registry)
+
+        def histogram(name, doc, buckets):
+            return Histogram(f"pdserve:{name}", doc, ["model_name"], buckets=buckets, **reg).labels(model)
+
+        def counter(name, doc):
+            return Counter(f"pdserve:{name}", doc, ["model_name"], **reg).labels(model)
+
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival at the router to the first token", TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Between deliveries of a request's tokens", ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival at the router to the last token", E2E_BUCKETS)
+        self.queue = histogram("request_queue_time_seconds", "Waiting for a worker and in its queue", TTFT_BUCKETS)
+        self.handoff = histogram("kv_handoff_seconds", "First token sampled by the prefill to decoding started",
+                                 TTFT_BUCKETS)
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests")
+        self.generation_tokens = counter("generation_tokens", "Tokens delivered to clients")
+        self.migrations = counter("request_migrations", "Decoding requests moved to other workers")
+        self.redispatches = counter("request_redispatches", "Attempts given up and dispatched again")
+        self.worker_deaths = counter("worker_deaths", "Workers declared dead or replaced by a new incarnation")
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in workers' prefix caches")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in workers' prefix caches")
+        self._success = Counter("pdserve:request_success", "Finished requests by finish reason",
+                                ["model_name", "finished_reason"], **reg)
+        self._errors = Counter("pdserve:request_errors", "Requests ended by an error, by code",
+                               ["model_name", "code"], **reg)
+        self._kv_bytes = Counter("pdserve:kv_transfer_bytes", "KV bytes sent from prefill to decode workers",
+                                 ["model_name", "transport"], **reg)
+        self._model = model
+        self.registry.register(_StateCollector(router))
+
+    # ------------------------------------------------------------------ events
+
+    def on_tokens(self, req, now: float, count: int):
+        if req.first_token_at is None:
+            self.ttft.observe(now - req.arrival)
+        else:
+            self.itl.observe(now - req.last_token_at)
+        self.generation_tokens.inc(count)
+
+    def on_done(self, req, reason: str):
+        self._success.labels(self._model, reason).inc()
+        self.prompt_tokens.inc(len(req.prompt_ids))
+        self.e2e.observe(time.monotonic() - req.arrival)
+        if req.dispatched_at is not None:
+            self.queue.observe(req.dispatched_at - req.arrival + req.worker_timings.get("queue_s", 0.0))
+        if "handoff_s" in req.worker_timings:
+            self.handoff.observe(req.worker_timings["handoff_s"])
+
+    def on_error(self, code: str):
+        self._errors.labels(self._model, code).inc()
+
+    def on_retry(self, req):
+        self.redispatches.inc()
+        if req.tokens:
+            self.migrations.inc()
+
+    def on_heartbeat(self, w, msg: P.Heartbeat):
+        """Add what the worker's own counters grew by since its last heartbeat."""
+        last = w.counters
+        self.prefix_queries.inc(max(0, msg.prefix_queries - last.get("prefix_queries", 0)))
+        self.prefix_hits.inc(max(0, msg.prefix_hits - last.get("prefix_hits", 0)))
+        for transport, sent in msg.kv_bytes.items():
+            if isinstance(sent, int):
+                grew = sent - last.get(("kv_bytes", transport), 0)
+                if grew > 0:
+                    self._kv_bytes.labels(self._model, str(transport)).inc(grew)
+                last[("kv_bytes", transport)] = sent
+        last["prefix_queries"], last["prefix_hits"] = msg.prefix_queries, msg.prefix_hits
+
+
+class _StateCollector:
+    """Gauges read from the router when scraped: its queue, and each worker as last heard from."""
+
+    def __init__(self, router):
+        self.router = router
+
+    def collect(self):
+        router, model = self.router, self.router.cfg.model
+        queued = sum(r.state == "queued" for r in router.requests.values())
+        for name, doc, value in (("num_requests_running", "Requests with workers", len(router.requests) - queued),
+                                 ("num_requests_waiting", "Requests waiting for a live worker", queued)):
+            g = GaugeMetricFamily(f"pdserve:{name}", doc, labels=["model_name"])
+            g.add_metric([model], value)
+            yield g
+        per_worker = [
+            ("worker_alive", "1 while the worker heartbeats", lambda w: int(w.alive)),
+            ("worker_kv_blocks_used", "KV blocks in use", lambda w: w.total_blocks - w.free_blocks),
+            ("worker_kv_blocks_total", "KV blocks in the worker's pool", lambda w: w.total_blocks),
+            ("kv_cache_usage_perc", "Fraction of the worker's KV blocks in use (vLLM's name)",
+             lambda w: (w.total_blocks - w.free_blocks) / w.total_blocks),
+            ("worker_num_requests_running", "Requests in the worker's running batch", lambda w: w.running),
+            ("worker_num_requests_waiting", "Requests queued in the worker", lambda w: w.queued),
+        ]
+        workers = sorted(router.registry.workers.values(), key=lambda w: w.worker_id)
+        for name, doc, value in per_worker:
+            g = GaugeMetricFamily(f"pdserve:{name}", doc, labels=["model_name", "worker_id", "role"])
+            for w in workers:
+                g.add_metric([model, w.worker_id, w.role], value(w))
+            yield g

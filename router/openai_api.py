@@ -1,0 +1,335 @@
+"""OpenAI's API in pdserve's terms: request bodies of /v1/completions and /v1/chat/completions
+checked and turned into jobs (prompts, SamplingParams, how many choices, what to show), and our
+replies (Token, Done, Error) turned into OpenAI's response, chunk, logprob and error shapes.
+No HTTP here: router/http.py serves these.
+
+Checking is strict, as the rest of pdserve: a field of the wrong type, out of range, or unknown
+gets a 400 naming it and what is allowed. Fields of OpenAI's API that we do not implement
+(penalties, logit_bias, tools, ...) are accepted at their neutral value, which is what client
+libraries send by default, and refused otherwise: silently ignoring them would change results.
+
+Extensions, as vLLM has them: top_k, stop_token_ids, ignore_eos, include_stop_str_in_output and
+return_tokens_as_token_ids ("token_id:N" in logprobs, where token texts could collide).
+
+n > 1 makes n requests whose seeds are seed + i (vLLM's rule; common/sampling.py choice_seed): our
+noise is keyed by (seed, position), so n copies under one seed would be n equal answers. Without a
+seed each choice draws its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+import uuid
+from dataclasses import dataclass
+
+from common import protocol as P
+from common.errors import InvalidArgument, short_repr
+from common.sampling import MAX_LOGPROBS, SamplingParams, choice_seed
+
+# our codes -> HTTP status, and OpenAI's error type for each status
+STATUS = {"INVALID_ARGUMENT": 400, "UNAUTHENTICATED": 401, "NOT_FOUND": 404, "METHOD_NOT_ALLOWED": 405,
+          "TOO_LARGE": 413, "OVERLOADED": 429, "UNAVAILABLE": 503, "TIMEOUT": 504}
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+               503: "service_unavailable_error", 504: "timeout_error"}
+RETRY_AFTER_S = 1  # what a 429 asks the client to wait
+MIN_LOGPROB = -9999.0  # JSON has no -inf (vLLM clamps the same way)
+
+
+class ApiError(Exception):
+    def __init__(self, code: str, message: str, param: str | None = None):
+        super().__init__(message)
+        self.code, self.message, self.param = code, message, param
+        self.status = STATUS.get(code, 500)
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "server_error"),
+                          "param": self.param, "code": self.code}}
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_token_ids(v) -> bool:
+    return isinstance(v, list) and all(_is_int(t) for t in v)
+
+
+BOOL = (lambda v: isinstance(v, bool), "true or false")
+STRING = (lambda v: isinstance(v, str), "a string")
+# Fields we take as given to SamplingParams, which checks them.
+SAMPLING = ("temperature", "top_p", "top_k", "max_tokens", "seed", "stop", "stop_token_ids", "ignore_eos",
+            "include_stop_str_in_output")
+# Known fields we do not implement: accepted at the value that means "off".
+NEUTRAL = {
+    "presence_penalty": ((None, 0, 0.0), "0"), "frequency_penalty": ((None, 0, 0.0), "0"),
+    "logit_bias": ((None, {}), "null or {}"), "suffix": ((None, ""), "null"),
+    "tools": ((None, []), "null or [] (no tool calling)"), "functions": ((None, []), "null or []"),
+    "tool_choice": ((None, "none", "auto"), '"none" (no tool calling)'),
+    "function_call": ((None, "none", "auto"), '"none"'),
+    "parallel_tool_calls": ((None, True, False), "true or false"),
+    "response_format": ((None, {"type": "text"}), '{"type": "text"}'),
+    "store": ((None, False), "false"), "service_tier": ((None, "auto", "default"), '"auto"'),
+    "modalities": ((None, ["text"]), '["text"]'),
+}
+COMMON_FIELDS = {"model", "n", "stream", "stream_options", "user", "return_tokens_as_token_ids", "metadata",
+                 *SAMPLING, *NEUTRAL}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
+
+
+@dataclass
+class Job:
+    """One HTTP request: its prompts (or messages), sampling and n, and what its response shows."""
+    chat: bool
+    model: str
+    prompts: list  # text or token ids each; chat: [""]
+    messages: list | None
+    params: SamplingParams
+    n: int
+    stream: bool
+    include_usage: bool
+    echo: bool
+    logprobs: int | None  # alternatives shown per token, or None: no logprobs
+    token_ids_as_text: bool
+
+    def choice_params(self, index: int) -> SamplingParams:
+        """Choice index's sampling (choices are prompt-major: prompt index * n + j)."""
+        j = index % self.n
+        if self.n == 1 or self.params.seed is None:
+            return self.params
+        return dataclasses.replace(self.params, seed=choice_seed(self.params.seed, j))
+
+
+def _get(body: dict, name: str, rule, default=None):
+    value = body.get(name)
+    if value is None:
+        return default
+    check, allowed = rule
+    if not check(value):
+        raise InvalidArgument(f"{name}={short_repr(value)} is invalid; allowed: {allowed}", param=name)
+    return value
+
+
+def _check_fields(body, allowed: set[str]):
+    if not isinstance(body, dict):
+        raise InvalidArgument(f"the body is {type(body).__name__}; allowed: a JSON object")
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise InvalidArgument(f"unknown field {unknown[0]!r}; allowed: {', '.join(sorted(allowed))}", param=unknown[0])
+    for name, (values, allowed_text) in NEUTRAL.items():
+        if name in body and not any(body[name] == v and type(body[name]) is type(v) for v in values):
+            raise InvalidArgument(f"{name}={short_repr(body[name])} is not supported; allowed: {allowed_text}",
+                                  param=name)
+
+
+def _sampling(body: dict, max_tokens: int, **extra) -> dict:
+    """The SamplingParams fields of a body (SamplingParams checks them), max_tokens by default."""
+    return {"max_tokens": max_tokens, **{k: body[k] for k in SAMPLING if body.get(k) is not None}, **extra}
+
+
+def _job(body: dict, served_model: str, chat: bool, prompts: list, messages: list | None, sampling: dict,
+         echo: bool, logprobs: int | None) -> Job:
+    """Check the fields both endpoints share, and make the Job."""
+    model = _get(body, "model", STRING, served_model)
+    if model != served_model:
+        raise ApiError("NOT_FOUND", f"the model {model!r} does not exist; served: {served_model!r}", "model")
+    stream = _get(body, "stream", BOOL, False)
+    options = _get(body, "stream_options", (lambda v: isinstance(v, dict), "an object"))
+    if options is not None:
+        if not stream:
+            raise InvalidArgument("stream_options is only allowed with stream=true", param="stream_options")
+        if set(options) - {"include_usage"}:
+            raise InvalidArgument(f"stream_options={short_repr(options)} is invalid; allowed: "
+                                  '{"include_usage": true or false}', param="stream_options")
+    include_usage = _get(options or {}, "include_usage", BOOL, False)
+    _get(body, "user", STRING)
+    _get(body, "metadata", (lambda v: isinstance(v, dict), "an object"))
+    n = _get(body, "n", (lambda v: _is_int(v) and v >= 1, "an integer >= 1"), 1)
+    as_ids = _get(body, "return_tokens_as_token_ids", BOOL, False)
+    try:
+        params = SamplingParams(**sampling)
+    except InvalidArgument as e:
+        if e.param == "max_tokens" and body.get("max_completion_tokens") is not None:  # chat's newer name
+            raise InvalidArgument(str(e).replace("max_tokens", "max_completion_tokens", 1),
+                                  param="max_completion_tokens") from None
+        raise
+    return Job(chat, model, prompts, messages, params, n, stream, include_usage, echo, logprobs, as_ids)
+
+
+LOGPROBS = (lambda v: _is_int(v) and 0 <= v <= MAX_LOGPROBS, f"an integer in [0, {MAX_LOGPROBS}]")
+
+
+def parse_completion(body, served_model: str) -> Job:
+    _check_fields(body, COMPLETION_FIELDS)
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) or (_is_token_ids(prompt) and prompt):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_token_ids(p) for p in prompt):
+        prompts = prompt
+    else:
+        raise InvalidArgument(f"prompt={short_repr(prompt)} is invalid; allowed: a string, a list of token ids, "
+                              "or a non-empty list of either", param="prompt")
+    n = body.get("n") or 1
+    _get(body, "best_of", (lambda v: v == n, f"null or n ({n}): no best-of selection"))
+    echo = _get(body, "echo", BOOL, False)
+    logprobs = _get(body, "logprobs", LOGPROBS)
+    sampling = _sampling(body, 16, logprobs=logprobs, prompt_logprobs=logprobs if echo else None)  # OpenAI's 16
+    return _job(body, served_model, False, prompts, None, sampling, echo, logprobs)
+
+
+def parse_chat(body, served_model: str, context: int) -> Job:
+    _check_fields(body, CHAT_FIELDS)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidArgument(f"messages={short_repr(messages)} is invalid; allowed: a non-empty list of "
+                              '{"role": ..., "content": ...} objects', param="messages")
+    want = _get(body, "logprobs", BOOL, False)
+    top = _get(body, "top_logprobs", LOGPROBS)
+    if top is not None and not want:
+        raise InvalidArgument("top_logprobs needs logprobs=true", param="top_logprobs")
+    logprobs = (top or 0) if want else None
+    sampling = _sampling(body, context, logprobs=logprobs)  # by default up to the context's end, as vLLM
+    if body.get("max_completion_tokens") is not None:
+        sampling["max_tokens"] = body["max_completion_tokens"]
+    return _job(body, served_model, True, [""], messages, sampling, False, logprobs)
+
+
+# ----------------------------------------------------------------------------- responses
+
+
+def token_text(tokenizer, token: int, as_id: bool) -> str:
+    if as_id or tokenizer is None:
+        return f"token_id:{token}"
+    return tokenizer.decode([token])
+
+
+def _lp(value: float) -> float:
+    return max(value, MIN_LOGPROB)
+
+
+class Choice:
+    """What one choice has shown so far, and how to show the next tokens."""
+
+    def __init__(self, index: int, job: Job, tokenizer, prompt_ids: list[int], prompt_text: str):
+        self.index, self.job, self.tokenizer = index, job, tokenizer
+        self.prompt_ids, self.prompt_text = prompt_ids, prompt_text  # echo: shown before the completion
+        self.started = False  # the first chunk (role, echo) went out
+        self.text_len = 0  # characters of the completion streamed
+        self.text_offset = 0  # completions logprobs: where the next token's text starts
+        self.done: P.Done | None = None
+
+    def completion_logprobs(self, token_ids, entries, prompt: tuple | None = None) -> dict:
+        """OpenAI's completions logprobs: tokens, token_logprobs, top_logprobs (the top N and the
+        sampled token, as vLLM and OpenAI give), text_offset. prompt: (ids, entries) to put first."""
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        pairs = list(zip(*prompt)) if prompt else []
+        pairs += zip(token_ids, entries or [None] * len(token_ids))
+        as_id = self.job.token_ids_as_text
+        for token, entry in pairs:
+            text = token_text(self.tokenizer, token, as_id)
+            out["tokens"].append(text)
+            out["text_offset"].append(self.text_offset)
+            self.text_offset += len(token_text(self.tokenizer, token, False))
+            if entry is None:
+                out["token_logprobs"].append(None)
+                out["top_logprobs"].append(None)
+                continue
+            logprob, top_ids, top_lps = entry
+            out["token_logprobs"].append(_lp(logprob))
+            top = {token_text(self.tokenizer, t, as_id): _lp(lp) for t, lp in zip(top_ids, top_lps)}
+            top.setdefault(text, _lp(logprob))
+            out["top_logprobs"].append(top)
+        return out
+
+    def chat_logprobs(self, token_ids, entries) -> dict:
+        as_id = self.job.token_ids_as_text
+
+        def item(token, logprob):
+            text = token_text(self.tokenizer, token, as_id)
+            return {"token": text, "logprob": _lp(logprob), "bytes": list(text.encode())}
+
+        content = []
+        for token, entry in zip(token_ids, entries or ()):
+            if entry is not None:
+                logprob, top_ids, top_lps = entry
+                top = [item(t, lp) for t, lp in zip(top_ids, top_lps)]
+                content.append({**item(token, logprob), "top_logprobs": top})
+        return {"content": content}
+
+    def logprobs(self, token_ids, entries, prompt_entries=None):
+        if self.job.logprobs is None:
+            return None
+        if self.job.chat:
+            return self.chat_logprobs(token_ids, entries)
+        prompt = None
+        if self.job.echo and not self.started:
+            prompt = (self.prompt_ids, prompt_entries or [None] * len(self.prompt_ids))
+        return self.completion_logprobs(token_ids, entries, prompt)
+
+    def chunks(self, msg) -> list[dict]:
+        """The choices entries of the chunks for a Token or Done of this choice, in order."""
+        out = []
+        if self.job.chat and not self.started:
+            out.append({"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                        "finish_reason": None})
+        if isinstance(msg, P.Token):
+            text, finish = msg.text, None
+            logprobs = self.logprobs(msg.token_ids, msg.logprobs, msg.prompt_logprobs)
+        else:
+            full = msg.text or ""
+            text, finish = full[self.text_len:], msg.finish_reason
+            logprobs = None
+            self.done = msg
+        self.text_len += len(text)
+        if self.job.echo and not self.started:
+            text = self.prompt_text + text
+        self.started = True
+        if self.job.chat:
+            out.append({"index": self.index, "delta": {"content": text} if text or finish is None else {},
+                        "logprobs": logprobs, "finish_reason": finish})
+        else:
+            out.append({"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": finish})
+        if finish is not None:
+            out[-1]["stop_reason"] = msg.stop_reason
+        return out
+
+    def final(self, done: P.Done) -> dict:
+        """The whole choice of a response that was not streamed."""
+        self.done = done
+        text = done.text or ""
+        logprobs = self.logprobs(done.token_ids, done.logprobs, done.prompt_logprobs)
+        if self.job.chat:
+            return {"index": self.index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                    "finish_reason": done.finish_reason, "stop_reason": done.stop_reason}
+        return {"index": self.index, "text": (self.prompt_text if self.job.echo else "") + text,
+                "logprobs": logprobs, "finish_reason": done.finish_reason, "stop_reason": done.stop_reason}
+
+
+def usage(job: Job, choices: list[Choice]) -> dict:
+    """Prompt tokens once per prompt (not per choice), completion tokens of every choice."""
+    prompt = sum(len(c.done.prompt_token_ids) for c in choices[::job.n] if c.done is not None)
+    completion = sum(len(c.done.token_ids) for c in choices if c.done is not None)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+class Envelope:
+    """The fields every response and chunk of one request shares, serialized once."""
+
+    def __init__(self, job: Job):
+        self.id = f"{'chatcmpl' if job.chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.object = "chat.completion" if job.chat else "text_completion"
+        self.chunk_object = "chat.completion.chunk" if job.chat else "text_completion"
+        head = {"id": self.id, "object": self.chunk_object, "created": self.created, "model": job.model}
+        self._chunk_head = json.dumps(head)[:-1].encode() + b', "choices": '
+
+    def response(self, job: Job, choices: list[Choice], entries: list[dict]) -> dict:
+        return {"id": self.id, "object": self.object, "created": self.created, "model": job.model,
+                "choices": entries, "usage": usage(job, choices)}
+
+    def chunk(self, entries: list[dict], usage_: dict | None = None) -> bytes:
+        tail = b"" if usage_ is None else b', "usage": ' + json.dumps(usage_).encode()
+        return b"data: " + self._chunk_head + json.dumps(entries).encode() + tail + b"}\n\n"

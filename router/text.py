@@ -1,0 +1,60 @@
+"""A request's output text, built token by token in the router, and its stop strings.
+
+The router is where the text is: workers see token ids only. Each token is detokenized
+incrementally, as vLLM does: decode a short window of recent ids twice (with and without the newest
+ones) and keep the difference, waiting while the window ends inside a multi-byte character. That
+costs O(1) per token, where decoding the whole output each time would cost O(n).
+
+Stop strings are searched in the text as it grows, so one found across token boundaries ("a" "bc"
+for "ab") stops the request at the token that completed it; the text is cut before the string
+(or after it, with include_stop_str_in_output). While a request has stop strings, the last
+len(longest) - 1 characters are held back from streaming: they might be the start of a stop
+string, which must never reach the client.
+"""
+
+from __future__ import annotations
+
+
+class TextStream:
+    def __init__(self, tokenizer, stop: list[str] = (), include_stop: bool = False):
+        self.tokenizer = tokenizer
+        self.stop, self.include_stop = list(stop), include_stop
+        self.holdback = max(map(len, self.stop), default=1) - 1
+        self.ids: list[int] = []
+        self.prefix = self.read = 0  # the window: ids[prefix:read] is decoded already
+        self.text = ""
+        self.sent = 0  # characters of text handed out by delta()
+        self.stop_reason: str | None = None  # the stop string that ended the text
+
+    def add(self, token: int) -> bool:
+        """Take the next token; True if the text now reaches a stop string (then add no more)."""
+        self.ids.append(token)
+        before = self.tokenizer.decode(self.ids[self.prefix:self.read])
+        after = self.tokenizer.decode(self.ids[self.prefix:])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return False  # nothing new yet, or inside a multi-byte character
+        searched = max(0, len(self.text) - self.holdback)
+        self.text += after[len(before):]
+        self.prefix, self.read = self.read, len(self.ids)
+        if not self.stop:
+            return False
+        found = [(at, s) for s in self.stop if (at := self.text.find(s, searched)) >= 0]
+        if not found:
+            return False
+        at, self.stop_reason = min(found, key=lambda f: (f[0], -len(f[1])))
+        self.text = self.text[:at + (len(self.stop_reason) if self.include_stop else 0)]
+        return True
+
+    def delta(self) -> str:
+        """Text not handed out yet, less what may still turn out to begin a stop string."""
+        end = len(self.text) if self.stop_reason is not None else max(self.sent, len(self.text) - self.holdback)
+        out, self.sent = self.text[self.sent:end], end
+        return out
+
+    def final(self) -> str:
+        """The whole text once the output is complete (a trailing partial character included)."""
+        if self.stop_reason is None and self.read < len(self.ids):
+            before = self.tokenizer.decode(self.ids[self.prefix:self.read])
+            self.text += self.tokenizer.decode(self.ids[self.prefix:])[len(before):]
+            self.prefix = self.read = len(self.ids)
+        return self.text

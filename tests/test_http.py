@@ -1,0 +1,448 @@
+"""The OpenAI-compatible HTTP API of a real cluster (router + workers on loopback), driven by the
+official `openai` client, sync and async, streaming and not: the monolithic engine's tokens for
+greedy and seeded requests, stop strings across tokens, n choices, logprobs equal to log_softmax of
+the engine's own logits, echo and usage; every error in OpenAI's shape; a client that goes away
+frees every KV block; API keys; /metrics that parse and count right."""
+
+import asyncio
+import json
+import re
+import signal
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from common.engine import Engine
+from common.sampling import SamplingParams, choice_seed
+from router.client import Client
+from tests.cluster import cluster, wait_blocks_free
+
+pytestmark = pytest.mark.timeout(600)
+MODEL = "dummy:nanogpt"
+KEY = "sk-test-key"
+PROMPT_IDS = [72, 101, 108, 108, 111, 44, 32]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine(model=MODEL, enable_prefix_caching=False)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    with cluster(tmp_path_factory.mktemp("http"), http=True, api_key=KEY, router_args=["--max-queue", "16"]) as c:
+        yield c
+
+
+def api(c, **kw) -> openai.OpenAI:
+    return openai.OpenAI(base_url=c.http_url + "/v1", api_key=KEY, max_retries=0, timeout=120, **kw)
+
+
+def reference(engine, prompt, **sampling):
+    return engine.generate([prompt], SamplingParams(**sampling))[0]
+
+
+def ids_of(tokens: list[str]) -> list[int]:
+    """Token ids back from return_tokens_as_token_ids' "token_id:N" strings."""
+    return [int(t.removeprefix("token_id:")) for t in tokens]
+
+
+def engine_logprobs(engine, ids: list[int]) -> torch.Tensor:
+    """log_softmax of the engine's raw logits at every position of ids, by one plain prefill."""
+    engine.add_request(ids, SamplingParams(max_tokens=1, temperature=0), request_id="ref-logits")
+    batch = engine.scheduler.schedule()
+    _, input_ids, positions, meta, _ = engine.runner.prepare(batch)
+    with torch.inference_mode():
+        hidden = engine.model(input_ids, positions, engine.kv_cache, meta, None)
+        logprobs = torch.log_softmax(engine.model.logits(hidden).float(), dim=-1)
+    engine.abort_request("ref-logits")
+    return logprobs
+
+
+def http(c, method, path, body=None, key=KEY, raw: bytes | None = None):
+    """(status, headers, parsed JSON or text) of one plain HTTP request."""
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    req = urllib.request.Request(c.http_url + path, data=data, method=method)
+    if key:
+        req.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            status, headers, text = r.status, dict(r.headers), r.read().decode()
+    except urllib.error.HTTPError as e:
+        status, headers, text = e.code, dict(e.headers), e.read().decode()
+    try:
+        return status, headers, json.loads(text)
+    except ValueError:
+        return status, headers, text
+
+
+# ----------------------------------------------------------------------------- tokens
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completions_give_the_engines_tokens(served, engine, stream):
+    client = api(served)
+    cases = [("Hello, world", dict(temperature=0)), (PROMPT_IDS, dict(temperature=0.9, top_p=0.9, top_k=50, seed=7))]
+    for prompt, sampling in cases:
+        want = reference(engine, prompt, max_tokens=12, ignore_eos=True, **sampling)
+        args = dict(model=MODEL, prompt=prompt, max_tokens=12, logprobs=0, stream=stream,
+                    extra_body=dict(ignore_eos=True, return_tokens_as_token_ids=True, top_k=sampling.pop("top_k", 0)),
+                    **sampling)
+        if stream:
+            chunks = list(client.completions.create(**args, stream_options={"include_usage": True}))
+            text = "".join(c.choices[0].text for c in chunks if c.choices)
+            tokens = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+            finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+            usage = chunks[-1].usage
+            assert not chunks[-1].choices and all(c.usage is None for c in chunks[:-1])
+        else:
+            r = client.completions.create(**args)
+            text, tokens, finish, usage = r.choices[0].text, r.choices[0].logprobs.tokens, [r.choices[0].finish_reason], r.usage
+        assert ids_of(tokens) == want.token_ids
+        assert text == want.text
+        assert finish == ["length"]
+        assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (
+            len(want.prompt_token_ids), 12, len(want.prompt_token_ids) + 12)
+
+
+def test_chat_gives_the_engines_tokens_sync_and_async(served, engine):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    prompt_ids = engine.tokenizer.encode_chat(messages)
+    want = {seed: reference(engine, prompt_ids, max_tokens=10, ignore_eos=True, temperature=0.8, seed=seed)
+            for seed in (1, 2)}
+    args = dict(model=MODEL, messages=messages, max_completion_tokens=10, temperature=0.8, logprobs=True,
+                extra_body=dict(ignore_eos=True, return_tokens_as_token_ids=True))
+    r = api(served).chat.completions.create(seed=1, **args)
+    assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == want[1].text
+    assert ids_of([t.token for t in r.choices[0].logprobs.content]) == want[1].token_ids
+    assert r.usage.prompt_tokens == len(prompt_ids) and r.usage.completion_tokens == 10
+
+    async def streamed():
+        async with openai.AsyncOpenAI(base_url=served.http_url + "/v1", api_key=KEY, max_retries=0) as client:
+            async def one(seed):
+                chunks = [c async for c in await client.chat.completions.create(seed=seed, stream=True, **args)]
+                return chunks
+            return await asyncio.gather(*(one(s) for s in (1, 2)))
+
+    for seed, chunks in zip((1, 2), asyncio.run(streamed())):
+        deltas = [c.choices[0].delta for c in chunks]
+        assert deltas[0].role == "assistant" and deltas[0].content == ""  # the role first
+        assert all(d.role is None for d in deltas[1:])
+        assert "".join(d.content or "" for d in deltas) == want[seed].text
+        tokens = [t.token for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+        assert ids_of(tokens) == want[seed].token_ids
+        assert [c.choices[0].finish_reason for c in chunks][-1] == "length"
+
+
+def test_n_choices_have_seeds_seed_plus_index(served, engine):
+    client = api(served)
+    r = client.completions.create(model=MODEL, prompt=["Once upon", PROMPT_IDS], n=3, seed=11, temperature=1.0,
+                                  max_tokens=8, extra_body=dict(ignore_eos=True))
+    assert [c.index for c in r.choices] == list(range(6))
+    for c in r.choices:
+        prompt = ["Once upon", PROMPT_IDS][c.index // 3]
+        want = reference(engine, prompt, max_tokens=8, ignore_eos=True, temperature=1.0, seed=choice_seed(11, c.index % 3))
+        assert c.text == want.text
+    assert len({c.text for c in r.choices[:3]}) == 3, "n choices of one prompt must differ"
+    prompt_tokens = len(engine.tokenize("Once upon")) + len(PROMPT_IDS)
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (prompt_tokens, 6 * 8)  # prompts counted once
+    greedy = client.completions.create(model=MODEL, prompt="abc", n=2, temperature=0, max_tokens=6)
+    assert greedy.choices[0].text == greedy.choices[1].text
+
+
+# ----------------------------------------------------------------------------- stop, logprobs, echo
+
+
+def stop_string_in(text: str, at_least: int = 3) -> str:
+    """A two-character stop string that first occurs at character at_least or later."""
+    for i in range(at_least, len(text) - 1):
+        s = text[i:i + 2]
+        if s.isprintable() and "\ufffd" not in s and text.find(s) == i:
+            return s
+    raise AssertionError(f"no usable stop string in {text!r}")
+
+
+def test_stop_strings_across_tokens_cut_the_text_and_free_the_blocks(served, engine):
+    want = reference(engine, "The stop test", max_tokens=40, temperature=0, ignore_eos=True)
+    stop = stop_string_in(want.text)
+    cut = want.text.index(stop)
+    ends_at = next(k for k in range(1, 41) if stop in engine.tokenizer.decode(want.token_ids[:k]))  # completes it
+    client = api(served)
+    args = dict(model=MODEL, prompt="The stop test", max_tokens=40, temperature=0, stop=[stop, "never"],
+                extra_body=dict(ignore_eos=True))
+    r = client.completions.create(**args)
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (want.text[:cut], "stop")
+    assert r.choices[0].model_extra["stop_reason"] == stop
+    assert r.usage.completion_tokens == ends_at < 40
+    chunks = list(client.completions.create(stream=True, **args))
+    assert "".join(c.choices[0].text for c in chunks) == want.text[:cut]  # never a character of the stop string
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    kept = client.completions.create(**args | {"extra_body": dict(ignore_eos=True, include_stop_str_in_output=True)})
+    assert kept.choices[0].text == want.text[:cut + len(stop)]
+    with Client(served.address, timeout=60) as sdk:  # the ZeroMQ SDK: the same stop, in the router
+        res = sdk.generate("The stop test", max_tokens=40, temperature=0, ignore_eos=True, stop=[stop])
+        assert (res.text, res.finish_reason, res.stop_reason) == (want.text[:cut], "stop", stop)
+        assert res.token_ids == want.token_ids[:ends_at]
+        workers = wait_blocks_free(sdk)
+        assert all(w["free_blocks"] == w["total_blocks"] for w in workers), workers
+        assert sdk.status().in_flight == 0
+
+
+def test_logprobs_are_log_softmax_of_the_engines_logits(served, engine):
+    client = api(served)
+    r = client.completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=6, temperature=0.7, seed=3, logprobs=5,
+                                  echo=True, extra_body=dict(ignore_eos=True, return_tokens_as_token_ids=True))
+    lp = r.choices[0].logprobs
+    ids = ids_of(lp.tokens)
+    P = len(PROMPT_IDS)
+    assert ids[:P] == PROMPT_IDS and len(ids) == P + 6
+    assert r.choices[0].text.startswith(engine.tokenizer.decode(PROMPT_IDS))  # echo
+    ref = engine_logprobs(engine, ids)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # the first prompt token has none
+    for pos in range(1, len(ids)):
+        row = ref[pos - 1]
+        assert lp.token_logprobs[pos] == pytest.approx(row[ids[pos]].item(), abs=1e-4)
+        top = {int(k.removeprefix("token_id:")): v for k, v in lp.top_logprobs[pos].items()}
+        best = row.topk(5)
+        want = dict(zip(best.indices.tolist(), best.values.tolist()))
+        want[ids[pos]] = row[ids[pos]].item()  # the sampled token too, as OpenAI and vLLM give it
+        assert top.keys() == want.keys()
+        assert all(top[t] == pytest.approx(want[t], abs=1e-4) for t in want)
+    assert lp.text_offset[:3] == [0, 1, 2]
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=3,
+                                          temperature=0, logprobs=True, top_logprobs=2)
+    for item in chat.choices[0].logprobs.content:
+        assert len(item.top_logprobs) == 2 and item.top_logprobs[0].logprob >= item.top_logprobs[1].logprob
+        assert item.logprob == pytest.approx(item.top_logprobs[0].logprob)  # greedy takes the best
+        assert bytes(item.bytes).decode() == item.token
+
+
+def test_sdk_gets_logprobs_too(served, engine):
+    with Client(served.address, timeout=60) as sdk:
+        res = sdk.generate(PROMPT_IDS, max_tokens=5, temperature=0, ignore_eos=True, logprobs=3)
+        streamed = [lp for chunk in sdk.stream(PROMPT_IDS, max_tokens=5, temperature=0, ignore_eos=True, logprobs=3)
+                    for lp in chunk.logprobs]
+    want = reference(engine, PROMPT_IDS, max_tokens=5, temperature=0, ignore_eos=True, logprobs=3)
+    assert res.token_ids == want.token_ids and len(res.logprobs) == 5
+    for got, exp, s in zip(res.logprobs, want.logprobs, streamed):
+        assert got[1] == exp[1] == s[1] and got[0] == pytest.approx(exp[0], abs=1e-4)
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def test_errors_have_openais_shape_and_the_server_serves_on(served):
+    base = dict(model=MODEL, prompt="hi", max_tokens=2)
+    cases = [
+        (dict(raw=b"{not json"), 400, "INVALID_ARGUMENT", None, "not valid JSON"),
+        (dict(body=[1, 2]), 400, "INVALID_ARGUMENT", None, "JSON object"),
+        (dict(body=base | {"max_tokens": "lots"}), 400, "INVALID_ARGUMENT", "max_tokens", "max_tokens='lots'"),
+        (dict(body=base | {"max_tokens": -3}), 400, "INVALID_ARGUMENT", "max_tokens", "allowed: an integer in [1, 2**31 - 1]"),
+        (dict(body=base | {"temperature": "hot"}), 400, "INVALID_ARGUMENT", "temperature", "a number >= 0"),
+        (dict(body=base | {"frobnicate": 1}), 400, "INVALID_ARGUMENT", "frobnicate", "unknown field 'frobnicate'"),
+        (dict(body=base | {"presence_penalty": 0.5}), 400, "INVALID_ARGUMENT", "presence_penalty", "not supported"),
+        (dict(body=base | {"logprobs": 21}), 400, "INVALID_ARGUMENT", "logprobs", "[0, 20]"),
+        (dict(body=base | {"prompt": [1, 999]}), 400, "INVALID_ARGUMENT", "prompt", "[999]"),
+        (dict(body=base | {"prompt": [[1]] * 5, "n": 4}), 400, "INVALID_ARGUMENT", "n", "max_queue"),
+        (dict(body=base | {"stream_options": {"include_usage": True}}), 400, "INVALID_ARGUMENT", "stream_options",
+         "only allowed with stream"),
+        (dict(body=base | {"model": "gpt-4"}), 404, "NOT_FOUND", "model", "'gpt-4' does not exist"),
+        (dict(raw=b'{"prompt": "' + b"x" * (4 * 2**20) + b'"}'), 413, "TOO_LARGE", None, "over the limit"),
+    ]
+    for kw, status, code, param, text in cases:
+        got, _, body = http(served, "POST", "/v1/completions", **kw)
+        assert got == status, (kw, body)
+        error = body["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert (error["code"], error["param"]) == (code, param) and text in error["message"], error
+    chat = dict(model=MODEL, messages=[{"role": "robot", "content": "x"}])
+    got, _, body = http(served, "POST", "/v1/chat/completions", chat)
+    assert got == 400 and "messages[0].role" in body["error"]["message"] and body["error"]["param"] == "messages"
+    got, _, body = http(served, "GET", "/v1/nothing")
+    assert got == 404 and body["error"]["type"] == "not_found_error"
+    assert http(served, "GET", "/v1/completions")[0] == 405
+    with pytest.raises(openai.BadRequestError) as e:  # the client library reads the shape too
+        api(served).completions.create(model=MODEL, prompt="hi", max_tokens=-1)
+    assert e.value.body["param"] == "max_tokens"
+    assert api(served).completions.create(model=MODEL, prompt="hi", max_tokens=3).usage.completion_tokens >= 1
+
+
+def test_overload_is_429_with_retry_after_and_a_disconnect_frees_every_block(served):
+    """16 long streams fill max_queue; the next request gets 429. The streams' clients then go away
+    mid-stream: every request is cancelled on the workers and every block comes back."""
+    import aiohttp
+
+    async def scenario():
+        body = dict(model=MODEL, prompt="x" * 40, max_tokens=800, stream=True, ignore_eos=True)
+        headers = {"Authorization": f"Bearer {KEY}"}
+        sessions = [aiohttp.ClientSession() for _ in range(16)]
+        try:
+            responses = [await s.post(served.http_url + "/v1/completions", json=body, headers=headers) for s in sessions]
+            for r in responses:
+                assert r.status == 200
+                assert (await r.content.readline()).startswith(b"data: ")  # decoding has started
+            async with aiohttp.ClientSession() as s:
+                async with s.post(served.http_url + "/v1/completions", json=body | {"stream": False},
+                                  headers=headers) as r:
+                    assert r.status == 429 and r.headers["Retry-After"] == "1"
+                    assert (await r.json())["error"]["code"] == "OVERLOADED"
+        finally:
+            for s in sessions:
+                await s.close()  # gone mid-stream
+
+    before = scrape(served)
+    with Client(served.address, timeout=60) as sdk:
+        asyncio.run(scenario())
+        workers = wait_blocks_free(sdk)
+        assert all(w["free_blocks"] == w["total_blocks"] for w in workers), workers
+        deadline = time.monotonic() + 10
+        while sdk.status().in_flight:
+            assert time.monotonic() < deadline, "requests of closed connections still in flight"
+            time.sleep(0.1)
+    after = scrape(served)  # cancelled, not run to their end
+    cancelled = [value(m, "pdserve:request_success_total", finished_reason="cancelled") for m in (before, after)]
+    assert cancelled[1] - cancelled[0] == 16
+    assert value(after, "pdserve:request_errors_total", code="OVERLOADED") - \
+        value(before, "pdserve:request_errors_total", code="OVERLOADED") == 1
+    log = served.router.log_path.read_text()
+    assert "Traceback" not in log and "ERROR" not in log, log[-3000:]
+
+
+def test_api_key_guards_v1_but_not_health_and_metrics(served):
+    for key in (None, "wrong"):
+        status, _, body = http(served, "GET", "/v1/models", key=key)
+        assert status == 401 and body["error"]["code"] == "UNAUTHENTICATED"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=served.http_url + "/v1", api_key="wrong", max_retries=0).models.list()
+    assert [m.id for m in api(served).models.list().data] == [MODEL]
+    status, _, body = http(served, "GET", "/health", key=None)
+    assert (status, body) == (200, {"status": "ok", "workers": 2})
+    assert http(served, "GET", "/metrics", key=None)[0] == 200
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+def scrape(c) -> dict:
+    """{(name, frozenset(labels)): value} of every sample."""
+    status, headers, text = http(c, "GET", "/metrics", key=None)
+    assert status == 200 and headers["Content-Type"].startswith("text/plain")
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def value(samples, name, **labels) -> float:
+    want = dict(model_name=MODEL, **labels)
+    return sum(v for (n, ls), v in samples.items() if n == name and want.items() <= dict(ls).items())
+
+
+def test_metrics_parse_and_count_known_requests(served):
+    client = api(served)
+    long_prompt = list(range(1, 100))
+    before = scrape(served)
+    for _ in range(2):  # the second one finds the first one's blocks in the prefill's prefix cache
+        client.completions.create(model=MODEL, prompt=long_prompt, max_tokens=5, extra_body=dict(ignore_eos=True))
+    client.completions.create(model=MODEL, prompt="hey", max_tokens=7, temperature=0, stop=["\x00\x01"],
+                              extra_body=dict(ignore_eos=True))
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="hey", max_tokens=0)
+    time.sleep(0.6)  # a heartbeat or two carries the workers' counters
+    after = scrape(served)
+
+    def grew(name, **labels):
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert grew("pdserve:request_success_total", finished_reason="length") == 3
+    assert grew("pdserve:request_errors_total", code="INVALID_ARGUMENT") == 1
+    assert grew("pdserve:prompt_tokens_total") == 2 * 99 + 3
+    assert grew("pdserve:generation_tokens_total") == 5 + 5 + 7
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
+                 "kv_handoff_seconds"):
+        assert grew(f"pdserve:{name}_count") == 3, name
+    assert grew("pdserve:inter_token_latency_seconds_count") == 4 + 4 + 6
+    assert grew("pdserve:prefix_cache_hits_total") >= 96  # six full 16-token blocks of the repeated prompt
+    assert grew("pdserve:prefix_cache_queries_total") == 2 * 99 + 3
+    assert grew("pdserve:kv_transfer_bytes_total") > 0
+    for role in ("prefill", "decode"):
+        worker = dict(worker_id=f"{role}-0", role=role)
+        assert value(after, "pdserve:worker_alive", **worker) == 1
+        assert value(after, "pdserve:worker_kv_blocks_total", **worker) > 0
+        assert value(after, "pdserve:worker_kv_blocks_used", **worker) == 0
+    assert value(after, "pdserve:num_requests_running") == value(after, "pdserve:num_requests_waiting") == 0
+    assert all(re.fullmatch(r"pdserve:[a-z0-9_]+", n) for n, _ in after)
+
+
+def test_bench_serve_drives_the_http_api(served, capsys):
+    from bench.serve import run_serve_bench
+
+    result = run_serve_bench(MODEL, [], ["smoke_test"], None, 0, [], base_url=served.http_url, api_key=KEY)
+    (row,) = result["results"]
+    assert (row["frontend"], row["requests"], row["output_tokens"]) == ("http", 4, 4 * 8)
+    assert row["ttft_p50_ms"] > 0 and row["output_tok_s"] > 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result
+
+
+# ----------------------------------------------------------------------------- without workers, and failures
+
+
+def test_health_and_requests_are_503_without_workers(tmp_path):
+    import subprocess
+    import sys
+
+    from router.launcher import free_port
+
+    port, http_port = free_port(), free_port()
+    router = subprocess.Popen([sys.executable, "-m", "common.cli", "router", "--port", str(port), "--worker-port",
+                               str(free_port()), "--http-port", str(http_port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    class Bare:
+        http_url = f"http://127.0.0.1:{http_port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                status, _, body = http(Bare, "GET", "/health", key=None)
+                break
+            except urllib.error.URLError:
+                assert time.monotonic() < deadline and router.poll() is None
+                time.sleep(0.2)
+        assert status == 503 and body["error"]["code"] == "UNAVAILABLE"
+        status, _, body = http(Bare, "POST", "/v1/completions", dict(prompt="hi"), key=None)
+        assert status == 503 and "no prefill worker has registered" in body["error"]["message"]
+    finally:
+        router.terminate()
+        router.wait(10)
+
+
+def test_migration_after_a_worker_death_keeps_tokens_and_logprobs_exact(tmp_path, engine):
+    """A decode worker SIGKILLed mid-stream: its requests re-prefill elsewhere and finish with the
+    fault-free tokens and logprobs, streamed without a gap or a repeat."""
+    failover = ["--heartbeat-timeout", "0.6", "--decode-stall-timeout", "10", "--max-attempts", "10"]
+    prompts = [[(5 * i + j) % 250 + 1 for j in range(12 + 3 * i)] for i in range(4)]
+    want = [reference(engine, p, max_tokens=80, ignore_eos=True, temperature=0.8, seed=i, logprobs=2)
+            for i, p in enumerate(prompts)]
+    with cluster(tmp_path, prefill=1, decode=2, router_args=failover, http=True) as c:
+        client = openai.OpenAI(base_url=c.http_url + "/v1", api_key="none", max_retries=0, timeout=120)
+        streams = [client.completions.create(model=MODEL, prompt=p, max_tokens=80, temperature=0.8, seed=i, logprobs=2,
+                                             stream=True, extra_body=dict(ignore_eos=True, return_tokens_as_token_ids=True))
+                   for i, p in enumerate(prompts)]
+        firsts = [next(iter(s)) for s in streams]  # every request is decoding
+        c.workers[1].proc.send_signal(signal.SIGKILL)  # decode-0
+        for s, first, w in zip(streams, firsts, want):
+            chunks = [first] + list(s)
+            lps = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs]
+            assert ids_of([t for lp in lps for t in lp.tokens]) == w.token_ids
+            got = [x for lp in lps for x in lp.token_logprobs]
+            assert got == pytest.approx([e[0] for e in w.logprobs], abs=1e-4)
+        with Client(c.address) as sdk:
+            assert any(not w["alive"] for w in sdk.status().workers)
+        metrics = scrape(c)
+        assert value(metrics, "pdserve:request_migrations_total") >= 1
+        assert value(metrics, "pdserve:worker_deaths_total") == 1

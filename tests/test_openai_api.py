@@ -1,0 +1,231 @@
+"""Without a cluster: OpenAI request bodies checked field by field (router/openai_api.py), the n
+choices' seeds, and the router's incremental text with stop strings (router/text.py) against a
+byte tokenizer and a real BPE tokenizer.json whose tokens span several characters."""
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from common.errors import InvalidArgument
+from common.sampling import choice_seed
+from common.tokenizer import ByteTokenizer, HFTokenizer
+from router.openai_api import CHAT_FIELDS, COMPLETION_FIELDS, ApiError, parse_chat, parse_completion
+from router.text import TextStream
+from tests.checkpoints import VOCAB, write_tokenizer
+
+MODEL = "dummy:nanogpt"
+
+
+def test_completion_body_becomes_a_job():
+    job = parse_completion({"model": MODEL, "prompt": ["a", [1, 2]], "max_tokens": 5, "temperature": 0.5, "top_k": 3,
+                            "seed": 9, "n": 2, "stop": "xy", "logprobs": 2, "echo": True, "user": "u",
+                            "presence_penalty": 0, "logit_bias": {}, "best_of": 2, "stream": True,
+                            "stream_options": {"include_usage": True}}, MODEL)
+    assert job.prompts == ["a", [1, 2]] and job.n == 2 and job.stream and job.include_usage and job.echo
+    p = job.params
+    assert (p.max_tokens, p.temperature, p.top_k, p.seed, p.stop, p.logprobs, p.prompt_logprobs) == (5, 0.5, 3, 9, ["xy"], 2, 2)
+    assert [job.choice_params(i).seed for i in range(4)] == [9, 10, 9, 10]  # prompt-major: seed + choice index
+    assert choice_seed(2**63 - 1, 1) == 0  # wraps within the allowed range
+    assert parse_completion({"prompt": "x"}, MODEL).params.max_tokens == 16  # OpenAI's default
+    unseeded = parse_completion({"prompt": "x", "n": 3}, MODEL)
+    assert {unseeded.choice_params(i).seed for i in range(3)} == {None}  # each draws its own at admission
+
+
+def test_chat_body_becomes_a_job():
+    messages = [{"role": "user", "content": "hi"}]
+    job = parse_chat({"messages": messages, "max_tokens": 3, "max_completion_tokens": 7, "logprobs": True,
+                      "top_logprobs": 4, "tools": [], "tool_choice": "none", "response_format": {"type": "text"}},
+                     MODEL, context=1024)
+    assert job.chat and job.messages == messages and job.params.max_tokens == 7 and job.logprobs == 4
+    assert parse_chat({"messages": messages}, MODEL, context=1024).params.max_tokens == 1024  # to the context's end
+    assert parse_chat({"messages": messages, "logprobs": True}, MODEL, 1024).params.logprobs == 0
+
+
+@pytest.mark.parametrize("body, param, text", [
+    ({"prompt": "x", "max_tokens": -1}, "max_tokens", "max_tokens=-1 is invalid; allowed: an integer in [1, 2**31 - 1]"),
+    ({"prompt": "x", "max_tokens": True}, "max_tokens", "max_tokens=True"),
+    ({"prompt": "x", "temperature": "0.5"}, "temperature", "allowed: a number >= 0"),
+    ({"prompt": "x", "n": 0}, "n", "allowed: an integer >= 1"),
+    ({"prompt": "x", "stop": [""]}, "stop", "a non-empty string"),
+    ({"prompt": "x", "stop": ["a"] * 17}, "stop", "at most 16"),
+    ({"prompt": "x", "logprobs": True}, "logprobs", "[0, 20]"),
+    ({"prompt": "x", "echo": "yes"}, "echo", "true or false"),
+    ({"prompt": "x", "stream": 1}, "stream", "true or false"),
+    ({"prompt": "x", "stream": True, "stream_options": {"include_usage": True, "x": 1}}, "stream_options", "include_usage"),
+    ({"prompt": "x", "user": 5}, "user", "a string"),
+    ({"prompt": "x", "best_of": 3}, "best_of", "no best-of"),
+    ({"prompt": "x", "frequency_penalty": 1}, "frequency_penalty", "not supported"),
+    ({"prompt": "x", "suffix": "end"}, "suffix", "not supported"),
+    ({"prompt": "x", "nonsense": 1}, "nonsense", "unknown field 'nonsense'"),
+    ({"prompt": []}, "prompt", "a string, a list of token ids"),
+    ({"prompt": [1, "a"]}, "prompt", "a string, a list of token ids"),
+    ({"prompt": None}, "prompt", "a string, a list of token ids"),
+    ({"prompt": "x", "top_k": -2}, "top_k", "an integer in [0, 2**31 - 1]"),
+    ({"prompt": "x", "max_tokens": 2**70}, "max_tokens", "[1, 2**31 - 1]"),
+    ({"prompt": "x", "stop_token_ids": [2**64]}, "stop_token_ids", "token ids in [0, 2**31 - 1]"),
+])
+def test_bad_completion_fields_are_named(body, param, text):
+    with pytest.raises(InvalidArgument) as e:
+        parse_completion(body, MODEL)
+    assert e.value.param == param and text in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("body, param, text", [
+    ({"messages": "hi"}, "messages", "non-empty list"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs", "needs logprobs=true"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, "max_completion_tokens",
+     "max_completion_tokens=0"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools", "no tool calling"),
+    ({"messages": [{"role": "user", "content": "x"}], "echo": True}, "echo", "unknown field"),
+])
+def test_bad_chat_fields_are_named(body, param, text):
+    with pytest.raises(InvalidArgument) as e:
+        parse_chat(body, MODEL, 1024)
+    assert e.value.param == param and text in str(e.value), str(e.value)
+
+
+json_values = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(),
+                                      st.text(max_size=8)),
+                            lambda inner: st.one_of(st.lists(inner, max_size=4),
+                                                    st.dictionaries(st.text(max_size=6), inner, max_size=4)),
+                            max_leaves=10)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@given(st.booleans(), st.dictionaries(st.sampled_from(sorted(CHAT_FIELDS | COMPLETION_FIELDS | {"x"})), json_values,
+                                      max_size=8))
+def test_any_json_body_is_a_job_or_a_named_refusal(chat, body):
+    """Whatever a client sends, parsing ends in a Job or a coded refusal, never another exception."""
+    try:
+        job = parse_chat(body, MODEL, 1024) if chat else parse_completion(body, MODEL)
+    except (InvalidArgument, ApiError):
+        return
+    assert job.n >= 1 and job.params.max_tokens >= 1 and job.prompts
+
+
+def test_unknown_model_is_not_found():
+    with pytest.raises(ApiError) as e:
+        parse_completion({"model": "other", "prompt": "x"}, MODEL)
+    assert (e.value.status, e.value.param) == (404, "model")
+    assert e.value.body()["error"]["type"] == "not_found_error"
+    assert ApiError("OVERLOADED", "m").status == 429 and ApiError("UNAVAILABLE", "m").status == 503
+
+
+# ----------------------------------------------------------------------------- text
+
+
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tok")
+    write_tokenizer(path)
+    return HFTokenizer.from_file(path / "tokenizer.json")
+
+
+def stream_all(tokenizer, ids, stop=(), include=False):
+    """(streamed deltas joined, final text, tokens taken) of one TextStream."""
+    ts, streamed, taken = TextStream(tokenizer, stop, include), [], 0
+    for t in ids:
+        taken += 1
+        stopped = ts.add(t)
+        streamed.append(ts.delta())
+        if stopped:
+            break
+    final = ts.final()
+    streamed.append(final[len("".join(streamed)):])
+    return "".join(streamed), final, taken, ts.stop_reason
+
+
+@pytest.mark.parametrize("which", ["byte", "bpe"])
+def test_incremental_text_equals_decoding_everything(which, bpe):
+    tok = ByteTokenizer() if which == "byte" else bpe
+    rng = random.Random(0)
+    vocab = 258 if which == "byte" else VOCAB
+    for _ in range(200):
+        ids = [rng.randrange(vocab) for _ in range(rng.randint(1, 30))]
+        if which == "byte" and rng.random() < 0.5:
+            ids = list("héllo wörld €".encode()) + ids  # multi-byte characters split across tokens
+        streamed, final, _, _ = stream_all(tok, ids)
+        assert streamed == final == tok.decode(ids), ids
+
+
+def test_stop_string_spanning_bpe_tokens(bpe):
+    ids = bpe.encode("the quick brown fox jumps over the lazy dog", add_special_tokens=False)
+    pieces = [bpe.decode([t]) for t in ids]
+    assert any(len(p) > 2 for p in pieces)  # multi-character tokens
+    # "k bro" starts inside one token ("quick") and ends inside another ("brown")
+    streamed, final, taken, reason = stream_all(bpe, ids, stop=["k bro", "zzz"])
+    assert (streamed, final, reason) == ("the quic", "the quic", "k bro")
+    assert "brown" in bpe.decode(ids[:taken]) and "brown" not in bpe.decode(ids[:taken - 1])
+    assert stream_all(bpe, ids, stop=["k bro"], include=True)[1] == "the quick bro"
+    # The earliest match wins, whichever stop string it is.
+    assert stream_all(bpe, ids, stop=["lazy", "fox"])[1] == "the quick brown "
+
+
+def test_held_back_text_never_shows_a_stop_string():
+    """The last len("abc") - 1 characters wait: they could be the start of the stop string."""
+    ts = TextStream(ByteTokenizer(), ["abc"])
+    shown, text = "", "xxabxab"
+    for i, ch in enumerate(text):
+        assert not ts.add(ord(ch))
+        shown += ts.delta()
+        assert shown == text[:max(0, i - 1)]
+    assert ts.add(ord("c"))
+    shown += ts.delta()
+    assert shown == ts.final() == "xxabx"
+
+
+# ----------------------------------------------------------------------------- the router's side, with a scripted worker
+
+
+def test_router_stops_at_a_stop_string_and_cancels_the_workers_work():
+    """A real Router on loopback and a scripted worker on its worker socket: tokens "x", "a", then
+    "b" and "c" together. "ab" spans two messages; the router cuts the text before it, drops the
+    token after it, tells the worker to cancel, and ends the request with stop."""
+    import asyncio
+
+    import zmq
+    import zmq.asyncio
+
+    from common import protocol as P
+    from common.channel import Channel
+    from common.checkpoint import model_config
+    from common.sampling import SamplingParams
+    from router.launcher import free_port
+    from router.server import Router, RouterConfig
+
+    async def scenario():
+        router = Router(RouterConfig(port=free_port(), worker_port=free_port()))
+        stop = asyncio.Event()
+        serving = asyncio.ensure_future(router.serve(stop))
+        ctx = zmq.asyncio.Context()
+        worker = Channel.connect(ctx, zmq.DEALER, router.backend.address, identity=b"w/1")
+        try:
+            await worker.send(P.Register("mono", "w", "1", "cpu", 64, 16, "tcp://127.0.0.1:1",
+                                         model_config(MODEL).fingerprint))
+            assert isinstance((await worker.arecv()).msg, P.Registered)
+            replies = []
+            params = SamplingParams(max_tokens=500, stop=["ab"], logprobs=0, ignore_eos=True)
+            assert router.submit("test", "r1", [1, 2, 3], params, True, replies.append)
+            work = (await worker.arecv()).msg
+            assert isinstance(work, P.PrefillWork) and work.sampling["stop"] == ["ab"]
+            for index, tokens in ((0, [ord("x")]), (1, [ord("a")]), (2, [ord("b"), ord("c")])):
+                await worker.send(P.WorkerTokens(work.request_id, work.attempt, index, tokens,
+                                                 logprobs=[[-1.0 - index, [], []]] * len(tokens)))
+            cancel = (await asyncio.wait_for(worker.arecv(), 10)).msg
+            assert cancel == P.CancelWork(work.request_id)
+            done = replies[-1]
+            assert isinstance(done, P.Done) and (done.finish_reason, done.stop_reason) == ("stop", "ab")
+            assert (done.text, done.token_ids) == ("x", [ord("x"), ord("a"), ord("b")])
+            assert [lp[0] for lp in done.logprobs] == [-1.0, -2.0, -3.0]
+            streamed = [m for m in replies if isinstance(m, P.Token)]
+            assert "".join(m.text for m in streamed) == "x" and sum(len(m.token_ids) for m in streamed) == 3
+            assert not router.requests
+        finally:
+            worker.close()
+            ctx.term()
+            stop.set()
+            await serving
+
+    asyncio.run(scenario())
