@@ -107,8 +107,12 @@ class Search:
         return max(self.points, key=lambda p: p.output_tok_s, default=None)
 
 
+CLEAR_MARGIN = 0.1  # attainment this far below the target is a clear miss, not noise
+
+
 def find_goodput(measure: Callable[[float], Point], target: float, start: float, growth: float = 2.0,
-                 refine: int = 3, margin: float = 0.1, max_points: int = 24, min_rate: float | None = None) -> Search:
+                 refine: int = 3, margin: float = CLEAR_MARGIN, max_points: int = 24,
+                 min_rate: float | None = None) -> Search:
     """Goodput by measure(rate) -> Point; see the module docstring. `refine` bisection steps narrow
     the knee to a factor growth ** (1 / 2 ** refine)."""
     if start <= 0 or growth <= 1:

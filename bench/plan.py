@@ -5,19 +5,21 @@ counts, each topology is simulated (`bench/simulate.py`) at the rates the goodpu
 (`bench/goodput.py`) asks for, with the same request counts and seeds `bench scaling` uses, so a
 prediction and a measurement see the very same requests. It reports per device count:
 
-- the predicted goodput of N monolithic replicas and of the xPyD splits (all of them up to 16
-  devices; past that a search over X that assumes goodput rises then falls with X), the best;
+- the predicted goodput of N monolithic replicas and of every xPyD split, and the best;
 - what breaks first just past each topology's goodput (TTFT: prefill-bound, TPOT: decode-bound);
 - a ladder for growing load: from 1P1D, the rate at which to add a prefill or a decode worker
-  (whichever raises goodput more), up to the largest device count asked for (at most 16);
+  (whichever raises goodput more), up to one host (or this machine) full;
 - with `--compare scaling.json`, the prediction for every topology `bench scaling` measured, its
   error, and the same search replayed (its start rate, requests and seeds).
 
 On the profiling machine (up to --workers workers) the workers share its host as they did when
 measured: on a CPU the cores are split between them and contend with the router and the client.
 Beyond it, devices sit --devices-per-host to a host, one worker each, as fast as the profiled
-worker; KV between hosts costs network latency + bytes / bandwidth (no overlap with the
-prefill assumed); the router and the clients run elsewhere and cost no device time.
+worker, and every host runs the same split (N devices: hosts x aPbD). One host is simulated, at
+1 / hosts of the rate: the router, which does not know hosts, pairs a prefill worker with a decode
+worker elsewhere (hosts - 1) / hosts of the time, and such KV costs network latency + bytes /
+bandwidth (not overlapped with the prefill); the router and clients run elsewhere. Balancing
+over one host's workers instead of all of them makes this slightly pessimistic.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from bench.goodput import SLO, Point, Search, find_goodput
+from bench.goodput import CLEAR_MARGIN, SLO, Point, Search, find_goodput
 from bench.profile import model_from_json
 from bench.report import print_json, print_table
 from bench.scaling import Sweep, Topology
@@ -36,7 +38,6 @@ from bench.simulate import Placement, WorkerModel, simulate
 from bench.workloads import Workload, fit, get_workload
 from common.errors import InvalidArgument
 
-FULL_SEARCH_UP_TO = 16  # devices: every split is simulated; past it a search over X
 
 
 @dataclass(frozen=True)
@@ -66,16 +67,13 @@ class Profile:
             return next(iter(self.models.values())), Placement()
         threads = max(1, self.host_cores // t.devices)
         have = min(self.models, key=lambda k: (abs(k - threads), k))
-        return self.models[have], Placement(host_cores=self.host_cores, front_on_host0=True,
+        return self.models[have], Placement(host_cores=self.host_cores, front_on_host=True,
                                             background_cores=background_cores)
 
-    def remote(self, network_gbps: float, network_latency_ms: float, devices_per_host: int
-               ) -> tuple[WorkerModel, Placement]:
-        """Devices past this machine: each as fast as the profiled worker with the fewest threads."""
-        m = self.models[min(self.models)]
-        cores = self.host_cores
-        per_host = devices_per_host if cores is None else max(1, cores // m.threads)
-        return m, Placement(per_host, cores, False, network_gbps, network_latency_ms / 1e3)
+    @property
+    def device_model(self) -> WorkerModel:
+        """A device past this machine: as fast as the profiled worker with the fewest threads."""
+        return self.models[min(self.models)]
 
 
 def start_rate(m: WorkerModel, workload: Workload, t: Topology) -> float:
@@ -90,8 +88,8 @@ def start_rate(m: WorkerModel, workload: Workload, t: Topology) -> float:
 def predict(m: WorkerModel, placement: Placement, t: Topology, workload: Workload, slo: SLO, sweep: Sweep,
             start: float | None = None) -> Search:
     def measure(rate: float) -> Point:
-        reqs = [fit(r, m.engine.max_model_len) for r in workload.requests(rate, sweep.requests_at(rate), sweep.seed)]
-        return simulate(m, t.prefill, t.decode, t.mono, placement, rate, reqs, slo)
+        reqs = [fit(r, m.engine.max_model_len) for r in workload.requests(rate, sweep.requests_at(rate, slo), sweep.seed)]
+        return simulate(m, t.prefill, t.decode, t.mono, placement, rate, reqs, slo, slo.attainment - CLEAR_MARGIN)
 
     return find_goodput(measure, slo.attainment, start or sweep.start_rate or start_rate(m, workload, t),
                         sweep.growth, sweep.refine)
@@ -103,31 +101,54 @@ def bound(s: Search, slo: SLO) -> str:
     if not fails:
         return "-"
     p = min(fails, key=lambda p: p.rate)
-    ttft = sum(r.ttft is None or r.ttft > slo.ttft_ms for r in p.records)
-    tpot = sum(r.tpot is not None and r.tpot > slo.itl_ms for r in p.records)
+    served = [r for r in p.records if r.ttft is not None]  # (a stopped simulation: requests not arrived yet)
+    ttft = sum(r.ttft > slo.ttft_ms for r in served)
+    tpot = sum(r.tpot is not None and r.tpot > slo.itl_ms for r in served)
     return "prefill" if ttft >= tpot else "decode"
 
 
+def scaled(s: Search, hosts: int) -> Search:
+    """A slice's search as the whole cluster's: hosts slices, each taking 1 / hosts of the rate."""
+    return Search([replace(p, rate=p.rate * hosts) for p in s.points], s.goodput * hosts)
+
+
 class Planner:
-    """Predictions for one profile, workload and SLO, each topology simulated once."""
+    """Predictions for one profile, workload and SLO, each topology simulated once: on this
+    machine as it is, past it as one host's slice of the cluster."""
 
     def __init__(self, profile: Profile, workload: Workload, slo: SLO, sweep: Sweep, local_workers: int,
                  network_gbps: float, network_latency_ms: float, devices_per_host: int, say=print):
         self.profile, self.workload, self.slo, self.sweep = profile, workload, slo, sweep
-        self.local_workers = local_workers
-        self.remote = profile.remote(network_gbps, network_latency_ms, devices_per_host)
+        self.local_workers, self.devices_per_host = local_workers, devices_per_host
+        self.network = network_gbps, network_latency_ms / 1e3
         self.say = say
         self.searches: dict[tuple[Topology, float], Search] = {}
+
+    def hosts(self, n: int) -> int:
+        """How many hosts n devices past this machine fill (whole hosts only, or one partly)."""
+        k = self.devices_per_host
+        if n <= self.local_workers or n <= k:
+            return 1
+        if n % k:
+            raise InvalidArgument(f"--plan-devices {n}: past this machine a plan is whole hosts of "
+                                  f"--devices-per-host {k}; allowed: {n // k * k} or {(n // k + 1) * k}")
+        return n // k
 
     def search(self, t: Topology, start: float | None = None, background_cores: float = 0.0) -> Search:
         key = (t, background_cores)
         if key not in self.searches:
-            local = t.devices <= self.local_workers
-            m, placement = self.profile.local(t, background_cores) if local else self.remote
-            sweep = self.sweep
-            if not local:  # as many requests per worker as a local run has
-                sweep = replace(sweep, max_requests=sweep.max_requests * max(1, t.devices // 2))
-            s = self.searches[key] = predict(m, placement, t, self.workload, self.slo, sweep, start)
+            if t.devices <= self.local_workers:
+                m, placement = self.profile.local(t, background_cores)
+                s = predict(m, placement, t, self.workload, self.slo, self.sweep, start)
+            else:  # every host runs the same slice; a load-blind router sends KV off-host (h - 1) / h of the time
+                h = self.hosts(t.devices)
+                part = Topology(f"{t.prefill // h}p{t.decode // h}d" if t.prefill else f"{t.mono // h}mono",
+                                t.prefill // h, t.decode // h, t.mono // h)
+                gbps, latency_s = self.network
+                placement = Placement(cross_host=(h - 1) / h, network_gbps=gbps, network_latency_s=latency_s)
+                s = scaled(predict(self.profile.device_model, placement, part, self.workload, self.slo, self.sweep,
+                                   start and start / h), h)
+            self.searches[key] = s
             under = f" under {background_cores:.2f} cores of other work" if background_cores else ""
             self.say(f"{t.name}: predicted goodput {s.goodput:.3g} req/s{under} ({len(s.points)} rates simulated)")
         return self.searches[key]
@@ -136,24 +157,10 @@ class Planner:
         return self.search(t).goodput
 
     def splits(self, n: int) -> list[Topology]:
-        """The xPyD splits of n devices worth simulating: all of them, or a search over X."""
-        if n < 2:
-            return []
-        xpyd = [Topology(f"{x}p{n - x}d", x, n - x, 0) for x in range(1, n)]
-        if n <= FULL_SEARCH_UP_TO:
-            for t in xpyd:
-                self.goodput(t)
-            return xpyd
-        lo, hi = 0, len(xpyd) - 1  # ternary search over X on integers, assuming one peak
-        while hi - lo > 2:
-            a, b = lo + (hi - lo) // 3, hi - (hi - lo) // 3
-            if self.goodput(xpyd[a]) < self.goodput(xpyd[b]):
-                lo = a + 1
-            else:
-                hi = b - 1 if self.goodput(xpyd[a]) > self.goodput(xpyd[b]) else b
-        for t in xpyd[lo:hi + 1]:
-            self.goodput(t)
-        return [t for t in xpyd if (t, 0.0) in self.searches]
+        """The xPyD splits of n devices: all of them on one host; past it, the same split on every host."""
+        h = self.hosts(n)
+        k = n // h
+        return [Topology(f"{h * a}p{h * (k - a)}d", h * a, h * (k - a), 0) for a in range(1, k)]
 
     def plan(self, n: int) -> dict:
         mono = Topology(f"{n}mono", 0, 0, n)
@@ -230,6 +237,8 @@ def run_plan(profile: Profile, workload_spec: str, slo: SLO, sweep: Sweep, devic
 
     planner = Planner(profile, workload, slo, sweep, local_workers, network_gbps, network_latency_ms,
                       devices_per_host, say)
+    for n in device_counts:
+        planner.hosts(n)  # whole hosts past this machine: say so before simulating anything
     result = {"bench": "plan", "model": profile.model, "profiled_on": profile.device, "workload": workload_spec,
               "workload_shape": workload.describe(), "slo": asdict(slo),
               "network": {"gbps": network_gbps, "latency_ms": network_latency_ms,
@@ -247,15 +256,15 @@ def run_plan(profile: Profile, workload_spec: str, slo: SLO, sweep: Sweep, devic
     plans = [planner.plan(n) for n in device_counts]
     result["plans"] = plans
     for p in plans:
-        where = "this machine" if p["local"] else f"{devices_per_host} devices per host" \
-            if profile.host_cores is None else "hosts like this one"
+        hosts = planner.hosts(p["devices"])
+        where = "this machine" if p["local"] else f"{hosts} host{'s' * (hosts > 1)} of {p['devices'] // hosts} devices"
         print_table(f"plan for {p['devices']} devices ({where}): best {p['best']}"
                     + (f", best xPyD {p['best_xpyd']} = {p['xpyd_over_mono']}x {p['devices']}mono"
                        if p["xpyd_over_mono"] else ""),
                     ["topology", "goodput req/s", "per device", "bound past goodput"],
                     [[r["topology"], r["goodput_rps"], r["goodput_per_device_rps"], r["bound"]]
                      for r in p["topologies"]])
-    most = min(max(device_counts), FULL_SEARCH_UP_TO)
+    most = min(max(device_counts), max(local_workers, devices_per_host))
     if most >= 2:
         result["ladder"] = planner.ladder(most)
         print_table("growing load from 1P1D: past each goodput, add the worker that raises it more",
@@ -268,14 +277,17 @@ def run_plan(profile: Profile, workload_spec: str, slo: SLO, sweep: Sweep, devic
 
 
 def assumptions(profile: Profile, gbps: float, latency_ms: float, per_host: int, local: int) -> list[str]:
-    out = [f"each device runs one worker as fast as the profiled {profile.model} worker on {profile.device}",
-           f"up to {local} workers: this machine, shared as measured"
-           + (f" ({profile.host_cores} cores split between workers, router and clients)" if profile.host_cores else ""),
-           (f"past it: {per_host} devices per host" if profile.host_cores is None
-            else "past it: hosts like this one, each full of workers"),
-           f"KV between hosts: {latency_ms:g} ms + bytes / {gbps:g} GB/s, not overlapped with the prefill; "
-           "on one host: the profiled handoff",
-           "the router pairs any prefill with any decode worker by load (it does not know hosts)",
-           "router and clients on their own machines past this one; no failures, no prefix-cache hits, "
-           "outputs run to their length"]
-    return out
+    m = profile.device_model
+    return [f"up to {local} workers: this machine, shared as measured"
+            + (f" ({profile.host_cores} cores split between the workers, the router and the clients)"
+               if profile.host_cores else " (one device per worker)"),
+            f"past it: each device runs one worker as fast as the profiled {profile.model} worker on "
+            f"{profile.device}" + (f" with {m.threads} thread(s), its cores its own" if profile.host_cores else ""),
+            f"{per_host} devices per host, every host running the same split; the router and the clients on "
+            "machines of their own",
+            "the router pairs any prefill worker with any decode worker by load (it does not know hosts): "
+            "with h hosts, (h - 1) / h of the KV handoffs cross the network",
+            f"KV across hosts: {latency_ms:g} ms + bytes / {gbps:g} GB/s, not overlapped with the prefill; "
+            "on one host: the profiled handoff",
+            "balancing within a host's slice, not over the whole cluster: slightly pessimistic for TTFT",
+            "no failures, no prefix-cache hits, outputs run to their length"]

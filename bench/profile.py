@@ -264,7 +264,8 @@ def profile_thread_counts(device: str, workers: int) -> list[int | None]:
     return sorted({max(1, cores // n) for n in range(1, workers + 1)})
 
 
-def run_profile(model: str, device: str, workers: int, worker_args: list[str], out: Path, repeats: int = 5) -> dict:
+def run_profile(model: str, device: str, workers: int, worker_args: list[str], out: Path, repeats: int = 5,
+                threads: int | None = None) -> dict:
     if device != "cpu" and not device.startswith("cuda"):
         raise InvalidArgument(f"--device {device!r}; allowed: cpu or cuda:N (one device is profiled)")
     cores = os.cpu_count() or 1
@@ -274,8 +275,10 @@ def run_profile(model: str, device: str, workers: int, worker_args: list[str], o
     def say(text):
         print(f"[plan] {text}", file=sys.stderr, flush=True)
 
-    profiles = [profile_workers(model, device, t, worker_args, repeats, say=say)
-                for t in profile_thread_counts(device, workers)]
+    if threads is not None and threads < 1:
+        raise InvalidArgument(f"--threads {threads}; allowed: >= 1")
+    counts = [threads] if threads else profile_thread_counts(device, workers)
+    profiles = [profile_workers(model, device, t, worker_args, repeats, say=say) for t in counts]
     result = {"profile_version": PROFILE_VERSION, "model": model, "device": device,
               "host_cores": cores if device == "cpu" else None, "worker_args": list(worker_args),
               "profiles": profiles}

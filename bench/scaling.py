@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import random
 import statistics
@@ -147,8 +148,12 @@ class Sweep:
         if self.refine < 0:
             raise InvalidArgument(f"--refine {self.refine}; allowed: >= 0")
 
-    def requests_at(self, rate: float) -> int:
-        return max(self.min_requests, min(self.max_requests, round(rate * self.duration_s)))
+    def requests_at(self, rate: float, slo: SLO) -> int:
+        """rate x duration requests, within [min, max]; but never so few that they arrive in less than
+        a quarter of the duration or 10 TTFT targets: a burst shorter than that is absorbed by the
+        queues and passes at any rate."""
+        window = max(self.duration_s / 4, 10 * slo.ttft_ms / 1e3)
+        return max(self.min_requests, min(self.max_requests, round(rate * self.duration_s)), math.ceil(rate * window))
 
 
 def measure_cluster(cluster: Cluster, workload: Workload, rate: float, n: int, slo: SLO, context: int, vocab: int,
@@ -188,7 +193,7 @@ def sweep_topology(model: str, t: Topology, devices: list[str], workload: Worklo
         points = [0]
 
         def measure(rate: float) -> Point:
-            n = sweep.requests_at(rate)
+            n = sweep.requests_at(rate, slo)
             points[0] += 1
             p = measure_cluster(cluster, workload, rate, n, slo, context, vocab, sweep.seed,
                                 f"{sweep.seed}/{t.name}/{points[0]}")

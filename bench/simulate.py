@@ -19,12 +19,16 @@ What is modelled, and how faithfully:
   (client -> router -> worker and back) to what a client sees.
 - **KV handoff**: a prefill worker asks its decode worker for blocks when the work arrives
   (refused while the decode worker's pool or batch is full: retried with the worker's backoff);
-  once prefilled and granted the KV moves in the profiled time for its bytes, or, between hosts,
-  in network latency + bytes / bandwidth; the decode worker starts the request at its next step.
-- **CPU contention** (only where workers run on a host's CPU cores, as on the CPU machine): the
-  host's cores are shared between the steps under way on it (processor sharing): each progresses
-  at min(1, cores / demand), where demand counts each stepping worker's cores and, on the host
-  that runs them, the router's and clients' CPU at the offered rate, and any other work there.
+  once prefilled and granted the KV moves in the profiled time for its bytes, or, for the share
+  of handoffs that cross hosts, in network latency + bytes / bandwidth; the decode worker starts
+  the request at its next step.
+- **CPU contention** (only where the workers run on the host's CPU cores, as on the CPU
+  machine): the cores are shared between the steps under way (processor sharing): each
+  progresses at min(1, cores / demand), where demand counts each stepping worker's cores, the
+  router's and clients' CPU at the offered rate, and any other work on the machine.
+
+The simulated workers share one host. A cluster of many hosts is planned as one host's slice of it
+(`bench/plan.py`), whose handoffs cross to other hosts as often as a load-blind router makes them.
 
 Not modelled: failures and retries, prefix-cache hits, stop tokens (outputs run to their length).
 """
@@ -34,6 +38,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import random
 from dataclasses import dataclass, field
 
 from bench.goodput import SLO, Latency, Point, point_from
@@ -45,6 +50,7 @@ from common.sequence import PREFILLED, Sequence, Status
 
 HEARTBEAT_S = 0.2  # common/worker.py WorkerConfig.heartbeat_interval_s
 RESERVE_BACKOFF_S = (0.002, 0.005, 0.01, 0.02)  # prefill_worker/worker.py RETRY_BACKOFF_S
+GIVE_UP_CHECK_S = 0.25  # how often a run that may stop early counts the requests sure to miss
 
 
 @dataclass(frozen=True)
@@ -106,13 +112,13 @@ class WorkerModel:
 
 @dataclass(frozen=True)
 class Placement:
-    """Where the workers run. host_cores None: each worker has a device of its own (no CPU
-    contention); devices_per_host workers share a host; between hosts KV crosses the network."""
+    """Where the workers run: one host. host_cores None: each worker has a device of its own (no
+    CPU contention); else they share the host's cores (with the router and clients, if there)."""
 
-    devices_per_host: int = 1 << 30
     host_cores: int | None = None
-    front_on_host0: bool = False  # the router and clients use host 0's cores (a single-machine run)
-    background_cores: float = 0.0  # on host 0: what other work on a shared machine keeps busy
+    front_on_host: bool = False  # the router and clients use the host's cores (a single-machine run)
+    background_cores: float = 0.0  # what other work on a shared machine keeps busy
+    cross_host: float = 0.0  # the share of KV handoffs that go to another host, over the network
     network_gbps: float = 25.0  # gigabytes per second between hosts
     network_latency_s: float = 5e-5
 
@@ -210,7 +216,6 @@ class Step:
 class SimWorker:
     worker_id: str
     role: str  # prefill | decode | mono
-    host: int
     engine: SimEngine
     assigned: set[int] = field(default_factory=set)
     queued: int = 0  # as of the last heartbeat
@@ -220,26 +225,15 @@ class SimWorker:
         return len(self.assigned) + self.queued / 2, self.worker_id
 
 
-def place(prefill: int, decode: int, mono: int, devices_per_host: int) -> list[tuple[str, str, int]]:
-    """(worker id, role, host) with prefill and decode workers spread evenly over the hosts, so
-    that each host holds both roles in about the topology's proportion."""
-    order = sorted([(i / prefill, "prefill", i) for i in range(prefill)] + [(i / decode, "decode", i)
-                                                                             for i in range(decode)])
-    roles = [(f"{r}-{i}", r) for _, r, i in order] + [(f"mono-{i}", "mono") for i in range(mono)]
-    return [(wid, role, k // devices_per_host) for k, (wid, role) in enumerate(roles)]
-
-
 class Simulation:
     def __init__(self, model: WorkerModel, prefill: int, decode: int, mono: int, placement: Placement,
-                 rate: float, requests: list[Request]):
+                 rate: float, requests: list[Request], slo: SLO | None = None, stop_below: float | None = None):
         if (prefill == 0) != (decode == 0) or prefill + decode + mono == 0 or (mono and prefill):
             raise ValueError(f"topology {prefill}p{decode}d + {mono} mono is not one pdserve runs")
         self.model, self.placement = model, placement
-        self.workers = [SimWorker(wid, role, host, SimEngine(model.engine))
-                        for wid, role, host in place(prefill, decode, mono, placement.devices_per_host)]
-        self.by_host: dict[int, list[SimWorker]] = {}
-        for w in self.workers:
-            self.by_host.setdefault(w.host, []).append(w)
+        roles = [("prefill", prefill), ("decode", decode), ("mono", mono)]
+        self.workers = [SimWorker(f"{role}-{i}", role, SimEngine(model.engine)) for role, n in roles for i in range(n)]
+        self.crossing = random.Random(len(requests))  # which handoffs cross hosts: the same every run
         self.requests = [SimRequest(r, i) for i, r in enumerate(requests)]
         self.events: list = []
         self._order = itertools.count()
@@ -247,6 +241,9 @@ class Simulation:
         self.unfinished = len(requests)
         mean_out = sum(r.output_tokens for r in requests) / max(1, len(requests))
         self.front_cores = rate * (model.front_cpu_request_s + model.front_cpu_token_s * mean_out)
+        self.slo = slo
+        # Give up once so many requests are sure to miss the SLO that attainment is below stop_below.
+        self.give_up_at = None if stop_below is None else math.floor((1 - stop_below) * len(requests)) + 1
 
     # ------------------------------------------------------------------ the event loop
 
@@ -259,10 +256,27 @@ class Simulation:
             self.at(r.req.arrival + half, self.dispatch, r)
         for k, w in enumerate(self.workers):
             self.at(HEARTBEAT_S * k / len(self.workers), self.heartbeat, w)
-        while self.events and self.unfinished:
+        self.gave_up = False
+        if self.give_up_at is not None:
+            self.at(GIVE_UP_CHECK_S, self.check_misses)
+        while self.events and self.unfinished and not self.gave_up:
             self.now, _, fn, args = heapq.heappop(self.events)
             fn(*args)
         return self.requests
+
+    def check_misses(self) -> None:
+        """Count the requests already sure to miss the SLO: no first token within the TTFT target,
+        or more time since it than TPOT target x the tokens still to come allows."""
+        half, ttft, tpot = self.model.front_latency_s / 2, self.slo.ttft_ms / 1e3, self.slo.itl_ms / 1e3
+        missed = 0
+        for r in self.requests:
+            t = r.token_times
+            if (t[0] if t else self.now) + half - r.req.arrival > ttft:
+                missed += 1
+            elif t and r.req.output_tokens > 1 and (t[-1] if r.done else self.now) - t[0] > tpot * (r.req.output_tokens - 1):
+                missed += 1
+        self.gave_up = missed >= self.give_up_at
+        self.at(self.now + GIVE_UP_CHECK_S, self.check_misses)
 
     def heartbeat(self, w: SimWorker) -> None:
         w.queued = len(w.engine.scheduler.waiting)
@@ -301,17 +315,17 @@ class Simulation:
         cost = self.model.mono_step if w.role == "mono" and self.model.mono_step else self.model.step
         w.step = Step(batch, cost(chunks, len(lengths), self.model.kv_read(lengths)), self.now)
         if self.placement.host_cores:
-            self.share(w.host)
+            self.share()
         else:
             self.at(self.now + w.step.work_left, self.step_done, w, w.step, 0)
 
-    def share(self, host: int) -> None:
-        """Processor sharing of a host's cores: a step starting or ending there changes how fast
-        every step under way on it progresses; their end events are moved accordingly."""
-        stepping = [w for w in self.by_host[host] if w.step is not None]
-        demand = len(stepping) * self.model.cores
-        if host == 0 and self.placement.front_on_host0:
-            demand += self.front_cores + self.placement.background_cores
+    def share(self) -> None:
+        """Processor sharing of the host's cores: a step starting or ending changes how fast every
+        step under way progresses; their end events are moved accordingly."""
+        stepping = [w for w in self.workers if w.step is not None]
+        demand = len(stepping) * self.model.cores + self.placement.background_cores
+        if self.placement.front_on_host:
+            demand += self.front_cores
         slowdown = max(1.0, demand / self.placement.host_cores)
         for w in stepping:
             s = w.step
@@ -324,7 +338,7 @@ class Simulation:
             return  # moved by contention: a later event ends it
         batch, w.step = w.step.batch, None
         if self.placement.host_cores:
-            self.share(w.host)
+            self.share()
         for seq in w.engine.finish_step(batch):
             r = self.requests[seq.request_id]
             r.token_times.append(self.now)
@@ -362,10 +376,10 @@ class Simulation:
 
     def handoff(self, r: SimRequest) -> None:
         tokens = r.req.prompt_tokens
-        if r.prefill.host == r.decode.host:
-            t = self.model.handoff_s(tokens)
-        else:
+        if self.crossing.random() < self.placement.cross_host:
             t = self.placement.network_s(tokens * self.model.kv_bytes_per_token)
+        else:
+            t = self.model.handoff_s(tokens)
         self.at(self.now + t, self.arrived, r)
 
     def arrived(self, r: SimRequest) -> None:
@@ -375,21 +389,28 @@ class Simulation:
         self.kick(r.prefill)  # the freed blocks may admit a waiting prompt
 
 
-def latency(r: SimRequest, front_latency_s: float) -> Latency:
-    if not r.token_times:
-        return Latency(None)
+def latency(r: SimRequest, front_latency_s: float, now: float) -> Latency:
+    """What the client saw of r; for a request a stopped run did not finish, its latencies so far
+    (lower bounds: enough to tell which target it was missing), or None if it had not arrived."""
     half = front_latency_s / 2
     t = r.token_times
+    if not t:
+        return Latency((now + half - r.req.arrival) * 1e3 if now >= r.req.arrival else None)
     gaps = [(b - a) * 1e3 for a, b in zip(t, t[1:])]
-    tpot = (t[-1] - t[0]) * 1e3 / (len(t) - 1) if len(t) > 1 else None
-    return Latency((t[0] + half - r.req.arrival) * 1e3, tpot, (t[-1] + half - r.req.arrival) * 1e3, gaps)
+    end = t[-1] if r.done else now
+    tpot = (end - t[0]) * 1e3 / (r.req.output_tokens - 1) if r.req.output_tokens > 1 else None
+    return Latency((t[0] + half - r.req.arrival) * 1e3, tpot, (t[-1] + half - r.req.arrival) * 1e3 if r.done else None,
+                   gaps)
 
 
 def simulate(model: WorkerModel, prefill: int, decode: int, mono: int, placement: Placement, rate: float,
-             requests: list[Request], slo: SLO) -> Point:
-    """One rate: every request served to its length; the SLO attainment and what was delivered."""
-    done = Simulation(model, prefill, decode, mono, placement, rate, requests).run()
-    records = [latency(r, model.front_latency_s) for r in done]
+             requests: list[Request], slo: SLO, stop_below: float | None = None) -> Point:
+    """One rate: every request served to its length; the SLO attainment and what was delivered.
+    With stop_below, a run whose attainment is sure to end below it stops there (the requests not
+    finished count as failed): the search only needs to know it failed clearly."""
+    sim = Simulation(model, prefill, decode, mono, placement, rate, requests, slo, stop_below)
+    done = sim.run()
+    records = [latency(r, model.front_latency_s, sim.now) for r in done]
     ends = [r.token_times[-1] for r in done if r.token_times]
     wall = (max(ends) + model.front_latency_s / 2 - requests[0].arrival) if ends else math.inf
     return point_from(rate, records, slo, sum(len(r.token_times) for r in done), wall)

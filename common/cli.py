@@ -430,6 +430,8 @@ def bench_scaling(model, devices, workers, topologies, workload, ttft_slo_ms, it
 @click.option("--workers", default=2, show_default=True, type=int,
               help="workers this machine runs at most (cpu: each topology splits the cores between them)")
 @click.option("--worker-arg", "worker_args", multiple=True, help="extra flag for the profiled workers (repeatable)")
+@click.option("--threads", default=None, type=int,
+              help="torch threads of the profiled workers [default: cpu: each topology's share of the cores]")
 @slo_options
 @click.option("--plan-devices", default=None, help="device counts to plan for [default: 1..workers,8,16,64]")
 @click.option("--network-gbps", default=25.0, show_default=True, type=float, help="GB/s between hosts")
@@ -442,9 +444,9 @@ def bench_scaling(model, devices, workers, topologies, workload, ttft_slo_ms, it
 @click.option("--max-requests", default=400, show_default=True, type=int)
 @click.option("--refine", default=3, show_default=True, type=int, help="bisection steps at the knee")
 @click.option("--seed", default=0, show_default=True, type=int)
-def plan(profile_path, reprofile, model, device, workers, worker_args, workload, ttft_slo_ms, itl_slo_ms, attainment,
-         plan_devices, network_gbps, network_latency_ms, devices_per_host, compare_path, duration, min_requests,
-         max_requests, refine, seed):
+def plan(profile_path, reprofile, model, device, workers, worker_args, threads, workload, ttft_slo_ms, itl_slo_ms,
+         attainment, plan_devices, network_gbps, network_latency_ms, devices_per_host, compare_path, duration,
+         min_requests, max_requests, refine, seed):
     """Predict goodput per topology by simulation from a measured worker profile; plan past this machine."""
     from bench.goodput import SLO
     from bench.plan import Profile, run_plan
@@ -461,7 +463,7 @@ def plan(profile_path, reprofile, model, device, workers, worker_args, workload,
         except (OSError, ValueError) as e:
             raise click.BadParameter(f"{compare_path!r} is not a bench scaling JSON: {e}", param_hint="--compare")
     if reprofile or not Path(profile_path).exists():
-        run_profile(model, device, workers, list(worker_args), Path(profile_path))
+        run_profile(model, device, workers, list(worker_args), Path(profile_path), threads=threads)
     run_plan(Profile.load(profile_path), workload, slo, sweep, counts, workers, network_gbps, network_latency_ms,
              devices_per_host, compare_with)
 

@@ -10,6 +10,7 @@ from bench.plan import Planner, Profile, compare
 from bench.scaling import Sweep, Topology
 from bench.workloads import Lengths, Workload
 from bench.goodput import SLO
+from common.errors import InvalidArgument
 from tests.test_scaling import REPO, pdserve_cmd
 from tests.test_simulate import DECODE_BOUND, PREFILL_BOUND
 
@@ -45,6 +46,21 @@ def test_decode_bound_plan_adds_decode_workers():
     assert {r["topology"]: r["bound"] for r in plan["topologies"]}["2p1d"] == "decode"
 
 
+def test_past_this_machine_every_host_runs_the_same_split():
+    """8 devices, 4 per host: 2 hosts, splits 2 x (aPbD); each host takes half the rate. Prefill-bound
+    at 20 requests/s per prefill worker: 6p2d serves 6 x 20."""
+    p = planner(PREFILL_BOUND, 100, 10, SLO(200, 20))
+    p.local_workers, p.devices_per_host = 1, 4
+    plan = p.plan(8)
+    assert [r["topology"] for r in plan["topologies"]] == ["8mono", "2p6d", "4p4d", "6p2d"]
+    goodput = {r["topology"]: r["goodput_rps"] for r in plan["topologies"]}
+    assert goodput["6p2d"] == pytest.approx(120, rel=0.1) and goodput["2p6d"] == pytest.approx(40, rel=0.1)
+    assert plan["best_xpyd"] == "6p2d" and not plan["local"]
+    with pytest.raises(InvalidArgument, match="--plan-devices 10: past this machine a plan is whole hosts of "
+                                              "--devices-per-host 4; allowed: 8 or 12"):
+        p.hosts(10)
+
+
 def test_compare_replays_a_measurement():
     p = planner(PREFILL_BOUND, 100, 10, SLO(200, 20))
     rows = compare(p, {"results": [{"topology": "1p1d", "goodput_rps": 20.0, "start_rate": 4.0, "others_cores": 0}]})
@@ -54,13 +70,16 @@ def test_compare_replays_a_measurement():
 
 def test_plan_profiles_once_then_plans_from_the_saved_profile(tmp_path):
     profile = tmp_path / "profile.json"
-    args = ["plan", "--profile", str(profile), "--workers", "1", "--worker-arg=--max-num-seqs", "--worker-arg=8",
+    # one thread: two torch threads on two shared cores slow down badly whenever a neighbour takes one
+    args = ["plan", "--profile", str(profile), "--workers", "1", "--threads", "1", "--worker-arg=--max-num-seqs",
+            "--worker-arg=8",
             "--plan-devices", "1,3", "--ttft-slo-ms", "500", "--itl-slo-ms", "50", "--duration", "2",
             "--min-requests", "20", "--max-requests", "60", "--refine", "1"]
     first = subprocess.run(pdserve_cmd() + args, capture_output=True, text=True, timeout=150, cwd=REPO)
     assert first.returncode == 0, first.stderr[-3000:]
     saved = json.loads(profile.read_text())
     (p,) = saved["profiles"]
+    assert p["threads"] == 1
     step = p["worker_model"]["step"]
     assert step["decode_base"] + step["decode_seq"] > 0 and step["prefill_token"] + step["prefill_base"] > 0
     assert p["worker_model"]["engine"]["max_num_seqs"] == 8

@@ -4,7 +4,7 @@ prefill-bound and a decode-bound workload, and the real scheduler's limits insid
 import pytest
 
 from bench.goodput import SLO, find_goodput
-from bench.simulate import EngineShape, Placement, StepCost, WorkerModel, place, simulate
+from bench.simulate import EngineShape, Placement, StepCost, WorkerModel, simulate
 from bench.workloads import Request
 
 
@@ -87,16 +87,18 @@ def test_least_loaded_router_spreads_requests():
 
 
 def test_network_between_hosts_moves_handoff():
-    """1P1D on two hosts: the KV crosses the network (latency + bytes / bandwidth) before decoding."""
+    """1P1D whose KV crosses hosts: latency + bytes / bandwidth between the first and second token."""
     model = WorkerModel(StepCost(prefill_token=1e-6, decode_base=1e-3), EngineShape(4096, 16, 64, 2048, 1024),
                         kv_bytes_per_token=1_000_000)
     one_host = simulate(model, 1, 1, 0, Placement(), 1.0, [Request(0.0, 100, 3)], SLO(1000, 1000))
-    far = Placement(devices_per_host=1, network_gbps=1.0, network_latency_s=0.002)
+    far = Placement(cross_host=1.0, network_gbps=1.0, network_latency_s=0.002)
     two_hosts = simulate(model, 1, 1, 0, far, 1.0, [Request(0.0, 100, 3)], SLO(1000, 1000))
-    # 100 MB at 1 GB/s = 100 ms, plus 2 ms of latency, between the first and second token
+    # 100 MB at 1 GB/s = 100 ms, plus 2 ms of latency
     assert two_hosts.records[0].itl[0] - one_host.records[0].itl[0] == pytest.approx(102.0, abs=0.01)
-    assert [h for *_, h in place(2, 6, 0, 4)] == [0, 0, 0, 0, 1, 1, 1, 1]
-    assert sorted(r for _, r, h in place(2, 6, 0, 4) if h == 1) == ["decode", "decode", "decode", "prefill"]
+    half = Placement(cross_host=0.5, network_gbps=1.0, network_latency_s=0.002)
+    reqs = [Request(i * 1.0, 100, 3) for i in range(200)]
+    crossed = sum(r.itl[0] > 50 for r in simulate(model, 1, 1, 0, half, 1.0, reqs, SLO(1000, 1000)).records)
+    assert 70 <= crossed <= 130  # about half, the same on every run
 
 
 def test_cpu_contention_stretches_steps():
