@@ -28,7 +28,7 @@ import zmq
 
 from bench.report import print_json, print_table
 from common.checkpoint import model_config
-from router.client import AsyncClient
+from router.client import AsyncClient, RequestError
 from router.launcher import Cluster
 
 
@@ -61,12 +61,14 @@ SCENARIOS = {s.name: s for s in [
 
 
 def parse_topology(name: str) -> tuple[int, int, int]:
-    """-> (prefill, decode, mono) workers."""
-    if name == "mono":
-        return 0, 0, 1
+    """-> (prefill, decode, mono) workers: "mono" or "Nmono" (N monolithic replicas), "XpYd"."""
+    mono = re.fullmatch(r"(\d*)mono", name)
+    if mono and int(mono[1] or 1) >= 1:
+        return 0, 0, int(mono[1] or 1)
     m = re.fullmatch(r"(\d+)p(\d+)d", name)
     if not m or int(m[1]) < 1 or int(m[2]) < 1:
-        raise ValueError(f"topology {name!r} is not supported; allowed: mono or XpYd with X, Y >= 1 (e.g. 1p1d)")
+        raise ValueError(f"topology {name!r} is not supported; allowed: mono, Nmono (N monolithic replicas) "
+                         "or XpYd with X, Y >= 1 (e.g. 2mono, 1p1d)")
     return int(m[1]), int(m[2]), 0
 
 
@@ -93,6 +95,8 @@ class Sample:
     end: float | None = None
     tokens: int = 0
     router_s: float = 0.0
+    error: str | None = None  # the router's code, for a request that failed
+    timings: dict = field(default_factory=dict)  # the workers' and the router's, from Done
 
 
 async def drive(address: str, requests, concurrency: int = 0) -> tuple[list[Sample], float]:
@@ -104,14 +108,19 @@ async def drive(address: str, requests, concurrency: int = 0) -> tuple[list[Samp
             await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
             await gate.acquire()  # at most `concurrency` in flight
             s = Sample(time.perf_counter())
-            async for item in client.stream(prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True):
-                now = time.perf_counter()
-                if hasattr(item, "finish_reason"):
-                    s.end, s.tokens, s.router_s = now, len(item.token_ids), item.timings.get("router_s", 0.0)
-                else:
-                    s.first = s.first or now
-                    s.token_times += [now] * len(item.token_ids)
-            gate.release()
+            try:
+                async for item in client.stream(prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True):
+                    now = time.perf_counter()
+                    if hasattr(item, "finish_reason"):
+                        s.end, s.tokens, s.timings = now, len(item.token_ids), item.timings
+                        s.router_s = item.timings.get("router_s", 0.0)
+                    else:
+                        s.first = s.first or now
+                        s.token_times += [now] * len(item.token_ids)
+            except RequestError as e:  # counted as failed, not fatal to the run
+                s.error, s.end = e.code, None
+            finally:
+                gate.release()
             return s
 
         samples = await asyncio.gather(*(one(*r) for r in requests))

@@ -399,6 +399,97 @@ def bench_transfer(transport, model, tokens, repeats, block_size, dtype, device,
     run_transfer_bench(transport, model, tokens, repeats, block_size, dtype, device, fragmented, layer_groups)
 
 
+def slo_options(f):
+    """The latency targets and the workload that goodput is measured (bench scaling) or predicted (plan) for."""
+    for opt in reversed([
+        click.option("--workload", default="chat", show_default=True,
+                     help="chat, long-context, realistic, or a .jsonl file of {arrival, prompt_tokens, "
+                          "output_tokens} rows"),
+        click.option("--ttft-slo-ms", default=1000.0, show_default=True, type=float, help="time to first token target"),
+        click.option("--itl-slo-ms", default=100.0, show_default=True, type=float,
+                     help="inter-token latency target: each request's mean time per output token after the first"),
+        click.option("--attainment", default=0.9, show_default=True, type=float,
+                     help="fraction of requests that must meet both targets"),
+    ]):
+        f = opt(f)
+    return f
+
+
+@bench.command("scaling")
+@click.option("--model", default="dummy:nanogpt", show_default=True)
+@click.option("--devices", default="cpu", show_default=True, help="cpu, or cuda:0,cuda:1,...")
+@click.option("--workers", default=None, type=int,
+              help="most workers per topology [default: one per device; cpu: 1]; on cpu at most the cores")
+@click.option("--topologies", default=None,
+              help="comma-separated Nmono / XpYd [default: Nmono and every XpYd with X+Y=N, N=1..workers]")
+@slo_options
+@click.option("--duration", default=15.0, show_default=True, type=float, help="seconds of arrivals per rate")
+@click.option("--min-requests", default=30, show_default=True, type=int)
+@click.option("--max-requests", default=400, show_default=True, type=int)
+@click.option("--start-rate", default=None, type=float, help="req/s [default: from one request on the idle cluster]")
+@click.option("--refine", default=3, show_default=True, type=int, help="bisection steps at the knee")
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--out-dir", default="pdserve-scaling", show_default=True, help="scaling.json and the PNG plots")
+@click.option("--worker-arg", "worker_args", multiple=True, help="extra flag for every worker (repeatable)")
+def bench_scaling(model, devices, workers, topologies, workload, ttft_slo_ms, itl_slo_ms, attainment, duration,
+                  min_requests, max_requests, start_rate, refine, seed, out_dir, worker_args):
+    """Goodput per topology (Nmono, every XpYd): SLO attainment swept over request rate, plots."""
+    from bench.goodput import SLO
+    from bench.scaling import Sweep, run_scaling_bench
+
+    slo = SLO(ttft_slo_ms, itl_slo_ms, attainment)
+    sweep = Sweep(duration, min_requests, max_requests, start_rate, refine=refine, seed=seed)
+    run_scaling_bench(model, devices, workers, topologies.split(",") if topologies else None, workload, slo, sweep,
+                      Path(out_dir), list(worker_args))
+
+
+@main.command()
+@click.option("--profile", "profile_path", required=True,
+              help="profile JSON: read if it exists, else the workers are profiled now and it is saved there")
+@click.option("--reprofile", is_flag=True, help="profile again even if --profile exists")
+@click.option("--model", default="dummy:nanogpt", show_default=True, help="to profile")
+@click.option("--device", default="cpu", show_default=True, help="to profile on: cpu or cuda:N")
+@click.option("--workers", default=2, show_default=True, type=int,
+              help="workers this machine runs at most (cpu: each topology splits the cores between them)")
+@click.option("--worker-arg", "worker_args", multiple=True, help="extra flag for the profiled workers (repeatable)")
+@click.option("--threads", default=None, type=int,
+              help="torch threads of the profiled workers [default: cpu: each topology's share of the cores]")
+@slo_options
+@click.option("--plan-devices", default=None, help="device counts to plan for [default: 1..workers,8,16,64]")
+@click.option("--network-gbps", default=25.0, show_default=True, type=float, help="GB/s between hosts")
+@click.option("--network-latency-ms", default=0.05, show_default=True, type=float, help="between hosts")
+@click.option("--devices-per-host", default=8, show_default=True, type=int, help="past this machine (GPUs)")
+@click.option("--compare", "compare_path", default=None,
+              help="a bench scaling JSON: predict each topology it measured, with its workload, SLO and search")
+@click.option("--duration", default=15.0, show_default=True, type=float, help="seconds of arrivals per rate")
+@click.option("--min-requests", default=30, show_default=True, type=int)
+@click.option("--max-requests", default=400, show_default=True, type=int)
+@click.option("--refine", default=3, show_default=True, type=int, help="bisection steps at the knee")
+@click.option("--seed", default=0, show_default=True, type=int)
+def plan(profile_path, reprofile, model, device, workers, worker_args, threads, workload, ttft_slo_ms, itl_slo_ms,
+         attainment, plan_devices, network_gbps, network_latency_ms, devices_per_host, compare_path, duration,
+         min_requests, max_requests, refine, seed):
+    """Predict goodput per topology by simulation from a measured worker profile; plan past this machine."""
+    from bench.goodput import SLO
+    from bench.plan import Profile, run_plan
+    from bench.profile import run_profile
+    from bench.scaling import Sweep
+
+    slo = SLO(ttft_slo_ms, itl_slo_ms, attainment)
+    sweep = Sweep(duration, min_requests, max_requests, refine=refine, seed=seed)
+    counts = parse_prompt_ids(plan_devices) if plan_devices else list(range(1, workers + 1)) + [8, 16, 64]
+    compare_with = None
+    if compare_path:
+        try:
+            compare_with = json.loads(Path(compare_path).read_text())
+        except (OSError, ValueError) as e:
+            raise click.BadParameter(f"{compare_path!r} is not a bench scaling JSON: {e}", param_hint="--compare")
+    if reprofile or not Path(profile_path).exists():
+        run_profile(model, device, workers, list(worker_args), Path(profile_path), threads=threads)
+    run_plan(Profile.load(profile_path), workload, slo, sweep, counts, workers, network_gbps, network_latency_ms,
+             devices_per_host, compare_with)
+
+
 def run():
     from router.client import RequestError
 

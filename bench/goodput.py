@@ -1,0 +1,152 @@
+"""Goodput: the highest request rate at which a deployment still meets its latency targets for
+enough of its requests (DistServe's definition), and the search that finds it.
+
+A request meets the SLO when its time to first token is within `ttft_ms` and its time per output
+token after the first (TPOT: (end - first token) / (tokens - 1), what a reader of the stream
+feels) is within `itl_ms`; a request that failed meets nothing. Attainment at a rate is the
+fraction of requests that meet it, and goodput the highest rate whose attainment is at least the
+target (90% by default).
+
+The search is the same for a real cluster (`bench scaling`) and for the planner's simulator: it
+only calls `measure(rate)`. It climbs geometrically from a start rate until attainment falls
+*clearly* below the target (by `margin`, or below it twice running: one unlucky point near the
+target is noise, not the knee), then bisects between the highest passing and the lowest failing
+rate. A start rate that already fails is halved until one passes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+from bench.serve import pct
+from common.errors import InvalidArgument
+
+
+@dataclass(frozen=True)
+class SLO:
+    ttft_ms: float
+    itl_ms: float  # per request: mean time per output token after the first (TPOT)
+    attainment: float = 0.9
+
+    def __post_init__(self):
+        for key, flag in (("ttft_ms", "--ttft-slo-ms"), ("itl_ms", "--itl-slo-ms")):
+            v = getattr(self, key)
+            if not v > 0 or v == math.inf:
+                raise InvalidArgument(f"{flag} {v}: an SLO of {v} ms cannot be met; allowed: a number of ms > 0")
+        if not 0 < self.attainment <= 1:
+            raise InvalidArgument(f"--attainment {self.attainment}; allowed: 0 < attainment <= 1 (0.9 is 90%)")
+
+
+@dataclass
+class Latency:
+    """One request's outcome, in ms; ttft None: it failed."""
+
+    ttft: float | None
+    tpot: float | None = None  # None with fewer than two tokens
+    e2e: float | None = None
+    itl: list[float] = field(default_factory=list)  # every gap between tokens
+
+    def meets(self, slo: SLO) -> bool:
+        return self.ttft is not None and self.ttft <= slo.ttft_ms and (self.tpot is None or self.tpot <= slo.itl_ms)
+
+
+def attainment(records: list[Latency], slo: SLO) -> float:
+    return sum(r.meets(slo) for r in records) / len(records) if records else 0.0
+
+
+@dataclass
+class Point:
+    """One rate measured (or simulated): the SLO attainment and what the system delivered."""
+
+    rate: float
+    attainment: float
+    requests_s: float = 0.0  # completed requests per second, first arrival to last completion
+    output_tok_s: float = 0.0
+    records: list[Latency] = field(default_factory=list)
+    cpu: dict[str, float] = field(default_factory=dict)  # cores used meanwhile, by whom (bench/hostload.py)
+
+    def latency_summary(self) -> dict:
+        out = {}
+        for name, values in (("ttft", [r.ttft for r in self.records if r.ttft is not None]),
+                             ("itl", [g for r in self.records for g in r.itl]),
+                             ("tpot", [r.tpot for r in self.records if r.tpot is not None]),
+                             ("e2e", [r.e2e for r in self.records if r.e2e is not None])):
+            for q in (50, 90, 99):
+                out[f"{name}_p{q}_ms"] = round(pct(values, q), 2)
+        return out
+
+    def to_json(self) -> dict:
+        out = {"rate": round(self.rate, 4), "attainment": round(self.attainment, 4),
+               "requests_s": round(self.requests_s, 3), "output_tok_s": round(self.output_tok_s, 1),
+               **self.latency_summary()}
+        if self.cpu:
+            out["cpu_cores"] = {k: round(v, 3) for k, v in self.cpu.items()}
+        return out
+
+
+def point_from(rate: float, records: list[Latency], slo: SLO, tokens: int, wall_s: float) -> Point:
+    done = sum(r.e2e is not None for r in records)
+    return Point(rate, attainment(records, slo), done / wall_s if wall_s > 0 else 0.0,
+                 tokens / wall_s if wall_s > 0 else 0.0, records)
+
+
+@dataclass
+class Search:
+    points: list[Point]  # in the order measured
+    goodput: float  # requests/s; 0 if even the lowest rate tried failed
+
+    @property
+    def at_goodput(self) -> Point | None:
+        return next((p for p in self.points if p.rate == self.goodput), None)
+
+    @property
+    def saturation(self) -> Point | None:
+        """The point that delivered the most output tokens per second: throughput at saturation."""
+        return max(self.points, key=lambda p: p.output_tok_s, default=None)
+
+
+CLEAR_MARGIN = 0.1  # attainment this far below the target is a clear miss, not noise
+
+
+def find_goodput(measure: Callable[[float], Point], target: float, start: float, growth: float = 2.0,
+                 refine: int = 3, margin: float = CLEAR_MARGIN, max_points: int = 24,
+                 min_rate: float | None = None) -> Search:
+    """Goodput by measure(rate) -> Point; see the module docstring. `refine` bisection steps narrow
+    the knee to a factor growth ** (1 / 2 ** refine)."""
+    if start <= 0 or growth <= 1:
+        raise InvalidArgument(f"start={start}, growth={growth}; allowed: start > 0, growth > 1")
+    min_rate = min_rate if min_rate is not None else start / growth ** 6
+    points: list[Point] = []
+
+    def at(rate: float) -> Point:
+        p = measure(rate)
+        points.append(p)
+        return p
+
+    rate, best = start, 0.0
+    while at(rate).attainment < target:  # too fast a start: come down until one passes
+        rate /= growth
+        if rate < min_rate or len(points) >= max_points:
+            return Search(points, 0.0)
+    best, low_fails = rate, 0
+    while len(points) < max_points:
+        rate *= growth
+        a = at(rate).attainment
+        if a >= target:
+            best, low_fails = rate, 0
+        elif a < target - margin or low_fails:
+            break
+        else:
+            low_fails += 1
+    fail = min((p.rate for p in points if p.rate > best and p.attainment < target), default=None)
+    for _ in range(refine):
+        if fail is None or len(points) >= max_points:
+            break
+        mid = math.sqrt(best * fail)
+        if at(mid).attainment >= target:
+            best = mid
+        else:
+            fail = mid
+    return Search(points, best)

@@ -1,0 +1,293 @@
+"""`pdserve plan`: predicted goodput per topology from a measured profile, by simulation.
+
+From a profile (`bench/profile.py`, taken once and saved as JSON), a workload, an SLO and device
+counts, each topology is simulated (`bench/simulate.py`) at the rates the goodput search
+(`bench/goodput.py`) asks for, with the same request counts and seeds `bench scaling` uses, so a
+prediction and a measurement see the very same requests. It reports per device count:
+
+- the predicted goodput of N monolithic replicas and of every xPyD split, and the best;
+- what breaks first just past each topology's goodput (TTFT: prefill-bound, TPOT: decode-bound);
+- a ladder for growing load: from 1P1D, the rate at which to add a prefill or a decode worker
+  (whichever raises goodput more), up to one host (or this machine) full;
+- with `--compare scaling.json`, the prediction for every topology `bench scaling` measured, its
+  error, and the same search replayed (its start rate, requests and seeds).
+
+On the profiling machine (up to --workers workers) the workers share its host as they did when
+measured: on a CPU the cores are split between them and contend with the router and the client.
+Beyond it, devices sit --devices-per-host to a host, one worker each, as fast as the profiled
+worker, and every host runs the same split (N devices: hosts x aPbD). One host is simulated, at
+1 / hosts of the rate: the router, which does not know hosts, pairs a prefill worker with a decode
+worker elsewhere (hosts - 1) / hosts of the time, and such KV costs network latency + bytes /
+bandwidth (not overlapped with the prefill); the router and clients run elsewhere. Balancing
+over one host's workers instead of all of them makes this slightly pessimistic.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from bench.goodput import CLEAR_MARGIN, SLO, Point, Search, find_goodput
+from bench.profile import model_from_json
+from bench.report import print_json, print_table
+from bench.scaling import Sweep, Topology
+from bench.simulate import Placement, WorkerModel, simulate
+from bench.workloads import Workload, fit, get_workload
+from common.errors import InvalidArgument
+
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A saved profile: worker models by threads per worker, and the host they were measured on."""
+
+    model: str
+    device: str
+    host_cores: int | None
+    models: dict[int, WorkerModel]
+    worker_args: tuple[str, ...] = ()
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Profile":
+        try:
+            d = json.loads(Path(path).read_text())
+            models = {p["threads"]: model_from_json(p["worker_model"]) for p in d["profiles"]}
+            return cls(d["model"], d["device"], d.get("host_cores"), models, tuple(d.get("worker_args", ())))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise InvalidArgument(f"profile {str(path)!r} cannot be read ({type(e).__name__}: {e}); make one with "
+                                  "pdserve plan --profile PATH (it profiles when PATH does not exist)") from e
+
+    def local(self, t: Topology, background_cores: float = 0.0) -> tuple[WorkerModel, Placement]:
+        """A topology on the profiling machine: its workers share the host as the launcher splits
+        it, with the router, the clients and background_cores of other work."""
+        if self.host_cores is None:  # GPUs: one device per worker, the host's CPU is no limit
+            return next(iter(self.models.values())), Placement()
+        threads = max(1, self.host_cores // t.devices)
+        have = min(self.models, key=lambda k: (abs(k - threads), k))
+        return self.models[have], Placement(host_cores=self.host_cores, front_on_host=True,
+                                            background_cores=background_cores)
+
+    @property
+    def device_model(self) -> WorkerModel:
+        """A device past this machine: as fast as the profiled worker with the fewest threads."""
+        return self.models[min(self.models)]
+
+
+def start_rate(m: WorkerModel, workload: Workload, t: Topology) -> float:
+    """Half of what the topology serves one request at a time per worker: a rate that should pass."""
+    reqs = [fit(r, m.engine.max_model_len) for r in workload.requests(1.0, 64)]
+    prompt = sum(r.prompt_tokens for r in reqs) / len(reqs)
+    out = sum(r.output_tokens for r in reqs) / len(reqs)
+    one = m.step([(round(prompt), 0)], 0, 0) + m.handoff_s(round(prompt)) + out * m.step([], 1, round(prompt + out))
+    return max(1e-3, 0.5 * max(t.mono, t.decode, 1) / one)
+
+
+def predict(m: WorkerModel, placement: Placement, t: Topology, workload: Workload, slo: SLO, sweep: Sweep,
+            start: float | None = None) -> Search:
+    def measure(rate: float) -> Point:
+        reqs = [fit(r, m.engine.max_model_len) for r in workload.requests(rate, sweep.requests_at(rate, slo), sweep.seed)]
+        return simulate(m, t.prefill, t.decode, t.mono, placement, rate, reqs, slo, slo.attainment - CLEAR_MARGIN)
+
+    return find_goodput(measure, slo.attainment, start or sweep.start_rate or start_rate(m, workload, t),
+                        sweep.growth, sweep.refine)
+
+
+def bound(s: Search, slo: SLO) -> str:
+    """What fails first just past goodput: 'prefill' (TTFT), 'decode' (TPOT), or '-' (nothing failed)."""
+    fails = [p for p in s.points if p.rate > s.goodput and p.attainment < slo.attainment]
+    if not fails:
+        return "-"
+    p = min(fails, key=lambda p: p.rate)
+    served = [r for r in p.records if r.ttft is not None]  # (a stopped simulation: requests not arrived yet)
+    ttft = sum(r.ttft > slo.ttft_ms for r in served)
+    tpot = sum(r.tpot is not None and r.tpot > slo.itl_ms for r in served)
+    return "prefill" if ttft >= tpot else "decode"
+
+
+def scaled(s: Search, hosts: int) -> Search:
+    """A slice's search as the whole cluster's: hosts slices, each taking 1 / hosts of the rate."""
+    return Search([replace(p, rate=p.rate * hosts) for p in s.points], s.goodput * hosts)
+
+
+class Planner:
+    """Predictions for one profile, workload and SLO, each topology simulated once: on this
+    machine as it is, past it as one host's slice of the cluster."""
+
+    def __init__(self, profile: Profile, workload: Workload, slo: SLO, sweep: Sweep, local_workers: int,
+                 network_gbps: float, network_latency_ms: float, devices_per_host: int, say=print):
+        self.profile, self.workload, self.slo, self.sweep = profile, workload, slo, sweep
+        self.local_workers, self.devices_per_host = local_workers, devices_per_host
+        self.network = network_gbps, network_latency_ms / 1e3
+        self.say = say
+        self.searches: dict[tuple[Topology, float], Search] = {}
+
+    def hosts(self, n: int) -> int:
+        """How many hosts n devices past this machine fill (whole hosts only, or one partly)."""
+        k = self.devices_per_host
+        if n <= self.local_workers or n <= k:
+            return 1
+        if n % k:
+            raise InvalidArgument(f"--plan-devices {n}: past this machine a plan is whole hosts of "
+                                  f"--devices-per-host {k}; allowed: {n // k * k} or {(n // k + 1) * k}")
+        return n // k
+
+    def search(self, t: Topology, start: float | None = None, background_cores: float = 0.0) -> Search:
+        key = (t, background_cores)
+        if key not in self.searches:
+            if t.devices <= self.local_workers:
+                m, placement = self.profile.local(t, background_cores)
+                s = predict(m, placement, t, self.workload, self.slo, self.sweep, start)
+            else:  # every host runs the same slice; a load-blind router sends KV off-host (h - 1) / h of the time
+                h = self.hosts(t.devices)
+                part = Topology(f"{t.prefill // h}p{t.decode // h}d" if t.prefill else f"{t.mono // h}mono",
+                                t.prefill // h, t.decode // h, t.mono // h)
+                gbps, latency_s = self.network
+                placement = Placement(cross_host=(h - 1) / h, network_gbps=gbps, network_latency_s=latency_s)
+                s = scaled(predict(self.profile.device_model, placement, part, self.workload, self.slo, self.sweep,
+                                   start and start / h), h)
+            self.searches[key] = s
+            under = f" under {background_cores:.2f} cores of other work" if background_cores else ""
+            self.say(f"{t.name}: predicted goodput {s.goodput:.3g} req/s{under} ({len(s.points)} rates simulated)")
+        return self.searches[key]
+
+    def goodput(self, t: Topology) -> float:
+        return self.search(t).goodput
+
+    def splits(self, n: int) -> list[Topology]:
+        """The xPyD splits of n devices: all of them on one host; past it, the same split on every host."""
+        h = self.hosts(n)
+        k = n // h
+        return [Topology(f"{h * a}p{h * (k - a)}d", h * a, h * (k - a), 0) for a in range(1, k)]
+
+    def plan(self, n: int) -> dict:
+        mono = Topology(f"{n}mono", 0, 0, n)
+        tried = [mono] + self.splits(n)
+        rows = [self.row(t) for t in tried]
+        best = max(rows, key=lambda r: r["goodput_rps"])
+        best_split = max((r for r in rows if r["mono"] == 0), key=lambda r: r["goodput_rps"], default=None)
+        mono_g = rows[0]["goodput_rps"]
+        return {"devices": n, "local": n <= self.local_workers, "best": best["topology"],
+                "best_xpyd": best_split["topology"] if best_split else None,
+                "xpyd_over_mono": round(best_split["goodput_rps"] / mono_g, 3) if best_split and mono_g else None,
+                "topologies": rows}
+
+    def row(self, t: Topology) -> dict:
+        s = self.search(t)
+        return {"topology": t.name, "devices": t.devices, "prefill": t.prefill, "decode": t.decode, "mono": t.mono,
+                "goodput_rps": round(s.goodput, 4), "goodput_per_device_rps": round(s.goodput / t.devices, 4),
+                "bound": bound(s, self.slo)}
+
+    def ladder(self, most: int) -> list[dict]:
+        """From 1P1D, add whichever worker raises goodput more, up to `most` devices."""
+        x, y, steps = 1, 1, []
+        while True:
+            t = Topology(f"{x}p{y}d", x, y, 0)
+            step = {"topology": t.name, "goodput_rps": round(self.goodput(t), 4), "add": None}
+            steps.append(step)
+            if x + y >= most:
+                return steps
+            more_p, more_d = Topology(f"{x + 1}p{y}d", x + 1, y, 0), Topology(f"{x}p{y + 1}d", x, y + 1, 0)
+            if self.goodput(more_p) > self.goodput(more_d):
+                step["add"], x = "prefill", x + 1
+            else:
+                step["add"], y = "decode", y + 1
+
+
+def compare(planner: Planner, scaling: dict) -> list[dict]:
+    """Predicted against measured goodput for every topology of a bench scaling result: on a quiet
+    machine, and under the other work the measurement itself saw (its mean over the sweep)."""
+    rows = []
+    for r in scaling["results"]:
+        t = Topology.parse(r["topology"])
+        measured, others = r["goodput_rps"], r.get("others_cores", 0.0)
+        quiet = planner.search(t, start=r.get("start_rate") or None).goodput
+        loaded = planner.search(t, start=r.get("start_rate") or None, background_cores=others).goodput
+        rows.append({"topology": t.name, "measured_rps": measured, "others_cores": others,
+                     "predicted_rps": round(quiet, 4), "error": round(relative(quiet, measured), 4),
+                     "predicted_under_others_rps": round(loaded, 4),
+                     "error_under_others": round(relative(loaded, measured), 4)})
+    return rows
+
+
+def relative(predicted: float, measured: float) -> float:
+    return (predicted - measured) / measured if measured else math.nan
+
+
+def run_plan(profile: Profile, workload_spec: str, slo: SLO, sweep: Sweep, device_counts: list[int],
+             local_workers: int, network_gbps: float, network_latency_ms: float, devices_per_host: int,
+             compare_with: dict | None = None) -> dict:
+    if compare_with is not None:  # replay the measured sweep: its workload, SLO and search
+        workload_spec = compare_with["workload"]
+        slo = SLO(**compare_with["slo"])
+        sweep = Sweep(**compare_with["sweep"])
+        local_workers = max(local_workers, compare_with["workers"])
+    workload = get_workload(workload_spec)
+    if network_gbps <= 0 or network_latency_ms < 0 or devices_per_host < 1:
+        raise InvalidArgument(f"--network-gbps {network_gbps}, --network-latency-ms {network_latency_ms}, "
+                              f"--devices-per-host {devices_per_host}; allowed: > 0, >= 0, >= 1")
+    bad = [n for n in device_counts if n < 1]
+    if bad:
+        raise InvalidArgument(f"--plan-devices {bad[0]}; allowed: device counts >= 1")
+
+    def say(text):
+        print(f"[plan] {text}", file=sys.stderr, flush=True)
+
+    planner = Planner(profile, workload, slo, sweep, local_workers, network_gbps, network_latency_ms,
+                      devices_per_host, say)
+    for n in device_counts:
+        planner.hosts(n)  # whole hosts past this machine: say so before simulating anything
+    result = {"bench": "plan", "model": profile.model, "profiled_on": profile.device, "workload": workload_spec,
+              "workload_shape": workload.describe(), "slo": asdict(slo),
+              "network": {"gbps": network_gbps, "latency_ms": network_latency_ms,
+                          "devices_per_host": devices_per_host}}
+    if compare_with is not None:
+        rows = compare(planner, compare_with)
+        result["validation"] = rows
+        print_table(f"predicted vs measured goodput ({compare_with['model']}, {workload_spec}; the measured sweep "
+                    "replayed in simulation; 'others': cores other processes kept busy during the measurement)",
+                    ["topology", "measured req/s", "others", "predicted (quiet)", "error", "predicted (others)",
+                     "error"],
+                    [[r["topology"], r["measured_rps"], f"{r['others_cores']:.2f}", r["predicted_rps"],
+                      f"{r['error']:+.1%}", r["predicted_under_others_rps"], f"{r['error_under_others']:+.1%}"]
+                     for r in rows])
+    plans = [planner.plan(n) for n in device_counts]
+    result["plans"] = plans
+    for p in plans:
+        hosts = planner.hosts(p["devices"])
+        where = "this machine" if p["local"] else f"{hosts} host{'s' * (hosts > 1)} of {p['devices'] // hosts} devices"
+        print_table(f"plan for {p['devices']} devices ({where}): best {p['best']}"
+                    + (f", best xPyD {p['best_xpyd']} = {p['xpyd_over_mono']}x {p['devices']}mono"
+                       if p["xpyd_over_mono"] else ""),
+                    ["topology", "goodput req/s", "per device", "bound past goodput"],
+                    [[r["topology"], r["goodput_rps"], r["goodput_per_device_rps"], r["bound"]]
+                     for r in p["topologies"]])
+    most = min(max(device_counts), max(local_workers, devices_per_host))
+    if most >= 2:
+        result["ladder"] = planner.ladder(most)
+        print_table("growing load from 1P1D: past each goodput, add the worker that raises it more",
+                    ["topology", "goodput req/s", "past it, add"],
+                    [[s["topology"], s["goodput_rps"], s["add"] or "-"] for s in result["ladder"]])
+    result["assumptions"] = assumptions(profile, network_gbps, network_latency_ms, devices_per_host, local_workers)
+    print("assumptions:\n" + "\n".join(f"- {a}" for a in result["assumptions"]) + "\n")
+    print_json(result)
+    return result
+
+
+def assumptions(profile: Profile, gbps: float, latency_ms: float, per_host: int, local: int) -> list[str]:
+    m = profile.device_model
+    return [f"up to {local} workers: this machine, shared as measured"
+            + (f" ({profile.host_cores} cores split between the workers, the router and the clients)"
+               if profile.host_cores else " (one device per worker)"),
+            f"past it: each device runs one worker as fast as the profiled {profile.model} worker on "
+            f"{profile.device}" + (f" with {m.threads} thread(s), its cores its own" if profile.host_cores else ""),
+            f"{per_host} devices per host, every host running the same split; the router and the clients on "
+            "machines of their own",
+            "the router pairs any prefill worker with any decode worker by load (it does not know hosts): "
+            "with h hosts, (h - 1) / h of the KV handoffs cross the network",
+            f"KV across hosts: {latency_ms:g} ms + bytes / {gbps:g} GB/s, not overlapped with the prefill; "
+            "on one host: the profiled handoff",
+            "balancing within a host's slice, not over the whole cluster: slightly pessimistic for TTFT",
+            "no failures, no prefix-cache hits, outputs run to their length"]

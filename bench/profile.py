@@ -1,0 +1,298 @@
+"""`pdserve plan`'s profile: one prefill worker and one decode worker of a model on a device (and one
+monolithic worker, the baseline), measured once through the real router with the SDK, and fitted
+into what the simulator needs (`bench/simulate.py`: StepCost per role, handoff time, the front's
+latency and CPU).
+
+- Prefill time against prompt tokens: one request at a time, max_tokens=2, prompts of rising
+  length; the prefill worker's own `prefill_s` (work received -> first token sampled). Fitted per
+  step as base + per token + per token x context, over the chunks the token budget makes.
+- KV handoff time against bytes: the same requests' `handoff_s` (first token sampled -> the decode
+  worker starts it: what layer-wise streaming left to move). Fitted as base + per byte.
+- Decode step time against batch size and total KV: B requests sent at once, prompts of L tokens;
+  while all B are decoding, the median gap between a request's tokens as the client receives them
+  (so the worker's per-token messages, the router and the client are in it). Fitted as base + per
+  sequence + per KV token read (the portable attention pads a batch to its longest sequence:
+  batch x longest; a paged kernel reads each sequence's own).
+- The front: what a client sees beyond the worker (TTFT - prefill_s, median), and the CPU seconds
+  the router and the client spend per request and per token (from /proc and this process).
+- A monolithic worker the same way (its prefill time is its TTFT less the front's): its steps cost
+  what they cost, not what the prefill and decode workers' do.
+
+On a CPU device the workers share the host's cores with the router, the client and whatever else
+runs on the machine (bench/hostload.py measures it), so times are divided by the contention they
+ran under (`contention`, the simulator's own rule), and a profile is taken for each thread count a
+topology of up to --workers workers gets (cores // workers). Fits drop the points they miss badly
+(a step slowed by a neighbour is not the cost of the step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import click
+import numpy as np
+
+from bench.hostload import CpuWatch
+from bench.report import print_table
+from bench.serve import drive
+from bench.simulate import EngineShape, StepCost, WorkerModel
+from common.checkpoint import model_config
+from common.config import EngineConfig
+from common.errors import InvalidArgument
+from router.client import Client
+from router.launcher import Cluster
+
+PROFILE_VERSION = 1
+DECODE_TOKENS = 256  # output tokens of each decode-profile request: long enough for a full batch to form
+
+
+def engine_kwargs_from(worker_args: list[str]) -> dict:
+    """The EngineConfig fields that these worker flags set (others ignored), by the CLI's own options."""
+    from common.cli import engine_options
+
+    found = {}
+
+    @click.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+    @engine_options
+    def parse(engine_kwargs):
+        found.update(engine_kwargs)
+
+    parse.main(list(worker_args), standalone_mode=False)
+    return found
+
+
+def contention(worker_cores: float, cpu: dict[str, float], host_cores: int | None) -> float:
+    """How much slower one stepping worker ran than alone, while it shared the host's cores with the
+    router, the client and everyone else (the simulator's processor-sharing rule)."""
+    if host_cores is None:
+        return 1.0
+    return max(1.0, (worker_cores + cpu["router"] + cpu["client"] + cpu["others"]) / host_cores)
+
+
+def _nonneg_lstsq(X: np.ndarray, Y: np.ndarray) -> np.ndarray:
+    """Least squares with every coefficient >= 0 (a negative cost is noise): drop the most negative
+    term and refit until none is left."""
+    active = list(range(X.shape[1]))
+    while True:
+        coef = np.zeros(X.shape[1])
+        if active:
+            coef[active] = np.linalg.lstsq(X[:, active], Y, rcond=None)[0]
+        worst = min(active, key=lambda i: coef[i], default=None)
+        if worst is None or coef[worst] >= 0:
+            return coef
+        active.remove(worst)
+
+
+def nonneg_fit(rows: list[list[float]], y: list[float]) -> list[float]:
+    """Non-negative least squares of relative errors (times span 1 ms to 100s of ms: each point
+    counts alike), refitted once without the points it misses by more than 3x its median miss (at
+    least 30%): a step slowed by a neighbour on a shared machine is not the cost of the step.
+    Points at or below 0 (a measurement smaller than what it subtracts) are left out."""
+    X, Y = np.asarray(rows, dtype=float), np.asarray(y, dtype=float)
+    X, Y = X[Y > 0], Y[Y > 0]
+    if len(Y) == 0:
+        return [0.0] * len(rows[0])
+    coef = _nonneg_lstsq(X / Y[:, None], np.ones_like(Y))
+    miss = np.abs(Y - X @ coef) / Y
+    keep = miss <= max(0.3, 3 * float(np.median(miss)))
+    if keep.sum() >= X.shape[1] + 2 and not keep.all():
+        coef = _nonneg_lstsq(X[keep] / Y[keep, None], np.ones(int(keep.sum())))
+    return [float(c) for c in coef]
+
+
+def prefill_features(n: int, budget: int) -> list[float]:
+    """[steps, tokens, token x context] of prefilling n tokens alone, chunked by the token budget."""
+    chunks = [(min(budget, n - start), start) for start in range(0, n, budget)]
+    return [len(chunks), n, sum(k * (k + c) for k, c in chunks)]
+
+
+def default_lengths(context: int) -> list[int]:
+    top = min(context - 3, 8192)
+    out = [16]
+    while out[-1] * 2 < top:
+        out.append(out[-1] * 2)
+    return out + [top]
+
+
+class Profiler:
+    """Drives one small cluster with the SDK and keeps what the fits need: each run's samples and
+    the CPU (cores) that the router, the workers, the client and everyone else used meanwhile."""
+
+    def __init__(self, cluster: Cluster, threads: int, prompt, say):
+        self.cluster, self.threads, self.prompt, self.say = cluster, threads, prompt, say
+        self.front_rows: list[list[float]] = []  # [requests, tokens] of each run ...
+        self.front_cpu: list[float] = []  # ... and the router's + client's CPU seconds in it
+        self.runs_cpu: list[dict[str, float]] = []
+
+    def run(self, load):
+        c = self.cluster
+        watch = CpuWatch({"router": [c.router.proc.pid], "workers": [w.proc.pid for w in c.workers]})
+        samples, _ = asyncio.run(drive(c.address, load))
+        cpu = watch.stop()
+        bad = [s.error for s in samples if s.error]
+        if bad:
+            raise RuntimeError(f"profile requests failed: {bad[:3]}")
+        self.front_rows.append([len(load), sum(s.tokens for s in samples)])
+        self.front_cpu.append((cpu["router"] + cpu["client"]) * watch.elapsed)
+        self.runs_cpu.append(cpu)
+        return samples, cpu
+
+    def prefill(self, lengths: list[int], repeats: int, max_tokens: int) -> list[tuple[int, list]]:
+        """One request at a time per length: (length, [(sample, cpu)] of each repeat)."""
+        return [(n, [(s, cpu) for _ in range(repeats) for (s,), cpu in [self.run([(0.0, self.prompt(n), max_tokens)])]])
+                for n in lengths]
+
+    def decode(self, lengths: list[int], batches: list[int], padded: bool, what: str) -> list[tuple]:
+        """(batch, KV read, step s as measured, cpu) while a batch of equal requests all decode."""
+        points = []
+        for L in lengths:
+            for B in batches:
+                samples, cpu = self.run([(0.0, self.prompt(L), DECODE_TOKENS) for _ in range(B)])
+                start = max(s.token_times[1] for s in samples)
+                end = min(s.token_times[-1] for s in samples)
+                # each request's mean gap while all decode (robust to tokens the router forwards in bursts)
+                means = [(inside[-1] - inside[0]) / (len(inside) - 1) for s in samples
+                         for inside in [[t for t in s.token_times if start <= t <= end]] if len(inside) > 2]
+                if len(means) < B:
+                    self.say(f"profile: batch {B} x {L} never decoded all at once; skipped")
+                    continue
+                mid = (start + end) / 2
+                lens = [L + sum(t <= mid for t in s.token_times) for s in samples]
+                points.append((B, B * max(lens) if padded else sum(lens), statistics.median(means), cpu))
+                self.say(f"profile (threads {self.threads}): {what} decode batch {B}, KV {points[-1][1]} tokens: "
+                         f"{points[-1][2] * 1e3:.2f} ms/step")
+        return points
+
+
+def profile_workers(model: str, device: str, threads: int | None, worker_args: list[str], repeats: int = 5,
+                    say=print) -> dict:
+    """Profile one prefill and one decode worker (a 1P1D cluster) and one monolithic worker: the
+    raw points and the fits."""
+    cfg = model_config(model)
+    kwargs = engine_kwargs_from(worker_args)
+    kwargs["dtype"] = kwargs.get("dtype") or ("float32" if device == "cpu" else "bfloat16")
+    engine = EngineConfig(**{**kwargs, "model": model, "device": "cpu"})  # checks the flags; no device needed
+    context = min(engine.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    budget, max_seqs = engine.max_num_batched_tokens, engine.max_num_seqs
+    kv_bytes = cfg.kv_values_per_token * engine.torch_dtype.itemsize
+    host_cores = (os.cpu_count() or 1) if device == "cpu" else None
+    threads = threads or max(1, (os.cpu_count() or 1) // 2)
+    # The portable attention reads a decode batch padded to its longest sequence; FlexAttention (auto
+    # on CUDA) reads each sequence's own pages.
+    padded = engine.attention_backend == "sdpa" or (engine.attention_backend == "auto" and device == "cpu")
+    rng = random.Random(0)
+
+    def prompt(n):
+        return [rng.randrange(min(cfg.vocab_size, 256)) for _ in range(n)]
+
+    long = min(max(256, context // 2), context - DECODE_TOKENS - 2)
+    kv_lengths = sorted({min(32, long), long})
+    batches = sorted({b for b in (1, 2, 4, 8, 16, 32, 64) if b < max_seqs} | {max_seqs})
+    raw, profilers = {}, []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, topology in (("disaggregated", (1, 1, 0)), ("mono", (0, 0, 1))):
+            cluster = Cluster(model, *topology, [device], "127.0.0.1", 0, 0, Path(tmp) / name, "least_loaded",
+                              list(worker_args), threads=threads, restart=False)
+            try:
+                cluster.start()
+                if name == "disaggregated":
+                    with Client(cluster.address) as c:
+                        total_blocks = min(w["total_blocks"] for w in c.status().workers)
+                pr = Profiler(cluster, threads, prompt, say)
+                profilers.append(pr)
+                asyncio.run(drive(cluster.address, [(0.0, prompt(64), 4)] * 2))  # warm-up
+                # a prefill worker reports its prefill time; a mono worker's is its TTFT less the front's share
+                raw[name] = (pr.prefill(default_lengths(context), repeats, 2 if name == "disaggregated" else 1),
+                             pr.decode(kv_lengths, batches, padded, f"{name}:"))
+            finally:
+                cluster.stop()
+
+    # A stepping worker uses this many cores (at most its threads): what it adds to the contention.
+    cores = min(float(threads), max(cpu["workers"] for _, (_, dec) in raw.items() for *_, cpu in dec))
+
+    def slow(cpu):
+        return contention(cores, cpu, host_cores)
+
+    prefill_runs, decode_runs = raw["disaggregated"]
+    front = statistics.median(s.first - s.sent - s.timings["prefill_s"] for _, r in prefill_runs for s, _ in r)
+    mono_prefill_runs, mono_decode_runs = raw["mono"]
+    pts = {"prefill_s": [[n, statistics.median(s.timings["prefill_s"] / slow(c) for s, c in r)] for n, r in prefill_runs],
+           "handoff_s": [[n * kv_bytes, statistics.median(s.timings.get("handoff_s", 0.0) for s, _ in r)]
+                         for n, r in prefill_runs],
+           "decode_s": [[b, kv, t / slow(c)] for b, kv, t, c in decode_runs],
+           "mono_prefill_s": [[n, statistics.median((s.first - s.sent - front) / slow(c) for s, c in r)]
+                              for n, r in mono_prefill_runs],
+           "mono_decode_s": [[b, kv, t / slow(c)] for b, kv, t, c in mono_decode_runs]}
+    for kind in ("prefill_s", "mono_prefill_s"):
+        say(f"profile (threads {threads}): {kind[:-2].replace('_', ' ')} ms by prompt tokens: "
+            + ", ".join(f"{n}: {t * 1e3:.2f}" for n, t in pts[kind]))
+
+    def step_cost(prefill, decode) -> StepCost:
+        pb, pt, pa = nonneg_fit([prefill_features(n, budget) for n, _ in prefill], [t for _, t in prefill])
+        db, ds, dk = nonneg_fit([[1, b, kv] for b, kv, _ in decode], [t for _, _, t in decode])
+        return StepCost(pb, pt, pa, db, ds, dk)
+
+    hb, hp = nonneg_fit([[1, nbytes] for nbytes, _ in pts["handoff_s"]], [t for _, t in pts["handoff_s"]])
+    cr, ct = nonneg_fit([r for p in profilers for r in p.front_rows], [c for p in profilers for c in p.front_cpu])
+    shape = EngineShape(total_blocks, engine.block_size, max_seqs, budget, context)
+    wm = WorkerModel(step_cost(pts["prefill_s"], pts["decode_s"]), shape, kv_bytes, hb, hp, max(0.0, front), cr, ct,
+                     threads, round(cores, 3), padded, step_cost(pts["mono_prefill_s"], pts["mono_decode_s"]))
+    others = [c["others"] for p in profilers for c in p.runs_cpu]
+    return {"threads": threads, "worker_model": asdict(wm), "others_cores": round(statistics.mean(others), 3),
+            "points": pts}
+
+
+def model_from_json(d: dict) -> WorkerModel:
+    return WorkerModel(**{**d, "step": StepCost(**d["step"]), "engine": EngineShape(**d["engine"]),
+                          "mono_step": StepCost(**d["mono_step"]) if d.get("mono_step") else None})
+
+
+def profile_thread_counts(device: str, workers: int) -> list[int | None]:
+    """The threads per worker of every topology of 1..workers workers (the launcher's split on CPU)."""
+    if device != "cpu":
+        return [None]
+    cores = os.cpu_count() or 1
+    return sorted({max(1, cores // n) for n in range(1, workers + 1)})
+
+
+def run_profile(model: str, device: str, workers: int, worker_args: list[str], out: Path, repeats: int = 5,
+                threads: int | None = None) -> dict:
+    if device != "cpu" and not device.startswith("cuda"):
+        raise InvalidArgument(f"--device {device!r}; allowed: cpu or cuda:N (one device is profiled)")
+    cores = os.cpu_count() or 1
+    if device == "cpu" and not 1 <= workers <= cores:
+        raise InvalidArgument(f"--workers {workers} on cpu; allowed: 1..{cores} (this machine's cores)")
+
+    def say(text):
+        print(f"[plan] {text}", file=sys.stderr, flush=True)
+
+    if threads is not None and threads < 1:
+        raise InvalidArgument(f"--threads {threads}; allowed: >= 1")
+    counts = [threads] if threads else profile_thread_counts(device, workers)
+    profiles = [profile_workers(model, device, t, worker_args, repeats, say=say) for t in counts]
+    result = {"profile_version": PROFILE_VERSION, "model": model, "device": device,
+              "host_cores": cores if device == "cpu" else None, "worker_args": list(worker_args),
+              "profiles": profiles}
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    for p in profiles:
+        wm = p["worker_model"]
+        print_table(f"profile of {model} on {device}, {p['threads']} threads per worker (fitted costs, ms)",
+                    ["worker", "prefill step", "per 1k tokens", "per 1M tok x ctx", "decode step", "per seq",
+                     "per 1k KV read", "handoff per MB", "front latency"],
+                    [[role, s["prefill_base"] * 1e3, s["prefill_token"] * 1e6, s["prefill_attn"] * 1e9,
+                      s["decode_base"] * 1e3, s["decode_seq"] * 1e3, s["decode_kv"] * 1e6,
+                      wm["handoff_s_per_byte"] * 1e9 if role != "mono" else "-", wm["front_latency_s"] * 1e3]
+                     for role, s in (("prefill/decode", wm["step"]), ("mono", wm["mono_step"]))])
+    print(f"profile saved to {out}\n")
+    return result

@@ -1,0 +1,271 @@
+"""`pdserve bench scaling`: goodput per topology, through the real router and workers.
+
+For each topology (N monolithic replicas `Nmono`, and every `XpYd` with X + Y = N, for N = 1 up
+to the workers the devices allow, or the list given), the cluster is launched once and driven
+through the SDK (`bench/serve.py`'s load generator) at rising request rates until SLO attainment
+falls clearly below the target (`bench/goodput.py`). Reported per topology: goodput, goodput per
+device, throughput at saturation, and TTFT / ITL / end-to-end percentiles at the goodput rate; the
+best topology for each N; the table, one JSON line, the JSON in a file and the PNG plots
+(`bench/plots.py`). Progress goes to stderr, so that the JSON stays stdout's last line.
+
+Devices: `cpu` with --workers N (each topology gets the machine's cores split between its
+workers, as `pdserve launch` does), or a list of CUDA devices, one worker each (more workers than
+devices share them in turn).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from bench.goodput import SLO, Latency, Point, Search, find_goodput, point_from
+from bench.hostload import CpuWatch
+from bench.report import print_json, print_table
+from bench.serve import drive, parse_topology
+from bench.workloads import Workload, fit, get_workload
+from common.checkpoint import model_config
+from common.errors import InvalidArgument
+from router.launcher import Cluster
+
+
+@dataclass(frozen=True)
+class Topology:
+    name: str
+    prefill: int
+    decode: int
+    mono: int
+
+    @property
+    def devices(self) -> int:
+        return self.prefill + self.decode + self.mono
+
+    @classmethod
+    def parse(cls, name: str) -> "Topology":
+        try:
+            p, d, m = parse_topology(name)
+        except ValueError as e:
+            raise InvalidArgument(str(e)) from None
+        return cls(f"{m}mono" if m else name, p, d, m)
+
+
+def all_topologies(n: int) -> list[Topology]:
+    """N monolithic replicas and every XpYd with X + Y = N, for N = 1..n."""
+    out = []
+    for total in range(1, n + 1):
+        out.append(Topology(f"{total}mono", 0, 0, total))
+        out += [Topology(f"{x}p{total - x}d", x, total - x, 0) for x in range(1, total)]
+    return out
+
+
+def resolve_devices(devices: str, workers: int | None) -> tuple[list[str], int]:
+    """(device list, most workers a topology may have); errors name what the devices allow."""
+    names = [d.strip() for d in devices.split(",") if d.strip()]
+    if not names:
+        raise InvalidArgument(f"devices={devices!r}; allowed: cpu, or cuda:0,cuda:1,...")
+    if names == ["cpu"]:
+        cores = os.cpu_count() or 1
+        n = workers if workers is not None else 1
+        if not 1 <= n <= cores:
+            raise InvalidArgument(f"--workers {n} on cpu; allowed: 1..{cores} (this machine's cores: "
+                                  "each worker needs one)")
+        return names, n
+    if "cpu" in names:
+        raise InvalidArgument(f"devices={devices!r} mixes cpu with other devices; allowed: cpu, or cuda:N,...")
+    n = workers if workers is not None else len(names)
+    if n < 1:
+        raise InvalidArgument(f"--workers {n}; allowed: >= 1")
+    return names, n
+
+
+def check_topologies(topologies: list[Topology], max_workers: int, devices: list[str]) -> None:
+    for t in topologies:
+        if t.devices > max_workers:
+            raise InvalidArgument(f"topology {t.name} needs {t.devices} workers; the devices allow {max_workers} "
+                                  f"(devices={','.join(devices)}; raise --workers or give more devices)")
+
+
+class Progress:
+    """One line per point on stderr: which topology, which rate, how many topologies remain."""
+
+    def __init__(self, total: int):
+        self.total, self.index, self.started = total, 0, time.monotonic()
+
+    def topology(self, t: Topology):
+        self.index += 1
+        self.say(f"{t.name}: launching ({self.index}/{self.total} topologies, {self.total - self.index} after it)")
+
+    def point(self, t: Topology, p: Point, n: int, slo: SLO):
+        mark = "meets" if p.attainment >= slo.attainment else "misses"
+        self.say(f"{t.name} ({self.index}/{self.total}): {p.rate:.3g} req/s x {n} requests -> attainment "
+                 f"{p.attainment:.0%} ({mark} {slo.attainment:.0%}), {p.output_tok_s:.0f} tok/s; other "
+                 f"processes on the machine kept {p.cpu.get('others', 0):.2f} cores busy")
+
+    def say(self, text: str):
+        print(f"[scaling {time.monotonic() - self.started:6.1f}s] {text}", file=sys.stderr, flush=True)
+
+
+def records_from(samples) -> list[Latency]:
+    out = []
+    for s in samples:
+        if s.error is not None or s.first is None or s.end is None:
+            out.append(Latency(None))
+            continue
+        gaps = [(b - a) * 1e3 for a, b in zip(s.token_times, s.token_times[1:])]
+        tpot = (s.token_times[-1] - s.first) * 1e3 / (len(s.token_times) - 1) if len(s.token_times) > 1 else None
+        out.append(Latency((s.first - s.sent) * 1e3, tpot, (s.end - s.sent) * 1e3, gaps))
+    return out
+
+
+@dataclass
+class Sweep:
+    """How many requests each rate gets and how the search moves."""
+
+    duration_s: float = 15.0  # of arrivals per rate: requests = rate x duration, within the bounds below
+    min_requests: int = 30
+    max_requests: int = 400
+    start_rate: float | None = None  # None: from one request's latency on the idle cluster
+    growth: float = 2.0
+    refine: int = 3
+    seed: int = 0
+
+    def __post_init__(self):
+        if not self.duration_s > 0:
+            raise InvalidArgument(f"--duration {self.duration_s}; allowed: > 0 seconds")
+        if not 1 <= self.min_requests <= self.max_requests:
+            raise InvalidArgument(f"--min-requests {self.min_requests}, --max-requests {self.max_requests}; "
+                                  "allowed: 1 <= min <= max")
+        if self.start_rate is not None and not self.start_rate > 0:
+            raise InvalidArgument(f"--start-rate {self.start_rate}; allowed: > 0 requests per second")
+        if self.refine < 0:
+            raise InvalidArgument(f"--refine {self.refine}; allowed: >= 0")
+
+    def requests_at(self, rate: float, slo: SLO) -> int:
+        """rate x duration requests, within [min, max]; but never so few that they arrive in less than
+        a quarter of the duration or 10 TTFT targets: a burst shorter than that is absorbed by the
+        queues and passes at any rate."""
+        window = max(self.duration_s / 4, 10 * slo.ttft_ms / 1e3)
+        return max(self.min_requests, min(self.max_requests, round(rate * self.duration_s)), math.ceil(rate * window))
+
+
+def measure_cluster(cluster: Cluster, workload: Workload, rate: float, n: int, slo: SLO, context: int, vocab: int,
+                    seed: int, salt: str) -> Point:
+    reqs = [fit(r, context) for r in workload.requests(rate, n, seed)]  # same lengths at every rate
+    rng = random.Random(salt)  # fresh prompt ids at every point: no prefix-cache hit from an earlier one
+    load = [(r.arrival, [rng.randrange(min(vocab, 256)) for _ in range(r.prompt_tokens)], r.output_tokens)
+            for r in reqs]
+    watch = CpuWatch({"router": [cluster.router.proc.pid], "workers": [w.proc.pid for w in cluster.workers]})
+    samples, wall = asyncio.run(drive(cluster.address, load))
+    p = point_from(rate, records_from(samples), slo, sum(s.tokens for s in samples), wall)
+    p.cpu = watch.stop()
+    return p
+
+
+def start_rate_for(address: str, workload: Workload, t: Topology, context: int, vocab: int) -> float:
+    """Half of what the workers could serve one request at a time each: a rate that should pass."""
+    r = fit(workload.requests(1.0, 1)[0], context)
+    rng = random.Random("start")
+    samples, _ = asyncio.run(drive(address, [(0.0, [rng.randrange(min(vocab, 256)) for _ in range(r.prompt_tokens)],
+                                              r.output_tokens)]))
+    e2e = samples[0].end - samples[0].sent if samples[0].end else 1.0
+    return max(0.05, 0.5 * max(t.mono, t.decode, 1) / e2e)
+
+
+def sweep_topology(model: str, t: Topology, devices: list[str], workload: Workload, slo: SLO, sweep: Sweep,
+                   worker_args: list[str], progress: Progress, log_dir: Path) -> Search:
+    cfg = model_config(model)
+    context, vocab = cfg.max_position_embeddings, cfg.vocab_size
+    cluster = Cluster(model, t.prefill, t.decode, t.mono, devices, "127.0.0.1", 0, 0, log_dir / t.name,
+                      "least_loaded", worker_args, threads=None, restart=False)
+    try:
+        cluster.start()
+        warm = [fit(r, context) for r in workload.requests(1.0, 2 * t.devices, sweep.seed + 1)]
+        asyncio.run(drive(cluster.address, [(0.0, [1] * r.prompt_tokens, min(r.output_tokens, 4)) for r in warm]))
+        start = sweep.start_rate or start_rate_for(cluster.address, workload, t, context, vocab)
+        points = [0]
+
+        def measure(rate: float) -> Point:
+            n = sweep.requests_at(rate, slo)
+            points[0] += 1
+            p = measure_cluster(cluster, workload, rate, n, slo, context, vocab, sweep.seed,
+                                f"{sweep.seed}/{t.name}/{points[0]}")
+            progress.point(t, p, n, slo)
+            return p
+
+        return find_goodput(measure, slo.attainment, start, sweep.growth, sweep.refine)
+    finally:
+        cluster.stop()
+
+
+def topology_row(t: Topology, s: Search) -> dict:
+    at, sat = s.at_goodput, s.saturation
+    row = {"topology": t.name, "devices": t.devices, "prefill": t.prefill, "decode": t.decode, "mono": t.mono,
+           "goodput_rps": round(s.goodput, 4), "goodput_per_device_rps": round(s.goodput / t.devices, 4),
+           "saturation_rps": round(sat.requests_s, 3) if sat else 0.0,
+           "saturation_tok_s": round(sat.output_tok_s, 1) if sat else 0.0,
+           "start_rate": s.points[0].rate if s.points else 0.0,
+           "others_cores": round(statistics.mean(p.cpu.get("others", 0.0) for p in s.points), 3) if s.points else 0.0,
+           "at_goodput": at.latency_summary() if at else {},
+           "points": [p.to_json() for p in sorted(s.points, key=lambda p: p.rate)]}
+    return row
+
+
+def best_per_n(rows: list[dict]) -> dict[str, str]:
+    best: dict[int, dict] = {}
+    for r in rows:
+        if r["devices"] not in best or r["goodput_rps"] > best[r["devices"]]["goodput_rps"]:
+            best[r["devices"]] = r
+    return {str(n): r["topology"] for n, r in sorted(best.items())}
+
+
+def print_results(title: str, rows: list[dict], best: dict[str, str]) -> None:
+    def lat(r, key):
+        return r["at_goodput"].get(key, float("nan"))
+
+    winners = set(best.values())
+    print_table(title, ["topology", "devs", "goodput req/s", "per device", "sat. req/s", "sat. tok/s",
+                        "TTFT p50/p90/p99", "ITL p50/p90/p99", "E2E p50/p90/p99", "others' cores", "best"],
+                [[r["topology"], r["devices"], r["goodput_rps"], r["goodput_per_device_rps"], r["saturation_rps"],
+                  r["saturation_tok_s"]]
+                 + ["/".join(f"{lat(r, f'{k}_p{q}_ms'):.0f}" for q in (50, 90, 99)) for k in ("ttft", "itl", "e2e")]
+                 + [f"{r['others_cores']:.2f}", "*" if r["topology"] in winners else ""] for r in rows])
+
+
+def run_scaling_bench(model: str, devices: str, workers: int | None, topologies: list[str] | None,
+                      workload_spec: str, slo: SLO, sweep: Sweep, out_dir: Path, worker_args: list[str] = ()) -> dict:
+    workload = get_workload(workload_spec)
+    names, max_workers = resolve_devices(devices, workers)
+    topos = [Topology.parse(n) for n in topologies] if topologies else all_topologies(max_workers)
+    check_topologies(topos, max_workers, names)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    progress = Progress(len(topos))
+    searches: dict[Topology, Search] = {}
+    with tempfile.TemporaryDirectory() as logs:
+        for t in topos:
+            progress.topology(t)
+            searches[t] = sweep_topology(model, t, names, workload, slo, sweep, list(worker_args), progress, Path(logs))
+    rows = [topology_row(t, s) for t, s in searches.items()]
+    best = best_per_n(rows)
+    title = (f"pdserve bench scaling: {model} on {','.join(names)} (up to {max_workers} workers), "
+             f"{workload.describe()}; SLO TTFT <= {slo.ttft_ms:g} ms, TPOT <= {slo.itl_ms:g} ms for "
+             f"{slo.attainment:.0%} of requests (latencies in ms at the goodput rate)")
+    print_results(title, rows, best)
+    result = {"bench": "scaling", "model": model, "devices": names, "workers": max_workers,
+              "workload": workload_spec, "workload_shape": workload.describe(), "slo": asdict(slo),
+              "sweep": asdict(sweep), "worker_args": list(worker_args), "results": rows, "best": best}
+    from bench.plots import plot_scaling
+
+    result["plots"] = plot_scaling(searches, rows, slo, out_dir)
+    (out_dir / "scaling.json").write_text(json.dumps(result, indent=1))
+    print(f"JSON in {out_dir / 'scaling.json'}; plots: {', '.join(result['plots']) or 'none'}\n", flush=True)
+    print_json(result)
+    return result

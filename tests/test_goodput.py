@@ -1,0 +1,93 @@
+"""The goodput search on synthetic latency records and attainment curves whose answer is known."""
+
+import math
+
+import pytest
+
+from bench.goodput import SLO, Latency, Point, attainment, find_goodput
+from common.errors import InvalidArgument
+
+
+def test_attainment_counts_requests_meeting_both_targets():
+    slo = SLO(ttft_ms=100, itl_ms=10)
+    records = [Latency(50, 5), Latency(100, 10),  # meet (the bounds are inclusive)
+               Latency(101, 5), Latency(50, 10.5),  # miss one target each
+               Latency(None),  # failed: meets nothing
+               Latency(80, None)]  # one token only: TTFT alone decides
+    assert attainment(records, slo) == pytest.approx(3 / 6)
+    assert attainment([], slo) == 0.0
+
+
+def records_at(rate: float) -> list[Latency]:
+    """100 requests whose TTFTs are rate x 1, 2, ..., 100 ms: under a 200 ms target, floor(200 / rate)
+    of them meet it, so attainment >= 90% exactly when rate <= 200 / 90."""
+    return [Latency(rate * i, 1.0) for i in range(1, 101)]
+
+
+def test_goodput_of_synthetic_records_is_the_hand_computed_knee():
+    slo = SLO(ttft_ms=200, itl_ms=5)
+    measured = []
+
+    def measure(rate):
+        measured.append(rate)
+        return Point(rate, attainment(records_at(rate), slo))
+
+    s = find_goodput(measure, 0.9, start=1.0, growth=2.0, refine=3)
+    knee = 200 / 90
+    # climbs 1, 2 (pass), 4 (attainment 50%: clearly below), then bisects 2..4 three times
+    assert measured[:3] == [1.0, 2.0, 4.0]
+    assert len(measured) == 6
+    assert knee / 2 ** (1 / 8) <= s.goodput <= knee
+    assert s.goodput == pytest.approx(2 * 2 ** (1 / 8))  # 2.83 and 2.38 fail, 2.18 passes
+    assert s.at_goodput.rate == s.goodput
+
+
+def step_curve(knee: float, below: float = 0.5):
+    return lambda rate: Point(rate, 1.0 if rate <= knee else below)
+
+
+def test_step_curve_knee_between_grid_points():
+    s = find_goodput(step_curve(6.0), 0.9, start=1.0)
+    assert s.goodput == pytest.approx(4 * math.sqrt(2))  # 1, 2, 4 pass; 8 fails; 5.66 passes, 6.73, 6.17 fail
+    assert [p.rate for p in s.points][:4] == [1.0, 2.0, 4.0, 8.0]
+
+
+def test_a_start_that_fails_comes_down_first():
+    s = find_goodput(step_curve(0.3, below=0.0), 0.9, start=1.0)
+    assert [p.rate for p in s.points][:3] == [1.0, 0.5, 0.25]
+    assert 0.3 / 2 ** (1 / 8) <= s.goodput <= 0.3
+
+
+def test_one_marginal_miss_is_noise_but_a_clear_one_ends_the_climb():
+    curve = {1: 1.0, 2: 1.0, 4: 0.85, 8: 0.95, 16: 0.3}
+
+    def measure(rate):
+        return Point(rate, curve.get(rate, 1.0 if rate < 12 else 0.3))
+
+    s = find_goodput(measure, 0.9, start=1.0, refine=1)
+    assert [p.rate for p in s.points] == [1, 2, 4, 8, 16, pytest.approx(8 * math.sqrt(2))]
+    assert s.goodput == pytest.approx(8 * math.sqrt(2))
+    # two marginal misses in a row are the knee
+    curve = {1: 1.0, 2: 0.85, 4: 0.88}
+    s = find_goodput(lambda r: Point(r, curve.get(r, 0.0)), 0.9, start=1.0, refine=0)
+    assert s.goodput == 1.0 and [p.rate for p in s.points] == [1, 2, 4]
+
+
+def test_never_meeting_the_slo_is_zero_goodput():
+    s = find_goodput(lambda r: Point(r, 0.2), 0.9, start=4.0)
+    assert s.goodput == 0.0 and s.at_goodput is None
+
+
+def test_throughput_at_saturation_is_the_best_delivered():
+    rates = {1: 100.0, 2: 200.0, 4: 350.0, 8: 340.0}
+    s = find_goodput(lambda r: Point(r, 1.0 if r <= 4 else 0.0, output_tok_s=rates.get(r, 300.0)), 0.9, 1.0,
+                     refine=0)
+    assert s.saturation.output_tok_s == 350.0
+
+
+@pytest.mark.parametrize("ttft, itl, attain, flag", [(0, 10, 0.9, "--ttft-slo-ms"), (-5, 10, 0.9, "--ttft-slo-ms"),
+                                                      (100, 0, 0.9, "--itl-slo-ms"), (100, 10, 1.5, "--attainment"),
+                                                      (float("nan"), 10, 0.9, "--ttft-slo-ms")])
+def test_slo_must_be_positive(ttft, itl, attain, flag):
+    with pytest.raises(InvalidArgument, match=flag):
+        SLO(ttft, itl, attain)

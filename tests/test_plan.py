@@ -1,0 +1,101 @@
+"""`pdserve plan`: recommendations on synthetic profiles whose answer is known by hand, and the
+whole command (profile real workers once, save, plan from the saved profile) as a user runs it."""
+
+import json
+import subprocess
+
+import pytest
+
+from bench.plan import Planner, Profile, compare
+from bench.scaling import Sweep, Topology
+from bench.workloads import Lengths, Workload
+from bench.goodput import SLO
+from common.errors import InvalidArgument
+from tests.test_scaling import REPO, pdserve_cmd
+from tests.test_simulate import DECODE_BOUND, PREFILL_BOUND
+
+SWEEP = Sweep(duration_s=6.0, min_requests=60, max_requests=240, start_rate=4.0, refine=3)
+
+
+def planner(model, prompt: int, output: int, slo: SLO) -> Planner:
+    profile = Profile("synthetic", "gpu", None, {1: model})
+    workload = Workload("fixed", Lengths(prompt, prompt), Lengths(output, output), arrival="constant")
+    return Planner(profile, workload, slo, SWEEP, local_workers=4, network_gbps=25.0, network_latency_ms=0.05,
+                   devices_per_host=8, say=lambda _: None)
+
+
+def test_prefill_bound_plan_adds_prefill_workers():
+    """20 requests/s per prefill worker (see tests/test_simulate.py): past 1P1D's goodput a second
+    prefill worker doubles it, a second decode worker does nothing."""
+    p = planner(PREFILL_BOUND, 100, 10, SLO(200, 20))
+    ladder = p.ladder(3)
+    assert [s["topology"] for s in ladder] == ["1p1d", "2p1d"]
+    assert ladder[0]["add"] == "prefill" and 18 <= ladder[0]["goodput_rps"] <= 21
+    assert ladder[1]["goodput_rps"] == pytest.approx(2 * ladder[0]["goodput_rps"], rel=0.1)
+    plan = p.plan(3)
+    assert plan["best_xpyd"] == "2p1d"
+    assert {r["topology"]: r["bound"] for r in plan["topologies"]}["1p2d"] == "prefill"
+
+
+def test_decode_bound_plan_adds_decode_workers():
+    p = planner(DECODE_BOUND, 16, 41, SLO(200, 12))
+    ladder = p.ladder(3)
+    assert [s["topology"] for s in ladder] == ["1p1d", "1p2d"] and ladder[0]["add"] == "decode"
+    plan = p.plan(3)
+    assert plan["best_xpyd"] == "1p2d"
+    assert {r["topology"]: r["bound"] for r in plan["topologies"]}["2p1d"] == "decode"
+
+
+def test_past_this_machine_every_host_runs_the_same_split():
+    """8 devices, 4 per host: 2 hosts, splits 2 x (aPbD); each host takes half the rate. Prefill-bound
+    at 20 requests/s per prefill worker: 6p2d serves 6 x 20."""
+    p = planner(PREFILL_BOUND, 100, 10, SLO(200, 20))
+    p.local_workers, p.devices_per_host = 1, 4
+    plan = p.plan(8)
+    assert [r["topology"] for r in plan["topologies"]] == ["8mono", "2p6d", "4p4d", "6p2d"]
+    goodput = {r["topology"]: r["goodput_rps"] for r in plan["topologies"]}
+    assert goodput["6p2d"] == pytest.approx(120, rel=0.1) and goodput["2p6d"] == pytest.approx(40, rel=0.1)
+    assert plan["best_xpyd"] == "6p2d" and not plan["local"]
+    with pytest.raises(InvalidArgument, match="--plan-devices 10: past this machine a plan is whole hosts of "
+                                              "--devices-per-host 4; allowed: 8 or 12"):
+        p.hosts(10)
+
+
+def test_compare_replays_a_measurement():
+    p = planner(PREFILL_BOUND, 100, 10, SLO(200, 20))
+    rows = compare(p, {"results": [{"topology": "1p1d", "goodput_rps": 20.0, "start_rate": 4.0, "others_cores": 0}]})
+    assert rows[0]["topology"] == "1p1d" and abs(rows[0]["error"]) <= 0.1
+    assert rows[0]["predicted_rps"] == round(p.goodput(Topology.parse("1p1d")), 4)
+
+
+def test_plan_profiles_once_then_plans_from_the_saved_profile(tmp_path):
+    profile = tmp_path / "profile.json"
+    # one thread: two torch threads on two shared cores slow down badly whenever a neighbour takes one
+    args = ["plan", "--profile", str(profile), "--workers", "1", "--threads", "1", "--worker-arg=--max-num-seqs",
+            "--worker-arg=8",
+            "--plan-devices", "1,3", "--ttft-slo-ms", "500", "--itl-slo-ms", "50", "--duration", "2",
+            "--min-requests", "20", "--max-requests", "60", "--refine", "1"]
+    first = subprocess.run(pdserve_cmd() + args, capture_output=True, text=True, timeout=150, cwd=REPO)
+    assert first.returncode == 0, first.stderr[-3000:]
+    saved = json.loads(profile.read_text())
+    (p,) = saved["profiles"]
+    assert p["threads"] == 1
+    step = p["worker_model"]["step"]
+    assert step["decode_base"] + step["decode_seq"] > 0 and step["prefill_token"] + step["prefill_base"] > 0
+    assert p["worker_model"]["engine"]["max_num_seqs"] == 8
+    assert max(b for b, _, _ in p["points"]["decode_s"]) == 8  # batches up to max_num_seqs
+    assert "profile (threads" in first.stderr
+
+    again = subprocess.run(pdserve_cmd() + args, capture_output=True, text=True, timeout=150, cwd=REPO)
+    assert again.returncode == 0 and "profile (threads" not in again.stderr  # read, not measured again
+    result = json.loads(again.stdout.strip().splitlines()[-1])
+    plans = {p["devices"]: p for p in result["plans"]}
+    assert set(plans) == {1, 3} and plans[1]["local"] and not plans[3]["local"]
+    assert [t["topology"] for t in plans[3]["topologies"]] == ["3mono", "1p2d", "2p1d"]
+    assert plans[3]["best"] in {"3mono", "1p2d", "2p1d"} and plans[3]["topologies"][0]["goodput_rps"] > 0
+    assert [s["topology"] for s in result["ladder"]][0] == "1p1d" and result["ladder"][0]["add"] in ("prefill", "decode")
+    assert any("GB/s" in a for a in result["assumptions"]) and "assumptions:" in again.stdout
+
+    r = subprocess.run(pdserve_cmd() + ["plan", "--profile", str(tmp_path / "p.json"), "--compare",
+                                        str(tmp_path / "none.json")], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert r.returncode == 2 and "none.json" in r.stderr

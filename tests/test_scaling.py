@@ -1,0 +1,106 @@
+"""`pdserve bench scaling` end to end, as a user runs it: real clusters of dummy:nanogpt on 2 CPU
+workers (2mono and 1p1d), a small sweep, the JSON and the PNGs written, no process left behind;
+and bad input refused before anything is launched."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def pdserve_cmd() -> list[str]:
+    """This checkout's `pdserve` (an installed console script may be another checkout's)."""
+    return [sys.executable, "-m", "common.cli"]
+
+
+def session_processes(sid: int) -> list[str]:
+    """Processes still alive in session sid (the bench and everything it started)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        fields = text.rsplit(")", 1)[1].split()
+        if int(fields[3]) == sid and fields[0] != "Z":
+            out.append(text.split(")", 1)[0] + ")")
+    return out
+
+
+def small_trace(path: Path) -> str:
+    rows = [{"arrival": round(0.05 * i, 3), "prompt_tokens": 16 + (7 * i) % 48, "output_tokens": 4 + i % 12}
+            for i in range(24)]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return str(path)
+
+
+def test_small_sweep_end_to_end(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        pdserve_cmd() + ["bench", "scaling", "--model", "dummy:nanogpt", "--devices", "cpu", "--workers", "2",
+                         "--topologies", "2mono,1p1d", "--workload", small_trace(tmp_path / "small.jsonl"),
+                         "--ttft-slo-ms", "50", "--itl-slo-ms", "10", "--duration", "1.5", "--min-requests", "12",
+                         "--max-requests", "40", "--start-rate", "8", "--refine", "1", "--out-dir", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, cwd=REPO)
+    try:
+        stdout, stderr = proc.communicate(timeout=110)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+    assert proc.returncode == 0, stderr[-3000:]
+    assert session_processes(proc.pid) == [], "the bench left processes behind"
+
+    result = json.loads(stdout.strip().splitlines()[-1])
+    assert json.loads((out / "scaling.json").read_text()) == result
+    rows = {r["topology"]: r for r in result["results"]}
+    assert set(rows) == {"2mono", "1p1d"}
+    for r in rows.values():
+        assert r["devices"] == 2 and r["goodput_rps"] > 0
+        assert r["goodput_per_device_rps"] == pytest.approx(r["goodput_rps"] / 2, abs=1e-3)
+        rates = [p["rate"] for p in r["points"]]
+        assert r["goodput_rps"] in [round(x, 4) for x in rates]
+        at = next(p for p in r["points"] if round(p["rate"], 4) == r["goodput_rps"])
+        assert at["attainment"] >= 0.9
+        # the search went on until attainment fell clearly below the target
+        assert any(p["rate"] > r["goodput_rps"] and p["attainment"] < 0.9 for p in r["points"])
+        assert r["saturation_tok_s"] == max(p["output_tok_s"] for p in r["points"])
+        for k in ("ttft", "itl", "e2e"):
+            lat = [r["at_goodput"][f"{k}_p{q}_ms"] for q in (50, 90, 99)]
+            assert 0 <= lat[0] <= lat[1] <= lat[2]
+    assert result["best"]["2"] == max(rows.values(), key=lambda r: r["goodput_rps"])["topology"]
+    assert "2mono" in stdout and "goodput req/s" in stdout  # the table
+
+    for name in ("attainment.png", "goodput_per_device.png", "latency_at_goodput.png"):
+        data = (out / name).read_bytes()
+        assert data.startswith(PNG_MAGIC) and len(data) > 5000, name
+    assert sorted(Path(p).name for p in result["plots"]) == sorted(["attainment.png", "goodput_per_device.png",
+                                                                     "latency_at_goodput.png"])
+    progress = [line for line in stderr.splitlines() if line.startswith("[scaling")]
+    assert any("2mono: launching (1/2 topologies, 1 after it)" in line for line in progress)
+    assert any("1p1d (2/2): " in line and "req/s x" in line for line in progress)
+
+
+def run(*args):
+    return subprocess.run(pdserve_cmd() + list(args), capture_output=True, text=True, timeout=60, cwd=REPO)
+
+
+def test_bad_input_is_named_before_anything_starts(tmp_path):
+    r = run("bench", "scaling", "--workload", "chatty")
+    assert r.returncode == 2 and "workload 'chatty' is unknown; allowed: chat, long-context, realistic" in r.stderr
+    r = run("bench", "scaling", "--ttft-slo-ms", "0")
+    assert r.returncode == 2 and "--ttft-slo-ms 0.0" in r.stderr and "allowed: a number of ms > 0" in r.stderr
+    r = run("bench", "scaling", "--workers", "2", "--topologies", "1p1d,2p1d")
+    assert r.returncode == 2 and "topology 2p1d needs 3 workers; the devices allow 2" in r.stderr
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"arrival": 0, "prompt_tokens": 4, "output_tokens": 2}\n{"arrival": 1, "prompt_tokens": 4}\n')
+    r = run("bench", "scaling", "--workload", str(bad))
+    assert r.returncode == 2 and "bad.jsonl:2: field 'output_tokens' is missing" in r.stderr

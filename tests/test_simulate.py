@@ -1,0 +1,116 @@
+"""The planner's simulator on synthetic profiles whose answers can be worked out by hand: a
+prefill-bound and a decode-bound workload, and the real scheduler's limits inside it."""
+
+import pytest
+
+from bench.goodput import SLO, find_goodput
+from bench.simulate import EngineShape, Placement, StepCost, WorkerModel, simulate
+from bench.workloads import Request
+
+
+def constant(rate: float, n: int, prompt: int, output: int) -> list[Request]:
+    return [Request(i / rate, prompt, output) for i in range(n)]
+
+
+def goodput(model, topology, slo, prompt, output, n=120):
+    p, d, m = topology
+    return find_goodput(lambda r: simulate(model, p, d, m, Placement(), r, constant(r, n, prompt, output), slo),
+                        slo.attainment, start=4.0, refine=4).goodput
+
+
+# Prefill-bound: a 100-token prompt costs 0.5 ms a token whether batched or not, so a prefill
+# worker serves 1 / 50 ms = 20 requests/s; past that the queue (and TTFT) grows without bound.
+# Decoding 10 tokens at 1 ms a step is never the limit.
+PREFILL_BOUND = WorkerModel(StepCost(prefill_token=0.5e-3, decode_base=1e-3), EngineShape(4096, 16, 64, 2048, 1024),
+                            kv_bytes_per_token=1024)
+# Decode-bound: a decode step takes 10 ms at any batch size, and a decode worker holds at most 8
+# requests (max_num_seqs), each for 40 steps (400 ms) from its reservation: 8 / 0.4 s = 20
+# requests/s. Past that, requests wait for a slot between their first and second token, and TPOT
+# (10 ms a token when a slot is free) grows past its 12 ms target.
+DECODE_BOUND = WorkerModel(StepCost(prefill_token=1e-6, decode_base=10e-3), EngineShape(4096, 16, 8, 2048, 1024),
+                           kv_bytes_per_token=1024)
+
+
+def test_prefill_bound_goodput_scales_with_prefill_workers():
+    slo = SLO(ttft_ms=200, itl_ms=20)
+    one = goodput(PREFILL_BOUND, (1, 1, 0), slo, 100, 10)
+    assert 18 <= one <= 21  # the hand-computed 20 req/s, within the search's step
+    assert goodput(PREFILL_BOUND, (2, 1, 0), slo, 100, 10) == pytest.approx(2 * one, rel=0.1)
+    assert goodput(PREFILL_BOUND, (1, 2, 0), slo, 100, 10) == pytest.approx(one, rel=0.1)
+
+
+def test_decode_bound_goodput_scales_with_decode_workers():
+    slo = SLO(ttft_ms=200, itl_ms=12)
+    one = goodput(DECODE_BOUND, (1, 1, 0), slo, 16, 41)  # 41 tokens: the first from the prefill, 40 decoded
+    assert 17 <= one <= 20.5
+    assert goodput(DECODE_BOUND, (1, 2, 0), slo, 16, 41) == pytest.approx(2 * one, rel=0.1)
+    assert goodput(DECODE_BOUND, (2, 1, 0), slo, 16, 41) == pytest.approx(one, rel=0.1)
+
+
+def test_latencies_below_saturation_are_the_step_times():
+    slo = SLO(ttft_ms=1000, itl_ms=1000)
+    p = simulate(DECODE_BOUND, 1, 1, 0, Placement(), 4.7, constant(4.7, 20, 16, 41), slo)
+    assert [r.ttft for r in p.records] == pytest.approx([0.016] * 20)  # 16 prompt tokens at 1 us each, no queue
+    # 40 decode steps of 10 ms after the first token, plus at most one step's wait to join the batch
+    decode = [r.e2e - r.ttft for r in p.records]
+    assert all(400 - 1e-6 <= t <= 410 + 1e-6 for t in decode) and max(decode) > 401
+    assert all(10.0 - 1e-6 <= r.tpot <= 410 / 40 + 1e-6 for r in p.records)
+
+
+def test_monolithic_prefill_shares_the_step_with_decodes():
+    """A mono worker batches a new prompt with its running decodes: the decodes' gap that step is
+    the mixed step's time (10 ms base + 100 tokens x 0.5 ms), which a decode worker never sees."""
+    model = WorkerModel(StepCost(prefill_token=0.5e-3, decode_base=10e-3, prefill_base=10e-3),
+                        EngineShape(4096, 16, 64, 2048, 1024), kv_bytes_per_token=1024)
+    reqs = [Request(0.0, 100, 30), Request(0.105, 100, 30)]
+    slo = SLO(1000, 1000)
+    mono = simulate(model, 0, 0, 1, Placement(), 10.0, reqs, slo)
+    assert max(mono.records[0].itl) == pytest.approx(60.0)  # the step that prefilled the second prompt
+    split = simulate(model, 1, 1, 0, Placement(), 10.0, reqs, slo)
+    assert max(split.records[0].itl[1:]) == pytest.approx(10.0)
+
+
+def test_kv_pool_limits_admission():
+    """A prefill worker whose pool holds one prompt at a time prefills them one after another."""
+    model = WorkerModel(StepCost(prefill_token=1e-3, decode_base=1e-3), EngineShape(8, 16, 64, 2048, 1024),
+                        kv_bytes_per_token=1024, handoff_base_s=0.005)
+    reqs = [Request(0.0, 100, 2) for _ in range(3)]  # 7 blocks each; the pool has 8
+    p = simulate(model, 1, 1, 0, Placement(), 1.0, reqs, SLO(1000, 1000))
+    # each waits for the one before to be prefilled (100 ms) and handed off (5 ms) to free the pool
+    assert sorted(r.ttft for r in p.records) == pytest.approx([100, 205, 310])
+
+
+def test_least_loaded_router_spreads_requests():
+    model = PREFILL_BOUND
+    p = simulate(model, 0, 0, 2, Placement(), 100.0, [Request(0.0, 100, 10), Request(0.0, 100, 10)], SLO(1000, 1000))
+    assert sorted(round(r.ttft) for r in p.records) == [50, 50]  # one each, in parallel
+
+
+def test_network_between_hosts_moves_handoff():
+    """1P1D whose KV crosses hosts: latency + bytes / bandwidth between the first and second token."""
+    model = WorkerModel(StepCost(prefill_token=1e-6, decode_base=1e-3), EngineShape(4096, 16, 64, 2048, 1024),
+                        kv_bytes_per_token=1_000_000)
+    one_host = simulate(model, 1, 1, 0, Placement(), 1.0, [Request(0.0, 100, 3)], SLO(1000, 1000))
+    far = Placement(cross_host=1.0, network_gbps=1.0, network_latency_s=0.002)
+    two_hosts = simulate(model, 1, 1, 0, far, 1.0, [Request(0.0, 100, 3)], SLO(1000, 1000))
+    # 100 MB at 1 GB/s = 100 ms, plus 2 ms of latency
+    assert two_hosts.records[0].itl[0] - one_host.records[0].itl[0] == pytest.approx(102.0, abs=0.01)
+    half = Placement(cross_host=0.5, network_gbps=1.0, network_latency_s=0.002)
+    reqs = [Request(i * 1.0, 100, 3) for i in range(200)]
+    crossed = sum(r.itl[0] > 50 for r in simulate(model, 1, 1, 0, half, 1.0, reqs, SLO(1000, 1000)).records)
+    assert 70 <= crossed <= 130  # about half, the same on every run
+
+
+def test_cpu_contention_stretches_steps():
+    """Two single-thread workers stepping at once on one core take twice as long; one alone does not."""
+    model = PREFILL_BOUND
+    reqs = [Request(0.0, 100, 2), Request(0.0, 100, 2)]
+    alone = simulate(model, 0, 0, 2, Placement(), 1.0, reqs, SLO(1000, 1000))
+    shared = simulate(model, 0, 0, 2, Placement(host_cores=1), 1.0, reqs, SLO(1000, 1000))
+    assert [r.ttft for r in alone.records] == pytest.approx([50, 50])
+    assert [r.ttft for r in shared.records] == pytest.approx([100, 100])
+    staggered = simulate(model, 0, 0, 2, Placement(host_cores=1), 1.0, [Request(0.0, 100, 1), Request(0.025, 100, 1)],
+                         SLO(1000, 1000))
+    # the first runs alone for 25 ms (half its work), then both at half speed: it ends at 75 ms;
+    # the second has done 25 ms of its 50 by then, and ends alone 25 ms later, at 100 ms (75 after it arrived)
+    assert [r.ttft for r in staggered.records] == pytest.approx([75, 75])
