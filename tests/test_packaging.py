@@ -9,7 +9,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PRODUCT = ["common", "router", "prefill_worker", "decode_worker", "bench"]
-MODULE_TO_DIST = {"zmq": "pyzmq", "yaml": "pyyaml"}
+MODULE_TO_DIST = {"zmq": "pyzmq", "yaml": "pyyaml", "prometheus_client": "prometheus-client"}
 
 
 def imported_top_level(path: Path) -> set[str]:
