@@ -63,7 +63,7 @@ def model_config(spec: str) -> ModelConfig:
     """The ModelConfig of a spec without loading any weights (enough to size a KV layout)."""
     if spec.startswith("dummy:"):
         return _dummy_config(spec)
-    path = _model_path(spec)
+    path = model_path(spec)
     if path.is_file():
         from common.gguf_loader import gguf_model_config
 
@@ -80,7 +80,7 @@ def load_model(spec: str, device: torch.device, dtype: torch.dtype, attention_ba
     if spec.startswith("dummy:"):
         _fill_random(model, spec)
         tokenizer = ByteTokenizer()
-    elif (path := _model_path(spec)).is_file():
+    elif (path := model_path(spec)).is_file():
         from common.gguf_loader import load_gguf_weights
 
         load_gguf_weights(model, cfg, path)
@@ -97,7 +97,7 @@ def load_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer | None:
     if spec.startswith("dummy:"):
         _dummy_config(spec)
         return ByteTokenizer()
-    path = _model_path(spec)
+    path = model_path(spec)
     if path.is_file():
         from common.gguf_loader import open_gguf
         from common.gguf_tokenizer import gguf_tokenizer
@@ -115,7 +115,7 @@ def _dummy_config(spec: str) -> ModelConfig:
     return replace(DUMMY_PRESETS[preset], name=spec, fingerprint=spec)
 
 
-def _model_path(spec: str) -> Path:
+def model_path(spec: str) -> Path:
     """A named model's GGUF file, a GGUF file, or a checkpoint directory."""
     from common.model_hub import NAMED_MODELS, named_model_path
 
