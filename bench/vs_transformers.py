@@ -17,11 +17,15 @@ import torch
 from bench.report import print_table
 from common.checkpoint import load_model, model_path
 from common.engine import Engine
+from common.errors import InvalidArgument
 from common.sampling import SamplingParams
 
 
 def _transformers_loader(spec: str, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    try:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+    except ImportError as e:
+        raise InvalidArgument("--vs-transformers needs transformers and accelerate: pip install 'pdserve[bench]'") from e
 
     path = model_path(spec)
     kwargs = dict(gguf_file=path.name) if path.is_file() else {}

@@ -105,6 +105,11 @@ def show(text: str) -> None:
 def run_chat(backend, system: str | None, sampling: dict) -> None:
     from router.client import RequestError
 
+    try:
+        import readline  # noqa: F401  (line editing and history for input(), where the platform has it)
+    except ImportError:
+        pass
+
     start = [{"role": "system", "content": system}] if system else []
     messages = list(start)
     show(f"Chatting with {backend.name}. Ctrl-C stops an answer, /clear starts over, Ctrl-D or /bye ends.\n")

@@ -274,7 +274,11 @@ for _role in ("prefill", "decode", "mono"):
 @engine_options
 def launch(prefill, decode, mono, devices, host, port, worker_port, policy, log_dir, threads, no_restart, engine_kwargs):
     """Bring up router + workers on this host; stop them all on Ctrl-C."""
+    from common.model_hub import NAMED_MODELS, named_model_path
     from router.launcher import Cluster, run_launch
+
+    if engine_kwargs["model"] in NAMED_MODELS:
+        named_model_path(engine_kwargs["model"])  # not pulled yet: say so here, not in every child's log
 
     try:
         cluster = Cluster(engine_kwargs["model"], prefill, decode, mono, devices.split(","), host, port, worker_port,

