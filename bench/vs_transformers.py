@@ -1,0 +1,97 @@
+"""`pdserve bench engine --vs-transformers`: the same model file and the same prompts through
+`transformers` in the same run, so that the ratios mean something on a noisy machine.
+
+- load: pdserve's load_model (config, weights dequantized into the dtype, tokenizer) against
+  transformers' from_pretrained of the model and its tokenizer, alternating, page cache warm;
+- generate: greedy, fixed output length, at each batch size: pdserve's Engine.generate against
+  transformers' generate on the same token ids (equal-length prompts: no padding), output tokens/s.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import torch
+
+from bench.report import print_table
+from common.checkpoint import load_model, model_path
+from common.engine import Engine
+from common.errors import InvalidArgument
+from common.sampling import SamplingParams
+
+
+def _transformers_loader(spec: str, dtype: torch.dtype):
+    try:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+    except ImportError as e:
+        raise InvalidArgument("--vs-transformers needs transformers and accelerate: pip install 'pdserve[bench]'") from e
+
+    path = model_path(spec)
+    kwargs = dict(gguf_file=path.name) if path.is_file() else {}
+    where = str(path.parent if path.is_file() else path)
+
+    def load():
+        AutoTokenizer.from_pretrained(where, **kwargs)
+        return AutoModelForCausalLM.from_pretrained(where, dtype=dtype, **kwargs).eval()
+
+    return load
+
+
+def _timed(f):
+    t0 = time.perf_counter()
+    out = f()
+    return time.perf_counter() - t0, out
+
+
+def run_vs_transformers(engine: Engine, prompt_len: int, output_len: int, batch_sizes: list[int], seed: int,
+                        load_repeats: int = 2) -> dict:
+    from common import gguf_loader
+
+    cfg = engine.config
+    spec, device, dtype = cfg.model, cfg.torch_device, cfg.torch_dtype
+    hf_load = _transformers_loader(spec, dtype)
+    path = model_path(spec)
+    if path.is_file():
+        path.read_bytes()  # page cache warm for whichever loads first
+    ours_s, theirs_s = [], []
+    for _ in range(load_repeats):
+        gguf_loader._open.cache_clear()  # parse the file again, as a fresh process would
+        ours_s.append(_timed(lambda: load_model(spec, device, dtype, cfg.attention_backend))[0])
+        seconds, hf_model = _timed(hf_load)
+        theirs_s.append(seconds)
+    hf_model.to(device)
+
+    rng = random.Random(seed)
+    vocab = engine.model_config.vocab_size
+    prompts = [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(max(batch_sizes))]
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+
+    def hf_generate(batch):
+        with torch.no_grad():
+            out = hf_model.generate(torch.tensor(batch, device=device), attention_mask=torch.ones(
+                len(batch), prompt_len, dtype=torch.long, device=device), max_new_tokens=output_len,
+                min_new_tokens=output_len, do_sample=False, pad_token_id=0)
+        return out[:, prompt_len:].tolist()
+
+    engine.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
+    hf_generate(prompts[:1])
+    rows, gen = [], {}
+    for b in batch_sizes:
+        ours, outs = _timed(lambda: engine.generate(prompts[:b], params))
+        theirs, hf_outs = _timed(lambda: hf_generate(prompts[:b]))
+        same = sum(o.token_ids == h for o, h in zip(outs, hf_outs))
+        tokens = b * output_len
+        gen[f"b{b}"] = {"pdserve_tok_s": round(tokens / ours, 1), "transformers_tok_s": round(tokens / theirs, 1),
+                        "ratio": round(theirs / ours, 2), "same_tokens": f"{same}/{b}"}
+        rows.append([b, tokens / ours, tokens / theirs, f"{theirs / ours:.2f}x", f"{same}/{b}"])
+    load = {"pdserve_s": round(min(ours_s), 2), "transformers_s": round(min(theirs_s), 2),
+            "ratio": round(min(theirs_s) / min(ours_s), 2)}
+    print_table(f"load {spec} ({cfg.dtype}), best of {load_repeats}, alternating",
+                ["loader", "seconds", "each run"],
+                [["pdserve load_model", min(ours_s), " ".join(f"{s:.2f}" for s in ours_s)],
+                 ["transformers from_pretrained", min(theirs_s), " ".join(f"{s:.2f}" for s in theirs_s)],
+                 ["ratio (transformers / pdserve)", load["ratio"], ""]])
+    print_table(f"greedy generate, {prompt_len}-token prompts, {output_len} new tokens: output tokens/s",
+                ["batch", "pdserve", "transformers", "pdserve speedup", "same tokens"], rows)
+    return {"load": load, "generate": gen}

@@ -1,0 +1,141 @@
+"""`pdserve chat`: an interactive conversation, streamed as it is generated, with the model
+in-process (EngineChat) or behind a router (RouterChat). The whole conversation goes with every
+turn, rendered by the model's chat template (in the router, for a cluster).
+
+Ctrl-C stops the current answer and cancels its request (the part already shown stays in the
+conversation, as it does in other chat tools); the session goes on. Ctrl-D, /bye or /exit ends
+it; /clear starts a new conversation.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from typing import Callable
+
+from common.errors import InvalidArgument, PdserveError
+
+OnText = Callable[[str], None]
+
+
+def stream_delta(text: str, sent: str) -> str:
+    """What a stream shows next, given the whole text so far and what it has shown: nothing
+    while the text ends inside a multi-byte character (or the decoder changed what came before)."""
+    if text.endswith("\ufffd") or not text.startswith(sent):
+        return ""
+    return text[len(sent):]
+
+
+class _CtrlC:
+    """While generating in-process, Ctrl-C only raises a flag, checked between engine steps: the
+    step in flight completes and the engine stays consistent."""
+
+    def __enter__(self):
+        self.hit = False
+        self._old = signal.signal(signal.SIGINT, self._on_sigint)
+        return self
+
+    def _on_sigint(self, *_):
+        self.hit = True
+
+    def __exit__(self, *exc):
+        signal.signal(signal.SIGINT, self._old)
+
+
+def chat_prompt_ids(engine, messages: list[dict]) -> list[int]:
+    """messages rendered by an in-process engine's chat template, as the router renders them."""
+    if engine.tokenizer is None or engine.tokenizer.chat_template is None:
+        raise InvalidArgument(f"model {engine.config.model!r} has no chat template; send a prompt instead")
+    return engine.tokenizer.encode_chat(messages)
+
+
+class EngineChat:
+    def __init__(self, engine):
+        chat_prompt_ids(engine, [{"role": "user", "content": ""}])  # fail now, not at the first message
+        self.engine, self.name = engine, engine.config.model
+
+    def reply(self, messages: list[dict], sampling: dict, on_text: OnText) -> tuple[str, bool]:
+        """Stream one answer; (its text, whether Ctrl-C stopped it)."""
+        from common.sampling import SamplingParams
+
+        engine, tok = self.engine, self.engine.tokenizer
+        rid = engine.add_request(chat_prompt_ids(engine, messages), SamplingParams(**sampling))
+        shown = ""
+        with _CtrlC() as ctrl_c:
+            while not ctrl_c.hit:
+                for out in engine.step():
+                    if out.request_id != rid:
+                        continue
+                    delta = stream_delta(tok.decode(out.token_ids), shown)
+                    if delta:
+                        shown += delta
+                        on_text(delta)
+                    if out.finished:
+                        return shown, False
+        engine.abort_request(rid)
+        return shown, True
+
+
+class RouterChat:
+    def __init__(self, client, name: str):
+        self.client, self.name = client, name
+
+    def reply(self, messages: list[dict], sampling: dict, on_text: OnText) -> tuple[str, bool]:
+        stream = self.client.stream(messages=messages, **sampling)
+        shown = ""
+        try:
+            for chunk in stream:
+                shown += chunk.text
+                on_text(chunk.text)
+        except KeyboardInterrupt:
+            self.client.cancel(stream.request_id)
+            for _ in stream:  # the router answers the cancel with Done("cancelled") at once
+                pass
+            return shown, True
+        rest = stream_delta(stream.result.text or "", shown)  # a last character held back, if any
+        on_text(rest)
+        return shown + rest, False
+
+
+def show(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def run_chat(backend, system: str | None, sampling: dict) -> None:
+    from router.client import RequestError
+
+    try:
+        import readline  # noqa: F401  (line editing and history for input(), where the platform has it)
+    except ImportError:
+        pass
+
+    start = [{"role": "system", "content": system}] if system else []
+    messages = list(start)
+    show(f"Chatting with {backend.name}. Ctrl-C stops an answer, /clear starts over, Ctrl-D or /bye ends.\n")
+    while True:
+        try:
+            line = input(">>> ")
+        except EOFError:
+            show("\n")
+            return
+        except KeyboardInterrupt:
+            show("\n(Ctrl-D or /bye to end)\n")
+            continue
+        command = line.strip()
+        if not command:
+            continue
+        if command in ("/bye", "/exit", "/quit"):
+            return
+        if command == "/clear":
+            messages = list(start)
+            continue
+        messages.append({"role": "user", "content": line})
+        try:
+            answer, stopped = backend.reply(messages, sampling, show)
+        except (PdserveError, RequestError) as e:  # a bad request (too long, no template): say so, go on
+            messages.pop()
+            show(f"error [{e.code}]: {getattr(e, 'message', e)}\n")
+            continue
+        show(" [stopped]\n" if stopped else "\n")
+        messages.append({"role": "assistant", "content": answer})

