@@ -14,16 +14,9 @@ import sys
 from typing import Callable
 
 from common.errors import InvalidArgument, PdserveError
+from common.text import TextStream
 
 OnText = Callable[[str], None]
-
-
-def stream_delta(text: str, sent: str) -> str:
-    """What a stream shows next, given the whole text so far and what it has shown: nothing
-    while the text ends inside a multi-byte character (or the decoder changed what came before)."""
-    if text.endswith("\ufffd") or not text.startswith(sent):
-        return ""
-    return text[len(sent):]
 
 
 class _CtrlC:
@@ -58,22 +51,24 @@ class EngineChat:
         """Stream one answer; (its text, whether Ctrl-C stopped it)."""
         from common.sampling import SamplingParams
 
-        engine, tok = self.engine, self.engine.tokenizer
-        rid = engine.add_request(chat_prompt_ids(engine, messages), SamplingParams(**sampling))
-        shown = ""
+        engine = self.engine
+        params = SamplingParams(**sampling)
+        rid = engine.add_request(chat_prompt_ids(engine, messages), params)
+        text = TextStream(engine.tokenizer, params.stop, params.include_stop_str_in_output)
         with _CtrlC() as ctrl_c:
             while not ctrl_c.hit:
                 for out in engine.step():
                     if out.request_id != rid:
                         continue
-                    delta = stream_delta(tok.decode(out.token_ids), shown)
-                    if delta:
-                        shown += delta
-                        on_text(delta)
+                    for token in out.new_token_ids:
+                        text.add(token)
                     if out.finished:
-                        return shown, False
+                        text.final()
+                    on_text(text.delta())
+                    if out.finished:
+                        return text.text, False
         engine.abort_request(rid)
-        return shown, True
+        return text.text[:text.sent], True
 
 
 class RouterChat:
@@ -92,7 +87,7 @@ class RouterChat:
             for _ in stream:  # the router answers the cancel with Done("cancelled") at once
                 pass
             return shown, True
-        rest = stream_delta(stream.result.text or "", shown)  # a last character held back, if any
+        rest = (stream.result.text or "")[len(shown):]  # a last character held back, if any
         on_text(rest)
         return shown + rest, False
 

@@ -21,6 +21,7 @@ from common.errors import InvalidArgument
 from common.kv_cache import BlockManager, allocate_kv_pool
 from common.sampling import Logprob, SamplingParams, fresh_seed, sample, token_logprobs
 from common.scheduler import ScheduledSeq, Scheduler
+from common.text import TextStream
 from common.sequence import PREFILLED, Sequence, Status
 
 LayerHook = Callable[[int, list[ScheduledSeq]], None]
@@ -201,6 +202,11 @@ class Engine:
             raise InvalidArgument(f"request_id={request_id!r} is already in use")
         seq = Sequence(request_id, prompt_ids, params, seed, self.model_config.eos_token_ids, self.max_model_len,
                        output_ids, prefill_only)
+        if params.stop and self.tokenizer is not None and not prefill_only:
+            # The same text the router builds, so a request stops at the same token wherever it runs.
+            seq.text = TextStream(self.tokenizer, params.stop, params.include_stop_str_in_output)
+            for token in output_ids:
+                seq.text.add(token)
         need = self.block_manager.blocks_needed(seq.max_len)
         if need > self.num_blocks:
             raise InvalidArgument(f"request needs {need} KV blocks for {seq.max_len} tokens; the pool has "
@@ -337,7 +343,9 @@ class Engine:
 
     def _output(self, seq: Sequence, new: list[int], first: bool = False) -> RequestOutput:
         finished = seq.status is Status.FINISHED
-        text = self.tokenizer.decode(seq.output_token_ids) if finished and self.tokenizer else None
+        text = None
+        if finished and self.tokenizer:
+            text = seq.text.final() if seq.text is not None else self.tokenizer.decode(seq.output_token_ids)
         metrics = {}
         if finished:
             metrics = {"ttft_s": seq.first_token_time - seq.arrival_time,

@@ -7,6 +7,7 @@ import enum
 import time
 
 from common.sampling import SamplingParams
+from common.text import TextStream
 
 
 PREFILLED = "prefilled"  # finish reason of a prefill-only request: KV computed, more to generate
@@ -45,6 +46,7 @@ class Sequence:
         self.scheduled_time: float | None = None  # first admitted to the running batch
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
+        self.text: TextStream | None = None  # the output's text, while stop strings are to be found in it
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -68,7 +70,7 @@ class Sequence:
             self.logprobs.append(logprob)
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
-        if token in self.stop_ids:
+        if token in self.stop_ids or (self.text is not None and self.text.add(token)):
             self.finish_reason = "stop"
         elif len(self.token_ids) >= self.max_len:
             self.finish_reason = "length"

@@ -33,7 +33,7 @@ from common.errors import InvalidArgument
 from common.sampling import SamplingParams, fresh_seed
 from router.metrics import RouterMetrics
 from router.registry import DECODE_ROLES, PREFILL_ROLES, Registry, Worker
-from router.text import TextStream
+from common.text import TextStream
 
 log = logging.getLogger("pdserve.router")
 DEAD_WORKER_MEMORY_S = 300.0  # how long `pdserve status` still lists a dead worker

@@ -124,6 +124,31 @@ def test_stop_token_and_length_limits():
     assert capped.finish_reason == "length" and len(capped.token_ids) == 2  # 30 + 2 = max_model_len
 
 
+def test_stop_string_across_tokens_ends_the_text_in_process(tmp_path):
+    """The in-process engine stops at a stop string as the router does: at the token that
+    completes it, with the string cut from the text (kept with include_stop_str_in_output)."""
+    from tests.checkpoints import write_checkpoint
+
+    write_checkpoint(tmp_path, "llama-gqa")
+    engine = Engine(model=str(tmp_path))
+    tok = engine.tokenizer
+    free = engine.generate("the quick brown", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
+    prefixes = [tok.decode(free.token_ids[:k]) for k in range(len(free.token_ids) + 1)]
+    # two characters either side of a token boundary, in the middle of the output
+    k = next(k for k in range(4, len(prefixes) - 1)
+             if len(prefixes[k]) > len(prefixes[k - 1]) and len(prefixes[k + 1]) > len(prefixes[k]))
+    stop = prefixes[-1][len(prefixes[k]) - 1:len(prefixes[k]) + 1]
+    at = prefixes[-1].index(stop)
+    completes = next(i for i, text in enumerate(prefixes) if stop in text)
+    for include in (False, True):
+        out = engine.generate("the quick brown", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                                                                stop=[stop], include_stop_str_in_output=include))[0]
+        assert out.finish_reason == "stop"
+        assert out.token_ids == free.token_ids[:completes]
+        assert out.text == prefixes[-1][:at + (len(stop) if include else 0)]
+    assert_all_blocks_free(engine)
+
+
 def test_seeded_sampling_is_reproducible_and_seed_dependent():
     engine = Engine(model="dummy:llama-tiny")
     p = prompts(1, 8, 8, seed=7)[0]

@@ -1,5 +1,5 @@
 """Without a cluster: OpenAI request bodies checked field by field (router/openai_api.py), the n
-choices' seeds, and the router's incremental text with stop strings (router/text.py) against a
+choices' seeds, and the router's incremental text with stop strings (common/text.py) against a
 byte tokenizer and a real BPE tokenizer.json whose tokens span several characters."""
 
 import random
@@ -12,7 +12,7 @@ from common.errors import InvalidArgument
 from common.sampling import choice_seed
 from common.tokenizer import ByteTokenizer, HFTokenizer
 from router.openai_api import CHAT_FIELDS, COMPLETION_FIELDS, ApiError, parse_chat, parse_completion
-from router.text import TextStream
+from common.text import TextStream
 from tests.checkpoints import VOCAB, write_tokenizer
 
 MODEL = "dummy:nanogpt"

@@ -1,6 +1,6 @@
-"""A request's output text, built token by token in the router, and its stop strings.
-
-The router is where the text is: workers see token ids only. Each token is detokenized
+"""A request's output text, built token by token, and its stop strings: the router streams it,
+and an engine with stop strings to find (in-process generate, chat, a decode worker) stops on it,
+so a request stops at the same token wherever it runs. Each token is detokenized
 incrementally, as vLLM does: decode a short window of recent ids twice (with and without the newest
 ones) and keep the difference, waiting while the window ends inside a multi-byte character. That
 costs O(1) per token, where decoding the whole output each time would cost O(n).
