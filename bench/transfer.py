@@ -1,5 +1,5 @@
 """`pdserve bench transfer`: the KV of N tokens moved from a sender process to a receiver process
-by one KV transport, through the very code the workers run (common/kv_transport.py), beside the
+by one KV transport, through the very code the workers run (common/kv_transport/), beside the
 ceilings measured in the same run: plain ZeroMQ PUSH/PULL of the same bytes in the same frames
 between two processes, and a memcpy of the same bytes. Repetitions of the three are taken in
 turn, so that the machine's drift hits all alike.
