@@ -22,7 +22,11 @@ def engine_options(f):
         click.option("--dtype", default=None, help="float32, float16, bfloat16 [default: float32 on CPU, bfloat16 on GPU]"),
         click.option("--block-size", default=16, show_default=True, type=int),
         click.option("--num-blocks", default=None, type=int, help="KV pool size [default: from --kv-cache-gb]"),
-        click.option("--kv-cache-gb", default=None, type=float),
+        click.option("--kv-cache-gb", default=None, type=float,
+                     help="KV pool size [default: 1 on CPU; on GPU from --gpu-memory-utilization]"),
+        click.option("--gpu-memory-utilization", default=None, type=float,
+                     help="fraction of the GPU's total memory this worker may take, weights, activations and KV "
+                          "included [default: 0.9; launch splits it between the workers of a device]"),
         click.option("--max-num-seqs", default=64, show_default=True, type=int),
         click.option("--max-num-batched-tokens", default=2048, show_default=True, type=int),
         click.option("--max-model-len", default=None, type=int),
@@ -34,10 +38,12 @@ def engine_options(f):
     ]
 
     @functools.wraps(f)
-    def wrapper(*args, model, device, dtype, block_size, num_blocks, kv_cache_gb, max_num_seqs,
-                max_num_batched_tokens, max_model_len, no_prefix_caching, attention_backend, kv_transport, **kwargs):
+    def wrapper(*args, model, device, dtype, block_size, num_blocks, kv_cache_gb, gpu_memory_utilization,
+                max_num_seqs, max_num_batched_tokens, max_model_len, no_prefix_caching, attention_backend, kv_transport,
+                **kwargs):
         engine_kwargs = dict(model=model, device=device, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
-                             kv_cache_gb=kv_cache_gb, max_num_seqs=max_num_seqs,
+                             kv_cache_gb=kv_cache_gb, gpu_memory_utilization=gpu_memory_utilization,
+                             max_num_seqs=max_num_seqs,
                              max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                              enable_prefix_caching=not no_prefix_caching, attention_backend=attention_backend,
                              kv_transport=kv_transport)
@@ -92,6 +98,18 @@ def parse_prompt_ids(text: str) -> list[int]:
         return [int(t) for t in text.replace(" ", "").split(",") if t]
     except ValueError:
         raise click.BadParameter(f"{text!r} is not a comma-separated list of token ids", param_hint="--prompt-ids")
+
+
+def devices_option(default: str | None = "cpu", help: str = "comma-separated, assigned to workers in turn"):
+    """--devices as launch takes it; the command receives the list (None if not given and no default)."""
+    def parse(ctx, param, text):
+        if text is None:
+            return None
+        devices = [d.strip() for d in text.split(",")]
+        if not all(devices):
+            raise click.BadParameter(f"{text!r} has an empty entry; give devices like cpu,cuda:0,cuda:1")
+        return devices
+    return click.option("--devices", default=default, show_default=default is not None, callback=parse, help=help)
 
 
 @click.group()
@@ -219,7 +237,7 @@ for _role in ("prefill", "decode", "mono"):
 @click.option("--prefill", default=1, show_default=True, type=int)
 @click.option("--decode", default=1, show_default=True, type=int)
 @click.option("--mono", default=0, show_default=True, type=int, help="monolithic workers (use with --prefill 0 --decode 0)")
-@click.option("--devices", default="cpu", show_default=True, help="comma-separated, assigned to workers in turn")
+@devices_option()
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=7100, show_default=True, type=int, help="client port (0: any free port)")
 @click.option("--worker-port", default=0, type=int, help="[default: any free port]")
@@ -227,17 +245,42 @@ for _role in ("prefill", "decode", "mono"):
 @click.option("--log-dir", default="pdserve-logs", show_default=True)
 @click.option("--threads", default=None, type=int, help="torch threads per worker [default: cores / workers]")
 @click.option("--no-restart", is_flag=True, help="do not restart crashed workers")
+@click.option("--dry-run", is_flag=True, help="print each process's command line and exit")
 @engine_options
-def launch(prefill, decode, mono, devices, host, port, worker_port, policy, log_dir, threads, no_restart, engine_kwargs):
-    """Bring up router + workers on this host; stop them all on Ctrl-C."""
+def launch(prefill, decode, mono, devices, host, port, worker_port, policy, log_dir, threads, no_restart, dry_run,
+           engine_kwargs):
+    """Bring up router + workers on this host; stop them all on Ctrl-C. Workers that share a GPU
+    split it (decode workers get the larger shares) unless a memory flag sizes their pools."""
+    import shlex
+
     from router.launcher import Cluster, run_launch
 
     try:
-        cluster = Cluster(engine_kwargs["model"], prefill, decode, mono, devices.split(","), host, port, worker_port,
+        cluster = Cluster(engine_kwargs["model"], prefill, decode, mono, devices, host, port, worker_port,
                           log_dir, policy, engine_argv(engine_kwargs), threads, restart=not no_restart)
     except ValueError as e:
         raise click.UsageError(str(e))
+    if dry_run:
+        for c in cluster.children:
+            print(f"{c.name}: {shlex.join(c.argv)}")
+        return
     run_launch(cluster)
+
+
+@main.command("gpu-shares", hidden=True)
+@click.option("--prefill", default=1, type=int)
+@click.option("--decode", default=1, type=int)
+@click.option("--mono", default=0, type=int)
+@click.option("--devices", default="cpu")
+def gpu_shares(prefill, decode, mono, devices):
+    """Each worker's --gpu-memory-utilization as launch splits its device, one line per worker in
+    launch order ('-' off a GPU): deploy/launch.sh splits devices with it."""
+    from common.memory import device_shares
+
+    roles = ["prefill"] * prefill + ["decode"] * decode + ["mono"] * mono
+    placed = devices.split(",")
+    for share in device_shares(roles, [placed[i % len(placed)] for i in range(len(roles))]):
+        print("-" if share is None else share)
 
 
 @main.command()
