@@ -4,7 +4,8 @@ latency and end-to-end latency (p50/p99), and the router's own share of TTFT.
 
 Topologies: `mono` (one monolithic worker behind the router: the baseline), `XpYd` (X prefill
 and Y decode workers, e.g. 1p1d, 2p2d). Each topology gets the whole machine: the launcher
-splits the cores between its workers.
+splits the cores between its workers, assigns them --devices in turn, and splits each GPU
+between the workers on it.
 """
 
 from __future__ import annotations
@@ -152,7 +153,7 @@ def loopback_rtt_ms(n: int = 2000) -> float:
 
 
 def run_serve_bench(model: str, topologies: list[str], scenarios: list[str], router: str | None, seed: int,
-                    worker_args: list[str]) -> dict:
+                    worker_args: list[str], devices: list[str] = ("cpu",)) -> dict:
     for name in scenarios:
         if name not in SCENARIOS:
             raise ValueError(f"scenario {name!r} is unknown; allowed: {', '.join(SCENARIOS)}")
@@ -167,7 +168,7 @@ def run_serve_bench(model: str, topologies: list[str], scenarios: list[str], rou
                 cluster = None
                 if router is None:
                     p, d, m = parse_topology(topo)
-                    cluster = Cluster(model, p, d, m, ["cpu"], "127.0.0.1", 0, 0, Path(logs), "least_loaded",
+                    cluster = Cluster(model, p, d, m, list(devices), "127.0.0.1", 0, 0, Path(logs), "least_loaded",
                                       worker_args + list(extra), threads=None, restart=False)
                     cluster.start()
                 try:

@@ -360,12 +360,14 @@ def bench_engine(num_requests, prompt_len, output_len, batch_sizes, kv_lens, ste
 @click.option("--router", "router_address", default=None, help="bench a running cluster instead of launching")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--worker-arg", "worker_args", multiple=True, help="extra flag for every worker (repeatable)")
-def bench_serve(model, topologies, scenarios, router_address, seed, worker_args):
+@devices_option()
+def bench_serve(model, topologies, scenarios, router_address, seed, worker_args, devices):
     """Serving load: TTFT, inter-token and end-to-end latency, throughput, per topology."""
     from bench.serve import run_serve_bench
 
     try:
-        run_serve_bench(model, topologies.split(","), scenarios.split(","), router_address, seed, list(worker_args))
+        run_serve_bench(model, topologies.split(","), scenarios.split(","), router_address, seed, list(worker_args),
+                        devices=devices)
     except ValueError as e:
         raise click.UsageError(str(e))
 
@@ -380,12 +382,16 @@ def bench_serve(model, topologies, scenarios, router_address, seed, worker_args)
 @click.option("--interval", default=1.5, show_default=True, type=float, help="seconds between faults")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--log-dir", default=None, help="keep the cluster's logs here")
-def bench_chaos(model, prefill, decode, requests, kills, concurrency, interval, seed, log_dir):
+@devices_option(help="comma-separated, assigned to workers in turn; the reference runs on the first")
+@click.option("--dtype", default=None, help="of the workers and the reference [default: float32 on CPU, bfloat16 on GPU]")
+@click.option("--worker-arg", "worker_args", multiple=True, help="extra flag for every worker (repeatable)")
+def bench_chaos(model, prefill, decode, requests, kills, concurrency, interval, seed, log_dir, devices, dtype,
+                worker_args):
     """Kill and stop random workers under load; check every request completes token-exact."""
     from bench.chaos import run_chaos
 
     run_chaos(model, prefill, decode, requests, kills, concurrency, seed, interval_s=interval,
-              log_dir=Path(log_dir) if log_dir else None)
+              log_dir=Path(log_dir) if log_dir else None, devices=devices, dtype=dtype, worker_args=list(worker_args))
 
 
 @bench.command("handoff")
@@ -395,11 +401,12 @@ def bench_chaos(model, prefill, decode, requests, kills, concurrency, interval, 
 @click.option("--transport", default="auto", show_default=True, type=click.Choice(KV_TRANSPORTS))
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--worker-arg", "worker_args", multiple=True, help="extra flag for every worker (repeatable)")
-def bench_handoff(model, tokens, requests, transport, seed, worker_args):
+@devices_option()
+def bench_handoff(model, tokens, requests, transport, seed, worker_args, devices):
     """Prefill start to decode start of long prompts, KV streamed layer by layer vs sent after."""
     from bench.handoff import run_handoff_bench
 
-    run_handoff_bench(model, tokens, requests, transport, seed, list(worker_args))
+    run_handoff_bench(model, tokens, requests, transport, seed, list(worker_args), devices=devices)
 
 
 @bench.command("transfer")
@@ -409,15 +416,21 @@ def bench_handoff(model, tokens, requests, transport, seed, worker_args):
 @click.option("--repeats", default=20, show_default=True, type=int)
 @click.option("--block-size", default=16, show_default=True, type=int)
 @click.option("--dtype", default=None, help="[default: float32 on CPU, bfloat16 on GPU]")
-@click.option("--device", default=None, help="[default: cpu; cuda:0 for cuda_ipc and nccl]")
+@devices_option(None, help="the sender's, then the receiver's (one: both's; nccl's receiver then takes the next "
+                          "GPU) [default: cpu; cuda:0 for cuda_ipc and nccl]")
+@click.option("--device", default=None, hidden=True, help="the sender's device: --devices with one")
 @click.option("--fragmented", is_flag=True, help="scattered block ids on both sides instead of runs")
 @click.option("--layer-groups", default=1, show_default=True, type=int,
               help="send each transfer in this many groups of layers, as layer-wise streaming does")
-def bench_transfer(transport, model, tokens, repeats, block_size, dtype, device, fragmented, layer_groups):
-    """One KV transport between two processes: GB/s and latency, beside raw ZeroMQ and memcpy."""
+def bench_transfer(transport, model, tokens, repeats, block_size, dtype, devices, device, fragmented, layer_groups):
+    """One KV transport between two processes: GB/s and latency, beside its ceilings: raw ZeroMQ and
+    memcpy for the CPU transports, a device-to-device copy for the GPU ones."""
     from bench.transfer import run_transfer_bench
 
-    run_transfer_bench(transport, model, tokens, repeats, block_size, dtype, device, fragmented, layer_groups)
+    if device is not None and devices is not None:
+        raise click.UsageError("give --devices (or the older --device), not both")
+    devices = devices if device is None else [device]
+    run_transfer_bench(transport, model, tokens, repeats, block_size, dtype, devices, fragmented, layer_groups)
 
 
 def run():
