@@ -12,8 +12,8 @@ from router.launcher import Cluster
 
 @contextlib.contextmanager
 def cluster(tmp_path, model="dummy:nanogpt", prefill=1, decode=1, mono=0, worker_args=(), router_args=(),
-            restart=False):
-    c = Cluster(model, prefill, decode, mono, ["cpu"], "127.0.0.1", 0, 0, tmp_path / "logs", "least_loaded",
+            restart=False, devices=("cpu",)):
+    c = Cluster(model, prefill, decode, mono, list(devices), "127.0.0.1", 0, 0, tmp_path / "logs", "least_loaded",
                 list(worker_args), threads=1, restart=restart, router_args=list(router_args))
     try:
         c.start()

@@ -260,7 +260,12 @@ def decode_worker(tmp_path, transport: str, model: str = "dummy:nanogpt"):
     finally:
         if proc.poll() is None:
             proc.terminate()  # a clean exit unlinks its shared pool
-        proc.wait(30)
+            proc.send_signal(signal.SIGCONT)  # one a failed test left stopped takes the SIGTERM too
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
         ctx.destroy(linger=0)  # also closes the test's own sockets on it
 
 
