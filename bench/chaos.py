@@ -9,6 +9,7 @@ Used at small scale by tests/test_chaos.py and at full scale by `pdserve bench c
 from __future__ import annotations
 
 import asyncio
+import gc
 import random
 import signal
 import tempfile
@@ -16,6 +17,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import torch
 
 from bench.report import print_json, print_table
 from bench.serve import pct
@@ -139,16 +142,24 @@ def leaked_blocks(address: str, workers: int, timeout: float = 60.0) -> dict[str
 
 def run_chaos(model: str = "dummy:nanogpt", prefill: int = 2, decode: int = 2, requests: int = 500, kills: int = 10,
               concurrency: int = 24, seed: int = 0, interval_s: float = 1.5, stop_s: float = 1.5,
-              heartbeat_timeout_s: float = 0.6, log_dir: Path | None = None, verbose: bool = True) -> dict:
+              heartbeat_timeout_s: float = 0.6, log_dir: Path | None = None, verbose: bool = True,
+              devices: list[str] = ("cpu",), dtype: str | None = None, worker_args: list[str] = ()) -> dict:
+    """The reference runs on the first of `devices` in `dtype`, as the workers do (token-exact on a
+    GPU needs a batch-invariant dtype there: float32)."""
     work = chaos_workload(requests, seed)
-    engine = Engine(model=model)
+    engine = Engine(model=model, device=devices[0], dtype=dtype)
     reference = [o.token_ids for o in engine.generate([p for p, _ in work], [SamplingParams(**s) for _, s in work])]
+    on_gpu, dtype = engine.config.torch_device.type == "cuda", engine.config.dtype
     del engine
+    if on_gpu:  # the workers size their pools from their share of the device: give the reference's back
+        gc.collect()
+        torch.cuda.empty_cache()
+    worker_args = ["--dtype", dtype, *worker_args]
     tmp = tempfile.TemporaryDirectory() if log_dir is None else None
     router_args = ["--heartbeat-timeout", str(heartbeat_timeout_s), "--max-attempts", "20",
                    "--decode-stall-timeout", "10", "--prefill-timeout", "20", "--queue-timeout", "60"]
-    cluster = Cluster(model, prefill, decode, 0, ["cpu"], "127.0.0.1", 0, 0, Path(log_dir or tmp.name), "least_loaded",
-                      [], threads=1, restart=True, router_args=router_args)
+    cluster = Cluster(model, prefill, decode, 0, list(devices), "127.0.0.1", 0, 0, Path(log_dir or tmp.name),
+                      "least_loaded", worker_args, threads=None if on_gpu else 1, restart=True, router_args=router_args)
     try:
         cluster.start()
         driver = ChaosDriver(cluster, kills, interval_s, stop_s, seed)
@@ -174,7 +185,8 @@ def run_chaos(model: str = "dummy:nanogpt", prefill: int = 2, decode: int = 2, r
         if o.error:
             errors[o.error] = errors.get(o.error, 0) + 1
     missing = sum(max(0, len(ref) - len(o.streamed)) for o, ref in zip(completed and outcomes, reference) if o.tokens)
-    result = {"bench": "chaos", "model": model, "topology": f"{prefill}p{decode}d", "total": len(outcomes),
+    result = {"bench": "chaos", "model": model, "topology": f"{prefill}p{decode}d", "devices": list(devices),
+              "dtype": dtype, "total": len(outcomes),
               "completed": len(completed), "token_exact": exact,
               "duplicated_tokens": sum(o.duplicated for o in outcomes),
               "missing_tokens": missing + sum(o.gaps for o in outcomes),
@@ -183,8 +195,8 @@ def run_chaos(model: str = "dummy:nanogpt", prefill: int = 2, decode: int = 2, r
               "retried_requests": sum(o.attempts > 1 for o in outcomes),
               "p99_latency_s": round(pct([o.latency_s for o in outcomes], 99), 3), "wall_s": round(wall, 1)}
     if verbose:
-        print_table(f"pdserve bench chaos: {model}, {prefill}P{decode}D, {len(outcomes)} requests, "
-                    f"{driver.done} faults ({', '.join(driver.log)})",
+        print_table(f"pdserve bench chaos: {model} ({dtype} on {','.join(devices)}), {prefill}P{decode}D, "
+                    f"{len(outcomes)} requests, {driver.done} faults ({', '.join(driver.log)})",
                     ["total", "completed", "token exact", "retried", "duplicated", "missing", "leaked blocks",
                      "errors", "p99 latency s"],
                     [[result["total"], result["completed"], result["token_exact"], result["retried_requests"],

@@ -8,7 +8,7 @@ request, prefill_s (the prefill worker, from receiving the work to sampling the 
 handoff_s (from then until the decode worker starts the request: the KV left to move, the header,
 the acknowledgement of nothing). The figure that matters is prefill start to decode start over the
 prefill alone: (prefill_s + handoff_s) / prefill_s of the non-streaming cluster, whose prefill runs
-with no transfer beside it.
+with no transfer beside it. Both clusters are given --devices alike; on a GPU they split it, half each.
 """
 
 from __future__ import annotations
@@ -20,20 +20,35 @@ from pathlib import Path
 
 from bench.report import print_json, print_table
 from common.checkpoint import model_config
+from common.config import DTYPES
 from common.errors import InvalidArgument
+from common.memory import cuda_device_key
 from router.client import Client
 from router.launcher import Cluster
 
 MODES = {"streamed": [], "after prefill": ["--no-kv-stream"]}
 
 
+def kv_dtype(worker_args: list[str], device: str) -> str:
+    """The workers' KV dtype: their --dtype, else the engine's default on this device."""
+    for flag, value in zip(worker_args, [*worker_args[1:], None]):
+        if flag.startswith("--dtype="):
+            return flag.split("=", 1)[1]
+        if flag == "--dtype" and value is not None:
+            return value
+    return "float32" if cuda_device_key(device) is None else "bfloat16"
+
+
 def run_handoff_bench(model: str, tokens: int, requests: int, transport: str, seed: int = 0,
-                      worker_args: list[str] = ()) -> dict:
+                      worker_args: list[str] = (), devices: list[str] = ("cpu",)) -> dict:
     cfg = model_config(model)
     if not 1 <= tokens < cfg.max_position_embeddings:
         raise InvalidArgument(f"tokens={tokens}; allowed: 1..{cfg.max_position_embeddings - 1} ({model}'s context)")
     if requests < 1:
         raise InvalidArgument(f"requests={requests}; allowed: >= 1")
+    dtype = kv_dtype(list(worker_args), devices[0])
+    if dtype not in DTYPES:
+        raise InvalidArgument(f"--dtype {dtype!r} is not supported; allowed: {sorted(DTYPES)}")
     rng = random.Random(seed)
     prompts = [[rng.randrange(cfg.vocab_size) for _ in range(tokens)] for _ in range(2 * requests + 2)]
     samples: dict[str, list[tuple[float, float]]] = {mode: [] for mode in MODES}
@@ -41,9 +56,10 @@ def run_handoff_bench(model: str, tokens: int, requests: int, transport: str, se
         clusters = {}
         try:
             for mode, extra in MODES.items():
-                clusters[mode] = c = Cluster(model, 1, 1, 0, ["cpu"], "127.0.0.1", 0, 0, Path(logs) / mode.replace(" ", "-"),
-                                             "least_loaded", ["--kv-transport", transport, *worker_args, *extra],
-                                             threads=None, restart=False)
+                clusters[mode] = c = Cluster(model, 1, 1, 0, list(devices), "127.0.0.1", 0, 0,
+                                             Path(logs) / mode.replace(" ", "-"), "least_loaded",
+                                             ["--kv-transport", transport, *worker_args, *extra], threads=None,
+                                             restart=False, device_share=1 / len(MODES))  # side by side
                 c.start()
             clients = {mode: Client(c.address, timeout=600) for mode, c in clusters.items()}
             for i in range(requests + 1):  # the first is a warm-up
@@ -58,7 +74,8 @@ def run_handoff_bench(model: str, tokens: int, requests: int, transport: str, se
                 c.stop()
     alone = statistics.median(p for p, _ in samples["after prefill"])
     rows, result = [], {"bench": "handoff", "model": model, "tokens": tokens, "requests": requests,
-                        "transport": transport, "kv_bytes": tokens * cfg.kv_values_per_token * 4}
+                        "transport": transport, "devices": list(devices), "dtype": dtype,
+                        "kv_bytes": tokens * cfg.kv_values_per_token * DTYPES[dtype].itemsize}
     for mode, pairs in samples.items():
         prefill = statistics.median(p for p, _ in pairs)
         handoff = statistics.median(h for _, h in pairs)
@@ -68,7 +85,7 @@ def run_handoff_bench(model: str, tokens: int, requests: int, transport: str, se
                        f"{key}_to_decode_ms": round(total * 1e3, 2), f"{key}_vs_prefill_alone": round(total / alone, 3)})
         rows.append([mode, prefill * 1e3, handoff * 1e3, total * 1e3, f"{total / alone:.3f}x"])
     print_table(f"pdserve bench handoff: {model}, {tokens}-token prompts, {transport} KV transport "
-                f"({result['kv_bytes'] / 2**20:.0f} MiB of float32 KV each), p50 of {requests}, taken in turn (ms)",
+                f"({result['kv_bytes'] / 2**20:.0f} MiB of {dtype} KV each), p50 of {requests}, taken in turn (ms)",
                 ["KV sent", "prefill", "handoff", "prefill start to decode start", "vs prefill alone"], rows)
     print_json(result)
     return result

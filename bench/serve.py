@@ -4,7 +4,8 @@ latency and end-to-end latency (p50/p99), and the router's own share of TTFT.
 
 Topologies: `mono` (one monolithic worker behind the router: the baseline), `XpYd` (X prefill
 and Y decode workers, e.g. 1p1d, 2p2d). Each topology gets the whole machine: the launcher
-splits the cores between its workers.
+splits the cores between its workers, assigns them --devices in turn, and splits each GPU
+between the workers on it.
 
 Frontends: `zmq` (the SDK) and `http` (OpenAI's API, bench/openai_load.py). With both, each
 launched cluster serves both and every scenario runs through each in turn, `--repeats` times,
@@ -176,7 +177,7 @@ def loopback_rtt_ms(n: int = 2000) -> float:
 
 def run_serve_bench(model: str, topologies: list[str], scenarios: list[str], router: str | None, seed: int,
                     worker_args: list[str], frontends: tuple[str, ...] = ("zmq",), base_url: str | None = None,
-                    repeats: int = 1, api_key: str | None = None) -> dict:
+                    repeats: int = 1, api_key: str | None = None, devices: list[str] = ("cpu",)) -> dict:
     from bench.openai_load import drive_http  # it imports Sample from here
 
     for name in scenarios:
@@ -199,7 +200,7 @@ def run_serve_bench(model: str, topologies: list[str], scenarios: list[str], rou
                 cluster = None
                 if not external:
                     p, d, m = parse_topology(topo)
-                    cluster = Cluster(model, p, d, m, ["cpu"], "127.0.0.1", 0, 0, Path(logs), "least_loaded",
+                    cluster = Cluster(model, p, d, m, list(devices), "127.0.0.1", 0, 0, Path(logs), "least_loaded",
                                       worker_args + list(extra), threads=None, restart=False,
                                       http_port=0 if "http" in frontends else None, api_key=api_key)
                     cluster.start()

@@ -1,8 +1,14 @@
 """`pdserve bench transfer`: the KV of N tokens moved from a sender process to a receiver process
-by one KV transport, through the very code the workers run (common/kv_transport.py), beside the
-ceilings measured in the same run: plain ZeroMQ PUSH/PULL of the same bytes in the same frames
-between two processes, and a memcpy of the same bytes. Repetitions of the three are taken in
-turn, so that the machine's drift hits all alike.
+by one KV transport, through the very code the workers run (common/kv_transport/), beside the
+ceilings measured in the same run. For the CPU transports: plain ZeroMQ PUSH/PULL of the same
+bytes in the same frames between two processes, and a memcpy of the same bytes. For the GPU
+transports (cuda_ipc, nccl): a device-to-device copy of the same bytes, from the sender's device
+to the receiver's. Repetitions of the transport and its ceilings are taken in turn, so that the
+machine's drift hits all alike.
+
+--devices are assigned to the sender, then the receiver, as `pdserve launch` assigns them to
+workers: one device is both's (nccl's receiver then takes the next GPU: NCCL refuses two ranks on
+one).
 
 Only the model's KV layout is needed, not its weights. One repetition is one whole transfer as
 a prefill worker makes it (in --layer-groups pieces, as layer-wise streaming sends it): the
@@ -53,6 +59,20 @@ def kv_shape(spec: str, tokens: int, block_size: int, dtype: str | None, device:
     n = -(-tokens // block_size)
     shape = (mc.num_layers, 2, n + 1, block_size, mc.num_kv_heads, mc.head_dim)  # one spare block each side
     return shape, dtype, device, n
+
+
+def peer_device(transport: str, sender: torch.device, devices: list[str] | None) -> torch.device:
+    """The receiver's device: the second of --devices, else the sender's (for nccl, the next GPU)."""
+    if devices and len(devices) > 1:
+        peer = resolve_device(devices[1])
+    elif transport == "nccl":
+        peer = resolve_device(f"cuda:{(sender.index or 0) + 1}")
+    else:
+        peer = sender
+    if KV_TRANSPORT_DEVICE.get(transport, peer.type) != peer.type:
+        raise InvalidArgument(f"transport={transport!r} does not work with a receiver on {str(peer)!r}; it needs a "
+                              f"{KV_TRANSPORT_DEVICE[transport]} pool")
+    return peer
 
 
 def _block_ids(n: int, fragmented: bool, seed: int) -> list[int]:
@@ -165,7 +185,7 @@ class TransportRun:
     """Sender side of transfers by one transport to a receiver process; one() times one of them."""
 
     def __init__(self, transport: str, shape, dtype: str, device: torch.device, n: int, fragmented: bool = False,
-                 layer_groups: int = 1):
+                 layer_groups: int = 1, peer: torch.device | None = None):
         self.transport, self.shape, self.n = transport, shape, n
         bounds = [shape[0] * i // layer_groups for i in range(layer_groups + 1)]
         self.pieces = [(range(a, b), range(n)) for a, b in zip(bounds, bounds[1:])]  # as layer-wise streaming sends
@@ -173,7 +193,7 @@ class TransportRun:
         self.pool = _sender_pool(shape, dtype, device)
         self.layout = {"layers": shape[0], "block_size": shape[3], "kv_heads": shape[4], "head_dim": shape[5],
                        "dtype": dtype}
-        peer = device if transport != "nccl" else torch.device("cuda", (device.index or 0) + 1)  # a rank a GPU
+        self.peer = peer = peer or peer_device(transport, device, None)
         parent_conn, child_conn = mp.get_context("spawn").Pipe()
         self.proc = _spawn(_receiver, transport, shape, dtype, str(peer), self.src, self.dst, child_conn)
         self.ctx = zmq.Context()
@@ -256,6 +276,26 @@ class RawZmqRun:
         self.ctx.term()
 
 
+class DeviceCopyRun:
+    """The GPU transports' ceiling: one device-to-device copy of the same bytes, from the sender's
+    device to the receiver's, timed as the transport is (host clock, until the copy is done)."""
+
+    def __init__(self, nbytes: int, src: torch.device, dst: torch.device):
+        self.src = torch.randn(-(-nbytes // 4), device=src)
+        self.dst = torch.empty_like(self.src, device=dst)
+        self.one()
+
+    def one(self) -> float:
+        t0 = time.perf_counter()
+        self.dst.copy_(self.src)
+        torch.cuda.synchronize(self.dst.device)
+        torch.cuda.synchronize(self.src.device)
+        return time.perf_counter() - t0
+
+    def close(self):
+        pass
+
+
 class MemcpyRun:
     def __init__(self, nbytes: int):
         self.src = torch.randn(-(-nbytes // 4))
@@ -271,18 +311,25 @@ class MemcpyRun:
         pass
 
 
+CEILING_KEYS = {"raw zmq": "raw_zmq", "memcpy": "memcpy", "d2d": "d2d"}  # a ceiling's name -> its JSON keys' stem
+
+
 def measure(transport: str, shape, dtype: str, device: torch.device, n: int, repeats: int,
-            fragmented: bool = False, layer_groups: int = 1) -> dict[str, list[float]]:
+            fragmented: bool = False, layer_groups: int = 1,
+            peer: torch.device | None = None) -> dict[str, list[float]]:
     """Seconds per repetition of the transport and of each ceiling, taken in turn (this machine's
     speed drifts: interleaving keeps the ratios honest)."""
     nbytes = math.prod(shape) // shape[2] * n * DTYPES[dtype].itemsize
     runs = {}
     try:
-        runs[transport] = run = TransportRun(transport, shape, dtype, device, n, fragmented, layer_groups)
-        ub = unit_bytes(run.pool)
-        plan = list(frame_plan(unit_stretches(shape[2], run.src, range(shape[0])), ub))
-        runs["raw zmq"] = RawZmqRun([(f.end - f.first) * ub for f in plan], repeats)
-        runs["memcpy"] = MemcpyRun(nbytes)
+        runs[transport] = run = TransportRun(transport, shape, dtype, device, n, fragmented, layer_groups, peer)
+        if KV_TRANSPORT_DEVICE.get(transport) == "cuda":
+            runs["d2d"] = DeviceCopyRun(nbytes, device, run.peer)
+        else:
+            ub = unit_bytes(run.pool)
+            plan = list(frame_plan(unit_stretches(shape[2], run.src, range(shape[0])), ub))
+            runs["raw zmq"] = RawZmqRun([(f.end - f.first) * ub for f in plan], repeats)
+            runs["memcpy"] = MemcpyRun(nbytes)
         times = {name: [] for name in runs}
         for _ in range(repeats):
             for name, run in runs.items():
@@ -299,32 +346,33 @@ def percentile(times: list[float], q: float) -> float:
 
 
 def run_transfer_bench(transport: str, spec: str, tokens: int, repeats: int, block_size: int = 16,
-                       dtype: str | None = None, device: str | None = None, fragmented: bool = False,
+                       dtype: str | None = None, devices: list[str] | None = None, fragmented: bool = False,
                        layer_groups: int = 1) -> dict:
     if repeats < 1:
         raise InvalidArgument(f"repeats={repeats}; allowed: >= 1")
-    shape, dtype, dev, n = kv_shape(spec, tokens, block_size, dtype, device, transport)
+    shape, dtype, dev, n = kv_shape(spec, tokens, block_size, dtype, devices[0] if devices else None, transport)
+    peer = peer_device(transport, dev, devices)
     if not 1 <= layer_groups <= shape[0]:
         raise InvalidArgument(f"layer_groups={layer_groups}; allowed: 1..{shape[0]} (the model's layers)")
     torch.set_num_threads(1)
     tune_malloc()
     nbytes = math.prod(shape) // shape[2] * n * DTYPES[dtype].itemsize
     result = {"bench": "transfer", "transport": transport, "model": spec, "tokens": n * block_size, "bytes": nbytes,
-              "repeats": repeats, "device": str(dev), "dtype": dtype, "fragmented": fragmented,
-              "layer_groups": layer_groups}
+              "repeats": repeats, "device": str(dev), "peer_device": str(peer), "dtype": dtype,
+              "fragmented": fragmented, "layer_groups": layer_groups}
     rows = []
-    for name, times in measure(transport, shape, dtype, dev, n, repeats, fragmented, layer_groups).items():
+    for name, times in measure(transport, shape, dtype, dev, n, repeats, fragmented, layer_groups, peer).items():
         p50, p99 = percentile(times, 50), percentile(times, 99)
-        key = {"raw zmq": "raw_zmq_", "memcpy": "memcpy_"}.get(name, "")
+        key = CEILING_KEYS[name] + "_" if name in CEILING_KEYS else ""
         result.update({f"{key}gbps": round(nbytes / p50 / 1e9, 3), f"{key}p50_ms": round(p50 * 1e3, 3),
                        f"{key}p99_ms": round(p99 * 1e3, 3)})
         rows.append([name, f"{nbytes / p50 / 1e9:.2f}", f"{p50 * 1e3:.2f}", f"{p99 * 1e3:.2f}",
                      f"{result['gbps'] * p50 / nbytes * 1e9:.2f}x"])
-    result["vs_raw_zmq"] = round(result["gbps"] / result["raw_zmq_gbps"], 3)
-    result["vs_memcpy"] = round(result["gbps"] / result["memcpy_gbps"], 3)
-    print_table(f"pdserve bench transfer: {transport}, {spec} KV of {n * block_size} tokens = {nbytes / 2**20:.1f} MiB "
-                f"({dtype}, {'scattered' if fragmented else 'consecutive'} blocks, in {layer_groups} layer "
-                f"group{'s' * (layer_groups > 1)}), p50 of {repeats}, taken in turn",
+        if key:
+            result[f"vs_{CEILING_KEYS[name]}"] = round(result["gbps"] / result[f"{key}gbps"], 3)
+    print_table(f"pdserve bench transfer: {transport} {dev} -> {peer}, {spec} KV of {n * block_size} tokens = "
+                f"{nbytes / 2**20:.1f} MiB ({dtype}, {'scattered' if fragmented else 'consecutive'} blocks, in "
+                f"{layer_groups} layer group{'s' * (layer_groups > 1)}), p50 of {repeats}, taken in turn",
                 ["path", "GB/s", "p50 ms", "p99 ms", f"{transport} / path"], rows)
     print_json(result)
     return result

@@ -25,7 +25,11 @@ def engine_options(f):
         click.option("--dtype", default=None, help="float32, float16, bfloat16 [default: float32 on CPU, bfloat16 on GPU]"),
         click.option("--block-size", default=16, show_default=True, type=int),
         click.option("--num-blocks", default=None, type=int, help="KV pool size [default: from --kv-cache-gb]"),
-        click.option("--kv-cache-gb", default=None, type=float),
+        click.option("--kv-cache-gb", default=None, type=float,
+                     help="KV pool size [default: 1 on CPU; on GPU from --gpu-memory-utilization]"),
+        click.option("--gpu-memory-utilization", default=None, type=float,
+                     help="fraction of the GPU's total memory this worker may take, weights, activations and KV "
+                          "included [default: 0.9; launch splits it between the workers of a device]"),
         click.option("--max-num-seqs", default=64, show_default=True, type=int),
         click.option("--max-num-batched-tokens", default=2048, show_default=True, type=int),
         click.option("--max-model-len", default=None, type=int),
@@ -37,10 +41,12 @@ def engine_options(f):
     ]
 
     @functools.wraps(f)
-    def wrapper(*args, model, device, dtype, block_size, num_blocks, kv_cache_gb, max_num_seqs,
-                max_num_batched_tokens, max_model_len, no_prefix_caching, attention_backend, kv_transport, **kwargs):
+    def wrapper(*args, model, device, dtype, block_size, num_blocks, kv_cache_gb, gpu_memory_utilization,
+                max_num_seqs, max_num_batched_tokens, max_model_len, no_prefix_caching, attention_backend, kv_transport,
+                **kwargs):
         engine_kwargs = dict(model=model, device=device, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
-                             kv_cache_gb=kv_cache_gb, max_num_seqs=max_num_seqs,
+                             kv_cache_gb=kv_cache_gb, gpu_memory_utilization=gpu_memory_utilization,
+                             max_num_seqs=max_num_seqs,
                              max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                              enable_prefix_caching=not no_prefix_caching, attention_backend=attention_backend,
                              kv_transport=kv_transport)
@@ -109,6 +115,18 @@ def http_options(f):
     ]):
         f = opt(f)
     return f
+
+
+def devices_option(default: str | None = "cpu", help: str = "comma-separated, assigned to workers in turn"):
+    """--devices as launch takes it; the command receives the list (None if not given and no default)."""
+    def parse(ctx, param, text):
+        if text is None:
+            return None
+        devices = [d.strip() for d in text.split(",")]
+        if not all(devices):
+            raise click.BadParameter(f"{text!r} has an empty entry; give devices like cpu,cuda:0,cuda:1")
+        return devices
+    return click.option("--devices", default=default, show_default=default is not None, callback=parse, help=help)
 
 
 @click.group()
@@ -276,7 +294,7 @@ for _role in ("prefill", "decode", "mono"):
 @click.option("--prefill", default=1, show_default=True, type=int)
 @click.option("--decode", default=1, show_default=True, type=int)
 @click.option("--mono", default=0, show_default=True, type=int, help="monolithic workers (use with --prefill 0 --decode 0)")
-@click.option("--devices", default="cpu", show_default=True, help="comma-separated, assigned to workers in turn")
+@devices_option()
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=7100, show_default=True, type=int, help="client port (0: any free port)")
 @click.option("--worker-port", default=0, type=int, help="[default: any free port]")
@@ -284,11 +302,15 @@ for _role in ("prefill", "decode", "mono"):
 @click.option("--log-dir", default="pdserve-logs", show_default=True)
 @click.option("--threads", default=None, type=int, help="torch threads per worker [default: cores / workers]")
 @click.option("--no-restart", is_flag=True, help="do not restart crashed workers")
+@click.option("--dry-run", is_flag=True, help="print each process's command line and exit")
 @http_options
 @engine_options
-def launch(prefill, decode, mono, devices, host, port, worker_port, policy, log_dir, threads, no_restart, http_port,
-           api_key, engine_kwargs):
-    """Bring up router + workers on this host; stop them all on Ctrl-C."""
+def launch(prefill, decode, mono, devices, host, port, worker_port, policy, log_dir, threads, no_restart, dry_run,
+           http_port, api_key, engine_kwargs):
+    """Bring up router + workers on this host; stop them all on Ctrl-C. Workers that share a GPU
+    split it (decode workers get the larger shares) unless a memory flag sizes their pools."""
+    import shlex
+
     from common.model_hub import NAMED_MODELS, named_model_path
     from router.launcher import Cluster, run_launch
 
@@ -296,12 +318,32 @@ def launch(prefill, decode, mono, devices, host, port, worker_port, policy, log_
         named_model_path(engine_kwargs["model"])  # not pulled yet: say so here, not in every child's log
 
     try:
-        cluster = Cluster(engine_kwargs["model"], prefill, decode, mono, devices.split(","), host, port, worker_port,
+        cluster = Cluster(engine_kwargs["model"], prefill, decode, mono, devices, host, port, worker_port,
                           log_dir, policy, engine_argv(engine_kwargs), threads, restart=not no_restart,
                           http_port=http_port, api_key=api_key)
     except ValueError as e:
         raise click.UsageError(str(e))
+    if dry_run:
+        for c in cluster.children:
+            print(f"{c.name}: {shlex.join(c.argv)}")
+        return
     run_launch(cluster)
+
+
+@main.command("gpu-shares", hidden=True)
+@click.option("--prefill", default=1, type=int)
+@click.option("--decode", default=1, type=int)
+@click.option("--mono", default=0, type=int)
+@click.option("--devices", default="cpu")
+def gpu_shares(prefill, decode, mono, devices):
+    """Each worker's --gpu-memory-utilization as launch splits its device, one line per worker in
+    launch order ('-' off a GPU): deploy/launch.sh splits devices with it."""
+    from common.memory import device_shares
+
+    roles = ["prefill"] * prefill + ["decode"] * decode + ["mono"] * mono
+    placed = devices.split(",")
+    for share in device_shares(roles, [placed[i % len(placed)] for i in range(len(roles))]):
+        print("-" if share is None else share)
 
 
 @main.command()
@@ -389,13 +431,15 @@ def bench_engine(num_requests, prompt_len, output_len, batch_sizes, kv_lens, ste
 @click.option("--api-key", default=None, envvar="PDSERVE_API_KEY", help="for --base-url or launched clusters' HTTP")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--worker-arg", "worker_args", multiple=True, help="extra flag for every worker (repeatable)")
-def bench_serve(model, topologies, scenarios, router_address, base_url, frontends, repeats, api_key, seed, worker_args):
+@devices_option()
+def bench_serve(model, topologies, scenarios, router_address, base_url, frontends, repeats, api_key, seed, worker_args,
+                devices):
     """Serving load: TTFT, inter-token and end-to-end latency, throughput, per topology and frontend."""
     from bench.serve import run_serve_bench
 
     try:
         run_serve_bench(model, topologies.split(","), scenarios.split(","), router_address, seed, list(worker_args),
-                        tuple(frontends.split(",")), base_url, repeats, api_key)
+                        tuple(frontends.split(",")), base_url, repeats, api_key, devices=devices)
     except ValueError as e:
         raise click.UsageError(str(e))
 
@@ -410,12 +454,16 @@ def bench_serve(model, topologies, scenarios, router_address, base_url, frontend
 @click.option("--interval", default=1.5, show_default=True, type=float, help="seconds between faults")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--log-dir", default=None, help="keep the cluster's logs here")
-def bench_chaos(model, prefill, decode, requests, kills, concurrency, interval, seed, log_dir):
+@devices_option(help="comma-separated, assigned to workers in turn; the reference runs on the first")
+@click.option("--dtype", default=None, help="of the workers and the reference [default: float32 on CPU, bfloat16 on GPU]")
+@click.option("--worker-arg", "worker_args", multiple=True, help="extra flag for every worker (repeatable)")
+def bench_chaos(model, prefill, decode, requests, kills, concurrency, interval, seed, log_dir, devices, dtype,
+                worker_args):
     """Kill and stop random workers under load; check every request completes token-exact."""
     from bench.chaos import run_chaos
 
     run_chaos(model, prefill, decode, requests, kills, concurrency, seed, interval_s=interval,
-              log_dir=Path(log_dir) if log_dir else None)
+              log_dir=Path(log_dir) if log_dir else None, devices=devices, dtype=dtype, worker_args=list(worker_args))
 
 
 @bench.command("handoff")
@@ -425,11 +473,12 @@ def bench_chaos(model, prefill, decode, requests, kills, concurrency, interval, 
 @click.option("--transport", default="auto", show_default=True, type=click.Choice(KV_TRANSPORTS))
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--worker-arg", "worker_args", multiple=True, help="extra flag for every worker (repeatable)")
-def bench_handoff(model, tokens, requests, transport, seed, worker_args):
+@devices_option()
+def bench_handoff(model, tokens, requests, transport, seed, worker_args, devices):
     """Prefill start to decode start of long prompts, KV streamed layer by layer vs sent after."""
     from bench.handoff import run_handoff_bench
 
-    run_handoff_bench(model, tokens, requests, transport, seed, list(worker_args))
+    run_handoff_bench(model, tokens, requests, transport, seed, list(worker_args), devices=devices)
 
 
 @bench.command("transfer")
@@ -439,15 +488,21 @@ def bench_handoff(model, tokens, requests, transport, seed, worker_args):
 @click.option("--repeats", default=20, show_default=True, type=int)
 @click.option("--block-size", default=16, show_default=True, type=int)
 @click.option("--dtype", default=None, help="[default: float32 on CPU, bfloat16 on GPU]")
-@click.option("--device", default=None, help="[default: cpu; cuda:0 for cuda_ipc and nccl]")
+@devices_option(None, help="the sender's, then the receiver's (one: both's; nccl's receiver then takes the next "
+                          "GPU) [default: cpu; cuda:0 for cuda_ipc and nccl]")
+@click.option("--device", default=None, hidden=True, help="the sender's device: --devices with one")
 @click.option("--fragmented", is_flag=True, help="scattered block ids on both sides instead of runs")
 @click.option("--layer-groups", default=1, show_default=True, type=int,
               help="send each transfer in this many groups of layers, as layer-wise streaming does")
-def bench_transfer(transport, model, tokens, repeats, block_size, dtype, device, fragmented, layer_groups):
-    """One KV transport between two processes: GB/s and latency, beside raw ZeroMQ and memcpy."""
+def bench_transfer(transport, model, tokens, repeats, block_size, dtype, devices, device, fragmented, layer_groups):
+    """One KV transport between two processes: GB/s and latency, beside its ceilings: raw ZeroMQ and
+    memcpy for the CPU transports, a device-to-device copy for the GPU ones."""
     from bench.transfer import run_transfer_bench
 
-    run_transfer_bench(transport, model, tokens, repeats, block_size, dtype, device, fragmented, layer_groups)
+    if device is not None and devices is not None:
+        raise click.UsageError("give --devices (or the older --device), not both")
+    devices = devices if device is None else [device]
+    run_transfer_bench(transport, model, tokens, repeats, block_size, dtype, devices, fragmented, layer_groups)
 
 
 def slo_options(f):

@@ -87,7 +87,8 @@ class EngineConfig:
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on GPU
     block_size: int = 16
     num_blocks: int | None = None  # None: from kv_cache_gb, capped at what max_num_seqs can use
-    kv_cache_gb: float | None = None  # None: 1 GiB on CPU, 90% of free GPU memory on GPU
+    kv_cache_gb: float | None = None  # None: 1 GiB on CPU, from gpu_memory_utilization on GPU
+    gpu_memory_utilization: float | None = None  # of a GPU's total memory, all included (common/memory.py); None: 0.9
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: the model's context length
@@ -111,6 +112,9 @@ class EngineConfig:
             raise InvalidArgument(f"num_blocks={self.num_blocks} must be >= 1")
         if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:
             raise InvalidArgument(f"kv_cache_gb={self.kv_cache_gb} must be > 0")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise InvalidArgument(f"gpu_memory_utilization={self.gpu_memory_utilization}; allowed: a fraction in "
+                                  "(0, 1] of the GPU's total memory (a CPU pool ignores it: see kv_cache_gb)")
         if self.max_num_seqs < 1:
             raise InvalidArgument(f"max_num_seqs={self.max_num_seqs} must be >= 1")
         if self.max_num_batched_tokens < self.max_num_seqs:

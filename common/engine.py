@@ -8,12 +8,14 @@ workers drive the same object request by request.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
+from common import memory
 from common.attention import AttentionMetadata, PrefillChunk
 from common.checkpoint import load_model
 from common.config import EngineConfig
@@ -26,7 +28,7 @@ from common.sequence import PREFILLED, Sequence, Status
 
 LayerHook = Callable[[int, list[ScheduledSeq]], None]
 _CPU_KV_CACHE_GB = 1.0
-_GPU_MEMORY_FRACTION = 0.9
+log = logging.getLogger("pdserve.engine")
 
 
 @dataclass
@@ -153,17 +155,27 @@ class Engine:
         self._ids = itertools.count()
 
     def _auto_num_blocks(self) -> int:
-        cfg, bs = self.config, self.config.block_size
-        block_bytes = self.model_config.kv_values_per_token * bs * torch.finfo(cfg.torch_dtype).bits // 8
+        cfg, bs, mc = self.config, self.config.block_size, self.model_config
+        dtype_bytes = torch.finfo(cfg.torch_dtype).bits // 8
+        block_bytes = mc.kv_values_per_token * bs * dtype_bytes
         useful = cfg.max_num_seqs * -(-self.max_model_len // bs)
-        if cfg.kv_cache_gb is not None:
-            budget = cfg.kv_cache_gb * 2**30
-        elif cfg.torch_device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(cfg.torch_device)
-            budget = free * _GPU_MEMORY_FRACTION
-        else:
-            budget = _CPU_KV_CACHE_GB * 2**30
-        return max(1, min(useful, int(budget // block_bytes)))
+        if cfg.torch_device.type != "cuda":
+            budget = (cfg.kv_cache_gb or _CPU_KV_CACHE_GB) * 2**30
+            return max(1, min(useful, int(budget // block_bytes)))
+        dev = cfg.torch_device
+        torch.cuda.empty_cache()  # what loading the weights cached and let go is not held
+        free, total = torch.cuda.mem_get_info(dev)
+        mem = memory.DeviceMemory(str(dev), total, free, torch.cuda.memory_reserved(dev) + memory.CONTEXT_BYTES)
+        activations = memory.step_activation_bytes(mc, cfg.max_num_batched_tokens, cfg.max_num_seqs,
+                                                   self.max_model_len, dtype_bytes)
+        step_blocks = -(-min(self.max_model_len, cfg.max_num_batched_tokens) // bs)
+        kv_bytes = None if cfg.kv_cache_gb is None else cfg.kv_cache_gb * 2**30
+        blocks = memory.kv_pool_blocks(mem, block_bytes, mc.num_layers, activations, step_blocks, useful,
+                                       cfg.gpu_memory_utilization, kv_bytes)
+        log.info("KV pool on %s: %d blocks (%s, %d tokens; max_model_len %d) beside %s held and %s of activations; "
+                 "the device has %s, %s free", dev, blocks, memory.gib(blocks * block_bytes), blocks * bs,
+                 self.max_model_len, memory.gib(mem.held), memory.gib(activations), memory.gib(total), memory.gib(free))
+        return blocks
 
     # ------------------------------------------------------------------ requests
 

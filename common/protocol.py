@@ -2,7 +2,7 @@
 
 A message is a msgpack map {"v": PROTOCOL_VERSION, "type": <tag>, ...fields}. Tensor bytes never
 go inside it: they travel as separate zero-copy frames after the header (KVChunk), or off the
-socket altogether (common/kv_transport.py). Decoding is for
+socket altogether (common/kv_transport/). Decoding is for
 untrusted bytes: the size is capped before unpacking, msgpack's own length limits are set, the
 version and type must be known, and every field is checked against its declared type. Anything
 else raises ProtocolError with what was wrong; a receiver answers or drops it and carries on.
@@ -23,7 +23,7 @@ from common.errors import PdserveError, short_repr as _short
 
 PROTOCOL_VERSION = 1
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 2**20  # header frames; KV frames are capped separately
-KV_TRANSPORTS = ("auto", "zmq", "shm", "gloo", "cuda_ipc", "nccl")  # KVTransfer.transport: common/kv_transport.py
+KV_TRANSPORTS = ("auto", "zmq", "shm", "gloo", "cuda_ipc", "nccl")  # KVTransfer.transport: common/kv_transport/
 
 
 class ProtocolError(PdserveError, ValueError):
@@ -190,7 +190,7 @@ class KVGrant:
     attempt: int
     block_ids: list[int]
     lease_s: float
-    transports: dict = field(default_factory=dict)  # transport name -> how to reach it (common/kv_transport.py)
+    transports: dict = field(default_factory=dict)  # transport name -> how to reach it (common/kv_transport/)
 
 
 @dataclass

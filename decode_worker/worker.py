@@ -1,5 +1,5 @@
 """The decode worker: binds a KV ingress endpoint (advertised on registration), reserves blocks
-for incoming KV before the bytes arrive, lets a KV transport (common/kv_transport.py) put the
+for incoming KV before the bytes arrive, lets a KV transport (common/kv_transport/) put the
 bytes into them, adds the request to its continuous decode batch and streams every new token to
 the router:
 

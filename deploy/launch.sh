@@ -3,18 +3,21 @@
 # workers (or K mono workers), each a separate process started exactly as you would start it on
 # its own host in a multi-host deployment. Logs go to one file per process; a worker that crashes
 # is restarted with backoff; Ctrl-C or SIGTERM stops every process started here, and so does
-# killing this script outright.
+# killing this script outright. Workers that share a GPU split it as `pdserve launch` does
+# (decode workers get the larger shares) unless WORKER_ARGS size the pool (--gpu-memory-utilization,
+# --kv-cache-gb, --num-blocks).
 #
 #   deploy/launch.sh [--prefill N] [--decode M] [--mono K] [--model SPEC] [--devices cpu,cuda:0,...]
-#                    [--host ADDR] [--port P] [--worker-port P] [--http-port P] [--log-dir DIR]
+#                    [--host ADDR] [--port P] [--worker-port P] [--http-port P] [--log-dir DIR] [--dry-run]
 #                    [-- WORKER_ARGS...]
 #
 # Prints "ready: router at tcp://HOST:PORT" once every worker has registered (after "HTTP API at
-# http://HOST:P" with --http-port; PDSERVE_API_KEY in the environment sets its key).
+# http://HOST:P" with --http-port; PDSERVE_API_KEY in the environment sets its key); --dry-run
+# prints each process's command line instead and exits.
 set -uo pipefail
 
 PREFILL=1 DECODE=1 MONO=0 MODEL=dummy:nanogpt DEVICES=cpu HOST=127.0.0.1 PORT=7100 WORKER_PORT="" HTTP_PORT=""
-LOG_DIR=pdserve-logs
+LOG_DIR=pdserve-logs DRY_RUN=0
 WORKER_ARGS=()
 while (($#)); do
   case "$1" in
@@ -28,18 +31,38 @@ while (($#)); do
     --worker-port) WORKER_PORT=$2; shift 2 ;;
     --http-port) HTTP_PORT=$2; shift 2 ;;
     --log-dir) LOG_DIR=$2; shift 2 ;;
+    --dry-run) DRY_RUN=1; shift ;;
     --) shift; WORKER_ARGS=("$@"); break ;;
-    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
     *) echo "launch.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
 WORKER_PORT=${WORKER_PORT:-$((PORT + 1))}
 PDSERVE=${PDSERVE:-pdserve}
 command -v "$PDSERVE" >/dev/null || PDSERVE="python3 -m common.cli"
-mkdir -p "$LOG_DIR"
 IFS=, read -ra DEVICE_LIST <<<"$DEVICES"
 WORKERS=$((PREFILL + DECODE + MONO))
 THREADS=$(( $(nproc) / (WORKERS > 0 ? WORKERS : 1) )); ((THREADS < 1)) && THREADS=1
+# Each worker's share of its GPU, in launch order ("-" off a GPU), unless the pool is sized already.
+SHARES=()
+sized=0
+for arg in "${WORKER_ARGS[@]}"; do
+  case "${arg%%=*}" in --gpu-memory-utilization|--kv-cache-gb|--num-blocks) sized=1 ;; esac
+done
+on_gpu=0
+for device in "${DEVICE_LIST[@]}"; do [[ $device == cuda* || $device =~ ^[0-9]+$ ]] && on_gpu=1; done
+if ((on_gpu && !sized)); then
+  mapfile -t SHARES < <($PDSERVE gpu-shares --prefill "$PREFILL" --decode "$DECODE" --mono "$MONO" --devices "$DEVICES")
+  ((${#SHARES[@]} == WORKERS)) || { echo "launch.sh: could not split the devices ($PDSERVE gpu-shares)" >&2; exit 1; }
+fi
+
+ROUTER_ARGS=()
+[[ -n $HTTP_PORT ]] && ROUTER_ARGS=(--http-port "$HTTP_PORT")
+if ((DRY_RUN)); then
+  echo "router: $PDSERVE router --model $MODEL --host $HOST --port $PORT --worker-port $WORKER_PORT ${ROUTER_ARGS[*]}"
+else
+  mkdir -p "$LOG_DIR"
+fi
 
 # Run "$@" as process NAME, restarting it with exponential backoff (0.5 s doubling to 8 s, reset
 # after 30 s of health) until this supervisor is told to stop.
@@ -71,21 +94,28 @@ stop() {
 trap 'stop; exit 0' INT TERM
 trap stop EXIT
 
-ROUTER_ARGS=()
-[[ -n $HTTP_PORT ]] && ROUTER_ARGS=(--http-port "$HTTP_PORT")
-supervise router router --model "$MODEL" --host "$HOST" --port "$PORT" --worker-port "$WORKER_PORT" "${ROUTER_ARGS[@]}" &
-PIDS+=($!)
+((DRY_RUN)) || { supervise router router --model "$MODEL" --host "$HOST" --port "$PORT" --worker-port "$WORKER_PORT" \
+                   "${ROUTER_ARGS[@]}" &
+                 PIDS+=($!); }
 i=0
 for role in prefill decode mono; do
   count_var=${role^^}
   for ((n = 0; n < ${!count_var}; n++)); do
     device=${DEVICE_LIST[$((i % ${#DEVICE_LIST[@]}))]}
-    supervise "$role-$n" "$role" --router "tcp://$HOST:$WORKER_PORT" --worker-id "$role-$n" --model "$MODEL" \
-      --device "$device" --host "$HOST" --threads "$THREADS" "${WORKER_ARGS[@]}" &
-    PIDS+=($!)
+    memory=()
+    [[ ${SHARES[i]:--} != - ]] && memory=(--gpu-memory-utilization "${SHARES[i]}")
+    args=("$role" --router "tcp://$HOST:$WORKER_PORT" --worker-id "$role-$n" --model "$MODEL" --device "$device"
+          --host "$HOST" --threads "$THREADS" "${memory[@]}" "${WORKER_ARGS[@]}")
+    if ((DRY_RUN)); then
+      echo "$role-$n: $PDSERVE ${args[*]}"
+    else
+      supervise "$role-$n" "${args[@]}" &
+      PIDS+=($!)
+    fi
     i=$((i + 1))
   done
 done
+((DRY_RUN)) && { trap - EXIT; exit 0; }
 
 # A SIGKILL of this script runs no trap: a watcher stops the cluster once the script is gone
 # (its parent is no longer this script; a killed script not yet reaped is still "alive" to kill -0).

@@ -4,7 +4,7 @@ and pushes the KV straight to the decode worker the router named:
 
     on accepting the work:  KVReserve -> (decode) KVGrant(blocks, transports) | KVRefuse(BUSY: retry later)
     once prefilled and granted:  the KV by the fastest transport both ends support
-                                 (common/kv_transport.py), then KVTransfer(header) -> KVAck -> free our blocks
+                                 (common/kv_transport/), then KVTransfer(header) -> KVAck -> free our blocks
 
 The reservation is asked for when the work arrives, so the grant's round trip overlaps the
 prefill instead of following it; a request that ends at its first token sends KVRelease.

@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common.memory import DEFAULT_UTILIZATION, device_shares, has_memory_flag
+
 PR_SET_PDEATHSIG = 1
 
 
@@ -53,16 +55,20 @@ class Child:
 
 
 class Cluster:
+    """Workers are assigned `devices` in turn. Workers that share a GPU split it (common/memory.py:
+    each gets --gpu-memory-utilization, decode workers the larger shares) unless worker_args size
+    the pool already; `device_share` is the fraction of each GPU the split hands out (clusters side
+    by side on one GPU: their shares adding up to 1)."""
+
     def __init__(self, model: str, prefill: int, decode: int, mono: int, devices: list[str], host: str, port: int,
                  worker_port: int, log_dir: Path, policy: str, worker_args: list[str], threads: int | None,
                  restart: bool = True, router_args: list[str] = (), http_port: int | None = None,
-                 api_key: str | None = None):
+                 api_key: str | None = None, device_share: float = 1.0):
         self.host, self.port, self.worker_port = host, port or free_port(host), worker_port or free_port(host)
         self.http_port = None if http_port is None else http_port or free_port(host)
         if self.http_port is not None:
             router_args = ["--http-port", str(self.http_port), *router_args]
         self.log_dir = Path(log_dir)
-        self.log_dir.mkdir(parents=True, exist_ok=True)
         self.restart = restart
         self.expected = prefill + decode + mono
         if self.expected == 0:
@@ -77,13 +83,16 @@ class Cluster:
                             env={"PDSERVE_API_KEY": api_key} if api_key else {})  # a key in argv would show in ps
         self.workers = []
         roles = ["prefill"] * prefill + ["decode"] * decode + ["mono"] * mono
+        placed = [devices[i % len(devices)] for i in range(len(roles))]
+        shares = [None] * len(roles) if has_memory_flag(worker_args) else \
+            device_shares(roles, placed, DEFAULT_UTILIZATION * device_share)
         counts: dict[str, int] = {}
-        for i, role in enumerate(roles):
+        for role, device, share in zip(roles, placed, shares):
             n = counts[role] = counts.get(role, -1) + 1
             name = f"{role}-{n}"
             argv = cli + [role, "--router", f"tcp://{host}:{self.worker_port}", "--worker-id", name,
-                          "--model", model, "--device", devices[i % len(devices)], "--host", host,
-                          "--threads", str(threads), *worker_args]
+                          "--model", model, "--device", device, "--host", host, "--threads", str(threads),
+                          *([] if share is None else ["--gpu-memory-utilization", str(share)]), *worker_args]
             self.workers.append(Child(name, argv, self.log_dir / f"{name}.log"))
 
     @property
@@ -99,6 +108,7 @@ class Cluster:
         return [self.router] + self.workers
 
     def start(self, ready_timeout: float = 180.0):
+        self.log_dir.mkdir(parents=True, exist_ok=True)
         for c in self.children:
             c.start()
         self.wait_ready(ready_timeout)

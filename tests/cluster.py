@@ -12,9 +12,9 @@ from router.launcher import Cluster
 
 @contextlib.contextmanager
 def cluster(tmp_path, model="dummy:nanogpt", prefill=1, decode=1, mono=0, worker_args=(), router_args=(),
-            restart=False, http=False, api_key=None):
+            restart=False, http=False, api_key=None, devices=("cpu",)):
     """http: the router also serves its HTTP API, at c.http_url (a free port)."""
-    c = Cluster(model, prefill, decode, mono, ["cpu"], "127.0.0.1", 0, 0, tmp_path / "logs", "least_loaded",
+    c = Cluster(model, prefill, decode, mono, list(devices), "127.0.0.1", 0, 0, tmp_path / "logs", "least_loaded",
                 list(worker_args), threads=1, restart=restart, router_args=list(router_args),
                 http_port=0 if http else None, api_key=api_key)
     try:

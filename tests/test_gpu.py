@@ -1,10 +1,16 @@
-"""GPU checks, skipped without CUDA: the same engine on a GPU gives the CPU's tokens, and the
-backend `auto` picks there equals SDPA."""
+"""GPU checks, skipped without CUDA: the same engine on a GPU gives the CPU's tokens, the
+backend `auto` picks there equals SDPA, and a 1P1D cluster on one GPU started with no memory flag
+splits it and serves token-exact."""
+
+import gc
 
 import pytest
 import torch
 
 from common.engine import Engine
+from router.client import Client
+from tests.cluster import cluster
+from tests.test_cluster import check_cluster_matches
 from tests.test_engine import mixed_params, prompts
 
 pytestmark = pytest.mark.gpu
@@ -32,3 +38,13 @@ def test_bfloat16_default_on_gpu_runs_llama_1b_shapes():
     assert engine.kv_cache.dtype == torch.bfloat16
     out = engine.generate([[1, 2, 3]] * 2, mixed_params(2, max_tokens=8))
     assert all(len(o.token_ids) == 8 for o in out)
+
+
+def test_1p1d_on_one_gpu_without_a_memory_flag_splits_it_and_serves_token_exact(tmp_path):
+    gc.collect()
+    torch.cuda.empty_cache()  # what this process's earlier engines cached is not the workers'
+    with cluster(tmp_path, model="dummy:llama-tiny", worker_args=["--dtype", "float32"], devices=["cuda:0"]) as c:
+        with Client(c.address) as client:
+            blocks = {w["role"]: w["total_blocks"] for w in client.status().workers}
+        assert blocks["decode"] > blocks["prefill"] > 0  # both got a pool, the decode worker the larger
+        check_cluster_matches(c.address, "dummy:llama-tiny", n=30)  # float32 on a GPU gives the CPU's tokens

@@ -1,4 +1,4 @@
-"""KV transports (common/kv_transport.py), CPU ones: each moves KV bit for bit between two real
+"""KV transports (common/kv_transport/), CPU ones: each moves KV bit for bit between two real
 processes; a 1P1D cluster on each gives exactly the monolithic engine's tokens; a decode worker
 refuses a mismatched layout, an unoffered transport and a malformed chunk with clear errors; a
 forced transport the peer lacks is refused naming both; and a decode worker killed mid-transfer
@@ -24,9 +24,10 @@ from common.channel import Channel
 from common.config import EngineConfig
 from common.engine import Engine
 from common.kv_cache import SharedSegment
-import common.kv_transport as K
+import common.kv_transport.frames as K
 from common.kv_transport import (Inbox, Outgoing, ShmReceiver, ShmSender, TransportError,
-                                 ZmqSender, _piece, choose, unit_bytes, unit_view)
+                                 ZmqSender, choose, unit_bytes, unit_view)
+from common.kv_transport.frames import piece_frames as _piece
 from common.sampling import SamplingParams
 from common.worker import WorkerConfig
 from prefill_worker.worker import PrefillWorker
@@ -259,7 +260,12 @@ def decode_worker(tmp_path, transport: str, model: str = "dummy:nanogpt"):
     finally:
         if proc.poll() is None:
             proc.terminate()  # a clean exit unlinks its shared pool
-        proc.wait(30)
+            proc.send_signal(signal.SIGCONT)  # one a failed test left stopped takes the SIGTERM too
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
         ctx.destroy(linger=0)  # also closes the test's own sockets on it
 
 

@@ -1,0 +1,128 @@
+"""One-sided transports (shm, cuda_ipc): the prefill worker maps the decode worker's pool into its
+own process once per peer and copies its blocks straight into the granted ones, from a thread of
+its own, so that a streamed transfer's copies overlap the forward pass. Only the KVTransfer
+header then crosses ZeroMQ, and says that every byte is in place.
+
+The decode worker cannot tell when a writer is done (see __init__.py): the writer checks its own
+view of the lease as each copy starts, not when it is queued.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import socket
+import time
+
+import torch
+
+from common.kv_transport import Handle, Inbox, Outgoing, Receiver, Sender, TransportError
+from common.kv_transport.jobs import JobThread, written
+
+HOSTNAME = socket.gethostname()
+
+
+def copy_blocks(src: torch.Tensor, src_blocks: list[int], dst: torch.Tensor, dst_blocks: list[int],
+                layers: slice = slice(None)) -> None:
+    """dst's blocks = src's blocks in these layers: one strided copy per run of consecutive ids
+    on both sides (a fresh pool's blocks mostly are), no staging."""
+    i, n = 0, len(src_blocks)
+    while i < n:
+        j = i + 1
+        while j < n and src_blocks[j] == src_blocks[j - 1] + 1 and dst_blocks[j] == dst_blocks[j - 1] + 1:
+            j += 1
+        s, d = src_blocks[i], dst_blocks[i]
+        dst[layers, :, d:d + j - i].copy_(src[layers, :, s:s + j - i])
+        i = j
+
+
+class MappedSender(Sender):
+    """Writes straight into a peer's pool mapped into this process (shm, cuda_ipc), from a thread
+    of its own, so that a streamed transfer's copies overlap the forward pass."""
+
+    def __init__(self):
+        self.maps: dict[str, object] = {}  # advert key -> mapping holding .tensor
+        self.copier = JobThread(f"pdserve-kv-{self.name}")
+
+    def _key(self, advert: dict) -> str:
+        raise NotImplementedError
+
+    def _map(self, advert: dict):
+        raise NotImplementedError
+
+    def _mapped(self, advert: dict):
+        key = self._key(advert)
+        if key not in self.maps:
+            for gone in [k for k in self.maps if self._gone(k)]:  # a restarted peer's old pool
+                self.forget_key(gone)
+            self.maps[key] = self._map(advert)
+        return self.maps[key]
+
+    def _gone(self, key: str) -> bool:
+        return False
+
+    def unusable(self, advert: dict) -> str | None:
+        if advert.get("host") != HOSTNAME:
+            return f"its pool is on host {advert.get('host')!r}, this is {HOSTNAME!r}"
+        try:
+            self._mapped(advert)
+        except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as e:
+            return f"cannot map its pool ({type(e).__name__}: {e})"
+        return None
+
+    def open(self, out: Outgoing) -> Handle:
+        peer = self._mapped(out.advert).tensor
+        if peer.shape[3:] != out.pool.shape[3:] or peer.shape[:2] != out.pool.shape[:2] or peer.dtype != out.pool.dtype:
+            raise TransportError(f"peer pool {tuple(peer.shape)} {peer.dtype} does not match ours "
+                                 f"{tuple(out.pool.shape)} {out.pool.dtype} but for the block count")
+        if not 0 <= min(out.dst_blocks) <= max(out.dst_blocks) < peer.shape[2]:
+            raise TransportError(f"granted blocks {out.dst_blocks} are outside the peer pool of {peer.shape[2]}")
+        return Handle({"key": self._key(out.advert)}, peer=peer)
+
+    def send(self, out: Outgoing, handle: Handle, layers: range, blocks: range) -> None:
+        b, peer, after = slice(blocks.start, blocks.stop), handle.peer, written(out.pool)
+
+        def copy():
+            if time.monotonic() > out.write_by:  # queued too long: the blocks may be someone else's by now
+                raise TransportError("the grant's lease ended before this copy could start")
+            with torch.inference_mode(), self._copying(out.pool.device, peer.device, after):  # as the forward
+                copy_blocks(out.pool, out.src_blocks[b], peer, out.dst_blocks[b], slice(layers.start, layers.stop))
+        handle.futures.append(self.copier.submit(copy))
+
+    def finish(self, handle: Handle) -> None:
+        concurrent.futures.wait(handle.futures)
+
+    def _copying(self, ours: torch.device, peers: torch.device, after) -> contextlib.AbstractContextManager:
+        """Where the copies run, once `after` (written()) is reached; they are complete when it exits."""
+        return contextlib.nullcontext()
+
+    def forget(self, advert: dict) -> None:
+        try:
+            self.forget_key(self._key(advert))
+        except (KeyError, TypeError, IndexError):
+            pass
+
+    def forget_key(self, key: str) -> None:
+        mapping = self.maps.pop(key, None)
+        if mapping is not None and hasattr(mapping, "close"):
+            mapping.close()
+
+    def close(self) -> None:
+        self.copier.shutdown()
+        for key in list(self.maps):
+            self.forget_key(key)
+
+
+class MappedReceiver(Receiver):
+    one_sided = True
+
+    def __init__(self, advert: dict):
+        self._advert = dict(advert, host=HOSTNAME)
+
+    def advert(self) -> dict:
+        return self._advert
+
+    def begin(self, inbox: Inbox, info: dict) -> None:
+        if info.get("key") != self.key:
+            return inbox.fail(f"{self.name} transfer into {info.get('key')!r}; this pool is {self.key!r}")
+        inbox.put_all()

@@ -1,0 +1,129 @@
+"""How much of a GPU one worker may take, and how many KV blocks that leaves: the arithmetic alone,
+on plain numbers, so that it is the same in every process and testable without a GPU (the engine
+asks the device for the numbers; the launchers split devices with it).
+
+--gpu-memory-utilization F has vLLM's meaning: the fraction of the device's TOTAL memory this
+worker may hold, weights, activations and KV pool together. The pool gets what is left of that
+cap once the weights are loaded:
+
+    pool = F * total - held (weights, the CUDA context) - activations of one full step
+
+Workers that share a device start at the same time, so none may size from what is free when it
+starts (the first would take what the others need): each sizes from the total and its share, and
+the shares of one device add up to DEFAULT_UTILIZATION. What is free is only checked: a worker
+that finds less free than it is about to take fails at start, as does one whose share cannot hold
+its weights and a minimal pool. Both errors name the device, the memory found and the flag.
+
+No torch here: the CLI and the launchers import this.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from common.errors import InvalidArgument
+
+DEFAULT_UTILIZATION = 0.9  # vLLM's default; the rest is for other processes and fragmentation
+CONTEXT_BYTES = 1 << 30  # a process's CUDA context, cuBLAS and NCCL buffers: outside torch's allocator
+SHARE_WEIGHTS = {"prefill": 1, "decode": 2, "mono": 2}  # decode holds KV while it decodes, prefill only until sent
+MEMORY_FLAGS = ("--gpu-memory-utilization", "--kv-cache-gb", "--num-blocks")  # any of them: the user sized it
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def cuda_device_key(name: str) -> str | None:
+    """'cuda:N' for a CUDA device name as --device takes it ('cuda', 'cuda:N', 'N'), None for others."""
+    name = name.strip()
+    if name.isdigit():
+        return f"cuda:{int(name)}"
+    if name == "cuda":
+        return "cuda:0"
+    if name.startswith("cuda:") and name[5:].isdigit():
+        return f"cuda:{int(name[5:])}"
+    return None
+
+
+def device_shares(roles: list[str], devices: list[str], utilization: float = DEFAULT_UTILIZATION) -> list[float | None]:
+    """Each worker's --gpu-memory-utilization when these workers (roles[i] on devices[i]) share
+    their GPUs: `utilization` of each device split in proportion to SHARE_WEIGHTS, rounded down
+    so that a device's shares never add up to more. None for a worker not on a GPU."""
+    if len(roles) != len(devices):
+        raise ValueError(f"{len(roles)} roles for {len(devices)} devices")
+    keys = [cuda_device_key(d) for d in devices]
+    weight = {k: sum(SHARE_WEIGHTS[r] for r, kk in zip(roles, keys) if kk == k) for k in set(keys) if k}
+    return [None if k is None else math.floor(utilization * SHARE_WEIGHTS[r] / weight[k] * 1e4) / 1e4
+            for r, k in zip(roles, keys)]
+
+
+def has_memory_flag(args: list[str]) -> bool:
+    """Whether these worker flags size the KV pool themselves (then a launcher adds no share)."""
+    return any(a.split("=", 1)[0] in MEMORY_FLAGS for a in args)
+
+
+def step_activation_bytes(mc, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
+                          dtype_bytes: int) -> int:
+    """An upper estimate of what one step's forward and sampling hold at their peak, beside the
+    weights and the pool: one layer's activations for a full token budget (residual, norms in
+    float32, q/k/v and their rotated copies, attention output, the MLP's up and gated halves), the
+    logits of every sampled row in float32 with the sampler's copies, and a prefill chunk's
+    attention over a full context (its gathered K and V, and the query-by-context mask)."""
+    T, C, I = max_num_batched_tokens, mc.hidden_size, mc.intermediate_size
+    H, K, D = mc.num_heads, mc.num_kv_heads, mc.head_dim
+    per_token = 8 * C + 4 * (H + 2 * K) * D + 4 * I
+    layer = T * per_token * dtype_bytes
+    logits = max_num_seqs * mc.vocab_size * (dtype_bytes + 3 * 4)
+    context = 2 * max_model_len * K * D * dtype_bytes + T * max_model_len * (1 + dtype_bytes)
+    return layer + logits + context
+
+
+def block_cost(block_bytes: int, num_layers: int) -> int:
+    """Device memory one KV block costs: itself, and its share of what attention may gather of one
+    layer of the pool at once (the SDPA backend copies a layer's blocks of the batch into scratch)."""
+    return block_bytes + -(-block_bytes // num_layers)
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """What a worker found on its device once its weights were loaded, in bytes."""
+    device: str
+    total: int
+    free: int
+    held: int  # by this process: torch's allocations (weights) and CONTEXT_BYTES
+
+
+def kv_pool_blocks(mem: DeviceMemory, block_bytes: int, num_layers: int, activations: int, min_blocks: int,
+                   max_blocks: int, utilization: float | None = None, kv_cache_bytes: float | None = None) -> int:
+    """KV blocks of block_bytes for a worker on this device, at most max_blocks (what max_num_seqs
+    full-length requests use): kv_cache_bytes of them if given (--kv-cache-gb), else what its
+    share of the device leaves. With no share given, DEFAULT_UTILIZATION, and no more than that
+    fraction of what is free: so a second engine in one process, or one beside another program,
+    still gets a pool (a launcher always gives shares). Raises InvalidArgument if the share cannot
+    hold min_blocks, or if the device has less free than the pool and one step's activations need."""
+    cost = block_cost(block_bytes, num_layers)
+    found = (f"{mem.device} has {gib(mem.total)}, {gib(mem.free)} of it free; this worker holds {gib(mem.held)} "
+             f"(weights, CUDA context) and needs {gib(activations)} for one step's activations")
+    if kv_cache_bytes is not None:
+        blocks = max(1, min(max_blocks, int(kv_cache_bytes // block_bytes)))
+        flag = f"lower --kv-cache-gb (it asks for {gib(kv_cache_bytes)})"
+    else:
+        util = DEFAULT_UTILIZATION if utilization is None else utilization
+        budget = share = util * mem.total - mem.held - activations
+        if utilization is None:
+            budget = min(share, DEFAULT_UTILIZATION * mem.free - activations)
+        if budget < min_blocks * cost:
+            left = (f"--gpu-memory-utilization={util} ({gib(util * mem.total)}) leaves" if budget == share else
+                    f"{DEFAULT_UTILIZATION} of what is free leaves")
+            raise InvalidArgument(
+                f"{found}: {left} {gib(max(0.0, budget))} for the KV pool, less than the {gib(min_blocks * cost)} of "
+                f"the smallest useful one ({min_blocks} blocks: one step's tokens); raise --gpu-memory-utilization "
+                f"(or lower --max-num-batched-tokens, --max-num-seqs or --max-model-len, or pick a smaller --dtype)")
+        blocks = min(max_blocks, int(budget // cost))
+        flag = f"lower --gpu-memory-utilization (it is {util}: {gib(util * mem.total)})"
+    need = blocks * cost + activations
+    if need > mem.free:
+        raise InvalidArgument(f"{found}: a KV pool of {blocks} blocks and the activations need {gib(need)} more, "
+                              f"more than is free: {flag}, or free the device")
+    return blocks
