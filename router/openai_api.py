@@ -288,7 +288,9 @@ class Choice:
             text = self.prompt_text + text
         self.started = True
         if self.job.chat:
-            out.append({"index": self.index, "delta": {"content": text} if text or finish is None else {},
+            if not text and finish is None and not (logprobs and logprobs["content"]):
+                return out  # nothing to say yet (text held back for a stop string, a partial character)
+            out.append({"index": self.index, "delta": {"content": text} if text else {},
                         "logprobs": logprobs, "finish_reason": finish})
         else:
             out.append({"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": finish})

@@ -194,6 +194,18 @@ def test_stop_strings_across_tokens_cut_the_text_and_free_the_blocks(served, eng
         assert sdk.status().in_flight == 0
 
 
+def test_chat_stream_sends_no_empty_deltas_while_text_is_held_back(served, engine):
+    messages = [{"role": "user", "content": "Tell me a story"}]
+    want = reference(engine, engine.tokenizer.encode_chat(messages), max_tokens=40, temperature=0, ignore_eos=True)
+    stop = stop_string_in(want.text)
+    chunks = list(api(served).chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0,
+                                                      stop=[stop], stream=True, extra_body=dict(ignore_eos=True)))
+    deltas = [c.choices[0].delta for c in chunks]
+    assert "".join(d.content or "" for d in deltas) == want.text[:want.text.index(stop)]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert all(d.content for d in deltas[1:-1]), [d.content for d in deltas]  # as vLLM: a chunk says something
+
+
 def test_logprobs_are_log_softmax_of_the_engines_logits(served, engine):
     client = api(served)
     r = client.completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=6, temperature=0.7, seed=3, logprobs=5,
