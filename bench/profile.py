@@ -34,7 +34,6 @@ import random
 import statistics
 import sys
 import tempfile
-import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -57,7 +56,7 @@ DECODE_TOKENS = 256  # output tokens of each decode-profile request: long enough
 
 def engine_kwargs_from(worker_args: list[str]) -> dict:
     """The EngineConfig fields that these worker flags set (others ignored), by the CLI's own options."""
-    from common.cli import engine_options
+    from common.cli_options import engine_options
 
     found = {}
 

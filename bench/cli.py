@@ -1,0 +1,215 @@
+"""`pdserve bench ...` and `pdserve plan`: the measuring commands, registered on the main group by
+common/cli.py. Each is a thin layer over its bench module, imported when the command runs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from common.cli_options import devices_option, engine_options, parse_prompt_ids
+from common.protocol import KV_TRANSPORTS
+
+
+@click.group()
+def bench():
+    """Benchmarks: each prints a table, then one JSON line."""
+
+
+@bench.command("engine")
+@click.option("--num-requests", default=64, show_default=True, type=int)
+@click.option("--prompt-len", default=128, show_default=True, type=int)
+@click.option("--output-len", default=128, show_default=True, type=int)
+@click.option("--batch-sizes", default="1,16,64", show_default=True)
+@click.option("--kv-lens", default="64,512", show_default=True)
+@click.option("--steps", default=32, show_default=True, type=int, help="timed decode steps per sweep point")
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--vs-transformers", is_flag=True,
+              help="also load the same model file with transformers and generate the same prompts (batch sizes)")
+@engine_options
+def bench_engine(num_requests, prompt_len, output_len, batch_sizes, kv_lens, steps, seed, vs_transformers,
+                 engine_kwargs):
+    """Offline throughput of the monolithic engine, and a decode sweep over batch and KV length."""
+    from bench.engine import run_engine_bench
+
+    run_engine_bench(engine_kwargs, num_requests, prompt_len, output_len, parse_prompt_ids(batch_sizes),
+                     parse_prompt_ids(kv_lens), steps, seed, vs_transformers)
+
+
+@bench.command("serve")
+@click.option("--model", default="dummy:nanogpt", show_default=True)
+@click.option("--topologies", default="mono,1p1d,2p2d", show_default=True, help="mono and/or XpYd")
+@click.option("--scenarios", default="smoke_test,staggered_arrivals,batch_pressure,long_prompts,long_decode,"
+              "stress_test,realistic", show_default=True)
+@click.option("--router", "router_address", default=None, help="bench a running cluster instead of launching")
+@click.option("--base-url", default=None, help="bench any OpenAI-compatible server (http://HOST:PORT) instead")
+@click.option("--frontends", default="zmq", show_default=True,
+              help="zmq (the SDK), http (OpenAI's API) or zmq,http: both on each launched cluster, in turn")
+@click.option("--repeats", default=1, show_default=True, type=int, help="runs of each scenario per frontend")
+@click.option("--api-key", default=None, envvar="PDSERVE_API_KEY", help="for --base-url or launched clusters' HTTP")
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--worker-arg", "worker_args", multiple=True, help="extra flag for every worker (repeatable)")
+@devices_option()
+def bench_serve(model, topologies, scenarios, router_address, base_url, frontends, repeats, api_key, seed, worker_args,
+                devices):
+    """Serving load: TTFT, inter-token and end-to-end latency, throughput, per topology and frontend."""
+    from bench.serve import run_serve_bench
+
+    try:
+        run_serve_bench(model, topologies.split(","), scenarios.split(","), router_address, seed, list(worker_args),
+                        tuple(frontends.split(",")), base_url, repeats, api_key, devices=devices)
+    except ValueError as e:
+        raise click.UsageError(str(e))
+
+
+@bench.command("chaos")
+@click.option("--model", default="dummy:nanogpt", show_default=True)
+@click.option("--prefill", default=2, show_default=True, type=int)
+@click.option("--decode", default=2, show_default=True, type=int)
+@click.option("--requests", default=500, show_default=True, type=int)
+@click.option("--kills", default=10, show_default=True, type=int, help="faults to inject (SIGKILL or SIGSTOP)")
+@click.option("--concurrency", default=24, show_default=True, type=int)
+@click.option("--interval", default=1.5, show_default=True, type=float, help="seconds between faults")
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--log-dir", default=None, help="keep the cluster's logs here")
+@devices_option(help="comma-separated, assigned to workers in turn; the reference runs on the first")
+@click.option("--dtype", default=None, help="of the workers and the reference [default: float32 on CPU, bfloat16 on GPU]")
+@click.option("--worker-arg", "worker_args", multiple=True, help="extra flag for every worker (repeatable)")
+def bench_chaos(model, prefill, decode, requests, kills, concurrency, interval, seed, log_dir, devices, dtype,
+                worker_args):
+    """Kill and stop random workers under load; check every request completes token-exact."""
+    from bench.chaos import run_chaos
+
+    run_chaos(model, prefill, decode, requests, kills, concurrency, seed, interval_s=interval,
+              log_dir=Path(log_dir) if log_dir else None, devices=devices, dtype=dtype, worker_args=list(worker_args))
+
+
+@bench.command("handoff")
+@click.option("--model", default="dummy:nanogpt", show_default=True)
+@click.option("--tokens", default=1000, show_default=True, type=int, help="prompt length")
+@click.option("--requests", default=8, show_default=True, type=int, help="per mode, after one warm-up")
+@click.option("--transport", default="auto", show_default=True, type=click.Choice(KV_TRANSPORTS))
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--worker-arg", "worker_args", multiple=True, help="extra flag for every worker (repeatable)")
+@devices_option()
+def bench_handoff(model, tokens, requests, transport, seed, worker_args, devices):
+    """Prefill start to decode start of long prompts, KV streamed layer by layer vs sent after."""
+    from bench.handoff import run_handoff_bench
+
+    run_handoff_bench(model, tokens, requests, transport, seed, list(worker_args), devices=devices)
+
+
+@bench.command("transfer")
+@click.option("--transport", default="zmq", show_default=True, type=click.Choice(KV_TRANSPORTS[1:]))
+@click.option("--model", default="dummy:llama-1b", show_default=True, help="only its KV layout is used")
+@click.option("--tokens", default=1024, show_default=True, type=int, help="KV of this many tokens per transfer")
+@click.option("--repeats", default=20, show_default=True, type=int)
+@click.option("--block-size", default=16, show_default=True, type=int)
+@click.option("--dtype", default=None, help="[default: float32 on CPU, bfloat16 on GPU]")
+@devices_option(None, help="the sender's, then the receiver's (one: both's; nccl's receiver then takes the next "
+                          "GPU) [default: cpu; cuda:0 for cuda_ipc and nccl]")
+@click.option("--device", default=None, hidden=True, help="the sender's device: --devices with one")
+@click.option("--fragmented", is_flag=True, help="scattered block ids on both sides instead of runs")
+@click.option("--layer-groups", default=1, show_default=True, type=int,
+              help="send each transfer in this many groups of layers, as layer-wise streaming does")
+def bench_transfer(transport, model, tokens, repeats, block_size, dtype, devices, device, fragmented, layer_groups):
+    """One KV transport between two processes: GB/s and latency, beside its ceilings: raw ZeroMQ and
+    memcpy for the CPU transports, a device-to-device copy for the GPU ones."""
+    from bench.transfer import run_transfer_bench
+
+    if device is not None and devices is not None:
+        raise click.UsageError("give --devices (or the older --device), not both")
+    devices = devices if device is None else [device]
+    run_transfer_bench(transport, model, tokens, repeats, block_size, dtype, devices, fragmented, layer_groups)
+
+
+def slo_options(f):
+    """The latency targets and the workload that goodput is measured (bench scaling) or predicted (plan) for."""
+    for opt in reversed([
+        click.option("--workload", default="chat", show_default=True,
+                     help="chat, long-context, realistic, or a .jsonl file of {arrival, prompt_tokens, "
+                          "output_tokens} rows"),
+        click.option("--ttft-slo-ms", default=1000.0, show_default=True, type=float, help="time to first token target"),
+        click.option("--itl-slo-ms", default=100.0, show_default=True, type=float,
+                     help="inter-token latency target: each request's mean time per output token after the first"),
+        click.option("--attainment", default=0.9, show_default=True, type=float,
+                     help="fraction of requests that must meet both targets"),
+    ]):
+        f = opt(f)
+    return f
+
+
+@bench.command("scaling")
+@click.option("--model", default="dummy:nanogpt", show_default=True)
+@click.option("--devices", default="cpu", show_default=True, help="cpu, or cuda:0,cuda:1,...")
+@click.option("--workers", default=None, type=int,
+              help="most workers per topology [default: one per device; cpu: 1]; on cpu at most the cores")
+@click.option("--topologies", default=None,
+              help="comma-separated Nmono / XpYd [default: Nmono and every XpYd with X+Y=N, N=1..workers]")
+@slo_options
+@click.option("--duration", default=15.0, show_default=True, type=float, help="seconds of arrivals per rate")
+@click.option("--min-requests", default=30, show_default=True, type=int)
+@click.option("--max-requests", default=400, show_default=True, type=int)
+@click.option("--start-rate", default=None, type=float, help="req/s [default: from one request on the idle cluster]")
+@click.option("--refine", default=3, show_default=True, type=int, help="bisection steps at the knee")
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--out-dir", default="pdserve-scaling", show_default=True, help="scaling.json and the PNG plots")
+@click.option("--worker-arg", "worker_args", multiple=True, help="extra flag for every worker (repeatable)")
+def bench_scaling(model, devices, workers, topologies, workload, ttft_slo_ms, itl_slo_ms, attainment, duration,
+                  min_requests, max_requests, start_rate, refine, seed, out_dir, worker_args):
+    """Goodput per topology (Nmono, every XpYd): SLO attainment swept over request rate, plots."""
+    from bench.goodput import SLO
+    from bench.scaling import Sweep, run_scaling_bench
+
+    slo = SLO(ttft_slo_ms, itl_slo_ms, attainment)
+    sweep = Sweep(duration, min_requests, max_requests, start_rate, refine=refine, seed=seed)
+    run_scaling_bench(model, devices, workers, topologies.split(",") if topologies else None, workload, slo, sweep,
+                      Path(out_dir), list(worker_args))
+
+
+@click.command()
+@click.option("--profile", "profile_path", required=True,
+              help="profile JSON: read if it exists, else the workers are profiled now and it is saved there")
+@click.option("--reprofile", is_flag=True, help="profile again even if --profile exists")
+@click.option("--model", default="dummy:nanogpt", show_default=True, help="to profile")
+@click.option("--device", default="cpu", show_default=True, help="to profile on: cpu or cuda:N")
+@click.option("--workers", default=2, show_default=True, type=int,
+              help="workers this machine runs at most (cpu: each topology splits the cores between them)")
+@click.option("--worker-arg", "worker_args", multiple=True, help="extra flag for the profiled workers (repeatable)")
+@click.option("--threads", default=None, type=int,
+              help="torch threads of the profiled workers [default: cpu: each topology's share of the cores]")
+@slo_options
+@click.option("--plan-devices", default=None, help="device counts to plan for [default: 1..workers,8,16,64]")
+@click.option("--network-gbps", default=25.0, show_default=True, type=float, help="GB/s between hosts")
+@click.option("--network-latency-ms", default=0.05, show_default=True, type=float, help="between hosts")
+@click.option("--devices-per-host", default=8, show_default=True, type=int, help="past this machine (GPUs)")
+@click.option("--compare", "compare_path", default=None,
+              help="a bench scaling JSON: predict each topology it measured, with its workload, SLO and search")
+@click.option("--duration", default=15.0, show_default=True, type=float, help="seconds of arrivals per rate")
+@click.option("--min-requests", default=30, show_default=True, type=int)
+@click.option("--max-requests", default=400, show_default=True, type=int)
+@click.option("--refine", default=3, show_default=True, type=int, help="bisection steps at the knee")
+@click.option("--seed", default=0, show_default=True, type=int)
+def plan(profile_path, reprofile, model, device, workers, worker_args, threads, workload, ttft_slo_ms, itl_slo_ms,
+         attainment, plan_devices, network_gbps, network_latency_ms, devices_per_host, compare_path, duration,
+         min_requests, max_requests, refine, seed):
+    """Predict goodput per topology by simulation from a measured worker profile; plan past this machine."""
+    from bench.goodput import SLO
+    from bench.plan import Profile, run_plan
+    from bench.profile import run_profile
+    from bench.scaling import Sweep
+
+    slo = SLO(ttft_slo_ms, itl_slo_ms, attainment)
+    sweep = Sweep(duration, min_requests, max_requests, refine=refine, seed=seed)
+    counts = parse_prompt_ids(plan_devices) if plan_devices else list(range(1, workers + 1)) + [8, 16, 64]
+    compare_with = None
+    if compare_path:
+        try:
+            compare_with = json.loads(Path(compare_path).read_text())
+        except (OSError, ValueError) as e:
+            raise click.BadParameter(f"{compare_path!r} is not a bench scaling JSON: {e}", param_hint="--compare")
+    if reprofile or not Path(profile_path).exists():
+        run_profile(model, device, workers, list(worker_args), Path(profile_path), threads=threads)
+    run_plan(Profile.load(profile_path), workload, slo, sweep, counts, workers, network_gbps, network_latency_ms,
+             devices_per_host, compare_with)

@@ -1,0 +1,126 @@
+"""The command line's shared options: what builds an EngineConfig, sampling, HTTP and devices, so the
+serving commands (common/cli.py) and the benchmarks (bench/cli.py) take them alike."""
+
+from __future__ import annotations
+
+import functools
+
+import click
+
+from common.protocol import KV_TRANSPORTS  # no torch here: the CLI starts light
+
+
+MODEL_HELP = ("dummy:<preset>, a named model (smollm2: `pdserve pull smollm2` first), a GGUF file or a Hugging Face "
+              "checkpoint directory")
+
+
+def engine_options(f):
+    """Options that build an EngineConfig; the command receives them as `engine_kwargs`."""
+    opts = [
+        click.option("--model", default="dummy:nanogpt", show_default=True, help=MODEL_HELP),
+        click.option("--device", default="cpu", show_default=True, help="cpu, cuda:N or N"),
+        click.option("--dtype", default=None, help="float32, float16, bfloat16 [default: float32 on CPU, bfloat16 on GPU]"),
+        click.option("--block-size", default=16, show_default=True, type=int),
+        click.option("--num-blocks", default=None, type=int, help="KV pool size [default: from --kv-cache-gb]"),
+        click.option("--kv-cache-gb", default=None, type=float,
+                     help="KV pool size [default: 1 on CPU; on GPU from --gpu-memory-utilization]"),
+        click.option("--gpu-memory-utilization", default=None, type=float,
+                     help="fraction of the GPU's total memory this worker may take, weights, activations and KV "
+                          "included [default: 0.9; launch splits it between the workers of a device]"),
+        click.option("--max-num-seqs", default=64, show_default=True, type=int),
+        click.option("--max-num-batched-tokens", default=2048, show_default=True, type=int),
+        click.option("--max-model-len", default=None, type=int),
+        click.option("--no-prefix-caching", is_flag=True),
+        click.option("--attention-backend", default="auto", show_default=True,
+                     type=click.Choice(["auto", "sdpa", "flex"])),
+        click.option("--kv-transport", default="auto", show_default=True, type=click.Choice(KV_TRANSPORTS),
+                     help="how KV crosses from prefill to decode workers; auto: the fastest both ends support"),
+    ]
+
+    @functools.wraps(f)
+    def wrapper(*args, model, device, dtype, block_size, num_blocks, kv_cache_gb, gpu_memory_utilization,
+                max_num_seqs, max_num_batched_tokens, max_model_len, no_prefix_caching, attention_backend, kv_transport,
+                **kwargs):
+        engine_kwargs = dict(model=model, device=device, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
+                             kv_cache_gb=kv_cache_gb, gpu_memory_utilization=gpu_memory_utilization,
+                             max_num_seqs=max_num_seqs,
+                             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+                             enable_prefix_caching=not no_prefix_caching, attention_backend=attention_backend,
+                             kv_transport=kv_transport)
+        return f(*args, engine_kwargs=engine_kwargs, **kwargs)
+
+    for opt in reversed(opts):
+        wrapper = opt(wrapper)
+    return wrapper
+
+
+def engine_argv(engine_kwargs: dict) -> list[str]:
+    """engine_kwargs back to the command-line flags that produce them (for child processes)."""
+    argv = []
+    for key, value in engine_kwargs.items():
+        if key in ("model", "device") or value is None:
+            continue
+        if key == "enable_prefix_caching":
+            argv += [] if value else ["--no-prefix-caching"]
+        else:
+            argv += [f"--{key.replace('_', '-')}", str(value)]
+    return argv
+
+
+def sampling_kwargs(max_tokens, temperature, top_p, top_k, seed, ignore_eos) -> dict:
+    out = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, ignore_eos=ignore_eos)
+    if seed is not None:
+        out["seed"] = seed
+    return out
+
+
+def setup_logging(level: str = "INFO"):
+    import logging
+
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
+def sampling_options(f=None, *, max_tokens: int = 32):
+    def apply(f):
+        for opt in reversed([
+            click.option("--max-tokens", default=max_tokens, show_default=True, type=int),
+            click.option("--temperature", default=0.0, show_default=True, type=float, help="0 is greedy"),
+            click.option("--top-p", default=1.0, show_default=True, type=float),
+            click.option("--top-k", default=0, show_default=True, type=int, help="0 disables"),
+            click.option("--seed", default=None, type=int),
+            click.option("--ignore-eos", is_flag=True),
+        ]):
+            f = opt(f)
+        return f
+
+    return apply(f) if f is not None else apply
+
+
+def parse_prompt_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not a comma-separated list of token ids", param_hint="--prompt-ids")
+
+
+def http_options(f):
+    for opt in reversed([
+        click.option("--http-port", default=None, type=int,
+                     help="serve OpenAI's API and /metrics on this port (0: any free port) [default: no HTTP]"),
+        click.option("--api-key", default=None, envvar="PDSERVE_API_KEY",
+                     help="HTTP /v1/ requires 'Authorization: Bearer KEY' [env: PDSERVE_API_KEY]"),
+    ]):
+        f = opt(f)
+    return f
+
+
+def devices_option(default: str | None = "cpu", help: str = "comma-separated, assigned to workers in turn"):
+    """--devices as launch takes it; the command receives the list (None if not given and no default)."""
+    def parse(ctx, param, text):
+        if text is None:
+            return None
+        devices = [d.strip() for d in text.split(",")]
+        if not all(devices):
+            raise click.BadParameter(f"{text!r} has an empty entry; give devices like cpu,cuda:0,cuda:1")
+        return devices
+    return click.option("--devices", default=default, show_default=default is not None, callback=parse, help=help)
