@@ -185,7 +185,7 @@ for _role in ("prefill", "decode", "mono"):
 @click.option("--worker-port", default=0, type=int, help="[default: any free port]")
 @click.option("--policy", default="least_loaded", show_default=True, type=click.Choice(["least_loaded", "round_robin"]))
 @click.option("--log-dir", default="pdserve-logs", show_default=True)
-@click.option("--threads", default=None, type=int, help="torch threads per worker [default: cores / workers]")
+@click.option("--threads", default=None, type=int, help="torch threads per worker [default: (cores - 1) / workers: one core left to the router]")
 @click.option("--no-restart", is_flag=True, help="do not restart crashed workers")
 @click.option("--dry-run", is_flag=True, help="print each process's command line and exit")
 @http_options

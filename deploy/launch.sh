@@ -42,7 +42,8 @@ PDSERVE=${PDSERVE:-pdserve}
 command -v "$PDSERVE" >/dev/null || PDSERVE="python3 -m common.cli"
 IFS=, read -ra DEVICE_LIST <<<"$DEVICES"
 WORKERS=$((PREFILL + DECODE + MONO))
-THREADS=$(( $(nproc) / (WORKERS > 0 ? WORKERS : 1) )); ((THREADS < 1)) && THREADS=1
+# torch threads per worker: one core left to the router and the system (as pdserve launch does)
+THREADS=$(( ($(nproc) - 1) / (WORKERS > 0 ? WORKERS : 1) )); ((THREADS < 1)) && THREADS=1
 # Each worker's share of its GPU, in launch order ("-" off a GPU), unless the pool is sized already.
 SHARES=()
 sized=0

@@ -30,6 +30,15 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def threads_per_worker(workers: int, cores: int | None = None) -> int:
+    """Torch threads for each of `workers` workers sharing this host's cores: one core is left to the
+    router, the clients and the system (vLLM's VLLM_CPU_NUM_OF_RESERVED_CPU=1), the rest split
+    evenly. A worker's threads that lose a core to the router stall its every parallel op, which
+    costs more than the thread gave (bench scaling, README)."""
+    cores = cores or os.cpu_count() or 1
+    return max(1, (cores - 1) // max(1, workers))
+
+
 def _die_with_parent():
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
@@ -75,7 +84,7 @@ class Cluster:
             raise ValueError("a cluster needs at least one worker: --prefill/--decode, or --mono")
         if (prefill == 0) != (decode == 0):
             raise ValueError(f"--prefill {prefill} --decode {decode}: disaggregation needs both roles, or use --mono")
-        threads = threads or max(1, (os.cpu_count() or 1) // self.expected)
+        threads = threads or threads_per_worker(self.expected)
         cli = [sys.executable, "-m", "common.cli"]
         self.router = Child("router", cli + ["router", "--model", model, "--host", host, "--port", str(self.port),
                                              "--worker-port", str(self.worker_port), "--policy", policy,
