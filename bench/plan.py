@@ -37,6 +37,7 @@ from bench.scaling import Sweep, Topology
 from bench.simulate import Placement, WorkerModel, simulate
 from bench.workloads import Workload, fit, get_workload
 from common.errors import InvalidArgument
+from router.launcher import threads_per_worker
 
 
 
@@ -65,7 +66,7 @@ class Profile:
         it, with the router, the clients and background_cores of other work."""
         if self.host_cores is None:  # GPUs: one device per worker, the host's CPU is no limit
             return next(iter(self.models.values())), Placement()
-        threads = max(1, self.host_cores // t.devices)
+        threads = threads_per_worker(t.devices, self.host_cores)
         have = min(self.models, key=lambda k: (abs(k - threads), k))
         return self.models[have], Placement(host_cores=self.host_cores, front_on_host=True,
                                             background_cores=background_cores)

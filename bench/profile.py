@@ -21,7 +21,7 @@ latency and CPU).
 On a CPU device the workers share the host's cores with the router, the client and whatever else
 runs on the machine (bench/hostload.py measures it), so times are divided by the contention they
 ran under (`contention`, the simulator's own rule), and a profile is taken for each thread count a
-topology of up to --workers workers gets (cores // workers). Fits drop the points they miss badly
+topology of up to --workers workers gets (the launcher's split). Fits drop the points they miss badly
 (a step slowed by a neighbour is not the cost of the step).
 """
 
@@ -48,7 +48,7 @@ from common.checkpoint import model_config
 from common.config import EngineConfig
 from common.errors import InvalidArgument
 from router.client import Client
-from router.launcher import Cluster
+from router.launcher import Cluster, threads_per_worker
 
 PROFILE_VERSION = 1
 DECODE_TOKENS = 256  # output tokens of each decode-profile request: long enough for a full batch to form
@@ -184,7 +184,7 @@ def profile_workers(model: str, device: str, threads: int | None, worker_args: l
     budget, max_seqs = engine.max_num_batched_tokens, engine.max_num_seqs
     kv_bytes = cfg.kv_values_per_token * engine.torch_dtype.itemsize
     host_cores = (os.cpu_count() or 1) if device == "cpu" else None
-    threads = threads or max(1, (os.cpu_count() or 1) // 2)
+    threads = threads or threads_per_worker(2)
     # The portable attention reads a decode batch padded to its longest sequence; FlexAttention (auto
     # on CUDA) reads each sequence's own pages.
     padded = engine.attention_backend == "sdpa" or (engine.attention_backend == "auto" and device == "cpu")
@@ -259,8 +259,7 @@ def profile_thread_counts(device: str, workers: int) -> list[int | None]:
     """The threads per worker of every topology of 1..workers workers (the launcher's split on CPU)."""
     if device != "cpu":
         return [None]
-    cores = os.cpu_count() or 1
-    return sorted({max(1, cores // n) for n in range(1, workers + 1)})
+    return sorted({threads_per_worker(n) for n in range(1, workers + 1)})
 
 
 def run_profile(model: str, device: str, workers: int, worker_args: list[str], out: Path, repeats: int = 5,
