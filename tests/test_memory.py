@@ -206,3 +206,14 @@ def test_both_launchers_leave_a_pool_sized_by_the_user_alone():
     script = dry_run(["bash", str(ROOT / "deploy" / "launch.sh"), "--devices", "cuda:0", "--dry-run", "--",
                       "--kv-cache-gb=4"])
     assert set(worker_shares(launch).values()) == set(worker_shares(script).values()) == {None}
+
+
+@pytest.mark.parametrize("args, workers", [([], 2), (["--mono", "1", "--prefill", "0", "--decode", "0"], 1)])
+def test_both_launchers_leave_a_core_to_the_router(args, workers):
+    """Workers get (cores - 1) / workers torch threads, at least one, from either launcher."""
+    want = str(max(1, ((os.cpu_count() or 1) - 1) // workers))
+    launch = dry_run([sys.executable, "-m", "common.cli", "launch", "--dry-run", *args])
+    script = dry_run(["bash", str(ROOT / "deploy" / "launch.sh"), "--dry-run", *args])
+    for argv in (*launch.values(), *script.values()):
+        assert argv[argv.index("--threads") + 1] == want, argv
+    assert len(launch) == len(script) == workers
