@@ -151,6 +151,7 @@ class Engine:
         self.runner = ModelRunner(self.model, self.kv_cache, bs, config.torch_device)
         self.requests: dict[str, Sequence] = {}
         self.held: dict[str, Sequence] = {}  # prefill-only requests done, blocks kept for transfer
+        self.last_batch: list[ScheduledSeq] = []  # what the last step ran (common/step_trace.py)
         self.num_reserved_seqs = 0  # running slots promised to KV transfers not yet arrived
         self._ids = itertools.count()
 
@@ -330,7 +331,7 @@ class Engine:
         is written (on a GPU: queued on the current stream), before the later layers run
         (layer-wise KV streaming); the batch's num_computed_tokens still count the tokens before
         this step."""
-        batch = self.scheduler.schedule()
+        batch = self.last_batch = self.scheduler.schedule()
         if not batch:
             return []
         ordered, tokens, logprobs = self.runner.run(batch, on_layer)

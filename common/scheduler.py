@@ -23,9 +23,11 @@ class ScheduledSeq:
     seq: Sequence
     num_tokens: int  # tokens fed this step, from seq.num_computed_tokens on
     samples: bool = field(init=False)  # the step computes seq's last token: sample the next one
+    start: int = field(init=False)  # seq's tokens already computed when scheduled (its KV the step reads)
 
     def __post_init__(self):
-        self.samples = self.seq.num_computed_tokens + self.num_tokens == len(self.seq)
+        self.start = self.seq.num_computed_tokens
+        self.samples = self.start + self.num_tokens == len(self.seq)
 
 
 class Scheduler:

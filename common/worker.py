@@ -26,6 +26,7 @@ from common import protocol as P
 from common.channel import Channel, Envelope, Waker
 from common.config import EngineConfig
 from common.engine import Engine, RequestOutput
+from common.step_trace import StepTrace
 
 log = logging.getLogger("pdserve.worker")
 
@@ -127,6 +128,7 @@ class WorkerBase:
             signal.signal(sig, lambda *_: setattr(self, "stopping", True))
         log.info("%s %s on %s: %s, %d KV blocks", self.role, self.worker_id, self.engine.config.torch_device,
                  self.engine.config.model, self.engine.num_blocks)
+        trace = StepTrace.from_env(self.worker_id)
         try:
             while not self.stopping:
                 timeout = 0 if self.engine.has_unfinished() else 10
@@ -141,9 +143,18 @@ class WorkerBase:
                             break
                         self.handle(handler, env)
                 if self.engine.has_unfinished():
-                    self.on_outputs(self.step())
+                    if trace is None:
+                        self.on_outputs(self.step())
+                    else:
+                        start = time.monotonic()
+                        outputs = self.step()
+                        stepped = time.monotonic()
+                        self.on_outputs(outputs)
+                        trace.record(start, stepped, time.monotonic(), self.engine.last_batch)
                 self._tick(time.monotonic())
         finally:
+            if trace is not None:
+                trace.close()
             self.close()
 
     def _tick(self, now: float):

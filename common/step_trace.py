@@ -1,0 +1,43 @@
+"""A worker's steps, one line each, for finding where serving time goes: set PDSERVE_STEP_TRACE to a
+directory and every worker started with it (a launcher's children inherit it) writes
+`<worker-id>.tsv` there. The planner's profile times steps from the client; this is the worker's
+own view: how long each forward took, how long sending its tokens took, and what the step held,
+in the terms of the simulator's step cost (bench/simulate.py StepCost).
+
+Columns: start (time.monotonic s), step_ms (Engine.step), send_ms (handing its outputs on),
+decodes (sequences decoding one token), longest (the longest of them, tokens), prefill_tokens,
+prefill_token_ctx (sum over prefill chunks of tokens x (context before + tokens))."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+ENV = "PDSERVE_STEP_TRACE"
+COLUMNS = ("start", "step_ms", "send_ms", "decodes", "longest", "prefill_tokens", "prefill_token_ctx")
+
+
+class StepTrace:
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = open(path, "w", buffering=1)
+        self.file.write("\t".join(COLUMNS) + "\n")
+
+    @classmethod
+    def from_env(cls, name: str) -> "StepTrace | None":
+        directory = os.environ.get(ENV)
+        return cls(Path(directory) / f"{name}.tsv") if directory else None
+
+    def record(self, start: float, stepped: float, sent: float, batch) -> None:
+        """batch: the ScheduledSeqs of the step."""
+        decodes, chunks = [], []
+        for s in batch:
+            if s.num_tokens == 1 and s.start >= s.seq.num_prompt_tokens:  # fed its last sampled token
+                decodes.append(s.start + 1)
+            else:
+                chunks.append((s.num_tokens, s.start))
+        self.file.write(f"{start:.6f}\t{(stepped - start) * 1e3:.3f}\t{(sent - stepped) * 1e3:.3f}\t{len(decodes)}\t"
+                        f"{max(decodes, default=0)}\t{sum(n for n, _ in chunks)}\t{sum(n * (n + c) for n, c in chunks)}\n")
+
+    def close(self) -> None:
+        self.file.close()
