@@ -3,12 +3,13 @@ common/cli.py. Each is a thin layer over its bench module, imported when the com
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
 import click
 
-from common.cli_options import devices_option, engine_options, parse_prompt_ids
+from common.cli_options import devices_option, engine_options, parse_ints
 from common.protocol import KV_TRANSPORTS
 
 
@@ -33,8 +34,8 @@ def bench_engine(num_requests, prompt_len, output_len, batch_sizes, kv_lens, ste
     """Offline throughput of the monolithic engine, and a decode sweep over batch and KV length."""
     from bench.engine import run_engine_bench
 
-    run_engine_bench(engine_kwargs, num_requests, prompt_len, output_len, parse_prompt_ids(batch_sizes),
-                     parse_prompt_ids(kv_lens), steps, seed, vs_transformers)
+    run_engine_bench(engine_kwargs, num_requests, prompt_len, output_len, parse_ints(batch_sizes, "--batch-sizes", "batch sizes"),
+                     parse_ints(kv_lens, "--kv-lens", "KV lengths"), steps, seed, vs_transformers)
 
 
 @bench.command("serve")
@@ -124,20 +125,43 @@ def bench_transfer(transport, model, tokens, repeats, block_size, dtype, devices
     run_transfer_bench(transport, model, tokens, repeats, block_size, dtype, devices, fragmented, layer_groups)
 
 
-def slo_options(f):
-    """The latency targets and the workload that goodput is measured (bench scaling) or predicted (plan) for."""
-    for opt in reversed([
-        click.option("--workload", default="chat", show_default=True,
-                     help="chat, long-context, realistic, or a .jsonl file of {arrival, prompt_tokens, "
-                          "output_tokens} rows"),
-        click.option("--ttft-slo-ms", default=1000.0, show_default=True, type=float, help="time to first token target"),
-        click.option("--itl-slo-ms", default=100.0, show_default=True, type=float,
-                     help="inter-token latency target: each request's mean time per output token after the first"),
-        click.option("--attainment", default=0.9, show_default=True, type=float,
-                     help="fraction of requests that must meet both targets"),
-    ]):
-        f = opt(f)
-    return f
+def goodput_options(start_rate: bool = False):
+    """The workload, the latency targets and the rate search that goodput is measured (bench scaling)
+    or predicted (plan) with; the command receives `workload`, `slo` and `sweep`."""
+    def decorate(f):
+        @functools.wraps(f)
+        def wrapper(*args, ttft_slo_ms, itl_slo_ms, attainment, duration, min_requests, max_requests, refine, seed,
+                    start_rate=None, **kwargs):
+            from bench.goodput import SLO
+            from bench.scaling import Sweep
+
+            return f(*args, slo=SLO(ttft_slo_ms, itl_slo_ms, attainment),
+                     sweep=Sweep(duration, min_requests, max_requests, start_rate, refine=refine, seed=seed), **kwargs)
+
+        opts = [
+            click.option("--workload", default="chat", show_default=True,
+                         help="chat, long-context, realistic, or a .jsonl file of {arrival, prompt_tokens, "
+                              "output_tokens} rows"),
+            click.option("--ttft-slo-ms", default=1000.0, show_default=True, type=float,
+                         help="time to first token target"),
+            click.option("--itl-slo-ms", default=100.0, show_default=True, type=float,
+                         help="inter-token latency target: each request's mean time per output token after the first"),
+            click.option("--attainment", default=0.9, show_default=True, type=float,
+                         help="fraction of requests that must meet both targets"),
+            click.option("--duration", default=15.0, show_default=True, type=float, help="seconds of arrivals per rate"),
+            click.option("--min-requests", default=30, show_default=True, type=int),
+            click.option("--max-requests", default=400, show_default=True, type=int,
+                         help="per rate, unless a quarter of --duration (or 10 TTFT targets) of arrivals needs more"),
+            click.option("--refine", default=3, show_default=True, type=int, help="bisection steps at the knee"),
+            click.option("--seed", default=0, show_default=True, type=int),
+        ]
+        if start_rate:
+            opts.append(click.option("--start-rate", default=None, type=float,
+                                     help="req/s [default: from one request on the idle cluster]"))
+        for opt in reversed(opts):
+            wrapper = opt(wrapper)
+        return wrapper
+    return decorate
 
 
 @bench.command("scaling")
@@ -147,23 +171,13 @@ def slo_options(f):
               help="most workers per topology [default: one per device; cpu: 1]; on cpu at most the cores")
 @click.option("--topologies", default=None,
               help="comma-separated Nmono / XpYd [default: Nmono and every XpYd with X+Y=N, N=1..workers]")
-@slo_options
-@click.option("--duration", default=15.0, show_default=True, type=float, help="seconds of arrivals per rate")
-@click.option("--min-requests", default=30, show_default=True, type=int)
-@click.option("--max-requests", default=400, show_default=True, type=int)
-@click.option("--start-rate", default=None, type=float, help="req/s [default: from one request on the idle cluster]")
-@click.option("--refine", default=3, show_default=True, type=int, help="bisection steps at the knee")
-@click.option("--seed", default=0, show_default=True, type=int)
+@goodput_options(start_rate=True)
 @click.option("--out-dir", default="pdserve-scaling", show_default=True, help="scaling.json and the PNG plots")
 @click.option("--worker-arg", "worker_args", multiple=True, help="extra flag for every worker (repeatable)")
-def bench_scaling(model, devices, workers, topologies, workload, ttft_slo_ms, itl_slo_ms, attainment, duration,
-                  min_requests, max_requests, start_rate, refine, seed, out_dir, worker_args):
+def bench_scaling(model, devices, workers, topologies, workload, slo, sweep, out_dir, worker_args):
     """Goodput per topology (Nmono, every XpYd): SLO attainment swept over request rate, plots."""
-    from bench.goodput import SLO
-    from bench.scaling import Sweep, run_scaling_bench
+    from bench.scaling import run_scaling_bench
 
-    slo = SLO(ttft_slo_ms, itl_slo_ms, attainment)
-    sweep = Sweep(duration, min_requests, max_requests, start_rate, refine=refine, seed=seed)
     run_scaling_bench(model, devices, workers, topologies.split(",") if topologies else None, workload, slo, sweep,
                       Path(out_dir), list(worker_args))
 
@@ -179,30 +193,21 @@ def bench_scaling(model, devices, workers, topologies, workload, ttft_slo_ms, it
 @click.option("--worker-arg", "worker_args", multiple=True, help="extra flag for the profiled workers (repeatable)")
 @click.option("--threads", default=None, type=int,
               help="torch threads of the profiled workers [default: cpu: each topology's share of the cores]")
-@slo_options
+@goodput_options()
 @click.option("--plan-devices", default=None, help="device counts to plan for [default: 1..workers,8,16,64]")
 @click.option("--network-gbps", default=25.0, show_default=True, type=float, help="GB/s between hosts")
 @click.option("--network-latency-ms", default=0.05, show_default=True, type=float, help="between hosts")
 @click.option("--devices-per-host", default=8, show_default=True, type=int, help="past this machine (GPUs)")
 @click.option("--compare", "compare_path", default=None,
               help="a bench scaling JSON: predict each topology it measured, with its workload, SLO and search")
-@click.option("--duration", default=15.0, show_default=True, type=float, help="seconds of arrivals per rate")
-@click.option("--min-requests", default=30, show_default=True, type=int)
-@click.option("--max-requests", default=400, show_default=True, type=int)
-@click.option("--refine", default=3, show_default=True, type=int, help="bisection steps at the knee")
-@click.option("--seed", default=0, show_default=True, type=int)
-def plan(profile_path, reprofile, model, device, workers, worker_args, threads, workload, ttft_slo_ms, itl_slo_ms,
-         attainment, plan_devices, network_gbps, network_latency_ms, devices_per_host, compare_path, duration,
-         min_requests, max_requests, refine, seed):
+def plan(profile_path, reprofile, model, device, workers, worker_args, threads, workload, slo, sweep, plan_devices,
+         network_gbps, network_latency_ms, devices_per_host, compare_path):
     """Predict goodput per topology by simulation from a measured worker profile; plan past this machine."""
-    from bench.goodput import SLO
     from bench.plan import Profile, run_plan
     from bench.profile import run_profile
-    from bench.scaling import Sweep
 
-    slo = SLO(ttft_slo_ms, itl_slo_ms, attainment)
-    sweep = Sweep(duration, min_requests, max_requests, refine=refine, seed=seed)
-    counts = parse_prompt_ids(plan_devices) if plan_devices else list(range(1, workers + 1)) + [8, 16, 64]
+    counts = (parse_ints(plan_devices, "--plan-devices", "device counts") if plan_devices
+              else sorted({*range(1, workers + 1), 8, 16, 64}))
     compare_with = None
     if compare_path:
         try:

@@ -48,6 +48,15 @@ class Latency:
     e2e: float | None = None
     itl: list[float] = field(default_factory=list)  # every gap between tokens
 
+    @classmethod
+    def of(cls, s) -> "Latency":
+        """What a client saw of one bench.serve Sample (failed or unfinished: Latency(None))."""
+        if s.error is not None or s.first is None or s.end is None:
+            return cls(None)
+        gaps = [(b - a) * 1e3 for a, b in zip(s.token_times, s.token_times[1:])]
+        tpot = (s.token_times[-1] - s.first) * 1e3 / (len(s.token_times) - 1) if len(s.token_times) > 1 else None
+        return cls((s.first - s.sent) * 1e3, tpot, (s.end - s.sent) * 1e3, gaps)
+
     def meets(self, slo: SLO) -> bool:
         return self.ttft is not None and self.ttft <= slo.ttft_ms and (self.tpot is None or self.tpot <= slo.itl_ms)
 

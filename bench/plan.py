@@ -136,15 +136,14 @@ class Planner:
         return n // k
 
     def search(self, t: Topology, start: float | None = None, background_cores: float = 0.0) -> Search:
-        key = (t, background_cores)
+        key = (t, background_cores, start)
         if key not in self.searches:
             if t.devices <= self.local_workers:
                 m, placement = self.profile.local(t, background_cores)
                 s = predict(m, placement, t, self.workload, self.slo, self.sweep, start)
             else:  # every host runs the same slice; a load-blind router sends KV off-host (h - 1) / h of the time
                 h = self.hosts(t.devices)
-                part = Topology(f"{t.prefill // h}p{t.decode // h}d" if t.prefill else f"{t.mono // h}mono",
-                                t.prefill // h, t.decode // h, t.mono // h)
+                part = Topology(t.prefill // h, t.decode // h, t.mono // h)
                 gbps, latency_s = self.network
                 placement = Placement(cross_host=(h - 1) / h, network_gbps=gbps, network_latency_s=latency_s)
                 s = scaled(predict(self.profile.device_model, placement, part, self.workload, self.slo, self.sweep,
@@ -161,10 +160,10 @@ class Planner:
         """The xPyD splits of n devices: all of them on one host; past it, the same split on every host."""
         h = self.hosts(n)
         k = n // h
-        return [Topology(f"{h * a}p{h * (k - a)}d", h * a, h * (k - a), 0) for a in range(1, k)]
+        return [Topology(h * a, h * (k - a), 0) for a in range(1, k)]
 
     def plan(self, n: int) -> dict:
-        mono = Topology(f"{n}mono", 0, 0, n)
+        mono = Topology(0, 0, n)
         tried = [mono] + self.splits(n)
         rows = [self.row(t) for t in tried]
         best = max(rows, key=lambda r: r["goodput_rps"])
@@ -185,12 +184,12 @@ class Planner:
         """From 1P1D, add whichever worker raises goodput more, up to `most` devices."""
         x, y, steps = 1, 1, []
         while True:
-            t = Topology(f"{x}p{y}d", x, y, 0)
+            t = Topology(x, y, 0)
             step = {"topology": t.name, "goodput_rps": round(self.goodput(t), 4), "add": None}
             steps.append(step)
             if x + y >= most:
                 return steps
-            more_p, more_d = Topology(f"{x + 1}p{y}d", x + 1, y, 0), Topology(f"{x}p{y + 1}d", x, y + 1, 0)
+            more_p, more_d = Topology(x + 1, y, 0), Topology(x, y + 1, 0)
             if self.goodput(more_p) > self.goodput(more_d):
                 step["add"], x = "prefill", x + 1
             else:

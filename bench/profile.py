@@ -42,7 +42,7 @@ import numpy as np
 
 from bench.hostload import CpuWatch
 from bench.report import print_table
-from bench.serve import drive
+from bench.serve import drive, random_prompt
 from bench.simulate import EngineShape, StepCost, WorkerModel
 from common.checkpoint import model_config
 from common.config import EngineConfig
@@ -191,7 +191,7 @@ def profile_workers(model: str, device: str, threads: int | None, worker_args: l
     rng = random.Random(0)
 
     def prompt(n):
-        return [rng.randrange(min(cfg.vocab_size, 256)) for _ in range(n)]
+        return random_prompt(rng, n, cfg.vocab_size)
 
     long = min(max(256, context // 2), context - DECODE_TOKENS - 2)
     kv_lengths = sorted({min(32, long), long})

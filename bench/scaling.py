@@ -30,7 +30,7 @@ from pathlib import Path
 from bench.goodput import SLO, Latency, Point, Search, find_goodput, point_from
 from bench.hostload import CpuWatch
 from bench.report import print_json, print_table
-from bench.serve import drive, parse_topology
+from bench.serve import drive, parse_topology, random_prompt
 from bench.workloads import Workload, fit, get_workload
 from common.checkpoint import model_config
 from common.errors import InvalidArgument
@@ -39,10 +39,13 @@ from router.launcher import Cluster
 
 @dataclass(frozen=True)
 class Topology:
-    name: str
     prefill: int
     decode: int
     mono: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.mono}mono" if self.mono else f"{self.prefill}p{self.decode}d"
 
     @property
     def devices(self) -> int:
@@ -54,15 +57,15 @@ class Topology:
             p, d, m = parse_topology(name)
         except ValueError as e:
             raise InvalidArgument(str(e)) from None
-        return cls(f"{m}mono" if m else name, p, d, m)
+        return cls(p, d, m)
 
 
 def all_topologies(n: int) -> list[Topology]:
     """N monolithic replicas and every XpYd with X + Y = N, for N = 1..n."""
     out = []
     for total in range(1, n + 1):
-        out.append(Topology(f"{total}mono", 0, 0, total))
-        out += [Topology(f"{x}p{total - x}d", x, total - x, 0) for x in range(1, total)]
+        out.append(Topology(0, 0, total))
+        out += [Topology(x, total - x, 0) for x in range(1, total)]
     return out
 
 
@@ -113,18 +116,6 @@ class Progress:
         print(f"[scaling {time.monotonic() - self.started:6.1f}s] {text}", file=sys.stderr, flush=True)
 
 
-def records_from(samples) -> list[Latency]:
-    out = []
-    for s in samples:
-        if s.error is not None or s.first is None or s.end is None:
-            out.append(Latency(None))
-            continue
-        gaps = [(b - a) * 1e3 for a, b in zip(s.token_times, s.token_times[1:])]
-        tpot = (s.token_times[-1] - s.first) * 1e3 / (len(s.token_times) - 1) if len(s.token_times) > 1 else None
-        out.append(Latency((s.first - s.sent) * 1e3, tpot, (s.end - s.sent) * 1e3, gaps))
-    return out
-
-
 @dataclass
 class Sweep:
     """How many requests each rate gets and how the search moves."""
@@ -160,11 +151,11 @@ def measure_cluster(cluster: Cluster, workload: Workload, rate: float, n: int, s
                     seed: int, salt: str) -> Point:
     reqs = [fit(r, context) for r in workload.requests(rate, n, seed)]  # same lengths at every rate
     rng = random.Random(salt)  # fresh prompt ids at every point: no prefix-cache hit from an earlier one
-    load = [(r.arrival, [rng.randrange(min(vocab, 256)) for _ in range(r.prompt_tokens)], r.output_tokens)
+    load = [(r.arrival, random_prompt(rng, r.prompt_tokens, vocab), r.output_tokens)
             for r in reqs]
     watch = CpuWatch({"router": [cluster.router.proc.pid], "workers": [w.proc.pid for w in cluster.workers]})
     samples, wall = asyncio.run(drive(cluster.address, load))
-    p = point_from(rate, records_from(samples), slo, sum(s.tokens for s in samples), wall)
+    p = point_from(rate, [Latency.of(s) for s in samples], slo, sum(s.tokens for s in samples), wall)
     p.cpu = watch.stop()
     return p
 
@@ -173,7 +164,7 @@ def start_rate_for(address: str, workload: Workload, t: Topology, context: int, 
     """Half of what the workers could serve one request at a time each: a rate that should pass."""
     r = fit(workload.requests(1.0, 1)[0], context)
     rng = random.Random("start")
-    samples, _ = asyncio.run(drive(address, [(0.0, [rng.randrange(min(vocab, 256)) for _ in range(r.prompt_tokens)],
+    samples, _ = asyncio.run(drive(address, [(0.0, random_prompt(rng, r.prompt_tokens, vocab),
                                               r.output_tokens)]))
     e2e = samples[0].end - samples[0].sent if samples[0].end else 1.0
     return max(0.05, 0.5 * max(t.mono, t.decode, 1) / e2e)

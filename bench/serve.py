@@ -84,8 +84,13 @@ def make_requests(s: Scenario, vocab: int, context: int, seed: int):
             t = i / s.rate
         elif s.arrival == "poisson" and i:
             t += rng.expovariate(s.rate)
-        out.append((t, [rng.randrange(min(vocab, 256)) for _ in range(plen)], new))
+        out.append((t, random_prompt(rng, plen, vocab), new))
     return out
+
+
+def random_prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
+    """n token ids of the first 256 (or the vocabulary): no prefix-cache hits between prompts."""
+    return [rng.randrange(min(vocab, 256)) for _ in range(n)]
 
 
 @dataclass
@@ -136,12 +141,15 @@ def pct(values: list[float], q: float) -> float:
 
 
 def summarize(samples: list[Sample], wall: float) -> dict:
-    ttft = [(s.first - s.sent) * 1e3 for s in samples if s.first]
-    itl = [(b - a) * 1e3 for s in samples for a, b in zip(s.token_times, s.token_times[1:])]
-    e2e = [(s.end - s.sent) * 1e3 for s in samples if s.end]
-    router = [s.router_s * 1e3 for s in samples]
-    return {"requests": len(samples), "output_tokens": sum(s.tokens for s in samples),
-            "output_tok_s": round(sum(s.tokens for s in samples) / wall, 1),
+    """Latencies and throughput of the requests that completed; the failed ones are counted apart."""
+    from bench.goodput import Latency  # (it imports this module)
+
+    ok = [s for s in samples if s.error is None]
+    done = [r for r in map(Latency.of, ok) if r.ttft is not None]
+    ttft, itl, e2e = [r.ttft for r in done], [g for r in done for g in r.itl], [r.e2e for r in done]
+    router = [s.router_s * 1e3 for s in ok]
+    return {"requests": len(samples), "failed": len(samples) - len(ok), "output_tokens": sum(s.tokens for s in ok),
+            "output_tok_s": round(sum(s.tokens for s in ok) / wall, 1),
             "ttft_p50_ms": round(pct(ttft, 50), 2), "ttft_p99_ms": round(pct(ttft, 99), 2),
             "itl_p50_ms": round(pct(itl, 50), 2), "itl_p99_ms": round(pct(itl, 99), 2),
             "e2e_p50_ms": round(pct(e2e, 50), 2), "e2e_p99_ms": round(pct(e2e, 99), 2),
@@ -224,9 +232,9 @@ def run_serve_bench(model: str, topologies: list[str], scenarios: list[str], rou
     order = {n: i for i, n in enumerate(scenarios)}
     rows.sort(key=lambda r: (order[r["scenario"]], r["topology"]))
     print_table(f"pdserve bench serve: {model}, greedy, ignore_eos (latencies in ms)",
-                ["scenario", "topology", "frontend", "reqs", "out tok/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99",
+                ["scenario", "topology", "frontend", "reqs", "failed", "out tok/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99",
                  "E2E p50", "E2E p99", "router p99"],
-                [[r["scenario"], r["topology"], r["frontend"], r["requests"], r["output_tok_s"], r["ttft_p50_ms"],
+                [[r["scenario"], r["topology"], r["frontend"], r["requests"], r["failed"], r["output_tok_s"], r["ttft_p50_ms"],
                   r["ttft_p99_ms"], r["itl_p50_ms"], r["itl_p99_ms"], r["e2e_p50_ms"], r["e2e_p99_ms"],
                   r["router_p99_ms"] if r["frontend"] == "zmq" else "-"] for r in rows])
     result = {"bench": "serve", "model": model, "results": rows, "loopback_rtt_ms": round(rtt, 4)}

@@ -45,7 +45,7 @@ from bench.goodput import SLO, Latency, Point, point_from
 from bench.workloads import Request
 from common.kv_cache import BlockManager
 from common.sampling import SamplingParams
-from common.scheduler import ScheduledSeq, Scheduler
+from common.scheduler import ScheduledSeq, Scheduler, step_shape
 from common.sequence import PREFILLED, Sequence, Status
 
 HEARTBEAT_S = 0.2  # common/worker.py WorkerConfig.heartbeat_interval_s
@@ -306,12 +306,7 @@ class Simulation:
         batch = w.engine.schedule()
         if not batch:
             return
-        chunks, lengths = [], []
-        for s in batch:
-            if s.seq.is_decoding and s.num_tokens == 1:
-                lengths.append(len(s.seq))
-            else:
-                chunks.append((s.num_tokens, s.seq.num_computed_tokens))
+        chunks, lengths = step_shape(batch)
         cost = self.model.mono_step if w.role == "mono" and self.model.mono_step else self.model.step
         w.step = Step(batch, cost(chunks, len(lengths), self.model.kv_read(lengths)), self.now)
         if self.placement.host_cores:

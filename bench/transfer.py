@@ -66,12 +66,15 @@ def peer_device(transport: str, sender: torch.device, devices: list[str] | None)
     if devices and len(devices) > 1:
         peer = resolve_device(devices[1])
     elif transport == "nccl":
-        peer = resolve_device(f"cuda:{(sender.index or 0) + 1}")
+        peer = torch.device("cuda", (sender.index or 0) + 1)
     else:
         peer = sender
     if KV_TRANSPORT_DEVICE.get(transport, peer.type) != peer.type:
         raise InvalidArgument(f"transport={transport!r} does not work with a receiver on {str(peer)!r}; it needs a "
                               f"{KV_TRANSPORT_DEVICE[transport]} pool")
+    if transport == "nccl" and (peer == sender or (peer.index or 0) >= torch.cuda.device_count()):
+        raise InvalidArgument(f"transport='nccl' needs its receiver on a second GPU (NCCL refuses two ranks on one; "
+                              f"this machine has {torch.cuda.device_count()}); pass --devices cuda:0,cuda:1")
     return peer
 
 

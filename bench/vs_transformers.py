@@ -21,7 +21,7 @@ from common.errors import InvalidArgument
 from common.sampling import SamplingParams
 
 
-def _transformers_loader(spec: str, dtype: torch.dtype):
+def _transformers_loader(spec: str, dtype: torch.dtype, device: torch.device):
     try:
         from transformers import AutoModelForCausalLM, AutoTokenizer
     except ImportError as e:
@@ -33,7 +33,7 @@ def _transformers_loader(spec: str, dtype: torch.dtype):
 
     def load():
         AutoTokenizer.from_pretrained(where, **kwargs)
-        return AutoModelForCausalLM.from_pretrained(where, dtype=dtype, **kwargs).eval()
+        return AutoModelForCausalLM.from_pretrained(where, dtype=dtype, **kwargs).eval().to(device)
 
     return load
 
@@ -50,17 +50,18 @@ def run_vs_transformers(engine: Engine, prompt_len: int, output_len: int, batch_
 
     cfg = engine.config
     spec, device, dtype = cfg.model, cfg.torch_device, cfg.torch_dtype
-    hf_load = _transformers_loader(spec, dtype)
+    hf_load = _transformers_loader(spec, dtype, device)
     path = model_path(spec)
-    if path.is_file():
-        path.read_bytes()  # page cache warm for whichever loads first
+    if path.is_file():  # page cache warm for whichever loads first
+        with open(path, "rb") as f:
+            while f.read(1 << 24):
+                pass
     ours_s, theirs_s = [], []
     for _ in range(load_repeats):
         gguf_loader._open.cache_clear()  # parse the file again, as a fresh process would
         ours_s.append(_timed(lambda: load_model(spec, device, dtype, cfg.attention_backend))[0])
         seconds, hf_model = _timed(hf_load)
         theirs_s.append(seconds)
-    hf_model.to(device)
 
     rng = random.Random(seed)
     vocab = engine.model_config.vocab_size

@@ -106,9 +106,11 @@ class Workload:
     def _replay(self, rate: float, n: int) -> list[Request]:
         rows = self.trace
         span = rows[-1].arrival - rows[0].arrival
-        natural = (len(rows) - 1) / span if span > 0 else rate  # the trace's own mean rate
-        scale = natural / rate
-        period = (span + (span / (len(rows) - 1) if len(rows) > 1 and span > 0 else 1 / rate)) * scale
+        if span > 0:  # the trace's own mean rate, scaled to this one; it repeats a mean gap after its last row
+            scale = (len(rows) - 1) / span / rate
+            period = (span + span / (len(rows) - 1)) * scale
+        else:  # one burst (or one row): repeat it len(rows) / rate apart
+            scale, period = 1.0, len(rows) / rate
         out = []
         for i in range(n):
             r = rows[i % len(rows)]

@@ -350,3 +350,5 @@ def fill_weights(model: Transformer, plan: dict, fetch) -> None:
             t = t.t() if transpose else t
             dst[row:row + t.shape[0]].copy_(t)
             row += t.shape[0]
+        if row != dst.shape[0]:  # rows left as torch.empty left them
+            raise ModelLoadError(f"{ours}: its sources fill {row} of its {dst.shape[0]} rows")

@@ -9,7 +9,7 @@ import sys
 import click
 
 from bench.cli import bench, plan
-from common.cli_options import (devices_option, engine_argv, engine_options, http_options, parse_prompt_ids,
+from common.cli_options import (devices_option, engine_argv, engine_options, http_options, parse_ints,
                                 sampling_kwargs, sampling_options, setup_logging)
 from common.errors import PdserveError
 
@@ -60,7 +60,7 @@ def pull(name):
 def generate(prompts, prompt_ids, chats, as_json, router_address, max_tokens, temperature, top_p, top_k, seed,
              ignore_eos, engine_kwargs):
     """Generate text for one or more prompts: in-process, or through a cluster with --router."""
-    requests = ([{"prompt": p} for p in prompts] + [{"prompt": parse_prompt_ids(p)} for p in prompt_ids]
+    requests = ([{"prompt": p} for p in prompts] + [{"prompt": parse_ints(p)} for p in prompt_ids]
                 + [{"messages": [{"role": "user", "content": c}]} for c in chats])
     if not requests:
         raise click.UsageError("give at least one --prompt, --prompt-ids or --chat")
@@ -265,7 +265,7 @@ def client(router_address, prompt, prompt_ids, as_json, max_tokens, temperature,
     if (prompt is None) == (prompt_ids is None):
         raise click.UsageError("give exactly one of --prompt or --prompt-ids")
     with Client(router_address) as c:
-        stream = c.stream(prompt if prompt is not None else parse_prompt_ids(prompt_ids),
+        stream = c.stream(prompt if prompt is not None else parse_ints(prompt_ids),
                           **sampling_kwargs(max_tokens, temperature, top_p, top_k, seed, ignore_eos))
         for chunk in stream:
             if not as_json:

@@ -96,11 +96,12 @@ def sampling_options(f=None, *, max_tokens: int = 32):
     return apply(f) if f is not None else apply
 
 
-def parse_prompt_ids(text: str) -> list[int]:
+def parse_ints(text: str, flag: str = "--prompt-ids", what: str = "token ids") -> list[int]:
+    """A comma-separated list of integers given to flag; the error names both."""
     try:
         return [int(t) for t in text.replace(" ", "").split(",") if t]
     except ValueError:
-        raise click.BadParameter(f"{text!r} is not a comma-separated list of token ids", param_hint="--prompt-ids")
+        raise click.BadParameter(f"{text!r} is not a comma-separated list of {what}", param_hint=flag)
 
 
 def http_options(f):

@@ -56,8 +56,8 @@ class ModelRunner:
 
     def prepare(self, batch: list[ScheduledSeq]):
         bs = self.block_size
-        decodes = [s for s in batch if s.seq.is_decoding and s.num_tokens == 1]
-        prefills = [s for s in batch if not (s.seq.is_decoding and s.num_tokens == 1)]
+        decodes = [s for s in batch if s.is_decode]
+        prefills = [s for s in batch if not s.is_decode]
         input_ids, positions, slots = [], [], []
         for s in decodes:
             seq, pos = s.seq, len(s.seq) - 1
@@ -136,6 +136,10 @@ class ModelRunner:
 
 
 class Engine:
+    # Stop strings need the text, two detokenizations a token. In a cluster the router builds it,
+    # once, and cancels the work; its workers turn this off (common/worker.py).
+    finds_stop_strings = True
+
     def __init__(self, config: EngineConfig | None = None, **kwargs):
         self.config = config = config or EngineConfig(**kwargs)
         loaded = load_model(config.model, config.torch_device, config.torch_dtype, config.attention_backend)
@@ -215,7 +219,7 @@ class Engine:
             raise InvalidArgument(f"request_id={request_id!r} is already in use")
         seq = Sequence(request_id, prompt_ids, params, seed, self.model_config.eos_token_ids, self.max_model_len,
                        output_ids, prefill_only)
-        if params.stop and self.tokenizer is not None and not prefill_only:
+        if params.stop and self.finds_stop_strings and self.tokenizer is not None and not prefill_only:
             # The same text the router builds, so a request stops at the same token wherever it runs.
             seq.text = TextStream(self.tokenizer, params.stop, params.include_stop_str_in_output)
             for token in output_ids:

@@ -141,7 +141,7 @@ def dequantize(raw_RB: torch.Tensor, qtype: str) -> torch.Tensor:
     """Rows of raw GGUF tensor data, uint8 (rows, bytes per row), to float32 (rows, values per row)."""
     if qtype in _FLOATS:
         return raw_RB.view(_FLOATS[qtype]).float()
-    values, size = BLOCK_SIZES[qtype]
+    size = BLOCK_SIZES[qtype][1]
     rows = raw_RB.shape[0]
     blocks = raw_RB.reshape(-1, size)
     return _BLOCK_FNS[qtype](blocks).reshape(rows, -1)

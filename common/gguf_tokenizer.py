@@ -16,6 +16,8 @@ left out when decoding. BOS/EOS are added as `add_bos_token`/`add_eos_token` say
 
 from __future__ import annotations
 
+import functools
+
 from common.chat import ChatTemplate
 from common.errors import ModelLoadError
 from common.tokenizer import HFTokenizer
@@ -45,6 +47,7 @@ MODELS = ("gpt2", "llama")
 _UNKNOWN, _CONTROL, _USER_DEFINED = 2, 3, 4  # llama.cpp token types
 
 
+@functools.cache
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character map, the alphabet byte-level vocabularies are spelled in."""
     printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))

@@ -110,16 +110,19 @@ def kv_pool_blocks(mem: DeviceMemory, block_bytes: int, num_layers: int, activat
         flag = f"lower --kv-cache-gb (it asks for {gib(kv_cache_bytes)})"
     else:
         util = DEFAULT_UTILIZATION if utilization is None else utilization
-        budget = share = util * mem.total - mem.held - activations
-        if utilization is None:
-            budget = min(share, DEFAULT_UTILIZATION * mem.free - activations)
+        share = util * mem.total - mem.held - activations
+        free_budget = DEFAULT_UTILIZATION * mem.free - activations
+        by_free = utilization is None and free_budget < share  # what is free limits it, not the share
+        budget = free_budget if by_free else share
         if budget < min_blocks * cost:
-            left = (f"--gpu-memory-utilization={util} ({gib(util * mem.total)}) leaves" if budget == share else
-                    f"{DEFAULT_UTILIZATION} of what is free leaves")
+            left, advice = ((f"{DEFAULT_UTILIZATION} of what is free leaves", "free the device, or size the pool with "
+                             "--kv-cache-gb or --num-blocks") if by_free else
+                            (f"--gpu-memory-utilization={util} ({gib(util * mem.total)}) leaves",
+                             "raise --gpu-memory-utilization"))
             raise InvalidArgument(
                 f"{found}: {left} {gib(max(0.0, budget))} for the KV pool, less than the {gib(min_blocks * cost)} of "
-                f"the smallest useful one ({min_blocks} blocks: one step's tokens); raise --gpu-memory-utilization "
-                f"(or lower --max-num-batched-tokens, --max-num-seqs or --max-model-len, or pick a smaller --dtype)")
+                f"the smallest useful one ({min_blocks} blocks: one step's tokens); {advice} (or lower "
+                f"--max-num-batched-tokens, --max-num-seqs or --max-model-len, or pick a smaller --dtype)")
         blocks = min(max_blocks, int(budget // cost))
         flag = f"lower --gpu-memory-utilization (it is {util}: {gib(util * mem.total)})"
     need = blocks * cost + activations

@@ -45,8 +45,8 @@ class SamplingParams:
     filters; seed None draws a fresh seed when the request is admitted (then it is fixed for the
     request's life, so preemption and migration still reproduce its tokens).
 
-    stop: strings that end the text (the router finds them, across tokens, and cuts them off
-    unless include_stop_str_in_output). logprobs: None, or N in [0, 20]: each generated token's
+    stop: strings that end the text (the router, or an in-process Engine, finds them across tokens
+    and cuts them off unless include_stop_str_in_output). logprobs: None, or N in [0, 20]: each generated token's
     logprob and the N most likely alternatives; prompt_logprobs the same for the prompt's tokens
     (computed by the prefill, which then skips the prefix cache)."""
 

@@ -24,10 +24,24 @@ class ScheduledSeq:
     num_tokens: int  # tokens fed this step, from seq.num_computed_tokens on
     samples: bool = field(init=False)  # the step computes seq's last token: sample the next one
     start: int = field(init=False)  # seq's tokens already computed when scheduled (its KV the step reads)
+    is_decode: bool = field(init=False)  # feeds its last sampled token; else a prefill (or recompute) chunk
 
     def __post_init__(self):
         self.start = self.seq.num_computed_tokens
         self.samples = self.start + self.num_tokens == len(self.seq)
+        self.is_decode = self.num_tokens == 1 and self.seq.is_decoding
+
+
+def step_shape(batch: list[ScheduledSeq]) -> tuple[list[tuple[int, int]], list[int]]:
+    """What a step's cost depends on: (tokens, tokens computed before) of each prefill chunk, and
+    each decode's sequence length (the KV it reads, its new token included)."""
+    chunks, decodes = [], []
+    for s in batch:
+        if s.is_decode:
+            decodes.append(s.start + 1)
+        else:
+            chunks.append((s.num_tokens, s.start))
+    return chunks, decodes
 
 
 class Scheduler:

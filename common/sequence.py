@@ -70,7 +70,8 @@ class Sequence:
             self.logprobs.append(logprob)
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
-        if token in self.stop_ids or (self.text is not None and self.text.add(token)):
+        ends_text = self.text is not None and self.text.add(token)  # the text sees every token
+        if token in self.stop_ids or ends_text:
             self.finish_reason = "stop"
         elif len(self.token_ids) >= self.max_len:
             self.finish_reason = "length"

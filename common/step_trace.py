@@ -1,6 +1,6 @@
 """A worker's steps, one line each, for finding where serving time goes: set PDSERVE_STEP_TRACE to a
 directory and every worker started with it (a launcher's children inherit it) writes
-`<worker-id>.tsv` there. The planner's profile times steps from the client; this is the worker's
+`<worker-id>-<pid>.tsv` there. The planner's profile times steps from the client; this is the worker's
 own view: how long each forward took, how long sending its tokens took, and what the step held,
 in the terms of the simulator's step cost (bench/simulate.py StepCost).
 
@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+
+from common.scheduler import step_shape
 
 ENV = "PDSERVE_STEP_TRACE"
 COLUMNS = ("start", "step_ms", "send_ms", "decodes", "longest", "prefill_tokens", "prefill_token_ctx")
@@ -26,16 +28,13 @@ class StepTrace:
     @classmethod
     def from_env(cls, name: str) -> "StepTrace | None":
         directory = os.environ.get(ENV)
-        return cls(Path(directory) / f"{name}.tsv") if directory else None
+        return cls(Path(directory) / f"{name}-{os.getpid()}.tsv") if directory else None  # a restart: a new file
 
     def record(self, start: float, stepped: float, sent: float, batch) -> None:
-        """batch: the ScheduledSeqs of the step."""
-        decodes, chunks = [], []
-        for s in batch:
-            if s.num_tokens == 1 and s.start >= s.seq.num_prompt_tokens:  # fed its last sampled token
-                decodes.append(s.start + 1)
-            else:
-                chunks.append((s.num_tokens, s.start))
+        """batch: the ScheduledSeqs of the step (empty: nothing ran, nothing written)."""
+        if not batch:
+            return
+        chunks, decodes = step_shape(batch)
         self.file.write(f"{start:.6f}\t{(stepped - start) * 1e3:.3f}\t{(sent - stepped) * 1e3:.3f}\t{len(decodes)}\t"
                         f"{max(decodes, default=0)}\t{sum(n for n, _ in chunks)}\t{sum(n * (n + c) for n, c in chunks)}\n")
 

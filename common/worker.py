@@ -53,6 +53,7 @@ class WorkerBase:
             torch.set_num_threads(cfg.threads)
         self.cfg = cfg
         self.engine = Engine(cfg.engine)
+        self.engine.finds_stop_strings = False  # the router finds them for the whole cluster
         self.worker_id = cfg.worker_id or f"{self.role}-{os.getpid()}"
         self.ctx = zmq.Context()
         self.poller = zmq.Poller()

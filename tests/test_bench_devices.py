@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 import bench.transfer as B
@@ -66,6 +67,11 @@ def test_a_transport_is_refused_devices_it_cannot_use():
     with pytest.raises(InvalidArgument, match="transport='cuda_ipc' does not work with a receiver on 'cpu'"):
         B.peer_device("cuda_ipc", cpu, ["cpu", "cpu"])
     assert B.peer_device("shm", cpu, ["cpu", "cpu"]) == B.peer_device("zmq", cpu, None) == cpu
+    gpu = torch.device("cuda", 0)  # nccl: never both ranks on one GPU, nor on one the machine lacks
+    one_gpu = [["cuda:0", "cuda:0"]] if torch.cuda.is_available() else []
+    for devices in one_gpu + ([None] if torch.cuda.device_count() < 2 else []):  # None: the next GPU, missing
+        with pytest.raises(InvalidArgument, match="transport='nccl' needs its receiver on a second GPU"):
+            B.peer_device("nccl", gpu, devices)
 
 
 def test_transfer_on_cpu_devices_keeps_its_cpu_ceilings():

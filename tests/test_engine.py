@@ -146,6 +146,11 @@ def test_stop_string_across_tokens_ends_the_text_in_process(tmp_path):
         assert out.finish_reason == "stop"
         assert out.token_ids == free.token_ids[:completes]
         assert out.text == prefixes[-1][:at + (len(stop) if include else 0)]
+    # a stop token ending the request before any stop string: the text is the same with or without one
+    by_id = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop_token_ids=[free.token_ids[3]])
+    plain = engine.generate("the quick brown", by_id)[0]
+    both = engine.generate("the quick brown", SamplingParams(**{**by_id.__dict__, "stop": ["\x00never"]}))[0]
+    assert (both.token_ids, both.text) == (plain.token_ids, plain.text) and plain.text
     assert_all_blocks_free(engine)
 
 

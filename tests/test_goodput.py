@@ -91,3 +91,15 @@ def test_throughput_at_saturation_is_the_best_delivered():
 def test_slo_must_be_positive(ttft, itl, attain, flag):
     with pytest.raises(InvalidArgument, match=flag):
         SLO(ttft, itl, attain)
+
+
+def test_bench_serve_counts_failed_requests_apart():
+    """A failed request adds to 'failed', and none of its partial stream to the latencies or tokens."""
+    from bench.serve import Sample, summarize
+
+    good = Sample(sent=0.0, first=0.010, token_times=[0.010, 0.020, 0.030], end=0.030, tokens=3, router_s=0.001)
+    failed = Sample(sent=0.0, first=0.500, token_times=[0.500, 0.900], end=None, tokens=0, error="UNAVAILABLE")
+    s = summarize([good, failed], wall=1.0)
+    assert (s["requests"], s["failed"], s["output_tokens"]) == (2, 1, 3)
+    assert s["ttft_p99_ms"] == pytest.approx(10) and s["itl_p99_ms"] == pytest.approx(10)
+    assert s["router_p50_ms"] == pytest.approx(1)

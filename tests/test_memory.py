@@ -137,6 +137,11 @@ def test_a_device_with_too_little_free_fails_naming_what_another_process_holds()
         blocks_for(0.6, free=20 * GiB)  # something else holds most of the device
     msg = str(e.value)
     assert "20.00 GiB of it free" in msg and "lower --gpu-memory-utilization (it is 0.6: 47.40 GiB)" in msg
+    with pytest.raises(InvalidArgument) as e:  # no share given: what is free limits the pool, not a flag
+        blocks_for(None, free=ACT)
+    msg = str(e.value)
+    assert "0.9 of what is free leaves" in msg and "free the device, or size the pool with --kv-cache-gb" in msg
+    assert "raise --gpu-memory-utilization" not in msg
 
 
 def test_utilization_outside_zero_to_one_is_refused_clearly():

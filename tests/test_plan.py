@@ -63,9 +63,11 @@ def test_past_this_machine_every_host_runs_the_same_split():
 
 def test_compare_replays_a_measurement():
     p = planner(PREFILL_BOUND, 100, 10, SLO(200, 20))
-    rows = compare(p, {"results": [{"topology": "1p1d", "goodput_rps": 20.0, "start_rate": 4.0, "others_cores": 0}]})
+    rows = compare(p, {"results": [{"topology": "1p1d", "goodput_rps": 20.0, "start_rate": 5.0, "others_cores": 0}]})
     assert rows[0]["topology"] == "1p1d" and abs(rows[0]["error"]) <= 0.1
-    assert rows[0]["predicted_rps"] == round(p.goodput(Topology.parse("1p1d")), 4)
+    replayed = p.search(Topology.parse("1p1d"), start=5.0)  # the measured search's start rate, replayed
+    assert replayed.points[0].rate == 5.0 and rows[0]["predicted_rps"] == round(replayed.goodput, 4)
+    assert p.search(Topology.parse("1p1d")).points[0].rate == SWEEP.start_rate  # the plan's own search
 
 
 def test_plan_profiles_once_then_plans_from_the_saved_profile(tmp_path):

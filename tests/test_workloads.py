@@ -52,6 +52,8 @@ def test_jsonl_trace_is_replayed_at_each_rate(tmp_path):
     fast = w.requests(3.0, 6)  # twice the rate: half the times; cycled with the trace's period
     assert [r.arrival for r in fast] == pytest.approx([0.0, 0.25, 0.25, 1.0, 4 / 3, 4 / 3 + 0.25])
     assert [r.prompt_tokens for r in fast] == [10, 20, 30, 40, 10, 20]
+    burst = get_workload(write(tmp_path / "burst.jsonl", rows[1:3]))  # two rows at one instant
+    assert [r.arrival for r in burst.requests(1.0, 6)] == pytest.approx([0, 0, 2, 2, 4, 4])  # 1 request/s
 
 
 @pytest.mark.parametrize("line, problem", [
@@ -85,7 +87,7 @@ def test_unknown_workload_and_empty_trace(tmp_path):
 
 def test_topologies_and_what_the_devices_allow(monkeypatch):
     assert [t.name for t in all_topologies(3)] == ["1mono", "2mono", "1p1d", "3mono", "1p2d", "2p1d"]
-    assert Topology.parse("mono") == Topology("1mono", 0, 0, 1) and Topology.parse("2p3d").devices == 5
+    assert Topology.parse("mono") == Topology(0, 0, 1) and Topology.parse("2p3d").devices == 5
     with pytest.raises(InvalidArgument, match="topology '0p1d' is not supported"):
         Topology.parse("0p1d")
     monkeypatch.setattr("os.cpu_count", lambda: 2)
