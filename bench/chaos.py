@@ -21,6 +21,8 @@ from pathlib import Path
 import torch
 
 from bench.report import print_json, print_table
+from common.cli_options import engine_kwargs_from
+from common.errors import InvalidArgument
 from bench.serve import pct
 from common.engine import Engine
 from common.sampling import SamplingParams
@@ -147,7 +149,10 @@ def run_chaos(model: str = "dummy:nanogpt", prefill: int = 2, decode: int = 2, r
     """The reference runs on the first of `devices` in `dtype`, as the workers do (token-exact on a
     GPU needs a batch-invariant dtype there: float32)."""
     work = chaos_workload(requests, seed)
-    engine = Engine(model=model, device=devices[0], dtype=dtype)
+    given = engine_kwargs_from(worker_args)["dtype"]
+    if dtype is not None and given is not None and given != dtype:
+        raise InvalidArgument(f"--dtype {dtype} and --worker-arg=--dtype={given}: give the workers' dtype once")
+    engine = Engine(model=model, device=devices[0], dtype=dtype or given)
     reference = [o.token_ids for o in engine.generate([p for p, _ in work], [SamplingParams(**s) for _, s in work])]
     on_gpu, dtype = engine.config.torch_device.type == "cuda", engine.config.dtype
     del engine

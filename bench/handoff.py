@@ -20,23 +20,14 @@ from pathlib import Path
 
 from bench.report import print_json, print_table
 from common.checkpoint import model_config
-from common.config import DTYPES
+from common.cli_options import engine_kwargs_from
+from common.config import DTYPES, default_dtype
 from common.errors import InvalidArgument
 from common.memory import cuda_device_key
 from router.client import Client
 from router.launcher import Cluster
 
 MODES = {"streamed": [], "after prefill": ["--no-kv-stream"]}
-
-
-def kv_dtype(worker_args: list[str], device: str) -> str:
-    """The workers' KV dtype: their --dtype, else the engine's default on this device."""
-    for flag, value in zip(worker_args, [*worker_args[1:], None]):
-        if flag.startswith("--dtype="):
-            return flag.split("=", 1)[1]
-        if flag == "--dtype" and value is not None:
-            return value
-    return "float32" if cuda_device_key(device) is None else "bfloat16"
 
 
 def run_handoff_bench(model: str, tokens: int, requests: int, transport: str, seed: int = 0,
@@ -46,7 +37,9 @@ def run_handoff_bench(model: str, tokens: int, requests: int, transport: str, se
         raise InvalidArgument(f"tokens={tokens}; allowed: 1..{cfg.max_position_embeddings - 1} ({model}'s context)")
     if requests < 1:
         raise InvalidArgument(f"requests={requests}; allowed: >= 1")
-    dtype = kv_dtype(list(worker_args), devices[0])
+    # the workers' KV dtype: their --dtype (the last one, as click reads it), else the engine's default
+    dtype = engine_kwargs_from(worker_args)["dtype"] or default_dtype("cpu" if cuda_device_key(devices[0]) is None
+                                                                      else "cuda")
     if dtype not in DTYPES:
         raise InvalidArgument(f"--dtype {dtype!r} is not supported; allowed: {sorted(DTYPES)}")
     rng = random.Random(seed)

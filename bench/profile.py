@@ -37,36 +37,22 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
-import click
 import numpy as np
 
 from bench.hostload import CpuWatch
 from bench.report import print_table
 from bench.serve import drive, random_prompt
+from common.cli_options import engine_kwargs_from
 from bench.simulate import EngineShape, StepCost, WorkerModel
 from common.checkpoint import model_config
-from common.config import EngineConfig
+from common.attention import make_attention
+from common.config import EngineConfig, default_dtype, resolve_device
 from common.errors import InvalidArgument
 from router.client import Client
 from router.launcher import Cluster, threads_per_worker
 
 PROFILE_VERSION = 1
 DECODE_TOKENS = 256  # output tokens of each decode-profile request: long enough for a full batch to form
-
-
-def engine_kwargs_from(worker_args: list[str]) -> dict:
-    """The EngineConfig fields that these worker flags set (others ignored), by the CLI's own options."""
-    from common.cli_options import engine_options
-
-    found = {}
-
-    @click.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
-    @engine_options
-    def parse(engine_kwargs):
-        found.update(engine_kwargs)
-
-    parse.main(list(worker_args), standalone_mode=False)
-    return found
 
 
 def contention(worker_cores: float, cpu: dict[str, float], host_cores: int | None) -> float:
@@ -178,16 +164,18 @@ def profile_workers(model: str, device: str, threads: int | None, worker_args: l
     raw points and the fits."""
     cfg = model_config(model)
     kwargs = engine_kwargs_from(worker_args)
-    kwargs["dtype"] = kwargs.get("dtype") or ("float32" if device == "cpu" else "bfloat16")
+    kwargs["dtype"] = kwargs["dtype"] or default_dtype("cpu" if device == "cpu" else "cuda")
     engine = EngineConfig(**{**kwargs, "model": model, "device": "cpu"})  # checks the flags; no device needed
     context = min(engine.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
     budget, max_seqs = engine.max_num_batched_tokens, engine.max_num_seqs
     kv_bytes = cfg.kv_values_per_token * engine.torch_dtype.itemsize
     host_cores = (os.cpu_count() or 1) if device == "cpu" else None
     threads = threads or threads_per_worker(2)
-    # The portable attention reads a decode batch padded to its longest sequence; FlexAttention (auto
-    # on CUDA) reads each sequence's own pages.
-    padded = engine.attention_backend == "sdpa" or (engine.attention_backend == "auto" and device == "cpu")
+    # The portable attention reads a decode batch padded to its longest sequence; FlexAttention reads
+    # each sequence's own pages. `auto` picks by the same start-up check the workers run.
+    attention = make_attention(engine.attention_backend, resolve_device(device), cfg.num_heads, cfg.num_kv_heads,
+                               cfg.head_dim)
+    padded = attention.name == "sdpa"
     rng = random.Random(0)
 
     def prompt(n):

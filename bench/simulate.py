@@ -401,8 +401,9 @@ def latency(r: SimRequest, front_latency_s: float, now: float) -> Latency:
 def simulate(model: WorkerModel, prefill: int, decode: int, mono: int, placement: Placement, rate: float,
              requests: list[Request], slo: SLO, stop_below: float | None = None) -> Point:
     """One rate: every request served to its length; the SLO attainment and what was delivered.
-    With stop_below, a run whose attainment is sure to end below it stops there (the requests not
-    finished count as failed): the search only needs to know it failed clearly."""
+    With stop_below, a run whose attainment is sure to end below it stops there: the search only
+    needs to know it failed clearly. The requests not finished then count by their latencies so
+    far (what they were missing, for `plan.bound`), so such a point's attainment is an upper bound."""
     sim = Simulation(model, prefill, decode, mono, placement, rate, requests, slo, stop_below)
     done = sim.run()
     records = [latency(r, model.front_latency_s, sim.now) for r in done]

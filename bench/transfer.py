@@ -34,7 +34,7 @@ from bench.report import print_json, print_table
 from common import protocol as P
 from common.channel import Channel, Waker
 from common.checkpoint import model_config
-from common.config import DTYPES, KV_TRANSPORT_DEVICE, resolve_device
+from common.config import DTYPES, KV_TRANSPORT_DEVICE, default_dtype, resolve_device
 from common.errors import InvalidArgument
 from common.kv_cache import SharedSegment
 from common.kv_transport import (Inbox, Outgoing, frame_plan, make_receivers, make_senders, tune_malloc, unit_bytes,
@@ -52,7 +52,7 @@ def kv_shape(spec: str, tokens: int, block_size: int, dtype: str | None, device:
     if KV_TRANSPORT_DEVICE.get(transport, device.type) != device.type:
         raise InvalidArgument(f"transport={transport!r} does not work with device={str(device)!r}; it needs a "
                               f"{KV_TRANSPORT_DEVICE[transport]} pool")
-    dtype = dtype or ("float32" if device.type == "cpu" else "bfloat16")
+    dtype = dtype or default_dtype(device.type)
     if dtype not in DTYPES:
         raise InvalidArgument(f"dtype={dtype!r} is not supported; allowed: {sorted(DTYPES)}")
     mc = model_config(spec)

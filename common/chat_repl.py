@@ -35,16 +35,20 @@ class _CtrlC:
         signal.signal(signal.SIGINT, self._old)
 
 
-def chat_prompt_ids(engine, messages: list[dict]) -> list[int]:
-    """messages rendered by an in-process engine's chat template, as the router renders them."""
+def check_chat_template(engine) -> None:
     if engine.tokenizer is None or engine.tokenizer.chat_template is None:
         raise InvalidArgument(f"model {engine.config.model!r} has no chat template; send a prompt instead")
+
+
+def chat_prompt_ids(engine, messages: list[dict]) -> list[int]:
+    """messages rendered by an in-process engine's chat template, as the router renders them."""
+    check_chat_template(engine)
     return engine.tokenizer.encode_chat(messages)
 
 
 class EngineChat:
     def __init__(self, engine):
-        chat_prompt_ids(engine, [{"role": "user", "content": ""}])  # fail now, not at the first message
+        check_chat_template(engine)  # fail now, not at the first message
         self.engine, self.name = engine, engine.config.model
 
     def reply(self, messages: list[dict], sampling: dict, on_text: OnText) -> tuple[str, bool]:

@@ -219,15 +219,14 @@ def launch(prefill, decode, mono, devices, host, port, worker_port, policy, log_
 @click.option("--prefill", default=1, type=int)
 @click.option("--decode", default=1, type=int)
 @click.option("--mono", default=0, type=int)
-@click.option("--devices", default="cpu")
-def gpu_shares(prefill, decode, mono, devices):
+@devices_option()
+@click.argument("worker_args", nargs=-1, type=click.UNPROCESSED)
+def gpu_shares(prefill, decode, mono, devices, worker_args):
     """Each worker's --gpu-memory-utilization as launch splits its device, one line per worker in
-    launch order ('-' off a GPU): deploy/launch.sh splits devices with it."""
-    from common.memory import device_shares
+    launch order ('-' off a GPU, or when WORKER_ARGS size the pool): deploy/launch.sh splits with it."""
+    from common.memory import launch_plan
 
-    roles = ["prefill"] * prefill + ["decode"] * decode + ["mono"] * mono
-    placed = devices.split(",")
-    for share in device_shares(roles, [placed[i % len(placed)] for i in range(len(roles))]):
+    for _, _, share in launch_plan(prefill, decode, mono, devices, list(worker_args)):
         print("-" if share is None else share)
 
 

@@ -125,3 +125,16 @@ def devices_option(default: str | None = "cpu", help: str = "comma-separated, as
             raise click.BadParameter(f"{text!r} has an empty entry; give devices like cpu,cuda:0,cuda:1")
         return devices
     return click.option("--devices", default=default, show_default=default is not None, callback=parse, help=help)
+
+
+def engine_kwargs_from(worker_args: list[str]) -> dict:
+    """The EngineConfig fields that these worker flags set (others ignored), by the CLI's own options."""
+    found = {}
+
+    @click.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+    @engine_options
+    def parse(engine_kwargs):
+        found.update(engine_kwargs)
+
+    parse.main(list(worker_args), standalone_mode=False)
+    return found

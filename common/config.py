@@ -14,6 +14,11 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 KV_TRANSPORT_DEVICE = {"shm": "cpu", "cuda_ipc": "cuda", "nccl": "cuda"}  # the others work with any pool
 
 
+def default_dtype(device_type: str) -> str:
+    """float32 on a CPU, bfloat16 on a GPU."""
+    return "float32" if device_type == "cpu" else "bfloat16"
+
+
 @dataclass
 class ModelConfig:
     """Shape and flavour of a decoder-only transformer. `arch` is "llama" (Llama, Qwen2, Qwen3:
@@ -102,7 +107,7 @@ class EngineConfig:
     def __post_init__(self):
         self.torch_device = resolve_device(self.device)
         if self.dtype is None:
-            self.dtype = "float32" if self.torch_device.type == "cpu" else "bfloat16"
+            self.dtype = default_dtype(self.torch_device.type)
         if self.dtype not in DTYPES:
             raise InvalidArgument(f"dtype={self.dtype!r} is not supported; allowed: {sorted(DTYPES)}")
         self.torch_dtype = DTYPES[self.dtype]

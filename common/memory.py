@@ -63,6 +63,17 @@ def has_memory_flag(args: list[str]) -> bool:
     return any(a.split("=", 1)[0] in MEMORY_FLAGS for a in args)
 
 
+def launch_plan(prefill: int, decode: int, mono: int, devices: list[str], worker_args: list[str],
+                utilization: float = DEFAULT_UTILIZATION) -> list[tuple[str, str, float | None]]:
+    """(role, device, --gpu-memory-utilization or None) of each worker a launcher starts, in order:
+    devices assigned in turn, each GPU split between its workers unless worker_args size the pool.
+    pdserve launch and deploy/launch.sh (through `pdserve gpu-shares`) both place workers by it."""
+    roles = ["prefill"] * prefill + ["decode"] * decode + ["mono"] * mono
+    placed = [devices[i % len(devices)] for i in range(len(roles))]
+    shares = [None] * len(roles) if has_memory_flag(worker_args) else device_shares(roles, placed, utilization)
+    return list(zip(roles, placed, shares))
+
+
 def step_activation_bytes(mc, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
                           dtype_bytes: int) -> int:
     """An upper estimate of what one step's forward and sampling hold at their peak, beside the

@@ -44,18 +44,11 @@ IFS=, read -ra DEVICE_LIST <<<"$DEVICES"
 WORKERS=$((PREFILL + DECODE + MONO))
 # torch threads per worker: one core left to the router and the system (as pdserve launch does)
 THREADS=$(( ($(nproc) - 1) / (WORKERS > 0 ? WORKERS : 1) )); ((THREADS < 1)) && THREADS=1
-# Each worker's share of its GPU, in launch order ("-" off a GPU), unless the pool is sized already.
-SHARES=()
-sized=0
-for arg in "${WORKER_ARGS[@]}"; do
-  case "${arg%%=*}" in --gpu-memory-utilization|--kv-cache-gb|--num-blocks) sized=1 ;; esac
-done
-on_gpu=0
-for device in "${DEVICE_LIST[@]}"; do [[ $device == cuda* || $device =~ ^[0-9]+$ ]] && on_gpu=1; done
-if ((on_gpu && !sized)); then
-  mapfile -t SHARES < <($PDSERVE gpu-shares --prefill "$PREFILL" --decode "$DECODE" --mono "$MONO" --devices "$DEVICES")
-  ((${#SHARES[@]} == WORKERS)) || { echo "launch.sh: could not split the devices ($PDSERVE gpu-shares)" >&2; exit 1; }
-fi
+# Each worker's share of its GPU, in launch order ("-" off a GPU, or when the worker args size the
+# pool), as pdserve launch splits them.
+mapfile -t SHARES < <($PDSERVE gpu-shares --prefill "$PREFILL" --decode "$DECODE" --mono "$MONO" \
+  --devices "$DEVICES" -- "${WORKER_ARGS[@]}")
+((${#SHARES[@]} == WORKERS)) || { echo "launch.sh: could not split the devices ($PDSERVE gpu-shares)" >&2; exit 1; }
 
 ROUTER_ARGS=()
 [[ -n $HTTP_PORT ]] && ROUTER_ARGS=(--http-port "$HTTP_PORT")

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.memory import DEFAULT_UTILIZATION, device_shares, has_memory_flag
+from common.memory import DEFAULT_UTILIZATION, launch_plan
 
 PR_SET_PDEATHSIG = 1
 
@@ -91,12 +91,9 @@ class Cluster:
                                              *router_args], self.log_dir / "router.log",
                             env={"PDSERVE_API_KEY": api_key} if api_key else {})  # a key in argv would show in ps
         self.workers = []
-        roles = ["prefill"] * prefill + ["decode"] * decode + ["mono"] * mono
-        placed = [devices[i % len(devices)] for i in range(len(roles))]
-        shares = [None] * len(roles) if has_memory_flag(worker_args) else \
-            device_shares(roles, placed, DEFAULT_UTILIZATION * device_share)
         counts: dict[str, int] = {}
-        for role, device, share in zip(roles, placed, shares):
+        for role, device, share in launch_plan(prefill, decode, mono, devices, worker_args,
+                                               DEFAULT_UTILIZATION * device_share):
             n = counts[role] = counts.get(role, -1) + 1
             name = f"{role}-{n}"
             argv = cli + [role, "--router", f"tcp://{host}:{self.worker_port}", "--worker-id", name,

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Iterator, NamedTuple
 import torch
 
 if TYPE_CHECKING:
-    from common.kv_transport import Outgoing
+    from common.kv_transport.base import Outgoing
 
 CHUNK_BYTES = 4 << 20  # largest frame or point-to-point message: pipelines, stays on the heap
 MIN_FRAME_BYTES = 64 << 10  # shorter stretches are gathered: below this a copy costs less than a frame

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from common.kv_transport import Handle, Inbox, Outgoing, Receiver, Sender, TransportError
+from common.kv_transport.base import Handle, Inbox, Outgoing, Receiver, Sender, TransportError
 from common.kv_transport.jobs import JobThread, written
 
 HOSTNAME = socket.gethostname()

@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from common import protocol as P
-from common.kv_transport import Handle, Inbox, Outgoing, Receiver, Sender, TransportError
+from common.kv_transport.base import Handle, Inbox, Outgoing, Receiver, Sender, TransportError
 from common.kv_transport.frames import Frame, piece_frames, unit_view
 from common.kv_transport.jobs import JobThread, failure, on_stream, written
 

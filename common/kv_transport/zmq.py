@@ -15,7 +15,7 @@ import warnings
 import torch
 
 from common import protocol as P
-from common.kv_transport import Handle, Inbox, Outgoing, Receiver, Sender
+from common.kv_transport.base import Handle, Inbox, Outgoing, Receiver, Sender
 from common.kv_transport.frames import piece_frames, unit_bytes, unit_view
 
 
