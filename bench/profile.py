@@ -15,8 +15,8 @@ latency and CPU).
   batch x longest; a paged kernel reads each sequence's own).
 - The front: what a client sees beyond the worker (TTFT - prefill_s, median), and the CPU seconds
   the router and the client spend per request and per token (from /proc and this process).
-- A monolithic worker the same way (its prefill time is its TTFT less the front's): its steps cost
-  what they cost, not what the prefill and decode workers' do.
+- A monolithic worker the same way (it reports its prefill time too): its steps cost what they
+  cost, not what the prefill and decode workers' do.
 
 On a CPU device the workers share the host's cores with the router, the client and whatever else
 runs on the machine (bench/hostload.py measures it), so times are divided by the contention they
@@ -197,7 +197,7 @@ def profile_workers(model: str, device: str, threads: int | None, worker_args: l
                 pr = Profiler(cluster, threads, prompt, say)
                 profilers.append(pr)
                 asyncio.run(drive(cluster.address, [(0.0, prompt(64), 4)] * 2))  # warm-up
-                # a prefill worker reports its prefill time; a mono worker's is its TTFT less the front's share
+                # both report their prefill time (work received -> first token sampled)
                 raw[name] = (pr.prefill(default_lengths(context), repeats, 2 if name == "disaggregated" else 1),
                              pr.decode(kv_lengths, batches, padded, f"{name}:"))
             finally:
@@ -216,7 +216,7 @@ def profile_workers(model: str, device: str, threads: int | None, worker_args: l
            "handoff_s": [[n * kv_bytes, statistics.median(s.timings.get("handoff_s", 0.0) for s, _ in r)]
                          for n, r in prefill_runs],
            "decode_s": [[b, kv, t / slow(c)] for b, kv, t, c in decode_runs],
-           "mono_prefill_s": [[n, statistics.median((s.first - s.sent - front) / slow(c) for s, c in r)]
+           "mono_prefill_s": [[n, statistics.median(s.timings["prefill_s"] / slow(c) for s, c in r)]
                               for n, r in mono_prefill_runs],
            "mono_decode_s": [[b, kv, t / slow(c)] for b, kv, t, c in mono_decode_runs]}
     for kind in ("prefill_s", "mono_prefill_s"):

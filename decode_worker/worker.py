@@ -66,6 +66,7 @@ class DecodeWorker(WorkerBase):
         self.fenced: dict[tuple[str, int], Reservation] = {}  # (request id, attempt): dropped, maybe being written
         self.arriving: dict[str, tuple[P.KVTransfer, bytes]] = {}  # header in, the transport still settling
         self.streams: dict[str, tuple[int, dict]] = {}  # request id -> (attempt, timings)
+        self.received: dict[str, float] = {}  # mono: request id -> when its work came, until its first token
         log.info("KV transports offered: %s", list(self.receivers))
 
     def kv_transports(self) -> list[str]:
@@ -85,12 +86,14 @@ class DecodeWorker(WorkerBase):
                 self.to_router(P.WorkerError(msg.request_id, msg.attempt, e.code, str(e)))
                 return
             self.streams[msg.request_id] = (msg.attempt, {})
+            self.received[msg.request_id] = time.monotonic()
 
     def _drop(self, rid: str):
         r = self.reservations.pop(rid, None)
         if r is not None:
             self._free(rid, r, writer_done=self.arriving.pop(rid, None) is not None)
         self.streams.pop(rid, None)
+        self.received.pop(rid, None)
         self.engine.abort_request(rid)
 
     def _free(self, rid: str, r: Reservation, writer_done: bool):
@@ -259,6 +262,7 @@ class DecodeWorker(WorkerBase):
     # ------------------------------------------------------------------ engine
 
     def on_outputs(self, outputs: list[RequestOutput]):
+        now = time.monotonic()
         for out in outputs:
             attempt, timings = self.streams.get(out.request_id, (None, None))
             if attempt is None:
@@ -266,8 +270,12 @@ class DecodeWorker(WorkerBase):
             index = len(out.token_ids) - len(out.new_token_ids)
             reason = out.finish_reason if out.finished else None
             new = len(out.new_token_ids)
+            received = self.received.pop(out.request_id, None)
+            if received is not None:  # mono, first token: the prefill time a prefill worker reports too
+                timings["prefill_s"] = now - received
             self.to_router(P.WorkerTokens(out.request_id, attempt, index, out.new_token_ids, reason,
-                                          timings if out.finished else {}, out.logprobs and out.logprobs[-new:],
+                                          timings if out.finished or received is not None else {},
+                                          out.logprobs and out.logprobs[-new:],
                                           out.prompt_logprobs if index == 0 else None))  # mono: with the first token
             if out.finished:
                 del self.streams[out.request_id]
@@ -291,6 +299,7 @@ class DecodeWorker(WorkerBase):
         for rid in list(self.reservations):
             self._drop(rid)
         self.streams.clear()
+        self.received.clear()
         super().drop_all_work()
 
     def close(self):

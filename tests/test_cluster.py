@@ -211,3 +211,13 @@ def test_pairs_skips_failed_pairs_and_a_decode_worker_that_cannot_take_the_reque
     assert not pairs(req, p0, d0) and pairs(req, p1, d0)
     req.failed_pairs.add(("*", "decode-1"))  # decode-1's own fault: NO_ROOM, LAYOUT_MISMATCH
     assert not pairs(req, p0, d1) and not pairs(req, p1, d1)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 0), (0, 0, 1)], ids=["1p1d", "mono"])
+def test_workers_report_their_prefill_time(tmp_path, shape):
+    """Both the prefill worker and a monolithic one report work received -> first token sampled
+    (`plan`'s profile times a mono worker's prefill by it): positive, and inside the router's TTFT."""
+    with cluster(tmp_path, prefill=shape[0], decode=shape[1], mono=shape[2]) as c, Client(c.address) as client:
+        for n in (16, 300):
+            t = client.generate([1 + i % 200 for i in range(n)], max_tokens=3, temperature=0).timings
+            assert 0 < t["prefill_s"] < t["ttft_s"], t
