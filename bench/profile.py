@@ -10,9 +10,11 @@ latency and CPU).
   worker starts it: what layer-wise streaming left to move). Fitted as base + per byte.
 - Decode step time against batch size and total KV: B requests sent at once, prompts of L tokens;
   while all B are decoding, the median gap between a request's tokens as the client receives them
-  (so the worker's per-token messages, the router and the client are in it). Fitted as base + per
-  sequence + per KV token read (the portable attention pads a batch to its longest sequence:
-  batch x longest; a paged kernel reads each sequence's own).
+  (so the worker's per-token messages, the router and the client are in it), from 32 tokens to
+  the end of the context. Fitted as base + per sequence + per KV token read + per KV token read
+  squared (the portable attention pads runs of similar lengths to their longest, here one run of
+  equal requests: batch x longest; a paged kernel reads each sequence's own; on a CPU the cost per
+  token rises as the read outgrows the caches).
 - The front: what a client sees beyond the worker (TTFT - prefill_s, median), and the CPU seconds
   the router and the client spend per request and per token (from /proc and this process).
 - A monolithic worker the same way (it reports its prefill time too): its steps cost what they
@@ -45,7 +47,7 @@ from bench.serve import drive, random_prompt
 from common.cli_options import engine_kwargs_from
 from bench.simulate import EngineShape, StepCost, WorkerModel
 from common.checkpoint import model_config
-from common.attention import make_attention
+from common.attention import decode_kv_read, make_attention
 from common.config import EngineConfig, default_dtype, resolve_device
 from common.errors import InvalidArgument
 from router.client import Client
@@ -66,11 +68,14 @@ def contention(worker_cores: float, cpu: dict[str, float], host_cores: int | Non
 def _nonneg_lstsq(X: np.ndarray, Y: np.ndarray) -> np.ndarray:
     """Least squares with every coefficient >= 0 (a negative cost is noise): drop the most negative
     term and refit until none is left."""
+    scale = np.linalg.norm(X, axis=0)
+    scale[scale == 0] = 1.0
+    X = X / scale  # features span 1 to 1e9 (KV tokens squared): solve on columns of one size
     active = list(range(X.shape[1]))
     while True:
         coef = np.zeros(X.shape[1])
         if active:
-            coef[active] = np.linalg.lstsq(X[:, active], Y, rcond=None)[0]
+            coef[active] = np.linalg.lstsq(X[:, active], Y, rcond=None)[0] / scale[active]
         worst = min(active, key=lambda i: coef[i], default=None)
         if worst is None or coef[worst] >= 0:
             return coef
@@ -112,8 +117,9 @@ class Profiler:
     """Drives one small cluster with the SDK and keeps what the fits need: each run's samples and
     the CPU (cores) that the router, the workers, the client and everyone else used meanwhile."""
 
-    def __init__(self, cluster: Cluster, threads: int, prompt, say):
+    def __init__(self, cluster: Cluster, threads: int, prompt, say, block_size: int):
         self.cluster, self.threads, self.prompt, self.say = cluster, threads, prompt, say
+        self.block_size = block_size
         self.front_rows: list[list[float]] = []  # [requests, tokens] of each run ...
         self.front_cpu: list[float] = []  # ... and the router's + client's CPU seconds in it
         self.runs_cpu: list[dict[str, float]] = []
@@ -136,11 +142,13 @@ class Profiler:
         return [(n, [(s, cpu) for _ in range(repeats) for (s,), cpu in [self.run([(0.0, self.prompt(n), max_tokens)])]])
                 for n in lengths]
 
-    def decode(self, lengths: list[int], batches: list[int], padded: bool, what: str) -> list[tuple]:
-        """(batch, KV read, step s as measured, cpu) while a batch of equal requests all decode."""
+    def decode(self, lengths: list[int], batches: list[int], padded: bool, what: str, pool_tokens: int) -> list[tuple]:
+        """(batch, KV read, step s as measured, cpu) while a batch of equal requests all decode; for
+        each length, the batches whose KV fits the pool (pool_tokens), and the largest that does."""
         points = []
         for L in lengths:
-            for B in batches:
+            fits = pool_tokens * 9 // 10 // (L + DECODE_TOKENS + 16)  # room for the block manager's watermark
+            for B in sorted({b for b in batches if b <= fits} | {min(fits, max(batches))} - {0}):
                 samples, cpu = self.run([(0.0, self.prompt(L), DECODE_TOKENS) for _ in range(B)])
                 start = max(s.token_times[1] for s in samples)
                 end = min(s.token_times[-1] for s in samples)
@@ -152,7 +160,8 @@ class Profiler:
                     continue
                 mid = (start + end) / 2
                 lens = [L + sum(t <= mid for t in s.token_times) for s in samples]
-                points.append((B, B * max(lens) if padded else sum(lens), statistics.median(means), cpu))
+                points.append((B, decode_kv_read(lens, self.block_size) if padded else sum(lens),
+                               statistics.median(means), cpu))
                 self.say(f"profile (threads {self.threads}): {what} decode batch {B}, KV {points[-1][1]} tokens: "
                          f"{points[-1][2] * 1e3:.2f} ms/step")
         return points
@@ -171,8 +180,8 @@ def profile_workers(model: str, device: str, threads: int | None, worker_args: l
     kv_bytes = cfg.kv_values_per_token * engine.torch_dtype.itemsize
     host_cores = (os.cpu_count() or 1) if device == "cpu" else None
     threads = threads or threads_per_worker(2)
-    # The portable attention reads a decode batch padded to its longest sequence; FlexAttention reads
-    # each sequence's own pages. `auto` picks by the same start-up check the workers run.
+    # The portable attention pads runs of similar lengths to their longest; FlexAttention reads each
+    # sequence's own pages. `auto` picks by the same start-up check the workers run.
     attention = make_attention(engine.attention_backend, resolve_device(device), cfg.num_heads, cfg.num_kv_heads,
                                cfg.head_dim)
     padded = attention.name == "sdpa"
@@ -181,8 +190,10 @@ def profile_workers(model: str, device: str, threads: int | None, worker_args: l
     def prompt(n):
         return random_prompt(rng, n, cfg.vocab_size)
 
-    long = min(max(256, context // 2), context - DECODE_TOKENS - 2)
-    kv_lengths = sorted({min(32, long), long})
+    # Decodes read from 32 tokens to the context's end (less the tokens decoded): on a CPU a read that
+    # outgrows the caches costs more per token, and a loaded worker's batches read the most.
+    mid = min(max(256, context // 2), context - DECODE_TOKENS - 2)
+    kv_lengths = sorted({min(32, mid), mid, min(2 * mid, context - DECODE_TOKENS - 2)})
     batches = sorted({b for b in (1, 2, 4, 8, 16, 32, 64) if b < max_seqs} | {max_seqs})
     raw, profilers = {}, []
     with tempfile.TemporaryDirectory() as tmp:
@@ -191,15 +202,16 @@ def profile_workers(model: str, device: str, threads: int | None, worker_args: l
                               list(worker_args), threads=threads, restart=False)
             try:
                 cluster.start()
+                with Client(cluster.address) as c:
+                    pool = min(w["total_blocks"] for w in c.status().workers)
                 if name == "disaggregated":
-                    with Client(cluster.address) as c:
-                        total_blocks = min(w["total_blocks"] for w in c.status().workers)
-                pr = Profiler(cluster, threads, prompt, say)
+                    total_blocks = pool
+                pr = Profiler(cluster, threads, prompt, say, engine.block_size)
                 profilers.append(pr)
                 asyncio.run(drive(cluster.address, [(0.0, prompt(64), 4)] * 2))  # warm-up
                 # both report their prefill time (work received -> first token sampled)
                 raw[name] = (pr.prefill(default_lengths(context), repeats, 2 if name == "disaggregated" else 1),
-                             pr.decode(kv_lengths, batches, padded, f"{name}:"))
+                             pr.decode(kv_lengths, batches, padded, f"{name}:", pool * engine.block_size))
             finally:
                 cluster.stop()
 
@@ -225,8 +237,8 @@ def profile_workers(model: str, device: str, threads: int | None, worker_args: l
 
     def step_cost(prefill, decode) -> StepCost:
         pb, pt, pa = nonneg_fit([prefill_features(n, budget) for n, _ in prefill], [t for _, t in prefill])
-        db, ds, dk = nonneg_fit([[1, b, kv] for b, kv, _ in decode], [t for _, _, t in decode])
-        return StepCost(pb, pt, pa, db, ds, dk)
+        db, ds, dk, dk2 = nonneg_fit([[1, b, kv, kv * kv] for b, kv, _ in decode], [t for _, _, t in decode])
+        return StepCost(pb, pt, pa, db, ds, dk, dk2)
 
     hb, hp = nonneg_fit([[1, nbytes] for nbytes, _ in pts["handoff_s"]], [t for _, t in pts["handoff_s"]])
     cr, ct = nonneg_fit([r for p in profilers for r in p.front_rows], [c for p in profilers for c in p.front_cpu])
@@ -275,10 +287,10 @@ def run_profile(model: str, device: str, workers: int, worker_args: list[str], o
         wm = p["worker_model"]
         print_table(f"profile of {model} on {device}, {p['threads']} threads per worker (fitted costs, ms)",
                     ["worker", "prefill step", "per 1k tokens", "per 1M tok x ctx", "decode step", "per seq",
-                     "per 1k KV read", "handoff per MB", "front latency"],
+                     "per 1k KV read", "per (1k KV)^2", "handoff per MB", "front latency"],
                     [[role, s["prefill_base"] * 1e3, s["prefill_token"] * 1e6, s["prefill_attn"] * 1e9,
                       s["decode_base"] * 1e3, s["decode_seq"] * 1e3, s["decode_kv"] * 1e6,
-                      wm["handoff_s_per_byte"] * 1e9 if role != "mono" else "-", wm["front_latency_s"] * 1e3]
+                      s.get("decode_kv2", 0.0) * 1e9, wm["handoff_s_per_byte"] * 1e9 if role != "mono" else "-", wm["front_latency_s"] * 1e3]
                      for role, s in (("prefill/decode", wm["step"]), ("mono", wm["mono_step"]))])
     print(f"profile saved to {out}\n")
     return result

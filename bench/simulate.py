@@ -12,7 +12,8 @@ What is modelled, and how faithfully:
   their transfer, reservations for arriving KV).
 - **A step's duration** comes from the profile: a fixed cost, plus per prefill token and per
   token x context (attention) for prefill chunks, plus per running sequence and per token of KV
-  for decodes (`StepCost`); one step mixes both on a monolithic worker.
+  for decodes, and per KV token squared: on a CPU a read past the caches' size costs more per
+  byte (`StepCost`); one step mixes both on a monolithic worker.
 - **The router** picks workers by its least-loaded policy (requests assigned + half the queue
   the worker last reported by heartbeat, every 0.2 s; ties by worker id), holds a prefill
   worker's count until the decode worker's first token, and adds the measured front latency
@@ -43,6 +44,7 @@ from dataclasses import dataclass, field
 
 from bench.goodput import SLO, Latency, Point, point_from
 from bench.workloads import Request
+from common.attention import decode_kv_read
 from common.kv_cache import BlockManager
 from common.sampling import SamplingParams
 from common.scheduler import ScheduledSeq, Scheduler, step_shape
@@ -63,6 +65,7 @@ class StepCost:
     decode_base: float = 0.0
     decode_seq: float = 0.0
     decode_kv: float = 0.0  # per token of KV the decodes read
+    decode_kv2: float = 0.0  # per token of KV squared: a read that outgrows the caches costs more per byte
 
     def __call__(self, chunks: list[tuple[int, int]], batch: int, kv: int) -> float:
         """chunks: (tokens, tokens already computed) of each prefill chunk; batch decodes reading kv tokens."""
@@ -70,7 +73,7 @@ class StepCost:
         if chunks:
             t += self.prefill_token * sum(n for n, _ in chunks) + self.prefill_attn * sum(n * (n + c) for n, c in chunks)
         if batch:
-            t += self.decode_seq * batch + self.decode_kv * kv
+            t += self.decode_seq * batch + self.decode_kv * kv + self.decode_kv2 * kv * kv
         return t + max(self.prefill_base if chunks else 0.0, self.decode_base if batch else 0.0)
 
 
@@ -99,12 +102,12 @@ class WorkerModel:
     front_cpu_token_s: float = 0.0  # ... and per output token
     threads: int = 1
     cores: float = 1.0  # CPU cores a stepping worker keeps busy (counts in the contention for a host's cores)
-    decode_reads_padded: bool = False  # the portable attention reads batch x longest sequence of KV
+    decode_reads_padded: bool = False  # the portable attention pads runs of similar lengths to their longest
     mono_step: StepCost | None = None  # a monolithic worker's steps, if profiled apart (else `step`)
 
     def kv_read(self, lengths: list[int]) -> int:
         """KV tokens a decode step over sequences of these lengths reads."""
-        return len(lengths) * max(lengths, default=0) if self.decode_reads_padded else sum(lengths)
+        return decode_kv_read(lengths, self.engine.block_size) if self.decode_reads_padded else sum(lengths)
 
     def handoff_s(self, tokens: int) -> float:
         return self.handoff_base_s + self.handoff_s_per_byte * tokens * self.kv_bytes_per_token

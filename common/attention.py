@@ -5,7 +5,9 @@ backend writes the batch's new K/V into the pool at `slot_mapping`, then attends
 its sequence's cached keys through the block table. The cache itself is never concatenated,
 padded or copied whole; the portable backend reads a decode batch's blocks with one gather per
 layer (the only way plain PyTorch can read scattered pages), which costs about what the attention
-math itself costs.
+math itself costs. It pads each sequence to the longest it is read with, so the engine packs
+decodes longest first and `decode_groups` cuts them into runs of similar length, each read at
+its own width: one long sequence no longer makes every short one beside it read its length.
 
 - `sdpa`: portable (CPU and GPU), torch's scaled_dot_product_attention.
 - `flex`: FlexAttention with a paged block mask, compiled; picked by `auto` on CUDA.
@@ -40,6 +42,39 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None  # (Bd,) tokens in cache including this one
     decode_mask: torch.Tensor | None  # (Bd, 1, 1, max_blocks * block_size) True where visible
     prefills: list[PrefillChunk]
+    decode_groups: list[tuple[int, int, int]] | None = None  # (first row, end row, blocks) read together
+
+
+GROUP_WIDTH = 0.7  # a decode joins its group while its blocks are at least this share of the group's ...
+GROUP_SAVING = 512  # ... and a group stands alone only if it spares this many tokens of padded reads
+
+
+def decode_groups(lengths: list[int], block_size: int) -> list[tuple[int, int, int]]:
+    """Decode rows, sorted longest first by their KV lengths, cut into runs that the portable
+    attention reads each at its own width: (first row, end row, blocks of the longest). A run starts
+    where a length falls below GROUP_WIDTH of the run's width, and is merged back into the one
+    before if reading it apart spares fewer than GROUP_SAVING tokens (each run costs a gather and
+    an attention call per layer)."""
+    runs: list[list[int]] = []
+    for i, n in enumerate(lengths):
+        blocks = -(-n // block_size)
+        if runs and blocks >= GROUP_WIDTH * runs[-1][2]:
+            runs[-1][1] = i + 1
+        else:
+            runs.append([i, i + 1, blocks])
+    out: list[list[int]] = []
+    for first, end, blocks in runs:
+        if out and (out[-1][2] - blocks) * block_size * (end - first) < GROUP_SAVING:
+            out[-1][1] = end
+        else:
+            out.append([first, end, blocks])
+    return [tuple(g) for g in out]
+
+
+def decode_kv_read(lengths: list[int], block_size: int) -> int:
+    """KV tokens the portable attention reads for decodes of these lengths (grouped as the engine does)."""
+    ordered = sorted(lengths, reverse=True)
+    return sum((end - first) * blocks * block_size for first, end, blocks in decode_groups(ordered, block_size))
 
 
 class _Scratch:
@@ -90,13 +125,25 @@ class SDPAAttention:
 
     def _decode(self, q_BHD, k_cache, v_cache, meta):
         Bd = q_BHD.shape[0]
+        groups = meta.decode_groups or [(0, Bd, meta.decode_block_tables.shape[1])]
+        if len(groups) == 1:
+            return self._decode_rows(q_BHD, k_cache, v_cache, meta, *groups[0])
+        out = torch.empty_like(q_BHD)
+        for first, end, blocks in groups:
+            out[first:end] = self._decode_rows(q_BHD[first:end], k_cache, v_cache, meta, first, end, blocks)
+        return out
+
+    def _decode_rows(self, q_BHD, k_cache, v_cache, meta, first: int, end: int, blocks: int):
+        """Decode rows [first, end), reading `blocks` blocks of each."""
+        Bd = q_BHD.shape[0]
         K, G, D = self.num_kv_heads, self.group, self.head_dim
+        tables = meta.decode_block_tables[first:end, :blocks]
+        mask = meta.decode_mask[first:end, :, :, :blocks * k_cache.shape[1]]
         # The G query heads sharing a KV head become G query rows: GQA without repeating K/V.
         q_BKGD = q_BHD.view(Bd, K, G, D)
-        k_BKLD = gather_blocks(k_cache, meta.decode_block_tables, self.k_scratch).transpose(1, 2)
-        v_BKLD = gather_blocks(v_cache, meta.decode_block_tables, self.v_scratch).transpose(1, 2)
-        o_BKGD = F.scaled_dot_product_attention(q_BKGD, k_BKLD, v_BKLD, attn_mask=meta.decode_mask,
-                                                scale=self.scale)
+        k_BKLD = gather_blocks(k_cache, tables, self.k_scratch).transpose(1, 2)
+        v_BKLD = gather_blocks(v_cache, tables, self.v_scratch).transpose(1, 2)
+        o_BKGD = F.scaled_dot_product_attention(q_BKGD, k_BKLD, v_BKLD, attn_mask=mask, scale=self.scale)
         return o_BKGD.reshape(Bd, K * G, D)
 
     def _prefill(self, q_QHD, k_QKD, v_QKD, k_cache, v_cache, c: PrefillChunk):

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from common import memory
-from common.attention import AttentionMetadata, PrefillChunk
+from common.attention import AttentionMetadata, PrefillChunk, decode_groups
 from common.checkpoint import load_model
 from common.config import EngineConfig
 from common.errors import InvalidArgument
@@ -56,7 +56,8 @@ class ModelRunner:
 
     def prepare(self, batch: list[ScheduledSeq]):
         bs = self.block_size
-        decodes = [s for s in batch if s.is_decode]
+        # longest first: the portable attention reads runs of similar length at their own width
+        decodes = sorted((s for s in batch if s.is_decode), key=lambda s: -len(s.seq))
         prefills = [s for s in batch if not s.is_decode]
         input_ids, positions, slots = [], [], []
         for s in decodes:
@@ -64,13 +65,14 @@ class ModelRunner:
             input_ids.append(seq.token_ids[pos])
             positions.append(pos)
             slots.append(seq.block_table[pos // bs] * bs + pos % bs)
-        decode_tables = decode_lens = decode_mask = None
+        decode_tables = decode_lens = decode_mask = groups = None
         if decodes:
             width = max(len(s.seq.block_table) for s in decodes)
             decode_tables = self._tensor([s.seq.block_table + [0] * (width - len(s.seq.block_table)) for s in decodes])
             decode_lens = self._tensor([len(s.seq) for s in decodes])
             visible = torch.arange(width * bs, device=self.device)[None, :] < decode_lens[:, None]
             decode_mask = visible[:, None, None, :]
+            groups = decode_groups([len(s.seq) for s in decodes], bs)
         chunks = []
         for s in prefills:
             seq, start = s.seq, s.seq.num_computed_tokens
@@ -88,7 +90,8 @@ class ModelRunner:
             row += s.num_tokens
             if s.samples:
                 sample_rows.append(row - 1)
-        meta = AttentionMetadata(self._tensor(slots), len(decodes), decode_tables, decode_lens, decode_mask, chunks)
+        meta = AttentionMetadata(self._tensor(slots), len(decodes), decode_tables, decode_lens, decode_mask, chunks,
+                                 groups)
         return ordered, self._tensor(input_ids), self._tensor(positions), meta, sample_rows
 
     @staticmethod

@@ -129,7 +129,7 @@ class WorkerBase:
             signal.signal(sig, lambda *_: setattr(self, "stopping", True))
         log.info("%s %s on %s: %s, %d KV blocks", self.role, self.worker_id, self.engine.config.torch_device,
                  self.engine.config.model, self.engine.num_blocks)
-        trace = StepTrace.from_env(self.worker_id)
+        trace = StepTrace.from_env(self.worker_id, self.engine.config.block_size)
         try:
             while not self.stopping:
                 timeout = 0 if self.engine.has_unfinished() else 10

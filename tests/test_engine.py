@@ -5,6 +5,7 @@ import random
 
 import pytest
 
+from common.attention import decode_groups, decode_kv_read
 from common.engine import Engine
 from common.errors import InvalidArgument
 from common.sampling import SamplingParams
@@ -47,6 +48,29 @@ def test_batch_invariance(model):
     batched = tokens(engine.generate(ps, params))
     assert batched == alone
     assert len({tuple(t) for t in alone}) == 16
+    assert_all_blocks_free(engine)
+
+
+def test_decode_groups_cover_every_row_at_its_width():
+    lengths = sorted([1000, 990, 900, 600, 500, 300, 100, 40, 20] + [30] * 20, reverse=True)
+    groups = decode_groups(lengths, 16)
+    assert [g[0] for g in groups] == [0] + [g[1] for g in groups[:-1]] and groups[-1][1] == len(lengths)
+    for first, end, blocks in groups:  # each run is read at its longest row's width
+        assert blocks == -(-lengths[first] // 16) and all(-(-n // 16) <= blocks for n in lengths[first:end])
+    assert 1 < len(groups) and decode_kv_read(lengths, 16) < len(lengths) * 1008
+    assert decode_groups([100, 96, 90], 16) == [(0, 3, 7)]  # similar lengths: one read
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_batch_invariance_across_runs_of_lengths(model):
+    """A batch whose decodes the portable attention reads in several runs (a few long sequences,
+    many short ones) gives each request the tokens it gets alone."""
+    ps = prompts(3, 500, 700, seed=4) + prompts(13, 5, 40, seed=5)
+    params = mixed_params(16, max_tokens=6)
+    assert len(decode_groups(sorted((len(p) for p in ps), reverse=True), 16)) > 1
+    engine = Engine(model=model)
+    alone = [engine.generate([p], [sp])[0].token_ids for p, sp in zip(ps, params)]
+    assert tokens(engine.generate(ps, params)) == alone
     assert_all_blocks_free(engine)
 
 

@@ -23,5 +23,7 @@ def test_workers_trace_their_steps(tmp_path, monkeypatch):
     assert sum(r["prefill_token_ctx"] for r in prefill) == sum(n * n for n in (40, 70, 100))  # one chunk each
     assert sum(r["decodes"] for r in decode) == 3 * 7 and not any(r["prefill_tokens"] for r in decode)
     assert max(r["longest"] for r in decode) == 100 + 7  # the last step reads the prompt and 7 tokens
+    assert all(r["kv_padded"] >= r["kv_tokens"] >= r["longest"] for r in decode)
+    assert sum(r["kv_tokens"] for r in decode) == sum(sum(range(n + 1, n + 8)) for n in (40, 70, 100))
     assert all(r["step_ms"] > 0 and r["send_ms"] >= 0 and r["decodes"] + r["prefill_tokens"] > 0
                for r in prefill + decode)  # no row for a step that ran nothing
