@@ -19,12 +19,15 @@ latency and CPU).
   the router and the client spend per request and per token (from /proc and this process).
 - A monolithic worker the same way (it reports its prefill time too): its steps cost what they
   cost, not what the prefill and decode workers' do.
+- On a CPU, two monolithic workers decoding at once (`co_run`: a step's cost beside another
+  worker over alone, once the cores it lacked are divided out; shared caches and memory).
 
 On a CPU device the workers share the host's cores with the router, the client and whatever else
 runs on the machine (bench/hostload.py measures it), so times are divided by the contention they
-ran under (`contention`, the simulator's own rule), and a profile is taken for each thread count a
-topology of up to --workers workers gets (the launcher's split). Fits drop the points they miss badly
-(a step slowed by a neighbour is not the cost of the step).
+ran under (`contention`, the simulator's own rule: the router, the client and others first), and
+a profile is taken for each thread count a topology of up to --workers workers gets (the
+launcher's split). Fits drop the points they miss badly (a step slowed by a neighbour is not the
+cost of the step).
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from bench.hostload import CpuWatch
 from bench.report import print_table
 from bench.serve import drive, random_prompt
 from common.cli_options import engine_kwargs_from
-from bench.simulate import EngineShape, StepCost, WorkerModel
+from bench.simulate import EngineShape, StepCost, WorkerModel, host_slowdown
 from common.checkpoint import model_config
 from common.attention import decode_kv_read, make_attention
 from common.config import EngineConfig, default_dtype, resolve_device
@@ -57,12 +60,12 @@ PROFILE_VERSION = 1
 DECODE_TOKENS = 256  # output tokens of each decode-profile request: long enough for a full batch to form
 
 
-def contention(worker_cores: float, cpu: dict[str, float], host_cores: int | None) -> float:
-    """How much slower one stepping worker ran than alone, while it shared the host's cores with the
-    router, the client and everyone else (the simulator's processor-sharing rule)."""
+def contention(worker_cores: float, cpu: dict[str, float], host_cores: int | None, stepping: int = 1) -> float:
+    """How much slower each of `stepping` workers ran than alone for want of cores, beside the
+    router, the client and everyone else (the simulator's rule, without co_run: what it measures)."""
     if host_cores is None:
         return 1.0
-    return max(1.0, (worker_cores + cpu["router"] + cpu["client"] + cpu["others"]) / host_cores)
+    return host_slowdown(stepping, worker_cores, cpu["router"] + cpu["client"] + cpu["others"], host_cores)
 
 
 def _nonneg_lstsq(X: np.ndarray, Y: np.ndarray) -> np.ndarray:
@@ -142,24 +145,26 @@ class Profiler:
         return [(n, [(s, cpu) for _ in range(repeats) for (s,), cpu in [self.run([(0.0, self.prompt(n), max_tokens)])]])
                 for n in lengths]
 
-    def decode(self, lengths: list[int], batches: list[int], padded: bool, what: str, pool_tokens: int) -> list[tuple]:
-        """(batch, KV read, step s as measured, cpu) while a batch of equal requests all decode; for
-        each length, the batches whose KV fits the pool (pool_tokens), and the largest that does."""
+    def decode(self, lengths: list[int], batches: list[int], padded: bool, what: str, pool_tokens: int,
+               workers: int = 1) -> list[tuple]:
+        """(batch, KV read, step s as measured, cpu) while a batch of equal requests all decode, on
+        each of `workers` workers at once; for each length, the batches whose KV fits the pool
+        (pool_tokens), and the largest that does."""
         points = []
         for L in lengths:
             fits = pool_tokens * 9 // 10 // (L + DECODE_TOKENS + 16)  # room for the block manager's watermark
             for B in sorted({b for b in batches if b <= fits} | {min(fits, max(batches))} - {0}):
-                samples, cpu = self.run([(0.0, self.prompt(L), DECODE_TOKENS) for _ in range(B)])
+                samples, cpu = self.run([(0.0, self.prompt(L), DECODE_TOKENS) for _ in range(B * workers)])
                 start = max(s.token_times[1] for s in samples)
                 end = min(s.token_times[-1] for s in samples)
                 # each request's mean gap while all decode (robust to tokens the router forwards in bursts)
                 means = [(inside[-1] - inside[0]) / (len(inside) - 1) for s in samples
                          for inside in [[t for t in s.token_times if start <= t <= end]] if len(inside) > 2]
-                if len(means) < B:
+                if len(means) < B * workers:
                     self.say(f"profile: batch {B} x {L} never decoded all at once; skipped")
                     continue
                 mid = (start + end) / 2
-                lens = [L + sum(t <= mid for t in s.token_times) for s in samples]
+                lens = [L + sum(t <= mid for t in s.token_times) for s in samples[:B]]
                 points.append((B, decode_kv_read(lens, self.block_size) if padded else sum(lens),
                                statistics.median(means), cpu))
                 self.say(f"profile (threads {self.threads}): {what} decode batch {B}, KV {points[-1][1]} tokens: "
@@ -196,8 +201,13 @@ def profile_workers(model: str, device: str, threads: int | None, worker_args: l
     kv_lengths = sorted({min(32, mid), mid, min(2 * mid, context - DECODE_TOKENS - 2)})
     batches = sorted({b for b in (1, 2, 4, 8, 16, 32, 64) if b < max_seqs} | {max_seqs})
     raw, profilers = {}, []
+    # On a CPU, two monolithic workers decoding side by side: how much more each step costs beside
+    # another than alone, once the cores they lacked are divided out (the simulator's co_run).
+    clusters = [("disaggregated", (1, 1, 0)), ("mono", (0, 0, 1))]
+    if host_cores is not None and host_cores >= 2:
+        clusters.append(("pair", (0, 0, 2)))
     with tempfile.TemporaryDirectory() as tmp:
-        for name, topology in (("disaggregated", (1, 1, 0)), ("mono", (0, 0, 1))):
+        for name, topology in clusters:
             cluster = Cluster(model, *topology, [device], "127.0.0.1", 0, 0, Path(tmp) / name, "least_loaded",
                               list(worker_args), threads=threads, restart=False)
             try:
@@ -209,6 +219,9 @@ def profile_workers(model: str, device: str, threads: int | None, worker_args: l
                 pr = Profiler(cluster, threads, prompt, say, engine.block_size)
                 profilers.append(pr)
                 asyncio.run(drive(cluster.address, [(0.0, prompt(64), 4)] * 2))  # warm-up
+                if name == "pair":
+                    raw[name] = ([], pr.decode([mid], [4, 16, 32], padded, "pair:", pool * engine.block_size, 2))
+                    continue
                 # both report their prefill time (work received -> first token sampled)
                 raw[name] = (pr.prefill(default_lengths(context), repeats, 2 if name == "disaggregated" else 1),
                              pr.decode(kv_lengths, batches, padded, f"{name}:", pool * engine.block_size))
@@ -216,7 +229,8 @@ def profile_workers(model: str, device: str, threads: int | None, worker_args: l
                 cluster.stop()
 
     # A stepping worker uses this many cores (at most its threads): what it adds to the contention.
-    cores = min(float(threads), max(cpu["workers"] for _, (_, dec) in raw.items() for *_, cpu in dec))
+    cores = min(float(threads), max(cpu["workers"] for name, (_, dec) in raw.items() if name != "pair"
+                                    for *_, cpu in dec))
 
     def slow(cpu):
         return contention(cores, cpu, host_cores)
@@ -243,8 +257,16 @@ def profile_workers(model: str, device: str, threads: int | None, worker_args: l
     hb, hp = nonneg_fit([[1, nbytes] for nbytes, _ in pts["handoff_s"]], [t for _, t in pts["handoff_s"]])
     cr, ct = nonneg_fit([r for p in profilers for r in p.front_rows], [c for p in profilers for c in p.front_cpu])
     shape = EngineShape(total_blocks, engine.block_size, max_seqs, budget, context)
+    mono = step_cost(pts["mono_prefill_s"], pts["mono_decode_s"])
+    co_run = 1.0
+    if raw.get("pair"):
+        pts["pair_decode_s"] = [[b, kv, t / contention(cores, c, host_cores, stepping=2)] for b, kv, t, c in raw["pair"][1]]
+        alone = [t / mono([], b, kv) for b, kv, t in pts["pair_decode_s"]]
+        co_run = max(1.0, statistics.median(alone)) if alone else 1.0
+        say(f"profile (threads {threads}): a step beside another worker costs {co_run:.2f}x alone "
+            f"({', '.join(f'{r:.2f}' for r in alone)})")
     wm = WorkerModel(step_cost(pts["prefill_s"], pts["decode_s"]), shape, kv_bytes, hb, hp, max(0.0, front), cr, ct,
-                     threads, round(cores, 3), padded, step_cost(pts["mono_prefill_s"], pts["mono_decode_s"]))
+                     threads, round(cores, 3), round(co_run, 3), padded, mono)
     others = [c["others"] for p in profilers for c in p.runs_cpu]
     return {"threads": threads, "worker_model": asdict(wm), "others_cores": round(statistics.mean(others), 3),
             "points": pts}

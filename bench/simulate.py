@@ -24,9 +24,12 @@ What is modelled, and how faithfully:
   of handoffs that cross hosts, in network latency + bytes / bandwidth; the decode worker starts
   the request at its next step.
 - **CPU contention** (only where the workers run on the host's CPU cores, as on the CPU
-  machine): the cores are shared between the steps under way (processor sharing): each
-  progresses at min(1, cores / demand), where demand counts each stepping worker's cores, the
-  router's and clients' CPU at the offered rate, and any other work on the machine.
+  machine; `host_slowdown`): the router, the clients and other work take their CPU first (they
+  sleep between messages, and Linux runs a task that wakes ahead of one that computes without
+  pause), and the steps under way share what is left; while two or more workers step at once,
+  each step also takes `co_run` times the CPU work (caches and memory shared; profiled).
+  Measured on the 2-core machine: two monolithic workers beside a router and a client using 0.63
+  cores got 1.35 cores between them, not the 1.5 that sharing all cores alike gives.
 
 The simulated workers share one host. A cluster of many hosts is planned as one host's slice of it
 (`bench/plan.py`), whose handoffs cross to other hosts as often as a load-blind router makes them.
@@ -102,6 +105,7 @@ class WorkerModel:
     front_cpu_token_s: float = 0.0  # ... and per output token
     threads: int = 1
     cores: float = 1.0  # CPU cores a stepping worker keeps busy (counts in the contention for a host's cores)
+    co_run: float = 1.0  # a step's CPU work while another worker on the host steps too, over alone
     decode_reads_padded: bool = False  # the portable attention pads runs of similar lengths to their longest
     mono_step: StepCost | None = None  # a monolithic worker's steps, if profiled apart (else `step`)
 
@@ -127,6 +131,15 @@ class Placement:
 
     def network_s(self, nbytes: int) -> float:
         return self.network_latency_s + nbytes / (self.network_gbps * 1e9)
+
+
+def host_slowdown(stepping: int, worker_cores: float, front_cores: float, host_cores: float, co_run: float = 1.0
+                  ) -> float:
+    """How much slower than alone each of `stepping` workers runs on a host whose router, clients
+    and other work keep front_cores busy: they run first, the workers share the rest, and a step
+    beside another takes co_run times the work."""
+    share = max(1.0, stepping * worker_cores / max(0.1 * host_cores, host_cores - front_cores))
+    return share * (co_run if stepping >= 2 else 1.0)
 
 
 @dataclass
@@ -318,13 +331,11 @@ class Simulation:
             self.at(self.now + w.step.work_left, self.step_done, w, w.step, 0)
 
     def share(self) -> None:
-        """Processor sharing of the host's cores: a step starting or ending changes how fast every
+        """The host's cores shared (host_slowdown): a step starting or ending changes how fast every
         step under way progresses; their end events are moved accordingly."""
         stepping = [w for w in self.workers if w.step is not None]
-        demand = len(stepping) * self.model.cores + self.placement.background_cores
-        if self.placement.front_on_host:
-            demand += self.front_cores
-        slowdown = max(1.0, demand / self.placement.host_cores)
+        front = self.placement.background_cores + (self.front_cores if self.placement.front_on_host else 0.0)
+        slowdown = host_slowdown(len(stepping), self.model.cores, front, self.placement.host_cores, self.model.co_run)
         for w in stepping:
             s = w.step
             s.work_left = max(0.0, s.work_left - (self.now - s.since) / s.slowdown)

@@ -1,10 +1,12 @@
 """The planner's simulator on synthetic profiles whose answers can be worked out by hand: a
 prefill-bound and a decode-bound workload, and the real scheduler's limits inside it."""
 
+from dataclasses import replace
+
 import pytest
 
 from bench.goodput import SLO, find_goodput
-from bench.simulate import EngineShape, Placement, StepCost, WorkerModel, simulate
+from bench.simulate import EngineShape, Placement, StepCost, WorkerModel, host_slowdown, simulate
 from bench.workloads import Request
 
 
@@ -114,3 +116,23 @@ def test_cpu_contention_stretches_steps():
     # the first runs alone for 25 ms (half its work), then both at half speed: it ends at 75 ms;
     # the second has done 25 ms of its 50 by then, and ends alone 25 ms later, at 100 ms (75 after it arrived)
     assert [r.ttft for r in staggered.records] == pytest.approx([75, 75])
+
+
+def test_the_router_and_clients_take_their_cores_first():
+    """One worker on a 2-core host whose router and clients keep 1.5 cores busy gets the 0.5 left:
+    its 50 ms prefill takes 100 ms (sharing all cores alike would give (1 + 1.5) / 2 = 1.25x)."""
+    model = replace(PREFILL_BOUND, front_cpu_request_s=1.5)  # at 1 request/s: 1.5 cores
+    host = Placement(host_cores=2, front_on_host=True)
+    one = simulate(model, 0, 0, 1, host, 1.0, [Request(0.0, 100, 1)], SLO(1000, 1000))
+    assert one.records[0].ttft == pytest.approx(100)
+    assert host_slowdown(1, 1.0, 1.5, 2) == pytest.approx(2.0) and host_slowdown(1, 1.0, 0.5, 2) == 1.0
+
+
+def test_workers_stepping_side_by_side_pay_co_run():
+    """Cores to spare, but a step beside another costs co_run times alone; a step alone does not."""
+    model = replace(PREFILL_BOUND, co_run=1.5)
+    host = Placement(host_cores=4)
+    both = simulate(model, 0, 0, 2, host, 1.0, [Request(0.0, 100, 1), Request(0.0, 100, 1)], SLO(1000, 1000))
+    assert [r.ttft for r in both.records] == pytest.approx([75, 75])
+    apart = simulate(model, 0, 0, 2, host, 1.0, [Request(0.0, 100, 1), Request(1.0, 100, 1)], SLO(1000, 1000))
+    assert [r.ttft for r in apart.records] == pytest.approx([50, 50])

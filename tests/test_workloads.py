@@ -73,7 +73,7 @@ def test_malformed_jsonl_row_is_named_by_line_and_field(tmp_path, line, problem)
                                           '{"arrival": 0.1, "prompt_tokens": 3, "output_tokens": 4}', "", line])
     with pytest.raises(InvalidArgument) as e:
         load_trace(path)
-    assert f"bad.jsonl:4: " in str(e.value) and problem in str(e.value)
+    assert "bad.jsonl:4: " in str(e.value) and problem in str(e.value)
 
 
 def test_unknown_workload_and_empty_trace(tmp_path):
