@@ -152,7 +152,7 @@ def goodput_options(start_rate: bool = False):
             click.option("--min-requests", default=30, show_default=True, type=int),
             click.option("--max-requests", default=400, show_default=True, type=int,
                          help="per rate, unless a quarter of --duration (or 10 TTFT targets) of arrivals needs more"),
-            click.option("--refine", default=3, show_default=True, type=int, help="bisection steps at the knee"),
+            click.option("--refine", default=4, show_default=True, type=int, help="bisection steps at the knee"),
             click.option("--seed", default=0, show_default=True, type=int),
         ]
         if start_rate:
