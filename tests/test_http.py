@@ -354,10 +354,23 @@ def value(samples, name, **labels) -> float:
     return sum(v for (n, ls), v in samples.items() if n == name and want.items() <= dict(ls).items())
 
 
+def settled(c) -> dict:
+    """The metrics once the workers' counters stop moving: an earlier test's cancelled requests may
+    still be leaving the workers, and their counters come with the next heartbeats."""
+    deadline = time.monotonic() + 10
+    last = scrape(c)
+    while True:
+        time.sleep(0.5)  # two heartbeats or more
+        now = scrape(c)
+        if now == last or time.monotonic() > deadline:
+            return now
+        last = now
+
+
 def test_metrics_parse_and_count_known_requests(served):
     client = api(served)
     long_prompt = list(range(1, 100))
-    before = scrape(served)
+    before = settled(served)
     for _ in range(2):  # the second one finds the first one's blocks in the prefill's prefix cache
         client.completions.create(model=MODEL, prompt=long_prompt, max_tokens=5, extra_body=dict(ignore_eos=True))
     client.completions.create(model=MODEL, prompt="hey", max_tokens=7, temperature=0, stop=["\x00\x01"],
