@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow  # the first FlexAttention call compiles (tens of 
 
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (8, 2), (4, 1)])
 def test_flex_decode_equals_sdpa(heads, kv_heads):
-    from common.flex_attention import FlexAttention
+    from common.attention.flex import FlexAttention
 
     err = _decode_difference(FlexAttention(heads, kv_heads, 16), SDPAAttention(heads, kv_heads, 16),
                              torch.device("cpu"))

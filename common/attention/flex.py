@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from common.attention import AttentionMetadata, SDPAAttention
+from common.attention.batch import AttentionMetadata
+from common.attention.sdpa import SDPAAttention
 
 _compiled = None
 
