@@ -130,22 +130,50 @@ def model_path(spec: str) -> Path:
                          + "), a GGUF file or a directory holding config.json")
 
 
+def _signed(c: int) -> int:
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_GOLDEN, _MIX1, _MIX2 = _signed(0x9E3779B97F4A7C15), _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
+_CHUNK = 1 << 22  # elements drawn at once: int64 temporaries of 32 MB
+
+
+def _shr(z: torch.Tensor, k: int) -> torch.Tensor:
+    return (z >> k) & ((1 << (64 - k)) - 1)  # logical: torch shifts int64 arithmetically
+
+
+def counter_uniform(seed: int, start: int, n: int, device: torch.device) -> torch.Tensor:
+    """n float32 numbers uniform in [-1, 1), the elements start..start+n of stream `seed`: SplitMix64
+    of each element's index, in int64 arithmetic (it wraps alike on every device), then its top 24
+    bits, which float32 holds exactly. So any device draws the same numbers, and a GPU draws them
+    itself instead of waiting for the CPU."""
+    z = torch.arange(start, start + n, dtype=torch.int64, device=device) * _GOLDEN + seed
+    z = (z ^ _shr(z, 30)) * _MIX1
+    z = (z ^ _shr(z, 27)) * _MIX2
+    z = z ^ _shr(z, 31)
+    return (_shr(z, 40).to(torch.float32) - 2.0 ** 23) * 2.0 ** -23
+
+
 def _fill_random(model: Transformer, spec: str):
-    """Deterministic random weights: each tensor from a generator seeded by its name, drawn on the
-    CPU in float32 so every device and dtype starts from the same numbers. Scales keep the
-    residual stream near unit size, so greedy output is varied rather than one repeated token."""
+    """Deterministic random weights, drawn where the model lives: each tensor a counter-based
+    stream (counter_uniform) seeded by its name, scaled in float32 then cast to the model's dtype, so
+    every device and dtype starts from the same numbers. Scales keep the residual stream near unit
+    size, so greedy output is varied rather than one repeated token."""
     for name, p in model.named_parameters():
         seed = int.from_bytes(hashlib.blake2b(f"{spec}/{name}".encode(), digest_size=8).digest(), "little") >> 1
-        gen = torch.Generator().manual_seed(seed)
         if name.endswith("bias"):
-            data = torch.randn(p.shape, generator=gen) * 0.02
+            mean, std = 0.0, 0.02
         elif p.dim() == 1:  # norm scales
-            data = 1.0 + 0.1 * torch.randn(p.shape, generator=gen)
+            mean, std = 1.0, 0.1
         elif "embed" in name:
-            data = torch.randn(p.shape, generator=gen) * 0.3
+            mean, std = 0.0, 0.3
         else:
-            data = torch.randn(p.shape, generator=gen) * 3.0 * p.shape[1] ** -0.5
-        p.data.copy_(data)
+            mean, std = 0.0, 3.0 * p.shape[1] ** -0.5
+        flat = p.data.view(-1)
+        for start in range(0, flat.numel(), _CHUNK):
+            n = min(_CHUNK, flat.numel() - start)
+            u = counter_uniform(seed, start, n, p.device)
+            flat[start:start + n].copy_(u * (std * 3.0 ** 0.5) + mean)  # uniform of that std
 
 
 # ---------------------------------------------------------------- Hugging Face checkpoints

@@ -3,7 +3,9 @@
 import json
 
 import pytest
+import torch
 
+from common.checkpoint import counter_uniform, load_model
 from common.engine import Engine
 from common.errors import InvalidArgument, ModelLoadError
 from common.sampling import SamplingParams
@@ -73,3 +75,22 @@ def test_checkpoint_without_tokenizer_takes_token_ids(tmp_path, llama_dir):
         engine.add_request("hello")
     out = engine.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0]
     assert len(out.token_ids) == 3 and out.text is None
+
+
+def test_counter_uniform_is_a_stream_that_chunks_alike():
+    whole = counter_uniform(7, 0, 10_000, torch.device("cpu"))
+    parts = torch.cat([counter_uniform(7, 0, 4_321, torch.device("cpu")), counter_uniform(7, 4_321, 5_679, torch.device("cpu"))])
+    assert torch.equal(whole, parts) and not torch.equal(whole, counter_uniform(8, 0, 10_000, torch.device("cpu")))
+    assert whole.dtype == torch.float32 and -1 <= whole.min() and whole.max() < 1
+    assert abs(whole.mean().item()) < 0.02 and abs(whole.std().item() - 3 ** -0.5) < 0.01
+    assert len(torch.unique(whole)) > 9_990  # 24 bits each: hardly a repeat
+
+
+def test_dummy_weights_are_the_same_in_every_dtype():
+    """Drawn in float32 and cast: a bfloat16 model holds the float32 model's weights, rounded."""
+    f32 = dict(load_model("dummy:llama-tiny", torch.device("cpu"), torch.float32).model.named_parameters())
+    bf16 = dict(load_model("dummy:llama-tiny", torch.device("cpu"), torch.bfloat16).model.named_parameters())
+    again = dict(load_model("dummy:llama-tiny", torch.device("cpu"), torch.float32).model.named_parameters())
+    assert all(torch.equal(f32[k], again[k]) and torch.equal(f32[k].to(torch.bfloat16), bf16[k]) for k in f32)
+    norms = [v for k, v in f32.items() if v.dim() == 1 and "norm" in k]
+    assert norms and all(0.8 < v.min() and v.max() < 1.2 for v in norms)  # 1 +- 0.1 * sqrt(3)

@@ -24,6 +24,15 @@ def test_cuda_float32_matches_cpu(model):
     assert [o.token_ids for o in gpu] == [o.token_ids for o in cpu]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dummy_weights_are_drawn_alike_on_the_gpu(dtype):
+    from common.checkpoint import load_model
+
+    cpu = dict(load_model("dummy:llama-tiny", torch.device("cpu"), dtype).model.named_parameters())
+    gpu = dict(load_model("dummy:llama-tiny", torch.device("cuda:0"), dtype).model.named_parameters())
+    assert all(torch.equal(cpu[k], gpu[k].cpu()) for k in cpu)
+
+
 @pytest.mark.parametrize("model", ["dummy:nanogpt", "dummy:llama-tiny"])
 def test_cuda_auto_backend_equals_sdpa(model):
     ps, params = prompts(8, 1, 60, seed=13), mixed_params(8)
