@@ -55,6 +55,9 @@ class ModelRunner:
         return torch.tensor(data, dtype=dtype, device=self.device)
 
     def prepare(self, batch: list[ScheduledSeq]):
+        """The step's inputs, all int64, packed into one host buffer and moved to the device in one
+        copy (pinned and asynchronous on a GPU), then viewed apart: a tensor per field would cost a
+        copy and a launch each."""
         bs = self.block_size
         # longest first: the portable attention reads runs of similar length at their own width
         decodes = sorted((s for s in batch if s.is_decode), key=lambda s: -len(s.seq))
@@ -65,34 +68,44 @@ class ModelRunner:
             input_ids.append(seq.token_ids[pos])
             positions.append(pos)
             slots.append(seq.block_table[pos // bs] * bs + pos % bs)
-        decode_tables = decode_lens = decode_mask = groups = None
-        if decodes:
-            width = max(len(s.seq.block_table) for s in decodes)
-            decode_tables = self._tensor([s.seq.block_table + [0] * (width - len(s.seq.block_table)) for s in decodes])
-            decode_lens = self._tensor([len(s.seq) for s in decodes])
-            visible = torch.arange(width * bs, device=self.device)[None, :] < decode_lens[:, None]
-            decode_mask = visible[:, None, None, :]
-            groups = decode_groups([len(s.seq) for s in decodes], bs)
-        chunks = []
+        tables = []  # prefill chunks' block tables, each a run of the buffer
         for s in prefills:
             seq, start = s.seq, s.seq.num_computed_tokens
             end = start + s.num_tokens
-            offset = len(input_ids)
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            chunks.append(PrefillChunk(offset, offset + s.num_tokens, start,
-                                       self._tensor(table[:-(-end // bs)])))
+            tables.append(table[:-(-end // bs)])
         ordered = decodes + prefills
         sample_rows, row = [], 0
         for s in ordered:
             row += s.num_tokens
             if s.samples:
                 sample_rows.append(row - 1)
-        meta = AttentionMetadata(self._tensor(slots), len(decodes), decode_tables, decode_lens, decode_mask, chunks,
-                                 groups)
-        return ordered, self._tensor(input_ids), self._tensor(positions), meta, sample_rows
+        width = max((len(s.seq.block_table) for s in decodes), default=0)
+        lens = [len(s.seq) for s in decodes]
+        fields = [input_ids, positions, slots, sample_rows, lens,
+                  [b for s in decodes for b in s.seq.block_table + [0] * (width - len(s.seq.block_table))], *tables]
+        host = torch.tensor([v for f in fields for v in f], dtype=torch.int64)
+        if self.device.type == "cuda":
+            packed = host.pin_memory().to(self.device, non_blocking=True)
+        else:
+            packed = host.to(self.device)
+        views = packed.split([len(f) for f in fields])
+        input_T, positions_T, slots_T, sample_rows_S, lens_B, tables_flat = views[:6]
+        decode_tables = decode_lens = decode_mask = groups = None
+        if decodes:
+            decode_tables, decode_lens = tables_flat.view(len(decodes), width), lens_B
+            visible = torch.arange(width * bs, device=self.device)[None, :] < decode_lens[:, None]
+            decode_mask = visible[:, None, None, :]
+            groups = decode_groups(lens, bs)
+        chunks, offset = [], len(decodes)
+        for s, table in zip(prefills, views[6:]):
+            chunks.append(PrefillChunk(offset, offset + s.num_tokens, s.seq.num_computed_tokens, table))
+            offset += s.num_tokens
+        meta = AttentionMetadata(slots_T, len(decodes), decode_tables, decode_lens, decode_mask, chunks, groups)
+        return ordered, input_T, positions_T, meta, sample_rows_S
 
     @staticmethod
     def prompt_logprob_rows(ordered: list[ScheduledSeq]) -> list[tuple[Sequence, int, int]]:
@@ -122,9 +135,9 @@ class ModelRunner:
                                      [q.params.prompt_logprobs for q, _, _ in prompt_rows])
             for (q, _, p), entry in zip(prompt_rows, entries):
                 q.prompt_logprobs[p + 1] = entry
-        if not sample_rows:
+        if not sample_rows.numel():
             return ordered, [], []
-        logits_SV = self.model.logits(hidden_TC[self._tensor(sample_rows)])
+        logits_SV = self.model.logits(hidden_TC[sample_rows])
         sampled = [s.seq for s in ordered if s.samples]
         tokens = sample(logits_SV, [q.params for q in sampled], [q.seed for q in sampled],
                         [len(q) for q in sampled]).tolist()
