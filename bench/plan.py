@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from bench.goodput import CLEAR_MARGIN, SLO, Point, Search, find_goodput
-from bench.profile import model_from_json
+from bench.profile import PROFILE_VERSION, model_from_json
 from bench.report import print_json, print_table
 from bench.scaling import Sweep, Topology
 from bench.simulate import Placement, WorkerModel, simulate
@@ -55,11 +55,15 @@ class Profile:
     def load(cls, path: str | Path) -> "Profile":
         try:
             d = json.loads(Path(path).read_text())
-            models = {p["threads"]: model_from_json(p["worker_model"]) for p in d["profiles"]}
-            return cls(d["model"], d["device"], d.get("host_cores"), models, tuple(d.get("worker_args", ())))
-        except (OSError, ValueError, KeyError, TypeError) as e:
+            version = d.get("profile_version")
+            if version == PROFILE_VERSION:
+                models = {p["threads"]: model_from_json(p["worker_model"]) for p in d["profiles"]}
+                return cls(d["model"], d["device"], d.get("host_cores"), models, tuple(d.get("worker_args", ())))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise InvalidArgument(f"profile {str(path)!r} cannot be read ({type(e).__name__}: {e}); make one with "
                                   "pdserve plan --profile PATH (it profiles when PATH does not exist)") from e
+        raise InvalidArgument(f"profile {str(path)!r} is version {version!r}; allowed: {PROFILE_VERSION}, what this "
+                              "pdserve measures and simulates (profile anew: pdserve plan --profile PATH --reprofile)")
 
     def local(self, t: Topology, background_cores: float = 0.0) -> tuple[WorkerModel, Placement]:
         """A topology on the profiling machine: its workers share the host as the launcher splits

@@ -56,7 +56,7 @@ from common.errors import InvalidArgument
 from router.client import Client
 from router.launcher import Cluster, threads_per_worker
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2  # 2: co_run, decode_kv2, KV read in runs, the router and client first in `contention`
 DECODE_TOKENS = 256  # output tokens of each decode-profile request: long enough for a full batch to form
 
 
@@ -153,6 +153,10 @@ class Profiler:
         points = []
         for L in lengths:
             fits = pool_tokens * 9 // 10 // (L + DECODE_TOKENS + 16)  # room for the block manager's watermark
+            if not fits:
+                raise InvalidArgument(f"a KV pool of {pool_tokens} tokens holds no {L + DECODE_TOKENS}-token request "
+                                      f"to profile; allowed: a pool of at least {(L + DECODE_TOKENS + 16) * 10 // 9} "
+                                      "tokens (--num-blocks, --kv-cache-gb)")
             for B in sorted({b for b in batches if b <= fits} | {min(fits, max(batches))} - {0}):
                 samples, cpu = self.run([(0.0, self.prompt(L), DECODE_TOKENS) for _ in range(B * workers)])
                 start = max(s.token_times[1] for s in samples)
@@ -220,7 +224,8 @@ def profile_workers(model: str, device: str, threads: int | None, worker_args: l
                 profilers.append(pr)
                 asyncio.run(drive(cluster.address, [(0.0, prompt(64), 4)] * 2))  # warm-up
                 if name == "pair":
-                    raw[name] = ([], pr.decode([mid], [4, 16, 32], padded, "pair:", pool * engine.block_size, 2))
+                    raw[name] = ([], pr.decode([mid], [b for b in (4, 16, 32) if b <= max_seqs], padded, "pair:",
+                                               pool * engine.block_size, 2))
                     continue
                 # both report their prefill time (work received -> first token sampled)
                 raw[name] = (pr.prefill(default_lengths(context), repeats, 2 if name == "disaggregated" else 1),

@@ -25,6 +25,7 @@ from common.chat import hf_chat_template
 from common.config import ModelConfig
 from common.errors import ModelLoadError
 from common.model import Transformer
+from common.sampling import GOLDEN, logical_shr, splitmix64
 from common.tokenizer import ByteTokenizer, HFTokenizer
 
 _BYTE = ByteTokenizer
@@ -130,16 +131,7 @@ def model_path(spec: str) -> Path:
                          + "), a GGUF file or a directory holding config.json")
 
 
-def _signed(c: int) -> int:
-    return c - (1 << 64) if c >= 1 << 63 else c
-
-
-_GOLDEN, _MIX1, _MIX2 = _signed(0x9E3779B97F4A7C15), _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
 _CHUNK = 1 << 22  # elements drawn at once: int64 temporaries of 32 MB
-
-
-def _shr(z: torch.Tensor, k: int) -> torch.Tensor:
-    return (z >> k) & ((1 << (64 - k)) - 1)  # logical: torch shifts int64 arithmetically
 
 
 def counter_uniform(seed: int, start: int, n: int, device: torch.device) -> torch.Tensor:
@@ -147,11 +139,8 @@ def counter_uniform(seed: int, start: int, n: int, device: torch.device) -> torc
     of each element's index, in int64 arithmetic (it wraps alike on every device), then its top 24
     bits, which float32 holds exactly. So any device draws the same numbers, and a GPU draws them
     itself instead of waiting for the CPU."""
-    z = torch.arange(start, start + n, dtype=torch.int64, device=device) * _GOLDEN + seed
-    z = (z ^ _shr(z, 30)) * _MIX1
-    z = (z ^ _shr(z, 27)) * _MIX2
-    z = z ^ _shr(z, 31)
-    return (_shr(z, 40).to(torch.float32) - 2.0 ** 23) * 2.0 ** -23
+    z = splitmix64(torch.arange(start, start + n, dtype=torch.int64, device=device) * GOLDEN + seed)
+    return (logical_shr(z, 40).to(torch.float32) - 2.0 ** 23) * 2.0 ** -23
 
 
 def _fill_random(model: Transformer, spec: str):

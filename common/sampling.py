@@ -128,27 +128,29 @@ def _signed(x: int) -> int:
     return x - (1 << 64) if x >= 1 << 63 else x
 
 
-_GOLDEN = _signed(0x9E3779B97F4A7C15)
+GOLDEN = _signed(0x9E3779B97F4A7C15)  # SplitMix64's increment, as int64
 _MIX1 = _signed(0xBF58476D1CE4E5B9)
 _MIX2 = _signed(0x94D049BB133111EB)
 
 
-def _shr(x: torch.Tensor, n: int) -> torch.Tensor:
+def logical_shr(x: torch.Tensor, n: int) -> torch.Tensor:
     """Logical right shift of int64 (torch's >> is arithmetic)."""
     return (x >> n) & ((1 << (64 - n)) - 1)
 
 
-def _splitmix(x: torch.Tensor) -> torch.Tensor:
-    x = (x ^ _shr(x, 30)) * _MIX1
-    x = (x ^ _shr(x, 27)) * _MIX2
-    return x ^ _shr(x, 31)
+def splitmix64(x: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finalizer on int64 (wrapping alike on every device): the sampling noise and
+    the dummy weights (common/checkpoint.py) are both drawn from it."""
+    x = (x ^ logical_shr(x, 30)) * _MIX1
+    x = (x ^ logical_shr(x, 27)) * _MIX2
+    return x ^ logical_shr(x, 31)
 
 
 def keyed_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Uniform noise in (0, 1), shape (S, V), a pure function of (seed, position, token id)."""
-    key_S = _splitmix(seeds * _GOLDEN + positions)
-    ids_V = (torch.arange(1, vocab_size + 1, device=seeds.device, dtype=torch.int64)) * _GOLDEN
-    bits_SV = _shr(_splitmix(key_S[:, None] ^ ids_V[None, :]), 40)  # top 24 bits
+    key_S = splitmix64(seeds * GOLDEN + positions)
+    ids_V = (torch.arange(1, vocab_size + 1, device=seeds.device, dtype=torch.int64)) * GOLDEN
+    bits_SV = logical_shr(splitmix64(key_S[:, None] ^ ids_V[None, :]), 40)  # top 24 bits
     return (bits_SV.to(torch.float32) + 0.5) * (1.0 / (1 << 24))
 
 

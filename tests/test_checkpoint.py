@@ -77,6 +77,22 @@ def test_checkpoint_without_tokenizer_takes_token_ids(tmp_path, llama_dir):
     assert len(out.token_ids) == 3 and out.text is None
 
 
+def splitmix64_reference(x: int) -> int:
+    """SplitMix64's finalizer on Python's unbounded ints, masked to 64 bits: what int64 torch must match."""
+    m = (1 << 64) - 1
+    x &= m
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & m
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & m
+    return x ^ (x >> 31)
+
+
+@pytest.mark.parametrize("seed, start", [(0, 0), (7, 12_345), (2**63 - 1, 2**40)])
+def test_counter_uniform_is_splitmix64(seed, start):
+    got = counter_uniform(seed, start, 6, torch.device("cpu")).tolist()
+    want = [((splitmix64_reference((start + i) * 0x9E3779B97F4A7C15 + seed) >> 40) - 2**23) / 2**23 for i in range(6)]
+    assert got == want
+
+
 def test_counter_uniform_is_a_stream_that_chunks_alike():
     whole = counter_uniform(7, 0, 10_000, torch.device("cpu"))
     parts = torch.cat([counter_uniform(7, 0, 4_321, torch.device("cpu")), counter_uniform(7, 4_321, 5_679, torch.device("cpu"))])

@@ -101,3 +101,10 @@ def test_plan_profiles_once_then_plans_from_the_saved_profile(tmp_path):
     r = subprocess.run(pdserve_cmd() + ["plan", "--profile", str(tmp_path / "p.json"), "--compare",
                                         str(tmp_path / "none.json")], capture_output=True, text=True, timeout=60, cwd=REPO)
     assert r.returncode == 2 and "none.json" in r.stderr
+
+
+def test_a_profile_of_another_version_is_refused_by_name(tmp_path):
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"profile_version": 1, "model": "dummy:nanogpt", "device": "cpu", "profiles": []}))
+    with pytest.raises(InvalidArgument, match=r"old.json' is version 1; allowed: 2.*--reprofile"):
+        Profile.load(old)
