@@ -23,7 +23,7 @@ import torch
 from bench.report import print_json, print_table
 from common.cli_options import engine_kwargs_from
 from common.errors import InvalidArgument
-from bench.serve import pct
+from bench.report import pct
 from common.engine import Engine
 from common.sampling import SamplingParams
 from router.client import AsyncClient, Client, RequestError

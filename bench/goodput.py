@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable
 
-from bench.serve import pct
+from bench.report import pct
 from common.errors import InvalidArgument
 
 
@@ -65,6 +65,15 @@ def attainment(records: list[Latency], slo: SLO) -> float:
     return sum(r.meets(slo) for r in records) / len(records) if records else 0.0
 
 
+def percentiles(records: list[Latency], qs: tuple[int, ...],
+                names: tuple[str, ...] = ("ttft", "itl", "tpot", "e2e")) -> dict:
+    """{name_pQ_ms: the Q-th percentile of that latency over the records} (inter-token gaps pooled)."""
+    values = {"ttft": [r.ttft for r in records if r.ttft is not None], "itl": [g for r in records for g in r.itl],
+              "tpot": [r.tpot for r in records if r.tpot is not None],
+              "e2e": [r.e2e for r in records if r.e2e is not None]}
+    return {f"{name}_p{q}_ms": round(pct(values[name], q), 2) for name in names for q in qs}
+
+
 @dataclass
 class Point:
     """One rate measured (or simulated): the SLO attainment and what the system delivered."""
@@ -77,14 +86,7 @@ class Point:
     cpu: dict[str, float] = field(default_factory=dict)  # cores used meanwhile, by whom (bench/hostload.py)
 
     def latency_summary(self) -> dict:
-        out = {}
-        for name, values in (("ttft", [r.ttft for r in self.records if r.ttft is not None]),
-                             ("itl", [g for r in self.records for g in r.itl]),
-                             ("tpot", [r.tpot for r in self.records if r.tpot is not None]),
-                             ("e2e", [r.e2e for r in self.records if r.e2e is not None])):
-            for q in (50, 90, 99):
-                out[f"{name}_p{q}_ms"] = round(pct(values, q), 2)
-        return out
+        return percentiles(self.records, (50, 90, 99))
 
     def to_json(self) -> dict:
         out = {"rate": round(self.rate, 4), "attainment": round(self.attainment, 4),

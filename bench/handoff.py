@@ -21,9 +21,8 @@ from pathlib import Path
 from bench.report import print_json, print_table
 from common.checkpoint import model_config
 from common.cli_options import engine_kwargs_from
-from common.config import DTYPES, default_dtype
+from common.config import EngineConfig
 from common.errors import InvalidArgument
-from common.memory import cuda_device_key
 from router.client import Client
 from router.launcher import Cluster
 
@@ -38,10 +37,7 @@ def run_handoff_bench(model: str, tokens: int, requests: int, transport: str, se
     if requests < 1:
         raise InvalidArgument(f"requests={requests}; allowed: >= 1")
     # the workers' KV dtype: their --dtype (the last one, as click reads it), else the engine's default
-    dtype = engine_kwargs_from(worker_args)["dtype"] or default_dtype("cpu" if cuda_device_key(devices[0]) is None
-                                                                      else "cuda")
-    if dtype not in DTYPES:
-        raise InvalidArgument(f"--dtype {dtype!r} is not supported; allowed: {sorted(DTYPES)}")
+    engine = EngineConfig(**{**engine_kwargs_from(worker_args), "model": model, "device": devices[0]})
     rng = random.Random(seed)
     prompts = [[rng.randrange(cfg.vocab_size) for _ in range(tokens)] for _ in range(2 * requests + 2)]
     samples: dict[str, list[tuple[float, float]]] = {mode: [] for mode in MODES}
@@ -67,8 +63,8 @@ def run_handoff_bench(model: str, tokens: int, requests: int, transport: str, se
                 c.stop()
     alone = statistics.median(p for p, _ in samples["after prefill"])
     rows, result = [], {"bench": "handoff", "model": model, "tokens": tokens, "requests": requests,
-                        "transport": transport, "devices": list(devices), "dtype": dtype,
-                        "kv_bytes": tokens * cfg.kv_values_per_token * DTYPES[dtype].itemsize}
+                        "transport": transport, "devices": list(devices), "dtype": engine.dtype,
+                        "kv_bytes": tokens * cfg.kv_values_per_token * engine.torch_dtype.itemsize}
     for mode, pairs in samples.items():
         prefill = statistics.median(p for p, _ in pairs)
         handoff = statistics.median(h for _, h in pairs)
@@ -78,7 +74,7 @@ def run_handoff_bench(model: str, tokens: int, requests: int, transport: str, se
                        f"{key}_to_decode_ms": round(total * 1e3, 2), f"{key}_vs_prefill_alone": round(total / alone, 3)})
         rows.append([mode, prefill * 1e3, handoff * 1e3, total * 1e3, f"{total / alone:.3f}x"])
     print_table(f"pdserve bench handoff: {model}, {tokens}-token prompts, {transport} KV transport "
-                f"({result['kv_bytes'] / 2**20:.0f} MiB of {dtype} KV each), p50 of {requests}, taken in turn (ms)",
+                f"({result['kv_bytes'] / 2**20:.0f} MiB of {engine.dtype} KV each), p50 of {requests}, taken in turn (ms)",
                 ["KV sent", "prefill", "handoff", "prefill start to decode start", "vs prefill alone"], rows)
     print_json(result)
     return result

@@ -51,7 +51,7 @@ from common.cli_options import engine_kwargs_from
 from bench.simulate import EngineShape, StepCost, WorkerModel, host_slowdown
 from common.checkpoint import model_config
 from common.attention import decode_kv_read, make_attention
-from common.config import EngineConfig, default_dtype, resolve_device
+from common.config import EngineConfig, resolve_device
 from common.errors import InvalidArgument
 from router.client import Client
 from router.launcher import Cluster, threads_per_worker
@@ -157,7 +157,7 @@ class Profiler:
                 raise InvalidArgument(f"a KV pool of {pool_tokens} tokens holds no {L + DECODE_TOKENS}-token request "
                                       f"to profile; allowed: a pool of at least {(L + DECODE_TOKENS + 16) * 10 // 9} "
                                       "tokens (--num-blocks, --kv-cache-gb)")
-            for B in sorted({b for b in batches if b <= fits} | {min(fits, max(batches))} - {0}):
+            for B in sorted({b for b in batches if b <= fits} | {min(fits, max(batches))}):
                 samples, cpu = self.run([(0.0, self.prompt(L), DECODE_TOKENS) for _ in range(B * workers)])
                 start = max(s.token_times[1] for s in samples)
                 end = min(s.token_times[-1] for s in samples)
@@ -181,9 +181,7 @@ def profile_workers(model: str, device: str, threads: int | None, worker_args: l
     """Profile one prefill and one decode worker (a 1P1D cluster) and one monolithic worker: the
     raw points and the fits."""
     cfg = model_config(model)
-    kwargs = engine_kwargs_from(worker_args)
-    kwargs["dtype"] = kwargs["dtype"] or default_dtype("cpu" if device == "cpu" else "cuda")
-    engine = EngineConfig(**{**kwargs, "model": model, "device": "cpu"})  # checks the flags; no device needed
+    engine = EngineConfig(**{**engine_kwargs_from(worker_args), "model": model, "device": device})  # checks the flags
     context = min(engine.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
     budget, max_seqs = engine.max_num_batched_tokens, engine.max_num_seqs
     kv_bytes = cfg.kv_values_per_token * engine.torch_dtype.itemsize
@@ -317,7 +315,7 @@ def run_profile(model: str, device: str, workers: int, worker_args: list[str], o
                      "per 1k KV read", "per (1k KV)^2", "handoff per MB", "front latency"],
                     [[role, s["prefill_base"] * 1e3, s["prefill_token"] * 1e6, s["prefill_attn"] * 1e9,
                       s["decode_base"] * 1e3, s["decode_seq"] * 1e3, s["decode_kv"] * 1e6,
-                      s.get("decode_kv2", 0.0) * 1e9, wm["handoff_s_per_byte"] * 1e9 if role != "mono" else "-", wm["front_latency_s"] * 1e3]
+                      s["decode_kv2"] * 1e9, wm["handoff_s_per_byte"] * 1e9 if role != "mono" else "-", wm["front_latency_s"] * 1e3]
                      for role, s in (("prefill/decode", wm["step"]), ("mono", wm["mono_step"]))])
     print(f"profile saved to {out}\n")
     return result

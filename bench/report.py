@@ -18,3 +18,10 @@ def print_table(title: str, header: list[str], rows: list[list]) -> None:
 
 def print_json(result: dict) -> None:
     print(json.dumps(result), flush=True)
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]

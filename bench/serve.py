@@ -27,7 +27,8 @@ from pathlib import Path
 
 import zmq
 
-from bench.report import print_json, print_table
+from bench.goodput import Latency, percentiles
+from bench.report import pct, print_json, print_table
 from common.checkpoint import model_config
 from router.client import AsyncClient, RequestError
 from router.launcher import Cluster
@@ -133,26 +134,14 @@ async def drive(address: str, requests, concurrency: int = 0) -> tuple[list[Samp
         return list(samples), time.perf_counter() - start
 
 
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    values = sorted(values)
-    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
-
-
 def summarize(samples: list[Sample], wall: float) -> dict:
     """Latencies and throughput of the requests that completed; the failed ones are counted apart."""
-    from bench.goodput import Latency  # (it imports this module)
-
     ok = [s for s in samples if s.error is None]
     done = [r for r in map(Latency.of, ok) if r.ttft is not None]
-    ttft, itl, e2e = [r.ttft for r in done], [g for r in done for g in r.itl], [r.e2e for r in done]
     router = [s.router_s * 1e3 for s in ok]
     return {"requests": len(samples), "failed": len(samples) - len(ok), "output_tokens": sum(s.tokens for s in ok),
             "output_tok_s": round(sum(s.tokens for s in ok) / wall, 1),
-            "ttft_p50_ms": round(pct(ttft, 50), 2), "ttft_p99_ms": round(pct(ttft, 99), 2),
-            "itl_p50_ms": round(pct(itl, 50), 2), "itl_p99_ms": round(pct(itl, 99), 2),
-            "e2e_p50_ms": round(pct(e2e, 50), 2), "e2e_p99_ms": round(pct(e2e, 99), 2),
+            **percentiles(done, (50, 99), ("ttft", "itl", "e2e")),
             "router_p50_ms": round(pct(router, 50), 3), "router_p99_ms": round(pct(router, 99), 3)}
 
 

@@ -257,6 +257,8 @@ class Simulation:
         self.unfinished = len(requests)
         mean_out = sum(r.output_tokens for r in requests) / max(1, len(requests))
         self.front_cores = rate * (model.front_cpu_request_s + model.front_cpu_token_s * mean_out)
+        # what runs on the host before the workers (host_slowdown): other work, and the router and clients if there
+        self.host_front_cores = placement.background_cores + (self.front_cores if placement.front_on_host else 0.0)
         self.slo = slo
         # Give up once so many requests are sure to miss the SLO that attainment is below stop_below.
         self.give_up_at = None if stop_below is None else math.floor((1 - stop_below) * len(requests)) + 1
@@ -334,8 +336,8 @@ class Simulation:
         """The host's cores shared (host_slowdown): a step starting or ending changes how fast every
         step under way progresses; their end events are moved accordingly."""
         stepping = [w for w in self.workers if w.step is not None]
-        front = self.placement.background_cores + (self.front_cores if self.placement.front_on_host else 0.0)
-        slowdown = host_slowdown(len(stepping), self.model.cores, front, self.placement.host_cores, self.model.co_run)
+        slowdown = host_slowdown(len(stepping), self.model.cores, self.host_front_cores, self.placement.host_cores,
+                                 self.model.co_run)
         for w in stepping:
             s = w.step
             s.work_left = max(0.0, s.work_left - (self.now - s.since) / s.slowdown)

@@ -70,7 +70,7 @@ class ModelRunner:
             slots.append(seq.block_table[pos // bs] * bs + pos % bs)
         tables = []  # prefill chunks' block tables, each a run of the buffer
         for s in prefills:
-            seq, start = s.seq, s.seq.num_computed_tokens
+            seq, start = s.seq, s.start
             end = start + s.num_tokens
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
@@ -102,7 +102,7 @@ class ModelRunner:
             groups = decode_groups(lens, bs)
         chunks, offset = [], len(decodes)
         for s, table in zip(prefills, views[6:]):
-            chunks.append(PrefillChunk(offset, offset + s.num_tokens, s.seq.num_computed_tokens, table))
+            chunks.append(PrefillChunk(offset, offset + s.num_tokens, s.start, table))
             offset += s.num_tokens
         meta = AttentionMetadata(slots_T, len(decodes), decode_tables, decode_lens, decode_mask, chunks, groups)
         return ordered, input_T, positions_T, meta, sample_rows_S
@@ -113,7 +113,7 @@ class ModelRunner:
         asking for prompt logprobs (row at position p predicts token p + 1)."""
         out, row = [], 0
         for s in ordered:
-            seq, start = s.seq, s.seq.num_computed_tokens
+            seq, start = s.seq, s.start
             if seq.prompt_logprobs is not None:
                 end = min(start + s.num_tokens, seq.num_prompt_tokens - 1)
                 out += [(seq, row + p - start, p) for p in range(start, end)]
@@ -380,10 +380,11 @@ class Engine:
         if finished and self.tokenizer:
             text = seq.text.final() if seq.text is not None else self.tokenizer.decode(seq.output_token_ids)
         metrics = {}
+        if first or finished:  # a mono worker reports its prefill time with the first token
+            metrics["ttft_s"] = seq.first_token_time - seq.arrival_time
         if finished:
-            metrics = {"ttft_s": seq.first_token_time - seq.arrival_time,
-                       "e2e_s": seq.finish_time - seq.arrival_time,
-                       "num_cached_tokens": seq.num_cached_tokens, "num_preemptions": seq.num_preemptions}
+            metrics.update(e2e_s=seq.finish_time - seq.arrival_time, num_cached_tokens=seq.num_cached_tokens,
+                           num_preemptions=seq.num_preemptions)
             if seq.scheduled_time is not None:
                 metrics["queue_s"] = seq.scheduled_time - seq.arrival_time
         return RequestOutput(seq.request_id, seq.token_ids[:seq.num_prompt_tokens], seq.output_token_ids, new,

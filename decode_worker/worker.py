@@ -66,7 +66,6 @@ class DecodeWorker(WorkerBase):
         self.fenced: dict[tuple[str, int], Reservation] = {}  # (request id, attempt): dropped, maybe being written
         self.arriving: dict[str, tuple[P.KVTransfer, bytes]] = {}  # header in, the transport still settling
         self.streams: dict[str, tuple[int, dict]] = {}  # request id -> (attempt, timings)
-        self.received: dict[str, float] = {}  # mono: request id -> when its work came, until its first token
         log.info("KV transports offered: %s", list(self.receivers))
 
     def kv_transports(self) -> list[str]:
@@ -86,14 +85,12 @@ class DecodeWorker(WorkerBase):
                 self.to_router(P.WorkerError(msg.request_id, msg.attempt, e.code, str(e)))
                 return
             self.streams[msg.request_id] = (msg.attempt, {})
-            self.received[msg.request_id] = time.monotonic()
 
     def _drop(self, rid: str):
         r = self.reservations.pop(rid, None)
         if r is not None:
             self._free(rid, r, writer_done=self.arriving.pop(rid, None) is not None)
         self.streams.pop(rid, None)
-        self.received.pop(rid, None)
         self.engine.abort_request(rid)
 
     def _free(self, rid: str, r: Reservation, writer_done: bool):
@@ -262,7 +259,6 @@ class DecodeWorker(WorkerBase):
     # ------------------------------------------------------------------ engine
 
     def on_outputs(self, outputs: list[RequestOutput]):
-        now = time.monotonic()
         for out in outputs:
             attempt, timings = self.streams.get(out.request_id, (None, None))
             if attempt is None:
@@ -270,11 +266,11 @@ class DecodeWorker(WorkerBase):
             index = len(out.token_ids) - len(out.new_token_ids)
             reason = out.finish_reason if out.finished else None
             new = len(out.new_token_ids)
-            received = self.received.pop(out.request_id, None)
-            if received is not None:  # mono, first token: the prefill time a prefill worker reports too
-                timings["prefill_s"] = now - received
+            prefilled = self.role == "mono" and index == 0
+            if prefilled:  # work received -> first token, the prefill time a prefill worker reports too
+                timings["prefill_s"] = out.metrics["ttft_s"]
             self.to_router(P.WorkerTokens(out.request_id, attempt, index, out.new_token_ids, reason,
-                                          timings if out.finished or received is not None else {},
+                                          timings if out.finished or prefilled else {},
                                           out.logprobs and out.logprobs[-new:],
                                           out.prompt_logprobs if index == 0 else None))  # mono: with the first token
             if out.finished:
@@ -299,7 +295,6 @@ class DecodeWorker(WorkerBase):
         for rid in list(self.reservations):
             self._drop(rid)
         self.streams.clear()
-        self.received.clear()
         super().drop_all_work()
 
     def close(self):

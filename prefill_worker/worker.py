@@ -289,7 +289,7 @@ class PrefillWorker(WorkerBase):
         if layer == 0:
             t.next_layer = 0
         table = s.seq.block_table
-        upto = len(table) if s.samples else (s.seq.num_computed_tokens + s.num_tokens) // self.engine.config.block_size
+        upto = len(table) if s.samples else (s.start + s.num_tokens) // self.engine.config.block_size
         layers = range(t.next_layer, layer + 1)
         if upto <= t.streamed or (not last and len(layers) * (upto - t.streamed) * self.layer_bytes < STREAM_MIN_BYTES):
             return

@@ -76,7 +76,7 @@ def offered(kv_transport: str, device: torch.device) -> list[str]:
     return [t for t in PREFERENCE if KV_TRANSPORT_DEVICE.get(t, device.type) == device.type]
 
 
-def choose(senders: dict[str, "Sender"], offer: dict, peer: str, forced: str = "auto") -> str:
+def choose(senders: dict[str, Sender], offer: dict, peer: str, forced: str = "auto") -> str:
     """The first of our senders (fastest first) that the peer offers and we can reach."""
     unusable = []
     for name, sender in senders.items():

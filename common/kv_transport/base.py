@@ -158,7 +158,7 @@ class Sender:
 class Receiver:
     """Decode side of a transport: one per worker, for all its prefill peers."""
     name = ""
-    one_sided = False  # peers write our blocks themselves (see the module docstring)
+    one_sided = False  # peers write our blocks themselves (see common/kv_transport/__init__.py)
 
     def advert(self) -> dict:
         return {}
@@ -183,6 +183,3 @@ class Receiver:
     def close(self) -> None:
         pass
 
-
-# ----------------------------------------------------------------------------- the transports, construction
-# Imported after the interface above, which they import from here.
