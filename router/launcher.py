@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -24,8 +25,36 @@ from common.memory import DEFAULT_UTILIZATION, launch_plan
 PR_SET_PDEATHSIG = 1
 
 
+_handed_out: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
+    """A port that is free now and that the kernel will not hand to anyone else: it lies below the
+    ephemeral range, from which the kernel picks the ports of every `bind(0)` and outgoing
+    connection. A port from bind(0) is released before the router binds it, and a worker starting
+    beside the router (binding its own sockets to "*") could be given it in between."""
+    low, _ = _ephemeral_range()
+    rng = random.SystemRandom()
+    for _ in range(200 if low > 2048 else 0):
+        port = rng.randrange(max(1024, low // 2), low)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    with socket.socket() as s:  # a crowded host: fall back to the kernel's choice
         s.bind((host, 0))
         return s.getsockname()[1]
 

@@ -118,3 +118,15 @@ def test_killing_the_launcher_outright_takes_its_cluster_down(tmp_path, how):
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def test_free_ports_are_never_the_kernels_to_hand_out():
+    """The router binds a port chosen before it starts, beside workers binding theirs to "*": a port
+    from the kernel's ephemeral range could be given to one of them in between (CI saw
+    'Address already in use'). free_port picks below that range, and never twice."""
+    from router.launcher import _ephemeral_range
+
+    low, _ = _ephemeral_range()
+    ports = [free_port() for _ in range(50)]
+    assert len(set(ports)) == len(ports)
+    assert all(1024 <= p < low for p in ports), (low, sorted(ports))
