@@ -7,7 +7,7 @@ import functools
 
 import click
 
-from common.protocol import KV_TRANSPORTS  # no torch here: the CLI starts light
+from common.protocol import ATTENTION_BACKENDS, KV_TRANSPORTS  # no torch here: the CLI starts light
 
 
 MODEL_HELP = ("dummy:<preset>, a named model (smollm2: `pdserve pull smollm2` first), a GGUF file or a Hugging Face "
@@ -32,7 +32,8 @@ def engine_options(f):
         click.option("--max-model-len", default=None, type=int),
         click.option("--no-prefix-caching", is_flag=True),
         click.option("--attention-backend", default="auto", show_default=True,
-                     type=click.Choice(["auto", "sdpa", "flex"])),
+                     type=click.Choice(ATTENTION_BACKENDS),
+                     help="auto: the Triton paged kernel on CUDA (if triton is installed), SDPA elsewhere"),
         click.option("--kv-transport", default="auto", show_default=True, type=click.Choice(KV_TRANSPORTS),
                      help="how KV crosses from prefill to decode workers; auto: the fastest both ends support"),
     ]

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from common.errors import InvalidArgument
-from common.protocol import KV_TRANSPORTS
+from common.protocol import ATTENTION_BACKENDS, KV_TRANSPORTS
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 KV_TRANSPORT_DEVICE = {"shm": "cpu", "cuda_ipc": "cuda", "nccl": "cuda"}  # the others work with any pool
@@ -128,9 +128,9 @@ class EngineConfig:
                 f"max_num_seqs={self.max_num_seqs} so that every running request can decode each step")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise InvalidArgument(f"max_model_len={self.max_model_len} must be >= 2")
-        if self.attention_backend not in ("auto", "sdpa", "flex"):
+        if self.attention_backend not in ATTENTION_BACKENDS:
             raise InvalidArgument(f"attention_backend={self.attention_backend!r} is not supported; "
-                                  "allowed: 'auto', 'sdpa', 'flex'")
+                                  f"allowed: {list(ATTENTION_BACKENDS)}")
         if self.kv_transport not in KV_TRANSPORTS:
             raise InvalidArgument(f"kv_transport={self.kv_transport!r} is not supported; "
                                   f"allowed: {list(KV_TRANSPORTS)}")

@@ -24,6 +24,7 @@ from common.errors import PdserveError, short_repr as _short
 PROTOCOL_VERSION = 1
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 2**20  # header frames; KV frames are capped separately
 KV_TRANSPORTS = ("auto", "zmq", "shm", "gloo", "cuda_ipc", "nccl")  # KVTransfer.transport: common/kv_transport/
+ATTENTION_BACKENDS = ("auto", "sdpa", "triton", "flex")  # common/attention/; here so the CLI need not import torch
 
 
 class ProtocolError(PdserveError, ValueError):

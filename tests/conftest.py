@@ -1,5 +1,12 @@
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels run on CPU tensors in Triton's interpreter, which must be chosen before triton
+    # is imported: the CPU suite checks the GPU kernels' arithmetic that way (tests/test_attention.py).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):

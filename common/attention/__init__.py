@@ -10,7 +10,10 @@ decodes longest first and `decode_groups` cuts them into runs of similar length,
 its own width: one long sequence no longer makes every short one beside it read its length.
 
 - `sdpa.py`: portable (CPU and GPU), torch's scaled_dot_product_attention.
-- `flex.py`: FlexAttention with a paged block mask, compiled; picked by `auto` on CUDA.
+- `triton_decode.py`: a paged split-KV decode kernel in Triton, batch-invariant (the KV is split at
+  fixed positions); picked by `auto` on CUDA.
+- `flex.py`: FlexAttention with a paged block mask, compiled (it does not compile for 16-token pages
+  on an H100, so only by name).
 - `batch.py`: the batch's layout every backend reads, and the runs of decodes.
 Every backend is tested equal to SDPA. This module picks one.
 """
@@ -30,24 +33,37 @@ log = logging.getLogger(__name__)
 
 
 def make_attention(name: str, device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int):
-    """'auto' is FlexAttention on CUDA when it passes a start-up check against SDPA, else SDPA."""
+    """'auto' is the Triton kernel on CUDA when Triton is installed and the kernel passes a start-up
+    check against SDPA, else SDPA. A backend asked for by name is used as it is."""
     sdpa = SDPAAttention(num_heads, num_kv_heads, head_dim)
     if name == "sdpa" or (name == "auto" and device.type != "cuda"):
         return sdpa
-    from common.attention.flex import FlexAttention
-
-    flex = FlexAttention(num_heads, num_kv_heads, head_dim)
     if name == "flex":
-        return flex
+        from common.attention.flex import FlexAttention
+
+        return FlexAttention(num_heads, num_kv_heads, head_dim)
+    from common.attention import triton_decode
+
+    if name == "triton" and not triton_decode.available():
+        raise RuntimeError("attention backend 'triton' needs the triton package (pip install triton); "
+                           "or use --attention-backend sdpa")
+    fast = triton_decode.TritonAttention(num_heads, num_kv_heads, head_dim)
+    if name == "triton":
+        return fast
+    if not triton_decode.available():
+        log.warning("triton is not installed: decoding with SDPA over gathered blocks (slow on %s)", device)
+        return sdpa
     try:
-        err = _decode_difference(flex, sdpa, device)
+        err = _decode_difference(fast, sdpa, device)
     except Exception as e:  # a compiler or kernel failure: the portable path still serves
-        log.warning("FlexAttention unavailable on %s (%s: %s); using SDPA", device, type(e).__name__, e)
+        first_line = (str(e).strip().splitlines() or [""])[0][:200]
+        log.warning("Triton decode kernel unavailable on %s (%s: %s); using SDPA", device, type(e).__name__,
+                    first_line)
         return sdpa
     if err > 2e-2:
-        log.warning("FlexAttention differs from SDPA by %.3g on %s; using SDPA", err, device)
+        log.warning("Triton decode kernel differs from SDPA by %.3g on %s; using SDPA", err, device)
         return sdpa
-    return flex
+    return fast
 
 
 def _decode_difference(a, b, device: torch.device) -> float:

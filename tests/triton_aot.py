@@ -1,0 +1,50 @@
+"""Compile every Triton kernel variant pdserve launches for an H100 (sm_90), with no GPU: Triton's
+ahead-of-time path lowers a kernel to PTX and runs its bundled ptxas for a named target. A kernel
+that would not compile on the GPU machine fails here first.
+
+Run as `python -m tests.triton_aot` without TRITON_INTERPRET (the interpreter replaces Triton's
+own library functions, which compiling needs); prints one JSON line of what compiled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+# (query heads per KV head, head size): nanogpt, llama-tiny, llama-1b and SmolLM2-135M's shapes.
+SHAPES = [(1, 64), (2, 16), (4, 64), (3, 64)]
+DTYPES = {"bf16": False, "fp16": False, "fp32": True}  # fp32 takes IEEE dots, not TF32
+
+
+def compile_all(arch: int = 90) -> list[str]:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from common.attention import triton_decode as td
+
+    def build(fn, types: dict, constexprs: dict):
+        sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
+        triton.compile(ASTSource(fn, sig, constexprs=constexprs), target=GPUTarget("cuda", arch, 32))
+
+    done = []
+    for dt, ieee in DTYPES.items():
+        for group, head_dim in SHAPES:
+            block_d = max(td.MIN_DOT, td._pow2(head_dim))
+            build(td._split_kernel,
+                  {"Q": f"*{dt}", "KCache": f"*{dt}", "VCache": f"*{dt}", "Tables": "*i64", "Lens": "*i64",
+                   "OutPart": "*fp32", "LsePart": "*fp32", "scale": "fp32"},
+                  dict(GROUP=group, BLOCK_G=max(td.MIN_DOT, td._pow2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
+                       PAGE=16, TILE=td.BLOCK_N, SPLIT_TOKENS=td.SPLIT, IEEE=ieee))
+            done.append(f"split/{dt}/g{group}/d{head_dim}")
+        build(td._merge_kernel, {"OutPart": "*fp32", "LsePart": "*fp32", "Lens": "*i64", "Out": f"*{dt}"},
+              dict(HEAD_DIM=64, BLOCK_D=64, SPLIT_TOKENS=td.SPLIT, MAX_SPLITS=8))
+        done.append(f"merge/{dt}")
+    return done
+
+
+if __name__ == "__main__":
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        sys.exit("run without TRITON_INTERPRET=1: the interpreter cannot compile")
+    print(json.dumps({"arch": "sm_90", "compiled": compile_all()}))
