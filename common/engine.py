@@ -104,7 +104,8 @@ class ModelRunner:
         for s, table in zip(prefills, views[6:]):
             chunks.append(PrefillChunk(offset, offset + s.num_tokens, s.start, table))
             offset += s.num_tokens
-        meta = AttentionMetadata(slots_T, len(decodes), decode_tables, decode_lens, decode_mask, chunks, groups)
+        meta = AttentionMetadata(slots_T, len(decodes), decode_tables, decode_lens, decode_mask, chunks, groups,
+                                 positions_T)
         return ordered, input_T, positions_T, meta, sample_rows_S
 
     @staticmethod

@@ -65,21 +65,25 @@ def _sdpa_decode(q, k, v, tables, lens, heads, kv_heads, head_dim):
     return SDPAAttention(heads, kv_heads, head_dim)._decode(q, k, v, meta)
 
 
-# Lengths around a page (16), a tile (64) and a split (256), one token, and several splits.
+def _triton_decode(q, k, v, tables, lens, scale):
+    from common.attention.triton_paged import decode_tiles, paged_attention
+
+    return paged_attention(q, k, v, tables, decode_tiles(lens), lens - 1, scale)
+
+
+# Lengths around a page (16), a step of a split (64) and a split (256), one token, and several splits.
 LENGTHS = [1, 16, 17, 64, 255, 256, 257, 700, 40]
 
 
-@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 4, 16), (8, 2, 32), (32, 8, 64), (6, 1, 24)])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 4, 16), (8, 2, 32), (32, 8, 64), (6, 1, 24), (9, 3, 64)])
 def test_triton_decode_equals_sdpa(heads, kv_heads, head_dim):
     """The paged Triton kernel (in Triton's interpreter on CPU) against SDPA over gathered blocks:
-    GQA groups of 1 to 6, a head size that is not a power of two, fragmented tables and pages
-    shared by two rows."""
+    GQA groups of 1 to 6 (3: SmolLM2's), a head size that is not a power of two, fragmented tables
+    and pages shared by two rows."""
     pytest.importorskip("triton")
-    from common.attention.triton_decode import paged_decode
-
     q, k, v, tables, lens = _paged_batch(LENGTHS, heads, kv_heads, head_dim, torch.float32, seed=heads,
                                          shared_prefix_blocks=1)
-    got = paged_decode(q, k, v, tables, lens, head_dim ** -0.5)
+    got = _triton_decode(q, k, v, tables, lens, head_dim ** -0.5)
     want = _sdpa_decode(q, k, v, tables, lens, heads, kv_heads, head_dim)
     assert (got - want).abs().max().item() < 1e-5
 
@@ -88,44 +92,145 @@ def test_triton_decode_is_batch_invariant():
     """A row's output is the same bits alone, in any batch, and however wide the batch's tables are:
     its splits sit at fixed positions and fold in a fixed order."""
     pytest.importorskip("triton")
-    from common.attention.triton_decode import paged_decode
-
     heads, kv_heads, head_dim = 8, 2, 32
     q, k, v, tables, lens = _paged_batch(LENGTHS, heads, kv_heads, head_dim, torch.float32, seed=5)
-    batched = paged_decode(q, k, v, tables, lens, head_dim ** -0.5)
+    batched = _triton_decode(q, k, v, tables, lens, head_dim ** -0.5)
     for i, n in enumerate(LENGTHS):
         own = tables[i:i + 1, :-(-n // 16)]
-        alone = paged_decode(q[i:i + 1], k, v, own, lens[i:i + 1], head_dim ** -0.5)
-        wide = paged_decode(q[i:i + 1], k, v, torch.cat([own, own.new_zeros(1, 80)], 1), lens[i:i + 1],
-                            head_dim ** -0.5)
+        alone = _triton_decode(q[i:i + 1], k, v, own, lens[i:i + 1], head_dim ** -0.5)
+        wide = _triton_decode(q[i:i + 1], k, v, torch.cat([own, own.new_zeros(1, 80)], 1), lens[i:i + 1],
+                              head_dim ** -0.5)
         assert torch.equal(alone[0], batched[i]) and torch.equal(wide[0], batched[i]), (i, n)
+
+
+class _Sequences:
+    """Sequences with random per-position q/k/v over a shuffled pool, and packed steps over them:
+    `step(rows)` runs one backend call where each row is (sequence, first position, tokens), the
+    one-token rows first as decodes, and returns each (sequence, position)'s output."""
+
+    def __init__(self, lengths, heads, kv_heads, head_dim, seed, page=16):
+        gen = torch.Generator().manual_seed(seed)
+        self.page, self.heads, self.kv_heads, self.head_dim = page, heads, kv_heads, head_dim
+        widths = [-(-n // page) for n in lengths]
+        order = torch.randperm(sum(widths) + 2, generator=gen).tolist()
+        self.tables, at = [], 0
+        for w in widths:
+            self.tables.append(order[at:at + w])
+            at += w
+        self.pool = len(order)
+        self.q = [torch.randn(n, heads, head_dim, generator=gen) for n in lengths]
+        self.k = [torch.randn(n, kv_heads, head_dim, generator=gen) for n in lengths]
+        self.v = [torch.randn(n, kv_heads, head_dim, generator=gen) for n in lengths]
+
+    def new_cache(self):
+        shape = (self.pool, self.page, self.kv_heads, self.head_dim)
+        return torch.zeros(shape), torch.zeros(shape)
+
+    def step(self, backend, caches, rows):
+        from common.attention import AttentionMetadata, PrefillChunk
+
+        P = self.page
+        rows = sorted(rows, key=lambda r: r[2] != 1)  # decodes first, as the engine packs them
+        nd = sum(1 for r in rows if r[2] == 1)
+        q, k, v, slots, positions, chunks, offset = [], [], [], [], [], [], 0
+        for i, (s, first, n) in enumerate(rows):
+            q.append(self.q[s][first:first + n])
+            k.append(self.k[s][first:first + n])
+            v.append(self.v[s][first:first + n])
+            positions += range(first, first + n)
+            slots += [self.tables[s][p // P] * P + p % P for p in range(first, first + n)]
+            if i >= nd:
+                chunks.append(PrefillChunk(offset, offset + n, first, torch.tensor(self.tables[s][:-(-(first + n) // P)])))
+            offset += n
+        decode = rows[:nd]
+        width = max([-(-(f + 1) // P) for _, f, _ in decode], default=0)
+        tables = torch.tensor([self.tables[s][:width] + [0] * (width - len(self.tables[s][:width])) for s, _, _ in decode],
+                              dtype=torch.int64).view(nd, width)
+        lens = torch.tensor([f + 1 for _, f, _ in decode], dtype=torch.int64)
+        mask = (torch.arange(width * P)[None, :] < lens[:, None])[:, None, None, :]
+        meta = AttentionMetadata(torch.tensor(slots), nd, tables if nd else None, lens if nd else None,
+                                 mask if nd else None, chunks, None, torch.tensor(positions))
+        out = backend(torch.cat(q), torch.cat(k), torch.cat(v), *caches, meta)
+        return {(s, first + j): out[o + j] for (s, first, n), o in
+                zip(rows, [0] + list(torch.tensor([r[2] for r in rows]).cumsum(0)[:-1].tolist())) for j in range(n)}
+
+
+def _chunked(seqs, lengths, chunk, ones_from=None):
+    """Every sequence prefilled in chunks of `chunk` (one token at a time from position
+    `ones_from` on: decodes), sequences side by side in each step; outputs per (sequence, position)."""
+    from common.attention.triton_paged import TritonAttention
+
+    backend = TritonAttention(seqs.heads, seqs.kv_heads, seqs.head_dim)
+    caches, got, first = seqs.new_cache(), {}, [0] * len(lengths)
+
+    def size(pos, n):
+        if ones_from is not None:
+            return 1 if pos >= ones_from else min(ones_from - pos, n - pos)
+        return min(chunk, n - pos)
+
+    while any(f < n for f, n in zip(first, lengths)):
+        rows = [(s, first[s], size(first[s], n)) for s, n in enumerate(lengths) if first[s] < n]
+        got.update(seqs.step(backend, caches, rows))
+        for s, _, n in rows:
+            first[s] += n
+    return got
+
+
+def test_triton_prefill_chunks_and_decodes_equal_sdpa():
+    """A mixed step (decodes beside prefill chunks with cached prefixes, and a whole prompt) through
+    the Triton backend equals the SDPA backend on the same step."""
+    pytest.importorskip("triton")
+    from common.attention.triton_paged import TritonAttention
+
+    lengths = [300, 40, 90, 20, 270]
+    seqs = _Sequences(lengths, 8, 2, 32, seed=4)
+    prefix = [(0, 0, 280), (1, 0, 39), (2, 0, 50), (4, 0, 1)]  # cached before the step
+    rows = [(0, 280, 1), (1, 39, 1), (2, 50, 40), (3, 0, 20), (4, 1, 269)]
+    outs = []
+    for backend in (TritonAttention(8, 2, 32), SDPAAttention(8, 2, 32)):
+        caches = seqs.new_cache()
+        seqs.step(SDPAAttention(8, 2, 32), caches, prefix)
+        outs.append(seqs.step(backend, caches, rows))
+    assert outs[0].keys() == outs[1].keys()
+    assert max((outs[0][key] - outs[1][key]).abs().max().item() for key in outs[0]) < 1e-5
+
+
+def test_triton_attention_is_the_same_bits_however_a_prompt_is_chunked():
+    """Each position's output is identical whether its prompt went in whole, in chunks of 13, or
+    token by token as decodes across a split's edge (256): a prefill token and a decode token take
+    one code path."""
+    pytest.importorskip("triton")
+    lengths = [266, 30, 5]
+    seqs = _Sequences(lengths, 8, 2, 32, seed=6)
+    whole = _chunked(seqs, lengths, max(lengths))
+    for chunk, ones_from in ((13, None), (None, 250)):
+        got = _chunked(seqs, lengths, chunk, ones_from)
+        assert got.keys() == whole.keys()
+        different = [key for key in whole if not torch.equal(whole[key], got[key])]
+        assert not different, (chunk, ones_from, different[:5])
 
 
 def test_triton_decode_half_precision_is_close_to_sdpa():
     pytest.importorskip("triton")
-    from common.attention.triton_decode import paged_decode
-
     heads, kv_heads, head_dim = 8, 2, 32
     q, k, v, tables, lens = _paged_batch(LENGTHS, heads, kv_heads, head_dim, torch.float16, seed=7)
-    got = paged_decode(q, k, v, tables, lens, head_dim ** -0.5).float()
+    got = _triton_decode(q, k, v, tables, lens, head_dim ** -0.5).float()
     want = _sdpa_decode(q.float(), k.float(), v.float(), tables, lens, heads, kv_heads, head_dim)
     assert (got - want).abs().max().item() < 1e-2
 
 
-def test_triton_backend_refuses_a_page_size_it_cannot_tile():
+def test_triton_backend_refuses_a_block_size_it_cannot_tile():
     pytest.importorskip("triton")
-    from common.attention.triton_decode import paged_decode
-
     q, k, v, tables, lens = _paged_batch([30], 4, 4, 16, torch.float32, seed=1, page=24)
-    with pytest.raises(ValueError, match="page size 24"):
-        paged_decode(q, k, v, tables, lens, 0.25)
+    with pytest.raises(ValueError, match="block size 24"):
+        _triton_decode(q, k, v, tables, lens, 0.25)
 
 
 @pytest.mark.parametrize("model", ["dummy:nanogpt", "dummy:llama-tiny"])
 def test_triton_engine_generates_sdpa_tokens(model):
     """Through the engine (interpreted on CPU, so few tokens): greedy and seeded rows, mixed lengths."""
     pytest.importorskip("triton")
-    ps, params = prompts(4, 1, 60, seed=11), mixed_params(4, max_tokens=4)
+    ps, params = prompts(3, 1, 40, seed=11), mixed_params(3, max_tokens=4)
     sdpa = Engine(model=model, attention_backend="sdpa").generate(ps, params)
     fast = Engine(model=model, attention_backend="triton")
     assert fast.model.layers[0].attention.name == "triton"
@@ -145,4 +250,4 @@ def test_triton_kernels_compile_for_an_h100():
                          timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
     assert run.returncode == 0, run.stderr[-3000:]
     compiled = json.loads(run.stdout.splitlines()[-1])["compiled"]
-    assert len(compiled) == 15 and "split/bf16/g4/d64" in compiled
+    assert len(compiled) == 12 and "bf16/h32/kv8/d64" in compiled

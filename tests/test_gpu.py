@@ -46,15 +46,14 @@ def test_cuda_auto_backend_equals_sdpa(model):
 def test_triton_decode_on_the_gpu_equals_sdpa_and_is_batch_invariant(dtype):
     """llama-1b's attention shapes (32 query heads on 8 KV heads of 64), fragmented tables, shared
     pages, lengths across pages, tiles and splits."""
-    from common.attention.triton_decode import paged_decode
-    from tests.test_attention import LENGTHS, _paged_batch, _sdpa_decode
+    from tests.test_attention import LENGTHS, _paged_batch, _sdpa_decode, _triton_decode
 
     q, k, v, tables, lens = (t.cuda() for t in _paged_batch(LENGTHS, 32, 8, 64, dtype, seed=3, shared_prefix_blocks=2))
-    got = paged_decode(q, k, v, tables, lens, 64 ** -0.5)
+    got = _triton_decode(q, k, v, tables, lens, 64 ** -0.5)
     want = _sdpa_decode(q.float(), k.float(), v.float(), tables, lens, 32, 8, 64)
     assert (got.float() - want).abs().max().item() < (2e-2 if dtype == torch.bfloat16 else 1e-4)
     for i, n in enumerate(LENGTHS):
-        alone = paged_decode(q[i:i + 1], k, v, tables[i:i + 1, :-(-n // 16)], lens[i:i + 1], 64 ** -0.5)
+        alone = _triton_decode(q[i:i + 1], k, v, tables[i:i + 1, :-(-n // 16)], lens[i:i + 1], 64 ** -0.5)
         assert torch.equal(alone[0], got[i]), (i, n)
 
 

@@ -12,8 +12,8 @@ import json
 import os
 import sys
 
-# (query heads per KV head, head size): nanogpt, llama-tiny, llama-1b and SmolLM2-135M's shapes.
-SHAPES = [(1, 64), (2, 16), (4, 64), (3, 64)]
+# (query heads, KV heads, head size): nanogpt, llama-tiny, llama-1b and SmolLM2-135M.
+SHAPES = [(4, 4, 16), (4, 2, 32), (32, 8, 64), (9, 3, 64)]
 DTYPES = {"bf16": False, "fp16": False, "fp32": True}  # fp32 takes IEEE dots, not TF32
 
 
@@ -22,7 +22,7 @@ def compile_all(arch: int = 90) -> list[str]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from common.attention import triton_decode as td
+    from common.attention import triton_paged as tp
 
     def build(fn, types: dict, constexprs: dict):
         sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
@@ -30,17 +30,20 @@ def compile_all(arch: int = 90) -> list[str]:
 
     done = []
     for dt, ieee in DTYPES.items():
-        for group, head_dim in SHAPES:
-            block_d = max(td.MIN_DOT, td._pow2(head_dim))
-            build(td._split_kernel,
-                  {"Q": f"*{dt}", "KCache": f"*{dt}", "VCache": f"*{dt}", "Tables": "*i64", "Lens": "*i64",
-                   "OutPart": "*fp32", "LsePart": "*fp32", "scale": "fp32"},
-                  dict(GROUP=group, BLOCK_G=max(td.MIN_DOT, td._pow2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
-                       PAGE=16, TILE=td.BLOCK_N, SPLIT_TOKENS=td.SPLIT, IEEE=ieee))
-            done.append(f"split/{dt}/g{group}/d{head_dim}")
-        build(td._merge_kernel, {"OutPart": "*fp32", "LsePart": "*fp32", "Lens": "*i64", "Out": f"*{dt}"},
-              dict(HEAD_DIM=64, BLOCK_D=64, SPLIT_TOKENS=td.SPLIT, MAX_SPLITS=8))
-        done.append(f"merge/{dt}")
+        for heads, kv_heads, head_dim in SHAPES:
+            group = heads // kv_heads
+            block_q, block_m = tp.tile_shape(group)
+            block_d = max(16, tp._pow2(head_dim))
+            build(tp._split_kernel,
+                  {"Q": f"*{dt}", "KCache": f"*{dt}", "VCache": f"*{dt}", "Tables": "*i64", "TileSeq": "*i64",
+                   "TileStart": "*i64", "TileLen": "*i64", "TilePos": "*i64", "OutPart": "*fp32", "LsePart": "*fp32",
+                   "scale": "fp32"},
+                  dict(GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=16,
+                       TILE=tp.BLOCK_N, SPLIT_KEYS=tp.SPLIT, IEEE=ieee))
+            build(tp._merge_kernel, {"OutPart": "*fp32", "LsePart": "*fp32", "Positions": "*i64", "Out": f"*{dt}"},
+                  dict(HEADS=heads, BLOCK_H=tp._pow2(heads), HEAD_DIM=head_dim, BLOCK_D=block_d, SPLIT_KEYS=tp.SPLIT,
+                       MAX_SPLITS=8))
+            done.append(f"{dt}/h{heads}/kv{kv_heads}/d{head_dim}")
     return done
 
 

@@ -10,8 +10,8 @@ decodes longest first and `decode_groups` cuts them into runs of similar length,
 its own width: one long sequence no longer makes every short one beside it read its length.
 
 - `sdpa.py`: portable (CPU and GPU), torch's scaled_dot_product_attention.
-- `triton_decode.py`: a paged split-KV decode kernel in Triton, batch-invariant (the KV is split at
-  fixed positions); picked by `auto` on CUDA.
+- `triton_paged.py`: one paged split-KV kernel in Triton for decodes and prefill chunks alike,
+  batch-invariant (the KV is split at fixed positions); picked by `auto` on CUDA.
 - `flex.py`: FlexAttention with a paged block mask, compiled (it does not compile for 16-token pages
   on an H100, so only by name).
 - `batch.py`: the batch's layout every backend reads, and the runs of decodes.
@@ -42,26 +42,26 @@ def make_attention(name: str, device: torch.device, num_heads: int, num_kv_heads
         from common.attention.flex import FlexAttention
 
         return FlexAttention(num_heads, num_kv_heads, head_dim)
-    from common.attention import triton_decode
+    from common.attention import triton_paged
 
-    if name == "triton" and not triton_decode.available():
+    if name == "triton" and not triton_paged.available():
         raise RuntimeError("attention backend 'triton' needs the triton package (pip install triton); "
                            "or use --attention-backend sdpa")
-    fast = triton_decode.TritonAttention(num_heads, num_kv_heads, head_dim)
+    fast = triton_paged.TritonAttention(num_heads, num_kv_heads, head_dim)
     if name == "triton":
         return fast
-    if not triton_decode.available():
+    if not triton_paged.available():
         log.warning("triton is not installed: decoding with SDPA over gathered blocks (slow on %s)", device)
         return sdpa
     try:
         err = _decode_difference(fast, sdpa, device)
     except Exception as e:  # a compiler or kernel failure: the portable path still serves
         first_line = (str(e).strip().splitlines() or [""])[0][:200]
-        log.warning("Triton decode kernel unavailable on %s (%s: %s); using SDPA", device, type(e).__name__,
+        log.warning("Triton attention unavailable on %s (%s: %s); using SDPA", device, type(e).__name__,
                     first_line)
         return sdpa
     if err > 2e-2:
-        log.warning("Triton decode kernel differs from SDPA by %.3g on %s; using SDPA", err, device)
+        log.warning("Triton attention differs from SDPA by %.3g on %s; using SDPA", err, device)
         return sdpa
     return fast
 

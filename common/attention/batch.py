@@ -26,6 +26,7 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None  # (Bd, 1, 1, max_blocks * block_size) True where visible
     prefills: list[PrefillChunk]
     decode_groups: list[tuple[int, int, int]] | None = None  # (first row, end row, blocks) read together
+    positions: torch.Tensor | None = None  # (T,) each token's position in its sequence
 
 
 GROUP_WIDTH = 0.7  # a decode joins its group while its blocks are at least this share of the group's ...

@@ -1,0 +1,251 @@
+"""Paged attention in Triton, one kernel for decodes and prefill chunks: K/V are read through the
+block tables in place, nothing is gathered, and a query's result is the same bits whatever else
+is in its batch, however its prompt was chunked, and whether it was a decode or a prefill token.
+
+Split-KV in two stages, after SGLang's Triton decode backend and vLLM's unified Triton attention,
+with the KV split at fixed positions (every SPLIT tokens) rather than into a number of splits
+sized to the batch. The new tokens' K/V are written into the pool first, so every query reads
+all its keys, its own chunk's included, from the pool.
+
+- Stage 1: a program per (query tile, KV head, split). A tile is up to BLOCK_Q consecutive tokens
+  of one sequence (a decode is a tile of one), and its rows are those tokens times the query heads
+  sharing the KV head (GQA), BLOCK_M rows in all, so one tl.dot serves them. It runs an online
+  softmax over its split BLOCK_N tokens at a time, each row masked to the keys at or before its
+  position, and writes a partial output and its log-sum-exp.
+- Stage 2: a program per token folds its splits in order, every head at once.
+
+A row's arithmetic depends only on its position and the fixed constants: its splits, tiles,
+masks and dot shapes are the same in any tile, batch or launch. That is the batch invariance
+issue 11 asks for (Thinking Machines' "batch_invariant_ops", SGLang's deterministic mode); the
+matmuls around attention need the same for bfloat16 on a GPU.
+
+On CPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, as the tests set), far too
+slowly to serve with: `auto` picks this backend only on CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from common.attention.batch import AttentionMetadata
+from common.attention.sdpa import SDPAAttention
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # an optional dependency: without it, `auto` keeps SDPA
+    triton = tl = None
+
+_jit = triton.jit if triton else (lambda fn: fn)
+
+SPLIT = 256  # keys per split: fixed, so a query's splits never move with its batch
+BLOCK_N = 64  # keys per step of a split (a multiple of the page size and a divisor of SPLIT)
+MIN_ROWS = 16  # tl.dot's smallest tile side: a tile's rows (tokens x grouped heads) are padded to it
+
+
+@_jit
+def _split_kernel(Q, KCache, VCache, Tables, TileSeq, TileStart, TileLen, TilePos, OutPart, LsePart, scale,
+                  stride_qt, stride_qh, stride_kn, stride_kp, stride_kh, stride_vn, stride_vp, stride_vh,
+                  stride_tb, stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
+                  GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  BLOCK_D: tl.constexpr, PAGE: tl.constexpr, TILE: tl.constexpr, SPLIT_KEYS: tl.constexpr,
+                  IEEE: tl.constexpr):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = tl.load(TileSeq + tile)
+    first = tl.load(TileStart + tile)
+    count = tl.load(TileLen + tile)
+    pos0 = tl.load(TilePos + tile)
+    start = split * SPLIT_KEYS
+    if start <= pos0 + count - 1:  # the tile's last token sees into this split
+        r = tl.arange(0, BLOCK_M)
+        token = r // GROUP
+        heads = kv_head * GROUP + r % GROUP
+        row_ok = (token < count) & (r < BLOCK_Q * GROUP)
+        q_pos = pos0 + token
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < HEAD_DIM
+        q = tl.load(Q + (first + token)[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        denom = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for step in range(0, SPLIT_KEYS // TILE):  # a static count: steps past the tile's keys read nothing
+            pos = start + step * TILE + tl.arange(0, TILE)
+            n_ok = pos < pos0 + count
+            block = tl.load(Tables + seq * stride_tb + pos // PAGE, mask=n_ok, other=0).to(tl.int64)
+            offset = pos % PAGE
+            kv_ok = n_ok[:, None] & d_ok[None, :]
+            k = tl.load(KCache + block[:, None] * stride_kn + offset[:, None] * stride_kp + kv_head * stride_kh
+                        + d[None, :], mask=kv_ok, other=0.0)
+            if IEEE:
+                qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                qk = tl.dot(q, tl.trans(k))
+            qk = tl.where(pos[None, :] <= q_pos[:, None], qk * scale, float("-inf"))
+            m_new = tl.maximum(m, tl.max(qk, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees no key here yet
+            p = tl.exp(qk - m_safe[:, None])
+            alpha = tl.exp(m - m_safe)
+            denom = denom * alpha + tl.sum(p, 1)
+            v = tl.load(VCache + block[:, None] * stride_vn + offset[:, None] * stride_vp + kv_head * stride_vh
+                        + d[None, :], mask=kv_ok, other=0.0)
+            if IEEE:
+                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m = m_new
+        # A row that saw no key in this split (its position lies before it) stores zeros, which
+        # stage 2 never reads.
+        denom = tl.where(denom > 0, denom, 1.0)
+        rows = (first + token)[:, None] * stride_ot + heads[:, None] * stride_oh + split * stride_os
+        tl.store(OutPart + rows + d[None, :], acc / denom[:, None], mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(LsePart + (first + token) * stride_lt + heads * stride_lh + split, m + tl.log(denom), mask=row_ok)
+
+
+@_jit
+def _merge_kernel(OutPart, LsePart, Positions, Out, stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
+                  stride_t, stride_h, HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  BLOCK_D: tl.constexpr, SPLIT_KEYS: tl.constexpr, MAX_SPLITS: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    h_ok = h < HEADS
+    ok = h_ok[:, None] & (d < HEAD_DIM)[None, :]
+    splits = tl.load(Positions + t) // SPLIT_KEYS + 1
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    denom = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for s in range(0, MAX_SPLITS):  # a static count (the same code for every batch), folded in order
+        if s < splits:
+            lse = tl.load(LsePart + t * stride_lt + h * stride_lh + s, mask=h_ok, other=0.0)
+            part = tl.load(OutPart + t * stride_ot + h[:, None] * stride_oh + s * stride_os + d[None, :], mask=ok,
+                           other=0.0)
+            m_new = tl.maximum(m, lse)
+            alpha = tl.exp(m - m_new)
+            w = tl.exp(lse - m_new)
+            acc = acc * alpha[:, None] + part * w[:, None]
+            denom = denom * alpha + w
+            m = m_new
+    tl.store(Out + t * stride_t + h[:, None] * stride_h + d[None, :], (acc / denom[:, None]).to(Out.dtype.element_ty),
+             mask=ok)
+
+
+def available() -> bool:
+    return triton is not None
+
+
+def interpreted() -> bool:
+    """Triton's interpreter runs kernels on CPU tensors, and only when TRITON_INTERPRET=1 was set
+    before triton was imported (the CPU tests set it in conftest)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def tile_shape(group: int) -> tuple[int, int]:
+    """(BLOCK_Q tokens, BLOCK_M rows) of a query tile for `group` query heads per KV head."""
+    rows = max(MIN_ROWS, _pow2(group))
+    return rows // group, rows
+
+
+def paged_attention(q_THD: torch.Tensor, k_cache_NPKD: torch.Tensor, v_cache_NPKD: torch.Tensor,
+                    tables_SM: torch.Tensor, tiles_4X: torch.Tensor, positions_T: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """Causal attention of each packed query token to its sequence's keys in the pool.
+
+    tables_SM: one block table per sequence of the step. tiles_4X: for each query tile, its
+    sequence (row of tables_SM), first packed token, token count (<= BLOCK_Q) and first token's
+    position. positions_T: each token's position (it sees keys 0..position). The launch shape
+    depends only on the tile count and the tables' width."""
+    T, H, D = q_THD.shape
+    N, P, K, _ = k_cache_NPKD.shape
+    out = torch.empty_like(q_THD)
+    if T == 0:
+        return out
+    if BLOCK_N % P:
+        raise ValueError(f"block size {P} is not supported by the Triton attention; allowed: a divisor of {BLOCK_N}")
+    if q_THD.device.type != "cuda" and not interpreted():
+        raise RuntimeError(f"the Triton attention runs on CUDA, not {q_THD.device} (or in Triton's interpreter: "
+                           f"TRITON_INTERPRET=1); use --attention-backend sdpa")
+    group = H // K
+    block_q, block_m = tile_shape(group)
+    max_splits = _pow2(max(1, -(-tables_SM.shape[1] * P // SPLIT)))  # few shapes to compile
+    out_part = torch.empty(T, H, max_splits, D, dtype=torch.float32, device=q_THD.device)
+    lse_part = torch.empty(T, H, max_splits, dtype=torch.float32, device=q_THD.device)
+    q_THD = q_THD.contiguous()
+    block_d = max(16, _pow2(D))
+    seq_X, start_X, count_X, pos_X = tiles_4X
+    _split_kernel[(tiles_4X.shape[1], K, max_splits)](
+        q_THD, k_cache_NPKD, v_cache_NPKD, tables_SM, seq_X, start_X, count_X, pos_X, out_part, lse_part, scale,
+        q_THD.stride(0), q_THD.stride(1), *k_cache_NPKD.stride()[:3], *v_cache_NPKD.stride()[:3],
+        tables_SM.stride(0), *out_part.stride()[:3], *lse_part.stride()[:2],
+        GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=D, BLOCK_D=block_d, PAGE=P, TILE=BLOCK_N,
+        SPLIT_KEYS=SPLIT, IEEE=q_THD.dtype == torch.float32)
+    _merge_kernel[(T,)](out_part, lse_part, positions_T, out, *out_part.stride()[:3], *lse_part.stride()[:2],
+                        out.stride(0), out.stride(1), HEADS=H, BLOCK_H=_pow2(H), HEAD_DIM=D, BLOCK_D=block_d,
+                        SPLIT_KEYS=SPLIT, MAX_SPLITS=max_splits)
+    return out
+
+
+def decode_tiles(lens_B: torch.Tensor) -> torch.Tensor:
+    """Tiles of a decode-only batch, built on the device: row b is a tile of one token at position
+    lens_B[b] - 1 (what a CUDA graph can rebuild from its static context lengths)."""
+    rows_B = torch.arange(lens_B.shape[0], device=lens_B.device, dtype=lens_B.dtype)
+    return torch.stack([rows_B, rows_B, torch.ones_like(rows_B), lens_B - 1])
+
+
+def step_layout(meta: AttentionMetadata, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tables_SM, tiles_4X) of a packed step: the decodes' tables then each prefill chunk's, and
+    a tile per decode then BLOCK_Q-token tiles of each chunk."""
+    nd = meta.num_decode
+    if not meta.prefills:
+        return meta.decode_block_tables, decode_tiles(meta.decode_context_lens)
+    block_q, _ = tile_shape(group)
+    device = meta.slot_mapping.device
+    width = max([c.block_table.shape[0] for c in meta.prefills]
+                + ([meta.decode_block_tables.shape[1]] if nd else []))
+    tables_SM = torch.zeros(nd + len(meta.prefills), width, dtype=torch.int64, device=device)
+    if nd:
+        tables_SM[:nd, :meta.decode_block_tables.shape[1]] = meta.decode_block_tables
+    chunk_tiles = []
+    for i, c in enumerate(meta.prefills):
+        tables_SM[nd + i, :c.block_table.shape[0]] = c.block_table
+        n = c.end - c.start
+        chunk_tiles += [(nd + i, c.start + j, min(block_q, n - j), c.context_start + j) for j in range(0, n, block_q)]
+    tiles_X4 = torch.tensor(chunk_tiles, dtype=torch.int64).to(device, non_blocking=True)
+    if nd:
+        return tables_SM, torch.cat([decode_tiles(meta.decode_context_lens), tiles_X4.T], 1)
+    return tables_SM, tiles_X4.T.contiguous()
+
+
+class TritonAttention(SDPAAttention):
+    """Every token of a step, decode or prefill, through the one paged Triton kernel."""
+
+    name = "triton"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+        super().__init__(num_heads, num_kv_heads, head_dim)
+        self._layout_meta = None  # the step the cached layout was built for (every layer shares it)
+        self._layout = None
+
+    def __call__(self, q_THD, k_TKD, v_TKD, k_cache_NBKD, v_cache_NBKD, meta: AttentionMetadata):
+        N, B, K, D = k_cache_NBKD.shape
+        k_cache_NBKD.view(N * B, K, D).index_copy_(0, meta.slot_mapping, k_TKD)
+        v_cache_NBKD.view(N * B, K, D).index_copy_(0, meta.slot_mapping, v_TKD)
+        if self._layout_meta is not meta:
+            self._layout, self._layout_meta = step_layout(meta, self.group), meta
+        tables_SM, tiles_4X = self._layout
+        return paged_attention(q_THD, k_cache_NBKD, v_cache_NBKD, tables_SM, tiles_4X, meta.positions, self.scale)
+
+    def _decode(self, q_BHD, k_cache, v_cache, meta: AttentionMetadata):
+        """Decode rows alone (the start-up check against SDPA)."""
+        lens_B = meta.decode_context_lens
+        return paged_attention(q_BHD, k_cache, v_cache, meta.decode_block_tables, decode_tiles(lens_B), lens_B - 1,
+                               self.scale)
