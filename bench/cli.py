@@ -22,20 +22,27 @@ def bench():
 @click.option("--num-requests", default=64, show_default=True, type=int)
 @click.option("--prompt-len", default=128, show_default=True, type=int)
 @click.option("--output-len", default=128, show_default=True, type=int)
-@click.option("--batch-sizes", default="1,16,64", show_default=True)
-@click.option("--kv-lens", default="64,512", show_default=True)
+@click.option("--batch-sizes", default=None, help="decode grid's batch sizes [default: 1,16,64,256 on a GPU, 1,16,64 on CPU]")
+@click.option("--kv-lens", default=None, help="decode grid's KV lengths [default: 64,512,2048 on a GPU, 64,512 on CPU]")
+@click.option("--prefill-len", default=None, type=int,
+              help="tokens of the timed prefill [default: 2048 on a GPU, 512 on CPU]")
 @click.option("--steps", default=32, show_default=True, type=int, help="timed decode steps per sweep point")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--vs-transformers", is_flag=True,
               help="also load the same model file with transformers and generate the same prompts (batch sizes)")
+@click.option("--transformers-cache", default="static", show_default=True, type=click.Choice(["static", "dynamic"]),
+              help="transformers' KV cache with --vs-transformers")
 @engine_options
-def bench_engine(num_requests, prompt_len, output_len, batch_sizes, kv_lens, steps, seed, vs_transformers,
-                 engine_kwargs):
-    """Offline throughput of the monolithic engine, and a decode sweep over batch and KV length."""
+def bench_engine(num_requests, prompt_len, output_len, batch_sizes, kv_lens, prefill_len, steps, seed, vs_transformers,
+                 transformers_cache, engine_kwargs):
+    """Offline throughput of the monolithic engine, a decode sweep over batch and KV length, and a
+    prefill, each against the floor or peak measured on the device in the same run."""
     from bench.engine import run_engine_bench
 
-    run_engine_bench(engine_kwargs, num_requests, prompt_len, output_len, parse_ints(batch_sizes, "--batch-sizes", "batch sizes"),
-                     parse_ints(kv_lens, "--kv-lens", "KV lengths"), steps, seed, vs_transformers)
+    run_engine_bench(engine_kwargs, num_requests, prompt_len, output_len,
+                     batch_sizes and parse_ints(batch_sizes, "--batch-sizes", "batch sizes"),
+                     kv_lens and parse_ints(kv_lens, "--kv-lens", "KV lengths"), steps, seed, vs_transformers,
+                     prefill_len, transformers_cache)
 
 
 @bench.command("serve")

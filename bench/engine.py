@@ -1,9 +1,17 @@
-"""`pdserve bench engine`: offline throughput of the monolithic engine, and decode speed over a
-grid of batch sizes and KV lengths (does step time grow with the cache? it should barely)."""
+"""`pdserve bench engine`: offline throughput of the monolithic engine, decode speed over a grid of
+batch sizes and KV lengths, and prefill speed, each against what the hardware allows, measured in
+the same run:
+
+- a decode step must read every weight and every cached K/V once, so its floor is those bytes over
+  the device's copy bandwidth (a device-to-device copy reads and writes each byte: the floor counts
+  the read at twice the copy rate);
+- a prefill is matmuls, so its ceiling is the dtype's matmul rate on a large square product.
+"""
 
 from __future__ import annotations
 
 import random
+import sys
 import time
 
 import torch
@@ -11,6 +19,7 @@ import torch
 from bench.report import print_json, print_table
 from common.config import EngineConfig
 from common.engine import Engine
+from common.errors import InvalidArgument
 from common.sampling import SamplingParams
 
 
@@ -21,6 +30,71 @@ def _random_prompts(rng: random.Random, n: int, length: int, vocab: int) -> list
 def _sync(device: torch.device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def default_grid(device: torch.device) -> tuple[list[int], list[int]]:
+    """(batch sizes, KV lengths): issue 11's grid on a GPU; on a CPU a smaller one that runs in minutes."""
+    if device.type == "cuda":
+        return [1, 16, 64, 256], [64, 512, 2048]
+    return [1, 16, 64], [64, 512]
+
+
+def read_bandwidth(device: torch.device, repeats: int = 5) -> float:
+    """Bytes/s a kernel can read on `device`: twice the rate of the best of `repeats` copies (a copy
+    reads and writes every byte) of 256 MiB on a GPU, 64 MiB on a CPU."""
+    from bench.transfer import DeviceCopyRun, MemcpyRun
+
+    nbytes = (256 if device.type == "cuda" else 64) << 20
+    run = DeviceCopyRun(nbytes, device, device) if device.type == "cuda" else MemcpyRun(nbytes)
+    return 2 * nbytes / min(run.one() for _ in range(repeats))
+
+
+def matmul_rate(device: torch.device, dtype: torch.dtype, repeats: int = 5) -> float:
+    """FLOP/s of the best of `repeats` square products (8192 on a GPU, 1024 on a CPU)."""
+    n = 8192 if device.type == "cuda" else 1024
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first warms up
+        _sync(device)
+        t0 = time.perf_counter()
+        a @ b
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n ** 3 / best
+
+
+def weight_bytes_per_step(engine: Engine) -> int:
+    """Weights a decode step reads: every layer, the final norm, and the output projection (the
+    embedding table itself only where tied to it: a step looks up a few of its rows)."""
+    model = engine.model
+    skip = {id(model.embed.weight)} if model.lm_head is not None else set()
+    if model.pos_embed is not None:
+        skip.add(id(model.pos_embed.weight))
+    return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skip)
+
+
+def prefill_flops(engine: Engine, tokens: int) -> float:
+    """FLOPs of one prompt's prefill: 2 per weight per token in the layers, the output projection
+    for the last token, and causal attention (QK^T and PV over half the square)."""
+    cfg = engine.model_config
+    layer_params = sum(p.numel() for layer in engine.model.layers for p in layer.parameters() if p.dim() == 2)
+    attention = 2 * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * tokens * (tokens + 1) / 2
+    return 2 * layer_params * tokens + 2 * cfg.hidden_size * cfg.vocab_size + attention
+
+
+def prefill_seconds(engine: Engine, tokens: int, rng: random.Random, repeats: int = 3) -> float:
+    """Best of `repeats` prefills of one `tokens`-token prompt (first token sampled)."""
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first warms up
+        prompt = _random_prompts(rng, 1, tokens, engine.model_config.vocab_size)
+        _sync(engine.config.torch_device)
+        t0 = time.perf_counter()
+        engine.generate(prompt, params)
+        _sync(engine.config.torch_device)
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def decode_speed(engine: Engine, batch: int, kv_len: int, steps: int, rng: random.Random) -> float:
@@ -44,15 +118,23 @@ def decode_speed(engine: Engine, batch: int, kv_len: int, steps: int, rng: rando
 
 
 def run_engine_bench(engine_kwargs: dict, num_requests: int, prompt_len: int, output_len: int,
-                     batch_sizes: list[int], kv_lens: list[int], steps: int, seed: int,
-                     vs_transformers: bool = False) -> dict:
+                     batch_sizes: list[int] | None, kv_lens: list[int] | None, steps: int, seed: int,
+                     vs_transformers: bool = False, prefill_len: int | None = None,
+                     transformers_cache: str = "static") -> dict:
     rng = random.Random(seed)
-    max_b, max_kv = max(batch_sizes + [1]), max(kv_lens + [prompt_len])
     engine_kwargs = dict(engine_kwargs)
-    engine_kwargs["max_num_seqs"] = max(engine_kwargs.get("max_num_seqs", 64), max_b)
-    engine_kwargs["max_num_batched_tokens"] = max(engine_kwargs.get("max_num_batched_tokens", 2048), max_b)
     engine_kwargs["enable_prefix_caching"] = False  # random prompts: hits would only be noise
     cfg = EngineConfig(**engine_kwargs)
+    device = cfg.torch_device
+    grid = default_grid(device)
+    batch_sizes, kv_lens = batch_sizes or grid[0], kv_lens or grid[1]
+    prefill_len = prefill_len or (2048 if device.type == "cuda" else 512)
+    max_b, max_kv = max(batch_sizes + [1]), max(kv_lens + [prompt_len])
+    cfg.max_num_seqs = max(cfg.max_num_seqs, max_b)
+    cfg.max_num_batched_tokens = max(cfg.max_num_batched_tokens, max_b, prefill_len)
+    if cfg.max_model_len is not None and cfg.max_model_len < max(max_kv + steps + 2, prefill_len + 1):
+        raise InvalidArgument(f"--max-model-len {cfg.max_model_len} is shorter than the longest point of the bench "
+                              f"({max(max_kv + steps + 2, prefill_len + 1)} tokens); allowed: at least that")
     engine = Engine(cfg)
     need = max(max_b, num_requests) * engine.block_manager.blocks_needed(max_kv + max(steps, output_len) + 2)
     if engine.num_blocks < need and cfg.num_blocks is None:
@@ -70,25 +152,46 @@ def run_engine_bench(engine_kwargs: dict, num_requests: int, prompt_len: int, ou
     output_tok_s = out_tokens / elapsed
     total_tok_s = (out_tokens + num_requests * prompt_len) / elapsed
 
-    decode = {}
-    for b in batch_sizes:
-        for kv in kv_lens:
-            decode[f"b{b}_kv{kv}"] = decode_speed(engine, b, kv, steps, rng)
+    bandwidth = read_bandwidth(device)
+    weights = weight_bytes_per_step(engine)
+    kv_token = engine.kv_cache.numel() // (engine.num_blocks * cfg.block_size) * engine.kv_cache.element_size()
+    decode, floor_rows, points = {}, [], len(batch_sizes) * len(kv_lens)
+    for i, (b, kv) in enumerate((b, kv) for b in batch_sizes for kv in kv_lens):
+        print(f"[{i + 1}/{points}] decode batch {b}, KV {kv}", file=sys.stderr, flush=True)
+        tok_s = decode_speed(engine, b, kv, steps, rng)
+        step_ms = 1e3 * b / tok_s
+        floor_ms = 1e3 * (weights + b * (kv + steps / 2) * kv_token) / bandwidth
+        decode[f"b{b}_kv{kv}"] = {"tok_s": round(tok_s, 1), "step_ms": round(step_ms, 3),
+                                  "floor_ms": round(floor_ms, 3), "of_floor": round(floor_ms / step_ms, 3)}
+        floor_rows.append([b, kv, tok_s, round(step_ms, 3), round(floor_ms, 3), f"{floor_ms / step_ms:.1%}"])
+    print(f"[prefill] one {prefill_len}-token prompt", file=sys.stderr, flush=True)
+    peak = matmul_rate(device, cfg.torch_dtype)
+    prefill_s = prefill_seconds(engine, prefill_len, rng)
+    flops = prefill_flops(engine, prefill_len)
+    prefill = {"tokens": prefill_len, "ms": round(1e3 * prefill_s, 2), "tflop_s": round(flops / prefill_s / 1e12, 3),
+               "matmul_peak_tflop_s": round(peak / 1e12, 3), "of_peak": round(flops / prefill_s / peak, 3)}
 
-    print_table(f"pdserve bench engine: {cfg.model} on {cfg.torch_device} ({cfg.dtype}), "
-                f"{torch.get_num_threads()} threads",
+    print_table(f"pdserve bench engine: {cfg.model} on {device} ({cfg.dtype}), {torch.get_num_threads()} threads, "
+                f"attention {engine.model.layers[0].attention.name}",
                 ["workload", "requests", "prompt", "output", "seconds", "output tok/s", "total tok/s"],
                 [["offline", num_requests, prompt_len, output_len, round(elapsed, 2), output_tok_s, total_tok_s]])
-    print_table("decode tokens/s by batch size (rows) and KV length (columns)",
-                ["batch"] + [f"kv{kv}" for kv in kv_lens],
-                [[b] + [decode[f"b{b}_kv{kv}"] for kv in kv_lens] for b in batch_sizes])
-    result = {"bench": "engine", "model": cfg.model, "device": str(cfg.torch_device), "dtype": cfg.dtype,
+    print_table(f"decode: floor = weights ({weights / 2**20:,.0f} MiB) + KV read once, at {bandwidth / 1e9:,.0f} GB/s "
+                f"(twice a {device} copy's rate, this run)",
+                ["batch", "KV", "tok/s", "step ms", "floor ms", "of floor"], floor_rows)
+    print_table(f"prefill: one prompt, against a square {cfg.dtype} matmul's rate this run",
+                ["tokens", "ms", "TFLOP/s", "matmul TFLOP/s", "of peak"],
+                [[prefill_len, prefill["ms"], prefill["tflop_s"], prefill["matmul_peak_tflop_s"],
+                  f"{prefill['of_peak']:.1%}"]])
+    result = {"bench": "engine", "model": cfg.model, "device": str(device), "dtype": cfg.dtype,
+              "attention": engine.model.layers[0].attention.name,
               "num_requests": num_requests, "prompt_len": prompt_len, "output_len": output_len,
               "output_tok_s": round(output_tok_s, 1), "total_tok_s": round(total_tok_s, 1),
-              "decode_tok_s": {k: round(v, 1) for k, v in decode.items()}}
+              "read_gb_s": round(bandwidth / 1e9, 1), "weight_bytes": weights, "kv_bytes_per_token": kv_token,
+              "decode": decode, "prefill": prefill}
     if vs_transformers:
         from bench.vs_transformers import run_vs_transformers
 
-        result["vs_transformers"] = run_vs_transformers(engine, prompt_len, output_len, batch_sizes, seed)
+        result["vs_transformers"] = run_vs_transformers(engine, prompt_len, output_len, batch_sizes, seed,
+                                                        cache=transformers_cache)
     print_json(result)
     return result

@@ -39,10 +39,27 @@ def test_generate_rejects_bad_values_clearly():
 
 def test_bench_engine_prints_table_and_json():
     r = pdserve("bench", "engine", "--num-requests", "4", "--prompt-len", "8", "--output-len", "4",
-                "--batch-sizes", "1,2", "--kv-lens", "8,16", "--steps", "2")
+                "--batch-sizes", "1,2", "--kv-lens", "8,16", "--steps", "2", "--prefill-len", "32")
     assert r.returncode == 0, r.stderr
     *table, last = r.stdout.strip().splitlines()
-    assert any("output tok/s" in line for line in table)
+    assert any("output tok/s" in line for line in table) and any("of floor" in line for line in table)
     result = json.loads(last)
     assert result["output_tok_s"] > 0
-    assert set(result["decode_tok_s"]) == {"b1_kv8", "b1_kv16", "b2_kv8", "b2_kv16"}
+    assert set(result["decode"]) == {"b1_kv8", "b1_kv16", "b2_kv8", "b2_kv16"}
+    for point in result["decode"].values():  # a step reads at least the weights, so it cannot beat the floor
+        assert 0 < point["floor_ms"] < point["step_ms"] and point["of_floor"] == round(point["floor_ms"] / point["step_ms"], 3)
+    assert result["weight_bytes"] > 0 and result["kv_bytes_per_token"] == 4 * 2 * 4 * 16 * 4  # nanogpt, float32
+    assert result["prefill"]["tokens"] == 32 and 0 < result["prefill"]["of_peak"]
+    assert "[4/4] decode batch 2, KV 16" in r.stderr  # progress
+
+
+def test_weight_bytes_of_a_step_count_the_output_projection_once():
+    """nanogpt ties its output projection to the embedding: a step reads the table as the
+    projection, and not the position embeddings."""
+    from bench.engine import weight_bytes_per_step
+    from common.engine import Engine
+
+    engine = Engine(model="dummy:nanogpt")
+    m = engine.model
+    layers = sum(p.numel() for p in m.layers.parameters()) + sum(p.numel() for p in m.norm.parameters())
+    assert weight_bytes_per_step(engine) == 4 * (layers + m.embed.weight.numel())

@@ -267,10 +267,12 @@ def test_bench_engine_vs_transformers_prints_both_and_the_ratios(tmp_path):
     _, path = _gguf_model(tmp_path, "llama-gqa", "llama")
     r = subprocess.run([sys.executable, "-m", "common.cli", "bench", "engine", "--model", str(path), "--vs-transformers",
                         "--num-requests", "2", "--prompt-len", "8", "--output-len", "4", "--batch-sizes", "1,2",
-                        "--kv-lens", "8", "--steps", "2"], capture_output=True, text=True, timeout=300)
+                        "--kv-lens", "8", "--steps", "2", "--prefill-len", "16"], capture_output=True, text=True,
+                       timeout=300)
     assert r.returncode == 0, r.stderr
     *table, last = r.stdout.strip().splitlines()
     assert any("transformers from_pretrained" in line for line in table)
     vs = json.loads(last)["vs_transformers"]
     assert vs["load"]["pdserve_s"] > 0 and vs["load"]["transformers_s"] > 0
     assert set(vs["generate"]) == {"b1", "b2"} and vs["generate"]["b2"]["same_tokens"] == "2/2"
+    assert vs["transformers_cache"] == "static"
