@@ -88,13 +88,18 @@ def test_triton_decode_equals_sdpa(heads, kv_heads, head_dim):
     assert (got - want).abs().max().item() < 1e-5
 
 
-def test_triton_decode_is_batch_invariant():
-    """A row's output is the same bits alone, in any batch, and however wide the batch's tables are:
-    its splits sit at fixed positions and fold in a fixed order."""
+def test_triton_decode_is_batch_invariant(monkeypatch):
+    """A row's output is the same bits alone, in any batch, however wide the batch's tables are, and
+    however many programs share its splits: they sit at fixed positions and fold in a fixed order."""
     pytest.importorskip("triton")
+    from common.attention import triton_paged
+
     heads, kv_heads, head_dim = 8, 2, 32
     q, k, v, tables, lens = _paged_batch(LENGTHS, heads, kv_heads, head_dim, torch.float32, seed=5)
     batched = _triton_decode(q, k, v, tables, lens, head_dim ** -0.5)
+    monkeypatch.setattr(triton_paged, "LANES", 1)  # one program takes all of a row's splits in turn
+    assert torch.equal(_triton_decode(q, k, v, tables, lens, head_dim ** -0.5), batched)
+    monkeypatch.undo()
     for i, n in enumerate(LENGTHS):
         own = tables[i:i + 1, :-(-n // 16)]
         alone = _triton_decode(q[i:i + 1], k, v, own, lens[i:i + 1], head_dim ** -0.5)

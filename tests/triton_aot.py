@@ -39,7 +39,7 @@ def compile_all(arch: int = 90) -> list[str]:
                    "TileStart": "*i64", "TileLen": "*i64", "TilePos": "*i64", "OutPart": "*fp32", "LsePart": "*fp32",
                    "scale": "fp32"},
                   dict(GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=16,
-                       TILE=tp.BLOCK_N, SPLIT_KEYS=tp.SPLIT, IEEE=ieee))
+                       TILE=tp.BLOCK_N, SPLIT_KEYS=tp.SPLIT, MAX_SPLITS=32, LANES=tp.LANES, IEEE=ieee))
             build(tp._merge_kernel, {"OutPart": "*fp32", "LsePart": "*fp32", "Positions": "*i64", "Out": f"*{dt}"},
                   dict(HEADS=heads, BLOCK_H=tp._pow2(heads), HEAD_DIM=head_dim, BLOCK_D=block_d, SPLIT_KEYS=tp.SPLIT,
                        MAX_SPLITS=8))

@@ -7,7 +7,8 @@ with the KV split at fixed positions (every SPLIT tokens) rather than into a num
 sized to the batch. The new tokens' K/V are written into the pool first, so every query reads
 all its keys, its own chunk's included, from the pool.
 
-- Stage 1: a program per (query tile, KV head, split). A tile is up to BLOCK_Q consecutive tokens
+- Stage 1: a program per (query tile, KV head, lane), a lane taking every LANES-th split (so the
+  launch does not grow with the context a CUDA graph is captured for). A tile is up to BLOCK_Q consecutive tokens
   of one sequence (a decode is a tile of one), and its rows are those tokens times the query heads
   sharing the KV head (GQA), BLOCK_M rows in all, so one tl.dot serves them. It runs an online
   softmax over its split BLOCK_N tokens at a time, each row masked to the keys at or before its
@@ -43,6 +44,7 @@ _jit = triton.jit if triton else (lambda fn: fn)
 SPLIT = 256  # keys per split: fixed, so a query's splits never move with its batch
 BLOCK_N = 64  # keys per step of a split (a multiple of the page size and a divisor of SPLIT)
 MIN_ROWS = 16  # tl.dot's smallest tile side: a tile's rows (tokens x grouped heads) are padded to it
+LANES = 16  # programs per (tile, KV head), each taking every LANES-th split
 
 
 @_jit
@@ -51,60 +53,63 @@ def _split_kernel(Q, KCache, VCache, Tables, TileSeq, TileStart, TileLen, TilePo
                   stride_tb, stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
                   GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
                   BLOCK_D: tl.constexpr, PAGE: tl.constexpr, TILE: tl.constexpr, SPLIT_KEYS: tl.constexpr,
-                  IEEE: tl.constexpr):
+                  MAX_SPLITS: tl.constexpr, LANES: tl.constexpr, IEEE: tl.constexpr):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
-    split = tl.program_id(2)
+    lane = tl.program_id(2)
     seq = tl.load(TileSeq + tile)
     first = tl.load(TileStart + tile)
     count = tl.load(TileLen + tile)
     pos0 = tl.load(TilePos + tile)
-    start = split * SPLIT_KEYS
-    if start <= pos0 + count - 1:  # the tile's last token sees into this split
-        r = tl.arange(0, BLOCK_M)
-        token = r // GROUP
-        heads = kv_head * GROUP + r % GROUP
-        row_ok = (token < count) & (r < BLOCK_Q * GROUP)
-        q_pos = pos0 + token
-        d = tl.arange(0, BLOCK_D)
-        d_ok = d < HEAD_DIM
-        q = tl.load(Q + (first + token)[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        denom = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for step in range(0, SPLIT_KEYS // TILE):  # a static count: steps past the tile's keys read nothing
-            pos = start + step * TILE + tl.arange(0, TILE)
-            n_ok = pos < pos0 + count
-            block = tl.load(Tables + seq * stride_tb + pos // PAGE, mask=n_ok, other=0).to(tl.int64)
-            offset = pos % PAGE
-            kv_ok = n_ok[:, None] & d_ok[None, :]
-            k = tl.load(KCache + block[:, None] * stride_kn + offset[:, None] * stride_kp + kv_head * stride_kh
-                        + d[None, :], mask=kv_ok, other=0.0)
-            if IEEE:
-                qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                qk = tl.dot(q, tl.trans(k))
-            qk = tl.where(pos[None, :] <= q_pos[:, None], qk * scale, float("-inf"))
-            m_new = tl.maximum(m, tl.max(qk, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees no key here yet
-            p = tl.exp(qk - m_safe[:, None])
-            alpha = tl.exp(m - m_safe)
-            denom = denom * alpha + tl.sum(p, 1)
-            v = tl.load(VCache + block[:, None] * stride_vn + offset[:, None] * stride_vp + kv_head * stride_vh
-                        + d[None, :], mask=kv_ok, other=0.0)
-            if IEEE:
-                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            m = m_new
-        # A row that saw no key in this split (its position lies before it) stores zeros, which
-        # stage 2 never reads.
-        denom = tl.where(denom > 0, denom, 1.0)
-        rows = (first + token)[:, None] * stride_ot + heads[:, None] * stride_oh + split * stride_os
-        tl.store(OutPart + rows + d[None, :], acc / denom[:, None], mask=row_ok[:, None] & d_ok[None, :])
-        tl.store(LsePart + (first + token) * stride_lt + heads * stride_lh + split, m + tl.log(denom), mask=row_ok)
+    r = tl.arange(0, BLOCK_M)
+    token = r // GROUP
+    heads = kv_head * GROUP + r % GROUP
+    row_ok = (token < count) & (r < BLOCK_Q * GROUP)
+    q_pos = pos0 + token
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    for i in range(0, MAX_SPLITS // LANES):  # this lane's splits: lane, lane + LANES, ...
+        split = lane + i * LANES
+        start = split * SPLIT_KEYS
+        if start <= pos0 + count - 1:  # the tile's last token sees into this split
+            q = tl.load(Q + (first + token)[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                        mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+            m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            denom = tl.zeros([BLOCK_M], tl.float32)
+            acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+            for step in range(0, SPLIT_KEYS // TILE):  # a static count: steps past the tile's keys read nothing
+                pos = start + step * TILE + tl.arange(0, TILE)
+                n_ok = pos < pos0 + count
+                block = tl.load(Tables + seq * stride_tb + pos // PAGE, mask=n_ok, other=0).to(tl.int64)
+                offset = pos % PAGE
+                kv_ok = n_ok[:, None] & d_ok[None, :]
+                k = tl.load(KCache + block[:, None] * stride_kn + offset[:, None] * stride_kp + kv_head * stride_kh
+                            + d[None, :], mask=kv_ok, other=0.0)
+                if IEEE:
+                    qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+                else:
+                    qk = tl.dot(q, tl.trans(k))
+                qk = tl.where(pos[None, :] <= q_pos[:, None], qk * scale, float("-inf"))
+                m_new = tl.maximum(m, tl.max(qk, 1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees no key here yet
+                p = tl.exp(qk - m_safe[:, None])
+                alpha = tl.exp(m - m_safe)
+                denom = denom * alpha + tl.sum(p, 1)
+                v = tl.load(VCache + block[:, None] * stride_vn + offset[:, None] * stride_vp + kv_head * stride_vh
+                            + d[None, :], mask=kv_ok, other=0.0)
+                if IEEE:
+                    pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+                else:
+                    pv = tl.dot(p.to(v.dtype), v)
+                acc = acc * alpha[:, None] + pv
+                m = m_new
+            # A row that saw no key in this split (its position lies before it) stores zeros, which
+            # stage 2 never reads.
+            denom = tl.where(denom > 0, denom, 1.0)
+            rows = (first + token)[:, None] * stride_ot + heads[:, None] * stride_oh + split * stride_os
+            tl.store(OutPart + rows + d[None, :], acc / denom[:, None], mask=row_ok[:, None] & d_ok[None, :])
+            tl.store(LsePart + (first + token) * stride_lt + heads * stride_lh + split, m + tl.log(denom),
+                     mask=row_ok)
 
 
 @_jit
@@ -182,12 +187,13 @@ def paged_attention(q_THD: torch.Tensor, k_cache_NPKD: torch.Tensor, v_cache_NPK
     q_THD = q_THD.contiguous()
     block_d = max(16, _pow2(D))
     seq_X, start_X, count_X, pos_X = tiles_4X
-    _split_kernel[(tiles_4X.shape[1], K, max_splits)](
+    lanes = min(LANES, max_splits)
+    _split_kernel[(tiles_4X.shape[1], K, lanes)](
         q_THD, k_cache_NPKD, v_cache_NPKD, tables_SM, seq_X, start_X, count_X, pos_X, out_part, lse_part, scale,
         q_THD.stride(0), q_THD.stride(1), *k_cache_NPKD.stride()[:3], *v_cache_NPKD.stride()[:3],
         tables_SM.stride(0), *out_part.stride()[:3], *lse_part.stride()[:2],
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=D, BLOCK_D=block_d, PAGE=P, TILE=BLOCK_N,
-        SPLIT_KEYS=SPLIT, IEEE=q_THD.dtype == torch.float32)
+        SPLIT_KEYS=SPLIT, MAX_SPLITS=max_splits, LANES=lanes, IEEE=q_THD.dtype == torch.float32)
     _merge_kernel[(T,)](out_part, lse_part, positions_T, out, *out_part.stride()[:3], *lse_part.stride()[:2],
                         out.stride(0), out.stride(1), HEADS=H, BLOCK_H=_pow2(H), HEAD_DIM=D, BLOCK_D=block_d,
                         SPLIT_KEYS=SPLIT, MAX_SPLITS=max_splits)
