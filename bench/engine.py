@@ -163,7 +163,7 @@ def run_engine_bench(engine_kwargs: dict, num_requests: int, prompt_len: int, ou
         floor_ms = 1e3 * (weights + b * (kv + steps / 2) * kv_token) / bandwidth
         decode[f"b{b}_kv{kv}"] = {"tok_s": round(tok_s, 1), "step_ms": round(step_ms, 3),
                                   "floor_ms": round(floor_ms, 3), "of_floor": round(floor_ms / step_ms, 3)}
-        floor_rows.append([b, kv, tok_s, round(step_ms, 3), round(floor_ms, 3), f"{floor_ms / step_ms:.1%}"])
+        floor_rows.append([b, kv, tok_s, f"{step_ms:.3f}", f"{floor_ms:.3f}", f"{floor_ms / step_ms:.1%}"])
     print(f"[prefill] one {prefill_len}-token prompt", file=sys.stderr, flush=True)
     peak = matmul_rate(device, cfg.torch_dtype)
     prefill_s = prefill_seconds(engine, prefill_len, rng)
@@ -180,7 +180,7 @@ def run_engine_bench(engine_kwargs: dict, num_requests: int, prompt_len: int, ou
                 ["batch", "KV", "tok/s", "step ms", "floor ms", "of floor"], floor_rows)
     print_table(f"prefill: one prompt, against a square {cfg.dtype} matmul's rate this run",
                 ["tokens", "ms", "TFLOP/s", "matmul TFLOP/s", "of peak"],
-                [[prefill_len, prefill["ms"], prefill["tflop_s"], prefill["matmul_peak_tflop_s"],
+                [[prefill_len, f"{prefill['ms']:.2f}", f"{prefill['tflop_s']:.3f}", f"{prefill['matmul_peak_tflop_s']:.3f}",
                   f"{prefill['of_peak']:.1%}"]])
     result = {"bench": "engine", "model": cfg.model, "device": str(device), "dtype": cfg.dtype,
               "attention": engine.model.layers[0].attention.name,

@@ -36,18 +36,21 @@ def engine_options(f):
                      help="auto: the Triton paged kernel on CUDA (if triton is installed), SDPA elsewhere"),
         click.option("--kv-transport", default="auto", show_default=True, type=click.Choice(KV_TRANSPORTS),
                      help="how KV crosses from prefill to decode workers; auto: the fastest both ends support"),
+        click.option("--enforce-eager", is_flag=True,
+                     help="no CUDA graphs: launch every decode step's kernels from Python (they are captured by "
+                          "default on CUDA with the Triton attention)"),
     ]
 
     @functools.wraps(f)
     def wrapper(*args, model, device, dtype, block_size, num_blocks, kv_cache_gb, gpu_memory_utilization,
                 max_num_seqs, max_num_batched_tokens, max_model_len, no_prefix_caching, attention_backend, kv_transport,
-                **kwargs):
+                enforce_eager, **kwargs):
         engine_kwargs = dict(model=model, device=device, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
                              kv_cache_gb=kv_cache_gb, gpu_memory_utilization=gpu_memory_utilization,
                              max_num_seqs=max_num_seqs,
                              max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                              enable_prefix_caching=not no_prefix_caching, attention_backend=attention_backend,
-                             kv_transport=kv_transport)
+                             kv_transport=kv_transport, enforce_eager=enforce_eager)
         return f(*args, engine_kwargs=engine_kwargs, **kwargs)
 
     for opt in reversed(opts):
@@ -63,6 +66,8 @@ def engine_argv(engine_kwargs: dict) -> list[str]:
             continue
         if key == "enable_prefix_caching":
             argv += [] if value else ["--no-prefix-caching"]
+        elif key == "enforce_eager":
+            argv += ["--enforce-eager"] if value else []
         else:
             argv += [f"--{key.replace('_', '-')}", str(value)]
     return argv

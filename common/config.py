@@ -99,6 +99,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's context length
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
+    enforce_eager: bool = False  # no CUDA graphs of the decode step (vLLM's name): every step launched from Python
     kv_transport: str = "auto"  # how KV crosses between workers; auto: the fastest both ends support
     kv_shared: bool = False  # the KV pool in a named shared-memory segment (CPU): what shm writes into
     torch_dtype: torch.dtype = field(init=False)

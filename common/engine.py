@@ -19,6 +19,7 @@ from common import memory
 from common.attention import AttentionMetadata, PrefillChunk, decode_groups
 from common.checkpoint import load_model
 from common.config import EngineConfig
+from common.cuda_graphs import DecodeGraphs
 from common.errors import InvalidArgument
 from common.kv_cache import BlockManager, allocate_kv_pool
 from common.sampling import Logprob, SamplingParams, fresh_seed, sample, token_logprobs
@@ -50,6 +51,7 @@ class ModelRunner:
 
     def __init__(self, model, kv_cache: torch.Tensor, block_size: int, device: torch.device):
         self.model, self.kv_cache, self.block_size, self.device = model, kv_cache, block_size, device
+        self.graphs: DecodeGraphs | None = None  # set by the engine where decode steps are captured
 
     def _tensor(self, data, dtype=torch.int64):
         return torch.tensor(data, dtype=dtype, device=self.device)
@@ -105,7 +107,7 @@ class ModelRunner:
             chunks.append(PrefillChunk(offset, offset + s.num_tokens, s.start, table))
             offset += s.num_tokens
         meta = AttentionMetadata(slots_T, len(decodes), decode_tables, decode_lens, decode_mask, chunks, groups,
-                                 positions_T)
+                                 positions_T, positions)
         return ordered, input_T, positions_T, meta, sample_rows_S
 
     @staticmethod
@@ -127,18 +129,23 @@ class ModelRunner:
         """Returns the batch in packed order, the tokens sampled for its `samples` entries and
         their logprobs (None where not asked for). Prompt logprobs go straight into their sequences."""
         ordered, input_ids, positions, meta, sample_rows = self.prepare(batch)
-        hook = None if on_layer is None else (lambda i: on_layer(i, ordered))
-        hidden_TC = self.model(input_ids, positions, self.kv_cache, meta, hook)
-        prompt_rows = self.prompt_logprob_rows(ordered)
-        if prompt_rows:
-            logits_PV = self.model.logits(hidden_TC[self._tensor([r for _, r, _ in prompt_rows])])
-            entries = token_logprobs(logits_PV, [q.token_ids[p + 1] for q, _, p in prompt_rows],
-                                     [q.params.prompt_logprobs for q, _, _ in prompt_rows])
-            for (q, _, p), entry in zip(prompt_rows, entries):
-                q.prompt_logprobs[p + 1] = entry
-        if not sample_rows.numel():
-            return ordered, [], []
-        logits_SV = self.model.logits(hidden_TC[sample_rows])
+        n = meta.num_decode
+        if (self.graphs is not None and on_layer is None and not meta.prefills and 0 < n <= self.graphs.max_size):
+            logits_SV = self.graphs.run(input_ids, positions, meta.slot_mapping, meta.decode_context_lens,
+                                        meta.decode_block_tables)  # every decode row samples, in packed order
+        else:
+            hook = None if on_layer is None else (lambda i: on_layer(i, ordered))
+            hidden_TC = self.model(input_ids, positions, self.kv_cache, meta, hook)
+            prompt_rows = self.prompt_logprob_rows(ordered)
+            if prompt_rows:
+                logits_PV = self.model.logits(hidden_TC[self._tensor([r for _, r, _ in prompt_rows])])
+                entries = token_logprobs(logits_PV, [q.token_ids[p + 1] for q, _, p in prompt_rows],
+                                         [q.params.prompt_logprobs for q, _, _ in prompt_rows])
+                for (q, _, p), entry in zip(prompt_rows, entries):
+                    q.prompt_logprobs[p + 1] = entry
+            if not sample_rows.numel():
+                return ordered, [], []
+            logits_SV = self.model.logits(hidden_TC[sample_rows])
         sampled = [s.seq for s in ordered if s.samples]
         tokens = sample(logits_SV, [q.params for q in sampled], [q.seed for q in sampled],
                         [len(q) for q in sampled]).tolist()
@@ -170,11 +177,28 @@ class Engine:
         self.block_manager = BlockManager(self.num_blocks, bs, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.kv_cache, bs, config.torch_device)
+        self.runner.graphs = self._decode_graphs()
         self.requests: dict[str, Sequence] = {}
         self.held: dict[str, Sequence] = {}  # prefill-only requests done, blocks kept for transfer
         self.last_batch: list[ScheduledSeq] = []  # what the last step ran (common/step_trace.py)
         self.num_reserved_seqs = 0  # running slots promised to KV transfers not yet arrived
         self._ids = itertools.count()
+
+    def _graphs_wanted(self) -> bool:
+        return self.config.torch_device.type == "cuda" and not self.config.enforce_eager
+
+    def _decode_graphs(self) -> DecodeGraphs | None:
+        """CUDA graphs of the decode step, on CUDA with the Triton attention unless enforce_eager."""
+        cfg = self.config
+        if not self._graphs_wanted():
+            return None
+        backend = self.model.layers[0].attention.name
+        if backend != "triton":
+            log.warning("CUDA graphs off: the %s attention cannot be captured (its launches depend on the batch's "
+                        "lengths); decoding eagerly. The Triton attention can: install triton", backend)
+            return None
+        return DecodeGraphs(self.model, self.kv_cache, cfg.max_num_seqs, -(-self.max_model_len // cfg.block_size),
+                            cfg.torch_device)
 
     def _auto_num_blocks(self) -> int:
         cfg, bs, mc = self.config, self.config.block_size, self.model_config
@@ -190,6 +214,8 @@ class Engine:
         mem = memory.DeviceMemory(str(dev), total, free, torch.cuda.memory_reserved(dev) + memory.CONTEXT_BYTES)
         activations = memory.step_activation_bytes(mc, cfg.max_num_batched_tokens, cfg.max_num_seqs,
                                                    self.max_model_len, dtype_bytes)
+        if self._graphs_wanted():
+            activations += memory.decode_graph_bytes(mc, cfg.max_num_seqs, self.max_model_len, dtype_bytes)
         step_blocks = -(-min(self.max_model_len, cfg.max_num_batched_tokens) // bs)
         kv_bytes = None if cfg.kv_cache_gb is None else cfg.kv_cache_gb * 2**30
         blocks = memory.kv_pool_blocks(mem, block_bytes, mc.num_layers, activations, step_blocks, useful,

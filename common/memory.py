@@ -90,6 +90,15 @@ def step_activation_bytes(mc, max_num_batched_tokens: int, max_num_seqs: int, ma
     return layer + logits + context
 
 
+def decode_graph_bytes(mc, max_num_seqs: int, max_model_len: int, dtype_bytes: int, split: int = 256) -> int:
+    """What the CUDA graphs of the decode step keep in their pool (common/cuda_graphs.py): one
+    step's activations for max_num_seqs rows, and the Triton attention's partial results for a
+    full context (float32, a row per 256-key split)."""
+    splits = 1 << max(0, (-(-max_model_len // split) - 1).bit_length())
+    partials = max_num_seqs * mc.num_heads * splits * (mc.head_dim + 1) * 4
+    return step_activation_bytes(mc, max_num_seqs, max_num_seqs, 0, dtype_bytes) + partials
+
+
 def block_cost(block_bytes: int, num_layers: int) -> int:
     """Device memory one KV block costs: itself, and its share of what attention may gather of one
     layer of the pool at once (the SDPA backend copies a layer's blocks of the batch into scratch)."""

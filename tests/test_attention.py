@@ -154,7 +154,7 @@ class _Sequences:
         lens = torch.tensor([f + 1 for _, f, _ in decode], dtype=torch.int64)
         mask = (torch.arange(width * P)[None, :] < lens[:, None])[:, None, None, :]
         meta = AttentionMetadata(torch.tensor(slots), nd, tables if nd else None, lens if nd else None,
-                                 mask if nd else None, chunks, None, torch.tensor(positions))
+                                 mask if nd else None, chunks, None, torch.tensor(positions), positions)
         out = backend(torch.cat(q), torch.cat(k), torch.cat(v), *caches, meta)
         return {(s, first + j): out[o + j] for (s, first, n), o in
                 zip(rows, [0] + list(torch.tensor([r[2] for r in rows]).cumsum(0)[:-1].tolist())) for j in range(n)}

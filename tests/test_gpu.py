@@ -57,6 +57,19 @@ def test_triton_decode_on_the_gpu_equals_sdpa_and_is_batch_invariant(dtype):
         assert torch.equal(alone[0], got[i]), (i, n)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_graph_replay_gives_the_eager_tokens(dtype):
+    """The decode step captured for batch sizes 1..16 and replayed, padded, gives the tokens of the
+    same engine launching every kernel eagerly."""
+    ps, params = prompts(11, 1, 300, seed=14), mixed_params(11, max_tokens=24)
+    kwargs = dict(model="dummy:llama-tiny", device="cuda:0", dtype=dtype, attention_backend="triton", max_num_seqs=16)
+    graphed = Engine(**kwargs)
+    assert sorted(graphed.runner.graphs.graphs) == [1, 2, 4, 8, 16]
+    eager = Engine(**kwargs, enforce_eager=True)
+    assert eager.runner.graphs is None
+    assert [o.token_ids for o in graphed.generate(ps, params)] == [o.token_ids for o in eager.generate(ps, params)]
+
+
 def test_bfloat16_default_on_gpu_runs_llama_1b_shapes():
     engine = Engine(model="dummy:llama-1b", device="cuda:0", max_num_seqs=4, max_model_len=512)
     assert engine.kv_cache.dtype == torch.bfloat16

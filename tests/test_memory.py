@@ -14,8 +14,8 @@ import pytest
 from common.checkpoint import model_config
 from common.config import EngineConfig
 from common.errors import InvalidArgument
-from common.memory import (CONTEXT_BYTES, DEFAULT_UTILIZATION, DeviceMemory, block_cost, device_shares,
-                           kv_pool_blocks, step_activation_bytes)
+from common.memory import (CONTEXT_BYTES, DEFAULT_UTILIZATION, DeviceMemory, block_cost, decode_graph_bytes,
+                           device_shares, kv_pool_blocks, step_activation_bytes)
 from router.launcher import Cluster
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -107,6 +107,18 @@ def test_activations_cover_what_one_step_allocates_for_sure():
     assert bf16 >= 64 * LLAMA_1B.vocab_size * 4 + 2 * 4096 * LLAMA_1B.num_kv_heads * LLAMA_1B.head_dim * 2
     assert step_activation_bytes(LLAMA_1B, 4096, 64, 4096, 2) > bf16  # grows with the token budget
     assert step_activation_bytes(LLAMA_1B, 2048, 64, 4096, 4) > bf16  # and the dtype
+
+
+def test_decode_graphs_reserve_their_partials_for_a_full_context():
+    """The Triton attention's float32 partials in the graphs' pool: a row per 256-key split (a power
+    of two of them) per head, for every row of the largest batch, beside its activations."""
+    from common.attention import triton_paged
+
+    partials = 64 * 32 * 512 * (64 + 1) * 4  # 131,072 tokens: 512 splits
+    assert decode_graph_bytes(LLAMA_1B, 64, 131072, 2) == step_activation_bytes(LLAMA_1B, 64, 64, 0, 2) + partials
+    shorter = 64 * 32 * (512 - 16) * (64 + 1) * 4  # 4,000 tokens: 16 splits
+    assert decode_graph_bytes(LLAMA_1B, 64, 131072, 2) - decode_graph_bytes(LLAMA_1B, 64, 4000, 2) == shorter
+    assert triton_paged.SPLIT == 256  # the split decode_graph_bytes counts by
 
 
 def test_no_share_given_takes_the_default_and_no_more_than_is_free():

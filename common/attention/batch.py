@@ -27,6 +27,7 @@ class AttentionMetadata:
     prefills: list[PrefillChunk]
     decode_groups: list[tuple[int, int, int]] | None = None  # (first row, end row, blocks) read together
     positions: torch.Tensor | None = None  # (T,) each token's position in its sequence
+    host_positions: list[int] | None = None  # the same on the host (what scratch is sized by, with no sync)
 
 
 GROUP_WIDTH = 0.7  # a decode joins its group while its blocks are at least this share of the group's ...

@@ -48,9 +48,9 @@ LANES = 16  # programs per (tile, KV head), each taking every LANES-th split
 
 
 @_jit
-def _split_kernel(Q, KCache, VCache, Tables, TileSeq, TileStart, TileLen, TilePos, OutPart, LsePart, scale,
+def _split_kernel(Q, KCache, VCache, Tables, TileSeq, TileStart, TileLen, TilePos, SplitBase, OutPart, LsePart, scale,
                   stride_qt, stride_qh, stride_kn, stride_kp, stride_kh, stride_vn, stride_vp, stride_vh,
-                  stride_tb, stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
+                  stride_tb, stride_or, stride_oh, stride_lr,
                   GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
                   BLOCK_D: tl.constexpr, PAGE: tl.constexpr, TILE: tl.constexpr, SPLIT_KEYS: tl.constexpr,
                   MAX_SPLITS: tl.constexpr, LANES: tl.constexpr, IEEE: tl.constexpr):
@@ -66,6 +66,7 @@ def _split_kernel(Q, KCache, VCache, Tables, TileSeq, TileStart, TileLen, TilePo
     heads = kv_head * GROUP + r % GROUP
     row_ok = (token < count) & (r < BLOCK_Q * GROUP)
     q_pos = pos0 + token
+    base = tl.load(SplitBase + first + token, mask=row_ok, other=0)  # each token's first row of partials
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     for i in range(0, MAX_SPLITS // LANES):  # this lane's splits: lane, lane + LANES, ...
@@ -103,18 +104,18 @@ def _split_kernel(Q, KCache, VCache, Tables, TileSeq, TileStart, TileLen, TilePo
                     pv = tl.dot(p.to(v.dtype), v)
                 acc = acc * alpha[:, None] + pv
                 m = m_new
-            # A row that saw no key in this split (its position lies before it) stores zeros, which
-            # stage 2 never reads.
-            denom = tl.where(denom > 0, denom, 1.0)
-            rows = (first + token)[:, None] * stride_ot + heads[:, None] * stride_oh + split * stride_os
-            tl.store(OutPart + rows + d[None, :], acc / denom[:, None], mask=row_ok[:, None] & d_ok[None, :])
-            tl.store(LsePart + (first + token) * stride_lt + heads * stride_lh + split, m + tl.log(denom),
-                     mask=row_ok)
+            # A row whose position lies before this split saw no key: it has no row of partials for
+            # it (split_rows), and stores nothing.
+            sees = row_ok & (start <= q_pos)
+            denom = tl.where(sees, denom, 1.0)
+            row = base + split
+            tl.store(OutPart + row[:, None] * stride_or + heads[:, None] * stride_oh + d[None, :], acc / denom[:, None],
+                     mask=sees[:, None] & d_ok[None, :])
+            tl.store(LsePart + row * stride_lr + heads, m + tl.log(denom), mask=sees)
 
 
 @_jit
-def _merge_kernel(OutPart, LsePart, Positions, Out, stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
-                  stride_t, stride_h, HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
+def _merge_kernel(OutPart, LsePart, Positions, SplitBase, Out, stride_or, stride_oh, stride_lr, stride_t, stride_h, HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
                   BLOCK_D: tl.constexpr, SPLIT_KEYS: tl.constexpr, MAX_SPLITS: tl.constexpr):
     t = tl.program_id(0)
     h = tl.arange(0, BLOCK_H)
@@ -122,14 +123,14 @@ def _merge_kernel(OutPart, LsePart, Positions, Out, stride_ot, stride_oh, stride
     h_ok = h < HEADS
     ok = h_ok[:, None] & (d < HEAD_DIM)[None, :]
     splits = tl.load(Positions + t) // SPLIT_KEYS + 1
+    base = tl.load(SplitBase + t)
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     for s in range(0, MAX_SPLITS):  # a static count (the same code for every batch), folded in order
         if s < splits:
-            lse = tl.load(LsePart + t * stride_lt + h * stride_lh + s, mask=h_ok, other=0.0)
-            part = tl.load(OutPart + t * stride_ot + h[:, None] * stride_oh + s * stride_os + d[None, :], mask=ok,
-                           other=0.0)
+            lse = tl.load(LsePart + (base + s) * stride_lr + h, mask=h_ok, other=0.0)
+            part = tl.load(OutPart + (base + s) * stride_or + h[:, None] * stride_oh + d[None, :], mask=ok, other=0.0)
             m_new = tl.maximum(m, lse)
             alpha = tl.exp(m - m_new)
             w = tl.exp(lse - m_new)
@@ -138,6 +139,31 @@ def _merge_kernel(OutPart, LsePart, Positions, Out, stride_ot, stride_oh, stride
             m = m_new
     tl.store(Out + t * stride_t + h[:, None] * stride_h + d[None, :], (acc / denom[:, None]).to(Out.dtype.element_ty),
              mask=ok)
+
+
+@_jit
+def _store_kv_kernel(K, V, KCache, VCache, Slots, stride_kt, stride_vt, stride_cs, stride_ds,
+                     ROW: tl.constexpr, BLOCK: tl.constexpr):
+    """Token t's K and V rows into the pool at slot Slots[t]; a negative slot (a CUDA graph's
+    padding row) writes nothing."""
+    t = tl.program_id(0)
+    slot = tl.load(Slots + t)
+    if slot >= 0:
+        i = tl.arange(0, BLOCK)
+        ok = i < ROW
+        tl.store(KCache + slot * stride_cs + i, tl.load(K + t * stride_kt + i, mask=ok), mask=ok)
+        tl.store(VCache + slot * stride_ds + i, tl.load(V + t * stride_vt + i, mask=ok), mask=ok)
+
+
+def store_kv(k_TKD: torch.Tensor, v_TKD: torch.Tensor, k_cache_NPKD: torch.Tensor, v_cache_NPKD: torch.Tensor,
+             slots_T: torch.Tensor) -> None:
+    """The step's new K/V into the pool in one launch; rows with slot -1 are skipped."""
+    T, K, D = k_TKD.shape
+    if T == 0:
+        return
+    k_TKD, v_TKD = k_TKD.contiguous(), v_TKD.contiguous()
+    _store_kv_kernel[(T,)](k_TKD, v_TKD, k_cache_NPKD, v_cache_NPKD, slots_T, k_TKD.stride(0), v_TKD.stride(0),
+                           k_cache_NPKD.stride(1), v_cache_NPKD.stride(1), ROW=K * D, BLOCK=_pow2(K * D))
 
 
 def available() -> bool:
@@ -160,15 +186,29 @@ def tile_shape(group: int) -> tuple[int, int]:
     return rows // group, rows
 
 
+def split_rows(positions_T: torch.Tensor, host_positions: list[int] | None, max_splits: int
+               ) -> tuple[torch.Tensor, int]:
+    """(first row of each token's partial results, rows in all). A token at position p has
+    p // SPLIT + 1 splits. Packed by the host's positions when it has them, so a long decode
+    beside a long prefill chunk costs rows for the splits each token has; else (a CUDA graph's
+    static buffers) max_splits rows per token."""
+    if host_positions is None:
+        T = positions_T.shape[0]
+        return torch.arange(T, device=positions_T.device) * max_splits, T * max_splits
+    counts_T = positions_T // SPLIT + 1
+    return counts_T.cumsum(0) - counts_T, sum(p // SPLIT for p in host_positions) + len(host_positions)
+
+
 def paged_attention(q_THD: torch.Tensor, k_cache_NPKD: torch.Tensor, v_cache_NPKD: torch.Tensor,
-                    tables_SM: torch.Tensor, tiles_4X: torch.Tensor, positions_T: torch.Tensor,
-                    scale: float) -> torch.Tensor:
+                    tables_SM: torch.Tensor, tiles_4X: torch.Tensor, positions_T: torch.Tensor, scale: float,
+                    host_positions: list[int] | None = None) -> torch.Tensor:
     """Causal attention of each packed query token to its sequence's keys in the pool.
 
     tables_SM: one block table per sequence of the step. tiles_4X: for each query tile, its
     sequence (row of tables_SM), first packed token, token count (<= BLOCK_Q) and first token's
-    position. positions_T: each token's position (it sees keys 0..position). The launch shape
-    depends only on the tile count and the tables' width."""
+    position. positions_T: each token's position (it sees keys 0..position), and host_positions
+    the same on the host if known (see split_rows). The launch shape depends only on the tile
+    count and the tables' width."""
     T, H, D = q_THD.shape
     N, P, K, _ = k_cache_NPKD.shape
     out = torch.empty_like(q_THD)
@@ -182,19 +222,20 @@ def paged_attention(q_THD: torch.Tensor, k_cache_NPKD: torch.Tensor, v_cache_NPK
     group = H // K
     block_q, block_m = tile_shape(group)
     max_splits = _pow2(max(1, -(-tables_SM.shape[1] * P // SPLIT)))  # few shapes to compile
-    out_part = torch.empty(T, H, max_splits, D, dtype=torch.float32, device=q_THD.device)
-    lse_part = torch.empty(T, H, max_splits, dtype=torch.float32, device=q_THD.device)
+    base_T, rows = split_rows(positions_T, host_positions, max_splits)
+    out_part = torch.empty(rows, H, D, dtype=torch.float32, device=q_THD.device)
+    lse_part = torch.empty(rows, H, dtype=torch.float32, device=q_THD.device)
     q_THD = q_THD.contiguous()
     block_d = max(16, _pow2(D))
     seq_X, start_X, count_X, pos_X = tiles_4X
     lanes = min(LANES, max_splits)
     _split_kernel[(tiles_4X.shape[1], K, lanes)](
-        q_THD, k_cache_NPKD, v_cache_NPKD, tables_SM, seq_X, start_X, count_X, pos_X, out_part, lse_part, scale,
-        q_THD.stride(0), q_THD.stride(1), *k_cache_NPKD.stride()[:3], *v_cache_NPKD.stride()[:3],
-        tables_SM.stride(0), *out_part.stride()[:3], *lse_part.stride()[:2],
+        q_THD, k_cache_NPKD, v_cache_NPKD, tables_SM, seq_X, start_X, count_X, pos_X, base_T, out_part, lse_part,
+        scale, q_THD.stride(0), q_THD.stride(1), *k_cache_NPKD.stride()[:3], *v_cache_NPKD.stride()[:3],
+        tables_SM.stride(0), *out_part.stride()[:2], lse_part.stride(0),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=D, BLOCK_D=block_d, PAGE=P, TILE=BLOCK_N,
         SPLIT_KEYS=SPLIT, MAX_SPLITS=max_splits, LANES=lanes, IEEE=q_THD.dtype == torch.float32)
-    _merge_kernel[(T,)](out_part, lse_part, positions_T, out, *out_part.stride()[:3], *lse_part.stride()[:2],
+    _merge_kernel[(T,)](out_part, lse_part, positions_T, base_T, out, *out_part.stride()[:2], lse_part.stride(0),
                         out.stride(0), out.stride(1), HEADS=H, BLOCK_H=_pow2(H), HEAD_DIM=D, BLOCK_D=block_d,
                         SPLIT_KEYS=SPLIT, MAX_SPLITS=max_splits)
     return out
@@ -242,13 +283,12 @@ class TritonAttention(SDPAAttention):
         self._layout = None
 
     def __call__(self, q_THD, k_TKD, v_TKD, k_cache_NBKD, v_cache_NBKD, meta: AttentionMetadata):
-        N, B, K, D = k_cache_NBKD.shape
-        k_cache_NBKD.view(N * B, K, D).index_copy_(0, meta.slot_mapping, k_TKD)
-        v_cache_NBKD.view(N * B, K, D).index_copy_(0, meta.slot_mapping, v_TKD)
+        store_kv(k_TKD, v_TKD, k_cache_NBKD, v_cache_NBKD, meta.slot_mapping)
         if self._layout_meta is not meta:
             self._layout, self._layout_meta = step_layout(meta, self.group), meta
         tables_SM, tiles_4X = self._layout
-        return paged_attention(q_THD, k_cache_NBKD, v_cache_NBKD, tables_SM, tiles_4X, meta.positions, self.scale)
+        return paged_attention(q_THD, k_cache_NBKD, v_cache_NBKD, tables_SM, tiles_4X, meta.positions, self.scale,
+                               meta.host_positions)
 
     def _decode(self, q_BHD, k_cache, v_cache, meta: AttentionMetadata):
         """Decode rows alone (the start-up check against SDPA)."""
