@@ -117,6 +117,26 @@ def decode_speed(engine: Engine, batch: int, kv_len: int, steps: int, rng: rando
     return batch * steps / elapsed
 
 
+def measure_mode(engine: Engine, name: str, batch_sizes: list[int], kv_lens: list[int], steps: int, prefill_len: int,
+                 rng: random.Random, bandwidth: float, peak: float, weights: int, kv_token: int) -> dict:
+    """The decode grid, each point against its bytes-read floor, and a prefill against the
+    matmul peak, in the engine's current mode."""
+    decode, points = {}, len(batch_sizes) * len(kv_lens)
+    for i, (b, kv) in enumerate((b, kv) for b in batch_sizes for kv in kv_lens):
+        print(f"[{name} {i + 1}/{points}] decode batch {b}, KV {kv}", file=sys.stderr, flush=True)
+        tok_s = decode_speed(engine, b, kv, steps, rng)
+        step_ms = 1e3 * b / tok_s
+        floor_ms = 1e3 * (weights + b * (kv + steps / 2) * kv_token) / bandwidth
+        decode[f"b{b}_kv{kv}"] = {"tok_s": round(tok_s, 1), "step_ms": round(step_ms, 3),
+                                  "floor_ms": round(floor_ms, 3), "of_floor": round(floor_ms / step_ms, 3)}
+    print(f"[{name}] prefill of one {prefill_len}-token prompt", file=sys.stderr, flush=True)
+    prefill_s = prefill_seconds(engine, prefill_len, rng)
+    flops = prefill_flops(engine, prefill_len)
+    prefill = {"tokens": prefill_len, "ms": round(1e3 * prefill_s, 2), "tflop_s": round(flops / prefill_s / 1e12, 3),
+               "matmul_peak_tflop_s": round(peak / 1e12, 3), "of_peak": round(flops / prefill_s / peak, 3)}
+    return {"decode": decode, "prefill": prefill}
+
+
 def run_engine_bench(engine_kwargs: dict, num_requests: int, prompt_len: int, output_len: int,
                      batch_sizes: list[int] | None, kv_lens: list[int] | None, steps: int, seed: int,
                      vs_transformers: bool = False, prefill_len: int | None = None,
@@ -153,41 +173,48 @@ def run_engine_bench(engine_kwargs: dict, num_requests: int, prompt_len: int, ou
     total_tok_s = (out_tokens + num_requests * prompt_len) / elapsed
 
     bandwidth = read_bandwidth(device)
+    peak = matmul_rate(device, cfg.torch_dtype)
     weights = weight_bytes_per_step(engine)
     kv_token = engine.kv_cache.numel() // (engine.num_blocks * cfg.block_size) * engine.kv_cache.element_size()
-    decode, floor_rows, points = {}, [], len(batch_sizes) * len(kv_lens)
-    for i, (b, kv) in enumerate((b, kv) for b in batch_sizes for kv in kv_lens):
-        print(f"[{i + 1}/{points}] decode batch {b}, KV {kv}", file=sys.stderr, flush=True)
-        tok_s = decode_speed(engine, b, kv, steps, rng)
-        step_ms = 1e3 * b / tok_s
-        floor_ms = 1e3 * (weights + b * (kv + steps / 2) * kv_token) / bandwidth
-        decode[f"b{b}_kv{kv}"] = {"tok_s": round(tok_s, 1), "step_ms": round(step_ms, 3),
-                                  "floor_ms": round(floor_ms, 3), "of_floor": round(floor_ms / step_ms, 3)}
-        floor_rows.append([b, kv, tok_s, f"{step_ms:.3f}", f"{floor_ms:.3f}", f"{floor_ms / step_ms:.1%}"])
-    print(f"[prefill] one {prefill_len}-token prompt", file=sys.stderr, flush=True)
-    peak = matmul_rate(device, cfg.torch_dtype)
-    prefill_s = prefill_seconds(engine, prefill_len, rng)
-    flops = prefill_flops(engine, prefill_len)
-    prefill = {"tokens": prefill_len, "ms": round(1e3 * prefill_s, 2), "tflop_s": round(flops / prefill_s / 1e12, 3),
-               "matmul_peak_tflop_s": round(peak / 1e12, 3), "of_peak": round(flops / prefill_s / peak, 3)}
+    # On a GPU both modes, the promise's first (the default), each with its own graphs; on a CPU
+    # the mode changes nothing (CPU serving keeps torch's ops).
+    modes = [engine.batch_invariant, not engine.batch_invariant] if device.type == "cuda" else [False]
+    runs = {}
+    for on in modes:
+        engine.set_batch_invariant(on)
+        name = "batch_invariant" if engine.batch_invariant else "torch_ops"
+        if name in runs:  # the kernels declined at start: one mode only
+            break
+        runs[name] = measure_mode(engine, name, batch_sizes, kv_lens, steps, prefill_len, rng, bandwidth, peak,
+                                  weights, kv_token)
 
     print_table(f"pdserve bench engine: {cfg.model} on {device} ({cfg.dtype}), {torch.get_num_threads()} threads, "
                 f"attention {engine.model.layers[0].attention.name}",
                 ["workload", "requests", "prompt", "output", "seconds", "output tok/s", "total tok/s"],
                 [["offline", num_requests, prompt_len, output_len, round(elapsed, 2), output_tok_s, total_tok_s]])
-    print_table(f"decode: floor = weights ({weights / 2**20:,.0f} MiB) + KV read once, at {bandwidth / 1e9:,.0f} GB/s "
-                f"(twice a {device} copy's rate, this run)",
-                ["batch", "KV", "tok/s", "step ms", "floor ms", "of floor"], floor_rows)
-    print_table(f"prefill: one prompt, against a square {cfg.dtype} matmul's rate this run",
-                ["tokens", "ms", "TFLOP/s", "matmul TFLOP/s", "of peak"],
-                [[prefill_len, f"{prefill['ms']:.2f}", f"{prefill['tflop_s']:.3f}", f"{prefill['matmul_peak_tflop_s']:.3f}",
-                  f"{prefill['of_peak']:.1%}"]])
+    for name, run in runs.items():
+        print_table(f"decode, {name.replace('_', ' ')}: floor = weights ({weights / 2**20:,.0f} MiB) + KV read once, "
+                    f"at {bandwidth / 1e9:,.0f} GB/s (twice a {device} copy's rate, this run)",
+                    ["batch", "KV", "tok/s", "step ms", "floor ms", "of floor"],
+                    [[*k[1:].split("_kv"), p["tok_s"], f"{p['step_ms']:.3f}", f"{p['floor_ms']:.3f}", f"{p['of_floor']:.1%}"]
+                     for k, p in run["decode"].items()])
+    print_table(f"prefill of one prompt, against a square {cfg.dtype} matmul's rate this run",
+                ["mode", "tokens", "ms", "TFLOP/s", "matmul TFLOP/s", "of peak"],
+                [[name.replace("_", " "), p["tokens"], f"{p['ms']:.2f}", f"{p['tflop_s']:.3f}",
+                  f"{p['matmul_peak_tflop_s']:.3f}", f"{p['of_peak']:.1%}"] for name, p in
+                 ((name, run["prefill"]) for name, run in runs.items())])
+    if len(runs) == 2:
+        inv, fast = runs["batch_invariant"], runs["torch_ops"]
+        print_table("what batch invariance costs: decode step time, invariant / torch's ops",
+                    ["batch", "KV", "invariant ms", "torch ms", "cost"],
+                    [[*k[1:].split("_kv"), f"{inv['decode'][k]['step_ms']:.3f}", f"{fast['decode'][k]['step_ms']:.3f}",
+                      f"{inv['decode'][k]['step_ms'] / fast['decode'][k]['step_ms'] - 1:+.0%}"] for k in inv["decode"]])
     result = {"bench": "engine", "model": cfg.model, "device": str(device), "dtype": cfg.dtype,
               "attention": engine.model.layers[0].attention.name,
               "num_requests": num_requests, "prompt_len": prompt_len, "output_len": output_len,
               "output_tok_s": round(output_tok_s, 1), "total_tok_s": round(total_tok_s, 1),
               "read_gb_s": round(bandwidth / 1e9, 1), "weight_bytes": weights, "kv_bytes_per_token": kv_token,
-              "decode": decode, "prefill": prefill}
+              "modes": runs}
     if vs_transformers:
         from bench.vs_transformers import run_vs_transformers
 

@@ -36,6 +36,9 @@ def engine_options(f):
                      help="auto: the Triton paged kernel on CUDA (if triton is installed), SDPA elsewhere"),
         click.option("--kv-transport", default="auto", show_default=True, type=click.Choice(KV_TRANSPORTS),
                      help="how KV crosses from prefill to decode workers; auto: the fastest both ends support"),
+        click.option("--no-batch-invariant", is_flag=True,
+                     help="on CUDA, torch's own matmuls and norms: faster, but a request's tokens may then depend on "
+                          "what else is in its batch (bfloat16)"),
         click.option("--enforce-eager", is_flag=True,
                      help="no CUDA graphs: launch every decode step's kernels from Python (they are captured by "
                           "default on CUDA with the Triton attention)"),
@@ -44,13 +47,14 @@ def engine_options(f):
     @functools.wraps(f)
     def wrapper(*args, model, device, dtype, block_size, num_blocks, kv_cache_gb, gpu_memory_utilization,
                 max_num_seqs, max_num_batched_tokens, max_model_len, no_prefix_caching, attention_backend, kv_transport,
-                enforce_eager, **kwargs):
+                no_batch_invariant, enforce_eager, **kwargs):
         engine_kwargs = dict(model=model, device=device, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
                              kv_cache_gb=kv_cache_gb, gpu_memory_utilization=gpu_memory_utilization,
                              max_num_seqs=max_num_seqs,
                              max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                              enable_prefix_caching=not no_prefix_caching, attention_backend=attention_backend,
-                             kv_transport=kv_transport, enforce_eager=enforce_eager)
+                             kv_transport=kv_transport, batch_invariant=not no_batch_invariant,
+                             enforce_eager=enforce_eager)
         return f(*args, engine_kwargs=engine_kwargs, **kwargs)
 
     for opt in reversed(opts):
@@ -68,6 +72,8 @@ def engine_argv(engine_kwargs: dict) -> list[str]:
             argv += [] if value else ["--no-prefix-caching"]
         elif key == "enforce_eager":
             argv += ["--enforce-eager"] if value else []
+        elif key == "batch_invariant":
+            argv += [] if value else ["--no-batch-invariant"]
         else:
             argv += [f"--{key.replace('_', '-')}", str(value)]
     return argv

@@ -176,13 +176,29 @@ class Engine:
                                                           config.torch_device, shared=config.kv_shared)
         self.block_manager = BlockManager(self.num_blocks, bs, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.batch_invariant = False  # on CUDA: set_batch_invariant below
         self.runner = ModelRunner(self.model, self.kv_cache, bs, config.torch_device)
-        self.runner.graphs = self._decode_graphs()
+        self.set_batch_invariant(config.batch_invariant)
         self.requests: dict[str, Sequence] = {}
         self.held: dict[str, Sequence] = {}  # prefill-only requests done, blocks kept for transfer
         self.last_batch: list[ScheduledSeq] = []  # what the last step ran (common/step_trace.py)
         self.num_reserved_seqs = 0  # running slots promised to KV transfers not yet arrived
         self._ids = itertools.count()
+
+    def set_batch_invariant(self, on: bool) -> None:
+        """Batch-invariant kernels (common/batch_invariant.py) or torch's ops, then the decode
+        graphs captured again for them. On CPU nothing changes: CPU serving keeps torch's ops."""
+        if self.config.torch_device.type == "cuda":
+            from common import batch_invariant
+
+            if on and not self.batch_invariant:
+                self.batch_invariant = batch_invariant.enable(self.model, self.config.torch_device,
+                                                              self.config.torch_dtype, log)
+            elif not on and self.batch_invariant:
+                batch_invariant.uninstall(self.model)
+                self.batch_invariant = False
+        self.runner.graphs = None
+        self.runner.graphs = self._decode_graphs()
 
     def _graphs_wanted(self) -> bool:
         return self.config.torch_device.type == "cuda" and not self.config.enforce_eager
@@ -197,8 +213,14 @@ class Engine:
             log.warning("CUDA graphs off: the %s attention cannot be captured (its launches depend on the batch's "
                         "lengths); decoding eagerly. The Triton attention can: install triton", backend)
             return None
-        return DecodeGraphs(self.model, self.kv_cache, cfg.max_num_seqs, -(-self.max_model_len // cfg.block_size),
-                            cfg.torch_device)
+        try:
+            return DecodeGraphs(self.model, self.kv_cache, cfg.max_num_seqs, -(-self.max_model_len // cfg.block_size),
+                                cfg.torch_device)
+        except Exception as e:  # a capture failure: the eager path still serves
+            first_line = (str(e).strip().splitlines() or [""])[0][:200]
+            log.warning("CUDA graphs off: capturing the decode step failed (%s: %s); decoding eagerly",
+                        type(e).__name__, first_line)
+            return None
 
     def _auto_num_blocks(self) -> int:
         cfg, bs, mc = self.config, self.config.block_size, self.model_config

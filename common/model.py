@@ -108,6 +108,7 @@ class Transformer(nn.Module):
         self.norm = make_norm(cfg, cfg.hidden_size)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope_cos = self.rope_sin = None
+        self.project = F.linear  # the output projection's matmul (common/batch_invariant.py swaps it)
 
     def setup_rope(self, device: torch.device):
         """Rotary tables in float32 on the device (kept out of the parameters so a dtype cast
@@ -135,4 +136,4 @@ class Transformer(nn.Module):
 
     def logits(self, hidden_SC):
         h = self.norm(hidden_SC)
-        return F.linear(h, self.embed.weight) if self.lm_head is None else self.lm_head(h)
+        return self.project(h, self.embed.weight if self.lm_head is None else self.lm_head.weight)

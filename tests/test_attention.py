@@ -4,7 +4,7 @@ whole generations through the engine."""
 import pytest
 import torch
 
-from common.attention import SDPAAttention, _decode_difference
+from common.attention import SDPAAttention, _step_difference
 from common.engine import Engine
 from common.sampling import SamplingParams
 from tests.test_engine import mixed_params, prompts
@@ -16,8 +16,8 @@ pytestmark = pytest.mark.slow  # the first FlexAttention call compiles (tens of 
 def test_flex_decode_equals_sdpa(heads, kv_heads):
     from common.attention.flex import FlexAttention
 
-    err = _decode_difference(FlexAttention(heads, kv_heads, 16), SDPAAttention(heads, kv_heads, 16),
-                             torch.device("cpu"))
+    err = _step_difference(FlexAttention(heads, kv_heads, 16), SDPAAttention(heads, kv_heads, 16),
+                           torch.device("cpu"))
     assert err < 1e-5
 
 
@@ -215,6 +215,17 @@ def test_triton_attention_is_the_same_bits_however_a_prompt_is_chunked():
         assert not different, (chunk, ones_from, different[:5])
 
 
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 4, 16), (32, 8, 64)])
+def test_triton_passes_the_start_up_check_auto_runs(heads, kv_heads, head_dim):
+    """What `auto` runs before it picks the Triton attention on CUDA: a mixed step against SDPA."""
+    pytest.importorskip("triton")
+    from common.attention.triton_paged import TritonAttention
+
+    err = _step_difference(TritonAttention(heads, kv_heads, head_dim), SDPAAttention(heads, kv_heads, head_dim),
+                           torch.device("cpu"))
+    assert err < 1e-5
+
+
 def test_triton_decode_half_precision_is_close_to_sdpa():
     pytest.importorskip("triton")
     heads, kv_heads, head_dim = 8, 2, 32
@@ -255,4 +266,4 @@ def test_triton_kernels_compile_for_an_h100():
                          timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
     assert run.returncode == 0, run.stderr[-3000:]
     compiled = json.loads(run.stdout.splitlines()[-1])["compiled"]
-    assert len(compiled) == 12 and "bf16/h32/kv8/d64" in compiled
+    assert len(compiled) == 2 * (4 + 3 + 3) and {"bf16/h32/kv8/d64", "bf16/linear/2048x8192"} <= set(compiled)

@@ -70,6 +70,39 @@ def test_cuda_graph_replay_gives_the_eager_tokens(dtype):
     assert [o.token_ids for o in graphed.generate(ps, params)] == [o.token_ids for o in eager.generate(ps, params)]
 
 
+def test_bfloat16_llama_1b_gives_each_request_its_tokens_in_any_batch_and_chunking():
+    """Batch invariance, on by default: 16 mixed requests (greedy and seeded) give the same tokens
+    alone with whole prompts, all batched, alone in 1-token chunks, and 7 at a time in 7-token chunks."""
+    ps, params = prompts(16, 5, 200, seed=15), mixed_params(16, max_tokens=24)
+    base = dict(model="dummy:llama-1b", device="cuda:0", max_model_len=512)
+
+    def run(max_num_seqs, budget, together):
+        engine = Engine(**base, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
+        assert engine.batch_invariant and engine.model.layers[0].attention.name == "triton"
+        if together:
+            return [o.token_ids for o in engine.generate(ps, params)]
+        return [engine.generate([p], [q])[0].token_ids for p, q in zip(ps, params)]
+
+    alone = run(1, 2048, together=False)
+    assert run(16, 2048, together=True) == alone
+    assert run(1, 1, together=False) == alone
+    assert run(7, 7, together=True) == alone
+
+
+def test_bench_engine_on_the_gpu_reports_both_modes():
+    import json
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "common.cli", "bench", "engine", "--device", "cuda:0", "--model",
+                        "dummy:llama-tiny", "--num-requests", "4", "--batch-sizes", "1,16", "--kv-lens", "64",
+                        "--steps", "4", "--prefill-len", "256"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    assert list(result["modes"]) == ["batch_invariant", "torch_ops"]
+    assert all(0 < p["of_floor"] < 1 for run in result["modes"].values() for p in run["decode"].values())
+
+
 def test_bfloat16_default_on_gpu_runs_llama_1b_shapes():
     engine = Engine(model="dummy:llama-1b", device="cuda:0", max_num_seqs=4, max_model_len=512)
     assert engine.kv_cache.dtype == torch.bfloat16

@@ -1,4 +1,5 @@
-"""Compile every Triton kernel variant pdserve launches for an H100 (sm_90), with no GPU: Triton's
+"""Compile every Triton kernel variant pdserve launches for an H100 (sm_90), with no GPU (the paged
+attention, the KV store, and the batch-invariant matmul and norms at llama-1b's shapes): Triton's
 ahead-of-time path lowers a kernel to PTX and runs its bundled ptxas for a named target. A kernel
 that would not compile on the GPU machine fails here first.
 
@@ -14,7 +15,9 @@ import sys
 
 # (query heads, KV heads, head size): nanogpt, llama-tiny, llama-1b and SmolLM2-135M.
 SHAPES = [(4, 4, 16), (4, 2, 32), (32, 8, 64), (9, 3, 64)]
-DTYPES = {"bf16": False, "fp16": False, "fp32": True}  # fp32 takes IEEE dots, not TF32
+DTYPES = {"bf16": False, "fp32": True}  # fp32 takes IEEE dots, not TF32 (fp16 compiles as bf16 does)
+# llama-1b's qkv (narrow tiles), up (wide tiles) and down (a longer K); o and the head share their configurations
+LLAMA_1B_MATMULS = [(3072, 2048), (16384, 2048), (2048, 8192)]
 
 
 def compile_all(arch: int = 90) -> list[str]:
@@ -22,6 +25,7 @@ def compile_all(arch: int = 90) -> list[str]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from common import batch_invariant as bi
     from common.attention import triton_paged as tp
 
     def build(fn, types: dict, constexprs: dict):
@@ -47,6 +51,15 @@ def compile_all(arch: int = 90) -> list[str]:
             build(tp._store_kv_kernel, {"K": f"*{dt}", "V": f"*{dt}", "KCache": f"*{dt}", "VCache": f"*{dt}",
                                         "Slots": "*i64"}, dict(ROW=kv_heads * head_dim, BLOCK=tp._pow2(kv_heads * head_dim)))
             done.append(f"{dt}/h{heads}/kv{kv_heads}/d{head_dim}")
+        for n, k in LLAMA_1B_MATMULS:
+            bm, bn, bk = bi.tile_config(n, k)
+            build(bi._linear_kernel, {"A": f"*{dt}", "W": f"*{dt}", "Bias": f"*{dt}", "C": f"*{dt}"},
+                  dict(K=k, HAS_BIAS=n == 3072, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, IEEE=ieee))  # Qwen2's qkv bias
+            done.append(f"{dt}/linear/{n}x{k}")
+        for c, rms in ((2048, True), (2048, False), (64, True)):  # hidden (RMS; GPT-2's LayerNorm), a head (q/k norm)
+            build(bi._norm_kernel, {"X": f"*{dt}", "Weight": f"*{dt}", "Bias": f"*{dt}", "Y": f"*{dt}", "eps": "fp32"},
+                  dict(C=c, BLOCK=bi._pow2(c), RMS=rms, HAS_BIAS=not rms))
+            done.append(f"{dt}/{'rms' if rms else 'layer'}_norm/{c}")
     return done
 
 

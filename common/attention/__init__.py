@@ -54,7 +54,7 @@ def make_attention(name: str, device: torch.device, num_heads: int, num_kv_heads
         log.warning("triton is not installed: decoding with SDPA over gathered blocks (slow on %s)", device)
         return sdpa
     try:
-        err = _decode_difference(fast, sdpa, device)
+        err = _step_difference(fast, sdpa, device)
     except Exception as e:  # a compiler or kernel failure: the portable path still serves
         first_line = (str(e).strip().splitlines() or [""])[0][:200]
         log.warning("Triton attention unavailable on %s (%s: %s); using SDPA", device, type(e).__name__,
@@ -66,15 +66,26 @@ def make_attention(name: str, device: torch.device, num_heads: int, num_kv_heads
     return fast
 
 
-def _decode_difference(a, b, device: torch.device) -> float:
-    """Largest difference between two backends on a small random paged decode batch."""
+def _step_difference(a, b, device: torch.device) -> float:
+    """Largest difference between two backends on a small random paged step: two decodes and a
+    prefill chunk over a cached prefix, fragmented tables, each backend on its own copy of the pool."""
     gen = torch.Generator().manual_seed(0)
-    N, P, B = 8, 16, 3
-    k_cache = torch.randn(N, P, a.num_kv_heads, a.head_dim, generator=gen).to(device)
-    v_cache = torch.randn(N, P, a.num_kv_heads, a.head_dim, generator=gen).to(device)
-    q = torch.randn(B, a.num_heads, a.head_dim, generator=gen).to(device)
-    tables = torch.tensor([[3, 1, 6], [0, 2, 0], [7, 5, 4]], device=device)
-    lens = torch.tensor([40, 17, 33], device=device)
-    mask = (torch.arange(3 * P, device=device)[None, :] < lens[:, None])[:, None, None, :]
-    meta = AttentionMetadata(torch.zeros(0, dtype=torch.int64, device=device), B, tables, lens, mask, [])
-    return (a._decode(q, k_cache, v_cache, meta).float() - b._decode(q, k_cache, v_cache, meta).float()).abs().max().item()
+    N, P, H, K, D = 8, 16, a.num_heads, a.num_kv_heads, a.head_dim
+    k_cache = torch.randn(N, P, K, D, generator=gen).to(device)
+    v_cache = torch.randn(N, P, K, D, generator=gen).to(device)
+    tables = torch.tensor([[3, 1, 6], [0, 2, 0]], device=device)
+    lens = [40, 17]
+    chunk_table, first, count = [7, 5, 4], 20, 10
+    positions = [n - 1 for n in lens] + list(range(first, first + count))
+    rows = [tables[0].tolist(), tables[1].tolist()] + [chunk_table] * count
+    slots = torch.tensor([row[p // P] * P + p % P for row, p in zip(rows, positions)], device=device)
+    T = len(positions)
+    q, k, v = (torch.randn(T, n, D, generator=gen).to(device) for n in (H, K, K))
+    lens_B = torch.tensor(lens, device=device)
+    mask = (torch.arange(3 * P, device=device)[None, :] < lens_B[:, None])[:, None, None, :]
+    chunk = PrefillChunk(2, T, first, torch.tensor(chunk_table, device=device))
+    meta = AttentionMetadata(slots, 2, tables, lens_B, mask, [chunk], None, torch.tensor(positions, device=device),
+                             positions)
+    out_a = a(q, k, v, k_cache.clone(), v_cache.clone(), meta).float()
+    out_b = b(q, k, v, k_cache.clone(), v_cache.clone(), meta).float()
+    return (out_a - out_b).abs().max().item()

@@ -289,9 +289,3 @@ class TritonAttention(SDPAAttention):
         tables_SM, tiles_4X = self._layout
         return paged_attention(q_THD, k_cache_NBKD, v_cache_NBKD, tables_SM, tiles_4X, meta.positions, self.scale,
                                meta.host_positions)
-
-    def _decode(self, q_BHD, k_cache, v_cache, meta: AttentionMetadata):
-        """Decode rows alone (the start-up check against SDPA)."""
-        lens_B = meta.decode_context_lens
-        return paged_attention(q_BHD, k_cache, v_cache, meta.decode_block_tables, decode_tiles(lens_B), lens_B - 1,
-                               self.scale)

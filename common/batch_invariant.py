@@ -1,0 +1,191 @@
+"""Batch-invariant matmuls and norms in Triton: a row's result does not depend on how many rows
+are computed with it.
+
+cuBLAS picks its algorithm (tile shape, split-K) by the matrix sizes, so a token's projections
+come out with different rounding in a batch of 1 and of 16; torch's row reductions pick their
+thread layout by the number of rows as well. In bfloat16 on a GPU that changes greedy tokens
+within a few steps (../shared/GPU.md: 0 of 16 requests kept their tokens alone and batched).
+The kernels here fix every choice that touches a row's arithmetic by the weight's shape alone,
+never the row count, after Thinking Machines' batch_invariant_ops and SGLang's deterministic
+mode:
+
+- `linear`: one tile configuration per (N, K) of a weight, the K loop in order, no split-K;
+- `rms_norm`, `layer_norm`: a program per row, the whole row reduced in one fixed-width block.
+
+With the Triton attention (common/attention/triton_paged.py) a request's tokens are then the same
+in any batch. `install(model)` swaps a model's linear layers and norms for these; it is what
+`--batch-invariant` (the default on CUDA) does. On CPU the kernels run only in Triton's
+interpreter (the tests), and CPU serving keeps torch's own ops.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from common.attention.triton_paged import _jit, _pow2, interpreted, triton, tl
+from common.model import RMSNorm
+
+
+@_jit
+def _linear_kernel(A, W, Bias, C, M, N, stride_am, stride_wn, stride_cm, K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    row_ok = rows < M
+    col_ok = cols < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):  # K is a constant of the weight: the same steps for every row
+        k_ok = (k0 + ks) < K
+        a = tl.load(A + rows[:, None] * stride_am + (k0 + ks)[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        w = tl.load(W + cols[None, :] * stride_wn + (k0 + ks)[:, None], mask=col_ok[None, :] & k_ok[:, None],
+                    other=0.0)
+        if IEEE:
+            acc = tl.dot(a, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, w, acc)
+    if HAS_BIAS:
+        acc += tl.load(Bias + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(C + rows[:, None] * stride_cm + cols[None, :], acc.to(C.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+@_jit
+def _norm_kernel(X, Weight, Bias, Y, stride_x, stride_y, eps, C: tl.constexpr, BLOCK: tl.constexpr,
+                 RMS: tl.constexpr, HAS_BIAS: tl.constexpr):
+    row = tl.program_id(0)
+    i = tl.arange(0, BLOCK)
+    ok = i < C
+    x = tl.load(X + row * stride_x + i, mask=ok, other=0.0).to(tl.float32)
+    if RMS:  # Hugging Face's: normalise in float32, round to the model's dtype, then scale
+        normed = (x * tl.rsqrt(tl.sum(x * x, 0) / C + eps)).to(Y.dtype.element_ty)
+        y = normed.to(tl.float32) * tl.load(Weight + i, mask=ok, other=0.0).to(tl.float32)
+    else:
+        mean = tl.sum(x, 0) / C
+        centred = tl.where(ok, x - mean, 0.0)
+        y = centred * tl.rsqrt(tl.sum(centred * centred, 0) / C + eps)
+        y = y * tl.load(Weight + i, mask=ok, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            y += tl.load(Bias + i, mask=ok, other=0.0).to(tl.float32)
+    tl.store(Y + row * stride_y + i, y.to(Y.dtype.element_ty), mask=ok)
+
+
+def available() -> bool:
+    return triton is not None
+
+
+def tile_config(n: int, k: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K) for a weight of n outputs and k inputs: a function of the
+    weight alone, so every row count gets the same arithmetic. Narrow outputs take narrower
+    column tiles, so a decode step (a handful of rows) still spreads over many programs."""
+    return 64, 64 if n <= 4096 else 128, 64
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T + bias over x's last dimension, batch-invariantly."""
+    if x.device.type != "cuda" and not interpreted():
+        return F.linear(x, weight, bias)
+    lead, k = x.shape[:-1], x.shape[-1]
+    a = x.reshape(-1, k)
+    if a.stride(-1) != 1:
+        a = a.contiguous()
+    m, n = a.shape[0], weight.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m:
+        bm, bn, bk = tile_config(n, k)
+        _linear_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
+            a, weight, bias if bias is not None else weight, out, m, n, a.stride(0), weight.stride(0), out.stride(0),
+            K=k, HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, IEEE=x.dtype == torch.float32)
+    return out.view(*lead, n)
+
+
+def _norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float, rms: bool) -> torch.Tensor:
+    c = x.shape[-1]
+    rows = x.reshape(-1, c)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    if rows.shape[0]:
+        _norm_kernel[(rows.shape[0],)](rows, weight, bias if bias is not None else weight, out, rows.stride(0),
+                                       out.stride(0), eps, C=c, BLOCK=_pow2(c), RMS=rms, HAS_BIAS=bias is not None)
+    return out.view(x.shape)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _norm(x, weight, None, eps, rms=True)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    return _norm(x, weight, bias, eps, rms=False)
+
+
+class InvariantLinear(nn.Linear):
+    def forward(self, x):
+        return linear(x, self.weight, self.bias)
+
+
+class InvariantLayerNorm(nn.LayerNorm):
+    def forward(self, x):
+        return layer_norm(x, self.weight, self.bias, self.eps)
+
+
+class InvariantRMSNorm(RMSNorm):
+    def forward(self, x):
+        return rms_norm(x, self.weight, self.eps)
+
+
+_SWAPS = {nn.Linear: InvariantLinear, nn.LayerNorm: InvariantLayerNorm, RMSNorm: InvariantRMSNorm}
+
+
+def install(model: nn.Module) -> None:
+    """Swap the model's linear layers and norms for the batch-invariant ones, in place (weights
+    untouched), and its output projection (model.project)."""
+    for module in model.modules():
+        if type(module) in _SWAPS:
+            module.__class__ = _SWAPS[type(module)]
+    model.project = linear
+
+
+def uninstall(model: nn.Module) -> None:
+    """Back to torch's own ops (bench engine's second mode)."""
+    back = {v: k for k, v in _SWAPS.items()}
+    for module in model.modules():
+        if type(module) in back:
+            module.__class__ = back[type(module)]
+    model.project = F.linear
+
+
+def installed(model: nn.Module) -> bool:
+    return model.project is linear
+
+
+def _start_up_difference(device: torch.device, dtype: torch.dtype) -> float:
+    """Largest relative difference from torch's ops on a small random matmul and norm."""
+    gen = torch.Generator().manual_seed(0)
+    x, w = (torch.randn(shape, generator=gen).to(device, dtype) for shape in ((37, 96), (80, 96)))
+    scale = torch.randn(96, generator=gen).to(device, dtype)
+    pairs = [(linear(x, w), F.linear(x, w)),
+             (rms_norm(x, scale, 1e-5), scale * F.rms_norm(x.float(), (96,), eps=1e-5).to(dtype))]
+    return max(((a.float() - b.float()).abs().max() / b.float().abs().max()).item() for a, b in pairs)
+
+
+def enable(model: nn.Module, device: torch.device, dtype: torch.dtype, log) -> bool:
+    """Install the kernels on a CUDA model if Triton is there and they agree with torch at start;
+    else say why in one line and leave torch's ops. Returns whether they are installed."""
+    if not available():
+        log.warning("batch invariance off: triton is not installed, so a request's tokens may depend on its batch")
+        return False
+    try:
+        err = _start_up_difference(device, dtype)
+    except Exception as e:  # a compiler or kernel failure: torch's ops still serve
+        first_line = (str(e).strip().splitlines() or [""])[0][:200]
+        log.warning("batch invariance off: its kernels failed on %s (%s: %s)", device, type(e).__name__, first_line)
+        return False
+    if err > (1e-4 if dtype == torch.float32 else 3e-2):
+        log.warning("batch invariance off: its kernels differ from torch's by %.3g on %s", err, device)
+        return False
+    install(model)
+    return True

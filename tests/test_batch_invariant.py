@@ -1,0 +1,92 @@
+"""The batch-invariant matmul and norms (common/batch_invariant.py) in Triton's interpreter on CPU:
+equal to torch's ops within rounding, and a row's result the same bits whatever rows are computed
+with it. That the kernels compile for an H100 is checked with the attention's (tests/triton_aot.py)."""
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("triton")
+
+from common import batch_invariant as bi  # noqa: E402
+from common.model import RMSNorm  # noqa: E402
+
+
+@pytest.mark.parametrize("n, k, bias", [(96, 80, True), (200, 64, False), (5000, 40, True)])
+def test_linear_equals_torch_and_is_the_same_bits_for_any_row_count(n, k, bias):
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(130, k, generator=gen)
+    w = torch.randn(n, k, generator=gen)
+    b = torch.randn(n, generator=gen) if bias else None
+    full = bi.linear(x, w, b)
+    assert (full - torch.nn.functional.linear(x, w, b)).abs().max().item() < 1e-4
+    for first, rows in ((0, 1), (64, 1), (37, 5), (60, 70)):
+        assert torch.equal(bi.linear(x[first:first + rows], w, b), full[first:first + rows]), (first, rows)
+
+
+def test_linear_keeps_leading_dimensions_and_takes_no_rows():
+    w = torch.randn(8, 16)
+    assert bi.linear(torch.randn(2, 3, 16), w).shape == (2, 3, 8)
+    assert bi.linear(torch.randn(0, 16), w).shape == (0, 8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_norms_equal_torch_and_are_the_same_bits_for_any_row_count(dtype):
+    gen = torch.Generator().manual_seed(1)
+    x = (torch.randn(33, 96, generator=gen) * 3 + 1).to(dtype)
+    rms = RMSNorm(96, 1e-5)
+    rms.weight.data = torch.randn(96, generator=gen)
+    ln = nn.LayerNorm(96, eps=1e-5)
+    ln.weight.data, ln.bias.data = torch.randn(96, generator=gen), torch.randn(96, generator=gen)
+    rms, ln = rms.to(dtype), ln.to(dtype)
+    for ours, theirs in ((bi.rms_norm(x, rms.weight, rms.eps), rms(x)),
+                         (bi.layer_norm(x, ln.weight, ln.bias, ln.eps), ln(x))):
+        assert (ours.float() - theirs.float()).abs().max().item() < 1e-5
+    for first, rows in ((0, 1), (17, 3)):
+        assert torch.equal(bi.rms_norm(x[first:first + rows], rms.weight, rms.eps),
+                           bi.rms_norm(x, rms.weight, rms.eps)[first:first + rows])
+        assert torch.equal(bi.layer_norm(x[first:first + rows], ln.weight, ln.bias, ln.eps),
+                           bi.layer_norm(x, ln.weight, ln.bias, ln.eps)[first:first + rows])
+
+
+def test_install_swaps_every_linear_and_norm_and_uninstall_restores_them():
+    from common.checkpoint import load_model
+
+    model = load_model("dummy:llama-tiny", torch.device("cpu"), torch.float32, "sdpa").model
+    kinds = lambda: {type(m).__name__ for m in model.modules()}  # noqa: E731
+    before = kinds()
+    bi.install(model)
+    assert {"InvariantLinear", "InvariantRMSNorm"} <= kinds() and not {"Linear", "RMSNorm"} & kinds()
+    assert bi.installed(model)
+    bi.uninstall(model)
+    assert kinds() == before and not bi.installed(model)
+
+
+def test_enable_checks_the_kernels_at_start_and_says_why_it_declines(monkeypatch, caplog):
+    import logging
+
+    from common.checkpoint import load_model
+
+    log = logging.getLogger("test")
+    model = load_model("dummy:nanogpt", torch.device("cpu"), torch.float32, "sdpa").model
+    monkeypatch.setattr(bi, "linear", lambda *a: (_ for _ in ()).throw(RuntimeError("PTX failed\nline 2\nline 3")))
+    with caplog.at_level(logging.WARNING):
+        assert not bi.enable(model, torch.device("cpu"), torch.float32, log)
+    assert not bi.installed(model)
+    assert [r.getMessage() for r in caplog.records] == ["batch invariance off: its kernels failed on cpu "
+                                                        "(RuntimeError: PTX failed)"]
+    monkeypatch.undo()
+    assert bi.enable(model, torch.device("cpu"), torch.float32, log) and bi.installed(model)
+
+
+@pytest.mark.parametrize("model", ["dummy:nanogpt", "dummy:llama-tiny"])
+def test_a_model_on_the_invariant_kernels_generates_torchs_tokens(model):
+    """The whole invariant path (these kernels and the Triton attention, interpreted) through the engine."""
+    from common.engine import Engine
+    from tests.test_engine import mixed_params, prompts
+
+    ps, params = prompts(3, 1, 30, seed=8), mixed_params(3, max_tokens=3)
+    want = Engine(model=model, attention_backend="sdpa").generate(ps, params)
+    engine = Engine(model=model, attention_backend="triton")
+    bi.install(engine.model)
+    assert [o.token_ids for o in engine.generate(ps, params)] == [o.token_ids for o in want]
