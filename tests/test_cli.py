@@ -68,3 +68,15 @@ def test_weight_bytes_of_a_step_count_the_output_projection_once():
     m = engine.model
     layers = sum(p.numel() for p in m.layers.parameters()) + sum(p.numel() for p in m.norm.parameters())
     assert weight_bytes_per_step(engine) == 4 * (layers + m.embed.weight.numel())
+
+
+def test_bench_engine_vs_transformers_on_a_dummy_preset_builds_its_twin():
+    """A dummy preset has no file: transformers builds the same shapes from its config, and the
+    speeds compare while the tokens (other weights) and load times are not compared."""
+    r = pdserve("bench", "engine", "--model", "dummy:llama-tiny", "--vs-transformers", "--num-requests", "2",
+                "--prompt-len", "8", "--output-len", "4", "--batch-sizes", "2", "--kv-lens", "8", "--steps", "2",
+                "--prefill-len", "16", timeout=300)
+    assert r.returncode == 0, r.stderr
+    vs = json.loads(r.stdout.strip().splitlines()[-1])["vs_transformers"]
+    assert vs["load"] is None and vs["transformers_cache"] == "static"
+    assert vs["generate"]["b2"]["same_tokens"] == "n/a (its own weights)" and vs["generate"]["b2"]["ratio"] > 0
