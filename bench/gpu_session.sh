@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# A GPU session's runs for issues 11 and 12, one stage per device call (each under its 10-minute
+# limit; a session has 30 minutes of device time). The machine has torch, triton and transformers
+# but no pyzmq and no package index: carry its wheel in .whl/ (../shared/GPU.md). Logs and each
+# benchmark's JSON land in $OUT; the last lines printed are a summary.
+#
+#   bash bench/gpu_session.sh check    # kernels compile, pytest -m gpu            (~5 min)
+#   bash bench/gpu_session.sh engine   # bench engine on dummy:llama-1b, both modes, vs transformers
+#   bash bench/gpu_session.sh cluster  # bench transfer, handoff and chaos on cuda:0
+#   bash bench/gpu_session.sh serve    # bench serve: mono vs 1p1d vs 2p2d on dummy:llama-1b
+set -u
+stage=${1:?usage: bench/gpu_session.sh check|engine|cluster|serve}
+OUT=${OUT:-/tmp/pdserve-gpu}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+mkdir -p /tmp/bin && printf '#!/bin/sh\nexec python3 -m common.cli "$@"\n' > /tmp/bin/pdserve && chmod +x /tmp/bin/pdserve
+export PATH=/tmp/bin:$PATH
+
+run() {  # run NAME SECONDS CMD...: its output in $OUT/NAME.log, its last line (a bench's JSON) in NAME.json
+    local name=$1 limit=$2
+    shift 2
+    local t0=$SECONDS
+    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    tail -n 1 "$OUT/$name.log" > "$OUT/$name.json"
+    echo "$name: rc=$rc in $((SECONDS - t0)) s" | tee -a "$OUT/summary.txt"
+}
+
+case $stage in
+check)
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt"
+    python3 -c "import torch, triton; print(torch.__version__, triton.__version__)" >> "$OUT/gpu.txt"
+    run aot 120 python3 -m tests.triton_aot
+    run gpu-tests 420 python3 -m pytest -m gpu tests -q -p no:cacheprovider --timeout 300 -rf
+    tail -n 15 "$OUT/gpu-tests.log"
+    ;;
+engine)
+    run engine 560 pdserve bench engine --device cuda:0 --model dummy:llama-1b --max-model-len 4096 \
+        --vs-transformers --batch-sizes 1,16,64,256 --kv-lens 64,512,2048 --steps 32
+    grep -v '^{' "$OUT/engine.log" | tail -n 60
+    ;;
+cluster)
+    run transfer-256m 90 pdserve bench transfer --transport cuda_ipc --devices cuda:0 --tokens 8192 --model dummy:llama-1b
+    run transfer-8m 90 pdserve bench transfer --transport cuda_ipc --devices cuda:0 --tokens 256 --model dummy:llama-1b
+    run handoff 150 pdserve bench handoff --model dummy:llama-1b --tokens 1000 --devices cuda:0
+    run chaos 240 pdserve bench chaos --model dummy:llama-1b --devices cuda:0 --requests 200 --kills 6 --dtype float32
+    tail -n 40 "$OUT/transfer-256m.log" "$OUT/handoff.log" "$OUT/chaos.log" | grep -v '^{'
+    ;;
+serve)
+    run serve 560 pdserve bench serve --model dummy:llama-1b --devices cuda:0 --topologies mono,1p1d,2p2d \
+        --scenarios realistic,long_prompts
+    grep -v '^{' "$OUT/serve.log" | tail -n 40
+    ;;
+*)
+    echo "unknown stage $stage; allowed: check, engine, cluster, serve" >&2
+    exit 2
+    ;;
+esac
+cat "$OUT/summary.txt"
