@@ -52,6 +52,8 @@ class ModelRunner:
     def __init__(self, model, kv_cache: torch.Tensor, block_size: int, device: torch.device):
         self.model, self.kv_cache, self.block_size, self.device = model, kv_cache, block_size, device
         self.graphs: DecodeGraphs | None = None  # set by the engine where decode steps are captured
+        self.timing = False  # on CUDA: time each step's device work (the step trace's gpu_ms)
+        self.last_gpu_ms: float | None = None
 
     def _tensor(self, data, dtype=torch.int64):
         return torch.tensor(data, dtype=dtype, device=self.device)
@@ -128,6 +130,11 @@ class ModelRunner:
             ) -> tuple[list[ScheduledSeq], list[int], list[Logprob | None]]:
         """Returns the batch in packed order, the tokens sampled for its `samples` entries and
         their logprobs (None where not asked for). Prompt logprobs go straight into their sequences."""
+        self.last_gpu_ms = None
+        events = None
+        if self.timing and self.device.type == "cuda":
+            events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+            events[0].record()
         ordered, input_ids, positions, meta, sample_rows = self.prepare(batch)
         n = meta.num_decode
         if (self.graphs is not None and on_layer is None and not meta.prefills and 0 < n <= self.graphs.max_size):
@@ -147,8 +154,12 @@ class ModelRunner:
                 return ordered, [], []
             logits_SV = self.model.logits(hidden_TC[sample_rows])
         sampled = [s.seq for s in ordered if s.samples]
-        tokens = sample(logits_SV, [q.params for q in sampled], [q.seed for q in sampled],
-                        [len(q) for q in sampled]).tolist()
+        tokens_S = sample(logits_SV, [q.params for q in sampled], [q.seed for q in sampled], [len(q) for q in sampled])
+        if events is not None:
+            events[1].record()
+        tokens = tokens_S.tolist()  # the step's one wait for the device
+        if events is not None:
+            self.last_gpu_ms = events[0].elapsed_time(events[1])
         logprobs: list[Logprob | None] = [None] * len(sampled)
         wanted = [i for i, q in enumerate(sampled) if q.params.logprobs is not None]
         if wanted:

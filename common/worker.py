@@ -130,6 +130,7 @@ class WorkerBase:
         log.info("%s %s on %s: %s, %d KV blocks", self.role, self.worker_id, self.engine.config.torch_device,
                  self.engine.config.model, self.engine.num_blocks)
         trace = StepTrace.from_env(self.worker_id, self.engine.config.block_size)
+        self.engine.runner.timing = trace is not None
         try:
             while not self.stopping:
                 timeout = 0 if self.engine.has_unfinished() else 10
@@ -151,7 +152,8 @@ class WorkerBase:
                         outputs = self.step()
                         stepped = time.monotonic()
                         self.on_outputs(outputs)
-                        trace.record(start, stepped, time.monotonic(), self.engine.last_batch)
+                        trace.record(start, stepped, time.monotonic(), self.engine.last_batch,
+                                     self.engine.runner.last_gpu_ms)
                 self._tick(time.monotonic())
         finally:
             if trace is not None:
