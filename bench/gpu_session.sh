@@ -7,7 +7,7 @@
 #   bash bench/gpu_session.sh check    # kernels compile, pytest -m gpu            (~5 min)
 #   bash bench/gpu_session.sh engine   # bench engine on dummy:llama-1b, both modes, vs transformers
 #   bash bench/gpu_session.sh cluster  # bench transfer, handoff and chaos on cuda:0
-#   bash bench/gpu_session.sh serve    # bench serve: mono vs 1p1d vs 2p2d on dummy:llama-1b
+#   bash bench/gpu_session.sh serve    # bench serve: mono vs 1p1d vs 2p2d on dummy:llama-1b, step traces
 set -u
 stage=${1:?usage: bench/gpu_session.sh check|engine|cluster|serve}
 OUT=${OUT:-/tmp/pdserve-gpu}
@@ -48,9 +48,12 @@ cluster)
     tail -n 40 "$OUT/transfer-256m.log" "$OUT/handoff.log" "$OUT/chaos.log" | grep -v '^{'
     ;;
 serve)
-    run serve 560 pdserve bench serve --model dummy:llama-1b --devices cuda:0 --topologies mono,1p1d,2p2d \
+    # each worker's steps: the decode worker's loop share at batch >= 48 (issue 11: overlap if Python is over 20%)
+    export PDSERVE_STEP_TRACE=$OUT/steps
+    run serve 540 pdserve bench serve --model dummy:llama-1b --devices cuda:0 --topologies mono,1p1d,2p2d \
         --scenarios realistic,long_prompts
     grep -v '^{' "$OUT/serve.log" | tail -n 40
+    python3 -m common.step_trace "$OUT/steps" 48 | tee "$OUT/loop-share.jsonl"
     ;;
 *)
     echo "unknown stage $stage; allowed: check, engine, cluster, serve" >&2

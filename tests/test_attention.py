@@ -21,11 +21,11 @@ def test_flex_decode_equals_sdpa(heads, kv_heads):
     assert err < 1e-5
 
 
-@pytest.mark.parametrize("model", ["dummy:nanogpt", "dummy:llama-tiny"])
-def test_flex_engine_generates_sdpa_tokens(model):
+def test_flex_engine_generates_sdpa_tokens():
+    """By name only now (it does not compile for 16-token pages on an H100): one model suffices."""
     ps, params = prompts(8, 1, 60, seed=11), mixed_params(8, max_tokens=10)
-    sdpa = Engine(model=model, attention_backend="sdpa").generate(ps, params)
-    flex = Engine(model=model, attention_backend="flex").generate(ps, params)
+    sdpa = Engine(model="dummy:llama-tiny", attention_backend="sdpa").generate(ps, params)
+    flex = Engine(model="dummy:llama-tiny", attention_backend="flex").generate(ps, params)
     assert [o.token_ids for o in flex] == [o.token_ids for o in sdpa]
 
 
@@ -75,11 +75,11 @@ def _triton_decode(q, k, v, tables, lens, scale):
 LENGTHS = [1, 16, 17, 64, 255, 256, 257, 700, 40]
 
 
-@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 4, 16), (8, 2, 32), (32, 8, 64), (6, 1, 24), (9, 3, 64)])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 4, 16), (32, 8, 64), (6, 1, 24)])
 def test_triton_decode_equals_sdpa(heads, kv_heads, head_dim):
     """The paged Triton kernel (in Triton's interpreter on CPU) against SDPA over gathered blocks:
-    GQA groups of 1 to 6 (3: SmolLM2's), a head size that is not a power of two, fragmented tables
-    and pages shared by two rows."""
+    GQA groups of 1, 4 (llama-1b's) and 6 (not a power of two, nor is the head size), fragmented
+    tables and pages shared by two rows."""
     pytest.importorskip("triton")
     q, k, v, tables, lens = _paged_batch(LENGTHS, heads, kv_heads, head_dim, torch.float32, seed=heads,
                                          shared_prefix_blocks=1)
@@ -201,28 +201,26 @@ def test_triton_prefill_chunks_and_decodes_equal_sdpa():
 
 
 def test_triton_attention_is_the_same_bits_however_a_prompt_is_chunked():
-    """Each position's output is identical whether its prompt went in whole, in chunks of 13, or
+    """Each position's output is identical whether its prompt went in whole, in chunks of 29, or
     token by token as decodes across a split's edge (256): a prefill token and a decode token take
     one code path."""
     pytest.importorskip("triton")
-    lengths = [266, 30, 5]
-    seqs = _Sequences(lengths, 8, 2, 32, seed=6)
+    lengths = [262, 30, 5]
+    seqs = _Sequences(lengths, 4, 1, 32, seed=6)
     whole = _chunked(seqs, lengths, max(lengths))
-    for chunk, ones_from in ((13, None), (None, 250)):
+    for chunk, ones_from in ((29, None), (None, 253)):
         got = _chunked(seqs, lengths, chunk, ones_from)
         assert got.keys() == whole.keys()
         different = [key for key in whole if not torch.equal(whole[key], got[key])]
         assert not different, (chunk, ones_from, different[:5])
 
 
-@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 4, 16), (32, 8, 64)])
-def test_triton_passes_the_start_up_check_auto_runs(heads, kv_heads, head_dim):
+def test_triton_passes_the_start_up_check_auto_runs():
     """What `auto` runs before it picks the Triton attention on CUDA: a mixed step against SDPA."""
     pytest.importorskip("triton")
     from common.attention.triton_paged import TritonAttention
 
-    err = _step_difference(TritonAttention(heads, kv_heads, head_dim), SDPAAttention(heads, kv_heads, head_dim),
-                           torch.device("cpu"))
+    err = _step_difference(TritonAttention(32, 8, 64), SDPAAttention(32, 8, 64), torch.device("cpu"))
     assert err < 1e-5
 
 
@@ -242,17 +240,6 @@ def test_triton_backend_refuses_a_block_size_it_cannot_tile():
         _triton_decode(q, k, v, tables, lens, 0.25)
 
 
-@pytest.mark.parametrize("model", ["dummy:nanogpt", "dummy:llama-tiny"])
-def test_triton_engine_generates_sdpa_tokens(model):
-    """Through the engine (interpreted on CPU, so few tokens): greedy and seeded rows, mixed lengths."""
-    pytest.importorskip("triton")
-    ps, params = prompts(3, 1, 40, seed=11), mixed_params(3, max_tokens=4)
-    sdpa = Engine(model=model, attention_backend="sdpa").generate(ps, params)
-    fast = Engine(model=model, attention_backend="triton")
-    assert fast.model.layers[0].attention.name == "triton"
-    assert [o.token_ids for o in fast.generate(ps, params)] == [o.token_ids for o in sdpa]
-
-
 def test_triton_kernels_compile_for_an_h100():
     """Every kernel variant compiles to an sm_90 binary here, with no GPU (tests/triton_aot.py)."""
     pytest.importorskip("triton.backends.nvidia")
@@ -266,4 +253,5 @@ def test_triton_kernels_compile_for_an_h100():
                          timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
     assert run.returncode == 0, run.stderr[-3000:]
     compiled = json.loads(run.stdout.splitlines()[-1])["compiled"]
-    assert len(compiled) == 2 * (4 + 3 + 3) and {"bf16/h32/kv8/d64", "bf16/linear/2048x8192"} <= set(compiled)
+    assert len(compiled) == (4 + 3 + 3) + (1 + 1 + 1) and {"bf16/h32/kv8/d64", "bf16/linear/2048x8192",
+                                                            "fp32/h32/kv8/d64"} <= set(compiled)

@@ -40,8 +40,12 @@ def test_generate_rejects_bad_values_clearly():
 
 
 def test_bench_engine_prints_table_and_json():
+    """Also --vs-transformers on a dummy preset, which has no file: transformers builds the same
+    shapes from its config, and the speeds compare while the tokens (other weights) and load
+    times are not compared."""
     r = pdserve("bench", "engine", "--num-requests", "4", "--prompt-len", "8", "--output-len", "4",
-                "--batch-sizes", "1,2", "--kv-lens", "8,16", "--steps", "2", "--prefill-len", "32")
+                "--batch-sizes", "1,2", "--kv-lens", "8,16", "--steps", "2", "--prefill-len", "32", "--vs-transformers",
+                timeout=300)
     assert r.returncode == 0, r.stderr
     *table, last = r.stdout.strip().splitlines()
     assert any("output tok/s" in line for line in table) and any("of floor" in line for line in table)
@@ -56,6 +60,9 @@ def test_bench_engine_prints_table_and_json():
     assert result["weight_bytes"] > 0 and result["kv_bytes_per_token"] == 4 * 2 * 4 * 16 * 4  # nanogpt, float32
     assert run["prefill"]["tokens"] == 32 and 0 < run["prefill"]["of_peak"]
     assert "[torch_ops 4/4] decode batch 2, KV 16" in r.stderr  # progress
+    vs = result["vs_transformers"]
+    assert vs["load"] is None and vs["transformers_cache"] == "static"
+    assert vs["generate"]["b2"]["same_tokens"] == "n/a (its own weights)" and vs["generate"]["b2"]["ratio"] > 0
 
 
 def test_weight_bytes_of_a_step_count_the_output_projection_once():
@@ -69,14 +76,3 @@ def test_weight_bytes_of_a_step_count_the_output_projection_once():
     layers = sum(p.numel() for p in m.layers.parameters()) + sum(p.numel() for p in m.norm.parameters())
     assert weight_bytes_per_step(engine) == 4 * (layers + m.embed.weight.numel())
 
-
-def test_bench_engine_vs_transformers_on_a_dummy_preset_builds_its_twin():
-    """A dummy preset has no file: transformers builds the same shapes from its config, and the
-    speeds compare while the tokens (other weights) and load times are not compared."""
-    r = pdserve("bench", "engine", "--model", "dummy:llama-tiny", "--vs-transformers", "--num-requests", "2",
-                "--prompt-len", "8", "--output-len", "4", "--batch-sizes", "2", "--kv-lens", "8", "--steps", "2",
-                "--prefill-len", "16", timeout=300)
-    assert r.returncode == 0, r.stderr
-    vs = json.loads(r.stdout.strip().splitlines()[-1])["vs_transformers"]
-    assert vs["load"] is None and vs["transformers_cache"] == "static"
-    assert vs["generate"]["b2"]["same_tokens"] == "n/a (its own weights)" and vs["generate"]["b2"]["ratio"] > 0

@@ -27,13 +27,17 @@ def _with_uncaptured_graphs(engine: Engine) -> DecodeGraphs:
 
 def test_decode_through_the_graph_buffers_gives_the_eager_tokens(monkeypatch):
     """5 then fewer running requests (greedy and seeded, mixed lengths) decode through the padded
-    static buffers (sizes 1, 2, 4, 8) and give the portable engine's tokens."""
+    static buffers (sizes 1, 2, 4, 8), on the GPU path's kernels (the Triton attention and the
+    batch-invariant matmuls and norms, interpreted), and give the portable engine's tokens."""
     pytest.importorskip("triton")
-    ps, params = prompts(5, 3, 40, seed=21), mixed_params(5, max_tokens=5)
+    from common import batch_invariant
+
+    ps, params = prompts(5, 3, 20, seed=21), mixed_params(5, max_tokens=5)
     for p, n in zip(params, (5, 3, 4, 2, 5)):
         p.max_tokens = n
     want = Engine(model="dummy:llama-tiny", attention_backend="sdpa", max_num_seqs=8).generate(ps, params)
     engine = Engine(model="dummy:llama-tiny", attention_backend="triton", max_num_seqs=8)
+    batch_invariant.install(engine.model)
     graphs = _with_uncaptured_graphs(engine)
     padded = []
     run = graphs.run

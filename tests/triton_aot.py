@@ -18,6 +18,14 @@ SHAPES = [(4, 4, 16), (4, 2, 32), (32, 8, 64), (9, 3, 64)]
 DTYPES = {"bf16": False, "fp32": True}  # fp32 takes IEEE dots, not TF32 (fp16 compiles as bf16 does)
 # llama-1b's qkv (narrow tiles), up (wide tiles) and down (a longer K); o and the head share their configurations
 LLAMA_1B_MATMULS = [(3072, 2048), (16384, 2048), (2048, 8192)]
+NORMS = [(2048, True), (2048, False), (64, True)]  # (size, RMS): the hidden size (GPT-2: LayerNorm), a head (q/k norm)
+
+
+def variants(dt: str):
+    """bf16 (the GPU default): every shape; fp32 (its IEEE dots): one of each kernel."""
+    if dt == "bf16":
+        return SHAPES, LLAMA_1B_MATMULS, NORMS
+    return SHAPES[2:3], LLAMA_1B_MATMULS[:1], NORMS[:1]
 
 
 def compile_all(arch: int = 90) -> list[str]:
@@ -34,14 +42,15 @@ def compile_all(arch: int = 90) -> list[str]:
 
     done = []
     for dt, ieee in DTYPES.items():
-        for heads, kv_heads, head_dim in SHAPES:
+        shapes, matmuls, norms = variants(dt)
+        for heads, kv_heads, head_dim in shapes:
             group = heads // kv_heads
             block_q, block_m = tp.tile_shape(group)
             block_d = max(16, tp._pow2(head_dim))
             build(tp._split_kernel,
                   {"Q": f"*{dt}", "KCache": f"*{dt}", "VCache": f"*{dt}", "Tables": "*i64", "TileSeq": "*i64",
-                   "TileStart": "*i64", "TileLen": "*i64", "TilePos": "*i64", "SplitBase": "*i64", "OutPart": "*fp32", "LsePart": "*fp32",
-                   "scale": "fp32"},
+                   "TileStart": "*i64", "TileLen": "*i64", "TilePos": "*i64", "SplitBase": "*i64", "OutPart": "*fp32",
+                   "LsePart": "*fp32", "scale": "fp32"},
                   dict(GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=16,
                        TILE=tp.BLOCK_N, SPLIT_KEYS=tp.SPLIT, MAX_SPLITS=32, LANES=tp.LANES, IEEE=ieee))
             build(tp._merge_kernel, {"OutPart": "*fp32", "LsePart": "*fp32", "Positions": "*i64", "SplitBase": "*i64",
@@ -51,12 +60,12 @@ def compile_all(arch: int = 90) -> list[str]:
             build(tp._store_kv_kernel, {"K": f"*{dt}", "V": f"*{dt}", "KCache": f"*{dt}", "VCache": f"*{dt}",
                                         "Slots": "*i64"}, dict(ROW=kv_heads * head_dim, BLOCK=tp._pow2(kv_heads * head_dim)))
             done.append(f"{dt}/h{heads}/kv{kv_heads}/d{head_dim}")
-        for n, k in LLAMA_1B_MATMULS:
+        for n, k in matmuls:
             bm, bn, bk = bi.tile_config(n, k)
             build(bi._linear_kernel, {"A": f"*{dt}", "W": f"*{dt}", "Bias": f"*{dt}", "C": f"*{dt}"},
                   dict(K=k, HAS_BIAS=n == 3072, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, IEEE=ieee))  # Qwen2's qkv bias
             done.append(f"{dt}/linear/{n}x{k}")
-        for c, rms in ((2048, True), (2048, False), (64, True)):  # hidden (RMS; GPT-2's LayerNorm), a head (q/k norm)
+        for c, rms in norms:
             build(bi._norm_kernel, {"X": f"*{dt}", "Weight": f"*{dt}", "Bias": f"*{dt}", "Y": f"*{dt}", "eps": "fp32"},
                   dict(C=c, BLOCK=bi._pow2(c), RMS=rms, HAS_BIAS=not rms))
             done.append(f"{dt}/{'rms' if rms else 'layer'}_norm/{c}")
