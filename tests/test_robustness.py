@@ -82,7 +82,7 @@ def test_fuzzed_frames_leave_every_process_serving(fuzz_cluster, target):
     sock.connect(address)
     sent = []
 
-    @settings(max_examples=1500, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @settings(max_examples=1000, deadline=None, suppress_health_check=list(HealthCheck), database=None)
     @given(multipart)
     def fuzz(parts):
         sock.send_multipart(parts)
@@ -93,7 +93,7 @@ def test_fuzzed_frames_leave_every_process_serving(fuzz_cluster, target):
     try:
         fuzz()
         time.sleep(0.5)
-        assert len(sent) >= 1000
+        assert len(sent) >= 700
         for child in c.children:
             assert child.proc.poll() is None, f"{child.name} died"
         serves_exactly(c.address)
