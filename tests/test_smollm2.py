@@ -192,8 +192,10 @@ def test_cluster_serves_smollm2_like_the_monolithic_engine(tmp_path, engine):
             assert [r.token_ids for r in results] == [e.token_ids for e in expected]
             assert [r.text for r in results] == [e.text for e in expected]
 
+            # SIGINT as a terminal gives it, whatever this process inherited (a background job's is ignored)
             chat = subprocess.Popen([sys.executable, "-m", "common.cli", "chat", "--router", c.address],
-                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
             try:
                 assert read_until(chat, ">>> ").startswith("Chatting with")
                 chat.stdin.write("What is the capital of France?\n")
