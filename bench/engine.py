@@ -10,6 +10,7 @@ the same run:
 
 from __future__ import annotations
 
+import gc
 import random
 import sys
 import time
@@ -159,6 +160,10 @@ def run_engine_bench(engine_kwargs: dict, num_requests: int, prompt_len: int, ou
     need = max(max_b, num_requests) * engine.block_manager.blocks_needed(max_kv + max(steps, output_len) + 2)
     if engine.num_blocks < need and cfg.num_blocks is None:
         cfg.num_blocks = need
+        del engine  # its pool and graphs, before the next one sizes itself from what is free
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
         engine = Engine(cfg)
 
     # Offline throughput: all requests at once, to completion.

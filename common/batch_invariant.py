@@ -31,8 +31,8 @@ from common.model import RMSNorm
 @_jit
 def _linear_kernel(A, W, Bias, C, M, N, stride_am, stride_wn, stride_cm, K: tl.constexpr, HAS_BIAS: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # rows x stride may pass 2**31
+    cols = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     ks = tl.arange(0, BLOCK_K)
     row_ok = rows < M
     col_ok = cols < N
@@ -165,9 +165,9 @@ def installed(model: nn.Module) -> bool:
 def _start_up_difference(device: torch.device, dtype: torch.dtype) -> float:
     """Largest relative difference from torch's ops on a small random matmul and norm."""
     gen = torch.Generator().manual_seed(0)
-    x, w = (torch.randn(shape, generator=gen).to(device, dtype) for shape in ((37, 96), (80, 96)))
+    x, w, wide = (torch.randn(shape, generator=gen).to(device, dtype) for shape in ((37, 96), (80, 96), (4100, 96)))
     scale = torch.randn(96, generator=gen).to(device, dtype)
-    pairs = [(linear(x, w), F.linear(x, w)),
+    pairs = [(linear(x, w), F.linear(x, w)), (linear(x, wide), F.linear(x, wide)),  # both tile widths
              (rms_norm(x, scale, 1e-5), scale * F.rms_norm(x.float(), (96,), eps=1e-5).to(dtype))]
     return max(((a.float() - b.float()).abs().max() / b.float().abs().max()).item() for a, b in pairs)
 

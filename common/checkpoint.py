@@ -72,9 +72,11 @@ def model_config(spec: str) -> ModelConfig:
     return hf_model_config(path)
 
 
-def load_model(spec: str, device: torch.device, dtype: torch.dtype, attention_backend: str = "auto") -> LoadedModel:
+def load_model(spec: str, device: torch.device, dtype: torch.dtype, attention_backend: str = "auto",
+               block_size: int = 16) -> LoadedModel:
     cfg = model_config(spec)
-    attention = make_attention(attention_backend, device, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+    attention = make_attention(attention_backend, device, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dtype,
+                               block_size)
     with torch.device("meta"):
         model = Transformer(cfg, attention)
     model = model.to(dtype).to_empty(device=device)

@@ -7,6 +7,7 @@ workers drive the same object request by request.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import time
@@ -51,7 +52,8 @@ class Engine:
 
     def __init__(self, config: EngineConfig | None = None, **kwargs):
         self.config = config = config or EngineConfig(**kwargs)
-        loaded = load_model(config.model, config.torch_device, config.torch_dtype, config.attention_backend)
+        loaded = load_model(config.model, config.torch_device, config.torch_dtype, config.attention_backend,
+                            config.block_size)
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         mc = self.model_config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
@@ -73,16 +75,26 @@ class Engine:
     def set_batch_invariant(self, on: bool) -> None:
         """Batch-invariant kernels (common/batch_invariant.py) or torch's ops, then the decode
         graphs captured again for them. On CPU nothing changes: CPU serving keeps torch's ops."""
+        changed = False
         if self.config.torch_device.type == "cuda":
             from common import batch_invariant
 
             if on and not self.batch_invariant:
-                self.batch_invariant = batch_invariant.enable(self.model, self.config.torch_device,
-                                                              self.config.torch_dtype, log)
+                self.batch_invariant = changed = batch_invariant.enable(self.model, self.config.torch_device,
+                                                                        self.config.torch_dtype, log)
             elif not on and self.batch_invariant:
                 batch_invariant.uninstall(self.model)
-                self.batch_invariant = False
-        self.runner.graphs = None
+                self.batch_invariant, changed = False, True
+        if self.runner.graphs is not None and not changed:
+            return
+        if self.runner.graphs is not None:  # let the old graphs' pool go before capturing anew
+            self.runner.graphs = None
+            attention = self.model.layers[0].attention
+            if hasattr(attention, "forget_layout"):
+                attention.forget_layout()
+            gc.collect()
+            torch.cuda.synchronize(self.config.torch_device)
+            torch.cuda.empty_cache()
         self.runner.graphs = self._decode_graphs()
 
     def _graphs_wanted(self) -> bool:
@@ -121,8 +133,10 @@ class Engine:
         mem = memory.DeviceMemory(str(dev), total, free, torch.cuda.memory_reserved(dev) + memory.CONTEXT_BYTES)
         activations = memory.step_activation_bytes(mc, cfg.max_num_batched_tokens, cfg.max_num_seqs,
                                                    self.max_model_len, dtype_bytes)
-        if self._graphs_wanted():
-            activations += memory.decode_graph_bytes(mc, cfg.max_num_seqs, self.max_model_len, dtype_bytes)
+        if self.model.layers[0].attention.name == "triton":
+            activations += memory.triton_prefill_bytes(mc, cfg.max_num_batched_tokens, self.max_model_len)
+            if self._graphs_wanted():
+                activations += memory.decode_graph_bytes(mc, cfg.max_num_seqs, self.max_model_len, dtype_bytes)
         step_blocks = -(-min(self.max_model_len, cfg.max_num_batched_tokens) // bs)
         kv_bytes = None if cfg.kv_cache_gb is None else cfg.kv_cache_gb * 2**30
         blocks = memory.kv_pool_blocks(mem, block_bytes, mc.num_layers, activations, step_blocks, useful,

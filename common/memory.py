@@ -90,13 +90,25 @@ def step_activation_bytes(mc, max_num_batched_tokens: int, max_num_seqs: int, ma
     return layer + logits + context
 
 
+def split_partial_bytes(mc, tokens: int, splits: int) -> int:
+    """The Triton attention's float32 partial results (an output and its log-sum-exp per head) for
+    `tokens` queries of `splits` 256-key splits each (common/attention/triton_paged.py)."""
+    return tokens * splits * mc.num_heads * (mc.head_dim + 1) * 4
+
+
+def triton_prefill_bytes(mc, max_num_batched_tokens: int, max_model_len: int, split: int = 256) -> int:
+    """A step's partial results at worst: a full token budget of chunk tokens, each at the end of
+    a full context (an eager step packs a row per split each token has)."""
+    return split_partial_bytes(mc, max_num_batched_tokens, -(-max_model_len // split))
+
+
 def decode_graph_bytes(mc, max_num_seqs: int, max_model_len: int, dtype_bytes: int, split: int = 256) -> int:
     """What the CUDA graphs of the decode step keep in their pool (common/cuda_graphs.py): one
     step's activations for max_num_seqs rows, and the Triton attention's partial results for a
-    full context (float32, a row per 256-key split)."""
+    full context (a CUDA graph's static layout: the tables' width in splits, a power of two)."""
     splits = 1 << max(0, (-(-max_model_len // split) - 1).bit_length())
-    partials = max_num_seqs * mc.num_heads * splits * (mc.head_dim + 1) * 4
-    return step_activation_bytes(mc, max_num_seqs, max_num_seqs, 0, dtype_bytes) + partials
+    return (step_activation_bytes(mc, max_num_seqs, max_num_seqs, 0, dtype_bytes)
+            + split_partial_bytes(mc, max_num_seqs, splits))
 
 
 def block_cost(block_bytes: int, num_layers: int) -> int:

@@ -101,11 +101,11 @@ class ModelRunner:
         """Returns the batch in packed order, the tokens sampled for its `samples` entries and
         their logprobs (None where not asked for). Prompt logprobs go straight into their sequences."""
         self.last_gpu_ms = None
+        ordered, input_ids, positions, meta, sample_rows = self.prepare(batch)
         events = None
-        if self.timing and self.device.type == "cuda":
+        if self.timing and self.device.type == "cuda":  # from the forward's first launch, past the input copy
             events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
             events[0].record()
-        ordered, input_ids, positions, meta, sample_rows = self.prepare(batch)
         n = meta.num_decode
         if (self.graphs is not None and on_layer is None and not meta.prefills and 0 < n <= self.graphs.max_size):
             logits_SV = self.graphs.run(input_ids, positions, meta.slot_mapping, meta.decode_context_lens,
@@ -121,6 +121,10 @@ class ModelRunner:
                 for (q, _, p), entry in zip(prompt_rows, entries):
                     q.prompt_logprobs[p + 1] = entry
             if not sample_rows.numel():
+                if events is not None:
+                    events[1].record()
+                    events[1].synchronize()
+                    self.last_gpu_ms = events[0].elapsed_time(events[1])
                 return ordered, [], []
             logits_SV = self.model.logits(hidden_TC[sample_rows])
         sampled = [s.seq for s in ordered if s.samples]

@@ -216,11 +216,13 @@ def test_triton_attention_is_the_same_bits_however_a_prompt_is_chunked():
 
 
 def test_triton_passes_the_start_up_check_auto_runs():
-    """What `auto` runs before it picks the Triton attention on CUDA: a mixed step against SDPA."""
+    """What `auto` runs before it picks the Triton attention on CUDA: a mixed step against SDPA, here
+    with 32-token blocks (every other test reads 16-token ones)."""
     pytest.importorskip("triton")
     from common.attention.triton_paged import TritonAttention
 
-    err = _step_difference(TritonAttention(32, 8, 64), SDPAAttention(32, 8, 64), torch.device("cpu"))
+    err = _step_difference(TritonAttention(32, 8, 64), SDPAAttention(32, 8, 64), torch.device("cpu"), torch.float32,
+                           32)
     assert err < 1e-5
 
 

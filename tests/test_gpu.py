@@ -42,6 +42,14 @@ def test_cuda_auto_backend_equals_sdpa(model):
     assert [o.token_ids for o in auto.generate(ps, params)] == [o.token_ids for o in sdpa.generate(ps, params)]
 
 
+def test_auto_checks_the_triton_attention_in_the_serving_dtype_and_block_size():
+    from common.attention import make_attention
+
+    assert make_attention("auto", torch.device("cuda:0"), 32, 8, 64, torch.bfloat16, 16).name == "triton"
+    assert make_attention("auto", torch.device("cuda:0"), 32, 8, 64, torch.bfloat16, 32).name == "triton"
+    assert make_attention("auto", torch.device("cuda:0"), 32, 8, 64, torch.bfloat16, 128).name == "sdpa"
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_triton_decode_on_the_gpu_equals_sdpa_and_is_batch_invariant(dtype):
     """llama-1b's attention shapes (32 query heads on 8 KV heads of 64), fragmented tables, shared

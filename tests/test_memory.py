@@ -15,7 +15,7 @@ from common.checkpoint import model_config
 from common.config import EngineConfig
 from common.errors import InvalidArgument
 from common.memory import (CONTEXT_BYTES, DEFAULT_UTILIZATION, DeviceMemory, block_cost, decode_graph_bytes,
-                           device_shares, kv_pool_blocks, step_activation_bytes)
+                           device_shares, kv_pool_blocks, step_activation_bytes, triton_prefill_bytes)
 from router.launcher import Cluster
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -119,6 +119,8 @@ def test_decode_graphs_reserve_their_partials_for_a_full_context():
     shorter = 64 * 32 * (512 - 16) * (64 + 1) * 4  # 4,000 tokens: 16 splits
     assert decode_graph_bytes(LLAMA_1B, 64, 131072, 2) - decode_graph_bytes(LLAMA_1B, 64, 4000, 2) == shorter
     assert triton_paged.SPLIT == 256  # the split decode_graph_bytes counts by
+    # an eager step of 2,048 chunk tokens at the end of llama-1b's full context: 512 splits each
+    assert triton_prefill_bytes(LLAMA_1B, 2048, 131072) == 2048 * 512 * 32 * 65 * 4
 
 
 def test_no_share_given_takes_the_default_and_no_more_than_is_free():

@@ -32,9 +32,11 @@ __all__ = ["AttentionMetadata", "PrefillChunk", "SDPAAttention", "decode_groups"
 log = logging.getLogger(__name__)
 
 
-def make_attention(name: str, device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int):
-    """'auto' is the Triton kernel on CUDA when Triton is installed and the kernel passes a start-up
-    check against SDPA, else SDPA. A backend asked for by name is used as it is."""
+def make_attention(name: str, device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int,
+                   dtype: torch.dtype = torch.float32, block_size: int = 16):
+    """'auto' is the Triton kernel on CUDA when Triton is installed, it tiles the block size, and it
+    passes a start-up check against SDPA in the serving dtype and block size; else SDPA. A backend
+    asked for by name is used as it is."""
     sdpa = SDPAAttention(num_heads, num_kv_heads, head_dim)
     if name == "sdpa" or (name == "auto" and device.type != "cuda"):
         return sdpa
@@ -53,34 +55,43 @@ def make_attention(name: str, device: torch.device, num_heads: int, num_kv_heads
     if not triton_paged.available():
         log.warning("triton is not installed: decoding with SDPA over gathered blocks (slow on %s)", device)
         return sdpa
+    if triton_paged.BLOCK_N % block_size:
+        log.warning("the Triton attention reads blocks of a divisor of %d tokens, not %d: using SDPA",
+                    triton_paged.BLOCK_N, block_size)
+        return sdpa
     try:
-        err = _step_difference(fast, sdpa, device)
+        err = _step_difference(fast, sdpa, device, dtype, block_size)
     except Exception as e:  # a compiler or kernel failure: the portable path still serves
         first_line = (str(e).strip().splitlines() or [""])[0][:200]
         log.warning("Triton attention unavailable on %s (%s: %s); using SDPA", device, type(e).__name__,
                     first_line)
         return sdpa
-    if err > 2e-2:
+    if err > (2e-2 if dtype == torch.float32 else 6e-2):
         log.warning("Triton attention differs from SDPA by %.3g on %s; using SDPA", err, device)
         return sdpa
     return fast
 
 
-def _step_difference(a, b, device: torch.device) -> float:
+def _step_difference(a, b, device: torch.device, dtype: torch.dtype = torch.float32, page: int = 16) -> float:
     """Largest difference between two backends on a small random paged step: two decodes and a
-    prefill chunk over a cached prefix, fragmented tables, each backend on its own copy of the pool."""
+    prefill chunk over a cached prefix (lengths for 16-token blocks, scaled to `page`), fragmented
+    tables, each backend on its own copy of the pool, in `dtype`."""
     gen = torch.Generator().manual_seed(0)
-    N, P, H, K, D = 8, 16, a.num_heads, a.num_kv_heads, a.head_dim
-    k_cache = torch.randn(N, P, K, D, generator=gen).to(device)
-    v_cache = torch.randn(N, P, K, D, generator=gen).to(device)
+    N, P, H, K, D = 8, page, a.num_heads, a.num_kv_heads, a.head_dim
+
+    def scaled(n: int) -> int:
+        return max(1, n * page // 16)
+
+    k_cache = torch.randn(N, P, K, D, generator=gen).to(device, dtype)
+    v_cache = torch.randn(N, P, K, D, generator=gen).to(device, dtype)
     tables = torch.tensor([[3, 1, 6], [0, 2, 0]], device=device)
-    lens = [40, 17]
-    chunk_table, first, count = [7, 5, 4], 20, 10
+    lens = [scaled(40), scaled(17)]
+    chunk_table, first, count = [7, 5, 4], scaled(20), scaled(10)
     positions = [n - 1 for n in lens] + list(range(first, first + count))
     rows = [tables[0].tolist(), tables[1].tolist()] + [chunk_table] * count
     slots = torch.tensor([row[p // P] * P + p % P for row, p in zip(rows, positions)], device=device)
     T = len(positions)
-    q, k, v = (torch.randn(T, n, D, generator=gen).to(device) for n in (H, K, K))
+    q, k, v = (torch.randn(T, n, D, generator=gen).to(device, dtype) for n in (H, K, K))
     lens_B = torch.tensor(lens, device=device)
     mask = (torch.arange(3 * P, device=device)[None, :] < lens_B[:, None])[:, None, None, :]
     chunk = PrefillChunk(2, T, first, torch.tensor(chunk_table, device=device))

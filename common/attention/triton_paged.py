@@ -282,6 +282,10 @@ class TritonAttention(SDPAAttention):
         self._layout_meta = None  # the step the cached layout was built for (every layer shares it)
         self._layout = None
 
+    def forget_layout(self) -> None:
+        """Drop the cached step layout (it may hold a CUDA graph's static buffers)."""
+        self._layout_meta = self._layout = None
+
     def __call__(self, q_THD, k_TKD, v_TKD, k_cache_NBKD, v_cache_NBKD, meta: AttentionMetadata):
         store_kv(k_TKD, v_TKD, k_cache_NBKD, v_cache_NBKD, meta.slot_mapping)
         if self._layout_meta is not meta:
