@@ -156,34 +156,36 @@ def keyed_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int)
 
 def sample(logits_SV: torch.Tensor, params: list[SamplingParams], seeds: list[int],
            positions: list[int]) -> torch.Tensor:
-    """One token per row. Row i uses params[i], and its noise is keyed by (seeds[i], positions[i])."""
+    """One token per row. Row i uses params[i], and its noise is keyed by (seeds[i], positions[i]).
+    The rows' parameters reach the device in two copies, one of integers and one of floats."""
     logits_SV = logits_SV.float()
     greedy_S = logits_SV.argmax(dim=-1)
     if all(p.greedy for p in params):
         return greedy_S
     dev = logits_SV.device
     S, V = logits_SV.shape
-    temp_S = torch.tensor([p.temperature or 1.0 for p in params], device=dev)
+    ints = torch.tensor([p.top_k if 0 < p.top_k < V else V for p in params] + [int(p.greedy) for p in params]
+                        + list(seeds) + list(positions), dtype=torch.int64).to(dev, non_blocking=True)
+    k_S, is_greedy_S, seeds_S, positions_S = ints.view(4, S)
+    floats = torch.tensor([p.temperature or 1.0 for p in params] + [p.top_p for p in params],
+                          dtype=torch.float32).to(dev, non_blocking=True)
+    temp_S, top_p_S = floats.view(2, S)
     scaled_SV = logits_SV / temp_S[:, None]
     if any(p.top_k or p.top_p < 1.0 for p in params):
         sorted_SV, order_SV = scaled_SV.sort(dim=-1, descending=True)
         rank_V = torch.arange(V, device=dev)
-        k_S = torch.tensor([p.top_k if 0 < p.top_k < V else V for p in params], device=dev)
         drop_SV = rank_V[None, :] >= k_S[:, None]
         sorted_SV = sorted_SV.masked_fill(drop_SV, -math.inf)
         probs_SV = sorted_SV.softmax(dim=-1)
         mass_before_SV = probs_SV.cumsum(dim=-1) - probs_SV
-        top_p_S = torch.tensor([p.top_p for p in params], device=dev)
         drop_SV |= mass_before_SV >= top_p_S[:, None]
         drop_SV[:, 0] = False
         sorted_SV = sorted_SV.masked_fill(drop_SV, -math.inf)
         scaled_SV = torch.empty_like(scaled_SV).scatter_(1, order_SV, sorted_SV)
-    u_SV = keyed_uniform(torch.tensor(seeds, device=dev, dtype=torch.int64),
-                         torch.tensor(positions, device=dev, dtype=torch.int64), V)
+    u_SV = keyed_uniform(seeds_S, positions_S, V)
     gumbel_SV = -torch.log(-torch.log(u_SV))
     sampled_S = (scaled_SV + gumbel_SV).argmax(dim=-1)
-    is_greedy_S = torch.tensor([p.greedy for p in params], device=dev)
-    return torch.where(is_greedy_S, greedy_S, sampled_S)
+    return torch.where(is_greedy_S.bool(), greedy_S, sampled_S)
 
 
 def token_logprobs(logits_SV: torch.Tensor, token_ids: list[int], num_top: list[int]) -> list[Logprob]:
