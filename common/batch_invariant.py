@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.attention.triton_paged import _jit, _pow2, interpreted, triton, tl
+from common.attention.triton_paged import _jit, _pow2, available, interpreted, triton, tl
+from common.errors import first_line
 from common.model import RMSNorm
 
 
@@ -71,10 +72,6 @@ def _norm_kernel(X, Weight, Bias, Y, stride_x, stride_y, eps, C: tl.constexpr, B
         if HAS_BIAS:
             y += tl.load(Bias + i, mask=ok, other=0.0).to(tl.float32)
     tl.store(Y + row * stride_y + i, y.to(Y.dtype.element_ty), mask=ok)
-
-
-def available() -> bool:
-    return triton is not None
 
 
 def tile_config(n: int, k: int) -> tuple[int, int, int]:
@@ -181,8 +178,7 @@ def enable(model: nn.Module, device: torch.device, dtype: torch.dtype, log) -> b
     try:
         err = _start_up_difference(device, dtype)
     except Exception as e:  # a compiler or kernel failure: torch's ops still serve
-        first_line = (str(e).strip().splitlines() or [""])[0][:200]
-        log.warning("batch invariance off: its kernels failed on %s (%s: %s)", device, type(e).__name__, first_line)
+        log.warning("batch invariance off: its kernels failed on %s (%s)", device, first_line(e))
         return False
     if err > (1e-4 if dtype == torch.float32 else 3e-2):
         log.warning("batch invariance off: its kernels differ from torch's by %.3g on %s", err, device)

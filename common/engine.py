@@ -19,7 +19,7 @@ from common import memory
 from common.checkpoint import load_model
 from common.config import EngineConfig
 from common.cuda_graphs import DecodeGraphs
-from common.errors import InvalidArgument
+from common.errors import InvalidArgument, first_line
 from common.kv_cache import BlockManager, allocate_kv_pool
 from common.model_runner import LayerHook, ModelRunner
 from common.sampling import SamplingParams, fresh_seed
@@ -114,9 +114,7 @@ class Engine:
             return DecodeGraphs(self.model, self.kv_cache, cfg.max_num_seqs, -(-self.max_model_len // cfg.block_size),
                                 cfg.torch_device)
         except Exception as e:  # a capture failure: the eager path still serves
-            first_line = (str(e).strip().splitlines() or [""])[0][:200]
-            log.warning("CUDA graphs off: capturing the decode step failed (%s: %s); decoding eagerly",
-                        type(e).__name__, first_line)
+            log.warning("CUDA graphs off: capturing the decode step failed (%s); decoding eagerly", first_line(e))
             return None
 
     def _auto_num_blocks(self) -> int:

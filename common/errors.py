@@ -23,6 +23,12 @@ class ModelLoadError(PdserveError, ValueError):
     code = "MODEL_LOAD"
 
 
+def first_line(e: BaseException, limit: int = 200) -> str:
+    """'Type: the first line of its message': a compiler's failure in one log line, not its dump."""
+    line = (str(e).strip().splitlines() or [""])[0][:limit]
+    return f"{type(e).__name__}: {line}"
+
+
 def short_repr(value, limit: int = 60) -> str:
     """repr(value), cut to `limit` characters: for naming a bad value in an error message."""
     r = repr(value)

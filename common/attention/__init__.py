@@ -24,6 +24,7 @@ import logging
 
 import torch
 
+from common.errors import first_line
 from common.attention.batch import AttentionMetadata, PrefillChunk, decode_groups, decode_kv_read
 from common.attention.sdpa import SDPAAttention
 
@@ -55,16 +56,14 @@ def make_attention(name: str, device: torch.device, num_heads: int, num_kv_heads
     if not triton_paged.available():
         log.warning("triton is not installed: decoding with SDPA over gathered blocks (slow on %s)", device)
         return sdpa
-    if triton_paged.BLOCK_N % block_size:
+    if not triton_paged.tiles(block_size):
         log.warning("the Triton attention reads blocks of a divisor of %d tokens, not %d: using SDPA",
                     triton_paged.BLOCK_N, block_size)
         return sdpa
     try:
         err = _step_difference(fast, sdpa, device, dtype, block_size)
     except Exception as e:  # a compiler or kernel failure: the portable path still serves
-        first_line = (str(e).strip().splitlines() or [""])[0][:200]
-        log.warning("Triton attention unavailable on %s (%s: %s); using SDPA", device, type(e).__name__,
-                    first_line)
+        log.warning("Triton attention unavailable on %s (%s); using SDPA", device, first_line(e))
         return sdpa
     if err > (2e-2 if dtype == torch.float32 else 6e-2):
         log.warning("Triton attention differs from SDPA by %.3g on %s; using SDPA", err, device)

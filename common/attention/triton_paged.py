@@ -170,6 +170,11 @@ def available() -> bool:
     return triton is not None
 
 
+def tiles(block_size: int) -> bool:
+    """Whether a step of a split (BLOCK_N keys) covers whole blocks of this size."""
+    return BLOCK_N % block_size == 0
+
+
 def interpreted() -> bool:
     """Triton's interpreter runs kernels on CPU tensors, and only when TRITON_INTERPRET=1 was set
     before triton was imported (the CPU tests set it in conftest)."""
@@ -214,7 +219,7 @@ def paged_attention(q_THD: torch.Tensor, k_cache_NPKD: torch.Tensor, v_cache_NPK
     out = torch.empty_like(q_THD)
     if T == 0:
         return out
-    if BLOCK_N % P:
+    if not tiles(P):
         raise ValueError(f"block size {P} is not supported by the Triton attention; allowed: a divisor of {BLOCK_N}")
     if q_THD.device.type != "cuda" and not interpreted():
         raise RuntimeError(f"the Triton attention runs on CUDA, not {q_THD.device} (or in Triton's interpreter: "
