@@ -25,7 +25,7 @@ from common.cli_options import engine_kwargs_from
 from common.errors import InvalidArgument
 from bench.report import pct
 from common.engine import Engine
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 from router.client import AsyncClient, Client, RequestError
 from router.launcher import Cluster
 

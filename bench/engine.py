@@ -21,7 +21,7 @@ from bench.report import print_json, print_table
 from common.config import EngineConfig
 from common.engine import Engine
 from common.errors import InvalidArgument
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 
 
 def _random_prompts(rng: random.Random, n: int, length: int, vocab: int) -> list[list[int]]:

@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 from bench.report import print_json, print_table
-from common.checkpoint import model_config
+from common.model_spec import model_config
 from common.cli_options import engine_kwargs_from
 from common.config import EngineConfig
 from common.errors import InvalidArgument

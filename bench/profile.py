@@ -49,7 +49,7 @@ from bench.report import print_table
 from bench.serve import drive, random_prompt
 from common.cli_options import engine_kwargs_from
 from bench.simulate import EngineShape, StepCost, WorkerModel, host_slowdown
-from common.checkpoint import model_config
+from common.model_spec import model_config
 from common.attention import decode_kv_read, make_attention
 from common.config import EngineConfig, resolve_device
 from common.errors import InvalidArgument

@@ -32,7 +32,7 @@ from bench.hostload import CpuWatch
 from bench.report import print_json, print_table
 from bench.serve import drive, parse_topology, random_prompt
 from bench.workloads import Workload, fit, get_workload
-from common.checkpoint import model_config
+from common.model_spec import model_config
 from common.errors import InvalidArgument
 from router.launcher import Cluster
 

@@ -29,7 +29,7 @@ import zmq
 
 from bench.goodput import Latency, percentiles
 from bench.report import pct, print_json, print_table
-from common.checkpoint import model_config
+from common.model_spec import model_config
 from router.client import AsyncClient, RequestError
 from router.launcher import Cluster
 

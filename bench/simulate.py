@@ -49,7 +49,7 @@ from bench.goodput import SLO, Latency, Point, point_from
 from bench.workloads import Request
 from common.attention import decode_kv_read
 from common.kv_cache import BlockManager
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 from common.scheduler import ScheduledSeq, Scheduler, step_shape
 from common.sequence import PREFILLED, Sequence, Status
 

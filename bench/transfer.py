@@ -33,7 +33,7 @@ import zmq
 from bench.report import print_json, print_table
 from common import protocol as P
 from common.channel import Channel, Waker
-from common.checkpoint import model_config
+from common.model_spec import model_config
 from common.config import DTYPES, KV_TRANSPORT_DEVICE, default_dtype, resolve_device
 from common.errors import InvalidArgument
 from common.kv_cache import SharedSegment

@@ -21,10 +21,11 @@ import time
 import torch
 
 from bench.report import print_table
-from common.checkpoint import load_model, model_path
+from common.checkpoint import load_model
+from common.model_spec import model_path
 from common.engine import Engine
 from common.errors import InvalidArgument
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 
 
 def hf_config(mc):
@@ -74,7 +75,7 @@ def _timed(f):
 
 def run_vs_transformers(engine: Engine, prompt_len: int, output_len: int, batch_sizes: list[int], seed: int,
                         load_repeats: int = 2, cache: str = "static") -> dict:
-    from common import gguf_loader
+    from common import gguf_file
 
     cfg = engine.config
     spec, device, dtype = cfg.model, cfg.torch_device, cfg.torch_dtype
@@ -87,7 +88,7 @@ def run_vs_transformers(engine: Engine, prompt_len: int, output_len: int, batch_
                 pass
     ours_s, theirs_s = [], []
     for _ in range(1 if dummy else load_repeats):
-        gguf_loader._open.cache_clear()  # parse the file again, as a fresh process would
+        gguf_file._open.cache_clear()  # parse the file again, as a fresh process would
         if not dummy:
             ours_s.append(_timed(lambda: load_model(spec, device, dtype, cfg.attention_backend))[0])
         seconds, hf_model = _timed(hf_load)

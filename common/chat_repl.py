@@ -53,7 +53,7 @@ class EngineChat:
 
     def reply(self, messages: list[dict], sampling: dict, on_text: OnText) -> tuple[str, bool]:
         """Stream one answer; (its text, whether Ctrl-C stopped it)."""
-        from common.sampling import SamplingParams
+        from common.sampling_params import SamplingParams
 
         engine = self.engine
         params = SamplingParams(**sampling)

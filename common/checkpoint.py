@@ -1,10 +1,6 @@
-"""Build a model from a spec, the one place that tells specs apart:
-- `dummy:<preset>`: random weights from a fixed seed and a byte-level tokenizer, no files (like
-  vLLM's dummy load format);
-- a named model (`smollm2`): a GGUF file fetched by `pdserve pull` (common/model_hub.py);
-- a GGUF file (common/gguf_loader.py, common/gguf_tokenizer.py);
-- a local Hugging Face checkpoint directory (config.json, model.safetensors or a sharded index,
-  tokenizer.json), read here without `transformers`.
+"""Build a model from a spec: its weights drawn (`dummy:`) or read from a GGUF file or a Hugging
+Face checkpoint (model.safetensors or a sharded index), onto the device. What the spec names
+besides its weights, the config and the tokenizer, is read by common/model_spec.py.
 
 Checkpoint tensors are mapped onto pdserve's fused layout here and nowhere else (GGUF tensors are
 renamed to their Hugging Face names first); every tensor's shape is checked before it is copied,
@@ -15,42 +11,17 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from common.attention import make_attention
-from common.chat import hf_chat_template
-from common.config import ModelConfig
 from common.errors import ModelLoadError
 from common.model import Transformer
+from common.model_spec import ModelConfig, load_tokenizer, model_config, model_path
 from common.sampling import GOLDEN, logical_shr, splitmix64
 from common.tokenizer import ByteTokenizer, HFTokenizer
-
-_BYTE = ByteTokenizer
-DUMMY_PRESETS: dict[str, ModelConfig] = {
-    # GPT-2 architecture at NanoGPT size; the default model.
-    "nanogpt": ModelConfig(arch="gpt2", vocab_size=_BYTE.vocab_size, hidden_size=64, num_layers=4, num_heads=4,
-                           num_kv_heads=4, head_dim=16, intermediate_size=256, max_position_embeddings=1024,
-                           tie_word_embeddings=True, eos_token_ids=(_BYTE.eos_token_id,)),
-    "llama-tiny": ModelConfig(arch="llama", vocab_size=_BYTE.vocab_size, hidden_size=128, num_layers=4,
-                              num_heads=4, num_kv_heads=2, head_dim=32, intermediate_size=384,
-                              max_position_embeddings=2048, norm_eps=1e-6,
-                              eos_token_ids=(_BYTE.eos_token_id,)),
-    "qwen3-tiny": ModelConfig(arch="llama", vocab_size=_BYTE.vocab_size, hidden_size=128, num_layers=4,
-                              num_heads=4, num_kv_heads=2, head_dim=64, intermediate_size=384,
-                              max_position_embeddings=2048, norm_eps=1e-6, qk_norm=True,
-                              rope_theta=1_000_000.0, tie_word_embeddings=True,
-                              eos_token_ids=(_BYTE.eos_token_id,)),
-    # Llama-3.2-1B's shapes, for GPU benchmarks.
-    "llama-1b": ModelConfig(arch="llama", vocab_size=128256, hidden_size=2048, num_layers=16, num_heads=32,
-                            num_kv_heads=8, head_dim=64, intermediate_size=8192, max_position_embeddings=131072,
-                            norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=True,
-                            rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-                            eos_token_ids=(_BYTE.eos_token_id,)),
-}
 
 
 @dataclass
@@ -58,18 +29,6 @@ class LoadedModel:
     model: Transformer
     config: ModelConfig
     tokenizer: ByteTokenizer | HFTokenizer | None
-
-
-def model_config(spec: str) -> ModelConfig:
-    """The ModelConfig of a spec without loading any weights (enough to size a KV layout)."""
-    if spec.startswith("dummy:"):
-        return _dummy_config(spec)
-    path = model_path(spec)
-    if path.is_file():
-        from common.gguf_loader import gguf_model_config
-
-        return gguf_model_config(path)
-    return hf_model_config(path)
 
 
 def load_model(spec: str, device: torch.device, dtype: torch.dtype, attention_backend: str = "auto",
@@ -93,44 +52,6 @@ def load_model(spec: str, device: torch.device, dtype: torch.dtype, attention_ba
         tokenizer = load_tokenizer(spec)
     model.setup_rope(device)
     return LoadedModel(model.eval().requires_grad_(False), cfg, tokenizer)
-
-
-def load_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer | None:
-    """The tokenizer of a spec, without its weights (what the router needs)."""
-    if spec.startswith("dummy:"):
-        _dummy_config(spec)
-        return ByteTokenizer()
-    path = model_path(spec)
-    if path.is_file():
-        from common.gguf_loader import open_gguf
-        from common.gguf_tokenizer import gguf_tokenizer
-
-        return gguf_tokenizer(open_gguf(path))
-    tok_file = path / "tokenizer.json"
-    return HFTokenizer.from_file(tok_file, hf_chat_template(path)) if tok_file.exists() else None
-
-
-def _dummy_config(spec: str) -> ModelConfig:
-    preset = spec.removeprefix("dummy:")
-    if preset not in DUMMY_PRESETS:
-        raise ModelLoadError(f"model={spec!r}: unknown dummy preset; allowed: "
-                             + ", ".join(f"dummy:{p}" for p in DUMMY_PRESETS))
-    return replace(DUMMY_PRESETS[preset], name=spec, fingerprint=spec)
-
-
-def model_path(spec: str) -> Path:
-    """A named model's GGUF file, a GGUF file, or a checkpoint directory."""
-    from common.model_hub import NAMED_MODELS, named_model_path
-
-    if spec in NAMED_MODELS:
-        return named_model_path(spec)
-    path = Path(spec).expanduser()
-    if path.is_file() or (path / "config.json").is_file():
-        return path
-    raise ModelLoadError(f"model={spec!r} is not a dummy preset ("
-                         + ", ".join(f"dummy:{p}" for p in DUMMY_PRESETS)
-                         + "), a named model (" + ", ".join(NAMED_MODELS)
-                         + "), a GGUF file or a directory holding config.json")
 
 
 _CHUNK = 1 << 22  # elements drawn at once: int64 temporaries of 32 MB
@@ -165,88 +86,6 @@ def _fill_random(model: Transformer, spec: str):
             n = min(_CHUNK, flat.numel() - start)
             u = counter_uniform(seed, start, n, p.device)
             flat[start:start + n].copy_(u * (std * 3.0 ** 0.5) + mean)  # uniform of that std
-
-
-# ---------------------------------------------------------------- Hugging Face checkpoints
-
-_LLAMA_TYPES = ("llama", "qwen2", "qwen3", "mistral")
-_GPT2_ACTS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
-
-
-def hf_model_config(path: Path) -> ModelConfig:
-    cfg_file = path / "config.json"
-    try:
-        text = cfg_file.read_text()
-        raw = json.loads(text)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ModelLoadError(f"{cfg_file}: cannot read ({e})") from e
-    if not isinstance(raw, dict):
-        raise ModelLoadError(f"{cfg_file}: not a JSON object")
-    fingerprint = hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
-    mt = raw.get("model_type")
-    eos = _eos_ids(raw, path)
-
-    def need(key):
-        if key not in raw:
-            raise ModelLoadError(f"{cfg_file}: missing {key!r}, needed for model_type={mt!r}")
-        return raw[key]
-
-    if mt in _LLAMA_TYPES:
-        if raw.get("hidden_act", "silu") != "silu":
-            raise ModelLoadError(f"{cfg_file}: hidden_act={raw['hidden_act']!r} is not supported; allowed: 'silu'")
-        if raw.get("use_sliding_window"):
-            raise ModelLoadError(f"{cfg_file}: use_sliding_window=true is not supported")
-        rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-        theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
-        kind = rope.get("rope_type", rope.get("type", "default"))
-        if kind not in ("default", "linear", "llama3"):
-            raise ModelLoadError(f"{cfg_file}: rope_type={kind!r} is not supported; allowed: default, linear, llama3")
-        heads = need("num_attention_heads")
-        hidden = need("hidden_size")
-        bias = bool(raw.get("attention_bias", False))
-        return ModelConfig(
-            arch="llama", vocab_size=need("vocab_size"), hidden_size=hidden,
-            num_layers=need("num_hidden_layers"), num_heads=heads,
-            num_kv_heads=raw.get("num_key_value_heads") or heads,
-            head_dim=raw.get("head_dim") or hidden // heads, intermediate_size=need("intermediate_size"),
-            max_position_embeddings=raw.get("max_position_embeddings", 2048),
-            norm_eps=raw.get("rms_norm_eps", 1e-6),
-            qkv_bias=True if mt == "qwen2" else bias, o_bias=bias if mt in ("llama", "mistral") else False,
-            mlp_bias=bool(raw.get("mlp_bias", False)), qk_norm=mt == "qwen3", rope_theta=float(theta),
-            rope_scaling=rope if kind != "default" else None,
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)), eos_token_ids=eos, name=str(path),
-            fingerprint=fingerprint)
-    if mt == "gpt2":
-        act = raw.get("activation_function", "gelu_new")
-        if act not in _GPT2_ACTS:
-            raise ModelLoadError(f"{cfg_file}: activation_function={act!r} is not supported; allowed: {_GPT2_ACTS}")
-        hidden, heads = need("n_embd"), need("n_head")
-        return ModelConfig(
-            arch="gpt2", vocab_size=need("vocab_size"), hidden_size=hidden, num_layers=need("n_layer"),
-            num_heads=heads, num_kv_heads=heads, head_dim=hidden // heads,
-            intermediate_size=raw.get("n_inner") or 4 * hidden, max_position_embeddings=need("n_positions"),
-            norm_eps=raw.get("layer_norm_epsilon", 1e-5),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)), eos_token_ids=eos, name=str(path),
-            fingerprint=fingerprint)
-    raise ModelLoadError(f"{cfg_file}: model_type={mt!r} is not supported; allowed: "
-                         + ", ".join(_LLAMA_TYPES + ("gpt2",)))
-
-
-def _eos_ids(raw: dict, path: Path) -> tuple[int, ...]:
-    ids: list[int] = []
-    sources = [raw]
-    gen_file = path / "generation_config.json"
-    if gen_file.is_file():
-        try:
-            sources.append(json.loads(gen_file.read_text()))
-        except (OSError, json.JSONDecodeError) as e:
-            raise ModelLoadError(f"{gen_file}: cannot read ({e})") from e
-    for src in sources:
-        eos = src.get("eos_token_id")
-        for i in (eos if isinstance(eos, list) else [eos]):
-            if isinstance(i, int) and i not in ids:
-                ids.append(i)
-    return tuple(ids)
 
 
 def weight_plan(cfg: ModelConfig) -> dict[str, tuple[list[tuple[str, tuple[int, ...]]], bool]]:

@@ -75,7 +75,7 @@ def generate(prompts, prompt_ids, chats, as_json, router_address, max_tokens, te
     else:
         from common.chat_repl import chat_prompt_ids
         from common.engine import Engine
-        from common.sampling import SamplingParams
+        from common.sampling_params import SamplingParams
 
         engine = Engine(**engine_kwargs)
         prompts_ = [r["prompt"] if "prompt" in r else chat_prompt_ids(engine, r["messages"]) for r in requests]

@@ -1,5 +1,6 @@
-"""Configuration dataclasses. Each checks its invariants in __post_init__ so that a bad value
-fails when the engine starts, with a message naming the value and what is allowed."""
+"""The engine's configuration (EngineConfig) and the devices and dtypes it accepts. It checks its
+invariants in __post_init__ so that a bad value fails when the engine starts, with a message naming
+the value and what is allowed. A model's own shape is common/model_spec.py's ModelConfig."""
 
 from __future__ import annotations
 
@@ -17,50 +18,6 @@ KV_TRANSPORT_DEVICE = {"shm": "cpu", "cuda_ipc": "cuda", "nccl": "cuda"}  # the 
 def default_dtype(device_type: str) -> str:
     """float32 on a CPU, bfloat16 on a GPU."""
     return "float32" if device_type == "cpu" else "bfloat16"
-
-
-@dataclass
-class ModelConfig:
-    """Shape and flavour of a decoder-only transformer. `arch` is "llama" (Llama, Qwen2, Qwen3:
-    RMSNorm, rotary positions, gated SiLU MLP) or "gpt2" (LayerNorm, learned positions, GELU MLP)."""
-
-    arch: str
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    max_position_embeddings: int
-    norm_eps: float = 1e-5
-    qkv_bias: bool = False
-    o_bias: bool = False
-    mlp_bias: bool = False
-    qk_norm: bool = False
-    rope_theta: float = 10000.0
-    rope_scaling: dict | None = None
-    tie_word_embeddings: bool = False
-    eos_token_ids: tuple[int, ...] = ()
-    name: str = ""
-    fingerprint: str = ""  # equal for equal weights: two workers must agree on it to share KV
-
-    def __post_init__(self):
-        if self.arch not in ("llama", "gpt2"):
-            raise InvalidArgument(f"arch={self.arch!r} is not supported; allowed: 'llama', 'gpt2'")
-        for key in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
-                    "head_dim", "intermediate_size", "max_position_embeddings"):
-            if getattr(self, key) < 1:
-                raise InvalidArgument(f"{key}={getattr(self, key)} must be >= 1")
-        if self.num_heads % self.num_kv_heads:
-            raise InvalidArgument(f"num_heads={self.num_heads} must be a multiple of "
-                                  f"num_kv_heads={self.num_kv_heads}")
-        if self.arch == "llama" and self.head_dim % 2:
-            raise InvalidArgument(f"head_dim={self.head_dim} must be even for rotary embeddings")
-
-    @property
-    def kv_values_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
 
 
 def resolve_device(device: str | int | torch.device) -> torch.device:

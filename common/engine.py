@@ -22,7 +22,7 @@ from common.cuda_graphs import DecodeGraphs
 from common.errors import InvalidArgument, first_line
 from common.kv_cache import BlockManager, allocate_kv_pool
 from common.model_runner import LayerHook, ModelRunner
-from common.sampling import SamplingParams, fresh_seed
+from common.sampling_params import SamplingParams, fresh_seed
 from common.scheduler import ScheduledSeq, Scheduler
 from common.text import TextStream
 from common.sequence import PREFILLED, Sequence, Status

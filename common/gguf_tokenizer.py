@@ -62,7 +62,7 @@ def bytes_to_unicode() -> dict[int, str]:
 
 
 def gguf_tokenizer(g) -> HFTokenizer:
-    """The tokenizer of an opened GGUFFile (common/gguf_loader.py)."""
+    """The tokenizer of an opened GGUFFile (common/gguf_file.py)."""
     model = g.get("tokenizer.ggml.model")
     if model not in MODELS:
         raise ModelLoadError(f"{g.path}: tokenizer.ggml.model={model!r} is not supported; allowed: " + ", ".join(MODELS))

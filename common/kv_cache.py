@@ -22,7 +22,7 @@ from multiprocessing import shared_memory
 
 import torch
 
-from common.config import ModelConfig
+from common.model_spec import ModelConfig
 from common.errors import InvalidArgument
 from common.sequence import Sequence
 

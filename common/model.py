@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.attention import AttentionMetadata
-from common.config import ModelConfig
+from common.model_spec import ModelConfig
 
 
 class RMSNorm(nn.Module):
@@ -98,12 +98,18 @@ class Layer(nn.Module):
         return x_TC + self.down(h_TI)
 
 
+def _embedding(num: int, dim: int) -> nn.Embedding:
+    """An embedding left uninitialised (the loader fills it): nn.Embedding's own init draws a normal,
+    which on the meta device imports torch._dynamo, 1.3 s of every worker's start."""
+    return nn.Embedding(num, dim, _weight=torch.empty(num, dim))
+
+
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, attention):
         super().__init__()
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.pos_embed = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size) if cfg.arch == "gpt2" else None
+        self.embed = _embedding(cfg.vocab_size, cfg.hidden_size)
+        self.pos_embed = _embedding(cfg.max_position_embeddings, cfg.hidden_size) if cfg.arch == "gpt2" else None
         self.layers = nn.ModuleList(Layer(cfg, attention) for _ in range(cfg.num_layers))
         self.norm = make_norm(cfg, cfg.hidden_size)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

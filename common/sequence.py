@@ -6,7 +6,7 @@ from __future__ import annotations
 import enum
 import time
 
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 from common.text import TextStream
 
 

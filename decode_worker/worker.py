@@ -29,7 +29,7 @@ from common.channel import Channel, Envelope
 from common.engine import RequestOutput
 from common.errors import InvalidArgument
 from common.kv_transport import Inbox, make_receivers, offered, tune_malloc
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 from common.worker import WorkerBase
 
 log = logging.getLogger("pdserve.decode")

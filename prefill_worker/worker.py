@@ -39,7 +39,7 @@ from common.channel import Channel, Envelope
 from common.engine import RequestOutput
 from common.errors import InvalidArgument
 from common.kv_transport import Handle, Outgoing, TransportError, choose, make_senders, offered, tune_malloc
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 from common.scheduler import ScheduledSeq
 from common.worker import WorkerBase
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from common import protocol as P
 from common.errors import InvalidArgument, short_repr
-from common.sampling import MAX_LOGPROBS, SamplingParams, choice_seed
+from common.sampling_params import MAX_LOGPROBS, SamplingParams, choice_seed
 
 # our codes -> HTTP status, and OpenAI's error type for each status
 STATUS = {"INVALID_ARGUMENT": 400, "UNAUTHENTICATED": 401, "NOT_FOUND": 404, "METHOD_NOT_ALLOWED": 405,

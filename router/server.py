@@ -28,9 +28,9 @@ import zmq.asyncio
 
 from common import protocol as P
 from common.channel import Channel, Envelope
-from common.checkpoint import load_tokenizer, model_config
+from common.model_spec import load_tokenizer, model_config
 from common.errors import InvalidArgument
-from common.sampling import SamplingParams, fresh_seed
+from common.sampling_params import SamplingParams, fresh_seed
 from router.metrics import RouterMetrics
 from router.registry import DECODE_ROLES, PREFILL_ROLES, Registry, Worker
 from common.text import TextStream

@@ -6,7 +6,7 @@ import torch
 
 from common.attention import SDPAAttention, _step_difference
 from common.engine import Engine
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 from tests.test_engine import mixed_params, prompts
 
 pytestmark = pytest.mark.slow  # the first FlexAttention call compiles (tens of seconds on CPU)

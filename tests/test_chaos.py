@@ -9,7 +9,7 @@ import pytest
 
 from bench.chaos import leaked_blocks, run_chaos
 from common.engine import Engine
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 from router.client import Client, RequestError
 from tests.cluster import cluster
 

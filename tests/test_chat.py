@@ -6,7 +6,7 @@ import json
 import pytest
 
 from common.chat import DUMMY_CHAT_TEMPLATE, ChatTemplate, check_messages
-from common.checkpoint import load_tokenizer
+from common.model_spec import load_tokenizer
 from common.errors import InvalidArgument, ModelLoadError
 from common.tokenizer import ByteTokenizer
 from tests.checkpoints import write_checkpoint

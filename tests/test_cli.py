@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from common.engine import Engine
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 
 
 def pdserve(*args, timeout=120):

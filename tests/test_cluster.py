@@ -12,7 +12,7 @@ import zmq
 from common import protocol as P
 from common.channel import Channel
 from common.engine import Engine
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 from router.client import AsyncClient, Client, RequestError
 from tests.checkpoints import VOCAB, write_checkpoint
 from tests.cluster import cluster, wait_blocks_free

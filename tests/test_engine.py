@@ -8,7 +8,7 @@ import pytest
 from common.attention import decode_groups, decode_kv_read
 from common.engine import Engine
 from common.errors import InvalidArgument
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 
 MODELS = ["dummy:nanogpt", "dummy:llama-tiny"]
 

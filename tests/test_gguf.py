@@ -11,9 +11,10 @@ import torch
 
 from common.engine import Engine
 from common.errors import InvalidArgument, ModelLoadError
-from common.gguf_loader import GGUFFile, open_gguf
+from common.gguf_file import GGUFFile, open_gguf
+from common.gguf_loader import read_tensor
 from common.gguf_quants import SUPPORTED
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 from tests.checkpoints import VOCAB, write_checkpoint
 from tests.gguf_files import CHAT_TEMPLATE, QUANTIZABLE, quantized, random_blocks, write_gguf
 from tests.test_model_parity import engine_prompt_logits
@@ -37,7 +38,7 @@ def test_dequantize_equals_gguf_reference(tmp_path, qtype):
     w.close()
     t = GGUFReader(str(tmp_path / "t.gguf")).tensors[0]
     expected = torch.from_numpy(np.array(quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
-    got = GGUFFile(tmp_path / "t.gguf").read("t", torch.device("cpu"))
+    got = read_tensor(GGUFFile(tmp_path / "t.gguf"), "t", torch.device("cpu"))
     assert got.shape == (rows, cols) and expected.shape == (rows, cols)
     assert expected.abs().max() > 0 and expected.isfinite().all()
     assert torch.equal(got, expected)
@@ -62,7 +63,7 @@ def test_dequantize_on_cuda_equals_cpu(tmp_path):
     w.close()
     g = GGUFFile(tmp_path / "t.gguf")
     for qtype in SUPPORTED:
-        torch.testing.assert_close(g.read(qtype, torch.device("cuda")).cpu(), g.read(qtype, torch.device("cpu")),
+        torch.testing.assert_close(read_tensor(g, qtype, torch.device("cuda")).cpu(), read_tensor(g, qtype, torch.device("cpu")),
                                    rtol=1e-6, atol=1e-7)
 
 
@@ -161,7 +162,7 @@ def _spm_tokenizer(w):
 def test_sentencepiece_tokenizer_matches_transformers(tmp_path):
     from transformers import AutoTokenizer
 
-    from common.checkpoint import load_tokenizer
+    from common.model_spec import load_tokenizer
 
     _, path = _gguf_model(tmp_path, "llama-gqa", "llama", tokenizer=_spm_tokenizer)
     ref = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
@@ -177,7 +178,7 @@ def test_sentencepiece_tokenizer_matches_transformers(tmp_path):
 def test_load_errors_name_file_key_and_allowed_values(tmp_path):
     from gguf import GGUFValueType
 
-    from common.checkpoint import load_tokenizer
+    from common.model_spec import load_tokenizer
 
     ref = write_checkpoint(tmp_path / "ck", "llama-gqa")
 

@@ -5,7 +5,7 @@ the request with exactly the monolithic engine's tokens."""
 import pytest
 
 from common.engine import Engine
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 from tests.test_engine import assert_all_blocks_free, mixed_params, prompts
 
 

@@ -6,6 +6,7 @@ frees every KV block; API keys; /metrics that parse and count right."""
 
 import asyncio
 import json
+import pathlib
 import re
 import signal
 import time
@@ -18,7 +19,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from common.engine import Engine
-from common.sampling import SamplingParams, choice_seed
+from common.sampling_params import SamplingParams, choice_seed
 from router.client import Client
 from tests.cluster import cluster, wait_blocks_free
 
@@ -411,6 +412,14 @@ def test_bench_serve_drives_the_http_api(served, capsys):
     assert (row["frontend"], row["requests"], row["output_tokens"]) == ("http", 4, 4 * 8)
     assert row["ttft_p50_ms"] > 0 and row["output_tok_s"] > 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result
+
+
+def test_the_router_serves_all_of_this_without_torch(served):
+    """Run after the tests above, which drove the router's every path (chat, logprobs, stop strings,
+    metrics): it never loaded torch, so it starts in a fraction of a second and leaves the cores
+    and memory to the workers."""
+    maps = pathlib.Path(f"/proc/{served.router.proc.pid}/maps").read_text()
+    assert "libzmq" in maps and "libtorch" not in maps
 
 
 # ----------------------------------------------------------------------------- without workers, and failures

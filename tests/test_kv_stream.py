@@ -13,7 +13,7 @@ import bench.transfer as B
 from common import protocol as P
 from common.config import EngineConfig
 from common.engine import Engine
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 from common.worker import WorkerConfig
 from prefill_worker.worker import PrefillWorker
 from router.client import Client

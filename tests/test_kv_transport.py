@@ -28,7 +28,7 @@ import common.kv_transport.frames as K
 from common.kv_transport import (Inbox, Outgoing, ShmReceiver, ShmSender, TransportError,
                                  ZmqSender, choose, unit_bytes, unit_view)
 from common.kv_transport.frames import piece_frames as _piece
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 from common.worker import WorkerConfig
 from prefill_worker.worker import PrefillWorker
 from router.client import Client, RequestError

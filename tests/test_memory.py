@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from common.checkpoint import model_config
+from common.model_spec import model_config
 from common.config import EngineConfig
 from common.errors import InvalidArgument
 from common.memory import (CONTEXT_BYTES, DEFAULT_UTILIZATION, DeviceMemory, block_cost, decode_graph_bytes,

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from common.engine import Engine
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 from tests.checkpoints import CONFIGS, VOCAB, write_checkpoint
 
 PROMPT_LENS = (1, 5, 17, 40)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from common.engine import Engine
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 from router.client import Client
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from common.errors import InvalidArgument
-from common.sampling import choice_seed
+from common.sampling_params import choice_seed
 from common.tokenizer import ByteTokenizer, HFTokenizer
 from router.openai_api import CHAT_FIELDS, COMPLETION_FIELDS, ApiError, parse_chat, parse_completion
 from common.text import TextStream
@@ -190,8 +190,8 @@ def test_router_stops_at_a_stop_string_and_cancels_the_workers_work():
 
     from common import protocol as P
     from common.channel import Channel
-    from common.checkpoint import model_config
-    from common.sampling import SamplingParams
+    from common.model_spec import model_config
+    from common.sampling_params import SamplingParams
     from router.launcher import free_port
     from router.server import Router, RouterConfig
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from common import protocol as P
 from common.engine import Engine
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 from router.client import AsyncClient, Client, RequestError
 from tests.cluster import cluster
 

@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from common.sampling import SamplingParams, keyed_uniform, sample
+from common.sampling import keyed_uniform, sample
+from common.sampling_params import SamplingParams
 
 
 def test_keyed_uniform_is_deterministic_and_uniform():

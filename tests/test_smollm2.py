@@ -17,7 +17,7 @@ import torch
 
 from common.chat_repl import EngineChat, run_chat
 from common.engine import Engine
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 from router.client import Client
 from tests.cluster import cluster, wait_blocks_free
 from tests.test_model_parity import engine_prompt_logits

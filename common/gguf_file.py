@@ -1,0 +1,161 @@
+"""GGUF files (llama.cpp's single-file format), read with the `gguf` package (the reader llama.cpp
+maintains) and numpy, without torch: the metadata, the tensor table, the model config and the
+fingerprint. The router reads these; the weights are common/gguf_loader.py's.
+
+Architectures `llama` (Llama 2/3, SmolLM, Mistral-style), `qwen2` and `qwen3`. The config comes
+from the `<arch>.*` metadata. Llama 3.1+ files carry their rope scaling as a `rope_freqs.weight`
+tensor of per-frequency divisors rather than as metadata; it becomes rope_scaling
+{"rope_type": "freq_factors"}.
+
+The fingerprint (equal in every process that loads the same file, computed by the router too)
+hashes the header (all metadata and the tensor table) and 64 evenly spaced 64 KiB samples of the
+tensor data: a few MiB read, whatever the file's size.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from pathlib import Path
+
+import numpy as np
+
+from common.errors import ModelLoadError
+from common.model_spec import ModelConfig
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
+ROPE_SCALINGS = ("none", "linear")
+_REQUIRED = object()
+_SAMPLES, _SAMPLE_BYTES = 64, 64 * 1024
+
+
+
+
+def _reader(path: Path):
+    from gguf import GGUFReader
+
+    class Reader(GGUFReader):
+        """GGUFReader over a plain ndarray view of its memory map: parsing the metadata slices the
+        map a million times, and numpy's memmap subclass costs microseconds per slice (3x the
+        whole parse); the view keeps the map alive and reads the same pages."""
+
+        @property
+        def data(self):
+            return self._data
+
+        @data.setter
+        def data(self, value):
+            self._data = value.view(np.ndarray)
+
+    return Reader(str(path))
+
+
+class GGUFFile:
+    """One opened file: metadata by key, tensors by name."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            self.reader = _reader(path)
+        except Exception as e:  # the reader raises ValueError, struct and numpy errors alike
+            raise ModelLoadError(f"{path}: not a readable GGUF file ({e})") from e
+        self.tensors = {t.name: t for t in self.reader.tensors}
+
+    def get(self, key: str, default=_REQUIRED):
+        field = self.reader.fields.get(key)
+        if field is None:
+            if default is _REQUIRED:
+                raise ModelLoadError(f"{self.path}: metadata key {key!r} is missing")
+            return default
+        return field.contents()
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """A tensor's shape in torch order (GGUF lists dimensions innermost first)."""
+        return tuple(int(d) for d in reversed(self.tensors[name].shape.tolist()))
+
+    def qtype(self, name: str) -> str:
+        return self.tensors[name].tensor_type.name
+
+    def floats(self, name: str) -> list[float]:
+        """An unquantized (F32 or F16) tensor's values, flat."""
+        if self.qtype(name) not in ("F32", "F16"):
+            raise ModelLoadError(f"{self.path}: tensor {name!r} has type {self.qtype(name)}; allowed: F32, F16")
+        return np.asarray(self.tensors[name].data, dtype=np.float32).reshape(-1).tolist()
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        size = self.path.stat().st_size
+        start = self.reader.data_offset
+        h = hashlib.blake2b(size.to_bytes(8, "little"), digest_size=8)
+        with open(self.path, "rb") as f:
+            h.update(f.read(start))
+            step = max(1, (size - start) // _SAMPLES)
+            for i in range(_SAMPLES):
+                f.seek(start + i * step)
+                h.update(f.read(_SAMPLE_BYTES))
+        return "gguf-" + h.hexdigest()
+
+
+@functools.lru_cache(maxsize=2)
+def _open(path: str, mtime_ns: int, size: int) -> GGUFFile:
+    return GGUFFile(Path(path))
+
+
+def open_gguf(path: Path) -> GGUFFile:
+    """The file, parsed once per process (the config, the tokenizer and the weights all read it)."""
+    try:
+        st = path.stat()
+    except OSError as e:
+        raise ModelLoadError(f"{path}: cannot read ({e})") from e
+    return _open(str(path.resolve()), st.st_mtime_ns, st.st_size)
+
+
+def gguf_model_config(path: Path) -> ModelConfig:
+    g = open_gguf(path)
+    arch = g.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ModelLoadError(f"{path}: general.architecture={arch!r} is not supported; allowed: "
+                             + ", ".join(ARCHITECTURES))
+
+    def meta(key, default=_REQUIRED):
+        return g.get(f"{arch}.{key}", default)
+
+    hidden, heads = meta("embedding_length"), meta("attention.head_count")
+    kv_heads = meta("attention.head_count_kv", heads)
+    if isinstance(kv_heads, list):  # per layer; pdserve's KV layout needs one value
+        if len(set(kv_heads)) != 1:
+            raise ModelLoadError(f"{path}: {arch}.attention.head_count_kv differs between layers ({kv_heads[:8]}...); "
+                                 "allowed: one value for every layer")
+        kv_heads = kv_heads[0]
+    head_dim = meta("attention.key_length", hidden // heads)
+    rope_dim = meta("rope.dimension_count", head_dim)
+    if rope_dim != head_dim:
+        raise ModelLoadError(f"{path}: {arch}.rope.dimension_count={rope_dim} is not supported; allowed: the head "
+                             f"dimension ({head_dim}), rope over the whole head")
+    if "token_embd.weight" not in g.tensors:
+        raise ModelLoadError(f"{path}: tensor 'token_embd.weight' is missing")
+    vocab = g.shape("token_embd.weight")[0]
+    scaling = meta("rope.scaling.type", "none")
+    if scaling not in ROPE_SCALINGS:
+        raise ModelLoadError(f"{path}: {arch}.rope.scaling.type={scaling!r} is not supported; allowed: "
+                             + ", ".join(ROPE_SCALINGS))
+    rope_scaling = {"rope_type": "linear", "factor": float(meta("rope.scaling.factor"))} if scaling == "linear" else None
+    if "rope_freqs.weight" in g.tensors:
+        factors = g.floats("rope_freqs.weight")
+        if len(factors) != head_dim // 2:
+            raise ModelLoadError(f"{path}: tensor 'rope_freqs.weight' has {len(factors)} values, expected {head_dim // 2}")
+        rope_scaling = {"rope_type": "freq_factors", "factors": factors}
+    eos = []
+    for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
+        i = g.get(f"tokenizer.ggml.{key}", None)
+        if isinstance(i, int) and i not in eos:
+            eos.append(i)
+    return ModelConfig(
+        arch="llama", vocab_size=vocab, hidden_size=hidden, num_layers=meta("block_count"), num_heads=heads,
+        num_kv_heads=kv_heads, head_dim=head_dim, intermediate_size=meta("feed_forward_length"),
+        max_position_embeddings=meta("context_length"), norm_eps=float(meta("attention.layer_norm_rms_epsilon")),
+        qkv_bias="blk.0.attn_q.bias" in g.tensors, o_bias="blk.0.attn_output.bias" in g.tensors,
+        mlp_bias="blk.0.ffn_up.bias" in g.tensors, qk_norm="blk.0.attn_q_norm.weight" in g.tensors,
+        rope_theta=float(meta("rope.freq_base", 10000.0)), rope_scaling=rope_scaling,
+        tie_word_embeddings="output.weight" not in g.tensors, eos_token_ids=tuple(eos), name=str(path),
+        fingerprint=g.fingerprint)

@@ -1,0 +1,112 @@
+"""A request's sampling parameters, checked where they enter (the router, the engine), and its
+seed. Torch-free: the router imports them."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass, field
+
+from common.errors import InvalidArgument, short_repr
+
+MAX_SEED = 2**63 - 1
+MAX_COUNT = 2**31 - 1  # max_tokens, top_k and token ids: far past any model, and safe on the wire
+MAX_LOGPROBS = 20  # top alternatives per token, as vLLM's default max_logprobs
+MAX_STOP_STRINGS = 16
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return (_is_int(x) or isinstance(x, float)) and math.isfinite(x)
+
+
+def _bad(name: str, value, allowed: str) -> InvalidArgument:
+    return InvalidArgument(f"{name}={short_repr(value)} is invalid; allowed: {allowed}", param=name)
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling. temperature 0 is greedy; top_k 0 (or -1) and top_p 1 disable those
+    filters; seed None draws a fresh seed when the request is admitted (then it is fixed for the
+    request's life, so preemption and migration still reproduce its tokens).
+
+    stop: strings that end the text (the router, or an in-process Engine, finds them across tokens
+    and cuts them off unless include_stop_str_in_output). logprobs: None, or N in [0, 20]: each generated token's
+    logprob and the N most likely alternatives; prompt_logprobs the same for the prompt's tokens
+    (computed by the prefill, which then skips the prefix cache)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 16
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    stop: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+
+    def __post_init__(self):
+        if not _is_number(self.temperature) or self.temperature < 0:
+            raise _bad("temperature", self.temperature, "a number >= 0 (0 is greedy)")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise _bad("top_p", self.top_p, "a number in (0, 1]")
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= MAX_COUNT:
+            raise _bad("top_k", self.top_k, "an integer in [0, 2**31 - 1] (0 or -1 disables it)")
+        if self.top_k == -1:
+            self.top_k = 0
+        if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_COUNT:
+            raise _bad("max_tokens", self.max_tokens, "an integer in [1, 2**31 - 1]")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
+            raise _bad("seed", self.seed, "an integer in [0, 2**63 - 1] or None")
+        if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
+                _is_int(t) and 0 <= t <= MAX_COUNT for t in self.stop_token_ids):
+            raise _bad("stop_token_ids", self.stop_token_ids, "a list of token ids in [0, 2**31 - 1]")
+        self.stop_token_ids = list(self.stop_token_ids)
+        if not isinstance(self.ignore_eos, bool):
+            raise _bad("ignore_eos", self.ignore_eos, "true or false")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if (not isinstance(self.stop, (list, tuple)) or len(self.stop) > MAX_STOP_STRINGS
+                or not all(isinstance(s, str) and s for s in self.stop)):
+            raise _bad("stop", self.stop, f"a non-empty string or a list of at most {MAX_STOP_STRINGS} of them")
+        self.stop = list(self.stop)
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise _bad("include_stop_str_in_output", self.include_stop_str_in_output, "true or false")
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(self, name)
+            if n is not None and (not _is_int(n) or not 0 <= n <= MAX_LOGPROBS):
+                raise _bad(name, n, f"an integer in [0, {MAX_LOGPROBS}] or None")
+        self.temperature = float(self.temperature)
+        self.top_p = float(self.top_p)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SamplingParams":
+        if not isinstance(d, dict):
+            raise InvalidArgument(f"sampling={short_repr(d)} is invalid; allowed: a map of sampling fields")
+        unknown = set(d) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise InvalidArgument(f"unknown sampling fields {sorted(unknown)}; allowed: "
+                                  f"{sorted(cls.__dataclass_fields__)}", param=sorted(unknown)[0])
+        return cls(**d)
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice `index` of a request for n choices with this seed (vLLM's rule, seed +
+    index): noise is keyed by (seed, position), so n copies under one seed would be identical."""
+    return (seed + index) & MAX_SEED
+
+
+def fresh_seed() -> int:
+    return int.from_bytes(os.urandom(8), "little") & MAX_SEED
