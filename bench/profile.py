@@ -60,6 +60,11 @@ PROFILE_VERSION = 2  # 2: co_run, decode_kv2, KV read in runs, the router and cl
 DECODE_TOKENS = 256  # output tokens of each decode-profile request: long enough for a full batch to form
 
 
+def decode_tokens(context: int) -> int:
+    """DECODE_TOKENS, or a quarter of a short context (--max-model-len 256 leaves room for prompts)."""
+    return max(8, min(DECODE_TOKENS, context // 4))
+
+
 def contention(worker_cores: float, cpu: dict[str, float], host_cores: int | None, stepping: int = 1) -> float:
     """How much slower each of `stepping` workers ran than alone for want of cores, beside the
     router, the client and everyone else (the simulator's rule, without co_run: what it measures)."""
@@ -120,9 +125,9 @@ class Profiler:
     """Drives one small cluster with the SDK and keeps what the fits need: each run's samples and
     the CPU (cores) that the router, the workers, the client and everyone else used meanwhile."""
 
-    def __init__(self, cluster: Cluster, threads: int, prompt, say, block_size: int):
+    def __init__(self, cluster: Cluster, threads: int, prompt, say, block_size: int, decode_tokens: int):
         self.cluster, self.threads, self.prompt, self.say = cluster, threads, prompt, say
-        self.block_size = block_size
+        self.block_size, self.decode_tokens = block_size, decode_tokens
         self.front_rows: list[list[float]] = []  # [requests, tokens] of each run ...
         self.front_cpu: list[float] = []  # ... and the router's + client's CPU seconds in it
         self.runs_cpu: list[dict[str, float]] = []
@@ -152,13 +157,14 @@ class Profiler:
         (pool_tokens), and the largest that does."""
         points = []
         for L in lengths:
-            fits = pool_tokens * 9 // 10 // (L + DECODE_TOKENS + 16)  # room for the block manager's watermark
+            need = L + self.decode_tokens
+            fits = pool_tokens * 9 // 10 // (need + 16)  # room for the block manager's watermark
             if not fits:
-                raise InvalidArgument(f"a KV pool of {pool_tokens} tokens holds no {L + DECODE_TOKENS}-token request "
-                                      f"to profile; allowed: a pool of at least {(L + DECODE_TOKENS + 16) * 10 // 9} "
+                raise InvalidArgument(f"a KV pool of {pool_tokens} tokens holds no {need}-token request "
+                                      f"to profile; allowed: a pool of at least {(need + 16) * 10 // 9} "
                                       "tokens (--num-blocks, --kv-cache-gb)")
             for B in sorted({b for b in batches if b <= fits} | {min(fits, max(batches))}):
-                samples, cpu = self.run([(0.0, self.prompt(L), DECODE_TOKENS) for _ in range(B * workers)])
+                samples, cpu = self.run([(0.0, self.prompt(L), self.decode_tokens) for _ in range(B * workers)])
                 start = max(s.token_times[1] for s in samples)
                 end = min(s.token_times[-1] for s in samples)
                 # each request's mean gap while all decode (robust to tokens the router forwards in bursts)
@@ -199,8 +205,9 @@ def profile_workers(model: str, device: str, threads: int | None, worker_args: l
 
     # Decodes read from 32 tokens to the context's end (less the tokens decoded): on a CPU a read that
     # outgrows the caches costs more per token, and a loaded worker's batches read the most.
-    mid = min(max(256, context // 2), context - DECODE_TOKENS - 2)
-    kv_lengths = sorted({min(32, mid), mid, min(2 * mid, context - DECODE_TOKENS - 2)})
+    out_tokens = decode_tokens(context)
+    mid = min(max(256, context // 2), context - out_tokens - 2)
+    kv_lengths = sorted({min(32, mid), mid, min(2 * mid, context - out_tokens - 2)})
     batches = sorted({b for b in (1, 2, 4, 8, 16, 32, 64) if b < max_seqs} | {max_seqs})
     raw, profilers = {}, []
     # On a CPU, two monolithic workers decoding side by side: how much more each step costs beside
@@ -218,7 +225,7 @@ def profile_workers(model: str, device: str, threads: int | None, worker_args: l
                     pool = min(w["total_blocks"] for w in c.status().workers)
                 if name == "disaggregated":
                     total_blocks = pool
-                pr = Profiler(cluster, threads, prompt, say, engine.block_size)
+                pr = Profiler(cluster, threads, prompt, say, engine.block_size, out_tokens)
                 profilers.append(pr)
                 asyncio.run(drive(cluster.address, [(0.0, prompt(64), 4)] * 2))  # warm-up
                 if name == "pair":

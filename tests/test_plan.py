@@ -72,9 +72,10 @@ def test_compare_replays_a_measurement():
 
 def test_plan_profiles_once_then_plans_from_the_saved_profile(tmp_path):
     profile = tmp_path / "profile.json"
-    # one thread: two torch threads on two shared cores slow down badly whenever a neighbour takes one
+    # one thread: two torch threads on two shared cores slow down badly whenever a neighbour takes one;
+    # a 256-token context keeps the profile short (its decode requests shrink to fit it)
     args = ["plan", "--profile", str(profile), "--workers", "1", "--threads", "1", "--worker-arg=--max-num-seqs",
-            "--worker-arg=8",
+            "--worker-arg=8", "--worker-arg=--max-model-len", "--worker-arg=256",
             "--plan-devices", "1,3", "--ttft-slo-ms", "500", "--itl-slo-ms", "50", "--duration", "2",
             "--min-requests", "20", "--max-requests", "60", "--refine", "1"]
     first = subprocess.run(pdserve_cmd() + args, capture_output=True, text=True, timeout=150, cwd=REPO)
@@ -84,7 +85,7 @@ def test_plan_profiles_once_then_plans_from_the_saved_profile(tmp_path):
     assert p["threads"] == 1
     step = p["worker_model"]["step"]
     assert step["decode_base"] + step["decode_seq"] > 0 and step["prefill_token"] + step["prefill_base"] > 0
-    assert p["worker_model"]["engine"]["max_num_seqs"] == 8
+    assert p["worker_model"]["engine"]["max_num_seqs"] == 8 and p["worker_model"]["engine"]["max_model_len"] == 256
     assert max(b for b, _, _ in p["points"]["decode_s"]) == 8  # batches up to max_num_seqs
     assert "profile (threads" in first.stderr
 
