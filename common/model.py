@@ -110,6 +110,7 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.embed = _embedding(cfg.vocab_size, cfg.hidden_size)
         self.pos_embed = _embedding(cfg.max_position_embeddings, cfg.hidden_size) if cfg.arch == "gpt2" else None
+        self.attention = attention  # every layer's backend (one object: it holds no per-layer state)
         self.layers = nn.ModuleList(Layer(cfg, attention) for _ in range(cfg.num_layers))
         self.norm = make_norm(cfg, cfg.hidden_size)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

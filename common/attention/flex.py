@@ -31,6 +31,7 @@ def _flex():
 
 class FlexAttention(SDPAAttention):
     name = "flex"
+    grouped_decodes = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
         super().__init__(num_heads, num_kv_heads, head_dim)

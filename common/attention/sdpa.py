@@ -39,6 +39,7 @@ def gather_blocks(cache_NBKD: torch.Tensor, tables_SM: torch.Tensor, out: _Scrat
 
 class SDPAAttention:
     name = "sdpa"
+    grouped_decodes = True  # reads AttentionMetadata.decode_mask and decode_groups (the others do not)
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim

@@ -281,6 +281,7 @@ class TritonAttention(SDPAAttention):
     """Every token of a step, decode or prefill, through the one paged Triton kernel."""
 
     name = "triton"
+    grouped_decodes = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
         super().__init__(num_heads, num_kv_heads, head_dim)
