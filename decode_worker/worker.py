@@ -259,6 +259,8 @@ class DecodeWorker(WorkerBase):
     # ------------------------------------------------------------------ engine
 
     def on_outputs(self, outputs: list[RequestOutput]):
+        """The step's tokens to the router, in one message."""
+        sends = []
         for out in outputs:
             attempt, timings = self.streams.get(out.request_id, (None, None))
             if attempt is None:
@@ -269,12 +271,14 @@ class DecodeWorker(WorkerBase):
             prefilled = self.role == "mono" and index == 0
             if prefilled:  # work received -> first token, the prefill time a prefill worker reports too
                 timings["prefill_s"] = out.metrics["ttft_s"]
-            self.to_router(P.WorkerTokens(out.request_id, attempt, index, out.new_token_ids, reason,
-                                          timings if out.finished or prefilled else {},
-                                          out.logprobs and out.logprobs[-new:],
-                                          out.prompt_logprobs if index == 0 else None))  # mono: with the first token
+            sends.append(P.WorkerTokens(out.request_id, attempt, index, out.new_token_ids, reason,
+                                        timings if out.finished or prefilled else {},
+                                        out.logprobs and out.logprobs[-new:],
+                                        out.prompt_logprobs if index == 0 else None))  # mono: with the first token
             if out.finished:
                 del self.streams[out.request_id]
+        if sends:
+            self.to_router(P.batch_tokens(sends))
 
     def on_tick(self, now: float):
         self._settle()

@@ -1,7 +1,7 @@
 """The router process: admits requests from clients, picks a prefill and a decode worker, tracks
 each request through its states, streams tokens back in order, and recovers from workers dying.
 
-    client --Generate--> frontend   backend <--Register/Heartbeat/WorkerTokens-- workers
+    client --Generate--> frontend   backend <--Register/Heartbeat/WorkerTokens(Batch)-- workers
            <--Token/Done--                  --PrefillWork/CancelWork-->
 
 States: queued -> prefill (PrefillWork sent, waiting for the first token) -> decode (tokens
@@ -377,6 +377,12 @@ class Router:
             self.metrics.on_heartbeat(w, msg)
         elif isinstance(msg, P.WorkerTokens):
             self.on_tokens(w, msg)
+        elif isinstance(msg, P.WorkerTokenBatch):
+            for item in P.unbatch_tokens(msg):
+                if isinstance(item, P.ProtocolError):
+                    log.warning("dropped a bad item of %s's tokens: %s", w.worker_id, item)
+                else:
+                    self.on_tokens(w, item)
         elif isinstance(msg, P.WorkerError):
             self.on_worker_error(w, msg)
 

@@ -66,3 +66,17 @@ def test_fields_added_later_have_defaults_so_older_messages_still_decode():
     new = P.WorkerTokens("r", 1, 0, [5, 6], "stop", {}, [[-0.5, [5, 9], [-0.5, -1.5]], [-0.1, [], []]], [None, [-2.0, [], []]])
     assert P.decode(P.encode(new)) == new
     assert P.decode(P.encode(P.Done("r", "stop", [1], stop_reason="\n\n"))).stop_reason == "\n\n"
+
+
+def test_a_token_batch_carries_each_item_checked_alone():
+    items = [P.WorkerTokens("a", 1, 0, [5, 6], None, {}, None, None),
+             P.WorkerTokens("b", 2, 7, [9], "stop", {"prefill_s": 0.5}, [[-0.1, [9], [-0.1]]], None)]
+    batch = P.decode(P.encode(P.batch_tokens(items)))
+    assert isinstance(batch, P.WorkerTokenBatch) and P.unbatch_tokens(batch) == items
+    batch.items[1][3] = "not token ids"
+    batch.items.append(["c", 1])  # missing fields
+    batch.items.append("not a list")
+    first, *bad = P.unbatch_tokens(batch)
+    assert first == items[0] and all(isinstance(e, P.ProtocolError) for e in bad)
+    assert "WorkerTokens.token_ids='not token ids' has the wrong type" in str(bad[0])
+    assert "missing field 'index'" in str(bad[1]) and "items[3]" in str(bad[2])
