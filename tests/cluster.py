@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import time
 
+from common import protocol as P
 from router.client import Client
 from router.launcher import Cluster
 
@@ -34,3 +35,10 @@ def wait_blocks_free(client: Client, timeout: float = 10.0) -> list[dict]:
         if all(w["free_blocks"] == w["total_blocks"] for w in workers) or time.monotonic() > deadline:
             return workers
         time.sleep(0.1)
+
+
+def tokens_of(msg) -> list[P.WorkerTokens]:
+    """The WorkerTokens a worker's message carries (a decode worker sends a step's in a batch)."""
+    if isinstance(msg, P.WorkerTokens):
+        return [msg]
+    return P.unbatch_tokens(msg) if isinstance(msg, P.WorkerTokenBatch) else []

@@ -17,7 +17,7 @@ from common.sampling_params import SamplingParams
 from common.worker import WorkerConfig
 from prefill_worker.worker import PrefillWorker
 from router.client import Client
-from tests.cluster import cluster, wait_blocks_free
+from tests.cluster import cluster, tokens_of, wait_blocks_free
 from tests.test_kv_transport import CPU_TRANSPORTS, decode_worker, no_shm_leaks, spin, wide_kv_model  # noqa: F401
 
 pytestmark = pytest.mark.timeout(300)
@@ -96,9 +96,9 @@ def test_prefill_sends_each_layer_before_the_next_runs(tmp_path, transport, wide
             while done is None:  # both workers report to their "router", this test: first token, then the rest
                 env = d.router.recv(30_000)
                 assert env is not None, "the decode worker sent no tokens"
-                if isinstance(env.msg, P.WorkerTokens):
-                    tokens += env.msg.token_ids
-                    done = env.msg if env.msg.finish_reason else None
+                for msg in tokens_of(env.msg):
+                    tokens += msg.token_ids
+                    done = msg if msg.finish_reason else None
             assert tokens == monolithic(wide_kv_model, prompt, 6)
             assert 0 <= done.timings["handoff_s"] < 30
         finally:

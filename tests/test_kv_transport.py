@@ -33,7 +33,7 @@ from common.worker import WorkerConfig
 from prefill_worker.worker import PrefillWorker
 from router.client import Client, RequestError
 from router.launcher import Cluster
-from tests.cluster import cluster, wait_blocks_free
+from tests.cluster import cluster, tokens_of, wait_blocks_free
 from tests.test_cluster import check_cluster_matches
 
 pytestmark = pytest.mark.timeout(300)
@@ -438,13 +438,14 @@ def test_an_idle_decode_peer_is_dropped_and_made_again_when_needed(tmp_path, tra
                 assert d.register.kv_address in prefill.peers
                 prefill.on_tick(time.monotonic() + PEER_IDLE_S + 1)
                 assert not prefill.peers and not prefill.peer_used and not prefill.offers and not held()
-                while (env := d.router.recv(30_000)) is not None and not (
-                        isinstance(env.msg, P.WorkerTokens) and env.msg.finish_reason):
+                finished = False
+                while not finished:  # the first token from the prefill worker, then the decode worker's
+                    env = d.router.recv(30_000)
+                    assert env is not None, "the decode worker did not finish"
                     assert not isinstance(env.msg, P.WorkerError), env.msg
-                    if isinstance(env.msg, P.WorkerTokens):  # the first token, from the prefill worker
-                        tokens[env.msg.request_id, env.msg.index] = env.msg.token_ids
-                assert env is not None, "the decode worker did not finish"
-                tokens[env.msg.request_id, env.msg.index] = env.msg.token_ids
+                    for msg in tokens_of(env.msg):
+                        tokens[msg.request_id, msg.index] = msg.token_ids
+                        finished = finished or msg.finish_reason is not None
         finally:
             prefill.close()
     expected = Engine(model="dummy:nanogpt").generate(prompts, SamplingParams(temperature=0, max_tokens=4,
