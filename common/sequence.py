@@ -24,7 +24,8 @@ class Sequence:
                  eos_token_ids: tuple[int, ...], max_model_len: int, output_token_ids: list[int] = (),
                  prefill_only: bool = False):
         self.request_id = request_id
-        self.token_ids = list(prompt_token_ids) + list(output_token_ids)
+        self.prompt_token_ids = list(prompt_token_ids)  # each output shares it (not a copy a step)
+        self.token_ids = self.prompt_token_ids + list(output_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         # Stop after the next token and keep the KV blocks: a prefill worker's request.
         self.prefill_only = prefill_only
