@@ -40,6 +40,14 @@ def resolve_device(device: str | int | torch.device) -> torch.device:
     return dev
 
 
+def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor copied to the device without making the host wait: on CUDA through pinned
+    memory, asynchronously (a copy from pageable memory first waits for the stream's queued work)."""
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
 @dataclass
 class EngineConfig:
     """What one engine (one process's model replica and KV pool) is built with."""

@@ -9,6 +9,7 @@ from typing import Callable
 import torch
 
 from common.attention import AttentionMetadata, PrefillChunk, decode_groups
+from common.config import upload
 from common.cuda_graphs import DecodeGraphs
 from common.sampling import Logprob, sample, token_logprobs
 from common.scheduler import ScheduledSeq
@@ -67,11 +68,9 @@ class ModelRunner:
             buf.extend(pad[len(s.seq.block_table):])
         for table in tables:
             buf.extend(table)
-        host = torch.frombuffer(buf, dtype=torch.int64) if buf else torch.empty(0, dtype=torch.int64)
-        if self.device.type == "cuda":
-            packed = host.pin_memory().to(self.device, non_blocking=True)
-        else:
-            packed = host.clone()  # frombuffer shares buf's memory, which goes with this frame
+        # a copy that owns its memory: frombuffer shares buf's, which goes with this frame
+        host = torch.frombuffer(buf, dtype=torch.int64).clone() if buf else torch.empty(0, dtype=torch.int64)
+        packed = upload(host, self.device)
         sizes = [len(input_ids), len(positions), len(slots), len(sample_rows), len(lens), len(decodes) * width]
         views = packed.split(sizes + [len(t) for t in tables])
         input_T, positions_T, slots_T, sample_rows_S, lens_B, tables_flat = views[:6]

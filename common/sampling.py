@@ -12,6 +12,7 @@ import math
 
 import torch
 
+from common.config import upload
 from common.sampling_params import SamplingParams
 
 # A token's logprob entry: [the token's logprob, ids of the top N tokens, their logprobs] (best
@@ -60,11 +61,11 @@ def sample(logits_SV: torch.Tensor, params: list[SamplingParams], seeds: list[in
         return greedy_S
     dev = logits_SV.device
     S, V = logits_SV.shape
-    ints = torch.tensor([p.top_k if 0 < p.top_k < V else V for p in params] + [int(p.greedy) for p in params]
-                        + list(seeds) + list(positions), dtype=torch.int64).to(dev, non_blocking=True)
+    ints = upload(torch.tensor([p.top_k if 0 < p.top_k < V else V for p in params] + [int(p.greedy) for p in params]
+                               + list(seeds) + list(positions), dtype=torch.int64), dev)
     k_S, is_greedy_S, seeds_S, positions_S = ints.view(4, S)
-    floats = torch.tensor([p.temperature or 1.0 for p in params] + [p.top_p for p in params],
-                          dtype=torch.float32).to(dev, non_blocking=True)
+    floats = upload(torch.tensor([p.temperature or 1.0 for p in params] + [p.top_p for p in params],
+                                 dtype=torch.float32), dev)
     temp_S, top_p_S = floats.view(2, S)
     scaled_SV = logits_SV / temp_S[:, None]
     if any(p.top_k or p.top_p < 1.0 for p in params):
