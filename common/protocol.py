@@ -297,8 +297,7 @@ def decode(buf: bytes | memoryview, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
 
 
 def batch_tokens(msgs: list[WorkerTokens]) -> WorkerTokenBatch:
-    fields = _schema(WorkerTokens)[1]
-    return WorkerTokenBatch([[getattr(m, f.name) for f in fields] for m in msgs])
+    return WorkerTokenBatch([list(vars(m).values()) for m in msgs])  # a dataclass sets its fields in order
 
 
 def unbatch_tokens(batch: WorkerTokenBatch) -> list[WorkerTokens | ProtocolError]:
