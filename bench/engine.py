@@ -6,6 +6,10 @@ the same run:
   the device's copy bandwidth (a device-to-device copy reads and writes each byte: the floor counts
   the read at twice the copy rate);
 - a prefill is matmuls, so its ceiling is the dtype's matmul rate on a large square product.
+
+The first mode's decode points are also timed with async scheduling, on the same requests in
+alternating blocks: what hiding the host's work behind the device's is worth (on a CPU nothing runs beside
+the host, so about 1x there).
 """
 
 from __future__ import annotations
@@ -98,38 +102,56 @@ def prefill_seconds(engine: Engine, tokens: int, rng: random.Random, repeats: in
     return best
 
 
-def decode_speed(engine: Engine, batch: int, kv_len: int, steps: int, rng: random.Random) -> float:
-    """Decode tokens/s of `batch` requests whose caches hold about `kv_len` tokens."""
-    params = SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True)
+def decode_speed(engine: Engine, batch: int, kv_len: int, steps: int, rng: random.Random,
+                 compare_async: bool = False) -> tuple[float, float | None]:
+    """Decode tokens/s of `batch` requests whose caches hold about `kv_len` tokens; with
+    compare_async also with async scheduling (else None), on the same requests, in four blocks of
+    steps / 2 (sync, async, async, sync) so that the contexts' growth favours neither."""
+    params = SamplingParams(temperature=0, max_tokens=2 * steps + 8, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in
            _random_prompts(rng, batch, kv_len, engine.model_config.vocab_size)]
     seqs = [engine.requests[i] for i in ids]
     while not all(s.is_decoding for s in seqs):  # prefill everything, plus one warm decode step
         engine.step()
     engine.step()
-    _sync(engine.config.torch_device)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    _sync(engine.config.torch_device)
-    elapsed = time.perf_counter() - t0
+    blocks = [(False, steps)] if not compare_async else [(on, max(1, steps // 2)) for on in (False, True, True, False)]
+    seconds, counted = {False: 0.0, True: 0.0}, {False: 0, True: 0}
+    for on, n in blocks:
+        if on != engine.config.async_scheduling:
+            engine.config.async_scheduling = on
+            engine.step()  # the switch: a step that only launches, or one that reads two steps' tokens
+        _sync(engine.config.torch_device)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            engine.step()
+        _sync(engine.config.torch_device)
+        seconds[on] += time.perf_counter() - t0
+        counted[on] += n
+    engine.config.async_scheduling = False
     for i in ids:
         engine.abort_request(i)
-    return batch * steps / elapsed
+    while engine.has_unfinished():  # a launched step's blocks come back once it is collected
+        engine.step()
+    speed = {on: batch * counted[on] / seconds[on] for on in seconds if counted[on]}
+    return speed[False], speed.get(True)
 
 
 def measure_mode(engine: Engine, name: str, batch_sizes: list[int], kv_lens: list[int], steps: int, prefill_len: int,
-                 rng: random.Random, bandwidth: float, peak: float, weights: int, kv_token: int) -> dict:
+                 rng: random.Random, bandwidth: float, peak: float, weights: int, kv_token: int,
+                 compare_async: bool = False) -> dict:
     """The decode grid, each point against its bytes-read floor, and a prefill against the
-    matmul peak, in the engine's current mode."""
+    matmul peak, in the engine's current mode; with compare_async each decode point also with
+    async scheduling ("async_step_ms")."""
     decode, points = {}, len(batch_sizes) * len(kv_lens)
     for i, (b, kv) in enumerate((b, kv) for b in batch_sizes for kv in kv_lens):
         print(f"[{name} {i + 1}/{points}] decode batch {b}, KV {kv}", file=sys.stderr, flush=True)
-        tok_s = decode_speed(engine, b, kv, steps, rng)
+        tok_s, async_tok_s = decode_speed(engine, b, kv, steps, rng, compare_async)
         step_ms = 1e3 * b / tok_s
         floor_ms = 1e3 * (weights + b * (kv + steps / 2) * kv_token) / bandwidth
-        decode[f"b{b}_kv{kv}"] = {"tok_s": round(tok_s, 1), "step_ms": round(step_ms, 3),
-                                  "floor_ms": round(floor_ms, 3), "of_floor": round(floor_ms / step_ms, 3)}
+        decode[f"b{b}_kv{kv}"] = point = {"tok_s": round(tok_s, 1), "step_ms": round(step_ms, 3),
+                                          "floor_ms": round(floor_ms, 3), "of_floor": round(floor_ms / step_ms, 3)}
+        if async_tok_s is not None:
+            point["async_step_ms"] = round(1e3 * b / async_tok_s, 3)
     print(f"[{name}] prefill of one {prefill_len}-token prompt", file=sys.stderr, flush=True)
     prefill_s = prefill_seconds(engine, prefill_len, rng)
     flops = prefill_flops(engine, prefill_len)
@@ -191,7 +213,7 @@ def run_engine_bench(engine_kwargs: dict, num_requests: int, prompt_len: int, ou
         if name in runs:  # the kernels declined at start: one mode only
             break
         runs[name] = measure_mode(engine, name, batch_sizes, kv_lens, steps, prefill_len, rng, bandwidth, peak,
-                                  weights, kv_token)
+                                  weights, kv_token, compare_async=not runs)
 
     print_table(f"pdserve bench engine: {cfg.model} on {device} ({cfg.dtype}), {torch.get_num_threads()} threads, "
                 f"attention {engine.model.layers[0].attention.name}",
@@ -208,6 +230,11 @@ def run_engine_bench(engine_kwargs: dict, num_requests: int, prompt_len: int, ou
                 [[name.replace("_", " "), p["tokens"], f"{p['ms']:.2f}", f"{p['tflop_s']:.3f}",
                   f"{p['matmul_peak_tflop_s']:.3f}", f"{p['of_peak']:.1%}"] for name, p in
                  ((name, run["prefill"]) for name, run in runs.items())])
+    first, first_run = next(iter(runs.items()))
+    print_table(f"async scheduling ({first.replace('_', ' ')}): decode step time, synchronous / async, the same "
+                f"requests in alternating blocks of steps", ["batch", "KV", "sync ms", "async ms", "speedup"],
+                [[*k[1:].split("_kv"), f"{p['step_ms']:.3f}", f"{p['async_step_ms']:.3f}",
+                  f"{p['step_ms'] / p['async_step_ms']:.2f}x"] for k, p in first_run["decode"].items()])
     if len(runs) == 2:
         inv, fast = runs["batch_invariant"], runs["torch_ops"]
         print_table("what batch invariance costs: decode step time, invariant / torch's ops",

@@ -8,8 +8,9 @@
 #   bash bench/gpu_session.sh engine   # bench engine on dummy:llama-1b, both modes, vs transformers
 #   bash bench/gpu_session.sh cluster  # bench transfer, handoff and chaos on cuda:0
 #   bash bench/gpu_session.sh serve    # bench serve: mono vs 1p1d vs 2p2d on dummy:llama-1b, step traces
+#   bash bench/gpu_session.sh overlap  # 1p1d served with and without --async-scheduling: loop share, ITL
 set -u
-stage=${1:?usage: bench/gpu_session.sh check|engine|cluster|serve}
+stage=${1:?usage: bench/gpu_session.sh check|engine|cluster|serve|overlap}
 OUT=${OUT:-/tmp/pdserve-gpu}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
@@ -55,8 +56,20 @@ serve)
     grep -v '^{' "$OUT/serve.log" | tail -n 40
     python3 -m common.step_trace "$OUT/steps" 48 | tee "$OUT/loop-share.jsonl"
     ;;
+overlap)
+    # issue 11: does async scheduling hide the decode worker's host work? Same load, each way.
+    for mode in sync async; do
+        flags=()
+        [ "$mode" = async ] && flags=(--worker-arg=--async-scheduling)
+        export PDSERVE_STEP_TRACE=$OUT/steps-$mode
+        run "serve-$mode" 270 pdserve bench serve --model dummy:llama-1b --devices cuda:0 --topologies 1p1d \
+            --scenarios realistic "${flags[@]}"
+        grep -v '^{' "$OUT/serve-$mode.log" | tail -n 12
+        python3 -m common.step_trace "$OUT/steps-$mode" 48 | tee "$OUT/loop-share-$mode.jsonl"
+    done
+    ;;
 *)
-    echo "unknown stage $stage; allowed: check, engine, cluster, serve" >&2
+    echo "unknown stage $stage; allowed: check, engine, cluster, serve, overlap" >&2
     exit 2
     ;;
 esac

@@ -42,19 +42,23 @@ def engine_options(f):
         click.option("--enforce-eager", is_flag=True,
                      help="no CUDA graphs: launch every decode step's kernels from Python (they are captured by "
                           "default on CUDA with the Triton attention)"),
+        click.option("--async-scheduling", is_flag=True,
+                     help="schedule and launch each step while the device still runs the one before, whose tokens "
+                          "the next step takes on the device: on a GPU the host's work hides behind the device's; "
+                          "on a CPU it only delays each token by a step. Same tokens either way"),
     ]
 
     @functools.wraps(f)
     def wrapper(*args, model, device, dtype, block_size, num_blocks, kv_cache_gb, gpu_memory_utilization,
                 max_num_seqs, max_num_batched_tokens, max_model_len, no_prefix_caching, attention_backend, kv_transport,
-                no_batch_invariant, enforce_eager, **kwargs):
+                no_batch_invariant, enforce_eager, async_scheduling, **kwargs):
         engine_kwargs = dict(model=model, device=device, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
                              kv_cache_gb=kv_cache_gb, gpu_memory_utilization=gpu_memory_utilization,
                              max_num_seqs=max_num_seqs,
                              max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                              enable_prefix_caching=not no_prefix_caching, attention_backend=attention_backend,
                              kv_transport=kv_transport, batch_invariant=not no_batch_invariant,
-                             enforce_eager=enforce_eager)
+                             enforce_eager=enforce_eager, async_scheduling=async_scheduling)
         return f(*args, engine_kwargs=engine_kwargs, **kwargs)
 
     for opt in reversed(opts):
@@ -70,8 +74,8 @@ def engine_argv(engine_kwargs: dict) -> list[str]:
             continue
         if key == "enable_prefix_caching":
             argv += [] if value else ["--no-prefix-caching"]
-        elif key == "enforce_eager":
-            argv += ["--enforce-eager"] if value else []
+        elif key in ("enforce_eager", "async_scheduling"):
+            argv += [f"--{key.replace('_', '-')}"] if value else []
         elif key == "batch_invariant":
             argv += [] if value else ["--no-batch-invariant"]
         else:

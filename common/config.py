@@ -65,6 +65,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
     enforce_eager: bool = False  # no CUDA graphs of the decode step (vLLM's name): every step launched from Python
+    async_scheduling: bool = False  # schedule and launch step N while N - 1 runs (common/engine.py)
     batch_invariant: bool = True  # on CUDA: kernels whose rounding does not depend on the batch (common/batch_invariant.py)
     kv_transport: str = "auto"  # how KV crosses between workers; auto: the fastest both ends support
     kv_shared: bool = False  # the KV pool in a named shared-memory segment (CPU): what shm writes into

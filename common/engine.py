@@ -3,6 +3,13 @@ forward at a time. The monolithic `pdserve generate` runs it directly; the prefi
 workers drive the same object request by request.
 
     step():  schedule -> prepare packed inputs -> forward -> sample -> postprocess
+
+With async scheduling (vLLM's --async-scheduling, SGLang's overlap scheduler) a step returns the
+outputs of the step before it: it schedules and launches step N while the device still runs
+N - 1, feeding N - 1's tokens to N's decodes on the device, and only then waits for N - 1's
+tokens. On a GPU the host's work then runs beside the device's instead of between its steps; the
+tokens are the same. A request that N - 1 finishes by a stop token has one wasted row in N, and
+blocks are freed only once no launched step can still write them.
 """
 
 from __future__ import annotations
@@ -21,11 +28,11 @@ from common.config import EngineConfig
 from common.cuda_graphs import DecodeGraphs
 from common.errors import InvalidArgument, first_line
 from common.kv_cache import BlockManager, allocate_kv_pool
-from common.model_runner import LayerHook, ModelRunner
+from common.model_runner import LaunchedStep, LayerHook, ModelRunner
 from common.sampling_params import SamplingParams, fresh_seed
 from common.scheduler import ScheduledSeq, Scheduler
 from common.text import TextStream
-from common.sequence import PREFILLED, Sequence, Status
+from common.sequence import PENDING, PREFILLED, Sequence, Status
 
 _CPU_KV_CACHE_GB = 1.0
 log = logging.getLogger("pdserve.engine")
@@ -69,6 +76,7 @@ class Engine:
         self.requests: dict[str, Sequence] = {}
         self.held: dict[str, Sequence] = {}  # prefill-only requests done, blocks kept for transfer
         self.last_batch: list[ScheduledSeq] = []  # what the last step ran (common/step_trace.py)
+        self.inflight: LaunchedStep | None = None  # launched, its tokens not yet read (async scheduling)
         self.num_reserved_seqs = 0  # running slots promised to KV transfers not yet arrived
         self._ids = itertools.count()
 
@@ -200,8 +208,19 @@ class Engine:
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return False
-        self.scheduler.finish(seq, "abort")
+        self._end(seq, "abort")
         return True
+
+    def _end(self, seq: Sequence, reason: str, keep_blocks: bool = False) -> None:
+        """Take seq out of the scheduler. Its blocks are freed now, or, where a launched step still
+        writes them, once that step is collected: a block another worker's KV is written into, or
+        a request is admitted to, must not take a late write."""
+        step = self.inflight
+        if keep_blocks or step is None or seq not in step.members:
+            self.scheduler.finish(seq, reason, free_blocks=not keep_blocks)
+        else:
+            self.scheduler.finish(seq, reason, free_blocks=False)
+            step.free_after.append(seq)
 
     # ------------------------------------------------------------------ disaggregation
 
@@ -281,7 +300,7 @@ class Engine:
         self.scheduler.admit_prefilled(seq)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self.inflight is not None
 
     def close(self) -> None:
         """Give back what outlives the process otherwise: the shared KV segment, if any."""
@@ -296,28 +315,53 @@ class Engine:
         """One packed forward. on_layer(i, batch) runs as soon as layer i's KV of the whole batch
         is written (on a GPU: queued on the current stream), before the later layers run
         (layer-wise KV streaming); the batch's num_computed_tokens still count the tokens before
-        this step."""
+        this step. With config.async_scheduling (and no on_layer), the outputs are those of the
+        step launched by the call before."""
+        prev = self.inflight
         batch = self.last_batch = self.scheduler.schedule()
-        if not batch:
-            return []
-        ordered, tokens, logprobs = self.runner.run(batch, on_layer)
-        outputs, sampled = [], iter(zip(tokens, logprobs))
-        for s in ordered:
+        self.inflight = self.runner.launch(batch, on_layer, prev) if batch else None
+        outputs = self._collect(prev) if prev is not None else []
+        step = self.inflight
+        if step is not None:
+            self._advance(step)
+            if on_layer is not None or not self.config.async_scheduling:
+                self.inflight = None
+                outputs += self._collect(step)
+        return outputs
+
+    def _advance(self, step: LaunchedStep) -> None:
+        """Count the launched step's tokens as computed; each sampling sequence gets a PENDING
+        token until the step is collected."""
+        for s in step.ordered:
             seq = s.seq
+            if seq.status is not Status.RUNNING:  # ended by the step before: its row here is dropped
+                continue
             seq.num_computed_tokens += s.num_tokens
             self.block_manager.cache_computed_blocks(seq)
-            if not s.samples:
+            if s.samples:
+                seq.token_ids.append(PENDING)
+
+    def _collect(self, step: LaunchedStep) -> list[RequestOutput]:
+        """Wait for the step's tokens, put them in place of their PENDING ones, and end the
+        sequences they finish."""
+        tokens = self.runner.collect(step)
+        outputs = []
+        for seq, token, logprob in zip(step.sampled, tokens, step.logprobs or [None] * len(tokens)):
+            if seq.status is Status.FINISHED:  # aborted, or finished by the step before
                 continue
             first = seq.first_token_time is None
-            seq.append_token(*next(sampled))
+            seq.token_ids.pop()
+            seq.append_token(token, logprob)
             if seq.finish_reason is not None:
                 held = seq.finish_reason == PREFILLED
-                self.scheduler.finish(seq, seq.finish_reason, free_blocks=not held)
+                self._end(seq, seq.finish_reason, keep_blocks=held)
                 seq.finish_time = time.monotonic()
                 del self.requests[seq.request_id]
                 if held:
                     self.held[seq.request_id] = seq
-            outputs.append(self._output(seq, [seq.token_ids[-1]], first))
+            outputs.append(self._output(seq, [token], first))
+        for seq in step.free_after:
+            self.block_manager.free_seq(seq)
         return outputs
 
     def _output(self, seq: Sequence, new: list[int], first: bool = False) -> RequestOutput:

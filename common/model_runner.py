@@ -4,6 +4,7 @@ forward (eager, or a CUDA graph's replay for a decode batch), and sampling on th
 from __future__ import annotations
 
 import array
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -18,6 +19,24 @@ from common.sequence import Sequence
 LayerHook = Callable[[int, list[ScheduledSeq]], None]
 
 
+@dataclass
+class LaunchedStep:
+    """A step whose forward and sampling are queued on the device; `collect` waits for its tokens.
+    Until then the next step may be scheduled and launched (async scheduling): its decodes of these
+    sequences feed these tokens on the device (`rows`), and the host sees PENDING in their place."""
+    ordered: list[ScheduledSeq]  # the batch in packed order
+    sampled: list[Sequence]  # those that sample, in the order of their tokens
+    rows: dict[Sequence, int]  # each sampling sequence's row in tokens_S
+    members: set[Sequence]  # every sequence whose KV the step writes
+    tokens_S: torch.Tensor | None = None  # on the device
+    host_S: torch.Tensor | None = None  # their copy to the host, complete once `ready` is
+    ready: torch.cuda.Event | None = None
+    tokens: list[int] | None = None  # read already (a step that wants logprobs reads them at launch)
+    logprobs: list[Logprob | None] = field(default_factory=list)
+    timing: list | None = None  # CUDA events around the device work
+    free_after: list[Sequence] = field(default_factory=list)  # ended while in this step: their blocks wait for it
+
+
 class ModelRunner:
     """Turns a scheduled batch into packed tensors, runs the forward and samples."""
 
@@ -30,11 +49,14 @@ class ModelRunner:
     def _tensor(self, data, dtype=torch.int64):
         return torch.tensor(data, dtype=dtype, device=self.device)
 
-    def prepare(self, batch: list[ScheduledSeq]):
+    def prepare(self, batch: list[ScheduledSeq], prev: LaunchedStep | None = None):
         """The step's inputs, all int64, packed into one host buffer and moved to the device in one
         copy (pinned and asynchronous on a GPU), then viewed apart: a tensor per field would cost a
         copy and a launch each. The buffer is an array.array filled by list extends (C loops): a
-        Python loop per value, or torch.tensor over a list, costs 2-3x as much at batch 64."""
+        Python loop per value, or torch.tensor over a list, costs 2-3x as much at batch 64.
+
+        A decode whose token the step `prev` is still sampling takes it from prev's tokens on the
+        device, by one gather and scatter: the host never waits for it."""
         bs = self.block_size
         # longest first: the portable attention reads runs of similar length at their own width
         decodes = sorted((s for s in batch if s.is_decode), key=lambda s: -len(s.seq))
@@ -58,10 +80,17 @@ class ModelRunner:
             if s.samples:
                 sample_rows.append(row - 1)
         lens = [len(s.seq) for s in decodes]
+        feed_rows, feed_src = [], []
+        if prev is not None:
+            for i, s in enumerate(decodes):
+                src = prev.rows.get(s.seq)
+                if src is not None:
+                    feed_rows.append(i)
+                    feed_src.append(src)
         width = max((len(s.seq.block_table) for s in decodes), default=0)
         buf = array.array("q", input_ids)
-        for field in (positions, slots, sample_rows, lens):
-            buf.extend(field)
+        for part in (positions, slots, sample_rows, lens, feed_rows, feed_src):
+            buf.extend(part)
         pad = [0] * width
         for s in decodes:  # the decode tables, padded with block 0 to one width
             buf.extend(s.seq.block_table)
@@ -71,9 +100,12 @@ class ModelRunner:
         # a copy that owns its memory: frombuffer shares buf's, which goes with this frame
         host = torch.frombuffer(buf, dtype=torch.int64).clone() if buf else torch.empty(0, dtype=torch.int64)
         packed = upload(host, self.device)
-        sizes = [len(input_ids), len(positions), len(slots), len(sample_rows), len(lens), len(decodes) * width]
+        sizes = [len(input_ids), len(positions), len(slots), len(sample_rows), len(lens), len(feed_rows),
+                 len(feed_src), len(decodes) * width]
         views = packed.split(sizes + [len(t) for t in tables])
-        input_T, positions_T, slots_T, sample_rows_S, lens_B, tables_flat = views[:6]
+        input_T, positions_T, slots_T, sample_rows_S, lens_B, feed_rows_F, feed_src_F, tables_flat = views[:8]
+        if feed_rows:
+            input_T[feed_rows_F] = prev.tokens_S[feed_src_F]
         decode_tables = decode_lens = decode_mask = groups = None
         if decodes:
             decode_tables, decode_lens = tables_flat.view(len(decodes), width), lens_B
@@ -82,7 +114,7 @@ class ModelRunner:
                 decode_mask = visible[:, None, None, :]
                 groups = decode_groups(lens, bs)
         chunks, offset = [], len(decodes)
-        for s, table in zip(prefills, views[6:]):
+        for s, table in zip(prefills, views[8:]):
             chunks.append(PrefillChunk(offset, offset + s.num_tokens, s.start, table))
             offset += s.num_tokens
         meta = AttentionMetadata(slots_T, len(decodes), decode_tables, decode_lens, decode_mask, chunks, groups,
@@ -103,16 +135,17 @@ class ModelRunner:
         return out
 
     @torch.inference_mode()
-    def run(self, batch: list[ScheduledSeq], on_layer: LayerHook | None = None
-            ) -> tuple[list[ScheduledSeq], list[int], list[Logprob | None]]:
-        """Returns the batch in packed order, the tokens sampled for its `samples` entries and
-        their logprobs (None where not asked for). Prompt logprobs go straight into their sequences."""
-        self.last_gpu_ms = None
-        ordered, input_ids, positions, meta, sample_rows = self.prepare(batch)
-        events = None
+    def launch(self, batch: list[ScheduledSeq], on_layer: LayerHook | None = None,
+               prev: LaunchedStep | None = None) -> LaunchedStep:
+        """Queue the step's forward and sampling; on a GPU the host goes on while they run. Prompt
+        logprobs go straight into their sequences; a step asking for token logprobs reads its tokens
+        here (their entries need them)."""
+        ordered, input_ids, positions, meta, sample_rows = self.prepare(batch, prev)
+        sampled = [s.seq for s in ordered if s.samples]
+        step = LaunchedStep(ordered, sampled, {q: i for i, q in enumerate(sampled)}, {s.seq for s in ordered})
         if self.timing and self.device.type == "cuda":  # from the forward's first launch, past the input copy
-            events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-            events[0].record()
+            step.timing = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+            step.timing[0].record()
         n = meta.num_decode
         if (self.graphs is not None and on_layer is None and not meta.prefills and 0 < n <= self.graphs.max_size):
             logits_SV = self.graphs.run(input_ids, positions, meta.slot_mapping, meta.decode_context_lens,
@@ -127,25 +160,41 @@ class ModelRunner:
                                          [q.params.prompt_logprobs for q, _, _ in prompt_rows])
                 for (q, _, p), entry in zip(prompt_rows, entries):
                     q.prompt_logprobs[p + 1] = entry
-            if not sample_rows.numel():
-                if events is not None:
-                    events[1].record()
-                    events[1].synchronize()
-                    self.last_gpu_ms = events[0].elapsed_time(events[1])
-                return ordered, [], []
+            if not sampled:
+                step.tokens = []
+                if step.timing is not None:
+                    step.timing[1].record()
+                return step
             logits_SV = self.model.logits(hidden_TC[sample_rows])
-        sampled = [s.seq for s in ordered if s.samples]
-        tokens_S = sample(logits_SV, [q.params for q in sampled], [q.seed for q in sampled], [len(q) for q in sampled])
-        if events is not None:
-            events[1].record()
-        tokens = tokens_S.tolist()  # the step's one wait for the device
-        if events is not None:
-            self.last_gpu_ms = events[0].elapsed_time(events[1])
-        logprobs: list[Logprob | None] = [None] * len(sampled)
+        step.tokens_S = sample(logits_SV, [q.params for q in sampled], [q.seed for q in sampled],
+                               [len(q) for q in sampled])
+        if step.timing is not None:
+            step.timing[1].record()
+        step.logprobs = [None] * len(sampled)
         wanted = [i for i, q in enumerate(sampled) if q.params.logprobs is not None]
         if wanted:
-            entries = token_logprobs(logits_SV[self._tensor(wanted)], [tokens[i] for i in wanted],
+            step.tokens = step.tokens_S.tolist()
+            entries = token_logprobs(logits_SV[self._tensor(wanted)], [step.tokens[i] for i in wanted],
                                      [sampled[i].params.logprobs for i in wanted])
             for i, entry in zip(wanted, entries):
-                logprobs[i] = entry
-        return ordered, tokens, logprobs
+                step.logprobs[i] = entry
+        elif self.device.type == "cuda":
+            step.host_S = torch.empty(len(sampled), dtype=torch.int64, pin_memory=True)
+            step.host_S.copy_(step.tokens_S, non_blocking=True)
+            step.ready = torch.cuda.Event()
+            step.ready.record()
+        return step
+
+    def collect(self, step: LaunchedStep) -> list[int]:
+        """The step's sampled tokens, in the order of step.sampled: the host's one wait for the device."""
+        if step.tokens is None:
+            if step.ready is not None:
+                step.ready.synchronize()
+                step.tokens = step.host_S.tolist()
+            else:
+                step.tokens = step.tokens_S.tolist()
+        self.last_gpu_ms = None
+        if step.timing is not None:
+            step.timing[1].synchronize()
+            self.last_gpu_ms = step.timing[0].elapsed_time(step.timing[1])
+        return step.tokens

@@ -64,7 +64,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         batch: list[ScheduledSeq] = []
         for seq in list(self.running):
-            if seq.status is not Status.RUNNING or not seq.is_decoding:
+            if seq.status is not Status.RUNNING or not seq.is_decoding or seq.ends_at_last_token:
                 continue
             # Preempting newest first never touches a sequence already batched (they are older).
             while self.bm.needs_block(seq) and self.bm.num_free_blocks == 0:
@@ -86,6 +86,8 @@ class Scheduler:
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.pending:  # preempted while its token is sampled: admitted once that is known
+                break
             reserve = self.watermark if self.running else 0
             if not self.bm.can_allocate(seq, reserve):
                 break

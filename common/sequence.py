@@ -11,6 +11,7 @@ from common.text import TextStream
 
 
 PREFILLED = "prefilled"  # finish reason of a prefill-only request: KV computed, more to generate
+PENDING = -1  # in token_ids: a token a launched step is still sampling (async scheduling; common/engine.py)
 
 
 class Status(enum.Enum):
@@ -64,6 +65,18 @@ class Sequence:
     def is_decoding(self) -> bool:
         """Everything but the newest token is in the cache: the next step feeds one token."""
         return self.num_uncomputed == 1 and len(self.token_ids) > self.num_prompt_tokens
+
+    @property
+    def pending(self) -> bool:
+        """Its newest token is still being sampled on the device (async scheduling)."""
+        return self.token_ids[-1] == PENDING
+
+    @property
+    def ends_at_last_token(self) -> bool:
+        """Its newest token ends it, whichever token that turns out to be (its length, or a
+        prefill-only request's one token): async scheduling must not schedule it again."""
+        n = len(self.token_ids)
+        return n >= self.max_len or (self.prefill_only and n > self.num_prompt_tokens)
 
     def append_token(self, token: int, logprob=None) -> None:
         self.token_ids.append(token)

@@ -8,7 +8,8 @@ Columns: start (time.monotonic s), step_ms (Engine.step), send_ms (handing its o
 gap_ms (from the previous step's end to this one's start: polling, handling messages, ticks),
 gpu_ms (the device's timeline from the step's input copy to its sampled tokens, by CUDA events:
 its busy time when the step is a CUDA graph's replay, and with eager launches also the time it
-waited on Python; empty on a CPU),
+waited on Python; empty on a CPU; with async scheduling, that of the step before, whose tokens
+this one read),
 decodes (sequences decoding one token), longest (the longest of them, tokens), kv_tokens (the
 KV they read: what a paged kernel reads), kv_padded (what the portable attention reads, each run of
 similar lengths padded to its longest: common/attention.decode_kv_read), prefill_tokens,

@@ -127,8 +127,9 @@ class WorkerBase:
     def run(self):
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: setattr(self, "stopping", True))
-        log.info("%s %s on %s: %s, %d KV blocks", self.role, self.worker_id, self.engine.config.torch_device,
-                 self.engine.config.model, self.engine.num_blocks)
+        log.info("%s %s on %s: %s, %d KV blocks%s", self.role, self.worker_id, self.engine.config.torch_device,
+                 self.engine.config.model, self.engine.num_blocks,
+                 ", async scheduling" if self.engine.config.async_scheduling else "")
         trace = StepTrace.from_env(self.worker_id, self.engine.config.block_size)
         self.engine.runner.timing = trace is not None
         try:

@@ -59,6 +59,8 @@ def test_bench_engine_prints_table_and_json():
         assert point["of_floor"] == pytest.approx(point["floor_ms"] / point["step_ms"], abs=0.002)
     assert result["weight_bytes"] > 0 and result["kv_bytes_per_token"] == 4 * 2 * 4 * 16 * 4  # nanogpt, float32
     assert run["prefill"]["tokens"] == 32 and 0 < run["prefill"]["of_peak"]
+    assert all(p["async_step_ms"] > 0 for p in run["decode"].values())
+    assert "async scheduling (torch ops)" in r.stdout
     assert "[torch_ops 4/4] decode batch 2, KV 16" in r.stderr  # progress
     vs = result["vs_transformers"]
     assert vs["load"] is None and vs["transformers_cache"] == "static"

@@ -71,7 +71,7 @@ def test_batch_invariance_across_runs_of_lengths(model):
     alone = [engine.generate([p], [sp])[0].token_ids for p, sp in zip(ps, params)]
     runs = []
     prepare = engine.runner.prepare
-    engine.runner.prepare = lambda batch: (out := prepare(batch), runs.append(len(out[3].decode_groups or [])))[0]
+    engine.runner.prepare = lambda batch, prev=None: (out := prepare(batch, prev), runs.append(len(out[3].decode_groups or [])))[0]
     assert tokens(engine.generate(ps, params)) == alone
     assert max(runs) > 1  # some step read its decodes in more than one run
     assert_all_blocks_free(engine)

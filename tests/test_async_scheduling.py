@@ -1,0 +1,129 @@
+"""Async scheduling (common/engine.py): step N is scheduled and launched before step N - 1's tokens
+are read, which N's decodes take on the device. The tokens, logprobs and finish reasons must be
+the synchronous engine's, through stop tokens, stop strings, length limits, preemption and prefix
+hits; and no block may be handed out while a launched step can still write it."""
+
+import random
+
+import pytest
+
+from common.engine import Engine
+from common.sampling_params import SamplingParams
+from common.sequence import PENDING
+from tests.test_engine import assert_all_blocks_free, prompts
+
+
+def varied_params(model, ps, seed=0):
+    """Greedy and seeded requests of 1 to 30 tokens, some asking for logprobs, and every third
+    stopped by a token it would generate halfway (found by a run without stop tokens)."""
+    rng = random.Random(seed)
+    out = [SamplingParams(temperature=0 if i % 2 else 0.9, top_k=20 * (i % 3), seed=100 + i,
+                          max_tokens=rng.randint(1, 30), ignore_eos=True, logprobs=2 if i % 5 == 0 else None)
+           for i in range(len(ps))]
+    free = Engine(model=model).generate(ps, out)
+    for i in range(0, len(ps), 3):
+        out[i].stop_token_ids = [free[i].token_ids[len(free[i].token_ids) // 2]]
+    return out
+
+
+def assert_same_results(got, want):
+    """Tokens and finish reasons exactly; logprobs' ids exactly and their values to float32's
+    noise (a batch of another shape may round them differently)."""
+    assert [(o.token_ids, o.finish_reason) for o in got] == [(o.token_ids, o.finish_reason) for o in want]
+    for g, w in zip(got, want):
+        assert (g.logprobs is None) == (w.logprobs is None)
+        for eg, ew in zip(g.logprobs or [], w.logprobs or []):
+            assert eg[1] == ew[1] and [eg[0]] + eg[2] == pytest.approx([ew[0]] + ew[2], abs=1e-4)
+
+
+@pytest.mark.parametrize("model", ["dummy:nanogpt", "dummy:llama-tiny"])
+@pytest.mark.parametrize("pool", [None, dict(block_size=4, num_blocks=40)], ids=["roomy", "preempting"])
+def test_async_scheduling_gives_the_synchronous_tokens(model, pool):
+    ps = prompts(12, 2, 40, seed=7)
+    ps[3] = ps[2][:32] + [1, 2]  # a prefix hit
+    params = varied_params(model, ps)
+    runs = {}
+    for on in (False, True):
+        engine = Engine(model=model, max_num_seqs=8, async_scheduling=on, **(pool or {}))
+        runs[on] = engine.generate(ps, params)
+        assert_all_blocks_free(engine)
+        assert not engine.has_unfinished()
+        if pool:
+            assert engine.scheduler.num_preemptions > 0
+    assert_same_results(runs[True], runs[False])
+    assert {o.finish_reason for o in runs[True]} == {"stop", "length"}
+    assert any(o.logprobs for o in runs[True])
+
+
+def test_a_step_returns_the_tokens_of_the_step_before():
+    engine = Engine(model="dummy:nanogpt", async_scheduling=True)
+    rid = engine.add_request(prompts(1, 5, 5)[0], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    seq = engine.requests[rid]
+    assert engine.step() == []  # the prefill is launched; its token is not read yet
+    assert seq.token_ids[-1] == PENDING and engine.has_unfinished()
+    got = []
+    while engine.has_unfinished():
+        outs = engine.step()
+        got += [t for o in outs for t in o.new_token_ids]
+        assert PENDING not in [t for o in outs for t in o.token_ids]
+    assert got == Engine(model="dummy:nanogpt").generate([seq.prompt_token_ids], seq.params)[0].token_ids
+    assert_all_blocks_free(engine)
+
+
+def test_blocks_of_a_request_ended_in_flight_wait_for_its_step():
+    """Aborted while a launched step still writes its KV: its blocks stay taken until that step
+    is collected, so a KV transfer granted them meanwhile cannot be overwritten."""
+    for on in (False, True):
+        engine = Engine(model="dummy:nanogpt", async_scheduling=on)
+        rid = engine.add_request(prompts(1, 40, 40)[0], SamplingParams(max_tokens=20, ignore_eos=True))
+        engine.step()
+        engine.step()
+        assert engine.abort_request(rid)
+        bm = engine.block_manager
+        if on:
+            assert bm.num_free_blocks == bm.num_blocks - 3  # 41 tokens in 16-token blocks, still written
+            assert engine.has_unfinished() and engine.step() == []
+        assert_all_blocks_free(engine)
+        assert not engine.has_unfinished()
+
+
+def test_a_request_ending_by_length_is_not_scheduled_past_its_end():
+    engine = Engine(model="dummy:nanogpt", max_model_len=24, async_scheduling=True)
+    rows = []
+    launch = engine.runner.launch
+    engine.runner.launch = lambda batch, *a: (rows.append(len(batch)), launch(batch, *a))[1]
+    out = engine.generate([prompts(1, 20, 20)[0]], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 4
+    assert rows == [1] * 4  # a prefill and three decodes: none past max_model_len
+
+
+def test_a_cluster_scheduling_async_serves_the_monolithic_tokens_and_frees_cancelled_work(tmp_path):
+    from router.client import Client
+    from tests.cluster import cluster, wait_blocks_free
+    from tests.test_cluster import check_cluster_matches
+
+    with cluster(tmp_path, worker_args=["--async-scheduling"]) as c:
+        check_cluster_matches(c.address, "dummy:nanogpt", n=30)
+        with Client(c.address, timeout=60) as client:
+            streams = [client.stream([i + 1] * 40, max_tokens=500, ignore_eos=True, temperature=0) for i in range(3)]
+            for s in streams:
+                next(s)  # decoding has started
+            for s in streams:
+                client.cancel(s.request_id)
+                for _ in s:
+                    pass
+                assert s.result.finish_reason == "cancelled"
+            workers = wait_blocks_free(client)
+            assert all(w["free_blocks"] == w["total_blocks"] for w in workers), workers
+    logs = [p.read_text() for p in (tmp_path / "logs").glob("*.log")]
+    assert sum("KV blocks, async scheduling" in text for text in logs) == 2, [p.name for p in (tmp_path / "logs").iterdir()]
+
+
+def test_the_flag_reaches_the_workers_launch_starts():
+    """`pdserve launch --async-scheduling` hands its engine flags to each worker (engine_argv)."""
+    from common.cli_options import engine_argv, engine_kwargs_from
+
+    given = engine_kwargs_from(["--async-scheduling", "--enforce-eager", "--no-batch-invariant", "--max-num-seqs", "8"])
+    assert given["async_scheduling"] and given["enforce_eager"] and not given["batch_invariant"]
+    assert engine_kwargs_from(engine_argv(given)) == given
+    assert not engine_kwargs_from([])["async_scheduling"]
