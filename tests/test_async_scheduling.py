@@ -13,14 +13,14 @@ from common.sequence import PENDING
 from tests.test_engine import assert_all_blocks_free, prompts
 
 
-def varied_params(model, ps, seed=0):
+def varied_params(ps, seed=0, **engine_kwargs):
     """Greedy and seeded requests of 1 to 30 tokens, some asking for logprobs, and every third
     stopped by a token it would generate halfway (found by a run without stop tokens)."""
     rng = random.Random(seed)
     out = [SamplingParams(temperature=0 if i % 2 else 0.9, top_k=20 * (i % 3), seed=100 + i,
                           max_tokens=rng.randint(1, 30), ignore_eos=True, logprobs=2 if i % 5 == 0 else None)
            for i in range(len(ps))]
-    free = Engine(model=model).generate(ps, out)
+    free = Engine(**engine_kwargs).generate(ps, out)
     for i in range(0, len(ps), 3):
         out[i].stop_token_ids = [free[i].token_ids[len(free[i].token_ids) // 2]]
     return out
@@ -41,7 +41,7 @@ def assert_same_results(got, want):
 def test_async_scheduling_gives_the_synchronous_tokens(model, pool):
     ps = prompts(12, 2, 40, seed=7)
     ps[3] = ps[2][:32] + [1, 2]  # a prefix hit
-    params = varied_params(model, ps)
+    params = varied_params(ps, model=model)
     runs = {}
     for on in (False, True):
         engine = Engine(model=model, max_num_seqs=8, async_scheduling=on, **(pool or {}))
@@ -53,6 +53,28 @@ def test_async_scheduling_gives_the_synchronous_tokens(model, pool):
     assert_same_results(runs[True], runs[False])
     assert {o.finish_reason for o in runs[True]} == {"stop", "length"}
     assert any(o.logprobs for o in runs[True])
+
+
+def test_async_decodes_through_the_graph_buffers_give_the_synchronous_tokens():
+    """The GPU path on CPU (tests/test_cuda_graphs.py): the Triton attention interpreted, decodes
+    through the graphs' static buffers, whose input ids the step before fills on the device."""
+    pytest.importorskip("triton")
+    from tests.test_cuda_graphs import _with_uncaptured_graphs
+
+    ps = prompts(4, 3, 12, seed=8)
+    kwargs = dict(model="dummy:llama-tiny", attention_backend="triton", max_num_seqs=4)
+    params = varied_params(ps, model="dummy:llama-tiny")  # its stop tokens from SDPA's tokens: the same
+    for p in params:
+        p.max_tokens = min(p.max_tokens, 4)
+    runs, replays = {}, []
+    for on in (False, True):
+        engine = Engine(**kwargs, async_scheduling=on)
+        graphs = _with_uncaptured_graphs(engine)
+        run = graphs.run
+        graphs.run = lambda *a: replays.append(on) or run(*a)
+        runs[on] = engine.generate(ps, params)
+    assert_same_results(runs[True], runs[False])
+    assert replays.count(True) > 2 and replays.count(False) > 2
 
 
 def test_a_step_returns_the_tokens_of_the_step_before():

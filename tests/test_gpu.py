@@ -97,6 +97,26 @@ def test_bfloat16_llama_1b_gives_each_request_its_tokens_in_any_batch_and_chunki
     assert run(7, 7, together=True) == alone
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_async_scheduling_on_the_gpu_gives_the_synchronous_tokens(dtype):
+    """Through the captured graphs, stop tokens, logprobs and a preempting pool: each step's
+    decodes take the tokens of the step before on the device, and give the synchronous tokens."""
+    from tests.test_async_scheduling import assert_same_results, varied_params
+
+    ps = prompts(12, 2, 200, seed=16)
+    kwargs = dict(model="dummy:llama-tiny", device="cuda:0", dtype=dtype, max_num_seqs=8, block_size=16,
+                  num_blocks=40)
+    params = varied_params(ps, **kwargs)
+    runs = {}
+    for on in (False, True):
+        engine = Engine(**kwargs, async_scheduling=on)
+        assert engine.runner.graphs is not None
+        runs[on] = engine.generate(ps, params)
+        assert engine.scheduler.num_preemptions > 0
+        assert engine.block_manager.num_free_blocks == engine.num_blocks
+    assert_same_results(runs[True], runs[False])
+
+
 def test_bench_engine_on_the_gpu_reports_both_modes():
     import json
     import subprocess
