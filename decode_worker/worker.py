@@ -265,7 +265,7 @@ class DecodeWorker(WorkerBase):
             attempt, timings = self.streams.get(out.request_id, (None, None))
             if attempt is None:
                 continue
-            index = len(out.token_ids) - len(out.new_token_ids)
+            index = out.num_tokens - len(out.new_token_ids)
             reason = out.finish_reason if out.finished else None
             new = len(out.new_token_ids)
             prefilled = self.role == "mono" and index == 0

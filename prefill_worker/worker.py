@@ -156,7 +156,7 @@ class PrefillWorker(WorkerBase):
             if work is None:
                 continue
             index = len(work.token_ids) - work.num_prompt_tokens
-            first = out.token_ids[-1]
+            first = out.new_token_ids[-1]
             timings = {"prefill_s": now - received}
             if "queue_s" in out.metrics:  # waiting for the engine to take it
                 timings["queue_s"] = out.metrics["queue_s"]

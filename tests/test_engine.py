@@ -276,3 +276,18 @@ def test_logprobs_of_prompt_and_output_do_not_depend_on_chunking_or_the_prefix_c
     plain = engine.generate([base], SamplingParams(temperature=0, max_tokens=2))[0]
     assert plain.logprobs is None and plain.prompt_logprobs is None and plain.metrics["num_cached_tokens"] == 48
     assert_all_blocks_free(engine)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_each_output_keeps_the_tokens_of_its_step(async_scheduling):
+    """An output reads its tokens from the request's list on access (not a copy a step): what it
+    shows must still be its step's tokens after later steps, a stop and the request's end."""
+    engine = Engine(model="dummy:nanogpt", async_scheduling=async_scheduling)
+    engine.add_request(prompts(1, 9, 9)[0], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    final = outs[-1].token_ids
+    assert len(final) == 8 and outs[-1].finished
+    assert [o.token_ids for o in outs] == [final[:i + 1] for i in range(8)]
+    assert [o.new_token_ids for o in outs] == [[t] for t in final] and [o.num_tokens for o in outs] == list(range(1, 9))
