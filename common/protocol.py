@@ -304,17 +304,25 @@ def unbatch_tokens(batch: WorkerTokenBatch) -> list[WorkerTokens | ProtocolError
     """Each item as a WorkerTokens, checked as a message of its own is; a bad item is its
     ProtocolError, in its place, and the others stand."""
     fields = _schema(WorkerTokens)[1]
+    checks = [f.check for f in fields]
     out: list[WorkerTokens | ProtocolError] = []
     for i, item in enumerate(batch.items):
+        if type(item) is list and len(item) == len(checks) and all(map(_holds, checks, item)):
+            out.append(WorkerTokens(*item))  # every field given and of its type: the usual item
+            continue
         if not isinstance(item, list) or len(item) > len(fields):
             out.append(ProtocolError(f"WorkerTokenBatch.items[{i}]={_short(item)}; allowed: a list of at most "
                                      f"{len(fields)} WorkerTokens fields"))
             continue
-        try:
+        try:  # defaults to fill in, or an error to name
             out.append(_build(WorkerTokens, {f.name: v for f, v in zip(fields, item)}))
         except ProtocolError as e:
             out.append(e)
     return out
+
+
+def _holds(check: Callable[[object], bool], value) -> bool:
+    return check(value)
 
 
 @dataclass(frozen=True)
@@ -359,7 +367,11 @@ def _checker(hint) -> Callable[[object], bool]:
     """A test of whether a decoded value is of this type (msgpack gives exact ints, lists and dicts)."""
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
-        checks = [_checker(h) for h in typing.get_args(hint)]
+        args = typing.get_args(hint)
+        if len(args) == 2 and type(None) in args:  # X | None, most of them: no generator per value
+            check = _checker(next(h for h in args if h is not type(None)))
+            return lambda v: v is None or check(v)
+        checks = [_checker(h) for h in args]
         return lambda v: any(c(v) for c in checks)
     if hint is type(None):
         return lambda v: v is None
@@ -374,7 +386,7 @@ def _checker(hint) -> Callable[[object], bool]:
     if hint is typing.Any:
         return lambda v: True
     if hint is int:
-        return lambda v: isinstance(v, int) and not isinstance(v, bool)
+        return lambda v: type(v) is int  # msgpack's ints are exact; a bool is not one
     if hint is float:
         return lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
     return lambda v: isinstance(v, hint)

@@ -80,3 +80,7 @@ def test_a_token_batch_carries_each_item_checked_alone():
     assert first == items[0] and all(isinstance(e, P.ProtocolError) for e in bad)
     assert "WorkerTokens.token_ids='not token ids' has the wrong type" in str(bad[0])
     assert "missing field 'index'" in str(bad[1]) and "items[3]" in str(bad[2])
+    # every field given, but a bool for an int (msgpack keeps them apart); and one leaving its defaults out
+    rest = P.unbatch_tokens(P.WorkerTokenBatch([["d", True, 0, [1], None, {}, None, None], ["e", 1, 0, [2]]]))
+    assert "WorkerTokens.attempt=True has the wrong type" in str(rest[0])
+    assert rest[1] == P.WorkerTokens("e", 1, 0, [2])
