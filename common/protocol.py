@@ -106,6 +106,7 @@ class Register:
     kv_address: str = ""  # decode/mono: where prefill workers push KV
     model: str = ""
     kv_transports: list[str] = field(default_factory=list)  # KV transports it sends (prefill) or receives by
+    kv_dtype: str = ""  # of its KV pool: a prefill and a decode worker must agree on it, and on block_size
 
 
 @dataclass

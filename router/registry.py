@@ -23,6 +23,8 @@ class Worker:
     block_size: int
     kv_address: str
     kv_transports: list[str] = field(default_factory=list)  # what it sends (prefill) or receives (decode) KV by
+    kv_dtype: str = ""  # its KV pool's dtype ("": not said, an older worker)
+    kv_warned: bool = False  # the router has said that no worker of the other role holds KV alike
     registered_at: float = field(default_factory=time.monotonic)
     last_seen: float = field(default_factory=time.monotonic)
     queued: int = 0
@@ -37,7 +39,16 @@ class Worker:
                 "device": self.device, "alive": self.alive, "queued": self.queued, "running": self.running,
                 "assigned": len(self.assigned), "free_blocks": self.free_blocks,
                 "total_blocks": self.total_blocks, "kv_address": self.kv_address, "kv_transports": self.kv_transports,
-                "heartbeat_age_s": round(now - self.last_seen, 3)}
+                "kv_dtype": self.kv_dtype, "block_size": self.block_size, "heartbeat_age_s": round(now - self.last_seen, 3)}
+
+    def kv_fits(self, other: "Worker") -> bool:
+        """Whether KV moves between the two as it is: the same block size and dtype (an older
+        worker that does not say its dtype is taken at its word when the KV arrives)."""
+        return self.block_size == other.block_size and (not self.kv_dtype or not other.kv_dtype
+                                                         or self.kv_dtype == other.kv_dtype)
+
+    def kv_name(self) -> str:
+        return f"{self.kv_dtype or 'unsaid-dtype'} KV in {self.block_size}-token blocks"
 
 
 class Registry:

@@ -407,10 +407,25 @@ class Router:
             self.worker_lost(old, "restarted under a new incarnation")
         self.registry.workers[msg.worker_id] = Worker(msg.worker_id, msg.role, msg.incarnation, identity, msg.device,
                                                       msg.total_blocks, msg.block_size, msg.kv_address,
-                                                      list(msg.kv_transports), free_blocks=msg.total_blocks)
-        log.info("worker %s registered: role=%s device=%s blocks=%d kv=%s by %s", msg.worker_id, msg.role,
-                 msg.device, msg.total_blocks, msg.kv_address or "-", ",".join(msg.kv_transports) or "-")
+                                                      list(msg.kv_transports), kv_dtype=msg.kv_dtype,
+                                                      free_blocks=msg.total_blocks)
+        w = self.registry.workers[msg.worker_id]
+        log.info("worker %s registered: role=%s device=%s blocks=%d (%s) kv=%s by %s", msg.worker_id, msg.role,
+                 msg.device, msg.total_blocks, w.kv_name(), msg.kv_address or "-", ",".join(msg.kv_transports) or "-")
+        self._warn_kv_orphans()
         self._send(self.backend, P.Registered(msg.worker_id, msg.incarnation), identity)
+
+    def _warn_kv_orphans(self):
+        """Name, once, each prefill or decode worker whose KV (dtype, block size) no live worker of
+        the other role holds alike: pairs() never sends it work."""
+        prefill, decode = self.registry.alive(("prefill",)), self.registry.alive(("decode",))
+        for w, others in [(p, decode) for p in prefill] + [(d, prefill) for d in decode]:
+            if others and not w.kv_warned and not any(w.kv_fits(o) for o in others):
+                w.kv_warned = True
+                log.error("worker %s holds %s; no %s worker registered does (%s): it gets no work until one that "
+                          "matches registers. Start every worker with the same --dtype and --block-size",
+                          w.worker_id, w.kv_name(), others[0].role,
+                          "; ".join(f"{o.worker_id}: {o.kv_name()}" for o in others))
 
     def worker_lost(self, w: Worker, why: str):
         w.alive = False
@@ -535,10 +550,12 @@ DECODE_FAULTS = ("NO_ROOM", "LAYOUT_MISMATCH")  # WorkerError codes that say the
 
 
 def pairs(req: Request, p: Worker, d: Worker) -> bool:
-    """Whether to send req's KV from p to d: they share a KV transport (by name: whether it works
-    between their hosts only p can tell), and req has not failed between them already."""
+    """Whether to send req's KV from p to d: they hold KV alike (dtype, block size), share a KV
+    transport (by name: whether it works between their hosts only p can tell), and req has not
+    failed between them already."""
     shared = not p.kv_transports or not d.kv_transports or set(p.kv_transports) & set(d.kv_transports)
-    return bool(shared) and not {(p.worker_id, d.worker_id), ("*", d.worker_id)} & req.failed_pairs
+    return (bool(shared) and p.kv_fits(d)
+            and not {(p.worker_id, d.worker_id), ("*", d.worker_id)} & req.failed_pairs)
 
 
 def run_router(cfg: RouterConfig):

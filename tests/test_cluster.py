@@ -221,3 +221,34 @@ def test_workers_report_their_prefill_time(tmp_path, shape):
         for n in (16, 300):
             t = client.generate([1 + i % 200 for i in range(n)], max_tokens=3, temperature=0).timings
             assert 0 < t["prefill_s"] < t["ttft_s"], t
+
+
+def test_pairs_needs_the_same_kv_dtype_and_block_size():
+    from router.registry import Worker
+    from router.server import Request, pairs
+
+    def worker(name, dtype, block_size=16):
+        return Worker(name, name.split("-")[0], "x", b"", "cpu", 8, block_size, "", [], kv_dtype=dtype)
+    p = worker("prefill-0", "float32")
+    req = Request("r", b"c", "c", [1], SamplingParams(), 0, False)
+    assert pairs(req, p, worker("decode-0", "float32")) and pairs(req, p, worker("decode-1", ""))  # "": not said
+    assert not pairs(req, p, worker("decode-2", "bfloat16")) and not pairs(req, p, worker("decode-3", "float32", 32))
+
+
+def test_a_decode_worker_holding_other_kv_is_named_at_registration_and_gets_no_work(tmp_path):
+    """One of two decode workers started with another --dtype: the router says so when it
+    registers, sends it nothing, and every request is served token-exact by the other."""
+    from router.launcher import Cluster
+
+    c = Cluster("dummy:nanogpt", 1, 2, 0, ["cpu"], "127.0.0.1", 0, 0, tmp_path / "logs", "round_robin", [],
+                threads=1, restart=False)
+    odd = next(w for w in c.workers if w.name == "decode-1")
+    odd.argv += ["--dtype", "bfloat16"]
+    try:
+        c.start()
+        check_cluster_matches(c.address, "dummy:nanogpt", n=12)
+    finally:
+        c.stop()
+    router_log = (tmp_path / "logs" / "router.log").read_text()
+    assert "worker decode-1 holds bfloat16 KV in 16-token blocks; no prefill worker registered does" in router_log
+    assert "LAYOUT_MISMATCH" not in router_log and "KV layouts differ" not in router_log
