@@ -51,11 +51,16 @@ def workload(n, max_tokens=120):
     return prompts, sampling
 
 
-@pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGSTOP])
-def test_decode_worker_lost_mid_stream_requests_migrate(tmp_path, fault):
+@pytest.mark.parametrize("fault, worker_args", [(signal.SIGKILL, []), (signal.SIGSTOP, []),
+                                                (signal.SIGSTOP, ["--async-scheduling"])],
+                         ids=["kill", "stop", "stop-async"])
+def test_decode_worker_lost_mid_stream_requests_migrate(tmp_path, fault, worker_args):
+    """A stopped worker with async scheduling comes back holding a launched step, whose blocks
+    must come back too once it drops its work."""
     prompts, sampling = workload(6)
     want = reference(prompts, sampling)
-    with cluster(tmp_path, prefill=1, decode=2, router_args=FAST_FAILOVER) as c, Client(c.address, timeout=120) as client:
+    with cluster(tmp_path, prefill=1, decode=2, router_args=FAST_FAILOVER, worker_args=worker_args) as c, \
+            Client(c.address, timeout=120) as client:
         streams = stream_all(client, prompts, sampling)
         first = [next(s) for s in streams]  # every request is decoding
         victim = c.workers[1].proc  # decode-0
