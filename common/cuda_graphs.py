@@ -9,6 +9,11 @@ with rows that write nowhere (slot -1, which the Triton attention skips) and rea
 the graph is replayed; the real rows' logits are returned. The graphs share one memory pool,
 captured largest first.
 
+Sampling is captured too, apart from the forward: for each size, one small graph per sampling
+mode (greedy, plain, filtered: common/sampling.py) over the forward graph's logits and static
+parameter buffers, so a sampled step launches two graphs where it launched some 40 kernels. A
+mode's graph runs the same ops the eager sampler runs for that mode: the same tokens.
+
 Only the Triton attention can be captured: its launch shape depends on the batch size and the
 tables' width alone, while the portable SDPA backend's depends on the lengths in the batch. Steps
 with prefill chunks, batches above the largest size, a per-layer hook (layer-wise KV streaming)
@@ -26,6 +31,8 @@ import time
 import torch
 
 from common.attention import AttentionMetadata
+from common.config import upload
+from common.sampling import FILTERED, GREEDY, PLAIN, sample_rows, sampling_inputs, sampling_mode
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +57,12 @@ class DecodeGraphs:
         self.slots = torch.full((n,), PAD_SLOT, **i64)
         self.lens = torch.ones(n, **i64)
         self.tables = torch.zeros(n, max_blocks, **i64)
+        # sampling parameters (common/sampling.sampling_inputs); padding rows: greedy
+        vocab = model.cfg.vocab_size
+        self.sample_ints = torch.tensor([[vocab] * n, [1] * n, [0] * n, [0] * n], **i64)
+        self.sample_floats = torch.ones(2, n, dtype=torch.float32, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.samplers: dict[tuple[int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # (size, mode)
         self.capture_s, self.capture_bytes = 0.0, 0
         if capture:
             self._capture_all()
@@ -63,6 +75,10 @@ class DecodeGraphs:
         meta = AttentionMetadata(self.slots[:n], n, self.tables[:n], self.lens[:n], None, [], None, self.positions[:n])
         hidden_BC = self.model(self.input_ids[:n], self.positions[:n], self.kv_cache, meta)
         return self.model.logits(hidden_BC)
+
+    def _sample(self, logits: torch.Tensor, mode: str) -> torch.Tensor:
+        n = logits.shape[0]
+        return sample_rows(logits, mode, self.sample_ints[:, :n], self.sample_floats[:, :n])
 
     @torch.inference_mode()
     def _capture_all(self):
@@ -78,10 +94,22 @@ class DecodeGraphs:
                 logits = self._forward(n)
             pool = graph.pool()
             self.graphs[n] = (graph, logits)
+        pool = None  # the samplers' own pool: the forward's holds its live logits
+        for n in reversed(self.sizes):
+            for mode in (FILTERED, PLAIN, GREEDY):
+                logits = self.graphs[n][1]
+                self._sample(logits, mode)  # warm-up
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    tokens = self._sample(logits, mode)
+                pool = graph.pool()
+                self.samplers[n, mode] = (graph, tokens)
         torch.cuda.synchronize(self.device)
         self.capture_s = time.perf_counter() - t0
         self.capture_bytes = max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
-        log.info("CUDA graphs: captured the decode step for %d batch sizes (%s) in %.1f s, using %.0f MiB",
+        log.info("CUDA graphs: captured the decode step and its samplers (greedy, plain, filtered) for %d batch "
+                 "sizes (%s) in %.1f s, using %.0f MiB",
                  len(self.sizes), ", ".join(map(str, self.sizes)), self.capture_s, self.capture_bytes / 2**20)
 
     def size_for(self, n: int) -> int | None:
@@ -107,4 +135,23 @@ class DecodeGraphs:
             graph.replay()
         else:
             logits = self._forward(size)
+        self._last = (size, logits)
         return logits[:n]
+
+    def sample(self, params: list, seeds: list[int], positions: list[int]) -> torch.Tensor:
+        """The tokens of the batch `run` just replayed (params, seeds, positions for its n rows, as
+        common/sampling.sample takes them), by the captured sampler of their mode."""
+        size, logits = self._last
+        n, mode = len(params), sampling_mode(params)
+        if mode != GREEDY:
+            ints, floats = sampling_inputs(params, seeds, positions, logits.shape[1])
+            self.sample_ints[:, :n].copy_(upload(ints, self.device))
+            self.sample_floats[:, :n].copy_(upload(floats, self.device))
+            if size > n:  # rows a larger batch left: greedy padding again
+                self.sample_ints[1, n:size].fill_(1)
+        if (size, mode) in self.samplers:
+            graph, tokens = self.samplers[size, mode]
+            graph.replay()
+        else:
+            tokens = self._sample(logits, mode)
+        return tokens[:n]

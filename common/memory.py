@@ -102,13 +102,21 @@ def triton_prefill_bytes(mc, max_num_batched_tokens: int, max_model_len: int, sp
     return split_partial_bytes(mc, max_num_batched_tokens, -(-max_model_len // split))
 
 
+# The filtered sampler's peak per logit: float copies, sorted values, int64 order, the noise's
+# int64 hash. torch's profiler measured 38.5 bytes (bfloat16 logits, CPU); the rest is room for
+# the caching allocator's rounding.
+SAMPLER_BYTES_PER_LOGIT = 64
+
+
 def decode_graph_bytes(mc, max_num_seqs: int, max_model_len: int, dtype_bytes: int, split: int = 256) -> int:
-    """What the CUDA graphs of the decode step keep in their pool (common/cuda_graphs.py): one
-    step's activations for max_num_seqs rows, and the Triton attention's partial results for a
-    full context (a CUDA graph's static layout: the tables' width in splits, a power of two)."""
+    """What the CUDA graphs of the decode step keep in their pools (common/cuda_graphs.py): one
+    step's activations for max_num_seqs rows, the Triton attention's partial results for a full
+    context (a CUDA graph's static layout: the tables' width in splits, a power of two), and the
+    captured samplers' own pool, which the filtered sampler's peak sizes."""
     splits = 1 << max(0, (-(-max_model_len // split) - 1).bit_length())
     return (step_activation_bytes(mc, max_num_seqs, max_num_seqs, 0, dtype_bytes)
-            + split_partial_bytes(mc, max_num_seqs, splits))
+            + split_partial_bytes(mc, max_num_seqs, splits)
+            + max_num_seqs * mc.vocab_size * SAMPLER_BYTES_PER_LOGIT)
 
 
 def block_cost(block_bytes: int, num_layers: int) -> int:

@@ -147,7 +147,8 @@ class ModelRunner:
             step.timing = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
             step.timing[0].record()
         n = meta.num_decode
-        if (self.graphs is not None and on_layer is None and not meta.prefills and 0 < n <= self.graphs.max_size):
+        graphed = self.graphs is not None and on_layer is None and not meta.prefills and 0 < n <= self.graphs.max_size
+        if graphed:
             logits_SV = self.graphs.run(input_ids, positions, meta.slot_mapping, meta.decode_context_lens,
                                         meta.decode_block_tables)  # every decode row samples, in packed order
         else:
@@ -166,8 +167,8 @@ class ModelRunner:
                     step.timing[1].record()
                 return step
             logits_SV = self.model.logits(hidden_TC[sample_rows])
-        step.tokens_S = sample(logits_SV, [q.params for q in sampled], [q.seed for q in sampled],
-                               [len(q) for q in sampled])
+        rows = [q.params for q in sampled], [q.seed for q in sampled], [len(q) for q in sampled]
+        step.tokens_S = self.graphs.sample(*rows) if graphed else sample(logits_SV, *rows)
         if step.timing is not None:
             step.timing[1].record()
         step.logprobs = [None] * len(sampled)

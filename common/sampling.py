@@ -51,24 +51,42 @@ def keyed_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int)
     return (bits_SV.to(torch.float32) + 0.5) * (1.0 / (1 << 24))
 
 
-def sample(logits_SV: torch.Tensor, params: list[SamplingParams], seeds: list[int],
-           positions: list[int]) -> torch.Tensor:
-    """One token per row. Row i uses params[i], and its noise is keyed by (seeds[i], positions[i]).
-    The rows' parameters reach the device in two copies, one of integers and one of floats."""
+GREEDY, PLAIN, FILTERED = "greedy", "plain", "filtered"  # what a batch's sampling must do (sampling_mode)
+
+
+def sampling_mode(params: list[SamplingParams]) -> str:
+    """greedy: argmax alone; plain: temperature and noise; filtered: top-k or top-p too, which
+    sorts every row. The decode graphs capture one sampler per mode (common/cuda_graphs.py)."""
+    if all(p.greedy for p in params):
+        return GREEDY
+    return FILTERED if any(p.top_k or p.top_p < 1.0 for p in params) else PLAIN
+
+
+def sampling_inputs(params: list[SamplingParams], seeds: list[int], positions: list[int],
+                    vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows' parameters on the host, a row per field: int64 (4, S) of top-k, greedy, seed,
+    position, and float32 (2, S) of temperature, top-p."""
+    V, S = vocab_size, len(params)
+    ints = torch.tensor([p.top_k if 0 < p.top_k < V else V for p in params] + [int(p.greedy) for p in params]
+                        + list(seeds) + list(positions), dtype=torch.int64)
+    floats = torch.tensor([p.temperature or 1.0 for p in params] + [p.top_p for p in params], dtype=torch.float32)
+    return ints.view(4, S), floats.view(2, S)
+
+
+def sample_rows(logits_SV: torch.Tensor, mode: str, ints_4S: torch.Tensor | None = None,
+                floats_2S: torch.Tensor | None = None) -> torch.Tensor:
+    """One token per row, from device tensors alone (no host sync: a graph can hold it). Row i's
+    noise is keyed by its (seed, position)."""
     logits_SV = logits_SV.float()
     greedy_S = logits_SV.argmax(dim=-1)
-    if all(p.greedy for p in params):
+    if mode == GREEDY:
         return greedy_S
     dev = logits_SV.device
-    S, V = logits_SV.shape
-    ints = upload(torch.tensor([p.top_k if 0 < p.top_k < V else V for p in params] + [int(p.greedy) for p in params]
-                               + list(seeds) + list(positions), dtype=torch.int64), dev)
-    k_S, is_greedy_S, seeds_S, positions_S = ints.view(4, S)
-    floats = upload(torch.tensor([p.temperature or 1.0 for p in params] + [p.top_p for p in params],
-                                 dtype=torch.float32), dev)
-    temp_S, top_p_S = floats.view(2, S)
+    V = logits_SV.shape[1]
+    k_S, is_greedy_S, seeds_S, positions_S = ints_4S
+    temp_S, top_p_S = floats_2S
     scaled_SV = logits_SV / temp_S[:, None]
-    if any(p.top_k or p.top_p < 1.0 for p in params):
+    if mode == FILTERED:
         sorted_SV, order_SV = scaled_SV.sort(dim=-1, descending=True)
         rank_V = torch.arange(V, device=dev)
         drop_SV = rank_V[None, :] >= k_S[:, None]
@@ -83,6 +101,18 @@ def sample(logits_SV: torch.Tensor, params: list[SamplingParams], seeds: list[in
     gumbel_SV = -torch.log(-torch.log(u_SV))
     sampled_S = (scaled_SV + gumbel_SV).argmax(dim=-1)
     return torch.where(is_greedy_S.bool(), greedy_S, sampled_S)
+
+
+def sample(logits_SV: torch.Tensor, params: list[SamplingParams], seeds: list[int],
+           positions: list[int]) -> torch.Tensor:
+    """One token per row. Row i uses params[i], and its noise is keyed by (seeds[i], positions[i]).
+    The rows' parameters reach the device in two copies, one of integers and one of floats."""
+    mode = sampling_mode(params)
+    if mode == GREEDY:
+        return sample_rows(logits_SV, mode)
+    ints, floats = sampling_inputs(params, seeds, positions, logits_SV.shape[1])
+    dev = logits_SV.device
+    return sample_rows(logits_SV, mode, upload(ints, dev), upload(floats, dev))
 
 
 def token_logprobs(logits_SV: torch.Tensor, token_ids: list[int], num_top: list[int]) -> list[Logprob]:

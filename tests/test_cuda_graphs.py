@@ -47,6 +47,30 @@ def test_decode_through_the_graph_buffers_gives_the_eager_tokens(monkeypatch):
     assert (5, 8) in padded and any(n < size for n, size in padded) and all(size in graphs.sizes for _, size in padded)
 
 
+def test_the_graphs_sampler_of_each_mode_gives_the_eager_samplers_tokens():
+    """Greedy, plain and filtered batches, each padded to a captured size after a larger batch left
+    its parameters in the static buffers: the tokens of common/sampling.sample on the same logits."""
+    from common.sampling import FILTERED, GREEDY, PLAIN, sample, sampling_mode
+    from common.sampling_params import SamplingParams
+
+    engine = Engine(model="dummy:llama-tiny", max_num_seqs=8)
+    graphs = _with_uncaptured_graphs(engine)
+    V = engine.model_config.vocab_size
+    torch.manual_seed(0)
+    logits = torch.randn(8, V) * 3
+    batches = {FILTERED: [SamplingParams(temperature=0.8, top_k=5 * i, top_p=0.9, seed=i) for i in range(8)],
+               PLAIN: [SamplingParams(temperature=1.5, seed=i) if i % 2 else SamplingParams(temperature=0)
+                       for i in range(5)],
+               GREEDY: [SamplingParams(temperature=0)] * 3}
+    for mode, params in batches.items():  # 8 rows, then 5 and 3 padded to 8 over the rows left before
+        assert sampling_mode(params) == mode
+        n, seeds, positions = len(params), list(range(100, 100 + len(params))), list(range(7, 7 + len(params)))
+        graphs._last = (8, logits)  # as run() leaves it for a batch padded to 8
+        got = graphs.sample(params, seeds, positions)
+        assert got.tolist() == sample(logits[:n], params, seeds, positions).tolist()
+    assert graphs.sample_ints[1, 5:].tolist() == [1, 1, 1]  # the padding rows are greedy again
+
+
 def test_padding_rows_write_no_kv():
     """A batch of 3 replayed at size 4: the pool changes at the 3 rows' slots and nowhere else,
     even where an earlier, larger batch left real slots in the padding rows."""

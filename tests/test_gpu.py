@@ -73,6 +73,7 @@ def test_cuda_graph_replay_gives_the_eager_tokens(dtype):
     kwargs = dict(model="dummy:llama-tiny", device="cuda:0", dtype=dtype, attention_backend="triton", max_num_seqs=16)
     graphed = Engine(**kwargs)
     assert sorted(graphed.runner.graphs.graphs) == [1, 2, 4, 8, 16]
+    assert len(graphed.runner.graphs.samplers) == 5 * 3  # a sampler per size and mode
     eager = Engine(**kwargs, enforce_eager=True)
     assert eager.runner.graphs is None
     assert [o.token_ids for o in graphed.generate(ps, params)] == [o.token_ids for o in eager.generate(ps, params)]

@@ -14,8 +14,9 @@ import pytest
 from common.model_spec import model_config
 from common.config import EngineConfig
 from common.errors import InvalidArgument
-from common.memory import (CONTEXT_BYTES, DEFAULT_UTILIZATION, DeviceMemory, block_cost, decode_graph_bytes,
-                           device_shares, kv_pool_blocks, step_activation_bytes, triton_prefill_bytes)
+from common.memory import (CONTEXT_BYTES, DEFAULT_UTILIZATION, SAMPLER_BYTES_PER_LOGIT, DeviceMemory, block_cost,
+                           decode_graph_bytes, device_shares, kv_pool_blocks, step_activation_bytes,
+                           triton_prefill_bytes)
 from router.launcher import Cluster
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -115,7 +116,9 @@ def test_decode_graphs_reserve_their_partials_for_a_full_context():
     from common.attention import triton_paged
 
     partials = 64 * 32 * 512 * (64 + 1) * 4  # 131,072 tokens: 512 splits
-    assert decode_graph_bytes(LLAMA_1B, 64, 131072, 2) == step_activation_bytes(LLAMA_1B, 64, 64, 0, 2) + partials
+    samplers = 64 * LLAMA_1B.vocab_size * SAMPLER_BYTES_PER_LOGIT  # the captured samplers' own pool
+    assert decode_graph_bytes(LLAMA_1B, 64, 131072, 2) == (step_activation_bytes(LLAMA_1B, 64, 64, 0, 2) + partials
+                                                            + samplers)
     shorter = 64 * 32 * (512 - 16) * (64 + 1) * 4  # 4,000 tokens: 16 splits
     assert decode_graph_bytes(LLAMA_1B, 64, 131072, 2) - decode_graph_bytes(LLAMA_1B, 64, 4000, 2) == shorter
     assert triton_paged.SPLIT == 256  # the split decode_graph_bytes counts by
