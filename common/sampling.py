@@ -73,6 +73,24 @@ def sampling_inputs(params: list[SamplingParams], seeds: list[int], positions: l
     return ints.view(4, S), floats.view(2, S)
 
 
+def top_k_top_p(scaled_SV: torch.Tensor, k_S: torch.Tensor, top_p_S: torch.Tensor) -> torch.Tensor:
+    """Each row's logits past its top k, or past the smallest set whose probability reaches its top
+    p, set to -inf. A row asking for neither (k = V, p = 1) comes out as it went in, bit for bit,
+    whatever else is in its batch: a cumulative sum that rounds up to 1 before its end must not
+    cut its tail."""
+    V = scaled_SV.shape[1]
+    sorted_SV, order_SV = scaled_SV.sort(dim=-1, descending=True)
+    rank_V = torch.arange(V, device=scaled_SV.device)
+    drop_SV = rank_V[None, :] >= k_S[:, None]
+    sorted_SV = sorted_SV.masked_fill(drop_SV, -math.inf)
+    probs_SV = sorted_SV.softmax(dim=-1)
+    mass_before_SV = probs_SV.cumsum(dim=-1) - probs_SV
+    drop_SV |= (mass_before_SV >= top_p_S[:, None]) & (top_p_S[:, None] < 1.0)
+    drop_SV[:, 0] = False
+    sorted_SV = sorted_SV.masked_fill(drop_SV, -math.inf)
+    return torch.empty_like(scaled_SV).scatter_(1, order_SV, sorted_SV)
+
+
 def sample_rows(logits_SV: torch.Tensor, mode: str, ints_4S: torch.Tensor | None = None,
                 floats_2S: torch.Tensor | None = None) -> torch.Tensor:
     """One token per row, from device tensors alone (no host sync: a graph can hold it). Row i's
@@ -81,23 +99,12 @@ def sample_rows(logits_SV: torch.Tensor, mode: str, ints_4S: torch.Tensor | None
     greedy_S = logits_SV.argmax(dim=-1)
     if mode == GREEDY:
         return greedy_S
-    dev = logits_SV.device
-    V = logits_SV.shape[1]
     k_S, is_greedy_S, seeds_S, positions_S = ints_4S
     temp_S, top_p_S = floats_2S
     scaled_SV = logits_SV / temp_S[:, None]
     if mode == FILTERED:
-        sorted_SV, order_SV = scaled_SV.sort(dim=-1, descending=True)
-        rank_V = torch.arange(V, device=dev)
-        drop_SV = rank_V[None, :] >= k_S[:, None]
-        sorted_SV = sorted_SV.masked_fill(drop_SV, -math.inf)
-        probs_SV = sorted_SV.softmax(dim=-1)
-        mass_before_SV = probs_SV.cumsum(dim=-1) - probs_SV
-        drop_SV |= mass_before_SV >= top_p_S[:, None]
-        drop_SV[:, 0] = False
-        sorted_SV = sorted_SV.masked_fill(drop_SV, -math.inf)
-        scaled_SV = torch.empty_like(scaled_SV).scatter_(1, order_SV, sorted_SV)
-    u_SV = keyed_uniform(seeds_S, positions_S, V)
+        scaled_SV = top_k_top_p(scaled_SV, k_S, top_p_S)
+    u_SV = keyed_uniform(seeds_S, positions_S, logits_SV.shape[1])
     gumbel_SV = -torch.log(-torch.log(u_SV))
     sampled_S = (scaled_SV + gumbel_SV).argmax(dim=-1)
     return torch.where(is_greedy_S.bool(), greedy_S, sampled_S)

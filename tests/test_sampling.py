@@ -72,3 +72,17 @@ def test_token_logprobs_are_log_softmax_and_its_top_n():
         assert ids == row.topk(n).indices.tolist() and lps == pytest.approx(row.topk(n).values.tolist(), abs=1e-6)
     with pytest.raises(Exception, match="logprobs=21"):
         SamplingParams(logprobs=21)
+
+
+def test_a_row_asking_for_no_filter_leaves_the_filter_untouched():
+    """In a batch where another row asks for top-k or top-p, a row asking for neither goes through
+    the same sort; it must come out bit for bit, even where the cumulative probability rounds to 1
+    before the row's end (here after two tokens of 0.5: the third's mass before it is 1.0)."""
+    from common.sampling import top_k_top_p
+
+    scaled = torch.tensor([[0.0, 0.0, -30.0, -31.0], [1.0, 2.0, 3.0, 4.0]])
+    out = top_k_top_p(scaled, torch.tensor([4, 2]), torch.tensor([1.0, 1.0]))
+    assert torch.equal(out[0], scaled[0])
+    assert out[1].tolist() == [-math.inf, -math.inf, 3.0, 4.0]  # top-2 still cuts
+    nucleus = top_k_top_p(scaled, torch.tensor([4, 4]), torch.tensor([1.0, 0.5]))
+    assert torch.equal(nucleus[0], scaled[0]) and nucleus[1].isinf().tolist() == [True, True, True, False]
