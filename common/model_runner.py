@@ -58,8 +58,9 @@ class ModelRunner:
         A decode whose token the step `prev` is still sampling takes it from prev's tokens on the
         device, by one gather and scatter: the host never waits for it."""
         bs = self.block_size
-        # longest first: the portable attention reads runs of similar length at their own width
-        decodes = sorted((s for s in batch if s.is_decode), key=lambda s: -len(s.seq))
+        decodes = [s for s in batch if s.is_decode]
+        if self.model.attention.grouped_decodes:  # longest first: SDPA reads runs of similar length at their own width
+            decodes.sort(key=lambda s: -len(s.seq))
         prefills = [s for s in batch if not s.is_decode]
         positions = [len(s.seq) - 1 for s in decodes]
         input_ids = [s.seq.token_ids[-1] for s in decodes]

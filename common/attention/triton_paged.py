@@ -31,6 +31,7 @@ import os
 import torch
 
 from common.attention.batch import AttentionMetadata
+from common.config import upload
 from common.attention.sdpa import SDPAAttention
 
 try:
@@ -271,7 +272,7 @@ def step_layout(meta: AttentionMetadata, group: int) -> tuple[torch.Tensor, torc
         tables_SM[nd + i, :c.block_table.shape[0]] = c.block_table
         n = c.end - c.start
         chunk_tiles += [(nd + i, c.start + j, min(block_q, n - j), c.context_start + j) for j in range(0, n, block_q)]
-    tiles_X4 = torch.tensor(chunk_tiles, dtype=torch.int64).to(device, non_blocking=True)
+    tiles_X4 = upload(torch.tensor(chunk_tiles, dtype=torch.int64), device)  # pinned: pageable waits for the stream
     if nd:
         return tables_SM, torch.cat([decode_tiles(meta.decode_context_lens), tiles_X4.T], 1)
     return tables_SM, tiles_X4.T.contiguous()
