@@ -31,6 +31,14 @@ class ScheduledSeq:
         self.samples = self.start + self.num_tokens == len(self.seq)
         self.is_decode = self.num_tokens == 1 and self.seq.is_decoding
 
+    @classmethod
+    def decode(cls, seq: Sequence) -> "ScheduledSeq":
+        """ScheduledSeq(seq, 1) of a sequence known to be decoding, without asking it again (the
+        scheduler's per-step loop over every running request)."""
+        s = cls.__new__(cls)
+        s.seq, s.num_tokens, s.start, s.samples, s.is_decode = seq, 1, seq.num_computed_tokens, True, True
+        return s
+
 
 def step_shape(batch: list[ScheduledSeq]) -> tuple[list[tuple[int, int]], list[int]]:
     """What a step's cost depends on: (tokens, tokens computed before) of each prefill chunk, and
@@ -63,8 +71,14 @@ class Scheduler:
     def schedule(self) -> list[ScheduledSeq]:
         budget = self.max_num_batched_tokens
         batch: list[ScheduledSeq] = []
+        prefilling: list[Sequence] = []  # running, in admission order, with prompt (or recompute) left
         for seq in list(self.running):
-            if seq.status is not Status.RUNNING or not seq.is_decoding or seq.ends_at_last_token:
+            if seq.status is not Status.RUNNING:
+                continue
+            if not seq.is_decoding:
+                prefilling.append(seq)  # older than any sequence preempted below: it stays running
+                continue
+            if seq.ends_at_last_token:
                 continue
             # Preempting newest first never touches a sequence already batched (they are older).
             while self.bm.needs_block(seq) and self.bm.num_free_blocks == 0:
@@ -75,15 +89,14 @@ class Scheduler:
                 continue
             if self.bm.needs_block(seq):
                 self.bm.append_block(seq)
-            batch.append(ScheduledSeq(seq, 1))
+            batch.append(ScheduledSeq.decode(seq))
             budget -= 1
-        for seq in self.running:
+        for seq in prefilling:
             if budget == 0:
                 break
-            if not seq.is_decoding:
-                n = min(seq.num_uncomputed, budget)
-                batch.append(ScheduledSeq(seq, n))
-                budget -= n
+            n = min(seq.num_uncomputed, budget)
+            batch.append(ScheduledSeq(seq, n))
+            budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if seq.pending:  # preempted while its token is sampled: admitted once that is known

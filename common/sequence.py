@@ -64,7 +64,8 @@ class Sequence:
     @property
     def is_decoding(self) -> bool:
         """Everything but the newest token is in the cache: the next step feeds one token."""
-        return self.num_uncomputed == 1 and len(self.token_ids) > self.num_prompt_tokens
+        n = len(self.token_ids)
+        return n - self.num_computed_tokens == 1 and n > self.num_prompt_tokens
 
     @property
     def pending(self) -> bool:
