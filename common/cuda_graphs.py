@@ -32,6 +32,7 @@ import torch
 
 from common.attention import AttentionMetadata
 from common.config import upload
+from common.errors import first_line
 from common.sampling import FILTERED, GREEDY, PLAIN, sample_rows, sampling_inputs, sampling_mode
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,19 @@ class DecodeGraphs:
         n = logits.shape[0]
         return sample_rows(logits, mode, self.sample_ints[:, :n], self.sample_floats[:, :n])
 
+    def _capture_samplers(self):
+        pool = None  # the samplers' own pool: the forward's holds its live logits
+        for n in reversed(self.sizes):
+            for mode in (FILTERED, PLAIN, GREEDY):
+                logits = self.graphs[n][1]
+                self._sample(logits, mode)  # warm-up
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    tokens = self._sample(logits, mode)
+                pool = graph.pool()
+                self.samplers[n, mode] = (graph, tokens)
+
     @torch.inference_mode()
     def _capture_all(self):
         torch.cuda.synchronize(self.device)
@@ -94,23 +108,18 @@ class DecodeGraphs:
                 logits = self._forward(n)
             pool = graph.pool()
             self.graphs[n] = (graph, logits)
-        pool = None  # the samplers' own pool: the forward's holds its live logits
-        for n in reversed(self.sizes):
-            for mode in (FILTERED, PLAIN, GREEDY):
-                logits = self.graphs[n][1]
-                self._sample(logits, mode)  # warm-up
-                torch.cuda.synchronize(self.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    tokens = self._sample(logits, mode)
-                pool = graph.pool()
-                self.samplers[n, mode] = (graph, tokens)
+        try:
+            self._capture_samplers()
+        except Exception as e:  # the forward's graphs still serve; sampling then launches eagerly
+            self.samplers.clear()
+            log.warning("CUDA graphs: capturing the sampler failed (%s); sampling eagerly after each replay",
+                        first_line(e))
         torch.cuda.synchronize(self.device)
         self.capture_s = time.perf_counter() - t0
         self.capture_bytes = max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
-        log.info("CUDA graphs: captured the decode step and its samplers (greedy, plain, filtered) for %d batch "
-                 "sizes (%s) in %.1f s, using %.0f MiB",
-                 len(self.sizes), ", ".join(map(str, self.sizes)), self.capture_s, self.capture_bytes / 2**20)
+        log.info("CUDA graphs: captured the decode step%s for %d batch sizes (%s) in %.1f s, using %.0f MiB",
+                 " and its samplers (greedy, plain, filtered)" if self.samplers else "", len(self.sizes),
+                 ", ".join(map(str, self.sizes)), self.capture_s, self.capture_bytes / 2**20)
 
     def size_for(self, n: int) -> int | None:
         """The smallest captured size that holds n rows, or None above the largest."""
