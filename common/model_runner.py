@@ -73,7 +73,7 @@ class ModelRunner:
             positions += range(start, end)
             table = seq.block_table
             slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
-            tables.append(table[:-(-end // bs)])
+            tables.append(seq.block_table_array()[:-(-end // bs)])
         ordered = decodes + prefills
         sample_rows, row = [], 0
         for s in ordered:
@@ -92,12 +92,13 @@ class ModelRunner:
         buf = array.array("q", input_ids)
         for part in (positions, slots, sample_rows, lens, feed_rows, feed_src):
             buf.extend(part)
-        pad = [0] * width
+        pad = array.array("q", bytes(8 * width))
         for s in decodes:  # the decode tables, padded with block 0 to one width
-            buf.extend(s.seq.block_table)
-            buf.extend(pad[len(s.seq.block_table):])
+            table = s.seq.block_table_array()
+            buf += table
+            buf += pad[len(table):]
         for table in tables:
-            buf.extend(table)
+            buf += table
         # a copy that owns its memory: frombuffer shares buf's, which goes with this frame
         host = torch.frombuffer(buf, dtype=torch.int64).clone() if buf else torch.empty(0, dtype=torch.int64)
         packed = upload(host, self.device)

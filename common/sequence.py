@@ -3,6 +3,7 @@ computed, and why it finished."""
 
 from __future__ import annotations
 
+import array
 import enum
 import time
 
@@ -37,6 +38,7 @@ class Sequence:
         self.status = Status.WAITING
         self.finish_reason: str | None = None
         self.block_table: list[int] = []
+        self._table_array: tuple[list[int], array.array] | None = None  # (the list it copies, the copy)
         self.block_hashes: list[bytes] = []  # hash chain of the full blocks whose KV is computed
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_cached_tokens = 0  # of those, found by prefix caching at admission
@@ -66,6 +68,17 @@ class Sequence:
         """Everything but the newest token is in the cache: the next step feeds one token."""
         n = len(self.token_ids)
         return n - self.num_computed_tokens == 1 and n > self.num_prompt_tokens
+
+    def block_table_array(self) -> array.array:
+        """block_table as an int64 array, kept in step with it: the blocks appended since are
+        added, a new list is copied anew (the table only ever grows or is replaced). A step's inputs
+        take it at memcpy speed, where a list is converted an int at a time."""
+        table, cached = self.block_table, self._table_array
+        if cached is None or cached[0] is not table or len(cached[1]) > len(table):
+            cached = self._table_array = (table, array.array("q", table))
+        elif len(cached[1]) < len(table):
+            cached[1].extend(table[len(cached[1]):])
+        return cached[1]
 
     @property
     def pending(self) -> bool:

@@ -291,3 +291,21 @@ def test_each_output_keeps_the_tokens_of_its_step(async_scheduling):
     assert len(final) == 8 and outs[-1].finished
     assert [o.token_ids for o in outs] == [final[:i + 1] for i in range(8)]
     assert [o.new_token_ids for o in outs] == [[t] for t in final] and [o.num_tokens for o in outs] == list(range(1, 9))
+
+
+def test_the_block_table_array_follows_its_list():
+    """prepare() reads a sequence's blocks from an int64 copy kept in step with its list: grown by
+    appends, copied anew when the list is replaced (freed and allocated again, a KV arrival)."""
+    from common.sequence import Sequence
+
+    seq = Sequence("r", [1, 2, 3], SamplingParams(), 0, (), 100)
+    assert list(seq.block_table_array()) == []
+    seq.block_table += [4, 5]
+    first = seq.block_table_array()
+    assert list(first) == [4, 5]
+    seq.block_table.append(9)
+    assert seq.block_table_array() is first and list(first) == [4, 5, 9]
+    seq.block_table = [7, 8, 6]  # the same length, other blocks
+    assert list(seq.block_table_array()) == [7, 8, 6]
+    seq.block_table = [3]
+    assert list(seq.block_table_array()) == [3]
