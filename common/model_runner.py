@@ -62,7 +62,8 @@ class ModelRunner:
         if self.model.attention.grouped_decodes:  # longest first: SDPA reads runs of similar length at their own width
             decodes.sort(key=lambda s: -len(s.seq))
         prefills = [s for s in batch if not s.is_decode]
-        positions = [len(s.seq) - 1 for s in decodes]
+        lens = [len(s.seq) for s in decodes]  # each decode's KV length, its new token included
+        positions = [n - 1 for n in lens]
         input_ids = [s.seq.token_ids[-1] for s in decodes]
         slots = [s.seq.block_table[p // bs] * bs + p % bs for s, p in zip(decodes, positions)]
         tables = []  # prefill chunks' block tables, each a run of the buffer
@@ -80,7 +81,6 @@ class ModelRunner:
             row += s.num_tokens
             if s.samples:
                 sample_rows.append(row - 1)
-        lens = [len(s.seq) for s in decodes]
         feed_rows, feed_src = [], []
         if prev is not None:
             for i, s in enumerate(decodes):

@@ -80,14 +80,12 @@ class Scheduler:
                 continue
             if seq.ends_at_last_token:
                 continue
-            # Preempting newest first never touches a sequence already batched (they are older).
-            while self.bm.needs_block(seq) and self.bm.num_free_blocks == 0:
-                self._preempt(self.running[-1])
-                if seq.status is not Status.RUNNING:
-                    break
-            if seq.status is not Status.RUNNING:
-                continue
             if self.bm.needs_block(seq):
+                # Preempting newest first never touches a sequence already batched (they are older).
+                while self.bm.num_free_blocks == 0 and seq.status is Status.RUNNING:
+                    self._preempt(self.running[-1])
+                if seq.status is not Status.RUNNING:
+                    continue
                 self.bm.append_block(seq)
             batch.append(ScheduledSeq.decode(seq))
             budget -= 1
