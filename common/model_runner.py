@@ -52,8 +52,9 @@ class ModelRunner:
     def prepare(self, batch: list[ScheduledSeq], prev: LaunchedStep | None = None):
         """The step's inputs, all int64, packed into one host buffer and moved to the device in one
         copy (pinned and asynchronous on a GPU), then viewed apart: a tensor per field would cost a
-        copy and a launch each. The buffer is an array.array filled by list extends (C loops): a
-        Python loop per value, or torch.tensor over a list, costs 2-3x as much at batch 64.
+        copy and a launch each. The buffer is an array.array filled by extends (C loops; the block
+        tables from each sequence's int64 copy, at memcpy speed): a Python loop per value, or
+        torch.tensor over a list, costs 2-3x as much at batch 64.
 
         A decode whose token the step `prev` is still sampling takes it from prev's tokens on the
         device, by one gather and scatter: the host never waits for it."""
