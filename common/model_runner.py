@@ -12,7 +12,7 @@ import torch
 from common.attention import AttentionMetadata, PrefillChunk, decode_groups
 from common.config import upload
 from common.cuda_graphs import DecodeGraphs
-from common.sampling import Logprob, sample, token_logprobs
+from common.sampling import Logprob, logprob_entries, logprobs_on_device, sample
 from common.scheduler import ScheduledSeq
 from common.sequence import Sequence
 
@@ -31,8 +31,10 @@ class LaunchedStep:
     tokens_S: torch.Tensor | None = None  # on the device
     host_S: torch.Tensor | None = None  # their copy to the host, complete once `ready` is
     ready: torch.cuda.Event | None = None
-    tokens: list[int] | None = None  # read already (a step that wants logprobs reads them at launch)
-    logprobs: list[Logprob | None] = field(default_factory=list)
+    tokens: list[int] | None = None  # read from host_S (or tokens_S) by collect
+    logprobs: list[Logprob | None] = field(default_factory=list)  # of the sampled tokens, where asked: set by collect
+    token_logprobs: tuple | None = None  # (rows of tokens_S, logprobs_on_device's tensors, top counts)
+    prompt_logprobs: tuple | None = None  # (prompt_logprob_rows, logprobs_on_device's tensors, top counts)
     timing: list | None = None  # CUDA events around the device work
     free_after: list[Sequence] = field(default_factory=list)  # ended while in this step: their blocks wait for it
 
@@ -140,9 +142,8 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, batch: list[ScheduledSeq], on_layer: LayerHook | None = None,
                prev: LaunchedStep | None = None) -> LaunchedStep:
-        """Queue the step's forward and sampling; on a GPU the host goes on while they run. Prompt
-        logprobs go straight into their sequences; a step asking for token logprobs reads its tokens
-        here (their entries need them)."""
+        """Queue the step's forward, sampling and any logprobs; on a GPU the host goes on while
+        they run, and collect() reads them."""
         ordered, input_ids, positions, meta, sample_rows = self.prepare(batch, prev)
         sampled = [s.seq for s in ordered if s.samples]
         step = LaunchedStep(ordered, sampled, {q: i for i, q in enumerate(sampled)}, {s.seq for s in ordered})
@@ -159,11 +160,12 @@ class ModelRunner:
             hidden_TC = self.model(input_ids, positions, self.kv_cache, meta, hook)
             prompt_rows = self.prompt_logprob_rows(ordered)
             if prompt_rows:
-                logits_PV = self.model.logits(hidden_TC[self._tensor([r for _, r, _ in prompt_rows])])
-                entries = token_logprobs(logits_PV, [q.token_ids[p + 1] for q, _, p in prompt_rows],
-                                         [q.params.prompt_logprobs for q, _, _ in prompt_rows])
-                for (q, _, p), entry in zip(prompt_rows, entries):
-                    q.prompt_logprobs[p + 1] = entry
+                rows_ids = upload(torch.tensor([r for _, r, _ in prompt_rows] + [q.token_ids[p + 1] for q, _, p in
+                                                                                 prompt_rows]), self.device)
+                rows_P, ids_P = rows_ids.split(len(prompt_rows))
+                num_top = [q.params.prompt_logprobs for q, _, _ in prompt_rows]
+                step.prompt_logprobs = (prompt_rows, logprobs_on_device(self.model.logits(hidden_TC[rows_P]), ids_P,
+                                                                        max(num_top)), num_top)
             if not sampled:
                 step.tokens = []
                 if step.timing is not None:
@@ -174,15 +176,13 @@ class ModelRunner:
         step.tokens_S = self.graphs.sample(*rows) if graphed else sample(logits_SV, *rows)
         if step.timing is not None:
             step.timing[1].record()
-        step.logprobs = [None] * len(sampled)
         wanted = [i for i, q in enumerate(sampled) if q.params.logprobs is not None]
-        if wanted:
-            step.tokens = step.tokens_S.tolist()
-            entries = token_logprobs(logits_SV[self._tensor(wanted)], [step.tokens[i] for i in wanted],
-                                     [sampled[i].params.logprobs for i in wanted])
-            for i, entry in zip(wanted, entries):
-                step.logprobs[i] = entry
-        elif self.device.type == "cuda":
+        if wanted:  # computed now, while logits_SV holds this step's (a graph's buffer is rewritten by the next)
+            wanted_W = upload(torch.tensor(wanted), self.device)
+            num_top = [sampled[i].params.logprobs for i in wanted]
+            step.token_logprobs = (wanted, logprobs_on_device(logits_SV[wanted_W], step.tokens_S[wanted_W],
+                                                              max(num_top)), num_top)
+        if self.device.type == "cuda":
             step.host_S = torch.empty(len(sampled), dtype=torch.int64, pin_memory=True)
             step.host_S.copy_(step.tokens_S, non_blocking=True)
             step.ready = torch.cuda.Event()
@@ -190,13 +190,23 @@ class ModelRunner:
         return step
 
     def collect(self, step: LaunchedStep) -> list[int]:
-        """The step's sampled tokens, in the order of step.sampled: the host's one wait for the device."""
+        """The step's sampled tokens, in the order of step.sampled: the host's one wait for the
+        device. Their logprobs go into step.logprobs, the prompt's into their sequences."""
         if step.tokens is None:
             if step.ready is not None:
                 step.ready.synchronize()
                 step.tokens = step.host_S.tolist()
             else:
                 step.tokens = step.tokens_S.tolist()
+        if step.prompt_logprobs is not None:
+            rows, parts, num_top = step.prompt_logprobs
+            for (q, _, p), entry in zip(rows, logprob_entries(parts, num_top)):
+                q.prompt_logprobs[p + 1] = entry
+        step.logprobs = [None] * len(step.tokens)
+        if step.token_logprobs is not None:
+            wanted, parts, num_top = step.token_logprobs
+            for i, entry in zip(wanted, logprob_entries(parts, num_top)):
+                step.logprobs[i] = entry
         self.last_gpu_ms = None
         if step.timing is not None:
             step.timing[1].synchronize()

@@ -122,13 +122,28 @@ def sample(logits_SV: torch.Tensor, params: list[SamplingParams], seeds: list[in
     return sample_rows(logits_SV, mode, upload(ints, dev), upload(floats, dev))
 
 
+def logprobs_on_device(logits_SV: torch.Tensor, token_ids_S: torch.Tensor, k: int) -> tuple:
+    """Row i's logprob of token_ids_S[i] and its top k (ids and logprobs), as device tensors: the
+    host reads them later (logprob_entries), so the step that asks for them need not wait."""
+    logprobs_SV = logits_SV.float().log_softmax(dim=-1)
+    chosen_S = logprobs_SV.gather(1, token_ids_S[:, None])[:, 0]
+    if k == 0:
+        return chosen_S, None, None
+    top_SK, ids_SK = logprobs_SV.topk(min(k, logprobs_SV.shape[-1]), dim=-1)
+    return chosen_S, top_SK, ids_SK
+
+
+def logprob_entries(parts: tuple, num_top: list[int]) -> list[Logprob]:
+    """logprobs_on_device's tensors read into entries, row i with its num_top[i] best."""
+    chosen_S, top_SK, ids_SK = parts
+    chosen = chosen_S.tolist()
+    if top_SK is None:
+        return [[lp, [], []] for lp in chosen]
+    top, ids = top_SK.tolist(), ids_SK.tolist()
+    return [[lp, i[:n], t[:n]] for lp, i, t, n in zip(chosen, ids, top, num_top)]
+
+
 def token_logprobs(logits_SV: torch.Tensor, token_ids: list[int], num_top: list[int]) -> list[Logprob]:
     """Row i: [log_softmax(logits_SV[i])[token_ids[i]], the num_top[i] best ids, their logprobs]."""
-    logprobs_SV = logits_SV.float().log_softmax(dim=-1)
-    chosen_S = logprobs_SV.gather(1, torch.tensor(token_ids, device=logits_SV.device)[:, None])[:, 0].tolist()
-    k = max(num_top, default=0)
-    if k == 0:
-        return [[lp, [], []] for lp in chosen_S]
-    top_SK, ids_SK = logprobs_SV.topk(min(k, logprobs_SV.shape[-1]), dim=-1)
-    top, ids = top_SK.tolist(), ids_SK.tolist()
-    return [[lp, i[:n], t[:n]] for lp, i, t, n in zip(chosen_S, ids, top, num_top)]
+    ids_S = torch.tensor(token_ids, device=logits_SV.device)
+    return logprob_entries(logprobs_on_device(logits_SV, ids_S, max(num_top, default=0)), num_top)

@@ -149,3 +149,30 @@ def test_the_flag_reaches_the_workers_launch_starts():
     assert given["async_scheduling"] and given["enforce_eager"] and not given["batch_invariant"]
     assert engine_kwargs_from(engine_argv(given)) == given
     assert not engine_kwargs_from([])["async_scheduling"]
+
+
+def test_logprobs_are_read_when_the_step_is_collected_not_at_launch():
+    """A step asking for token and prompt logprobs computes them on the device at launch and reads
+    them with its tokens, so async scheduling overlaps it too; the values are the synchronous ones."""
+    ps = prompts(2, 20, 30, seed=9)
+    params = [SamplingParams(temperature=0.7, seed=3, max_tokens=4, ignore_eos=True, logprobs=3, prompt_logprobs=2),
+              SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0)]
+    engine = Engine(model="dummy:nanogpt", async_scheduling=True, max_num_batched_tokens=16, max_num_seqs=4)  # chunked
+    for p, sp in zip(ps, params):
+        engine.add_request(p, sp)
+    first = engine.requests["req-0"]
+    engine.step()
+    assert engine.inflight.prompt_logprobs is not None  # computed, not yet read:
+    assert all(e is None for e in first.prompt_logprobs)
+    outs = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs[o.request_id] = o
+            if engine.inflight is not None and engine.inflight.token_logprobs is not None:
+                assert engine.inflight.tokens is None  # launched with logprobs, nothing read yet
+    want = Engine(model="dummy:nanogpt", max_num_batched_tokens=16, max_num_seqs=4).generate(ps, params)
+    got = [outs["req-0"], outs["req-1"]]
+    assert_same_results(got, want)
+    assert len(got[0].prompt_logprobs) == len(ps[0]) and got[0].prompt_logprobs[0] is None
+    for g, w in zip(got[0].prompt_logprobs[1:], want[0].prompt_logprobs[1:]):
+        assert g[1] == w[1] and [g[0]] + g[2] == pytest.approx([w[0]] + w[2], abs=1e-4)
