@@ -29,12 +29,12 @@ class LaunchedStep:
     rows: dict[Sequence, int]  # each sampling sequence's row in tokens_S
     members: set[Sequence]  # every sequence whose KV the step writes
     tokens_S: torch.Tensor | None = None  # on the device
-    host_S: torch.Tensor | None = None  # their copy to the host, complete once `ready` is
+    host_S: torch.Tensor | None = None  # their copy on the host, complete once `ready` is (tokens_S on CPU)
     ready: torch.cuda.Event | None = None
     tokens: list[int] | None = None  # read from host_S (or tokens_S) by collect
     logprobs: list[Logprob | None] = field(default_factory=list)  # of the sampled tokens, where asked: set by collect
-    token_logprobs: tuple | None = None  # (rows of tokens_S, logprobs_on_device's tensors, top counts)
-    prompt_logprobs: tuple | None = None  # (prompt_logprob_rows, logprobs_on_device's tensors, top counts)
+    token_logprobs: tuple | None = None  # (rows of tokens_S, logprobs_on_device's tensors on the host, top counts)
+    prompt_logprobs: tuple | None = None  # (prompt_logprob_rows, the same, top counts)
     timing: list | None = None  # CUDA events around the device work
     free_after: list[Sequence] = field(default_factory=list)  # ended while in this step: their blocks wait for it
 
@@ -164,13 +164,13 @@ class ModelRunner:
                                                                                  prompt_rows]), self.device)
                 rows_P, ids_P = rows_ids.split(len(prompt_rows))
                 num_top = [q.params.prompt_logprobs for q, _, _ in prompt_rows]
-                step.prompt_logprobs = (prompt_rows, logprobs_on_device(self.model.logits(hidden_TC[rows_P]), ids_P,
-                                                                        max(num_top)), num_top)
+                parts = logprobs_on_device(self.model.logits(hidden_TC[rows_P]), ids_P, max(num_top))
+                step.prompt_logprobs = (prompt_rows, tuple(map(self._to_host, parts)), num_top)
             if not sampled:
                 step.tokens = []
                 if step.timing is not None:
                     step.timing[1].record()
-                return step
+                return self._ready(step)
             logits_SV = self.model.logits(hidden_TC[sample_rows])
         rows = [q.params for q in sampled], [q.seed for q in sampled], [len(q) for q in sampled]
         step.tokens_S = self.graphs.sample(*rows) if graphed else sample(logits_SV, *rows)
@@ -180,11 +180,24 @@ class ModelRunner:
         if wanted:  # computed now, while logits_SV holds this step's (a graph's buffer is rewritten by the next)
             wanted_W = upload(torch.tensor(wanted), self.device)
             num_top = [sampled[i].params.logprobs for i in wanted]
-            step.token_logprobs = (wanted, logprobs_on_device(logits_SV[wanted_W], step.tokens_S[wanted_W],
-                                                              max(num_top)), num_top)
+            parts = logprobs_on_device(logits_SV[wanted_W], step.tokens_S[wanted_W], max(num_top))
+            step.token_logprobs = (wanted, tuple(map(self._to_host, parts)), num_top)
+        step.host_S = self._to_host(step.tokens_S)
+        return self._ready(step)
+
+    def _to_host(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """On CUDA, a pinned host copy of t, arriving asynchronously (complete once the step is
+        ready); elsewhere t itself."""
+        if t is None or self.device.type != "cuda":
+            return t
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        return host
+
+    def _ready(self, step: LaunchedStep) -> LaunchedStep:
+        """Mark the end of the step's device work, its copies to the host included: collect waits
+        for this alone. A blocking read would wait for every step queued after it too."""
         if self.device.type == "cuda":
-            step.host_S = torch.empty(len(sampled), dtype=torch.int64, pin_memory=True)
-            step.host_S.copy_(step.tokens_S, non_blocking=True)
             step.ready = torch.cuda.Event()
             step.ready.record()
         return step
@@ -192,12 +205,10 @@ class ModelRunner:
     def collect(self, step: LaunchedStep) -> list[int]:
         """The step's sampled tokens, in the order of step.sampled: the host's one wait for the
         device. Their logprobs go into step.logprobs, the prompt's into their sequences."""
+        if step.ready is not None:  # also for a step that samples nothing: its blocks may be freed next
+            step.ready.synchronize()
         if step.tokens is None:
-            if step.ready is not None:
-                step.ready.synchronize()
-                step.tokens = step.host_S.tolist()
-            else:
-                step.tokens = step.tokens_S.tolist()
+            step.tokens = step.host_S.tolist()
         if step.prompt_logprobs is not None:
             rows, parts, num_top = step.prompt_logprobs
             for (q, _, p), entry in zip(rows, logprob_entries(parts, num_top)):

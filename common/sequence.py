@@ -87,10 +87,11 @@ class Sequence:
 
     @property
     def ends_at_last_token(self) -> bool:
-        """Its newest token ends it, whichever token that turns out to be (its length, or a
-        prefill-only request's one token): async scheduling must not schedule it again."""
+        """Its newest token is still being sampled and will end it whichever token it turns out to
+        be (its length, or a prefill-only request's one token): async scheduling must not schedule
+        it again. (A real token that ends it has finished it already.)"""
         n = len(self.token_ids)
-        return n >= self.max_len or (self.prefill_only and n > self.num_prompt_tokens)
+        return self.token_ids[-1] == PENDING and (n >= self.max_len or (self.prefill_only and n > self.num_prompt_tokens))
 
     def append_token(self, token: int, logprob=None) -> None:
         self.token_ids.append(token)

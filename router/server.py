@@ -422,8 +422,9 @@ class Router:
         for w, others in [(p, decode) for p in prefill] + [(d, prefill) for d in decode]:
             if others and not w.kv_warned and not any(w.kv_fits(o) for o in others):
                 w.kv_warned = True
-                log.error("worker %s holds %s; no %s worker registered does (%s): it gets no work until one that "
-                          "matches registers. Start every worker with the same --dtype and --block-size",
+                log.error("worker %s holds %s; no %s worker registered does (%s): pairs with it fail "
+                          "on their KV layouts, and it gets no work once a matching one registers. Start every "
+                          "worker with the same --dtype and --block-size",
                           w.worker_id, w.kv_name(), others[0].role,
                           "; ".join(f"{o.worker_id}: {o.kv_name()}" for o in others))
 

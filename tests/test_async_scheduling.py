@@ -176,3 +176,19 @@ def test_logprobs_are_read_when_the_step_is_collected_not_at_launch():
     assert len(got[0].prompt_logprobs) == len(ps[0]) and got[0].prompt_logprobs[0] is None
     for g, w in zip(got[0].prompt_logprobs[1:], want[0].prompt_logprobs[1:]):
         assert g[1] == w[1] and [g[0]] + g[2] == pytest.approx([w[0]] + w[2], abs=1e-4)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_prefill_only_request_with_output_tokens_whose_last_chunk_is_one_token_finishes(async_scheduling):
+    """A prefill worker's retry of a request that had generated tokens: its prompt and those
+    tokens are prefilled, the last chunk a single token. Only a token still being sampled may keep
+    a request from being scheduled: this one must be, and must end prefilled with its blocks held."""
+    engine = Engine(model="dummy:nanogpt", max_num_batched_tokens=16, max_num_seqs=4,
+                    async_scheduling=async_scheduling)
+    engine.add_sequence("r", list(range(1, 18)), 16, SamplingParams(temperature=0, max_tokens=8), 0,
+                        prefill_only=True)
+    outs = []
+    for _ in range(6):
+        outs += engine.step()
+    assert [(o.request_id, o.finish_reason) for o in outs] == [("r", "prefilled")]
+    assert "r" in engine.held and not engine.has_unfinished()
