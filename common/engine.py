@@ -224,10 +224,9 @@ class Engine:
         writes them, once that step is collected: a block another worker's KV is written into, or
         a request is admitted to, must not take a late write."""
         step = self.inflight
-        if keep_blocks or step is None or seq not in step.members:
-            self.scheduler.finish(seq, reason, free_blocks=not keep_blocks)
-        else:
-            self.scheduler.finish(seq, reason, free_blocks=False)
+        defer = not keep_blocks and step is not None and seq in step.members
+        self.scheduler.finish(seq, reason, free_blocks=not (keep_blocks or defer))
+        if defer:
             step.free_after.append(seq)
 
     # ------------------------------------------------------------------ disaggregation
@@ -354,7 +353,7 @@ class Engine:
         sequences they finish."""
         tokens = self.runner.collect(step)
         outputs = []
-        for seq, token, logprob in zip(step.sampled, tokens, step.logprobs or [None] * len(tokens)):
+        for seq, token, logprob in zip(step.sampled, tokens, step.logprobs):
             if seq.status is Status.FINISHED:  # aborted, or finished by the step before
                 continue
             first = seq.first_token_time is None

@@ -141,9 +141,3 @@ def logprob_entries(parts: tuple, num_top: list[int]) -> list[Logprob]:
         return [[lp, [], []] for lp in chosen]
     top, ids = top_SK.tolist(), ids_SK.tolist()
     return [[lp, i[:n], t[:n]] for lp, i, t, n in zip(chosen, ids, top, num_top)]
-
-
-def token_logprobs(logits_SV: torch.Tensor, token_ids: list[int], num_top: list[int]) -> list[Logprob]:
-    """Row i: [log_softmax(logits_SV[i])[token_ids[i]], the num_top[i] best ids, their logprobs]."""
-    ids_S = torch.tensor(token_ids, device=logits_SV.device)
-    return logprob_entries(logprobs_on_device(logits_SV, ids_S, max(num_top, default=0)), num_top)

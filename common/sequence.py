@@ -91,7 +91,7 @@ class Sequence:
         be (its length, or a prefill-only request's one token): async scheduling must not schedule
         it again. (A real token that ends it has finished it already.)"""
         n = len(self.token_ids)
-        return self.token_ids[-1] == PENDING and (n >= self.max_len or (self.prefill_only and n > self.num_prompt_tokens))
+        return self.pending and (n >= self.max_len or (self.prefill_only and n > self.num_prompt_tokens))
 
     def append_token(self, token: int, logprob=None) -> None:
         self.token_ids.append(token)

@@ -62,11 +62,11 @@ def test_top_k_one_is_greedy(top_k):
 
 
 def test_token_logprobs_are_log_softmax_and_its_top_n():
-    from common.sampling import token_logprobs
+    from common.sampling import logprob_entries, logprobs_on_device
 
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
     ref = torch.log_softmax(logits, dim=-1)
-    out = token_logprobs(logits, [4, 7, 9], [0, 3, 20])
+    out = logprob_entries(logprobs_on_device(logits, torch.tensor([4, 7, 9]), 20), [0, 3, 20])
     for row, (lp, ids, lps), token, n in zip(ref, out, [4, 7, 9], [0, 3, 20]):
         assert lp == pytest.approx(row[token].item(), abs=1e-6)
         assert ids == row.topk(n).indices.tolist() and lps == pytest.approx(row.topk(n).values.tolist(), abs=1e-6)
