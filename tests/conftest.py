@@ -1,7 +1,16 @@
 import os
+import platform
 
 import pytest
-import torch
+
+# Triton's interpreter runs tl.dot as numpy's matmul. OpenBLAS's AVX2 kernels (Haswell, Zen) give
+# a row of a float32 product bits that depend on the row's place in the matrix, which the bit-for-bit
+# invariance tests of the Triton attention would read as the kernel's fault; its AVX kernels do not.
+# OpenBLAS reads this once, when numpy loads it: here, before torch imports numpy.
+if platform.machine() in ("x86_64", "AMD64"):
+    os.environ.setdefault("OPENBLAS_CORETYPE", "Sandybridge")
+
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     # Triton kernels run on CPU tensors in Triton's interpreter, which must be chosen before triton
