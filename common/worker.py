@@ -30,6 +30,11 @@ from common.step_trace import StepTrace
 
 log = logging.getLogger("pdserve.worker")
 
+IDLE_POLL_MS = 10  # no work: wait this long for a message before the next tick
+# Work that cannot run yet (no blocks to admit a request to while others are held for transfers):
+# what frees them comes as a message, a wake, or by on_tick's polls. Not 0: that spins a core.
+STALLED_POLL_MS = 1
+
 
 @dataclass
 class WorkerConfig:
@@ -64,6 +69,7 @@ class WorkerBase:
         self.stopping = False
         self.kv_address = ""
         self.kv_bytes: dict[str, int] = {}  # KV bytes sent, by transport (prefill), for the router's metrics
+        self.stalled = False  # the last step had work but ran nothing
         self._connect_router()
 
     # ------------------------------------------------------------------ sockets
@@ -134,8 +140,7 @@ class WorkerBase:
         self.engine.runner.timing = trace is not None
         try:
             while not self.stopping:
-                timeout = 0 if self.engine.has_unfinished() else 10
-                for sock, _ in self.poller.poll(timeout):
+                for sock, _ in self.poller.poll(self.poll_timeout()):
                     if sock == self.waker.fd:
                         self.waker.drain()
                         continue
@@ -146,13 +151,12 @@ class WorkerBase:
                             break
                         self.handle(handler, env)
                 if self.engine.has_unfinished():
-                    if trace is None:
-                        self.on_outputs(self.step())
-                    else:
-                        start = time.monotonic()
-                        outputs = self.step()
-                        stepped = time.monotonic()
-                        self.on_outputs(outputs)
+                    start = time.monotonic()
+                    outputs = self.step()
+                    stepped = time.monotonic()
+                    self.stalled = not (outputs or self.engine.last_batch or self.engine.inflight)
+                    self.on_outputs(outputs)
+                    if trace is not None:
                         trace.record(start, stepped, time.monotonic(), self.engine.last_batch,
                                      self.engine.runner.last_gpu_ms)
                 self._tick(time.monotonic())
@@ -160,6 +164,12 @@ class WorkerBase:
             if trace is not None:
                 trace.close()
             self.close()
+
+    def poll_timeout(self) -> int:
+        """Milliseconds the loop waits for a message: none while the engine has work to step."""
+        if not self.engine.has_unfinished():
+            return IDLE_POLL_MS
+        return STALLED_POLL_MS if self.stalled else 0
 
     def _tick(self, now: float):
         if not self.registered and now - self._last_register > 0.5:

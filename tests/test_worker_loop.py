@@ -1,0 +1,58 @@
+"""The worker loop waits instead of spinning while its work cannot run (every block held, as a
+prefill worker's are while their KV is in transfer), and runs it as soon as blocks come back."""
+
+import signal
+
+import pytest
+
+from common.sampling_params import SamplingParams
+from common.worker import IDLE_POLL_MS, STALLED_POLL_MS, WorkerBase, WorkerConfig
+from common.config import EngineConfig
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class LoopUnderTest(WorkerBase):
+    """A worker with no router answering (its Register goes nowhere): the loop alone."""
+    role = "decode"
+
+    def __init__(self):
+        super().__init__(WorkerConfig(router="tcp://127.0.0.1:9", engine=EngineConfig(
+            model="dummy:llama-tiny", num_blocks=8, max_num_seqs=4)))
+        self.finished = []
+
+    def on_router(self, msg):
+        pass
+
+    def on_outputs(self, outputs):
+        self.finished += [o.request_id for o in outputs if o.finished]
+
+
+def test_a_worker_whose_work_waits_for_blocks_polls_instead_of_spinning():
+    worker = LoopUnderTest()
+    engine = worker.engine
+    held = engine.reserve(6 * engine.config.block_size)  # 7 of 8 blocks, as if KV were arriving into them
+    assert held is not None and engine.block_manager.num_free_blocks == 1  # the request needs 3
+    engine.add_request(list(range(3, 40)), SamplingParams(temperature=0, max_tokens=3), request_id="waits")
+    timeouts, poll = [], worker.poller.poll
+
+    def watched_poll(timeout):
+        timeouts.append(timeout)
+        if len(timeouts) == 20:  # the KV "arrived" elsewhere and the blocks came back
+            engine.unreserve(held)
+        if worker.finished:
+            worker.stopping = True
+        return poll(timeout)
+
+    worker.poller.poll = watched_poll
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        worker.run()
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    assert worker.finished == ["waits"]
+    # the first turn steps at once; every turn until the blocks came back found nothing to run, and waited
+    assert timeouts[1:20] == [STALLED_POLL_MS] * 19
+    assert 0 in timeouts[20:], "once it could run, the loop stepped without waiting"
+    assert worker.poll_timeout() == IDLE_POLL_MS
