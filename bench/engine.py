@@ -14,7 +14,6 @@ the host, so about 1x there).
 
 from __future__ import annotations
 
-import gc
 import random
 import sys
 import time
@@ -178,15 +177,13 @@ def run_engine_bench(engine_kwargs: dict, num_requests: int, prompt_len: int, ou
     if cfg.max_model_len is not None and cfg.max_model_len < max(max_kv + steps + 2, prefill_len + 1):
         raise InvalidArgument(f"--max-model-len {cfg.max_model_len} is shorter than the longest point of the bench "
                               f"({max(max_kv + steps + 2, prefill_len + 1)} tokens); allowed: at least that")
+    # A pool of what the bench uses, not of the device's free memory: a larger one is not faster,
+    # and --vs-transformers needs the rest for transformers' model and cache.
+    if cfg.num_blocks is None:
+        per_seq = -(-(max_kv + max(2 * steps + 8, output_len)) // cfg.block_size)  # decode_speed's max_tokens
+        need = max(max(max_b, num_requests) * per_seq, -(-(prefill_len + 1) // cfg.block_size))
+        cfg.num_blocks = need + need // 50  # and the scheduler's 1% watermark
     engine = Engine(cfg)
-    need = max(max_b, num_requests) * engine.block_manager.blocks_needed(max_kv + max(steps, output_len) + 2)
-    if engine.num_blocks < need and cfg.num_blocks is None:
-        cfg.num_blocks = need
-        del engine  # its pool and graphs, before the next one sizes itself from what is free
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        engine = Engine(cfg)
 
     # Offline throughput: all requests at once, to completion.
     prompts = _random_prompts(rng, num_requests, prompt_len, engine.model_config.vocab_size)
