@@ -36,16 +36,27 @@ _TO_GGUF = {hf: gguf for gguf, hf in {**_LAYER_NAMES, **_GLOBAL_NAMES}.items()}
 _IGNORED = ("rope_freqs.weight",)  # read into the config, not a parameter
 
 
-def read_tensor(g: GGUFFile, name: str, device: torch.device) -> torch.Tensor:
-    """A tensor dequantized to float32 on `device`, in its torch shape."""
+def read_tensor(g: GGUFFile, name: str, device: torch.device, dtype: torch.dtype = torch.float32,
+                heads: int | None = None) -> torch.Tensor:
+    """A tensor dequantized into `dtype` on `device`, in its torch shape. It goes a chunk of rows at
+    a time straight into the result, so that loading holds no float32 copy of a whole tensor (an
+    8B model's embedding is 2 GiB of them). With heads, the rows of a llama file's Q or K projection
+    go back into Hugging Face's order on the way (_unpermuted_rows)."""
     shape, qtype = g.shape(name), g.qtype(name)
+    if heads is not None and len(shape) == 1:  # a bias: its values are the rows to put in order
+        t = read_tensor(g, name, device, dtype)
+        return torch.empty_like(t).index_copy_(0, _unpermuted_rows(t.shape[0], heads, device), t)
     rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
     raw = np.asarray(g.tensors[name].data).reshape(-1).view(np.uint8).reshape(rows, -1)
-    out = torch.empty(rows, shape[-1], dtype=torch.float32, device=device)
+    out = torch.empty(rows, shape[-1], dtype=dtype, device=device)
+    where = None if heads is None else _unpermuted_rows(rows, heads, device)
     step = max(1, _CHUNK_VALUES // shape[-1])
     for r in range(0, rows, step):
-        chunk = torch.from_numpy(raw[r:r + step].copy()).to(device)
-        out[r:r + step] = dequantize(chunk, qtype)
+        values = dequantize(torch.from_numpy(raw[r:r + step].copy()).to(device), qtype)
+        if where is None:
+            out[r:r + step] = values
+        else:
+            out.index_copy_(0, where[r:r + step], values.to(dtype))
     return out.view(shape)
 
 
@@ -57,10 +68,13 @@ def _gguf_name(hf_name: str) -> str:
     return f"{_TO_GGUF[module]}.{kind}"
 
 
-def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
-    """Undo llama.cpp's per-head (half, pair) -> (pair, half) row order of a Q or K projection."""
-    rows = w.shape[0]
-    return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+def _unpermuted_rows(rows: int, heads: int, device: torch.device) -> torch.Tensor:
+    """Where each row of a llama file's Q or K projection goes: llama.cpp's converter orders each
+    head's rows (half, pair), Hugging Face's rope wants (pair, half)."""
+    per_head = rows // heads
+    r = torch.arange(rows, device=device)
+    within = r % per_head
+    return r - within + (within % 2) * (per_head // 2) + within // 2
 
 
 def load_gguf_weights(model: Transformer, cfg: ModelConfig, path: Path) -> None:
@@ -76,6 +90,8 @@ def load_gguf_weights(model: Transformer, cfg: ModelConfig, path: Path) -> None:
             raise ModelLoadError(f"{path}: tensor {name!r} has type {g.qtype(name)}; allowed: " + ", ".join(SUPPORTED))
     heads = {"self_attn.q_proj": cfg.num_heads, "self_attn.k_proj": cfg.num_kv_heads} if arch == "llama" else {}
     device = next(model.parameters()).device
+    params = dict(model.named_parameters())
+    dtypes = {n: params[ours].dtype for ours, (sources, _) in plan.items() for n, _ in sources}
 
     def fetch(hf_name: str, shape: tuple[int, ...]) -> torch.Tensor:
         name = _gguf_name(hf_name)
@@ -83,9 +99,8 @@ def load_gguf_weights(model: Transformer, cfg: ModelConfig, path: Path) -> None:
             raise ModelLoadError(f"{path}: tensor {name!r} (expected shape {list(shape)}) is missing")
         if g.shape(name) != shape:
             raise ModelLoadError(f"{path}: tensor {name!r} has shape {list(g.shape(name))}, expected {list(shape)}")
-        t = read_tensor(g, name, device)
         module = ".".join(hf_name.split(".")[3:-1])  # model.layers.N.<module>.weight
-        return _unpermute(t, heads[module]) if module in heads else t
+        return read_tensor(g, name, device, dtypes[hf_name], heads.get(module))
 
     fill_weights(model, plan, fetch)
 
