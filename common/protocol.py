@@ -107,6 +107,7 @@ class Register:
     model: str = ""
     kv_transports: list[str] = field(default_factory=list)  # KV transports it sends (prefill) or receives by
     kv_dtype: str = ""  # of its KV pool: a prefill and a decode worker must agree on it, and on block_size
+    batch_invariant: bool | None = None  # runs the batch-invariant kernels (on CUDA); None: not said
 
 
 @dataclass

@@ -25,6 +25,7 @@ class Worker:
     kv_transports: list[str] = field(default_factory=list)  # what it sends (prefill) or receives (decode) KV by
     kv_dtype: str = ""  # its KV pool's dtype ("": not said, an older worker)
     kv_warned: bool = False  # the router has said that no worker of the other role holds KV alike
+    batch_invariant: bool | None = None  # its kernels' rounding does not depend on the batch (None: not said)
     registered_at: float = field(default_factory=time.monotonic)
     last_seen: float = field(default_factory=time.monotonic)
     queued: int = 0
@@ -39,7 +40,8 @@ class Worker:
                 "device": self.device, "alive": self.alive, "queued": self.queued, "running": self.running,
                 "assigned": len(self.assigned), "free_blocks": self.free_blocks,
                 "total_blocks": self.total_blocks, "kv_address": self.kv_address, "kv_transports": self.kv_transports,
-                "kv_dtype": self.kv_dtype, "block_size": self.block_size, "heartbeat_age_s": round(now - self.last_seen, 3)}
+                "kv_dtype": self.kv_dtype, "block_size": self.block_size, "batch_invariant": self.batch_invariant,
+                "heartbeat_age_s": round(now - self.last_seen, 3)}
 
     def kv_fits(self, other: "Worker") -> bool:
         """Whether KV moves between the two as it is: the same block size and dtype (an older
@@ -49,6 +51,15 @@ class Worker:
 
     def kv_name(self) -> str:
         return f"{self.kv_dtype or 'unsaid-dtype'} KV in {self.block_size}-token blocks"
+
+
+def invariance_split(workers: list[Worker]) -> tuple[list[str], list[str]] | None:
+    """(ids of workers running the batch-invariant kernels, ids of those that are not) where live
+    workers disagree, else None. Where they do, a request's tokens depend on the workers it meets:
+    the promise of the same tokens in any batch, topology and migration no longer holds."""
+    on = sorted(w.worker_id for w in workers if w.alive and w.batch_invariant is True)
+    off = sorted(w.worker_id for w in workers if w.alive and w.batch_invariant is False)
+    return (on, off) if on and off else None
 
 
 class Registry:

@@ -32,7 +32,7 @@ from common.model_spec import load_tokenizer, model_config
 from common.errors import InvalidArgument
 from common.sampling_params import SamplingParams, fresh_seed
 from router.metrics import RouterMetrics
-from router.registry import DECODE_ROLES, PREFILL_ROLES, Registry, Worker
+from router.registry import DECODE_ROLES, PREFILL_ROLES, Registry, Worker, invariance_split
 from common.text import TextStream
 
 log = logging.getLogger("pdserve.router")
@@ -408,11 +408,16 @@ class Router:
         self.registry.workers[msg.worker_id] = Worker(msg.worker_id, msg.role, msg.incarnation, identity, msg.device,
                                                       msg.total_blocks, msg.block_size, msg.kv_address,
                                                       list(msg.kv_transports), kv_dtype=msg.kv_dtype,
-                                                      free_blocks=msg.total_blocks)
+                                                      batch_invariant=msg.batch_invariant, free_blocks=msg.total_blocks)
         w = self.registry.workers[msg.worker_id]
         log.info("worker %s registered: role=%s device=%s blocks=%d (%s) kv=%s by %s", msg.worker_id, msg.role,
                  msg.device, msg.total_blocks, w.kv_name(), msg.kv_address or "-", ",".join(msg.kv_transports) or "-")
         self._warn_kv_orphans()
+        split = invariance_split(list(self.registry.workers.values()))
+        if split is not None and msg.worker_id in split[0] + split[1]:
+            log.warning("workers disagree on batch invariance (on: %s; off: %s): a request's tokens then depend on "
+                        "the workers it meets. Start every worker with the same --no-batch-invariant or without it",
+                        ", ".join(split[0]), ", ".join(split[1]))
         self._send(self.backend, P.Registered(msg.worker_id, msg.incarnation), identity)
 
     def _warn_kv_orphans(self):

@@ -235,6 +235,50 @@ def test_pairs_needs_the_same_kv_dtype_and_block_size():
     assert not pairs(req, p, worker("decode-2", "bfloat16")) and not pairs(req, p, worker("decode-3", "float32", 32))
 
 
+def test_workers_that_disagree_on_batch_invariance_are_named_at_registration(caplog):
+    """A worker says in its Register whether it runs the batch-invariant kernels; the router names
+    the workers on each side once they disagree, and `status` shows each one's mode."""
+    import zmq.asyncio
+
+    from common.model_spec import model_config
+    from router.launcher import free_port
+    from router.server import Router, RouterConfig
+
+    fingerprint = model_config("dummy:nanogpt").fingerprint
+
+    async def scenario():
+        router = Router(RouterConfig(port=free_port(), worker_port=free_port()))
+        stop = asyncio.Event()
+        serving = asyncio.ensure_future(router.serve(stop))
+        ctx = zmq.asyncio.Context()
+        socks = []
+        try:
+            for name, role, invariant in (("prefill-0", "prefill", True), ("decode-0", "decode", True),
+                                          ("decode-1", "decode", None), ("decode-2", "decode", False)):
+                sock = Channel.connect(ctx, zmq.DEALER, router.backend.address, identity=f"{name}/1".encode())
+                socks.append(sock)
+                await sock.send(P.Register(role, name, "1", "cuda:0", 64, 16, "tcp://127.0.0.1:1", fingerprint,
+                                           [], "bfloat16", invariant))
+                assert isinstance((await sock.arecv()).msg, P.Registered)
+                warned = [r.getMessage() for r in caplog.records if "batch invariance" in r.getMessage()]
+                assert bool(warned) == (name == "decode-2"), (name, warned)  # None: an older worker, not said
+            assert warned == ["workers disagree on batch invariance (on: decode-0, prefill-0; off: decode-2): a "
+                              "request's tokens then depend on the workers it meets. Start every worker with the "
+                              "same --no-batch-invariant or without it"]
+            modes = {w.worker_id: w.describe(time.monotonic())["batch_invariant"]
+                     for w in router.registry.workers.values()}
+            assert modes == {"prefill-0": True, "decode-0": True, "decode-1": None, "decode-2": False}
+        finally:
+            for sock in socks:
+                sock.close()
+            ctx.term()
+            stop.set()
+            await serving
+
+    with caplog.at_level("WARNING", logger="pdserve.router"):
+        asyncio.run(scenario())
+
+
 def test_a_decode_worker_holding_other_kv_is_named_at_registration_and_gets_no_work(tmp_path):
     """One of two decode workers started with another --dtype: the router says so when it
     registers, sends it nothing, and every request is served token-exact by the other."""
