@@ -144,23 +144,21 @@ class DecodeGraphs:
             graph.replay()
         else:
             logits = self._forward(size)
-        self._last = (size, logits)
         return logits[:n]
 
-    def sample(self, params: list, seeds: list[int], positions: list[int]) -> torch.Tensor:
-        """The tokens of the batch `run` just replayed (params, seeds, positions for its n rows, as
-        common/sampling.sample takes them), by the captured sampler of their mode."""
-        size, logits = self._last
+    def sample(self, logits_SV: torch.Tensor, params: list, seeds: list[int], positions: list[int]) -> torch.Tensor:
+        """The tokens of the batch `run` just returned logits_SV for, as common/sampling.sample takes
+        them: by the captured sampler of their mode, which reads the replayed graph's own logits."""
         n, mode = len(params), sampling_mode(params)
+        size = self.size_for(n)
         if mode != GREEDY:
-            ints, floats = sampling_inputs(params, seeds, positions, logits.shape[1])
+            ints, floats = sampling_inputs(params, seeds, positions, logits_SV.shape[1])
             self.sample_ints[:, :n].copy_(upload(ints, self.device))
             self.sample_floats[:, :n].copy_(upload(floats, self.device))
             if size > n:  # rows a larger batch left: greedy padding again
                 self.sample_ints[1, n:size].fill_(1)
-        if (size, mode) in self.samplers:
-            graph, tokens = self.samplers[size, mode]
-            graph.replay()
-        else:
-            tokens = self._sample(logits, mode)
+        if (size, mode) not in self.samplers:
+            return self._sample(logits_SV, mode)
+        graph, tokens = self.samplers[size, mode]
+        graph.replay()
         return tokens[:n]

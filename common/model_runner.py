@@ -173,7 +173,7 @@ class ModelRunner:
                 return self._ready(step)
             logits_SV = self.model.logits(hidden_TC[sample_rows])
         rows = [q.params for q in sampled], [q.seed for q in sampled], [len(q) for q in sampled]
-        step.tokens_S = self.graphs.sample(*rows) if graphed else sample(logits_SV, *rows)
+        step.tokens_S = (self.graphs.sample if graphed else sample)(logits_SV, *rows)
         if step.timing is not None:
             step.timing[1].record()
         wanted = [i for i, q in enumerate(sampled) if q.params.logprobs is not None]

@@ -65,8 +65,7 @@ def test_the_graphs_sampler_of_each_mode_gives_the_eager_samplers_tokens():
     for mode, params in batches.items():  # 8 rows, then 5 and 3 padded to 8 over the rows left before
         assert sampling_mode(params) == mode
         n, seeds, positions = len(params), list(range(100, 100 + len(params))), list(range(7, 7 + len(params)))
-        graphs._last = (8, logits)  # as run() leaves it for a batch padded to 8
-        got = graphs.sample(params, seeds, positions)
+        got = graphs.sample(logits[:n], params, seeds, positions)
         assert got.tolist() == sample(logits[:n], params, seeds, positions).tolist()
     assert graphs.sample_ints[1, 5:].tolist() == [1, 1, 1]  # the padding rows are greedy again
 
