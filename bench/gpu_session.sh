@@ -4,13 +4,16 @@
 # but no pyzmq and no package index: carry its wheel in .whl/ (../shared/GPU.md). Logs and each
 # benchmark's JSON land in $OUT; the last lines printed are a summary.
 #
+#   bash bench/gpu_session.sh first    # check, then the engine at batch 1 and 64 x 512 (one call, < 10 min)
 #   bash bench/gpu_session.sh check    # kernels compile, pytest -m gpu            (~5 min)
 #   bash bench/gpu_session.sh engine   # bench engine on dummy:llama-1b, both modes, vs transformers
 #   bash bench/gpu_session.sh cluster  # bench transfer, handoff and chaos on cuda:0
 #   bash bench/gpu_session.sh serve    # bench serve: mono vs 1p1d vs 2p2d on dummy:llama-1b, step traces
 #   bash bench/gpu_session.sh overlap  # 1p1d served with and without --async-scheduling: loop share, ITL
 set -u
-stage=${1:?usage: bench/gpu_session.sh check|engine|cluster|serve|overlap}
+# A machine goes back 30 s after a call and a new one takes a minute or more to start: in a session
+# that may get one call, run `first`; then engine, overlap, cluster, serve, as time allows.
+stage=${1:?usage: bench/gpu_session.sh first|check|engine|cluster|serve|overlap}
 OUT=${OUT:-/tmp/pdserve-gpu}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
@@ -29,6 +32,15 @@ run() {  # run NAME SECONDS CMD...: its output in $OUT/NAME.log, its last line (
 }
 
 case $stage in
+first)
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt"
+    run aot 90 python3 -m tests.triton_aot
+    run gpu-tests 300 python3 -m pytest -m gpu tests -q -p no:cacheprovider --timeout 120 -rf
+    run engine 170 pdserve bench engine --device cuda:0 --model dummy:llama-1b --max-model-len 4096 \
+        --batch-sizes 1,64 --kv-lens 512 --steps 32 --num-requests 16 --output-len 32
+    tail -n 15 "$OUT/gpu-tests.log"
+    grep -v '^{' "$OUT/engine.log" | tail -n 40
+    ;;
 check)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt"
     python3 -c "import torch, triton; print(torch.__version__, triton.__version__)" >> "$OUT/gpu.txt"
@@ -69,7 +81,7 @@ overlap)
     done
     ;;
 *)
-    echo "unknown stage $stage; allowed: check, engine, cluster, serve, overlap" >&2
+    echo "unknown stage $stage; allowed: first, check, engine, cluster, serve, overlap" >&2
     exit 2
     ;;
 esac
