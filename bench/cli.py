@@ -108,6 +108,25 @@ def bench_handoff(model, tokens, requests, transport, seed, worker_args, devices
     run_handoff_bench(model, tokens, requests, transport, seed, list(worker_args), devices=devices)
 
 
+@bench.command("router")
+@click.option("--model", default="dummy:nanogpt", show_default=True, help="its tokenizer streams the text")
+@click.option("--concurrency", "concurrencies", default="16,64,256", show_default=True,
+              help="streaming requests in flight, one level each")
+@click.option("--workers", default=2, show_default=True, type=int, help="synthetic workers")
+@click.option("--step-ms", default=1.0, show_default=True, type=float,
+              help="each worker's step: one token per running request this often (a GPU decode step)")
+@click.option("--seconds", default=3.0, show_default=True, type=float, help="measured per level")
+@click.option("--prompt-len", default=16, show_default=True, type=int)
+@click.option("--max-tokens", default=256, show_default=True, type=int)
+@click.option("--seed", default=0, show_default=True, type=int)
+def bench_router(model, concurrencies, workers, step_ms, seconds, prompt_len, max_tokens, seed):
+    """Tokens/s one router carries and its CPU per token, fed by synthetic workers at GPU step rates."""
+    from bench.router_capacity import run_router_bench
+
+    run_router_bench(model, parse_ints(concurrencies, "--concurrency", "request counts"), workers, step_ms, seconds,
+                     prompt_len, max_tokens, seed)
+
+
 @bench.command("transfer")
 @click.option("--transport", default="zmq", show_default=True, type=click.Choice(KV_TRANSPORTS[1:]))
 @click.option("--model", default="dummy:llama-1b", show_default=True, help="only its KV layout is used")

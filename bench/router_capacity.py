@@ -1,0 +1,188 @@
+"""`pdserve bench router`: how many tokens a second one router process carries, and what each
+costs it in CPU.
+
+Every token of a cluster crosses the router: in from a decode worker's step message, out to its
+client, with incremental detokenization, metrics and ordering checks on the way. On a GPU a decode
+step takes about a millisecond, so a decode worker at batch 64 hands the router some 60,000 tokens
+a second, and one router serves every worker. This bench offers the router that load without a
+GPU: synthetic workers (bench/synthetic_worker.py) that speak the worker protocol and emit one
+token per running request every --step-ms, and a load generator that keeps --concurrency streaming
+requests in flight and checks every token it gets back (each stream echoes its prompt, so a lost,
+repeated or misplaced token is caught).
+
+For each concurrency it reports the tokens offered (workers' pace) and delivered (to the client),
+the client's inter-token latency, and the router process's CPU from /proc: its cores and its
+microseconds per token. The last is the figure to plan with: one router core carries at most
+1e6 / (us per token) tokens a second. On a 2-core machine the synthetic workers and the load
+generator share the cores with the router, so delivery saturates before the router does; its CPU
+per token is measured all the same.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import zmq
+
+from bench.hostload import cpu_seconds
+from bench.report import pct, print_json, print_table
+from common import protocol as P
+from common.channel import Channel
+from common.errors import InvalidArgument
+from common.model_spec import model_config
+from router.launcher import Child, Cluster, free_port
+
+
+class LoadGenerator:
+    """`concurrency` streaming requests in flight on one socket, each replaced when it ends; every
+    token checked against the prompt it echoes."""
+
+    def __init__(self, address: str, vocab: int, prompt_len: int, max_tokens: int, seed: int):
+        self.ctx = zmq.Context()
+        self.chan = Channel.connect(self.ctx, zmq.DEALER, address)
+        self.chan.sock.setsockopt(zmq.RCVHWM, 0)
+        self.rng = random.Random(seed)
+        self.vocab, self.prompt_len, self.max_tokens = vocab, prompt_len, max_tokens
+        self.open: dict[str, list] = {}  # request id -> [prompt, next index, last token's arrival]
+        self.ids = 0
+        self.tokens = self.done = 0
+        self.gaps: list[float] = []  # seconds between a stream's consecutive tokens
+        self.errors: list[str] = []
+
+    def submit(self):
+        rid = f"r{self.ids}"
+        self.ids += 1
+        prompt = [self.rng.randrange(self.vocab) for _ in range(self.prompt_len)]
+        self.open[rid] = [prompt, 0, None]
+        self.chan.send(P.Generate(rid, prompt, {"max_tokens": self.max_tokens, "temperature": 0,
+                                                "ignore_eos": True}, True))
+
+    def run(self, concurrency: int, seconds: float) -> None:
+        """Top up to `concurrency` and serve replies for `seconds`."""
+        end = time.monotonic() + seconds
+        while (now := time.monotonic()) < end:
+            while len(self.open) < concurrency:
+                self.submit()
+            env = self.chan.recv(max(1, int((end - now) * 1000)))
+            if env is not None:
+                self.on_reply(env.msg)
+
+    def drain(self, timeout: float) -> None:
+        end = time.monotonic() + timeout
+        while self.open and (now := time.monotonic()) < end:
+            env = self.chan.recv(max(1, int((end - now) * 1000)))
+            if env is not None:
+                self.on_reply(env.msg)
+        if self.open:
+            self.errors.append(f"{len(self.open)} requests still open {timeout}s after the load stopped")
+            self.open.clear()
+
+    def on_reply(self, msg):
+        r = self.open.get(getattr(msg, "request_id", None))
+        if r is None:
+            self.errors.append(f"a reply for no open request: {msg!r:.200}")
+            return
+        if isinstance(msg, P.Token):
+            prompt, index, last = r
+            want = [prompt[(index + i) % len(prompt)] for i in range(len(msg.token_ids))]
+            if msg.index != index or msg.token_ids != want:
+                self.errors.append(f"{msg.request_id}: tokens {msg.token_ids} at {msg.index}; "
+                                   f"expected {want} at {index}")
+            now = time.monotonic()
+            if last is not None:
+                self.gaps.append(now - last)
+            r[1], r[2] = index + len(msg.token_ids), now
+            self.tokens += len(msg.token_ids)
+        elif isinstance(msg, P.Done):
+            del self.open[msg.request_id]
+            self.done += 1
+            if len(msg.token_ids) != self.max_tokens or r[1] != self.max_tokens:
+                self.errors.append(f"{msg.request_id} ended with {len(msg.token_ids)} tokens, "
+                                   f"{r[1]} streamed; expected {self.max_tokens}")
+        else:
+            del self.open[msg.request_id]
+            self.errors.append(f"{msg.request_id}: {msg!r:.200}")
+
+    def take(self) -> tuple[int, list[float]]:
+        """Tokens and gaps since the last take."""
+        tokens, gaps = self.tokens, self.gaps
+        self.tokens, self.gaps = 0, []
+        return tokens, gaps
+
+    def close(self):
+        self.chan.close()
+        self.ctx.term()
+
+
+def run_router_bench(model: str = "dummy:nanogpt", concurrencies: list[int] = (16, 64, 256), workers: int = 2,
+                     step_ms: float = 1.0, seconds: float = 3.0, prompt_len: int = 16, max_tokens: int = 256,
+                     seed: int = 0) -> dict:
+    for name, value, ok in (("workers", workers, workers >= 1), ("step_ms", step_ms, step_ms > 0),
+                            ("seconds", seconds, seconds > 0), ("prompt_len", prompt_len, prompt_len >= 1),
+                            ("max_tokens", max_tokens, max_tokens >= 2),
+                            ("concurrencies", concurrencies, concurrencies and min(concurrencies) >= 1)):
+        if not ok:
+            raise InvalidArgument(f"{name}={value}; allowed: "
+                                  + ("> 0" if isinstance(value, float) else "at least 2" if name == "max_tokens"
+                                     else "integers >= 1" if name == "concurrencies" else ">= 1"))
+    cfg = model_config(model)
+    if prompt_len + max_tokens >= cfg.max_position_embeddings:
+        raise InvalidArgument(f"prompt_len + max_tokens = {prompt_len + max_tokens}; allowed: under "
+                              f"{cfg.max_position_embeddings} ({model}'s context)")
+    with tempfile.TemporaryDirectory() as logs:
+        # A Cluster with no worker of its own kind: its router and start-up check, our synthetic workers.
+        cluster = Cluster(model, 0, 0, workers, ["cpu"], "127.0.0.1", 0, 0, Path(logs), "least_loaded", [],
+                          threads=1, restart=False, router_args=["--max-queue", str(max(concurrencies) + 64)])
+        cluster.workers = [Child(f"synth-{i}", [sys.executable, "-m", "bench.synthetic_worker", "--router",
+                                                f"tcp://127.0.0.1:{cluster.worker_port}", "--worker-id", f"synth-{i}",
+                                                "--model", model, "--step-ms", str(step_ms)],
+                                 Path(logs) / f"synth-{i}.log") for i in range(workers)]
+        gen = None
+        try:
+            cluster.start()
+            gen = LoadGenerator(cluster.address, cfg.vocab_size, prompt_len, max_tokens, seed)
+            router_pid = cluster.router.proc.pid
+            rows, points = [], []
+            for c in concurrencies:
+                print(f"concurrency {c}: warming up, then {seconds:.0f} s measured", file=sys.stderr, flush=True)
+                gen.run(c, min(1.0, seconds))  # reach the level's steady state
+                gen.take()
+                cpu0, t0 = cpu_seconds(router_pid), time.monotonic()
+                gen.run(c, seconds)
+                cpu1, wall = cpu_seconds(router_pid), time.monotonic() - t0
+                tokens, gaps = gen.take()
+                offered = c / (step_ms / 1000)  # every stream a token a step
+                point = {"concurrency": c, "offered_tok_s": round(offered), "delivered_tok_s": round(tokens / wall),
+                         "itl_p50_ms": round(pct(gaps, 50) * 1e3, 3), "itl_p99_ms": round(pct(gaps, 99) * 1e3, 3),
+                         "router_cores": round((cpu1 - cpu0) / wall, 3),
+                         "router_us_per_token": round((cpu1 - cpu0) / max(tokens, 1) * 1e6, 2)}
+                points.append(point)
+                rows.append([c, point["offered_tok_s"], point["delivered_tok_s"],
+                             f"{tokens / wall / offered:.2f}", point["itl_p50_ms"], point["itl_p99_ms"],
+                             point["router_cores"], point["router_us_per_token"]])
+            gen.drain(30.0)
+        finally:
+            if gen is not None:
+                gen.close()
+            cluster.stop()
+    busiest = max(points, key=lambda p: p["delivered_tok_s"])  # the most loaded level
+    result = {"bench": "router", "model": model, "workers": workers, "step_ms": step_ms, "seconds": seconds,
+              "prompt_len": prompt_len, "max_tokens": max_tokens, "points": points,
+              "requests_done": gen.done, "errors": len(gen.errors),
+              "router_us_per_token": busiest["router_us_per_token"],
+              "router_tok_s_per_core": round(1e6 / busiest["router_us_per_token"]) if busiest["router_us_per_token"] else None}
+    print_table(f"pdserve bench router: {workers} synthetic workers stepping every {step_ms} ms, streaming requests "
+                f"of {prompt_len} + {max_tokens} tokens, {seconds:.0f} s per level (ITL: at the client)",
+                ["concurrency", "offered tok/s", "delivered tok/s", "delivered/offered", "ITL p50 ms", "ITL p99 ms",
+                 "router cores", "router us/token"], rows)
+    for e in gen.errors[:10]:
+        print(f"error: {e}")
+    print(f"one router core carries about {result['router_tok_s_per_core']:,} tokens/s "
+          f"({busiest['router_us_per_token']} us each, at concurrency {busiest['concurrency']}); "
+          f"{gen.done} requests done, {len(gen.errors)} errors")
+    print_json(result)
+    return result
