@@ -28,7 +28,7 @@ from pathlib import Path
 
 import zmq
 
-from bench.hostload import cpu_seconds
+from bench.hostload import CpuWatch
 from bench.report import pct, print_json, print_table
 from common import protocol as P
 from common.channel import Channel
@@ -145,25 +145,26 @@ def run_router_bench(model: str = "dummy:nanogpt", concurrencies: list[int] = (1
         try:
             cluster.start()
             gen = LoadGenerator(cluster.address, cfg.vocab_size, prompt_len, max_tokens, seed)
-            router_pid = cluster.router.proc.pid
+            groups = {"router": [cluster.router.proc.pid], "workers": [w.proc.pid for w in cluster.workers]}
             rows, points = [], []
             for c in concurrencies:
                 print(f"concurrency {c}: warming up, then {seconds:.0f} s measured", file=sys.stderr, flush=True)
                 gen.run(c, min(1.0, seconds))  # reach the level's steady state
                 gen.take()
-                cpu0, t0 = cpu_seconds(router_pid), time.monotonic()
+                watch = CpuWatch(groups)
                 gen.run(c, seconds)
-                cpu1, wall = cpu_seconds(router_pid), time.monotonic() - t0
-                tokens, gaps = gen.take()
+                cores = watch.stop()
+                wall, (tokens, gaps) = watch.elapsed, gen.take()
                 offered = c / (step_ms / 1000)  # every stream a token a step
                 point = {"concurrency": c, "offered_tok_s": round(offered), "delivered_tok_s": round(tokens / wall),
                          "itl_p50_ms": round(pct(gaps, 50) * 1e3, 3), "itl_p99_ms": round(pct(gaps, 99) * 1e3, 3),
-                         "router_cores": round((cpu1 - cpu0) / wall, 3),
-                         "router_us_per_token": round((cpu1 - cpu0) / max(tokens, 1) * 1e6, 2)}
+                         **{f"{k}_cores": round(v, 3) for k, v in cores.items()},
+                         "router_us_per_token": round(cores["router"] * wall / max(tokens, 1) * 1e6, 2)}
                 points.append(point)
                 rows.append([c, point["offered_tok_s"], point["delivered_tok_s"],
                              f"{tokens / wall / offered:.2f}", point["itl_p50_ms"], point["itl_p99_ms"],
-                             point["router_cores"], point["router_us_per_token"]])
+                             point["router_cores"], point["router_us_per_token"], point["workers_cores"],
+                             point["client_cores"], point["others_cores"]])
             gen.drain(30.0)
         finally:
             if gen is not None:
@@ -178,7 +179,7 @@ def run_router_bench(model: str = "dummy:nanogpt", concurrencies: list[int] = (1
     print_table(f"pdserve bench router: {workers} synthetic workers stepping every {step_ms} ms, streaming requests "
                 f"of {prompt_len} + {max_tokens} tokens, {seconds:.0f} s per level (ITL: at the client)",
                 ["concurrency", "offered tok/s", "delivered tok/s", "delivered/offered", "ITL p50 ms", "ITL p99 ms",
-                 "router cores", "router us/token"], rows)
+                 "router cores", "router us/token", "workers cores", "client cores", "others cores"], rows)
     for e in gen.errors[:10]:
         print(f"error: {e}")
     print(f"one router core carries about {result['router_tok_s_per_core']:,} tokens/s "

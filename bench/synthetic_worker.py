@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import math
 import signal
 import time
 import uuid
@@ -59,8 +60,10 @@ class SyntheticWorker:
                     next_beat = now + HEARTBEAT_S
                 if now >= next_step:
                     self.step()
-                    next_step = max(next_step + self.step_s, now)  # behind: the next step at once, no burst
-                wait_ms = max(0, int((min(next_step, next_beat) - time.monotonic()) * 1000))
+                    # on pace on average: a late step is made up by the next, a long stall is not
+                    next_step = max(next_step + self.step_s, now - 4 * self.step_s)
+                # whole milliseconds (all zmq polls take): rounded up, so that a wait never spins
+                wait_ms = max(0, math.ceil((min(next_step, next_beat) - time.monotonic()) * 1000))
                 while (env := self.chan.recv(wait_ms)) is not None:
                     self.on_message(env.msg)
                     wait_ms = 0
