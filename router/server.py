@@ -116,11 +116,9 @@ class Router:
 
     def _send(self, chan: Channel, msg, to: bytes):
         try:
-            fut = chan.send(msg, to=to)
+            chan.post(msg, to=to)
         except zmq.ZMQError as e:  # the peer is gone (ROUTER_MANDATORY)
             log.warning("dropped %s to %r: %s", type(msg).__name__, to, e)
-            return
-        fut.add_done_callback(lambda f: f.exception() and log.warning("send failed: %s", f.exception()))
 
     def reply(self, req: Request, msg):
         req.reply_to(msg)

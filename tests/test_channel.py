@@ -1,0 +1,77 @@
+"""Channel.post: the router's sends without zmq.asyncio's futures. Order holds when a peer's
+queue fills and posts have to wait, and a receive pending on the same socket is never left asleep
+by a send that took ZeroMQ's edge-triggered wake-up."""
+
+import asyncio
+import time
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from common import protocol as P
+from common.channel import Channel
+
+
+@pytest.fixture
+def pair():
+    actx, ctx = zmq.asyncio.Context(), zmq.Context()
+    router = Channel.bind(actx, zmq.ROUTER, "tcp://127.0.0.1:0")
+    router.sock.setsockopt(zmq.SNDHWM, 8)
+    peer = Channel.connect(ctx, zmq.DEALER, router.address, identity=b"peer")
+    peer.sock.setsockopt(zmq.RCVHWM, 8)
+    yield router, peer
+    peer.close()
+    router.close()
+    ctx.term()
+    actx.term()
+
+
+async def _handshake(router: Channel, peer: Channel):
+    peer.send(P.Cancel("hello"))
+    env = await asyncio.wait_for(router.arecv(), 5)
+    assert env.sender == b"peer"
+
+
+def test_posts_past_a_full_queue_wait_their_turn_and_arrive_in_order(pair):
+    router, peer = pair
+    pad = "x" * 2**16
+
+    async def main():
+        await _handshake(router, peer)
+        for i in range(2000):  # 128 MiB: far past the high-water marks and the kernel's buffers
+            router.post(P.Cancel(f"{i} {pad}"), to=b"peer")
+        assert router._waiting > 0
+        got = []
+        while (env := peer.recv(200)) is not None:  # the loop does not run: only what went at once
+            got.append(int(env.msg.request_id.split()[0]))
+        for i in range(2000, 2100):  # room now, but sends still wait before these
+            router.post(P.Cancel(f"{i} {pad}"), to=b"peer")
+        while len(got) < 2100:
+            env = peer.recv(0)
+            if env is None:
+                await asyncio.sleep(0.001)  # let the waiting sends go as the peer reads
+                continue
+            got.append(int(env.msg.request_id.split()[0]))
+        assert got == list(range(2100))
+        assert router._waiting == 0
+    asyncio.run(main())
+
+
+def test_a_receive_pending_while_posts_go_out_still_wakes(pair):
+    router, peer = pair
+
+    async def main():
+        await _handshake(router, peer)
+        for round_ in range(200):
+            pending = asyncio.ensure_future(router.arecv())
+            await asyncio.sleep(0)  # the receive now waits on the socket's edge
+            peer.send(P.Cancel(f"in-{round_}"))
+            time.sleep(0.002)  # without yielding: ZeroMQ's I/O thread has raised the edge by now
+            for i in range(3):  # sends that may take the edge the arrival raised
+                router.post(P.Cancel(f"out-{round_}-{i}"), to=b"peer")
+            env = await asyncio.wait_for(pending, 2)
+            assert env.msg.request_id == f"in-{round_}"
+            for i in range(3):
+                assert peer.recv(2000).msg.request_id == f"out-{round_}-{i}"
+    asyncio.run(main())
