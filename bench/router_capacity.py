@@ -20,6 +20,8 @@ per token is measured all the same.
 
 from __future__ import annotations
 
+import asyncio
+import json
 import random
 import sys
 import tempfile
@@ -33,31 +35,51 @@ from bench.report import pct, print_json, print_table
 from common import protocol as P
 from common.channel import Channel
 from common.errors import InvalidArgument
-from common.model_spec import model_config
+from common.model_spec import load_tokenizer, model_config
 from router.launcher import Child, Cluster, free_port
 
 
-class LoadGenerator:
-    """`concurrency` streaming requests in flight on one socket, each replaced when it ends; every
-    token checked against the prompt it echoes."""
+class Load:
+    """What both load generators share: prompts, and the tokens, gaps and errors they saw."""
 
-    def __init__(self, address: str, vocab: int, prompt_len: int, max_tokens: int, seed: int):
-        self.ctx = zmq.Context()
-        self.chan = Channel.connect(self.ctx, zmq.DEALER, address)
-        self.chan.sock.setsockopt(zmq.RCVHWM, 0)
+    def __init__(self, vocab: int, prompt_len: int, max_tokens: int, seed: int):
         self.rng = random.Random(seed)
         self.vocab, self.prompt_len, self.max_tokens = vocab, prompt_len, max_tokens
-        self.open: dict[str, list] = {}  # request id -> [prompt, next index, last token's arrival]
-        self.ids = 0
         self.tokens = self.done = 0
         self.gaps: list[float] = []  # seconds between a stream's consecutive tokens
         self.errors: list[str] = []
 
+    def prompt(self) -> list[int]:
+        return [self.rng.randrange(self.vocab) for _ in range(self.prompt_len)]
+
+    def expected(self, prompt: list[int]) -> list[int]:
+        """What a synthetic worker answers: the prompt, echoed over and over."""
+        return [prompt[i % len(prompt)] for i in range(self.max_tokens)]
+
+    def take(self) -> tuple[int, list[float]]:
+        """Tokens and gaps since the last take."""
+        tokens, gaps = self.tokens, self.gaps
+        self.tokens, self.gaps = 0, []
+        return tokens, gaps
+
+
+class LoadGenerator(Load):
+    """`concurrency` streaming requests in flight on one ZeroMQ socket (the SDK's protocol), each
+    replaced when it ends; every token checked against the prompt it echoes."""
+
+    def __init__(self, address: str, vocab: int, prompt_len: int, max_tokens: int, seed: int):
+        super().__init__(vocab, prompt_len, max_tokens, seed)
+        self.ctx = zmq.Context()
+        self.chan = Channel.connect(self.ctx, zmq.DEALER, address)
+        self.chan.sock.setsockopt(zmq.RCVHWM, 0)
+        self.open: dict[str, list] = {}  # request id -> [expected tokens, next index, last token's arrival]
+        self.ids = 0
+
     def submit(self):
         rid = f"r{self.ids}"
         self.ids += 1
-        prompt = [self.rng.randrange(self.vocab) for _ in range(self.prompt_len)]
-        self.open[rid] = [prompt, 0, None]
+        prompt = self.prompt()
+        self.open[rid] = [self.expected(prompt), 0, None]
         self.chan.send(P.Generate(rid, prompt, {"max_tokens": self.max_tokens, "temperature": 0,
                                                 "ignore_eos": True}, True))
 
@@ -87,11 +109,10 @@ class LoadGenerator:
             self.errors.append(f"a reply for no open request: {msg!r:.200}")
             return
         if isinstance(msg, P.Token):
-            prompt, index, last = r
-            want = [prompt[(index + i) % len(prompt)] for i in range(len(msg.token_ids))]
-            if msg.index != index or msg.token_ids != want:
+            want, index, last = r
+            if msg.index != index or msg.token_ids != want[index:index + len(msg.token_ids)]:
                 self.errors.append(f"{msg.request_id}: tokens {msg.token_ids} at {msg.index}; "
-                                   f"expected {want} at {index}")
+                                   f"expected {want[index:index + len(msg.token_ids)]} at {index}")
             now = time.monotonic()
             if last is not None:
                 self.gaps.append(now - last)
@@ -100,35 +121,102 @@ class LoadGenerator:
         elif isinstance(msg, P.Done):
             del self.open[msg.request_id]
             self.done += 1
-            if len(msg.token_ids) != self.max_tokens or r[1] != self.max_tokens:
+            if msg.token_ids != r[0] or r[1] != self.max_tokens:
                 self.errors.append(f"{msg.request_id} ended with {len(msg.token_ids)} tokens, "
-                                   f"{r[1]} streamed; expected {self.max_tokens}")
+                                   f"{r[1]} streamed; expected {self.max_tokens}, the prompt echoed")
         else:
             del self.open[msg.request_id]
             self.errors.append(f"{msg.request_id}: {msg!r:.200}")
-
-    def take(self) -> tuple[int, list[float]]:
-        """Tokens and gaps since the last take."""
-        tokens, gaps = self.tokens, self.gaps
-        self.tokens, self.gaps = 0, []
-        return tokens, gaps
 
     def close(self):
         self.chan.close()
         self.ctx.term()
 
 
+class HttpLoadGenerator(Load):
+    """The same load over OpenAI's streaming POST /v1/completions (aiohttp, one connection per
+    stream, as HTTP clients are): each stream's text checked against its prompt's echo, detokenized,
+    and one event per token."""
+
+    def __init__(self, base_url: str, model: str, vocab: int, prompt_len: int, max_tokens: int, seed: int):
+        import aiohttp
+
+        super().__init__(vocab, prompt_len, max_tokens, seed)
+        self.url, self.model, self.tokenizer = f"{base_url}/v1/completions", model, load_tokenizer(model)
+        self.loop = asyncio.new_event_loop()
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, loop=self.loop), loop=self.loop,
+                                             timeout=aiohttp.ClientTimeout(total=600))
+        self.target = 0
+        self.slots: list[asyncio.Task] = []
+
+    def run(self, concurrency: int, seconds: float) -> None:
+        self.target = concurrency
+        self.slots += [self.loop.create_task(self._slot(i)) for i in range(len(self.slots), concurrency)]
+        self.loop.run_until_complete(asyncio.sleep(seconds))
+
+    async def _slot(self, i: int):
+        while i < self.target:
+            await self._one()
+
+    async def _one(self):
+        prompt = self.prompt()
+        body = {"model": self.model, "prompt": prompt, "max_tokens": self.max_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        texts, events, last = [], 0, None
+        try:
+            async with self.session.post(self.url, json=body) as r:
+                if r.status != 200:
+                    self.errors.append(f"POST /v1/completions answered {r.status}: {(await r.text())[:200]}")
+                    return
+                async for line in r.content:
+                    if not line.startswith(b"data: {"):
+                        continue
+                    choice = json.loads(line[6:])["choices"][0]
+                    texts.append(choice["text"])
+                    if choice["finish_reason"] is None:
+                        now = time.monotonic()
+                        if last is not None:
+                            self.gaps.append(now - last)
+                        last, events = now, events + 1
+                        self.tokens += 1
+        except Exception as e:  # aiohttp's errors are many; each is this stream's failure
+            self.errors.append(f"a stream failed: {type(e).__name__}: {e}")
+            return
+        self.done += 1
+        want = self.tokenizer.decode(self.expected(prompt))
+        if events != self.max_tokens or "".join(texts) != want:
+            self.errors.append(f"a stream of {events} token events gave {''.join(texts)!r:.80}; "
+                               f"expected {self.max_tokens}, {want!r:.80}")
+
+    def drain(self, timeout: float) -> None:
+        self.target = 0
+        if self.slots:
+            _, pending = self.loop.run_until_complete(asyncio.wait(self.slots, timeout=timeout))
+            if pending:
+                self.errors.append(f"{len(pending)} streams still open {timeout}s after the load stopped")
+
+    def close(self):
+        for t in self.slots:
+            t.cancel()
+        self.loop.run_until_complete(asyncio.gather(*self.slots, return_exceptions=True))
+        self.loop.run_until_complete(self.session.close())
+        self.loop.close()
+
+
+FRONTENDS = ("zmq", "http")
+
+
 def run_router_bench(model: str = "dummy:nanogpt", concurrencies: list[int] = (16, 64, 256), workers: int = 2,
                      step_ms: float = 1.0, seconds: float = 3.0, prompt_len: int = 16, max_tokens: int = 256,
-                     seed: int = 0) -> dict:
-    for name, value, ok in (("workers", workers, workers >= 1), ("step_ms", step_ms, step_ms > 0),
-                            ("seconds", seconds, seconds > 0), ("prompt_len", prompt_len, prompt_len >= 1),
-                            ("max_tokens", max_tokens, max_tokens >= 2),
-                            ("concurrencies", concurrencies, concurrencies and min(concurrencies) >= 1)):
+                     seed: int = 0, frontend: str = "zmq") -> dict:
+    for name, value, ok, allowed in (
+            ("workers", workers, workers >= 1, ">= 1"), ("step_ms", step_ms, step_ms > 0, "> 0"),
+            ("seconds", seconds, seconds > 0, "> 0"), ("prompt_len", prompt_len, prompt_len >= 1, ">= 1"),
+            ("max_tokens", max_tokens, max_tokens >= 2, ">= 2"),
+            ("concurrencies", list(concurrencies), bool(concurrencies) and min(concurrencies) >= 1, "integers >= 1"),
+            ("frontend", frontend, frontend in FRONTENDS, ", ".join(FRONTENDS))):
         if not ok:
-            raise InvalidArgument(f"{name}={value}; allowed: "
-                                  + ("> 0" if isinstance(value, float) else "at least 2" if name == "max_tokens"
-                                     else "integers >= 1" if name == "concurrencies" else ">= 1"))
+            raise InvalidArgument(f"{name}={value!r}; allowed: {allowed}")
     cfg = model_config(model)
     if prompt_len + max_tokens >= cfg.max_position_embeddings:
         raise InvalidArgument(f"prompt_len + max_tokens = {prompt_len + max_tokens}; allowed: under "
@@ -136,7 +224,8 @@ def run_router_bench(model: str = "dummy:nanogpt", concurrencies: list[int] = (1
     with tempfile.TemporaryDirectory() as logs:
         # A Cluster with no worker of its own kind: its router and start-up check, our synthetic workers.
         cluster = Cluster(model, 0, 0, workers, ["cpu"], "127.0.0.1", 0, 0, Path(logs), "least_loaded", [],
-                          threads=1, restart=False, router_args=["--max-queue", str(max(concurrencies) + 64)])
+                          threads=1, restart=False, router_args=["--max-queue", str(max(concurrencies) + 64)],
+                          http_port=0 if frontend == "http" else None)
         cluster.workers = [Child(f"synth-{i}", [sys.executable, "-m", "bench.synthetic_worker", "--router",
                                                 f"tcp://127.0.0.1:{cluster.worker_port}", "--worker-id", f"synth-{i}",
                                                 "--model", model, "--step-ms", str(step_ms)],
@@ -144,7 +233,8 @@ def run_router_bench(model: str = "dummy:nanogpt", concurrencies: list[int] = (1
         gen = None
         try:
             cluster.start()
-            gen = LoadGenerator(cluster.address, cfg.vocab_size, prompt_len, max_tokens, seed)
+            gen = (LoadGenerator(cluster.address, cfg.vocab_size, prompt_len, max_tokens, seed) if frontend == "zmq" else
+                   HttpLoadGenerator(cluster.http_url, model, cfg.vocab_size, prompt_len, max_tokens, seed))
             groups = {"router": [cluster.router.proc.pid], "workers": [w.proc.pid for w in cluster.workers]}
             rows, points = [], []
             for c in concurrencies:
@@ -171,13 +261,14 @@ def run_router_bench(model: str = "dummy:nanogpt", concurrencies: list[int] = (1
                 gen.close()
             cluster.stop()
     busiest = max(points, key=lambda p: p["delivered_tok_s"])  # the most loaded level
-    result = {"bench": "router", "model": model, "workers": workers, "step_ms": step_ms, "seconds": seconds,
+    result = {"bench": "router", "model": model, "frontend": frontend, "workers": workers, "step_ms": step_ms,
+              "seconds": seconds,
               "prompt_len": prompt_len, "max_tokens": max_tokens, "points": points,
               "requests_done": gen.done, "errors": len(gen.errors),
               "router_us_per_token": busiest["router_us_per_token"],
               "router_tok_s_per_core": round(1e6 / busiest["router_us_per_token"]) if busiest["router_us_per_token"] else None}
     print_table(f"pdserve bench router: {workers} synthetic workers stepping every {step_ms} ms, streaming requests "
-                f"of {prompt_len} + {max_tokens} tokens, {seconds:.0f} s per level (ITL: at the client)",
+                f"of {prompt_len} + {max_tokens} tokens over {frontend}, {seconds:.0f} s per level (ITL: at the client)",
                 ["concurrency", "offered tok/s", "delivered tok/s", "delivered/offered", "ITL p50 ms", "ITL p99 ms",
                  "router cores", "router us/token", "workers cores", "client cores", "others cores"], rows)
     for e in gen.errors[:10]:

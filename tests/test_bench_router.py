@@ -31,7 +31,7 @@ def test_a_small_run_delivers_every_stream_whole_and_reports_the_routers_cpu():
 def test_the_load_generator_catches_a_lost_a_repeated_and_a_foreign_token():
     gen = LoadGenerator.__new__(LoadGenerator)  # its checks alone, no socket
     gen.open, gen.tokens, gen.done, gen.gaps, gen.errors, gen.max_tokens = {}, 0, 0, [], [], 3
-    gen.open["a"] = [[5, 6], 0, None]
+    gen.open["a"] = [gen.expected([5, 6]), 0, None]  # 5, 6, 5
     gen.on_reply(P.Token("a", 0, [5]))
     assert not gen.errors
     gen.on_reply(P.Token("a", 2, [5]))  # index 1 was skipped
@@ -47,3 +47,18 @@ def test_the_load_generator_catches_a_lost_a_repeated_and_a_foreign_token():
 def test_bad_settings_are_named_before_anything_starts(kwargs, named):
     with pytest.raises(InvalidArgument, match=named.replace("+", r"\+")):
         run_router_bench(**kwargs)
+
+
+def test_the_http_frontend_streams_every_request_whole_through_the_openai_api():
+    r = subprocess.run([sys.executable, "-m", "common.cli", "bench", "router", "--frontend", "http",
+                        "--concurrency", "8", "--seconds", "1", "--max-tokens", "16", "--workers", "1"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    assert result["frontend"] == "http" and result["errors"] == 0, r.stdout
+    assert result["requests_done"] >= 8 and result["points"][0]["delivered_tok_s"] > 0
+
+
+def test_an_unknown_frontend_is_named_with_the_ones_allowed():
+    with pytest.raises(InvalidArgument, match=r"frontend='grpc'; allowed: zmq, http"):
+        run_router_bench(frontend="grpc")
