@@ -16,6 +16,9 @@ microseconds per token. The last is the figure to plan with: one router core car
 1e6 / (us per token) tokens a second. On a 2-core machine the synthetic workers and the load
 generator share the cores with the router, so delivery saturates before the router does; its CPU
 per token is measured all the same.
+
+--frontend picks the clients' way in: the SDK (its streams' tokens come a TokenBatch per worker
+step), a ZeroMQ client that asks for a message per token, or OpenAI's streaming HTTP API.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from common import protocol as P
 from common.channel import Channel
 from common.errors import InvalidArgument
 from common.model_spec import load_tokenizer, model_config
-from router.launcher import Child, Cluster, free_port
+from router.launcher import Child, Cluster
 
 
 class Load:
@@ -46,6 +49,7 @@ class Load:
         self.rng = random.Random(seed)
         self.vocab, self.prompt_len, self.max_tokens = vocab, prompt_len, max_tokens
         self.tokens = self.done = 0
+        self.messages = 0  # the client's messages (or HTTP events) that carried them
         self.gaps: list[float] = []  # seconds between a stream's consecutive tokens
         self.errors: list[str] = []
 
@@ -56,19 +60,22 @@ class Load:
         """What a synthetic worker answers: the prompt, echoed over and over."""
         return [prompt[i % len(prompt)] for i in range(self.max_tokens)]
 
-    def take(self) -> tuple[int, list[float]]:
-        """Tokens and gaps since the last take."""
-        tokens, gaps = self.tokens, self.gaps
-        self.tokens, self.gaps = 0, []
-        return tokens, gaps
+    def take(self) -> tuple[int, int, list[float]]:
+        """Tokens, the messages that carried them, and gaps since the last take."""
+        tokens, messages, gaps = self.tokens, self.messages, self.gaps
+        self.tokens, self.messages, self.gaps = 0, 0, []
+        return tokens, messages, gaps
 
 
 class LoadGenerator(Load):
     """`concurrency` streaming requests in flight on one ZeroMQ socket (the SDK's protocol), each
-    replaced when it ends; every token checked against the prompt it echoes."""
+    replaced when it ends; every token checked against the prompt it echoes. token_batches: read
+    the router's TokenBatch replies, as the SDK does, or take a message per token."""
 
-    def __init__(self, address: str, vocab: int, prompt_len: int, max_tokens: int, seed: int):
+    def __init__(self, address: str, vocab: int, prompt_len: int, max_tokens: int, seed: int,
+                 token_batches: bool = True):
         super().__init__(vocab, prompt_len, max_tokens, seed)
+        self.token_batches = token_batches
         self.ctx = zmq.Context()
         self.chan = Channel.connect(self.ctx, zmq.DEALER, address)
         self.chan.sock.setsockopt(zmq.RCVHWM, 0)
@@ -81,7 +88,7 @@ class LoadGenerator(Load):
         prompt = self.prompt()
         self.open[rid] = [self.expected(prompt), 0, None]
         self.chan.send(P.Generate(rid, prompt, {"max_tokens": self.max_tokens, "temperature": 0,
-                                                "ignore_eos": True}, True))
+                                                "ignore_eos": True}, True, token_batches=self.token_batches))
 
     def run(self, concurrency: int, seconds: float) -> None:
         """Top up to `concurrency` and serve replies for `seconds`."""
@@ -104,6 +111,14 @@ class LoadGenerator(Load):
             self.open.clear()
 
     def on_reply(self, msg):
+        self.messages += isinstance(msg, (P.Token, P.TokenBatch))
+        if isinstance(msg, P.TokenBatch):
+            if not self.token_batches:
+                self.errors.append(f"a TokenBatch for a client that did not ask for one: {msg!r:.200}")
+            for item in P.unbatch_tokens(msg):
+                self.messages -= isinstance(item, P.Token)  # counted with its batch
+                self.on_reply(item)
+            return
         r = self.open.get(getattr(msg, "request_id", None))
         if r is None:
             self.errors.append(f"a reply for no open request: {msg!r:.200}")
@@ -179,6 +194,7 @@ class HttpLoadGenerator(Load):
                             self.gaps.append(now - last)
                         last, events = now, events + 1
                         self.tokens += 1
+                        self.messages += 1
         except Exception as e:  # aiohttp's errors are many; each is this stream's failure
             self.errors.append(f"a stream failed: {type(e).__name__}: {e}")
             return
@@ -203,7 +219,7 @@ class HttpLoadGenerator(Load):
         self.loop.close()
 
 
-FRONTENDS = ("zmq", "http")
+FRONTENDS = ("zmq", "zmq-per-token", "http")  # the SDK; a raw client that takes no TokenBatch; OpenAI's API
 
 
 def run_router_bench(model: str = "dummy:nanogpt", concurrencies: list[int] = (16, 64, 256), workers: int = 2,
@@ -233,8 +249,9 @@ def run_router_bench(model: str = "dummy:nanogpt", concurrencies: list[int] = (1
         gen = None
         try:
             cluster.start()
-            gen = (LoadGenerator(cluster.address, cfg.vocab_size, prompt_len, max_tokens, seed) if frontend == "zmq" else
-                   HttpLoadGenerator(cluster.http_url, model, cfg.vocab_size, prompt_len, max_tokens, seed))
+            gen = (HttpLoadGenerator(cluster.http_url, model, cfg.vocab_size, prompt_len, max_tokens, seed)
+                   if frontend == "http" else LoadGenerator(cluster.address, cfg.vocab_size, prompt_len, max_tokens,
+                                                            seed, token_batches=frontend == "zmq"))
             groups = {"router": [cluster.router.proc.pid], "workers": [w.proc.pid for w in cluster.workers]}
             rows, points = [], []
             for c in concurrencies:
@@ -244,15 +261,16 @@ def run_router_bench(model: str = "dummy:nanogpt", concurrencies: list[int] = (1
                 watch = CpuWatch(groups)
                 gen.run(c, seconds)
                 cores = watch.stop()
-                wall, (tokens, gaps) = watch.elapsed, gen.take()
+                wall, (tokens, messages, gaps) = watch.elapsed, gen.take()
                 offered = c / (step_ms / 1000)  # every stream a token a step
                 point = {"concurrency": c, "offered_tok_s": round(offered), "delivered_tok_s": round(tokens / wall),
+                         "tokens_per_message": round(tokens / max(messages, 1), 2),
                          "itl_p50_ms": round(pct(gaps, 50) * 1e3, 3), "itl_p99_ms": round(pct(gaps, 99) * 1e3, 3),
                          **{f"{k}_cores": round(v, 3) for k, v in cores.items()},
                          "router_us_per_token": round(cores["router"] * wall / max(tokens, 1) * 1e6, 2)}
                 points.append(point)
                 rows.append([c, point["offered_tok_s"], point["delivered_tok_s"],
-                             f"{tokens / wall / offered:.2f}", point["itl_p50_ms"], point["itl_p99_ms"],
+                             f"{tokens / wall / offered:.2f}", point["tokens_per_message"], point["itl_p50_ms"], point["itl_p99_ms"],
                              point["router_cores"], point["router_us_per_token"], point["workers_cores"],
                              point["client_cores"], point["others_cores"]])
             gen.drain(30.0)
@@ -269,7 +287,7 @@ def run_router_bench(model: str = "dummy:nanogpt", concurrencies: list[int] = (1
               "router_tok_s_per_core": round(1e6 / busiest["router_us_per_token"]) if busiest["router_us_per_token"] else None}
     print_table(f"pdserve bench router: {workers} synthetic workers stepping every {step_ms} ms, streaming requests "
                 f"of {prompt_len} + {max_tokens} tokens over {frontend}, {seconds:.0f} s per level (ITL: at the client)",
-                ["concurrency", "offered tok/s", "delivered tok/s", "delivered/offered", "ITL p50 ms", "ITL p99 ms",
+                ["concurrency", "offered tok/s", "delivered tok/s", "delivered/offered", "tokens/message", "ITL p50 ms", "ITL p99 ms",
                  "router cores", "router us/token", "workers cores", "client cores", "others cores"], rows)
     for e in gen.errors[:10]:
         print(f"error: {e}")

@@ -82,7 +82,19 @@ def _chunk(msg: P.Token) -> Chunk:
 def _generate(request_id: str, prompt, messages, sampling: dict, stream: bool) -> P.Generate:
     if (prompt is None) == (messages is None):
         raise ValueError("give exactly one of prompt (text or token ids) or messages (chat)")
-    return P.Generate(request_id, "" if prompt is None else prompt, sampling, stream, messages)
+    return P.Generate(request_id, "" if prompt is None else prompt, sampling, stream, messages, token_batches=True)
+
+
+def _replies(msg) -> list:
+    """The messages a reply holds: a TokenBatch's Tokens, else the reply itself. A bad item raises
+    as an undecodable reply does."""
+    if not isinstance(msg, P.TokenBatch):
+        return [msg]
+    items = P.unbatch_tokens(msg)
+    for item in items:
+        if isinstance(item, P.ProtocolError):
+            raise RequestError("INTERNAL", f"undecodable reply from the router: {item}")
+    return items
 
 
 def _raise(msg: P.Error):
@@ -175,8 +187,8 @@ class Client:
                 continue
             if env.error is not None:
                 raise RequestError("INTERNAL", f"undecodable reply from the router: {env.error}")
-            msg = env.msg
-            self._inbox[None if isinstance(msg, P.StatusReply) else getattr(msg, "request_id", None)].append(msg)
+            for msg in _replies(env.msg):
+                self._inbox[None if isinstance(msg, P.StatusReply) else getattr(msg, "request_id", None)].append(msg)
         msg = self._inbox[key].popleft()
         if not self._inbox[key]:
             del self._inbox[key]
@@ -244,11 +256,13 @@ class AsyncClient:
     async def _read(self):
         while True:
             env = await self.chan.arecv()
-            if env.error is not None:
+            try:
+                replies = [] if env.error is not None else _replies(env.msg)
+            except RequestError:
                 continue
-            msg = env.msg
-            key = None if isinstance(msg, P.StatusReply) else getattr(msg, "request_id", None)
-            self._queues[key].put_nowait(msg)
+            for msg in replies:
+                key = None if isinstance(msg, P.StatusReply) else getattr(msg, "request_id", None)
+                self._queues[key].put_nowait(msg)
 
     async def _watch(self):
         monitor = self.chan.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)

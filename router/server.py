@@ -106,6 +106,8 @@ class Router:
         self.backend = Channel.bind(self.ctx, zmq.ROUTER, f"tcp://{cfg.host}:{cfg.worker_port}",
                                     max_frame_bytes=hard_cap, max_header_bytes=cfg.max_message_bytes)
         self.metrics = RouterMetrics(self)
+        # While a worker's token batch is handled: each client's Tokens, held to go as one TokenBatch
+        self._held: dict[bytes, list[P.Token]] | None = None
         self.http = None
         if cfg.http_port is not None:
             from router.http import HttpFront  # aiohttp is imported only where HTTP is served
@@ -238,7 +240,8 @@ class Router:
         except InvalidArgument as e:
             self.metrics.on_error(e.code)
             return self._send(self.frontend, P.Error(msg.request_id, e.code, str(e)), client)
-        self.submit(client, msg.request_id, ids, params, msg.stream, received=received)
+        self.submit(client, msg.request_id, ids, params, msg.stream, received=received,
+                    reply_to=functools.partial(self._reply_zmq, client, msg.token_batches))
 
     def submit(self, client, client_request_id: str, ids: list[int], params: SamplingParams, stream: bool,
                reply_to: Callable[[object], None] | None = None, received: float | None = None) -> bool:
@@ -246,7 +249,7 @@ class Router:
         Error) go to reply_to, in-process (the HTTP front), or else back to the ZeroMQ identity
         client. False if refused (the Error went to reply_to too)."""
         received = received or time.monotonic()
-        reply_to = reply_to or functools.partial(self._reply_zmq, client)
+        reply_to = reply_to or functools.partial(self._reply_zmq, client, False)
 
         def refuse(code, text):
             reply_to(P.Error(client_request_id, code, text))
@@ -276,8 +279,21 @@ class Router:
             req.router_s += time.monotonic() - received
         return True
 
-    def _reply_zmq(self, client: bytes, msg):
+    def _reply_zmq(self, client: bytes, batches: bool, msg):
+        """To a ZeroMQ client. If it reads TokenBatch, a Token waits for the rest of its worker's
+        batch (_held); anything else to the client sends what waits first, so each stream stays
+        in order."""
+        held = self._held
+        if held is not None:
+            if batches and type(msg) is P.Token:
+                held.setdefault(client, []).append(msg)
+                return
+            if client in held:
+                self._send_held(client, held.pop(client))
         self._send(self.frontend, msg, client)
+
+    def _send_held(self, client: bytes, tokens: list[P.Token]):
+        self._send(self.frontend, tokens[0] if len(tokens) == 1 else P.batch_tokens(tokens), client)
 
     def cancel(self, client, client_request_id: str):
         rid = self.by_client.get((client, client_request_id))
@@ -376,11 +392,17 @@ class Router:
         elif isinstance(msg, P.WorkerTokens):
             self.on_tokens(w, msg)
         elif isinstance(msg, P.WorkerTokenBatch):
-            for item in P.unbatch_tokens(msg):
-                if isinstance(item, P.ProtocolError):
-                    log.warning("dropped a bad item of %s's tokens: %s", w.worker_id, item)
-                else:
-                    self.on_tokens(w, item)
+            self._held = {}
+            try:
+                for item in P.unbatch_tokens(msg):
+                    if isinstance(item, P.ProtocolError):
+                        log.warning("dropped a bad item of %s's tokens: %s", w.worker_id, item)
+                    else:
+                        self.on_tokens(w, item)
+            finally:
+                held, self._held = self._held, None
+                for client, tokens in held.items():
+                    self._send_held(client, tokens)
         elif isinstance(msg, P.WorkerError):
             self.on_worker_error(w, msg)
 

@@ -3,12 +3,19 @@ logs in a temporary directory, and every child stopped (then killed) however the
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 
+import zmq
+import zmq.asyncio
+
 from common import protocol as P
+from common.channel import Channel
+from common.model_spec import model_config
 from router.client import Client
-from router.launcher import Cluster
+from router.launcher import Cluster, free_port
+from router.server import Router, RouterConfig
 
 
 @contextlib.contextmanager
@@ -25,6 +32,40 @@ def cluster(tmp_path, model="dummy:nanogpt", prefill=1, decode=1, mono=0, worker
         c.stop()
         for child in c.children:
             assert child.proc.poll() is not None, f"{child.name} still running"
+
+
+@contextlib.asynccontextmanager
+async def serving_router(**config):
+    """A Router serving in this event loop on free ports, and connect(address, identity=None) for
+    the test's DEALER sockets: they are closed and the router stopped however the test ends."""
+    router = Router(RouterConfig(port=free_port(), worker_port=free_port(), **config))
+    stop = asyncio.Event()
+    serving = asyncio.ensure_future(router.serve(stop))
+    ctx = zmq.asyncio.Context()
+    chans: list[Channel] = []
+
+    def connect(address: str, identity: bytes | None = None) -> Channel:
+        chans.append(Channel.connect(ctx, zmq.DEALER, address, identity=identity))
+        return chans[-1]
+    try:
+        yield router, connect
+    finally:
+        for chan in chans:
+            chan.close()
+        ctx.term()
+        stop.set()
+        await serving
+
+
+async def scripted_worker(router: Router, connect, name: str, role: str = "mono", device: str = "cpu",
+                          kv_dtype: str = "float32", batch_invariant: bool | None = None) -> Channel:
+    """A socket registered with the router as worker `name` (incarnation 1), its Registered read:
+    the test speaks the worker protocol on it."""
+    chan = connect(router.backend.address, f"{name}/1".encode())
+    await chan.send(P.Register(role, name, "1", device, 64, 16, "tcp://127.0.0.1:1",
+                               model_config(router.cfg.model).fingerprint, [], kv_dtype, batch_invariant))
+    assert isinstance((await chan.arecv()).msg, P.Registered)
+    return chan
 
 
 def wait_blocks_free(client: Client, timeout: float = 10.0) -> list[dict]:

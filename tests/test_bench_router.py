@@ -14,9 +14,10 @@ from common.errors import InvalidArgument
 from bench.router_capacity import run_router_bench
 
 
-def test_a_small_run_delivers_every_stream_whole_and_reports_the_routers_cpu():
+@pytest.mark.parametrize("frontend", ["zmq", "zmq-per-token"])
+def test_a_small_run_delivers_every_stream_whole_and_reports_the_routers_cpu(frontend):
     r = subprocess.run([sys.executable, "-m", "common.cli", "bench", "router", "--concurrency", "4,32",
-                        "--seconds", "1", "--max-tokens", "24", "--workers", "2"],
+                        "--seconds", "1", "--max-tokens", "24", "--workers", "2", "--frontend", frontend],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads(r.stdout.strip().splitlines()[-1])
@@ -25,12 +26,15 @@ def test_a_small_run_delivers_every_stream_whole_and_reports_the_routers_cpu():
     assert result["requests_done"] >= 32  # many requests of 24 tokens ran through each level
     for p in result["points"]:
         assert p["delivered_tok_s"] > 0 and p["router_us_per_token"] > 0 and p["router_cores"] > 0
+    # 32 streams on 2 workers: the SDK's client gets each worker step's tokens in one message
+    assert (result["points"][1]["tokens_per_message"] > 2) == (frontend == "zmq"), result["points"]
     assert "router us/token" in r.stdout and "concurrency" in r.stderr  # the table, and progress
 
 
 def test_the_load_generator_catches_a_lost_a_repeated_and_a_foreign_token():
     gen = LoadGenerator.__new__(LoadGenerator)  # its checks alone, no socket
     gen.open, gen.tokens, gen.done, gen.gaps, gen.errors, gen.max_tokens = {}, 0, 0, [], [], 3
+    gen.messages, gen.token_batches = 0, False
     gen.open["a"] = [gen.expected([5, 6]), 0, None]  # 5, 6, 5
     gen.on_reply(P.Token("a", 0, [5]))
     assert not gen.errors
@@ -38,7 +42,8 @@ def test_the_load_generator_catches_a_lost_a_repeated_and_a_foreign_token():
     gen.on_reply(P.Token("a", 1, [9]))  # the wrong token
     gen.on_reply(P.Token("b", 0, [1]))  # a stream never asked for
     gen.on_reply(P.Done("a", "length", [5, 6]))  # too short
-    assert len(gen.errors) == 4, gen.errors
+    gen.on_reply(P.TokenBatch([]))  # a batch to a client that asked for none
+    assert len(gen.errors) == 5, gen.errors
 
 
 @pytest.mark.parametrize("kwargs, named", [
@@ -60,5 +65,5 @@ def test_the_http_frontend_streams_every_request_whole_through_the_openai_api():
 
 
 def test_an_unknown_frontend_is_named_with_the_ones_allowed():
-    with pytest.raises(InvalidArgument, match=r"frontend='grpc'; allowed: zmq, http"):
+    with pytest.raises(InvalidArgument, match=r"frontend='grpc'; allowed: zmq, zmq-per-token, http"):
         run_router_bench(frontend="grpc")

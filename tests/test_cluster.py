@@ -15,7 +15,7 @@ from common.engine import Engine
 from common.sampling_params import SamplingParams
 from router.client import AsyncClient, Client, RequestError
 from tests.checkpoints import VOCAB, write_checkpoint
-from tests.cluster import cluster, wait_blocks_free
+from tests.cluster import cluster, scripted_worker, serving_router, wait_blocks_free
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -238,28 +238,11 @@ def test_pairs_needs_the_same_kv_dtype_and_block_size():
 def test_workers_that_disagree_on_batch_invariance_are_named_at_registration(caplog):
     """A worker says in its Register whether it runs the batch-invariant kernels; the router names
     the workers on each side once they disagree, and `status` shows each one's mode."""
-    import zmq.asyncio
-
-    from common.model_spec import model_config
-    from router.launcher import free_port
-    from router.server import Router, RouterConfig
-
-    fingerprint = model_config("dummy:nanogpt").fingerprint
-
     async def scenario():
-        router = Router(RouterConfig(port=free_port(), worker_port=free_port()))
-        stop = asyncio.Event()
-        serving = asyncio.ensure_future(router.serve(stop))
-        ctx = zmq.asyncio.Context()
-        socks = []
-        try:
+        async with serving_router() as (router, connect):
             for name, role, invariant in (("prefill-0", "prefill", True), ("decode-0", "decode", True),
                                           ("decode-1", "decode", None), ("decode-2", "decode", False)):
-                sock = Channel.connect(ctx, zmq.DEALER, router.backend.address, identity=f"{name}/1".encode())
-                socks.append(sock)
-                await sock.send(P.Register(role, name, "1", "cuda:0", 64, 16, "tcp://127.0.0.1:1", fingerprint,
-                                           [], "bfloat16", invariant))
-                assert isinstance((await sock.arecv()).msg, P.Registered)
+                await scripted_worker(router, connect, name, role, "cuda:0", "bfloat16", invariant)
                 warned = [r.getMessage() for r in caplog.records if "batch invariance" in r.getMessage()]
                 assert bool(warned) == (name == "decode-2"), (name, warned)  # None: an older worker, not said
             assert warned == ["workers disagree on batch invariance (on: decode-0, prefill-0; off: decode-2): a "
@@ -268,12 +251,6 @@ def test_workers_that_disagree_on_batch_invariance_are_named_at_registration(cap
             modes = {w.worker_id: w.describe(time.monotonic())["batch_invariant"]
                      for w in router.registry.workers.values()}
             assert modes == {"prefill-0": True, "decode-0": True, "decode-1": None, "decode-2": False}
-        finally:
-            for sock in socks:
-                sock.close()
-            ctx.term()
-            stop.set()
-            await serving
 
     with caplog.at_level("WARNING", logger="pdserve.router"):
         asyncio.run(scenario())

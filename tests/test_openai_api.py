@@ -185,26 +185,13 @@ def test_router_stops_at_a_stop_string_and_cancels_the_workers_work():
     token after it, tells the worker to cancel, and ends the request with stop."""
     import asyncio
 
-    import zmq
-    import zmq.asyncio
-
     from common import protocol as P
-    from common.channel import Channel
-    from common.model_spec import model_config
     from common.sampling_params import SamplingParams
-    from router.launcher import free_port
-    from router.server import Router, RouterConfig
+    from tests.cluster import scripted_worker, serving_router
 
     async def scenario():
-        router = Router(RouterConfig(port=free_port(), worker_port=free_port()))
-        stop = asyncio.Event()
-        serving = asyncio.ensure_future(router.serve(stop))
-        ctx = zmq.asyncio.Context()
-        worker = Channel.connect(ctx, zmq.DEALER, router.backend.address, identity=b"w/1")
-        try:
-            await worker.send(P.Register("mono", "w", "1", "cpu", 64, 16, "tcp://127.0.0.1:1",
-                                         model_config(MODEL).fingerprint))
-            assert isinstance((await worker.arecv()).msg, P.Registered)
+        async with serving_router(model=MODEL) as (router, connect):
+            worker = await scripted_worker(router, connect, "w")
             replies = []
             params = SamplingParams(max_tokens=500, stop=["ab"], logprobs=0, ignore_eos=True)
             assert router.submit("test", "r1", [1, 2, 3], params, True, replies.append)
@@ -222,10 +209,5 @@ def test_router_stops_at_a_stop_string_and_cancels_the_workers_work():
             streamed = [m for m in replies if isinstance(m, P.Token)]
             assert "".join(m.text for m in streamed) == "x" and sum(len(m.token_ids) for m in streamed) == 3
             assert not router.requests
-        finally:
-            worker.close()
-            ctx.term()
-            stop.set()
-            await serving
 
     asyncio.run(scenario())
