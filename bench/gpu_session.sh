@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # A GPU session's runs for issues 11 and 12, one stage per device call (each under its 10-minute
 # limit; a session has 30 minutes of device time). The machine has torch, triton and transformers
-# but no pyzmq and no package index: carry its wheel in .whl/ (../shared/GPU.md). Logs and each
-# benchmark's JSON land in $OUT; the last lines printed are a summary.
+# but no pyzmq and no package index: run bench/gpu_wheels.sh here first, and carry .whl/ in every
+# call (../shared/GPU.md). Logs and each benchmark's JSON land in $OUT; the last lines printed are
+# a summary.
 #
 #   bash bench/gpu_session.sh first    # check, then the engine at batch 1 and 64 x 512 (one call, < 10 min)
 #   bash bench/gpu_session.sh check    # kernels compile, pytest -m gpu            (~5 min)
@@ -10,14 +11,19 @@
 #   bash bench/gpu_session.sh cluster  # bench transfer, handoff and chaos on cuda:0
 #   bash bench/gpu_session.sh serve    # bench serve: mono vs 1p1d vs 2p2d on dummy:llama-1b, step traces
 #   bash bench/gpu_session.sh overlap  # 1p1d served with and without --async-scheduling: loop share, ITL
+#   bash bench/gpu_session.sh router   # bench router on the GPU host's CPU: SDK and HTTP  (~1 min, no GPU)
 set -u
 # A machine goes back 30 s after a call and a new one takes a minute or more to start: in a session
 # that may get one call, run `first`; then engine, overlap, cluster, serve, as time allows.
-stage=${1:?usage: bench/gpu_session.sh first|check|engine|cluster|serve|overlap}
+stage=${1:?usage: bench/gpu_session.sh first|check|engine|cluster|serve|overlap|router}
 OUT=${OUT:-/tmp/pdserve-gpu}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+python3 -c "import zmq, msgpack, prometheus_client" || {
+    echo "a module pdserve needs is missing: run bench/gpu_wheels.sh on the CPU machine and carry .whl" >&2
+    exit 1
+}
 mkdir -p /tmp/bin && printf '#!/bin/sh\nexec python3 -m common.cli "$@"\n' > /tmp/bin/pdserve && chmod +x /tmp/bin/pdserve
 export PATH=/tmp/bin:$PATH
 
@@ -80,8 +86,15 @@ overlap)
         python3 -m common.step_trace "$OUT/steps-$mode" 48 | tee "$OUT/loop-share-$mode.jsonl"
     done
     ;;
+router)
+    # how many GPU decode workers one router feeds, on a server's cores (the CI machine has 2)
+    for frontend in zmq http; do
+        run "router-$frontend" 120 pdserve bench router --frontend "$frontend" --workers 4 --concurrency 64,256,1024
+        grep -v '^{' "$OUT/router-$frontend.log" | tail -n 8
+    done
+    ;;
 *)
-    echo "unknown stage $stage; allowed: first, check, engine, cluster, serve, overlap" >&2
+    echo "unknown stage $stage; allowed: first, check, engine, cluster, serve, overlap, router" >&2
     exit 2
     ;;
 esac

@@ -112,13 +112,14 @@ class LoadGenerator(Load):
 
     def on_reply(self, msg):
         self.messages += isinstance(msg, (P.Token, P.TokenBatch))
-        if isinstance(msg, P.TokenBatch):
-            if not self.token_batches:
-                self.errors.append(f"a TokenBatch for a client that did not ask for one: {msg!r:.200}")
-            for item in P.unbatch_tokens(msg):
-                self.messages -= isinstance(item, P.Token)  # counted with its batch
-                self.on_reply(item)
-            return
+        if not isinstance(msg, P.TokenBatch):
+            return self._check(msg)
+        if not self.token_batches:
+            self.errors.append(f"a TokenBatch for a client that did not ask for one: {msg!r:.200}")
+        for item in P.unbatch_tokens(msg):
+            self._check(item)
+
+    def _check(self, msg):
         r = self.open.get(getattr(msg, "request_id", None))
         if r is None:
             self.errors.append(f"a reply for no open request: {msg!r:.200}")
