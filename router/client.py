@@ -85,16 +85,14 @@ def _generate(request_id: str, prompt, messages, sampling: dict, stream: bool) -
     return P.Generate(request_id, "" if prompt is None else prompt, sampling, stream, messages, token_batches=True)
 
 
-def _replies(msg) -> list:
-    """The messages a reply holds: a TokenBatch's Tokens, else the reply itself. A bad item raises
-    as an undecodable reply does."""
+def _replies(msg) -> tuple[list, list[P.ProtocolError]]:
+    """The messages a reply holds (a TokenBatch's Tokens, else the reply itself), and the errors
+    of a batch's bad items, which leave the others standing."""
     if not isinstance(msg, P.TokenBatch):
-        return [msg]
+        return [msg], []
     items = P.unbatch_tokens(msg)
-    for item in items:
-        if isinstance(item, P.ProtocolError):
-            raise RequestError("INTERNAL", f"undecodable reply from the router: {item}")
-    return items
+    return ([m for m in items if not isinstance(m, P.ProtocolError)],
+            [e for e in items if isinstance(e, P.ProtocolError)])
 
 
 def _raise(msg: P.Error):
@@ -187,8 +185,11 @@ class Client:
                 continue
             if env.error is not None:
                 raise RequestError("INTERNAL", f"undecodable reply from the router: {env.error}")
-            for msg in _replies(env.msg):
+            replies, bad = _replies(env.msg)
+            for msg in replies:
                 self._inbox[None if isinstance(msg, P.StatusReply) else getattr(msg, "request_id", None)].append(msg)
+            if bad:
+                raise RequestError("INTERNAL", f"undecodable reply from the router: {bad[0]}")
         msg = self._inbox[key].popleft()
         if not self._inbox[key]:
             del self._inbox[key]
@@ -256,11 +257,9 @@ class AsyncClient:
     async def _read(self):
         while True:
             env = await self.chan.arecv()
-            try:
-                replies = [] if env.error is not None else _replies(env.msg)
-            except RequestError:
+            if env.error is not None:
                 continue
-            for msg in replies:
+            for msg in _replies(env.msg)[0]:  # a bad item is skipped, as an undecodable reply is
                 key = None if isinstance(msg, P.StatusReply) else getattr(msg, "request_id", None)
                 self._queues[key].put_nowait(msg)
 

@@ -285,7 +285,7 @@ class Router:
         in order."""
         held = self._held
         if held is not None:
-            if batches and type(msg) is P.Token:
+            if batches and type(msg) is P.Token and msg.prompt_logprobs is None:  # those are big: alone
                 held.setdefault(client, []).append(msg)
                 return
             if client in held:

@@ -5,7 +5,7 @@ last token, and a client that did not ask gets a Token per stream as before."""
 import asyncio
 
 from common import protocol as P
-from router.client import Client
+from router.client import Client, _replies
 from tests.cluster import serving_router, scripted_worker
 
 
@@ -84,3 +84,28 @@ def test_the_sdk_streams_many_requests_whole_through_token_batches(tmp_path):
         # the text streamed so far; a last incomplete character comes with the Result
         assert want.text.startswith("".join(ch.text for ch in got)) and streams[i].result.text == want.text
         assert [ch.index for ch in got] == [sum(len(x.token_ids) for x in got[:k]) for k in range(len(got))]
+
+
+def test_a_token_with_prompt_logprobs_goes_alone_after_what_was_held():
+    """prompt_logprobs are as long as the prompt: a batch of them could pass the client's message cap."""
+    async def scenario():
+        async with serving_router() as (router, connect):
+            sent = []
+            router._send = lambda chan, msg, to: sent.append((to, msg))
+            router._held = {}
+            router._reply_zmq(b"c", True, P.Token("a", 0, [1]))
+            router._reply_zmq(b"c", True, P.Token("b", 0, [2], prompt_logprobs=[None, [-0.5, [3], [-0.5]]]))
+            router._reply_zmq(b"c", True, P.Token("a", 1, [4]))
+            return sent, router._held
+
+    sent, held = asyncio.run(scenario())
+    assert [(m.request_id, m.index) for _, m in sent] == [("a", 0), ("b", 0)]  # what was held, then "b" alone
+    assert all(type(m) is P.Token for _, m in sent) and [(m.request_id, m.index) for m in held[b"c"]] == [("a", 1)]
+
+
+def test_a_bad_item_of_a_token_batch_leaves_the_others_to_the_client():
+    batch = P.batch_tokens([P.Token("a", 0, [1]), P.Token("b", 0, [2])])
+    batch.items.insert(1, ["c", "no index", [3]])
+    good, bad = _replies(P.decode(P.encode(batch)))
+    assert [m.request_id for m in good] == ["a", "b"] and len(bad) == 1 and "Token.index" in str(bad[0])
+    assert _replies(P.Done("a", "length", [1])) == ([P.Done("a", "length", [1])], [])
