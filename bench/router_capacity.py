@@ -3,8 +3,8 @@ costs it in CPU.
 
 Every token of a cluster crosses the router: in from a decode worker's step message, out to its
 client, with incremental detokenization, metrics and ordering checks on the way. On a GPU a decode
-step takes about a millisecond, so a decode worker at batch 64 hands the router some 60,000 tokens
-a second, and one router serves every worker. This bench offers the router that load without a
+step takes one or two milliseconds, so a decode worker at batch 64 hands the router 30,000 to
+60,000 tokens a second, and one router serves every worker. This bench offers the router that load without a
 GPU: synthetic workers (bench/synthetic_worker.py) that speak the worker protocol and emit one
 token per running request every --step-ms, and a load generator that keeps --concurrency streaming
 requests in flight and checks every token it gets back (each stream echoes its prompt, so a lost,
