@@ -29,6 +29,7 @@ ATTENTION_BACKENDS = ("auto", "sdpa", "triton", "flex")  # common/attention/; he
 
 class ProtocolError(PdserveError, ValueError):
     code = "INVALID_ARGUMENT"
+    request_id: str | None = None  # a Generate's own, when the bad message still names one
 
 
 # ----------------------------------------------------------------------------- client <-> router
@@ -305,7 +306,12 @@ def decode(buf: bytes | memoryview, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
     cls = MESSAGES.get(tag) if isinstance(tag, str) else None
     if cls is None:
         raise ProtocolError(f"message type {tag!r} is unknown")
-    return _build(cls, body)
+    try:
+        return _build(cls, body)
+    except ProtocolError as e:  # the client can then fail that request at once, not at its timeout
+        if cls is Generate and isinstance(body.get("request_id"), str):
+            e.request_id = body["request_id"]
+        raise
 
 
 BATCHES = {WorkerTokens: WorkerTokenBatch, Token: TokenBatch}  # an item's type -> its batch's

@@ -183,7 +183,7 @@ class Router:
     def on_client(self, env: Envelope):
         if env.error is not None:
             log.info("refused a client message: %s", env.error)
-            self._send(self.frontend, P.Error(None, env.error.code, str(env.error)), env.sender)
+            self._send(self.frontend, P.Error(env.error.request_id, env.error.code, str(env.error)), env.sender)
             return
         msg = env.msg
         if isinstance(msg, P.Generate):
