@@ -271,7 +271,8 @@ def run_router_bench(model: str = "dummy:nanogpt", concurrencies: list[int] = (1
                          "router_us_per_token": round(cores["router"] * wall / max(tokens, 1) * 1e6, 2)}
                 points.append(point)
                 rows.append([c, point["offered_tok_s"], point["delivered_tok_s"],
-                             f"{tokens / wall / offered:.2f}", point["tokens_per_message"], point["itl_p50_ms"], point["itl_p99_ms"],
+                             f"{tokens / wall / offered:.2f}", point["tokens_per_message"], point["itl_p50_ms"],
+                             point["itl_p99_ms"],
                              point["router_cores"], point["router_us_per_token"], point["workers_cores"],
                              point["client_cores"], point["others_cores"]])
             gen.drain(30.0)
@@ -280,16 +281,17 @@ def run_router_bench(model: str = "dummy:nanogpt", concurrencies: list[int] = (1
                 gen.close()
             cluster.stop()
     busiest = max(points, key=lambda p: p["delivered_tok_s"])  # the most loaded level
+    per_token = busiest["router_us_per_token"]
     result = {"bench": "router", "model": model, "frontend": frontend, "workers": workers, "step_ms": step_ms,
-              "seconds": seconds,
-              "prompt_len": prompt_len, "max_tokens": max_tokens, "points": points,
-              "requests_done": gen.done, "errors": len(gen.errors),
-              "router_us_per_token": busiest["router_us_per_token"],
-              "router_tok_s_per_core": round(1e6 / busiest["router_us_per_token"]) if busiest["router_us_per_token"] else None}
-    print_table(f"pdserve bench router: {workers} synthetic workers stepping every {step_ms} ms, streaming requests "
-                f"of {prompt_len} + {max_tokens} tokens over {frontend}, {seconds:.0f} s per level (ITL: at the client)",
-                ["concurrency", "offered tok/s", "delivered tok/s", "delivered/offered", "tokens/message", "ITL p50 ms", "ITL p99 ms",
-                 "router cores", "router us/token", "workers cores", "client cores", "others cores"], rows)
+              "seconds": seconds, "prompt_len": prompt_len, "max_tokens": max_tokens, "points": points,
+              "requests_done": gen.done, "errors": len(gen.errors), "router_us_per_token": per_token,
+              "router_tok_s_per_core": round(1e6 / per_token) if per_token else None}
+    print_table(f"pdserve bench router: {workers} synthetic workers stepping every {step_ms} ms, streaming "
+                f"requests of {prompt_len} + {max_tokens} tokens over {frontend}, {seconds:.0f} s per level "
+                "(ITL: at the client)",
+                ["concurrency", "offered tok/s", "delivered tok/s", "delivered/offered", "tokens/message",
+                 "ITL p50 ms", "ITL p99 ms", "router cores", "router us/token", "workers cores", "client cores",
+                 "others cores"], rows)
     for e in gen.errors[:10]:
         print(f"error: {e}")
     print(f"one router core carries about {result['router_tok_s_per_core']:,} tokens/s "

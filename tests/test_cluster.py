@@ -107,20 +107,22 @@ def test_bad_requests_get_coded_errors_and_cluster_serves_on(tmp_path):
             assert e.value.code == "INVALID_ARGUMENT" and text in e.value.message, e.value
         # Frames that do not decode at all, sent raw, get an error reply, not silence.
         raw = Channel.connect(client.ctx, zmq.DEALER, c.address)
-        for junk in (b"\x00\x01garbage", P.encode(P.Cancel("x"))[:-3], b""):
-            raw.sock.send(junk)
-            reply = raw.recv(5000)
-            assert isinstance(reply.msg, P.Error) and reply.msg.code == "INVALID_ARGUMENT"
-            assert reply.msg.request_id is None
-        raw.sock.send_multipart([P.encode(P.Generate("w", {"not": "a prompt"}, {}, True))])  # wrong type
-        reply = raw.recv(5000).msg
-        assert (reply.code, reply.request_id) == ("INVALID_ARGUMENT", "w")  # that request fails at once
-        # a field this router does not know (a newer client's): named, with the request it refuses
-        raw.sock.send(msgpack.packb({"v": P.PROTOCOL_VERSION, "type": "Generate", "request_id": "n", "prompt": [1],
-                                     "future_field": 1}))
-        reply = raw.recv(5000).msg
-        assert reply.request_id == "n" and "unknown fields ['future_field']" in reply.message, reply
-        raw.close()
+        try:  # closed whatever fails: an open socket would hang the client's close
+            for junk in (b"\x00\x01garbage", P.encode(P.Cancel("x"))[:-3], b""):
+                raw.sock.send(junk)
+                reply = raw.recv(5000)
+                assert isinstance(reply.msg, P.Error) and reply.msg.code == "INVALID_ARGUMENT"
+                assert reply.msg.request_id is None
+            raw.sock.send_multipart([P.encode(P.Generate("w", {"not": "a prompt"}, {}, True))])  # wrong type
+            reply = raw.recv(5000).msg
+            assert (reply.code, reply.request_id) == ("INVALID_ARGUMENT", "w")  # that request fails at once
+            # a field this router does not know (a newer client's): named, with the request it refuses
+            raw.sock.send(msgpack.packb({"v": P.PROTOCOL_VERSION, "type": "Generate", "request_id": "n", "prompt": [1],
+                                         "future_field": 1}))
+            reply = raw.recv(5000).msg
+            assert reply.request_id == "n" and "unknown fields ['future_field']" in reply.message, reply
+        finally:
+            raw.close()
         # Still serving, and the queue limit sheds load at once.
         assert len(client.generate([1, 2, 3], max_tokens=3, temperature=0).token_ids) == 3
         ids = [client.submit([1, 2, 3], stream=False, max_tokens=200, ignore_eos=True) for _ in range(8)]
