@@ -118,9 +118,9 @@ def bench_handoff(model, tokens, requests, transport, seed, worker_args, devices
 @click.option("--seconds", default=3.0, show_default=True, type=float, help="measured per level")
 @click.option("--prompt-len", default=16, show_default=True, type=int)
 @click.option("--max-tokens", default=256, show_default=True, type=int)
-@click.option("--frontend", default="zmq", show_default=True, type=click.Choice(["zmq", "zmq-per-token", "http"]),
-              help="the clients' way in: the SDK's ZeroMQ protocol (tokens batched per client and step), a "
-                   "ZeroMQ client that takes a message per token, or OpenAI's streaming HTTP API")
+@click.option("--frontend", default="zmq", show_default=True,
+              help="the clients' way in: zmq (the SDK: tokens batched per client and step), zmq-per-token (a "
+                   "ZeroMQ client that takes a message per token), or http (OpenAI's streaming API)")
 @click.option("--seed", default=0, show_default=True, type=int)
 def bench_router(model, concurrencies, workers, step_ms, seconds, prompt_len, max_tokens, frontend, seed):
     """Tokens/s one router carries and its CPU per token, fed by synthetic workers at GPU step rates."""

@@ -26,6 +26,17 @@ async def served_model(session: aiohttp.ClientSession, base_url: str, headers: d
         return (await r.json())["data"][0]["id"]
 
 
+async def completion_chunks(session: aiohttp.ClientSession, url: str, body: dict, headers: dict | None = None):
+    """Each chunk of one streamed POST (a completion or a chat), parsed, with its arrival time
+    (time.perf_counter); a refused request raises."""
+    async with session.post(url, json=body, headers=headers) as r:
+        if r.status != 200:
+            raise RuntimeError(f"POST {url} answered {r.status}: {await r.text()}")
+        async for line in r.content:
+            if line.startswith(b"data: ") and not line.startswith(b"data: [DONE]"):
+                yield time.perf_counter(), json.loads(line[6:])
+
+
 async def drive_http(base_url: str, requests, concurrency: int = 0, api_key: str | None = None
                      ) -> tuple[list[Sample], float]:
     base_url = base_url.rstrip("/").removesuffix("/v1")
@@ -42,19 +53,12 @@ async def drive_http(base_url: str, requests, concurrency: int = 0, api_key: str
                     "stream": True, "stream_options": {"include_usage": True}}
             async with gate:
                 s = Sample(time.perf_counter())
-                async with session.post(f"{base_url}/v1/completions", json=body, headers=headers) as r:
-                    if r.status != 200:
-                        raise RuntimeError(f"POST /v1/completions answered {r.status}: {await r.text()}")
-                    async for line in r.content:
-                        if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                            continue
-                        now = time.perf_counter()
-                        chunk = json.loads(line[6:])
-                        if chunk.get("usage"):
-                            s.tokens = chunk["usage"]["completion_tokens"]
-                        if chunk.get("choices"):
-                            s.first = s.first or now
-                            s.token_times.append(now)
+                async for now, chunk in completion_chunks(session, f"{base_url}/v1/completions", body, headers):
+                    if chunk.get("usage"):
+                        s.tokens = chunk["usage"]["completion_tokens"]
+                    if chunk.get("choices"):
+                        s.first = s.first or now
+                        s.token_times.append(now)
                 s.end = time.perf_counter()
             return s
 

@@ -4,11 +4,11 @@ costs it in CPU.
 Every token of a cluster crosses the router: in from a decode worker's step message, out to its
 client, with incremental detokenization, metrics and ordering checks on the way. On a GPU a decode
 step takes one or two milliseconds, so a decode worker at batch 64 hands the router 30,000 to
-60,000 tokens a second, and one router serves every worker. This bench offers the router that load without a
-GPU: synthetic workers (bench/synthetic_worker.py) that speak the worker protocol and emit one
-token per running request every --step-ms, and a load generator that keeps --concurrency streaming
-requests in flight and checks every token it gets back (each stream echoes its prompt, so a lost,
-repeated or misplaced token is caught).
+60,000 tokens a second, and one router serves every worker. This bench offers the router that
+load without a GPU: synthetic workers (bench/synthetic_worker.py) that speak the worker protocol
+and emit one token per running request every --step-ms, and a load generator that keeps
+--concurrency streaming requests in flight and checks every token it gets back (each stream
+echoes its prompt, so a lost, repeated or misplaced token is caught).
 
 For each concurrency it reports the tokens offered (workers' pace) and delivered (to the client),
 the client's inter-token latency, and the router process's CPU from /proc: its cores and its
@@ -24,7 +24,6 @@ step), a ZeroMQ client that asks for a message per token, or OpenAI's streaming 
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import sys
 import tempfile
@@ -175,27 +174,24 @@ class HttpLoadGenerator(Load):
             await self._one()
 
     async def _one(self):
+        from bench.openai_load import completion_chunks
+
         prompt = self.prompt()
         body = {"model": self.model, "prompt": prompt, "max_tokens": self.max_tokens, "temperature": 0,
                 "ignore_eos": True, "stream": True}
         texts, events, last = [], 0, None
         try:
-            async with self.session.post(self.url, json=body) as r:
-                if r.status != 200:
-                    self.errors.append(f"POST /v1/completions answered {r.status}: {(await r.text())[:200]}")
-                    return
-                async for line in r.content:
-                    if not line.startswith(b"data: {"):
-                        continue
-                    choice = json.loads(line[6:])["choices"][0]
-                    texts.append(choice["text"])
-                    if choice["finish_reason"] is None:
-                        now = time.monotonic()
-                        if last is not None:
-                            self.gaps.append(now - last)
-                        last, events = now, events + 1
-                        self.tokens += 1
-                        self.messages += 1
+            async for now, chunk in completion_chunks(self.session, self.url, body):
+                if "error" in chunk:
+                    raise RuntimeError(f"the stream ended in an error: {chunk['error']}")
+                choice = chunk["choices"][0]
+                texts.append(choice["text"])
+                if choice["finish_reason"] is None:
+                    if last is not None:
+                        self.gaps.append(now - last)
+                    last, events = now, events + 1
+                    self.tokens += 1
+                    self.messages += 1
         except Exception as e:  # aiohttp's errors are many; each is this stream's failure
             self.errors.append(f"a stream failed: {type(e).__name__}: {e}")
             return

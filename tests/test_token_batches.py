@@ -6,7 +6,7 @@ import asyncio
 
 from common import protocol as P
 from router.client import Client, _replies
-from tests.cluster import serving_router, scripted_worker
+from tests.cluster import cluster, scripted_worker, serving_router
 
 
 def test_a_token_batch_round_trips_and_names_a_bad_item():
@@ -58,26 +58,18 @@ def test_the_router_sends_a_step_s_tokens_one_message_per_client_that_asked_and_
 def test_the_sdk_streams_many_requests_whole_through_token_batches(tmp_path):
     """A real cluster: concurrent SDK streams (their tokens batched by the router) give the same
     tokens and text as each request alone."""
-    from router.launcher import Cluster
-
-    c = Cluster("dummy:nanogpt", 0, 0, 1, ["cpu"], "127.0.0.1", 0, 0, tmp_path / "logs", "round_robin", [],
-                threads=1, restart=False)
-    try:
-        c.start()
-        with Client(c.address, timeout=120) as client:
-            prompts = [f"request {i} says" for i in range(6)]
-            alone = [client.generate(p, max_tokens=12, temperature=0, ignore_eos=True) for p in prompts]
-            streams = [client.stream(p, max_tokens=12, temperature=0, ignore_eos=True) for p in prompts]
-            chunks = {i: [] for i in range(len(prompts))}
-            live = set(chunks)
-            while live:  # read them interleaved, as they arrive
-                for i in sorted(live):
-                    try:
-                        chunks[i].append(next(streams[i]))
-                    except StopIteration:
-                        live.discard(i)
-    finally:
-        c.stop()
+    with cluster(tmp_path, prefill=0, decode=0, mono=1) as c, Client(c.address, timeout=120) as client:
+        prompts = [f"request {i} says" for i in range(6)]
+        alone = [client.generate(p, max_tokens=12, temperature=0, ignore_eos=True) for p in prompts]
+        streams = [client.stream(p, max_tokens=12, temperature=0, ignore_eos=True) for p in prompts]
+        chunks = {i: [] for i in range(len(prompts))}
+        live = set(chunks)
+        while live:  # read them interleaved, as they arrive
+            for i in sorted(live):
+                try:
+                    chunks[i].append(next(streams[i]))
+                except StopIteration:
+                    live.discard(i)
     for i, want in enumerate(alone):
         got = chunks[i]
         assert [t for ch in got for t in ch.token_ids] == want.token_ids == streams[i].result.token_ids
