@@ -128,7 +128,7 @@ def chat(router_address, system, max_tokens, temperature, top_p, top_k, seed, ig
 @http_options
 @click.option("--log-level", default="INFO", show_default=True)
 def router(model, host, port, worker_port, policy, max_queue, heartbeat_timeout, max_attempts, prefill_timeout,
-           decode_stall_timeout, queue_timeout, max_message_bytes, http_port, api_key, log_level):
+           decode_stall_timeout, queue_timeout, max_message_bytes, http_port, api_key, api_server_count, log_level):
     """Run the router: clients connect to --port, workers to --worker-port, HTTP to --http-port."""
     from router.server import RouterConfig, run_router
 
@@ -137,7 +137,7 @@ def router(model, host, port, worker_port, policy, max_queue, heartbeat_timeout,
                             max_queue=max_queue, heartbeat_timeout_s=heartbeat_timeout, max_attempts=max_attempts,
                             prefill_timeout_s=prefill_timeout, decode_stall_timeout_s=decode_stall_timeout,
                             queue_timeout_s=queue_timeout, max_message_bytes=max_message_bytes, http_port=http_port,
-                            api_key=api_key))
+                            api_key=api_key, api_server_count=api_server_count))
 
 
 def worker_command(role: str):
@@ -193,7 +193,7 @@ for _role in ("prefill", "decode", "mono"):
 @http_options
 @engine_options
 def launch(prefill, decode, mono, devices, host, port, worker_port, policy, log_dir, threads, no_restart, dry_run,
-           http_port, api_key, engine_kwargs):
+           http_port, api_key, api_server_count, engine_kwargs):
     """Bring up router + workers on this host; stop them all on Ctrl-C. Workers that share a GPU
     split it (decode workers get the larger shares) unless a memory flag sizes their pools."""
     import shlex
@@ -207,7 +207,7 @@ def launch(prefill, decode, mono, devices, host, port, worker_port, policy, log_
     try:
         cluster = Cluster(engine_kwargs["model"], prefill, decode, mono, devices, host, port, worker_port,
                           log_dir, policy, engine_argv(engine_kwargs), threads, restart=not no_restart,
-                          http_port=http_port, api_key=api_key)
+                          http_port=http_port, api_key=api_key, api_server_count=api_server_count)
     except ValueError as e:
         raise click.UsageError(str(e))
     if dry_run:

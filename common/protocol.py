@@ -57,6 +57,21 @@ class StatusRequest:
 
 
 @dataclass
+class MetricsRequest:
+    """The router's Prometheus metrics, for an API server process to serve at /metrics."""
+
+
+@dataclass
+class Rejected:
+    """An API server refused a request before it reached the router (a bad body, a bad key): the
+    router counts it in request_errors_total, which it alone keeps. code: one of REJECT_CODES."""
+    code: str
+
+
+REJECT_CODES = ("INVALID_ARGUMENT", "UNAUTHENTICATED", "NOT_FOUND", "METHOD_NOT_ALLOWED", "TOO_LARGE", "INTERNAL")
+
+
+@dataclass
 class Token:
     """Generated tokens [index, index + len(token_ids)) of a request, in order. logprobs: one
     entry per token when asked for (common/sampling.py Logprob); prompt_logprobs on the first."""
@@ -102,6 +117,11 @@ class StatusReply:
     workers: list[dict]
     queued: int
     in_flight: int
+
+
+@dataclass
+class MetricsReply:
+    text: bytes  # Prometheus' text format
 
 
 # ----------------------------------------------------------------------------- workers <-> router
@@ -276,7 +296,8 @@ class KVAck:
 
 
 MESSAGES: dict[str, type] = {cls.__name__: cls for cls in (
-    Generate, Cancel, StatusRequest, Token, TokenBatch, Done, Error, StatusReply,
+    Generate, Cancel, StatusRequest, MetricsRequest, Rejected, Token, TokenBatch, Done, Error, StatusReply,
+    MetricsReply,
     Register, Registered, Heartbeat, PrefillWork, WorkerTokens, WorkerTokenBatch, WorkerError, CancelWork, Shutdown,
     KVReserve, KVGrant, KVRefuse, KVRelease, KVChunk, KVTransfer, KVAck)}
 

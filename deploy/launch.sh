@@ -8,15 +8,18 @@
 # --kv-cache-gb, --num-blocks).
 #
 #   deploy/launch.sh [--prefill N] [--decode M] [--mono K] [--model SPEC] [--devices cpu,cuda:0,...]
-#                    [--host ADDR] [--port P] [--worker-port P] [--http-port P] [--log-dir DIR] [--dry-run]
+#                    [--host ADDR] [--port P] [--worker-port P] [--http-port P] [--api-server-count N]
+#                    [--log-dir DIR] [--dry-run]
 #                    [-- WORKER_ARGS...]
 #
 # Prints "ready: router at tcp://HOST:PORT" once every worker has registered (after "HTTP API at
-# http://HOST:P" with --http-port; PDSERVE_API_KEY in the environment sets its key); --dry-run
-# prints each process's command line instead and exits.
+# http://HOST:P" with --http-port; PDSERVE_API_KEY in the environment sets its key, and
+# --api-server-count N serves it from N processes beside the router); --dry-run prints each
+# process's command line instead and exits.
 set -uo pipefail
 
 PREFILL=1 DECODE=1 MONO=0 MODEL=dummy:nanogpt DEVICES=cpu HOST=127.0.0.1 PORT=7100 WORKER_PORT="" HTTP_PORT=""
+API_SERVERS=1
 LOG_DIR=pdserve-logs DRY_RUN=0
 WORKER_ARGS=()
 while (($#)); do
@@ -30,10 +33,11 @@ while (($#)); do
     --port) PORT=$2; shift 2 ;;
     --worker-port) WORKER_PORT=$2; shift 2 ;;
     --http-port) HTTP_PORT=$2; shift 2 ;;
+    --api-server-count) API_SERVERS=$2; shift 2 ;;
     --log-dir) LOG_DIR=$2; shift 2 ;;
     --dry-run) DRY_RUN=1; shift ;;
     --) shift; WORKER_ARGS=("$@"); break ;;
-    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
     *) echo "launch.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -51,7 +55,7 @@ mapfile -t SHARES < <($PDSERVE gpu-shares --prefill "$PREFILL" --decode "$DECODE
 ((${#SHARES[@]} == WORKERS)) || { echo "launch.sh: could not split the devices ($PDSERVE gpu-shares)" >&2; exit 1; }
 
 ROUTER_ARGS=()
-[[ -n $HTTP_PORT ]] && ROUTER_ARGS=(--http-port "$HTTP_PORT")
+[[ -n $HTTP_PORT ]] && ROUTER_ARGS=(--http-port "$HTTP_PORT" --api-server-count "$API_SERVERS")
 if ((DRY_RUN)); then
   echo "router: $PDSERVE router --model $MODEL --host $HOST --port $PORT --worker-port $WORKER_PORT ${ROUTER_ARGS[*]}"
 else

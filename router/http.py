@@ -1,17 +1,19 @@
 """The router's HTTP front: OpenAI's API (/v1/completions, /v1/chat/completions, /v1/models),
-/health and Prometheus /metrics, served in the router process, on its event loop.
+/health and Prometheus /metrics, served in the router process, on its event loop, or by API
+server processes beside it (router/api_server.py, --api-server-count).
 
-    HTTP client --POST /v1/completions--> HttpFront --Router.submit(reply_to=queue)--> request state machine
+    HTTP client --POST /v1/completions--> HttpFront --backend.submit(reply_to=queue)--> request state machine
                 <--SSE chunks / JSON--    (one asyncio.Queue per HTTP request)  <--Token/Done/Error--
 
-An HTTP request becomes one or more router requests (a batch of prompts, n choices each) admitted
-in-process: no extra socket hop, the same validation, dispatch, recovery and stop strings as a
-ZeroMQ client gets. Their replies land in an asyncio queue that the handler turns into OpenAI's
-shapes (router/openai_api.py). A client that goes away (its connection closes) cancels every one
-of its requests at once: aiohttp cancels the handler, and the handler's `finally` cancels the work
-on the workers, which free its KV blocks.
+An HTTP request becomes one or more router requests (a batch of prompts, n choices each). In the
+router process (LocalBackend) they are admitted in-process: no extra socket hop, the same
+validation, dispatch, recovery and stop strings as a ZeroMQ client gets. In an API server they go
+to the router as a ZeroMQ client's do (RouterLink). Either way their replies land in an asyncio
+queue that the handler turns into OpenAI's shapes (router/openai_api.py). A client that goes away
+(its connection closes) cancels every one of its requests at once: aiohttp cancels the handler,
+and the handler's `finally` cancels the work on the workers, which free its KV blocks.
 
-Why aiohttp: it runs as an AppRunner on the loop the router already has (uvloop), with no second
+Why aiohttp: it runs as an AppRunner on the loop the process already has (uvloop), with no second
 loop, thread or ASGI layer between a token and its socket write; each SSE chunk is one transport
 write. FastAPI on uvicorn (vLLM's and SGLang's choice) could be run the same way, but adds ASGI
 message passing and pydantic validation per request and per chunk to a process that must stay
@@ -35,13 +37,18 @@ import logging
 import time
 import uuid
 
+import socket
+from typing import Callable
+
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from common import protocol as P
 from common.errors import InvalidArgument
+from common.sampling_params import SamplingParams
 from router.openai_api import RETRY_AFTER_S, ApiError, Choice, Envelope, Job, parse_chat, parse_completion, usage
-from router.registry import DECODE_ROLES, PREFILL_ROLES
+from router.prompts import Prompts
+from router.registry import DECODE_ROLES, PREFILL_ROLES, missing_roles
 
 log = logging.getLogger("pdserve.http")
 HTTP_CLIENT = "http"  # the Router.submit client of every HTTP request (their request ids are unique)
@@ -49,9 +56,41 @@ ROUTES = "GET /health, GET /metrics, GET /v1/models, POST /v1/completions, POST 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 
+class LocalBackend:
+    """What HttpFront serves from, in the router process: the Router itself. RouterLink
+    (router/api_server.py) is the same, over ZeroMQ, for an API server process."""
+
+    def __init__(self, router):
+        self.router = router
+        self.prompts: Prompts = router.prompts
+        self.max_queue: int = router.cfg.max_queue
+
+    def submit(self, request_id: str, ids: list[int], params: SamplingParams, stream: bool,
+               reply_to: Callable[[object], None]) -> bool:
+        """Admit a checked request; its Token, Done and Error go to reply_to. False if refused
+        (the Error went to reply_to): submit no more for this HTTP request."""
+        return self.router.submit(HTTP_CLIENT, request_id, ids, params, stream, reply_to)
+
+    def cancel(self, request_id: str):
+        self.router.cancel(HTTP_CLIENT, request_id)
+
+    def rejected(self, code: str):
+        self.router.metrics.on_error(code)
+
+    async def live_roles(self) -> list[str]:
+        return [w.role for w in self.router.registry.alive(PREFILL_ROLES + DECODE_ROLES)]
+
+    async def metrics(self) -> bytes:
+        return self.router.metrics.render()
+
+
 class HttpFront:
-    def __init__(self, router, host: str, port: int, api_key: str | None, max_body_bytes: int):
-        self.router, self.host, self.port = router, host, port
+    def __init__(self, backend, host: str, port: int, api_key: str | None, max_body_bytes: int,
+                 sock: socket.socket | None = None):
+        """Serves backend (LocalBackend or RouterLink) on host:port, or on sock, a listening socket
+        that API server processes share."""
+        self.backend, self.host, self.port, self.sock = backend, host, port, sock
+        self.model = backend.prompts.model
         self.api_key = api_key.encode() if api_key else None
         self.max_body_bytes = max_body_bytes
         self.created = int(time.time())
@@ -70,7 +109,10 @@ class HttpFront:
     async def start(self):
         self.runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, self.host, self.port, backlog=1024)
+        if self.sock is not None:
+            site = web.SockSite(self.runner, self.sock)
+        else:
+            site = web.TCPSite(self.runner, self.host, self.port, backlog=1024)
         await site.start()
         self.port = self.runner.addresses[0][1]  # the real one, if port 0 asked for any
 
@@ -117,56 +159,54 @@ class HttpFront:
 
     async def health(self, request: web.Request) -> web.Response:
         """200 while at least one worker of each needed role (prefill or mono, decode or mono) is alive."""
-        registry = self.router.registry
-        missing = [what for roles, what in ((PREFILL_ROLES, "prefill"), (DECODE_ROLES, "decode"))
-                   if not registry.alive(roles)]
+        roles = await self.backend.live_roles()
+        missing = missing_roles(roles)
         if missing:
             raise ApiError("UNAVAILABLE", f"no live {' or '.join(missing)} worker")
-        return web.json_response({"status": "ok", "workers": len(registry.alive(PREFILL_ROLES + DECODE_ROLES))})
+        return web.json_response({"status": "ok", "workers": len(roles)})
 
     async def metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(self.router.metrics.registry),
-                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+        return web.Response(body=await self.backend.metrics(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{
-            "id": self.router.cfg.model, "object": "model", "created": self.created, "owned_by": "pdserve",
-            "max_model_len": self.router.model_config.max_position_embeddings}]})
+            "id": self.model, "object": "model", "created": self.created, "owned_by": "pdserve",
+            "max_model_len": self.backend.prompts.model_config.max_position_embeddings}]})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._serve(request, lambda body: parse_completion(body, self.router.cfg.model))
+        return await self._serve(request, lambda body: parse_completion(body, self.model))
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        context = self.router.model_config.max_position_embeddings
-        return await self._serve(request, lambda body: parse_chat(body, self.router.cfg.model, context))
+        context = self.backend.prompts.model_config.max_position_embeddings
+        return await self._serve(request, lambda body: parse_chat(body, self.model, context))
 
     # ------------------------------------------------------------------ requests
 
     async def _serve(self, request: web.Request, parse) -> web.StreamResponse:
-        router = self.router
+        backend, prompts = self.backend, self.backend.prompts
         try:
             job: Job = parse(await _json(request))
-            prepared = [router.validate(prompt, job.messages, job.params) for prompt in job.prompts]
+            prepared = [prompts.validate(prompt, job.messages, job.params) for prompt in job.prompts]
             total = len(prepared) * job.n
-            if total > router.cfg.max_queue:
+            if total > backend.max_queue:
                 raise ApiError("INVALID_ARGUMENT", f"{len(prepared)} prompts x n={job.n} make {total} choices; "
-                                                   f"allowed: at most {router.cfg.max_queue} (the router's max_queue)",
+                                                   f"allowed: at most {backend.max_queue} (the router's max_queue)",
                                "n" if job.n > 1 else "prompt")
         except (ApiError, InvalidArgument, web.HTTPRequestEntityTooLarge) as e:
-            router.metrics.on_error("TOO_LARGE" if isinstance(e, web.HTTPException) else e.code)
+            backend.rejected("TOO_LARGE" if isinstance(e, web.HTTPException) else e.code)
             raise
         choices = []
         for i in range(total):
             prompt, (ids, _) = job.prompts[i // job.n], prepared[i // job.n]
-            prompt_text = (prompt if isinstance(prompt, str) else router._text(ids) or "") if job.echo else ""
-            choices.append(Choice(i, job, router.tokenizer, ids, prompt_text))
+            prompt_text = (prompt if isinstance(prompt, str) else prompts.text(ids) or "") if job.echo else ""
+            choices.append(Choice(i, job, prompts.tokenizer, ids, prompt_text))
         queue: asyncio.Queue = asyncio.Queue()
         base = uuid.uuid4().hex
         try:
             for c in choices:
                 reply_to = lambda msg, i=c.index: queue.put_nowait((i, msg))
-                if not router.submit(HTTP_CLIENT, f"{base}-{c.index}", c.prompt_ids, job.choice_params(c.index),
-                                     job.stream, reply_to):
+                if not backend.submit(f"{base}-{c.index}", c.prompt_ids, job.choice_params(c.index), job.stream,
+                                      reply_to):
                     break  # its Error is in the queue
             first = await queue.get()
             if isinstance(first[1], P.Error):
@@ -176,7 +216,7 @@ class HttpFront:
             return await self._collect(job, choices, queue, first)
         finally:  # done, failed, or the client went away: nothing of it goes on
             for c in choices:
-                router.cancel(HTTP_CLIENT, f"{base}-{c.index}")
+                backend.cancel(f"{base}-{c.index}")
 
     async def _collect(self, job: Job, choices: list[Choice], queue: asyncio.Queue, item) -> web.Response:
         entries: list[dict | None] = [None] * len(choices)

@@ -68,7 +68,7 @@ def threads_per_worker(workers: int, cores: int | None = None) -> int:
     return max(1, (cores - 1) // max(1, workers))
 
 
-def _die_with_parent():
+def die_with_parent():
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
@@ -87,7 +87,7 @@ class Child:
         log = open(self.log_path, "ab")
         env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
         self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     preexec_fn=_die_with_parent, env=env)
+                                     preexec_fn=die_with_parent, env=env)
         log.close()
         self.started_at = time.monotonic()
 
@@ -101,11 +101,13 @@ class Cluster:
     def __init__(self, model: str, prefill: int, decode: int, mono: int, devices: list[str], host: str, port: int,
                  worker_port: int, log_dir: Path, policy: str, worker_args: list[str], threads: int | None,
                  restart: bool = True, router_args: list[str] = (), http_port: int | None = None,
-                 api_key: str | None = None, device_share: float = 1.0):
+                 api_key: str | None = None, device_share: float = 1.0, api_server_count: int = 1):
         self.host, self.port, self.worker_port = host, port or free_port(host), worker_port or free_port(host)
         self.http_port = None if http_port is None else http_port or free_port(host)
+        self.api_server_count = api_server_count if http_port is not None else 0  # 1: HTTP in the router process
         if self.http_port is not None:
-            router_args = ["--http-port", str(self.http_port), *router_args]
+            router_args = ["--http-port", str(self.http_port), "--api-server-count", str(api_server_count),
+                           *router_args]
         self.log_dir = Path(log_dir)
         self.restart = restart
         self.expected = prefill + decode + mono

@@ -1,4 +1,5 @@
-"""The router's Prometheus metrics, served at GET /metrics by the HTTP front (router/http.py).
+"""The router's Prometheus metrics, served at GET /metrics by the HTTP front (router/http.py), in
+the router process or, asked for them, by its API server processes (router/api_server.py).
 
 Names follow vLLM's (`vllm:time_to_first_token_seconds` is `pdserve:time_to_first_token_seconds`,
 with the same `model_name` label) so a vLLM dashboard adapts by a change of prefix; metrics vLLM
@@ -18,7 +19,7 @@ from __future__ import annotations
 import time
 
 import prometheus_client
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
 from common import protocol as P
@@ -89,6 +90,10 @@ class RouterMetrics:
 
     def on_error(self, code: str):
         self._errors.labels(self._model, code).inc()
+
+    def render(self) -> bytes:
+        """Every metric in Prometheus' text format (prometheus_client.CONTENT_TYPE_LATEST)."""
+        return generate_latest(self.registry)
 
     def on_retry(self, req):
         self.redispatches.inc()

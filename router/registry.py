@@ -53,6 +53,12 @@ class Worker:
         return f"{self.kv_dtype or 'unsaid-dtype'} KV in {self.block_size}-token blocks"
 
 
+def missing_roles(alive_roles) -> list[str]:
+    """What a cluster lacks to serve, by the roles of its live workers: "prefill", "decode", both or none."""
+    alive = set(alive_roles)
+    return [what for roles, what in ((PREFILL_ROLES, "prefill"), (DECODE_ROLES, "decode")) if not alive & set(roles)]
+
+
 def invariance_split(workers: list[Worker]) -> tuple[list[str], list[str]] | None:
     """(ids of workers running the batch-invariant kernels, ids of those that are not) where live
     workers disagree, else None. Where they do, a request's tokens depend on the workers it meets:

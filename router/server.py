@@ -28,11 +28,11 @@ import zmq.asyncio
 
 from common import protocol as P
 from common.channel import Channel, Envelope
-from common.model_spec import load_tokenizer, model_config
 from common.errors import InvalidArgument
 from common.sampling_params import SamplingParams, fresh_seed
 from router.metrics import RouterMetrics
-from router.registry import DECODE_ROLES, PREFILL_ROLES, Registry, Worker, invariance_split
+from router.prompts import Prompts
+from router.registry import DECODE_ROLES, PREFILL_ROLES, Registry, Worker, invariance_split, missing_roles
 from common.text import TextStream
 
 log = logging.getLogger("pdserve.router")
@@ -55,6 +55,7 @@ class RouterConfig:
     max_message_bytes: int = 4 * 2**20  # also the HTTP body limit
     http_port: int | None = None  # the OpenAI-compatible HTTP API and /metrics (router/http.py)
     api_key: str | None = None  # HTTP: required as "Authorization: Bearer <key>" on /v1/
+    api_server_count: int = 1  # 1: HTTP served in the router process; N > 1: by N processes (router/api_server.py)
 
 
 @dataclass
@@ -91,8 +92,8 @@ class Request:
 class Router:
     def __init__(self, cfg: RouterConfig):
         self.cfg = cfg
-        self.tokenizer = load_tokenizer(cfg.model)
-        self.model_config = model_config(cfg.model)
+        self.prompts = Prompts(cfg.model)
+        self.tokenizer, self.model_config = self.prompts.tokenizer, self.prompts.model_config
         self.registry = Registry(cfg.policy)
         self.requests: dict[str, Request] = {}
         self.by_client: dict[tuple[bytes, str], str] = {}
@@ -108,19 +109,41 @@ class Router:
         self.metrics = RouterMetrics(self)
         # While a worker's token batch is handled: each client's Tokens, held to go as one TokenBatch
         self._held: dict[bytes, list[P.Token]] | None = None
-        self.http = None
-        if cfg.http_port is not None:
-            from router.http import HttpFront  # aiohttp is imported only where HTTP is served
+        self.http = self.api_servers = None
+        if cfg.api_server_count < 1:
+            raise InvalidArgument(f"api_server_count={cfg.api_server_count} is invalid; allowed: 1 (HTTP in the "
+                                  f"router process) or more (that many API server processes)")
+        if cfg.http_port is not None and cfg.api_server_count > 1:
+            from router.api_server import ApiServers
 
-            self.http = HttpFront(self, cfg.host, cfg.http_port, cfg.api_key, cfg.max_message_bytes)
+            address = self.frontend.address.replace("tcp://0.0.0.0:", "tcp://127.0.0.1:")  # they run here
+            self.api_servers = ApiServers(cfg.api_server_count, address, cfg.model, cfg.host,
+                                          cfg.http_port, cfg.max_queue, cfg.max_message_bytes, cfg.api_key)
+        elif cfg.http_port is not None:
+            from router.http import HttpFront, LocalBackend  # aiohttp is imported only where HTTP is served
+
+            self.http = HttpFront(LocalBackend(self), cfg.host, cfg.http_port, cfg.api_key, cfg.max_message_bytes)
 
     # ------------------------------------------------------------------ plumbing
 
-    def _send(self, chan: Channel, msg, to: bytes):
+    def _send(self, chan: Channel, msg, to: bytes) -> bool:
         try:
             chan.post(msg, to=to)
+            return True
         except zmq.ZMQError as e:  # the peer is gone (ROUTER_MANDATORY)
             log.warning("dropped %s to %r: %s", type(msg).__name__, to, e)
+            return False
+
+    def _client_gone(self, client: bytes):
+        """A ZeroMQ client that can no longer be reached (its socket closed, its process died: an
+        SDK client, an API server) has its requests cancelled: nobody would read their tokens."""
+        gone = [self.requests[rid] for (c, _), rid in self.by_client.items() if c == client]
+        for req in gone:
+            req.reply_to = _nowhere
+            self._cancel_work(req)
+            self.done(req, "cancelled")
+        if gone:
+            log.warning("client %r is gone: cancelled its %d requests", client, len(gone))
 
     def reply(self, req: Request, msg):
         req.reply_to(msg)
@@ -132,7 +155,7 @@ class Router:
 
     def done(self, req: Request, reason: str):
         """Finish req with its tokens so far: Done to the client."""
-        text = req.text.final() if req.text is not None else self._text(req.tokens)
+        text = req.text.final() if req.text is not None else self.prompts.text(req.tokens)
         stop_reason = req.text.stop_reason if req.text is not None else None
         if stop_reason is None and reason == "stop" and req.tokens and req.tokens[-1] in req.params.stop_token_ids:
             stop_reason = req.tokens[-1]
@@ -152,9 +175,14 @@ class Router:
         stop = stop or asyncio.Event()
         if self.http is not None:
             await self.http.start()
+        if self.api_servers is not None:
+            self.api_servers.start()
         tasks = [asyncio.ensure_future(t) for t in (self._frontend_loop(), self._backend_loop(), self._monitor_loop())]
-        where = f"clients at {self.frontend.address}, workers at {self.backend.address}" + (
-            f", HTTP at {self.http.url}" if self.http else "")
+        where = f"clients at {self.frontend.address}, workers at {self.backend.address}"
+        if self.http is not None:
+            where += f", HTTP at {self.http.url}"
+        elif self.api_servers is not None:
+            where += f", HTTP at {self.api_servers.url} ({self.cfg.api_server_count} API server processes)"
         log.info("router ready: %s", where)
         if on_ready is not None:
             on_ready(where)
@@ -166,6 +194,8 @@ class Router:
             await asyncio.gather(*tasks, return_exceptions=True)
             if self.http is not None:
                 await self.http.close()
+            if self.api_servers is not None:
+                await self.api_servers.close()
             self.frontend.close()
             self.backend.close()
             self.ctx.term()
@@ -195,48 +225,20 @@ class Router:
             workers = [w.describe(now) for w in sorted(self.registry.workers.values(), key=lambda w: w.worker_id)]
             queued = sum(r.state == "queued" for r in self.requests.values())
             self._send(self.frontend, P.StatusReply(workers, queued, len(self.requests) - queued), env.sender)
+        elif isinstance(msg, P.MetricsRequest):
+            self._send(self.frontend, P.MetricsReply(self.metrics.render()), env.sender)
+        elif isinstance(msg, P.Rejected):
+            if msg.code in P.REJECT_CODES:  # a label per code: not one per string a client can make up
+                self.metrics.on_error(msg.code)
         else:
             self._send(self.frontend, P.Error(None, "INVALID_ARGUMENT",
                                               f"{type(msg).__name__} is not a client message"), env.sender)
-
-    def validate(self, prompt: str | list[int], messages: list[dict] | None,
-                 sampling: dict | SamplingParams) -> tuple[list[int], SamplingParams]:
-        """A request's prompt ids and sampling, or InvalidArgument naming what is wrong."""
-        params = sampling if isinstance(sampling, SamplingParams) else SamplingParams.from_dict(sampling)
-        if messages is not None or isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidArgument(f"model {self.cfg.model!r} has no tokenizer; send token ids", param="prompt")
-            if messages is None:
-                ids = self.tokenizer.encode(prompt)
-            elif prompt:
-                raise InvalidArgument("a request with messages must have an empty prompt; send one or the other",
-                                      param="prompt")
-            else:
-                try:
-                    ids = self.tokenizer.encode_chat(messages)
-                except InvalidArgument as e:
-                    e.param = e.param or "messages"
-                    raise
-        else:
-            ids = prompt
-            V = self.model_config.vocab_size
-            bad = [t for t in ids if not 0 <= t < V]
-            if bad:
-                raise InvalidArgument(f"prompt token ids {bad[:5]} are invalid; allowed: integers in [0, {V})",
-                                      param="prompt")
-        limit = self.model_config.max_position_embeddings
-        if not ids:
-            raise InvalidArgument("prompt is empty; allowed: at least one token", param="prompt")
-        if len(ids) >= limit:
-            raise InvalidArgument(f"prompt has {len(ids)} tokens; allowed: at most {limit - 1} "
-                                  f"(the model's context is {limit})", param="prompt")
-        return ids, params
 
     def admit(self, client: bytes, msg: P.Generate):
         """A Generate from a ZeroMQ client."""
         received = time.monotonic()
         try:
-            ids, params = self.validate(msg.prompt, msg.messages, msg.sampling)
+            ids, params = self.prompts.validate(msg.prompt, msg.messages, msg.sampling)
         except InvalidArgument as e:
             self.metrics.on_error(e.code)
             return self._send(self.frontend, P.Error(msg.request_id, e.code, str(e)), client)
@@ -288,12 +290,16 @@ class Router:
             if batches and type(msg) is P.Token and msg.prompt_logprobs is None:  # those are big: alone
                 held.setdefault(client, []).append(msg)
                 return
-            if client in held:
-                self._send_held(client, held.pop(client))
-        self._send(self.frontend, msg, client)
+            if client in held and not self._send_held(client, held.pop(client)):
+                return
+        if not self._send(self.frontend, msg, client):
+            self._client_gone(client)
 
-    def _send_held(self, client: bytes, tokens: list[P.Token]):
-        self._send(self.frontend, tokens[0] if len(tokens) == 1 else P.batch_tokens(tokens), client)
+    def _send_held(self, client: bytes, tokens: list[P.Token]) -> bool:
+        if self._send(self.frontend, tokens[0] if len(tokens) == 1 else P.batch_tokens(tokens), client):
+            return True
+        self._client_gone(client)
+        return False
 
     def cancel(self, client, client_request_id: str):
         rid = self.by_client.get((client, client_request_id))
@@ -544,8 +550,7 @@ class Router:
             if now < req.deadline:
                 continue
             if req.state == "queued":
-                missing = [what for roles, what in ((PREFILL_ROLES, "prefill"), (DECODE_ROLES, "decode"))
-                           if not self.registry.alive(roles)]
+                missing = missing_roles(w.role for w in self.registry.alive(PREFILL_ROLES + DECODE_ROLES))
                 self.error(req, "UNAVAILABLE", f"no live {' or '.join(missing) or 'worker'} worker "
                                                f"for {self.cfg.queue_timeout_s}s")
             else:
@@ -555,9 +560,6 @@ class Router:
                 self.dispatch(req)
 
     # ------------------------------------------------------------------ text and timings
-
-    def _text(self, ids: list[int]) -> str | None:
-        return self.tokenizer.decode(ids) if self.tokenizer is not None else None
 
     def _timings(self, req: Request) -> dict:
         now = time.monotonic()
@@ -570,6 +572,10 @@ class Router:
             if len(req.tokens) > 1:
                 t["tpot_s"] = (now - req.first_token_at) / (len(req.tokens) - 1)
         return t
+
+
+def _nowhere(msg):
+    """The replies of a request whose client is gone."""
 
 
 DECODE_FAULTS = ("NO_ROOM", "LAYOUT_MISMATCH")  # WorkerError codes that say the decode worker cannot take it

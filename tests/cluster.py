@@ -20,11 +20,12 @@ from router.server import Router, RouterConfig
 
 @contextlib.contextmanager
 def cluster(tmp_path, model="dummy:nanogpt", prefill=1, decode=1, mono=0, worker_args=(), router_args=(),
-            restart=False, http=False, api_key=None, devices=("cpu",)):
-    """http: the router also serves its HTTP API, at c.http_url (a free port)."""
+            restart=False, http=False, api_key=None, devices=("cpu",), api_servers=1):
+    """http: the router also serves its HTTP API, at c.http_url (a free port); api_servers > 1 from
+    that many API server processes (router_children lists them)."""
     c = Cluster(model, prefill, decode, mono, list(devices), "127.0.0.1", 0, 0, tmp_path / "logs", "least_loaded",
                 list(worker_args), threads=1, restart=restart, router_args=list(router_args),
-                http_port=0 if http else None, api_key=api_key)
+                http_port=0 if http else None, api_key=api_key, api_server_count=api_servers)
     try:
         c.start()
         yield c
@@ -32,6 +33,12 @@ def cluster(tmp_path, model="dummy:nanogpt", prefill=1, decode=1, mono=0, worker
         c.stop()
         for child in c.children:
             assert child.proc.poll() is not None, f"{child.name} still running"
+
+
+def router_children(c: Cluster) -> list[int]:
+    """The pids of the router's child processes (its API servers)."""
+    pid = c.router.proc.pid
+    return [int(p) for p in open(f"/proc/{pid}/task/{pid}/children").read().split()]
 
 
 @contextlib.asynccontextmanager

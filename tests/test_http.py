@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from common.engine import Engine
 from common.sampling_params import SamplingParams, choice_seed
 from router.client import Client
-from tests.cluster import cluster, wait_blocks_free
+from tests.cluster import cluster, router_children, wait_blocks_free
 
 pytestmark = pytest.mark.timeout(600)
 MODEL = "dummy:nanogpt"
@@ -34,9 +34,12 @@ def engine():
     return Engine(model=MODEL, enable_prefix_caching=False)
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    with cluster(tmp_path_factory.mktemp("http"), http=True, api_key=KEY, router_args=["--max-queue", "16"]) as c:
+@pytest.fixture(scope="module", params=[1, 2], ids=["in-router", "api-servers"])
+def served(request, tmp_path_factory):
+    """Every test below runs against HTTP served in the router process and by two API server
+    processes beside it (--api-server-count 2): they must not differ."""
+    with cluster(tmp_path_factory.mktemp("http"), http=True, api_key=KEY, router_args=["--max-queue", "16"],
+                 api_servers=request.param) as c:
         yield c
 
 
@@ -418,8 +421,11 @@ def test_the_router_serves_all_of_this_without_torch(served):
     """Run after the tests above, which drove the router's every path (chat, logprobs, stop strings,
     metrics): it never loaded torch, so it starts in a fraction of a second and leaves the cores
     and memory to the workers."""
-    maps = pathlib.Path(f"/proc/{served.router.proc.pid}/maps").read_text()
-    assert "libzmq" in maps and "libtorch" not in maps
+    api_servers = router_children(served)
+    assert len(api_servers) == (served.api_server_count if served.api_server_count > 1 else 0)
+    for pid in [served.router.proc.pid, *api_servers]:
+        maps = pathlib.Path(f"/proc/{pid}/maps").read_text()
+        assert "libzmq" in maps and "libtorch" not in maps
 
 
 # ----------------------------------------------------------------------------- without workers, and failures

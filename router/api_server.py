@@ -1,0 +1,241 @@
+"""API server processes: the HTTP front (router/http.py) in processes of its own beside the router,
+for when one router process cannot carry both its requests' state and their HTTP
+(`--api-server-count N`, vLLM's name for the same).
+
+    HTTP clients --> API server 0..N-1 --ZeroMQ, the SDK's protocol--> router --> workers
+                     (one listening socket, shared)
+
+Served in the router process, HTTP costs the router about three times the CPU per streamed token
+that a ZeroMQ client does (JSON per chunk, a socket write per stream and step), and one router
+process carried about 30,000 HTTP tokens a second on the 2-core machine (bench router): less than
+one GPU decode worker makes at batch 64. An API server parses and checks its requests and
+tokenizes their prompts itself (router/prompts.py), sends each to the router as a Generate of
+token ids whose tokens come back one TokenBatch per worker step, and writes OpenAI's chunks. The
+router keeps what only it can know: request state, recovery and stop strings, the metrics (an API
+server asks for them: MetricsRequest; it reports the requests it refused: Rejected) and the
+workers' health (StatusRequest).
+
+The router binds the listening socket once and its API servers inherit it (gunicorn's model): the
+port can be 0, and the kernel hands each connection to whichever server accepts first. They die
+with the router (PR_SET_PDEATHSIG), and the router restarts one that dies; the connections it held
+are lost with it, and the router cancels their requests when it can no longer reach it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import defaultdict, deque
+from typing import Callable
+
+import zmq
+import zmq.asyncio
+
+from common import protocol as P
+from common.channel import Channel
+from common.sampling_params import SamplingParams
+from router.launcher import die_with_parent
+from router.openai_api import ApiError
+from router.prompts import Prompts
+
+log = logging.getLogger("pdserve.api_server")
+ASK_TIMEOUT_S = 5.0  # for the router's status or metrics
+RESTART_DELAY_S = 1.0
+
+
+class RouterLink:
+    """HttpFront's backend in an API server: the router over ZeroMQ, as router/http.py's
+    LocalBackend is the router in-process."""
+
+    def __init__(self, address: str, model: str, max_queue: int):
+        self.prompts = Prompts(model)
+        self.max_queue = max_queue
+        self.ctx = zmq.asyncio.Context()
+        self.chan = Channel.connect(self.ctx, zmq.DEALER, address)
+        self._routes: dict[str, Callable[[object], None]] = {}  # request id -> its reply_to, until Done or Error
+        self._asked: dict[type, deque[asyncio.Future]] = defaultdict(deque)  # reply type -> who waits for one
+        self._reader: asyncio.Task | None = None
+
+    def start(self):
+        self._reader = asyncio.ensure_future(self._read())
+
+    async def close(self):
+        if self._reader is not None:
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+        self.chan.close()
+        self.ctx.term()
+
+    def submit(self, request_id: str, ids: list[int], params: SamplingParams, stream: bool,
+               reply_to: Callable[[object], None]) -> bool:
+        self._routes[request_id] = reply_to
+        self.chan.post(P.Generate(request_id, ids, params.to_dict(), stream, token_batches=True))
+        return True  # a refusal comes back as its Error
+
+    def cancel(self, request_id: str):
+        if self._routes.pop(request_id, None) is not None:
+            self.chan.post(P.Cancel(request_id))
+
+    def rejected(self, code: str):
+        self.chan.post(P.Rejected(code))
+
+    async def live_roles(self) -> list[str]:
+        reply = await self._ask(P.StatusRequest(), P.StatusReply)
+        return [w.get("role") for w in reply.workers if w.get("alive")]
+
+    async def metrics(self) -> bytes:
+        return (await self._ask(P.MetricsRequest(), P.MetricsReply)).text
+
+    async def _ask(self, msg, reply_type: type):
+        future = asyncio.get_running_loop().create_future()
+        waiting = self._asked[reply_type]
+        waiting.append(future)
+        self.chan.post(msg)
+        try:
+            return await asyncio.wait_for(future, ASK_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise ApiError("UNAVAILABLE", f"the router did not answer a {type(msg).__name__} "
+                                          f"within {ASK_TIMEOUT_S:.0f}s") from None
+        finally:
+            if future in waiting:
+                waiting.remove(future)
+
+    async def _read(self):
+        while True:
+            env = await self.chan.arecv()
+            if env.error is not None:
+                log.warning("undecodable reply from the router: %s", env.error)
+                continue
+            items = P.unbatch_tokens(env.msg) if isinstance(env.msg, P.TokenBatch) else [env.msg]
+            for msg in items:
+                try:
+                    self._deliver(msg)
+                except Exception:
+                    log.exception("could not deliver %s", type(msg).__name__)
+
+    def _deliver(self, msg):
+        if isinstance(msg, P.ProtocolError):
+            log.warning("undecodable item of a TokenBatch: %s", msg)
+            return
+        waiting = self._asked.get(type(msg))
+        if waiting is not None:
+            while waiting:
+                future = waiting.popleft()
+                if not future.done():
+                    future.set_result(msg)
+                    break
+            return
+        rid = getattr(msg, "request_id", None)
+        final = isinstance(msg, (P.Done, P.Error))
+        reply_to = self._routes.pop(rid, None) if final else self._routes.get(rid)
+        if reply_to is not None:
+            reply_to(msg)
+        elif isinstance(msg, P.Error) and rid is None:
+            log.warning("the router answered %s: %s", msg.code, msg.message)
+
+
+async def serve(args):
+    from router.http import HttpFront
+
+    link = RouterLink(args.router, args.model, args.max_queue)
+    sock = socket.socket(fileno=args.fd)
+    host, port = sock.getsockname()[:2]
+    front = HttpFront(link, host, port, os.environ.get("PDSERVE_API_KEY") or None, args.max_body_bytes, sock=sock)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    link.start()
+    await front.start()
+    log.info("API server %d ready: HTTP at %s, router at %s", args.index, front.url, args.router)
+    try:
+        await stop.wait()
+    finally:
+        await front.close()
+        await link.close()
+
+
+def main(argv=None):
+    """The entry point of one API server process; the router starts them (ApiServers)."""
+    import uvloop
+
+    parser = argparse.ArgumentParser(prog="python -m router.api_server")
+    parser.add_argument("--router", required=True, help="the router's client address")
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--fd", type=int, required=True, help="the listening socket, inherited")
+    parser.add_argument("--max-queue", type=int, required=True)
+    parser.add_argument("--max-body-bytes", type=int, required=True)
+    parser.add_argument("--index", type=int, default=0)
+    parser.add_argument("--parent", type=int, default=None, help="exit if this process is no longer the parent")
+    args = parser.parse_args(argv)
+    if args.parent is not None and os.getppid() != args.parent:
+        return  # the router died before this process could ask to die with it
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s api_server[{args.index}] %(message)s")
+    uvloop.run(serve(args))
+
+
+class ApiServers:
+    """The router's API server processes: started on one listening socket, restarted when one dies,
+    stopped with the router."""
+
+    def __init__(self, count: int, router_address: str, model: str, host: str, port: int, max_queue: int,
+                 max_body_bytes: int, api_key: str | None):
+        self.sock = socket.create_server((host, port), backlog=4096)
+        self.sock.set_inheritable(True)
+        self.host, self.port = host, self.sock.getsockname()[1]
+        self.env = dict(os.environ, **({"PDSERVE_API_KEY": api_key} if api_key else {}))  # not in argv: ps shows it
+        self.argv = [sys.executable, "-m", "router.api_server", "--router", router_address, "--model", model,
+                     "--fd", str(self.sock.fileno()), "--max-queue", str(max_queue),
+                     "--max-body-bytes", str(max_body_bytes), "--parent", str(os.getpid())]
+        self.procs: list[subprocess.Popen | None] = [None] * count
+        self.restarts = 0
+        self._watch: asyncio.Task | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def _spawn(self, i: int):
+        self.procs[i] = subprocess.Popen(self.argv + ["--index", str(i)], pass_fds=(self.sock.fileno(),),
+                                         stdin=subprocess.DEVNULL, env=self.env, preexec_fn=die_with_parent)
+
+    def start(self):
+        for i in range(len(self.procs)):
+            self._spawn(i)
+        self._watch = asyncio.ensure_future(self._supervise())
+
+    async def _supervise(self):
+        while True:
+            await asyncio.sleep(RESTART_DELAY_S)
+            for i, proc in enumerate(self.procs):
+                if proc is not None and proc.poll() is not None:
+                    log.warning("API server %d (pid %d) exited with %s; restarting it", i, proc.pid, proc.returncode)
+                    self.restarts += 1
+                    self._spawn(i)
+
+    async def close(self, grace_s: float = 5.0):
+        if self._watch is not None:
+            self._watch.cancel()
+            await asyncio.gather(self._watch, return_exceptions=True)
+        live = [p for p in self.procs if p is not None and p.poll() is None]
+        for p in live:
+            p.terminate()
+        deadline = time.monotonic() + grace_s
+        while any(p.poll() is None for p in live) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for p in live:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        self.sock.close()
+
+
+if __name__ == "__main__":
+    main()

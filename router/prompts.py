@@ -1,0 +1,52 @@
+"""A request's prompt checked and tokenized, without torch: the router does it for ZeroMQ clients
+and its in-process HTTP front, and each API server process (router/api_server.py) for its own
+HTTP requests, so both say the same thing about the same bad prompt."""
+
+from __future__ import annotations
+
+from common.errors import InvalidArgument
+from common.model_spec import load_tokenizer, model_config
+from common.sampling_params import SamplingParams
+
+
+class Prompts:
+    def __init__(self, model: str):
+        self.model = model
+        self.tokenizer = load_tokenizer(model)
+        self.model_config = model_config(model)
+
+    def validate(self, prompt: str | list[int], messages: list[dict] | None,
+                 sampling: dict | SamplingParams) -> tuple[list[int], SamplingParams]:
+        """A request's prompt ids and sampling, or InvalidArgument naming what is wrong."""
+        params = sampling if isinstance(sampling, SamplingParams) else SamplingParams.from_dict(sampling)
+        if messages is not None or isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidArgument(f"model {self.model!r} has no tokenizer; send token ids", param="prompt")
+            if messages is None:
+                ids = self.tokenizer.encode(prompt)
+            elif prompt:
+                raise InvalidArgument("a request with messages must have an empty prompt; send one or the other",
+                                      param="prompt")
+            else:
+                try:
+                    ids = self.tokenizer.encode_chat(messages)
+                except InvalidArgument as e:
+                    e.param = e.param or "messages"
+                    raise
+        else:
+            ids = prompt
+            V = self.model_config.vocab_size
+            bad = [t for t in ids if not 0 <= t < V]
+            if bad:
+                raise InvalidArgument(f"prompt token ids {bad[:5]} are invalid; allowed: integers in [0, {V})",
+                                      param="prompt")
+        limit = self.model_config.max_position_embeddings
+        if not ids:
+            raise InvalidArgument("prompt is empty; allowed: at least one token", param="prompt")
+        if len(ids) >= limit:
+            raise InvalidArgument(f"prompt has {len(ids)} tokens; allowed: at most {limit - 1} "
+                                  f"(the model's context is {limit})", param="prompt")
+        return ids, params
+
+    def text(self, ids: list[int]) -> str | None:
+        return self.tokenizer.decode(ids) if self.tokenizer is not None else None
