@@ -121,13 +121,15 @@ def bench_handoff(model, tokens, requests, transport, seed, worker_args, devices
 @click.option("--frontend", default="zmq", show_default=True,
               help="the clients' way in: zmq (the SDK: tokens batched per client and step), zmq-per-token (a "
                    "ZeroMQ client that takes a message per token), or http (OpenAI's streaming API)")
+@click.option("--api-servers", default=1, show_default=True, type=int,
+              help="with --frontend http: 1 serves HTTP in the router process, N > 1 from N API server processes")
 @click.option("--seed", default=0, show_default=True, type=int)
-def bench_router(model, concurrencies, workers, step_ms, seconds, prompt_len, max_tokens, frontend, seed):
+def bench_router(model, concurrencies, workers, step_ms, seconds, prompt_len, max_tokens, frontend, api_servers, seed):
     """Tokens/s one router carries and its CPU per token, fed by synthetic workers at GPU step rates."""
     from bench.router_capacity import run_router_bench
 
     run_router_bench(model, parse_ints(concurrencies, "--concurrency", "request counts"), workers, step_ms, seconds,
-                     prompt_len, max_tokens, seed, frontend)
+                     prompt_len, max_tokens, seed, frontend, api_servers)
 
 
 @bench.command("transfer")

@@ -24,6 +24,11 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _TICK
 
 
+def children(pid: int) -> list[int]:
+    """The pids of a process's children (a router's API servers), from /proc."""
+    return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
 def busy_seconds() -> float:
     """CPU seconds every core of the machine has spent busy since boot (all processes)."""
     values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]

@@ -18,7 +18,9 @@ generator share the cores with the router, so delivery saturates before the rout
 per token is measured all the same.
 
 --frontend picks the clients' way in: the SDK (its streams' tokens come a TokenBatch per worker
-step), a ZeroMQ client that asks for a message per token, or OpenAI's streaming HTTP API.
+step), a ZeroMQ client that asks for a message per token, or OpenAI's streaming HTTP API, served
+in the router process or, with --api-servers N > 1, by N API server processes beside it
+(router/api_server.py), whose CPU is then shown apart from the router's.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from pathlib import Path
 
 import zmq
 
-from bench.hostload import CpuWatch
+from bench.hostload import CpuWatch, children
 from bench.report import pct, print_json, print_table
 from common import protocol as P
 from common.channel import Channel
@@ -221,13 +223,15 @@ FRONTENDS = ("zmq", "zmq-per-token", "http")  # the SDK; a raw client that takes
 
 def run_router_bench(model: str = "dummy:nanogpt", concurrencies: list[int] = (16, 64, 256), workers: int = 2,
                      step_ms: float = 1.0, seconds: float = 3.0, prompt_len: int = 16, max_tokens: int = 256,
-                     seed: int = 0, frontend: str = "zmq") -> dict:
+                     seed: int = 0, frontend: str = "zmq", api_servers: int = 1) -> dict:
     for name, value, ok, allowed in (
             ("workers", workers, workers >= 1, ">= 1"), ("step_ms", step_ms, step_ms > 0, "> 0"),
             ("seconds", seconds, seconds > 0, "> 0"), ("prompt_len", prompt_len, prompt_len >= 1, ">= 1"),
             ("max_tokens", max_tokens, max_tokens >= 2, ">= 2"),
             ("concurrencies", list(concurrencies), bool(concurrencies) and min(concurrencies) >= 1, "integers >= 1"),
-            ("frontend", frontend, frontend in FRONTENDS, ", ".join(FRONTENDS))):
+            ("frontend", frontend, frontend in FRONTENDS, ", ".join(FRONTENDS)),
+            ("api_servers", api_servers, api_servers == 1 or (api_servers > 1 and frontend == "http"),
+             "1, or more with frontend=http")):
         if not ok:
             raise InvalidArgument(f"{name}={value!r}; allowed: {allowed}")
     cfg = model_config(model)
@@ -238,7 +242,7 @@ def run_router_bench(model: str = "dummy:nanogpt", concurrencies: list[int] = (1
         # A Cluster with no worker of its own kind: its router and start-up check, our synthetic workers.
         cluster = Cluster(model, 0, 0, workers, ["cpu"], "127.0.0.1", 0, 0, Path(logs), "least_loaded", [],
                           threads=1, restart=False, router_args=["--max-queue", str(max(concurrencies) + 64)],
-                          http_port=0 if frontend == "http" else None)
+                          http_port=0 if frontend == "http" else None, api_server_count=api_servers)
         cluster.workers = [Child(f"synth-{i}", [sys.executable, "-m", "bench.synthetic_worker", "--router",
                                                 f"tcp://127.0.0.1:{cluster.worker_port}", "--worker-id", f"synth-{i}",
                                                 "--model", model, "--step-ms", str(step_ms)],
@@ -249,7 +253,8 @@ def run_router_bench(model: str = "dummy:nanogpt", concurrencies: list[int] = (1
             gen = (HttpLoadGenerator(cluster.http_url, model, cfg.vocab_size, prompt_len, max_tokens, seed)
                    if frontend == "http" else LoadGenerator(cluster.address, cfg.vocab_size, prompt_len, max_tokens,
                                                             seed, token_batches=frontend == "zmq"))
-            groups = {"router": [cluster.router.proc.pid], "workers": [w.proc.pid for w in cluster.workers]}
+            groups = {"router": [cluster.router.proc.pid], "workers": [w.proc.pid for w in cluster.workers],
+                      "api_servers": children(cluster.router.proc.pid)}
             rows, points = [], []
             for c in concurrencies:
                 print(f"concurrency {c}: warming up, then {seconds:.0f} s measured", file=sys.stderr, flush=True)
@@ -264,13 +269,15 @@ def run_router_bench(model: str = "dummy:nanogpt", concurrencies: list[int] = (1
                          "tokens_per_message": round(tokens / max(messages, 1), 2),
                          "itl_p50_ms": round(pct(gaps, 50) * 1e3, 3), "itl_p99_ms": round(pct(gaps, 99) * 1e3, 3),
                          **{f"{k}_cores": round(v, 3) for k, v in cores.items()},
-                         "router_us_per_token": round(cores["router"] * wall / max(tokens, 1) * 1e6, 2)}
+                         "router_us_per_token": round(cores["router"] * wall / max(tokens, 1) * 1e6, 2),
+                         "api_servers_us_per_token": round(cores["api_servers"] * wall / max(tokens, 1) * 1e6, 2)}
                 points.append(point)
                 rows.append([c, point["offered_tok_s"], point["delivered_tok_s"],
                              f"{tokens / wall / offered:.2f}", point["tokens_per_message"], point["itl_p50_ms"],
                              point["itl_p99_ms"],
-                             point["router_cores"], point["router_us_per_token"], point["workers_cores"],
-                             point["client_cores"], point["others_cores"]])
+                             point["router_cores"], point["router_us_per_token"], point["api_servers_cores"],
+                             point["api_servers_us_per_token"], point["workers_cores"], point["client_cores"],
+                             point["others_cores"]])
             gen.drain(30.0)
         finally:
             if gen is not None:
@@ -278,16 +285,18 @@ def run_router_bench(model: str = "dummy:nanogpt", concurrencies: list[int] = (1
             cluster.stop()
     busiest = max(points, key=lambda p: p["delivered_tok_s"])  # the most loaded level
     per_token = busiest["router_us_per_token"]
-    result = {"bench": "router", "model": model, "frontend": frontend, "workers": workers, "step_ms": step_ms,
+    result = {"bench": "router", "model": model, "frontend": frontend, "api_servers": api_servers,
+              "workers": workers, "step_ms": step_ms,
               "seconds": seconds, "prompt_len": prompt_len, "max_tokens": max_tokens, "points": points,
               "requests_done": gen.done, "errors": len(gen.errors), "router_us_per_token": per_token,
               "router_tok_s_per_core": round(1e6 / per_token) if per_token else None}
     print_table(f"pdserve bench router: {workers} synthetic workers stepping every {step_ms} ms, streaming "
-                f"requests of {prompt_len} + {max_tokens} tokens over {frontend}, {seconds:.0f} s per level "
+                f"requests of {prompt_len} + {max_tokens} tokens over {frontend}"
+                f"{f' from {api_servers} API servers' if api_servers > 1 else ''}, {seconds:.0f} s per level "
                 "(ITL: at the client)",
                 ["concurrency", "offered tok/s", "delivered tok/s", "delivered/offered", "tokens/message",
-                 "ITL p50 ms", "ITL p99 ms", "router cores", "router us/token", "workers cores", "client cores",
-                 "others cores"], rows)
+                 "ITL p50 ms", "ITL p99 ms", "router cores", "router us/token", "API servers cores",
+                 "API servers us/token", "workers cores", "client cores", "others cores"], rows)
     for e in gen.errors[:10]:
         print(f"error: {e}")
     print(f"one router core carries about {result['router_tok_s_per_core']:,} tokens/s "

@@ -91,6 +91,9 @@ class Request:
 
 class Router:
     def __init__(self, cfg: RouterConfig):
+        if cfg.api_server_count < 1 or (cfg.api_server_count > 1 and cfg.http_port is None):
+            raise InvalidArgument(f"api_server_count={cfg.api_server_count} is invalid; allowed: 1 (HTTP in the "
+                                  f"router process) or more (that many API server processes) with an http_port")
         self.cfg = cfg
         self.prompts = Prompts(cfg.model)
         self.tokenizer, self.model_config = self.prompts.tokenizer, self.prompts.model_config
@@ -110,9 +113,6 @@ class Router:
         # While a worker's token batch is handled: each client's Tokens, held to go as one TokenBatch
         self._held: dict[bytes, list[P.Token]] | None = None
         self.http = self.api_servers = None
-        if cfg.api_server_count < 1:
-            raise InvalidArgument(f"api_server_count={cfg.api_server_count} is invalid; allowed: 1 (HTTP in the "
-                                  f"router process) or more (that many API server processes)")
         if cfg.http_port is not None and cfg.api_server_count > 1:
             from router.api_server import ApiServers
 

@@ -10,6 +10,7 @@ import time
 import zmq
 import zmq.asyncio
 
+from bench.hostload import children
 from common import protocol as P
 from common.channel import Channel
 from common.model_spec import model_config
@@ -37,8 +38,7 @@ def cluster(tmp_path, model="dummy:nanogpt", prefill=1, decode=1, mono=0, worker
 
 def router_children(c: Cluster) -> list[int]:
     """The pids of the router's child processes (its API servers)."""
-    pid = c.router.proc.pid
-    return [int(p) for p in open(f"/proc/{pid}/task/{pid}/children").read().split()]
+    return children(c.router.proc.pid)
 
 
 @contextlib.asynccontextmanager

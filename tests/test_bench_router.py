@@ -54,16 +54,22 @@ def test_bad_settings_are_named_before_anything_starts(kwargs, named):
         run_router_bench(**kwargs)
 
 
-def test_the_http_frontend_streams_every_request_whole_through_the_openai_api():
+@pytest.mark.parametrize("api_servers", [1, 2])
+def test_the_http_frontend_streams_every_request_whole_through_the_openai_api(api_servers):
     r = subprocess.run([sys.executable, "-m", "common.cli", "bench", "router", "--frontend", "http",
-                        "--concurrency", "8", "--seconds", "1", "--max-tokens", "16", "--workers", "1"],
-                       capture_output=True, text=True, timeout=120)
+                        "--concurrency", "8", "--seconds", "1", "--max-tokens", "16", "--workers", "1",
+                        "--api-servers", str(api_servers)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads(r.stdout.strip().splitlines()[-1])
     assert result["frontend"] == "http" and result["errors"] == 0, r.stdout
-    assert result["requests_done"] >= 8 and result["points"][0]["delivered_tok_s"] > 0
+    (point,) = result["points"]
+    assert result["requests_done"] >= 8 and point["delivered_tok_s"] > 0
+    # HTTP's own work is where it is served: in the router, or in the API servers beside it
+    assert (point["api_servers_cores"] > 0) == (api_servers > 1), point
 
 
 def test_an_unknown_frontend_is_named_with_the_ones_allowed():
     with pytest.raises(InvalidArgument, match=r"frontend='grpc'; allowed: zmq, zmq-per-token, http"):
         run_router_bench(frontend="grpc")
+    with pytest.raises(InvalidArgument, match=r"api_servers=2; allowed: 1, or more with frontend=http"):
+        run_router_bench(frontend="zmq", api_servers=2)

@@ -1,0 +1,152 @@
+"""API server processes (--api-server-count) and clients that go away: a dead API server is
+restarted and the requests it held are cancelled on the workers, a dead router takes its API
+servers with it, and any ZeroMQ client the router can no longer reach has its requests cancelled
+rather than decoded to their end for nobody. (test_http runs the whole HTTP API both in the router
+and from API servers.)"""
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+from click.testing import CliRunner
+
+from common import protocol as P
+from common.cli import main
+from router.client import Client
+from tests.cluster import cluster, router_children, scripted_worker, serving_router, wait_blocks_free
+
+pytestmark = pytest.mark.timeout(300)
+MODEL = "dummy:nanogpt"
+
+
+def test_a_client_the_router_cannot_reach_has_its_requests_cancelled():
+    async def scenario():
+        async with serving_router() as (router, connect):
+            worker = await scripted_worker(router, connect, "mono-0")
+            gone, stays = connect(router.frontend.address), connect(router.frontend.address)
+            sampling = {"max_tokens": 1000, "temperature": 0, "ignore_eos": True}
+            for chan, rid in ((gone, "a"), (gone, "b"), (stays, "c")):
+                await chan.send(P.Generate(rid, [7, 8], sampling, True, token_batches=True))
+            work = {}
+            while len(work) < 3:
+                msg = (await asyncio.wait_for(worker.arecv(), 10)).msg
+                work[msg.request_id] = msg
+            names = {rid: router.requests[rid].client_request_id for rid in work}
+            gone.close()
+            cancelled, step = set(), 0
+            deadline = time.monotonic() + 10
+            while len(cancelled) < 2:  # a step's tokens every 20 ms until the router gives up on "gone"
+                assert time.monotonic() < deadline, f"cancelled only {cancelled}"
+                await worker.send(P.batch_tokens([P.WorkerTokens(w.request_id, w.attempt, step, [5], None)
+                                                  for rid, w in work.items() if names[rid] not in cancelled]))
+                step += 1
+                try:
+                    msg = (await asyncio.wait_for(worker.arecv(), 0.02)).msg
+                except asyncio.TimeoutError:
+                    continue
+                if isinstance(msg, P.CancelWork):
+                    cancelled.add(names[msg.request_id])
+            left = [r.client_request_id for r in router.requests.values()]
+            got = []
+            while len(got) < step:  # "c" was served all along
+                reply = (await asyncio.wait_for(stays.arecv(), 10)).msg
+                got += P.unbatch_tokens(reply) if isinstance(reply, P.TokenBatch) else [reply]
+            return cancelled, left, got
+
+    cancelled, left, got = asyncio.run(scenario())
+    assert cancelled == {"a", "b"} and left == ["c"]
+    assert [t.index for t in got] == list(range(len(got))) and all(t.request_id == "c" for t in got)
+
+
+def connections(pid: int, port: int) -> int:
+    """Established TCP connections that process pid has accepted on port (from /proc)."""
+    inodes = {os.readlink(f"/proc/{pid}/fd/{fd}")[8:-1] for fd in os.listdir(f"/proc/{pid}/fd")
+              if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:[")}
+    count = 0
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        local_port, state, inode = int(fields[1].split(":")[1], 16), fields[3], fields[9]
+        count += local_port == port and state == "01" and inode in inodes
+    return count
+
+
+def test_a_dead_api_server_is_restarted_and_its_requests_cancelled_while_the_other_serves_on(tmp_path):
+    with cluster(tmp_path, http=True, api_servers=2, router_args=["--max-queue", "64"]) as c:
+        port = int(c.http_url.rsplit(":", 1)[1])
+        body = dict(model=MODEL, prompt="x" * 20, max_tokens=300, stream=True, ignore_eos=True, temperature=0)
+
+        async def scenario():
+            sessions = [aiohttp.ClientSession() for _ in range(8)]  # a connection each
+            try:
+                streams = [await s.post(c.http_url + "/v1/completions", json=body) for s in sessions]
+                for r in streams:
+                    assert r.status == 200 and (await r.content.readline()).startswith(b"data: ")
+                servers = router_children(c)
+                held = {pid: connections(pid, port) for pid in servers}
+                assert sum(held.values()) == 8, held
+                victim = max(held, key=held.get)
+                os.kill(victim, signal.SIGKILL)
+                finished = 0
+                for r in streams:  # the victim's streams break; the others run to their end
+                    try:
+                        events = [line async for line in r.content if line.startswith(b"data: ")]
+                        finished += events[-1] == b"data: [DONE]\n"
+                    except aiohttp.ClientError:
+                        pass
+                assert finished == 8 - held[victim], (finished, held)
+                return victim, held[victim]
+            finally:
+                for s in sessions:
+                    await s.close()
+
+        victim, lost = asyncio.run(scenario())
+        with Client(c.address, timeout=30) as sdk:
+            workers = wait_blocks_free(sdk)
+            assert all(w["free_blocks"] == w["total_blocks"] for w in workers), workers
+            assert sdk.status().in_flight == 0
+        deadline = time.monotonic() + 20
+        while len(servers := router_children(c)) < 2 or victim in servers:
+            assert time.monotonic() < deadline, f"API server {victim} was not restarted: {servers}"
+            time.sleep(0.2)
+
+        async def after():  # both API servers serve again (the restarted one may take a moment to accept)
+            async with aiohttp.ClientSession() as s:
+                for _ in range(4):
+                    async with s.post(c.http_url + "/v1/completions", json=body | {"stream": False, "max_tokens": 4},
+                                      headers={"Connection": "close"}) as r:
+                        assert r.status == 200 and (await r.json())["usage"]["completion_tokens"] == 4
+
+        asyncio.run(after())
+        log = c.router.log_path.read_text()
+        assert re.search(rf"API server \d \(pid {victim}\) exited with -9; restarting it", log), log[-3000:]
+        if lost:
+            assert f"cancelled its {lost} requests" in log, log[-3000:]
+
+
+def test_a_killed_router_takes_its_api_servers_along(tmp_path):
+    with cluster(tmp_path, prefill=0, decode=0, mono=1, http=True, api_servers=2) as c:
+        servers = router_children(c)
+        assert len(servers) == 2
+        c.router.proc.kill()
+        c.router.proc.wait(10)
+        deadline = time.monotonic() + 10
+        while alive := [pid for pid in servers if Path(f"/proc/{pid}").exists()
+                        and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"]:
+            assert time.monotonic() < deadline, f"API servers {alive} outlived their router"
+            time.sleep(0.1)
+
+
+def test_api_server_count_must_be_positive_and_serve_a_port():
+    result = CliRunner().invoke(main, ["router", "--http-port", "0", "--api-server-count", "0"])
+    assert result.exit_code == 2 and "--api-server-count" in result.output and "0" in result.output
+    r = subprocess.run([sys.executable, "-m", "common.cli", "router", "--port", "0", "--worker-port", "0",
+                        "--api-server-count", "2"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "api_server_count=2 is invalid" in r.stderr and "http_port" in r.stderr, r.stderr
