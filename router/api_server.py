@@ -17,8 +17,10 @@ workers' health (StatusRequest).
 
 The router binds the listening socket once and its API servers inherit it (gunicorn's model): the
 port can be 0, and the kernel hands each connection to whichever server accepts first. They die
-with the router (PR_SET_PDEATHSIG), and the router restarts one that dies; the connections it held
-are lost with it, and the router cancels their requests when it can no longer reach it.
+with the router (PR_SET_PDEATHSIG), and the router restarts one that dies (after 1 s, doubling to
+8 s while it keeps dying); the connections it held are lost with it, and the router cancels their
+requests when it can no longer reach it. When the router stops, each API server ends its requests
+with UNAVAILABLE before it goes.
 """
 
 from __future__ import annotations
@@ -41,13 +43,16 @@ import zmq.asyncio
 from common import protocol as P
 from common.channel import Channel
 from common.sampling_params import SamplingParams
+from router.client import LOST
 from router.launcher import die_with_parent
 from router.openai_api import ApiError
 from router.prompts import Prompts
 
 log = logging.getLogger("pdserve.api_server")
 ASK_TIMEOUT_S = 5.0  # for the router's status or metrics
-RESTART_DELAY_S = 1.0
+TRUSTED_REPLY_BYTES = 2**30
+RESTART_DELAYS_S = (1.0, 8.0)  # after an API server dies: the first wait, doubling to the last while it keeps dying
+STABLE_S = 30.0  # an API server up this long starts its next restart at the first delay again
 
 
 class RouterLink:
@@ -58,20 +63,42 @@ class RouterLink:
         self.prompts = Prompts(model)
         self.max_queue = max_queue
         self.ctx = zmq.asyncio.Context()
-        self.chan = Channel.connect(self.ctx, zmq.DEALER, address)
+        # Its own router's replies are trusted, and as large as in-process replies may be (a Done
+        # with every logprob): no cap but a sanity one.
+        self.chan = Channel.connect(self.ctx, zmq.DEALER, address, max_frame_bytes=-1,
+                                    max_header_bytes=TRUSTED_REPLY_BYTES)
         self._routes: dict[str, Callable[[object], None]] = {}  # request id -> its reply_to, until Done or Error
         self._asked: dict[type, deque[asyncio.Future]] = defaultdict(deque)  # reply type -> who waits for one
-        self._reader: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
 
     def start(self):
-        self._reader = asyncio.ensure_future(self._read())
+        self._tasks = [asyncio.ensure_future(self._read()), asyncio.ensure_future(self._watch())]
 
     async def close(self):
-        if self._reader is not None:
-            self._reader.cancel()
-            await asyncio.gather(self._reader, return_exceptions=True)
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         self.chan.close()
         self.ctx.term()
+
+    def fail_all(self, message: str):
+        """Every request in flight ends with UNAVAILABLE."""
+        routes, self._routes = self._routes, {}
+        for rid, reply_to in routes.items():
+            reply_to(P.Error(rid, "UNAVAILABLE", message))
+
+    async def _watch(self):
+        """The connection to the router dropping loses every reply in flight (the router cancels
+        the requests of a client it cannot reach): their HTTP requests fail now, not never."""
+        monitor = self.chan.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
+            while True:
+                await monitor.recv_multipart()
+                log.warning("lost the connection to the router; failing %d requests", len(self._routes))
+                self.fail_all(LOST)
+        finally:
+            self.chan.sock.disable_monitor()
+            monitor.close(linger=0)
 
     def submit(self, request_id: str, ids: list[int], params: SamplingParams, stream: bool,
                reply_to: Callable[[object], None]) -> bool:
@@ -158,7 +185,7 @@ async def serve(args):
     try:
         await stop.wait()
     finally:
-        await front.close()
+        await front.close()  # its requests end with UNAVAILABLE, and their Cancels go to the router
         await link.close()
 
 
@@ -175,8 +202,10 @@ def main(argv=None):
     parser.add_argument("--index", type=int, default=0)
     parser.add_argument("--parent", type=int, default=None, help="exit if this process is no longer the parent")
     args = parser.parse_args(argv)
+    die_with_parent()  # here, not in a preexec_fn: the router forks from a threaded process (libzmq's)
     if args.parent is not None and os.getppid() != args.parent:
         return  # the router died before this process could ask to die with it
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the router too, which stops us in order
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s api_server[{args.index}] %(message)s")
     uvloop.run(serve(args))
 
@@ -190,11 +219,15 @@ class ApiServers:
         self.sock = socket.create_server((host, port), backlog=4096)
         self.sock.set_inheritable(True)
         self.host, self.port = host, self.sock.getsockname()[1]
-        self.env = dict(os.environ, **({"PDSERVE_API_KEY": api_key} if api_key else {}))  # not in argv: ps shows it
+        self.env = {k: v for k, v in os.environ.items() if k != "PDSERVE_API_KEY"}  # the router's key, not one inherited
+        if api_key:
+            self.env["PDSERVE_API_KEY"] = api_key  # not in argv: ps shows it
         self.argv = [sys.executable, "-m", "router.api_server", "--router", router_address, "--model", model,
                      "--fd", str(self.sock.fileno()), "--max-queue", str(max_queue),
                      "--max-body-bytes", str(max_body_bytes), "--parent", str(os.getpid())]
         self.procs: list[subprocess.Popen | None] = [None] * count
+        self.started = [0.0] * count
+        self.delays = [RESTART_DELAYS_S[0]] * count
         self.restarts = 0
         self._watch: asyncio.Task | None = None
 
@@ -203,8 +236,9 @@ class ApiServers:
         return f"http://{self.host}:{self.port}"
 
     def _spawn(self, i: int):
+        self.started[i] = time.monotonic()
         self.procs[i] = subprocess.Popen(self.argv + ["--index", str(i)], pass_fds=(self.sock.fileno(),),
-                                         stdin=subprocess.DEVNULL, env=self.env, preexec_fn=die_with_parent)
+                                         stdin=subprocess.DEVNULL, env=self.env)
 
     def start(self):
         for i in range(len(self.procs)):
@@ -213,12 +247,30 @@ class ApiServers:
 
     async def _supervise(self):
         while True:
-            await asyncio.sleep(RESTART_DELAY_S)
+            await asyncio.sleep(0.2)
             for i, proc in enumerate(self.procs):
-                if proc is not None and proc.poll() is not None:
-                    log.warning("API server %d (pid %d) exited with %s; restarting it", i, proc.pid, proc.returncode)
-                    self.restarts += 1
-                    self._spawn(i)
+                if proc is None or proc.poll() is None:
+                    continue
+                if time.monotonic() - self.started[i] > STABLE_S:
+                    self.delays[i] = RESTART_DELAYS_S[0]
+                delay = self.delays[i]
+                log.warning("API server %d (pid %d) exited with %s; restarting it in %.0fs", i, proc.pid,
+                            proc.returncode, delay)
+                self.procs[i] = None
+                self.delays[i] = min(2 * delay, RESTART_DELAYS_S[1])
+                asyncio.get_running_loop().call_later(delay, self._restart, i)
+
+    def _restart(self, i: int):
+        if self._watch is None or self._watch.done():
+            return  # stopping
+        try:
+            self._spawn(i)
+        except OSError as e:
+            delay, self.delays[i] = self.delays[i], min(2 * self.delays[i], RESTART_DELAYS_S[1])
+            log.error("could not restart API server %d: %s; trying again in %.0fs", i, e, delay)
+            asyncio.get_running_loop().call_later(delay, self._restart, i)
+            return
+        self.restarts += 1
 
     async def close(self, grace_s: float = 5.0):
         if self._watch is not None:

@@ -54,6 +54,7 @@ log = logging.getLogger("pdserve.http")
 HTTP_CLIENT = "http"  # the Router.submit client of every HTTP request (their request ids are unique)
 ROUTES = "GET /health, GET /metrics, GET /v1/models, POST /v1/completions, POST /v1/chat/completions"
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+SHUTDOWN_GRACE_S = 2.0  # for handlers to answer their requests' UNAVAILABLE when the server stops
 
 
 class LocalBackend:
@@ -101,13 +102,15 @@ class HttpFront:
         self.app.router.add_post("/v1/completions", self.completions)
         self.app.router.add_post("/v1/chat/completions", self.chat_completions)
         self.runner: web.AppRunner | None = None
+        self._inflight: set[asyncio.Queue] = set()  # each HTTP request's reply queue
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
     async def start(self):
-        self.runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        self.runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
+                                    shutdown_timeout=SHUTDOWN_GRACE_S)
         await self.runner.setup()
         if self.sock is not None:
             site = web.SockSite(self.runner, self.sock)
@@ -117,6 +120,10 @@ class HttpFront:
         self.port = self.runner.addresses[0][1]  # the real one, if port 0 asked for any
 
     async def close(self):
+        """Every request in flight ends with UNAVAILABLE (an error response, or a stream's error
+        event), not a cut connection; handlers get SHUTDOWN_GRACE_S to write it."""
+        for queue in self._inflight:
+            queue.put_nowait((0, P.Error(None, "UNAVAILABLE", "the server is stopping")))
         if self.runner is not None:
             await self.runner.cleanup()
 
@@ -202,6 +209,7 @@ class HttpFront:
             choices.append(Choice(i, job, prompts.tokenizer, ids, prompt_text))
         queue: asyncio.Queue = asyncio.Queue()
         base = uuid.uuid4().hex
+        self._inflight.add(queue)
         try:
             for c in choices:
                 reply_to = lambda msg, i=c.index: queue.put_nowait((i, msg))
@@ -215,6 +223,7 @@ class HttpFront:
                 return await self._stream(request, job, choices, queue, first)
             return await self._collect(job, choices, queue, first)
         finally:  # done, failed, or the client went away: nothing of it goes on
+            self._inflight.discard(queue)
             for c in choices:
                 backend.cancel(f"{base}-{c.index}")
 

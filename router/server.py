@@ -112,6 +112,7 @@ class Router:
         self.metrics = RouterMetrics(self)
         # While a worker's token batch is handled: each client's Tokens, held to go as one TokenBatch
         self._held: dict[bytes, list[P.Token]] | None = None
+        self._gone: set[bytes] = set()  # clients found unreachable, their requests about to be cancelled
         self.http = self.api_servers = None
         if cfg.http_port is not None and cfg.api_server_count > 1:
             from router.api_server import ApiServers
@@ -136,7 +137,15 @@ class Router:
 
     def _client_gone(self, client: bytes):
         """A ZeroMQ client that can no longer be reached (its socket closed, its process died: an
-        SDK client, an API server) has its requests cancelled: nobody would read their tokens."""
+        SDK client, an API server) has its requests cancelled, since nobody would read their
+        tokens: on the loop's next turn, outside the handler that found it gone (a done() replying,
+        a worker's batch); until then what is sent to it goes nowhere."""
+        if client not in self._gone:
+            self._gone.add(client)
+            asyncio.get_running_loop().call_soon(self._cancel_gone, client)
+
+    def _cancel_gone(self, client: bytes):
+        self._gone.discard(client)
         gone = [self.requests[rid] for (c, _), rid in self.by_client.items() if c == client]
         for req in gone:
             req.reply_to = _nowhere
@@ -188,14 +197,14 @@ class Router:
             on_ready(where)
         try:
             await stop.wait()
-        finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+        finally:  # HTTP first: its requests end with an error, and their cancels still reach the workers
             if self.http is not None:
                 await self.http.close()
             if self.api_servers is not None:
                 await self.api_servers.close()
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             self.frontend.close()
             self.backend.close()
             self.ctx.term()
@@ -285,6 +294,8 @@ class Router:
         """To a ZeroMQ client. If it reads TokenBatch, a Token waits for the rest of its worker's
         batch (_held); anything else to the client sends what waits first, so each stream stays
         in order."""
+        if client in self._gone:
+            return
         held = self._held
         if held is not None:
             if batches and type(msg) is P.Token and msg.prompt_logprobs is None:  # those are big: alone
@@ -296,6 +307,8 @@ class Router:
             self._client_gone(client)
 
     def _send_held(self, client: bytes, tokens: list[P.Token]) -> bool:
+        if client in self._gone:
+            return False
         if self._send(self.frontend, tokens[0] if len(tokens) == 1 else P.batch_tokens(tokens), client):
             return True
         self._client_gone(client)

@@ -27,13 +27,25 @@ def cluster(tmp_path, model="dummy:nanogpt", prefill=1, decode=1, mono=0, worker
     c = Cluster(model, prefill, decode, mono, list(devices), "127.0.0.1", 0, 0, tmp_path / "logs", "least_loaded",
                 list(worker_args), threads=1, restart=restart, router_args=list(router_args),
                 http_port=0 if http else None, api_key=api_key, api_server_count=api_servers)
+    api_server_pids = []
     try:
         c.start()
+        api_server_pids = router_children(c)
         yield c
     finally:
         c.stop()
         for child in c.children:
             assert child.proc.poll() is not None, f"{child.name} still running"
+        for pid in api_server_pids:  # the router's own children stop with it
+            assert not running(pid), f"API server {pid} still running"
+
+
+def running(pid: int) -> bool:
+    """Whether process pid exists and is not a zombie."""
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def router_children(c: Cluster) -> list[int]:

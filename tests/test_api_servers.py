@@ -20,7 +20,7 @@ from click.testing import CliRunner
 from common import protocol as P
 from common.cli import main
 from router.client import Client
-from tests.cluster import cluster, router_children, scripted_worker, serving_router, wait_blocks_free
+from tests.cluster import cluster, router_children, running, scripted_worker, serving_router, wait_blocks_free
 
 pytestmark = pytest.mark.timeout(300)
 MODEL = "dummy:nanogpt"
@@ -63,6 +63,49 @@ def test_a_client_the_router_cannot_reach_has_its_requests_cancelled():
     cancelled, left, got = asyncio.run(scenario())
     assert cancelled == {"a", "b"} and left == ["c"]
     assert [t.index for t in got] == list(range(len(got))) and all(t.request_id == "c" for t in got)
+
+
+def test_a_gone_client_s_request_that_ends_is_counted_once():
+    """A Done that cannot be delivered finds the client gone; the request is finished once, as
+    what it was ("length"), not also as "cancelled"."""
+    async def scenario():
+        async with serving_router() as (router, connect):
+            worker = await scripted_worker(router, connect, "mono-0")
+            gone = connect(router.frontend.address)
+            await gone.send(P.Generate("a", [7, 8], {"max_tokens": 1, "ignore_eos": True}, False, token_batches=True))
+            work = (await asyncio.wait_for(worker.arecv(), 10)).msg
+            gone.close()
+            await asyncio.sleep(0.3)  # the router's socket drops the peer
+            await worker.send(P.WorkerTokens(work.request_id, work.attempt, 0, [5], "length"))
+            deadline = time.monotonic() + 5
+            while router.requests:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(0.1)  # and anything it would do on the next turns
+            return router.metrics.render().decode()
+
+    metrics = asyncio.run(scenario())
+    finished = re.findall(r'pdserve:request_success_total\{finished_reason="(\w+)",model_name="[^"]*"\} (\S+)', metrics)
+    assert finished == [("length", "1.0")], finished
+
+
+@pytest.mark.parametrize("api_servers", [1, 2], ids=["in-router", "api-servers"])
+def test_a_stopping_router_ends_its_http_streams_with_unavailable(tmp_path, api_servers):
+    with cluster(tmp_path, prefill=0, decode=0, mono=1, http=True, api_servers=api_servers) as c:
+        body = dict(model=MODEL, prompt="x", max_tokens=5000, stream=True, ignore_eos=True)
+
+        async def scenario():
+            async with aiohttp.ClientSession() as s:
+                async with s.post(c.http_url + "/v1/completions", json=body) as r:
+                    assert (await r.content.readline()).startswith(b"data: ")
+                    c.router.proc.terminate()
+                    events = [line async for line in r.content if line.startswith(b"data: ")]
+                    return events[-2:]
+
+        started = time.monotonic()
+        error, done = asyncio.run(scenario())
+        assert done == b"data: [DONE]\n" and b'"code": "UNAVAILABLE"' in error, error
+        assert c.router.proc.wait(10) == 0 and time.monotonic() - started < 8
 
 
 def connections(pid: int, port: int) -> int:
@@ -137,8 +180,7 @@ def test_a_killed_router_takes_its_api_servers_along(tmp_path):
         c.router.proc.kill()
         c.router.proc.wait(10)
         deadline = time.monotonic() + 10
-        while alive := [pid for pid in servers if Path(f"/proc/{pid}").exists()
-                        and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"]:
+        while alive := [pid for pid in servers if running(pid)]:
             assert time.monotonic() < deadline, f"API servers {alive} outlived their router"
             time.sleep(0.1)
 

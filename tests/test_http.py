@@ -431,7 +431,8 @@ def test_the_router_serves_all_of_this_without_torch(served):
 # ----------------------------------------------------------------------------- without workers, and failures
 
 
-def test_health_and_requests_are_503_without_workers(tmp_path):
+@pytest.mark.parametrize("api_servers", [1, 2], ids=["in-router", "api-servers"])
+def test_health_and_requests_are_503_without_workers(tmp_path, api_servers):
     import subprocess
     import sys
 
@@ -439,7 +440,7 @@ def test_health_and_requests_are_503_without_workers(tmp_path):
 
     port, http_port = free_port(), free_port()
     router = subprocess.Popen([sys.executable, "-m", "common.cli", "router", "--port", str(port), "--worker-port",
-                               str(free_port()), "--http-port", str(http_port)],
+                               str(free_port()), "--http-port", str(http_port), "--api-server-count", str(api_servers)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     class Bare:
