@@ -11,7 +11,7 @@
 #   bash bench/gpu_session.sh cluster  # bench transfer, handoff and chaos on cuda:0
 #   bash bench/gpu_session.sh serve    # bench serve: mono vs 1p1d vs 2p2d on dummy:llama-1b, step traces
 #   bash bench/gpu_session.sh overlap  # 1p1d served with and without --async-scheduling: loop share, ITL
-#   bash bench/gpu_session.sh router   # bench router on the GPU host's CPU: SDK and HTTP  (~1 min, no GPU)
+#   bash bench/gpu_session.sh router   # bench router on the GPU host's CPU: SDK, HTTP, 4 API servers  (~2 min, no GPU)
 set -u
 # A machine goes back 30 s after a call and a new one takes a minute or more to start: in a session
 # that may get one call, run `first`; then engine, overlap, cluster, serve, as time allows.
@@ -88,8 +88,10 @@ overlap)
     ;;
 router)
     # how many GPU decode workers one router feeds, on a server's cores (the CI machine has 2)
-    for frontend in zmq http; do
-        run "router-$frontend" 120 pdserve bench router --frontend "$frontend" --workers 4 --concurrency 64,256,1024
+    # (HTTP in the router, then from 4 API servers: --api-server-count on a host with cores to spare)
+    for frontend in zmq http http4; do
+        run "router-$frontend" 120 pdserve bench router --frontend "${frontend%4}" --workers 4 \
+            --concurrency 64,256,1024 $([[ $frontend == http4 ]] && echo --api-servers 4)
         grep -v '^{' "$OUT/router-$frontend.log" | tail -n 8
     done
     ;;
