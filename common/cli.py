@@ -12,6 +12,7 @@ from bench.cli import bench, plan
 from common.cli_options import (devices_option, engine_argv, engine_options, http_options, parse_ints,
                                 sampling_kwargs, sampling_options, setup_logging)
 from common.errors import PdserveError
+from router.registry import POLICIES
 
 
 @click.group()
@@ -117,7 +118,9 @@ def chat(router_address, system, max_tokens, temperature, top_p, top_k, seed, ig
 @click.option("--host", default="127.0.0.1", show_default=True, help="bind address (loopback unless set)")
 @click.option("--port", default=7100, show_default=True, type=int, help="client port")
 @click.option("--worker-port", default=None, type=int, help="worker port [default: port + 1]")
-@click.option("--policy", default="least_loaded", show_default=True, type=click.Choice(["least_loaded", "round_robin"]))
+@click.option("--policy", default="least_loaded", show_default=True, type=click.Choice(POLICIES),
+              help="how prefill workers are picked (decode workers: least loaded, or in turn with round_robin); "
+                   "prefix_affine: by what their prefix caches likely hold, and load")
 @click.option("--max-queue", default=1024, show_default=True, type=int, help="requests held at once; more are OVERLOADED")
 @click.option("--heartbeat-timeout", default=2.0, show_default=True, type=float, help="seconds of silence before a worker is dead")
 @click.option("--max-attempts", default=3, show_default=True, type=int, help="dispatches of one request before it fails")
@@ -185,7 +188,9 @@ for _role in ("prefill", "decode", "mono"):
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=7100, show_default=True, type=int, help="client port (0: any free port)")
 @click.option("--worker-port", default=0, type=int, help="[default: any free port]")
-@click.option("--policy", default="least_loaded", show_default=True, type=click.Choice(["least_loaded", "round_robin"]))
+@click.option("--policy", default="least_loaded", show_default=True, type=click.Choice(POLICIES),
+              help="how prefill workers are picked (decode workers: least loaded, or in turn with round_robin); "
+                   "prefix_affine: by what their prefix caches likely hold, and load")
 @click.option("--log-dir", default="pdserve-logs", show_default=True)
 @click.option("--threads", default=None, type=int, help="torch threads per worker [default: (cores - 1) / workers: one core left to the router]")
 @click.option("--no-restart", is_flag=True, help="do not restart crashed workers")

@@ -377,11 +377,10 @@ class Engine:
         if finished and self.tokenizer:
             text = seq.text.final() if seq.text is not None else self.tokenizer.decode(seq.output_token_ids)
         metrics = {}
-        if first or finished:  # a mono worker reports its prefill time with the first token
-            metrics["ttft_s"] = seq.first_token_time - seq.arrival_time
+        if first or finished:  # a worker reports its prefill time and prefix hit with the first token
+            metrics.update(ttft_s=seq.first_token_time - seq.arrival_time, num_cached_tokens=seq.num_cached_tokens)
         if finished:
-            metrics.update(e2e_s=seq.finish_time - seq.arrival_time, num_cached_tokens=seq.num_cached_tokens,
-                           num_preemptions=seq.num_preemptions)
+            metrics.update(e2e_s=seq.finish_time - seq.arrival_time, num_preemptions=seq.num_preemptions)
             if seq.scheduled_time is not None:
                 metrics["queue_s"] = seq.scheduled_time - seq.arrival_time
         return RequestOutput(seq.request_id, seq.prompt_token_ids, len(seq) - seq.num_prompt_tokens, new,

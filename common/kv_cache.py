@@ -11,26 +11,20 @@ confirmed by comparing tokens. Freed blocks keep their hash and stay findable un
 
 from __future__ import annotations
 
-import hashlib
 import math
 import mmap
 import os
 import secrets
-from array import array
 from collections import OrderedDict
 from multiprocessing import shared_memory
 
 import torch
 
 from common.model_spec import ModelConfig
+from common.prefix_hash import PREFIX_HASH_SEED, block_hash
 from common.errors import InvalidArgument
 from common.sequence import Sequence
 
-PREFIX_HASH_SEED = hashlib.blake2b(b"pdserve/prefix-cache/v1", digest_size=16).digest()
-
-
-def block_hash(prev: bytes, token_ids) -> bytes:
-    return hashlib.blake2b(prev + array("q", token_ids).tobytes(), digest_size=16).digest()
 
 
 def allocate_kv_pool(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,

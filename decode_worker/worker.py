@@ -270,7 +270,7 @@ class DecodeWorker(WorkerBase):
             new = len(out.new_token_ids)
             prefilled = self.role == "mono" and index == 0
             if prefilled:  # work received -> first token, the prefill time a prefill worker reports too
-                timings["prefill_s"] = out.metrics["ttft_s"]
+                timings.update(prefill_s=out.metrics["ttft_s"], cached_tokens=out.metrics["num_cached_tokens"])
             sends.append(P.WorkerTokens(out.request_id, attempt, index, out.new_token_ids, reason,
                                         timings if out.finished or prefilled else {},
                                         out.logprobs and out.logprobs[-new:],

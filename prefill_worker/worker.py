@@ -157,7 +157,7 @@ class PrefillWorker(WorkerBase):
                 continue
             index = len(work.token_ids) - work.num_prompt_tokens
             first = out.new_token_ids[-1]
-            timings = {"prefill_s": now - received}
+            timings = {"prefill_s": now - received, "cached_tokens": out.metrics.get("num_cached_tokens", 0)}
             if "queue_s" in out.metrics:  # waiting for the engine to take it
                 timings["queue_s"] = out.metrics["queue_s"]
             done = out.finish_reason != "prefilled"  # finished at its first token: nothing to transfer

@@ -8,8 +8,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from router.prefix_affinity import PrefixIndex, pick_affine
+
 PREFILL_ROLES = ("prefill", "mono")
 DECODE_ROLES = ("decode", "mono")
+POLICIES = ("least_loaded", "round_robin", "prefix_affine")  # prefix_affine: router/prefix_affinity.py
 
 
 @dataclass
@@ -34,6 +37,7 @@ class Worker:
     assigned: set[str] = field(default_factory=set)  # router request ids in this worker's hands
     alive: bool = True
     counters: dict = field(default_factory=dict)  # its heartbeat's counters, last seen (router/metrics.py)
+    prefix_index: PrefixIndex | None = None  # prefix_affine: what its prefix cache likely holds
 
     def describe(self, now: float) -> dict:
         return {"worker_id": self.worker_id, "role": self.role, "incarnation": self.incarnation,
@@ -53,6 +57,11 @@ class Worker:
         return f"{self.kv_dtype or 'unsaid-dtype'} KV in {self.block_size}-token blocks"
 
 
+def load(w: Worker) -> float:
+    """How busy a worker is: the router's own count is current; the heartbeat's queue adds what it cannot see."""
+    return len(w.assigned) + w.queued / 2
+
+
 def missing_roles(alive_roles) -> list[str]:
     """What a cluster lacks to serve, by the roles of its live workers: "prefill", "decode", both or none."""
     alive = set(alive_roles)
@@ -70,8 +79,8 @@ def invariance_split(workers: list[Worker]) -> tuple[list[str], list[str]] | Non
 
 class Registry:
     def __init__(self, policy: str = "least_loaded"):
-        if policy not in ("least_loaded", "round_robin"):
-            raise ValueError(f"policy={policy!r} is not supported; allowed: least_loaded, round_robin")
+        if policy not in POLICIES:
+            raise ValueError(f"policy={policy!r} is not supported; allowed: {', '.join(POLICIES)}")
         self.policy = policy
         self.workers: dict[str, Worker] = {}
         self._turns: dict[tuple, itertools.count] = {}  # round_robin: one turn per role set
@@ -79,9 +88,11 @@ class Registry:
     def alive(self, roles) -> list[Worker]:
         return [w for w in self.workers.values() if w.alive and w.role in roles]
 
-    def pick(self, roles, fits: Callable[[Worker], bool] | None = None) -> Worker | None:
+    def pick(self, roles, fits: Callable[[Worker], bool] | None = None,
+             prompt: list[int] | None = None) -> Worker | None:
         """A live worker of these roles, by the policy among those that fit if any do (if none does,
-        among all: the worker then says why it cannot, which the caller passes on)."""
+        among all: the worker then says why it cannot, which the caller passes on). prompt: the
+        tokens the worker will prefill, for prefix_affine (without it, that policy is least_loaded)."""
         candidates = sorted(self.alive(roles), key=lambda w: w.worker_id)
         if fits is not None:
             candidates = [w for w in candidates if fits(w)] or candidates
@@ -89,8 +100,9 @@ class Registry:
             return None
         if self.policy == "round_robin":
             return candidates[next(self._turns.setdefault(tuple(roles), itertools.count())) % len(candidates)]
-        # The router's own count is current; the heartbeat's queue adds what it cannot see.
-        return min(candidates, key=lambda w: (len(w.assigned) + w.queued / 2, w.worker_id))
+        if self.policy == "prefix_affine" and prompt is not None:
+            return pick_affine(candidates, prompt, load)
+        return min(candidates, key=lambda w: (load(w), w.worker_id))
 
     def by_identity(self, identity: bytes) -> Worker | None:
         for w in self.workers.values():

@@ -348,7 +348,8 @@ class Router:
             return self.done(req, reason)
         decoders = self.registry.alive(("decode",))
         p = self.registry.pick(PREFILL_ROLES,
-                               lambda p: any(pairs(req, p, d) for d in ([p] if p.role == "mono" else decoders)))
+                               lambda p: any(pairs(req, p, d) for d in ([p] if p.role == "mono" else decoders)),
+                               prompt=req.prompt_ids + req.tokens)
         d = p if p is None or p.role == "mono" else self.registry.pick(("decode",), lambda d: pairs(req, p, d))
         if p is None or d is None:
             req.state, req.deadline = "queued", req.arrival + self.cfg.queue_timeout_s
