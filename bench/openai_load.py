@@ -52,7 +52,7 @@ async def drive_http(base_url: str, requests, concurrency: int = 0, api_key: str
             body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
                     "stream": True, "stream_options": {"include_usage": True}}
             async with gate:
-                s = Sample(time.perf_counter())
+                s = Sample(time.perf_counter(), len(prompt))
                 async for now, chunk in completion_chunks(session, f"{base_url}/v1/completions", body, headers):
                     if chunk.get("usage"):
                         s.tokens = chunk["usage"]["completion_tokens"]

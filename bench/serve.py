@@ -45,6 +45,7 @@ class Scenario:
     worker_args: list[str] = field(default_factory=list)
     concurrency: int = 0  # at most this many requests in flight (0: no limit)
     background: tuple[int, int] = (0, 0)  # (streams, tokens each) decoding throughout, not measured
+    prefixes: tuple[int, int] = (0, 0)  # (count, tokens each): every prompt is one of them + its own `prompt` tokens
 
 
 SCENARIOS = {s.name: s for s in [
@@ -59,6 +60,10 @@ SCENARIOS = {s.name: s for s in [
     Scenario("sequential", 48, (32, 32), (8, 8), concurrency=1),  # no queueing: TTFT is the path itself
     # one request at a time beside 63 others (64 streams, a decode batch's default): TTFT without a queue
     Scenario("ttft_64_streams", 64, (32, 32), (4, 4), concurrency=1, background=(63, 320)),
+    # 16 documents of 768 tokens asked about at random (a 16-48-token question each, a short answer),
+    # 8 in flight, every worker's pool 512 blocks: the documents fill one and a half (prefix_affine)
+    Scenario("shared_prefixes", 512, (16, 48), (4, 4), concurrency=8, prefixes=(16, 768),
+             worker_args=["--num-blocks", "512"]),
 ]}
 
 
@@ -77,15 +82,17 @@ def parse_topology(name: str) -> tuple[int, int, int]:
 def make_requests(s: Scenario, vocab: int, context: int, seed: int):
     """(arrival offset s, prompt ids, max_tokens) per request, from a fixed seed."""
     rng = random.Random(f"{s.name}/{seed}")
+    prefixes = [random_prompt(rng, s.prefixes[1], vocab) for _ in range(s.prefixes[0])]
     out, t = [], 0.0
     for i in range(s.requests):
         new = rng.randint(*s.new)
-        plen = min(rng.randint(*s.prompt), context - new - 1)  # fit the model's context
+        prefix = rng.choice(prefixes) if prefixes else []
+        plen = min(rng.randint(*s.prompt), context - new - 1 - len(prefix))  # fit the model's context
         if s.arrival == "rate":
             t = i / s.rate
         elif s.arrival == "poisson" and i:
             t += rng.expovariate(s.rate)
-        out.append((t, random_prompt(rng, plen, vocab), new))
+        out.append((t, prefix + random_prompt(rng, plen, vocab), new))
     return out
 
 
@@ -97,6 +104,7 @@ def random_prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
 @dataclass
 class Sample:
     sent: float
+    prompt_tokens: int = 0
     first: float | None = None
     token_times: list[float] = field(default_factory=list)
     end: float | None = None
@@ -114,7 +122,7 @@ async def drive(address: str, requests, concurrency: int = 0) -> tuple[list[Samp
         async def one(offset, prompt, max_tokens) -> Sample:
             await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
             await gate.acquire()  # at most `concurrency` in flight
-            s = Sample(time.perf_counter())
+            s = Sample(time.perf_counter(), len(prompt))
             try:
                 async for item in client.stream(prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True):
                     now = time.perf_counter()
@@ -139,10 +147,14 @@ def summarize(samples: list[Sample], wall: float) -> dict:
     ok = [s for s in samples if s.error is None]
     done = [r for r in map(Latency.of, ok) if r.ttft is not None]
     router = [s.router_s * 1e3 for s in ok]
+    told = [s for s in ok if "cached_tokens" in s.timings]  # the SDK gets the workers' timings; HTTP does not
+    cached = (round(100 * sum(s.timings["cached_tokens"] for s in told) / max(1, sum(s.prompt_tokens for s in told)), 1)
+              if told else None)
     return {"requests": len(samples), "failed": len(samples) - len(ok), "output_tokens": sum(s.tokens for s in ok),
             "output_tok_s": round(sum(s.tokens for s in ok) / wall, 1),
             **percentiles(done, (50, 99), ("ttft", "itl", "e2e")),
-            "router_p50_ms": round(pct(router, 50), 3), "router_p99_ms": round(pct(router, 99), 3)}
+            "router_p50_ms": round(pct(router, 50), 3), "router_p99_ms": round(pct(router, 99), 3),
+            "prompt_cached_pct": cached}
 
 
 def loopback_rtt_ms(n: int = 2000) -> float:
@@ -174,8 +186,14 @@ def loopback_rtt_ms(n: int = 2000) -> float:
 
 def run_serve_bench(model: str, topologies: list[str], scenarios: list[str], router: str | None, seed: int,
                     worker_args: list[str], frontends: tuple[str, ...] = ("zmq",), base_url: str | None = None,
-                    repeats: int = 1, api_key: str | None = None, devices: list[str] = ("cpu",)) -> dict:
+                    repeats: int = 1, api_key: str | None = None, devices: list[str] = ("cpu",),
+                    policies: list[str] = ("least_loaded",)) -> dict:
     from bench.openai_load import drive_http  # it imports Sample from here
+    from router.registry import POLICIES
+
+    for policy in policies:
+        if policy not in POLICIES:
+            raise ValueError(f"policy {policy!r} is unknown; allowed: {', '.join(POLICIES)}")
 
     for name in scenarios:
         if name not in SCENARIOS:
@@ -191,13 +209,14 @@ def run_serve_bench(model: str, topologies: list[str], scenarios: list[str], rou
     for name in scenarios:
         groups.setdefault(tuple(SCENARIOS[name].worker_args), []).append(name)
     external = router or base_url
-    for topo in ([f"external {external}"] if external else topologies):
+    launches = [(f"external {external}", "-")] if external else [(t, p) for t in topologies for p in policies]
+    for topo, policy in launches:
         for extra, names in groups.items():
             with tempfile.TemporaryDirectory() as logs:
                 cluster = None
                 if not external:
                     p, d, m = parse_topology(topo)
-                    cluster = Cluster(model, p, d, m, list(devices), "127.0.0.1", 0, 0, Path(logs), "least_loaded",
+                    cluster = Cluster(model, p, d, m, list(devices), "127.0.0.1", 0, 0, Path(logs), policy,
                                       worker_args + list(extra), threads=None, restart=False,
                                       http_port=0 if "http" in frontends else None, api_key=api_key)
                     cluster.start()
@@ -212,20 +231,22 @@ def run_serve_bench(model: str, topologies: list[str], scenarios: list[str], rou
                         for rep in range(repeats):  # in turn, first one then the other first: drift hits both alike
                             for frontend in (frontends if rep % 2 == 0 else frontends[::-1]):
                                 samples, wall = asyncio.run(beside_background(drivers[frontend], reqs, s))
-                                rows.append({"topology": topo, "scenario": name, "frontend": frontend,
-                                             **summarize(samples, wall)})
+                                rows.append({"topology": topo, "policy": policy, "scenario": name,
+                                             "frontend": frontend, **summarize(samples, wall)})
                 finally:
                     if cluster is not None:
                         cluster.stop()
     rtt = loopback_rtt_ms()
     order = {n: i for i, n in enumerate(scenarios)}
-    rows.sort(key=lambda r: (order[r["scenario"]], r["topology"]))
-    print_table(f"pdserve bench serve: {model}, greedy, ignore_eos (latencies in ms)",
-                ["scenario", "topology", "frontend", "reqs", "failed", "out tok/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99",
-                 "E2E p50", "E2E p99", "router p99"],
-                [[r["scenario"], r["topology"], r["frontend"], r["requests"], r["failed"], r["output_tok_s"], r["ttft_p50_ms"],
-                  r["ttft_p99_ms"], r["itl_p50_ms"], r["itl_p99_ms"], r["e2e_p50_ms"], r["e2e_p99_ms"],
-                  r["router_p99_ms"] if r["frontend"] == "zmq" else "-"] for r in rows])
+    rows.sort(key=lambda r: (order[r["scenario"]], r["topology"]))  # stable: policies in the order given
+    print_table(f"pdserve bench serve: {model}, greedy, ignore_eos (latencies in ms; cached: the share of prompt "
+                "tokens found in the workers' prefix caches)",
+                ["scenario", "topology", "policy", "frontend", "reqs", "failed", "out tok/s", "TTFT p50", "TTFT p99",
+                 "ITL p50", "ITL p99", "E2E p50", "E2E p99", "router p99", "cached %"],
+                [[r["scenario"], r["topology"], r["policy"], r["frontend"], r["requests"], r["failed"], r["output_tok_s"],
+                  r["ttft_p50_ms"], r["ttft_p99_ms"], r["itl_p50_ms"], r["itl_p99_ms"], r["e2e_p50_ms"], r["e2e_p99_ms"],
+                  r["router_p99_ms"] if r["frontend"] == "zmq" else "-",
+                  "-" if r["prompt_cached_pct"] is None else r["prompt_cached_pct"]] for r in rows])
     result = {"bench": "serve", "model": model, "results": rows, "loopback_rtt_ms": round(rtt, 4)}
     zmq_rows = [r for r in rows if r["frontend"] == "zmq"]
     if zmq_rows:
@@ -257,13 +278,13 @@ def compare_frontends(rows: list[dict]) -> list[dict]:
     the SDK's, run by run (the two ran back to back, so each pair saw the same machine), and the
     median over the runs."""
     out = []
-    for topo, name in dict.fromkeys((r["topology"], r["scenario"]) for r in rows):
-        zmq_runs, http_runs = ([r for r in rows if (r["topology"], r["scenario"], r["frontend"]) == (topo, name, fe)]
-                               for fe in ("zmq", "http"))
+    for topo, policy, name in dict.fromkeys((r["topology"], r["policy"], r["scenario"]) for r in rows):
+        zmq_runs, http_runs = ([r for r in rows if (r["topology"], r["policy"], r["scenario"], r["frontend"])
+                                == (topo, policy, name, fe)] for fe in ("zmq", "http"))
         deltas = [h["ttft_p50_ms"] - z["ttft_p50_ms"] for z, h in zip(zmq_runs, http_runs)]
         ratios = [h["output_tok_s"] / z["output_tok_s"] for z, h in zip(zmq_runs, http_runs)]
         delta, ratio = statistics.median(deltas), statistics.median(ratios)
-        out.append({"topology": topo, "scenario": name, "runs": len(deltas), "ttft_p50_delta_ms": round(delta, 2),
+        out.append({"topology": topo, "policy": policy, "scenario": name, "runs": len(deltas), "ttft_p50_delta_ms": round(delta, 2),
                     "output_tok_s_ratio": round(ratio, 3), "ttft_p50_delta_ms_per_run": [round(d, 2) for d in deltas],
                     "output_tok_s_ratio_per_run": [round(r, 3) for r in ratios]})
         print(f"HTTP vs ZeroMQ SDK, {name} on {topo}, median of {len(deltas)} back-to-back pairs: TTFT p50 "

@@ -9,7 +9,7 @@
 #
 #   deploy/launch.sh [--prefill N] [--decode M] [--mono K] [--model SPEC] [--devices cpu,cuda:0,...]
 #                    [--host ADDR] [--port P] [--worker-port P] [--http-port P] [--api-server-count N]
-#                    [--log-dir DIR] [--dry-run]
+#                    [--policy least_loaded|round_robin|prefix_affine] [--log-dir DIR] [--dry-run]
 #                    [-- WORKER_ARGS...]
 #
 # Prints "ready: router at tcp://HOST:PORT" once every worker has registered (after "HTTP API at
@@ -19,7 +19,7 @@
 set -uo pipefail
 
 PREFILL=1 DECODE=1 MONO=0 MODEL=dummy:nanogpt DEVICES=cpu HOST=127.0.0.1 PORT=7100 WORKER_PORT="" HTTP_PORT=""
-API_SERVERS=1
+API_SERVERS=1 POLICY=least_loaded
 LOG_DIR=pdserve-logs DRY_RUN=0
 WORKER_ARGS=()
 while (($#)); do
@@ -34,6 +34,7 @@ while (($#)); do
     --worker-port) WORKER_PORT=$2; shift 2 ;;
     --http-port) HTTP_PORT=$2; shift 2 ;;
     --api-server-count) API_SERVERS=$2; shift 2 ;;
+    --policy) POLICY=$2; shift 2 ;;
     --log-dir) LOG_DIR=$2; shift 2 ;;
     --dry-run) DRY_RUN=1; shift ;;
     --) shift; WORKER_ARGS=("$@"); break ;;
@@ -54,8 +55,8 @@ mapfile -t SHARES < <($PDSERVE gpu-shares --prefill "$PREFILL" --decode "$DECODE
   --devices "$DEVICES" -- "${WORKER_ARGS[@]}")
 ((${#SHARES[@]} == WORKERS)) || { echo "launch.sh: could not split the devices ($PDSERVE gpu-shares)" >&2; exit 1; }
 
-ROUTER_ARGS=()
-[[ -n $HTTP_PORT ]] && ROUTER_ARGS=(--http-port "$HTTP_PORT" --api-server-count "$API_SERVERS")
+ROUTER_ARGS=(--policy "$POLICY")
+[[ -n $HTTP_PORT ]] && ROUTER_ARGS+=(--http-port "$HTTP_PORT" --api-server-count "$API_SERVERS")
 if ((DRY_RUN)); then
   echo "router: $PDSERVE router --model $MODEL --host $HOST --port $PORT --worker-port $WORKER_PORT ${ROUTER_ARGS[*]}"
 else

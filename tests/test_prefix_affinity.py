@@ -3,7 +3,10 @@ while its load stays within reach of the others'; its memory of what each worker
 by the worker's pool; and in a real cluster the prefill workers' caches then hit where least_loaded
 would have computed the prefix again."""
 
+import json
 import random
+import subprocess
+import sys
 import time
 
 import pytest
@@ -99,3 +102,19 @@ def test_in_a_cluster_each_prefix_is_computed_once_by_the_worker_that_has_it(tmp
                                            max_tokens=2, temperature=0)
             cached += [r.timings["cached_tokens"] for r in results]
     assert cached[:3] == [0, 0, 0] and cached[3:] == want, cached
+
+
+def test_bench_serve_compares_policies_side_by_side_on_shared_prefixes():
+    r = subprocess.run([sys.executable, "-m", "common.cli", "bench", "serve", "--topologies", "2p1d", "--scenarios",
+                        "shared_prefixes", "--policies", "least_loaded,prefix_affine"],
+                       capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = {row["policy"]: row for row in json.loads(r.stdout.strip().splitlines()[-1])["results"]}
+    assert set(rows) == {"least_loaded", "prefix_affine"} and all(row["failed"] == 0 for row in rows.values())
+    # the documents fill one and a half pools: each computed once where it stays, more of every prompt is a hit
+    assert rows["prefix_affine"]["prompt_cached_pct"] > rows["least_loaded"]["prompt_cached_pct"] + 10, rows
+    assert "cached %" in r.stdout
+    bad = subprocess.run([sys.executable, "-m", "common.cli", "bench", "serve", "--policies", "nearest"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "policy 'nearest' is unknown; allowed: least_loaded, round_robin, prefix_affine" \
+        in bad.stderr, bad.stderr
