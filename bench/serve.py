@@ -148,8 +148,8 @@ def summarize(samples: list[Sample], wall: float) -> dict:
     done = [r for r in map(Latency.of, ok) if r.ttft is not None]
     router = [s.router_s * 1e3 for s in ok]
     told = [s for s in ok if "cached_tokens" in s.timings]  # the SDK gets the workers' timings; HTTP does not
-    cached = (round(100 * sum(s.timings["cached_tokens"] for s in told) / max(1, sum(s.prompt_tokens for s in told)), 1)
-              if told else None)
+    cached = (round(100 * sum(min(s.timings["cached_tokens"], s.prompt_tokens) for s in told)  # a re-prefill's
+                    / max(1, sum(s.prompt_tokens for s in told)), 1) if told else None)  # counts its output too
     return {"requests": len(samples), "failed": len(samples) - len(ok), "output_tokens": sum(s.tokens for s in ok),
             "output_tok_s": round(sum(s.tokens for s in ok) / wall, 1),
             **percentiles(done, (50, 99), ("ttft", "itl", "e2e")),
@@ -287,7 +287,7 @@ def compare_frontends(rows: list[dict]) -> list[dict]:
         out.append({"topology": topo, "policy": policy, "scenario": name, "runs": len(deltas), "ttft_p50_delta_ms": round(delta, 2),
                     "output_tok_s_ratio": round(ratio, 3), "ttft_p50_delta_ms_per_run": [round(d, 2) for d in deltas],
                     "output_tok_s_ratio_per_run": [round(r, 3) for r in ratios]})
-        print(f"HTTP vs ZeroMQ SDK, {name} on {topo}, median of {len(deltas)} back-to-back pairs: TTFT p50 "
+        print(f"HTTP vs ZeroMQ SDK, {name} on {topo} ({policy}), median of {len(deltas)} back-to-back pairs: TTFT p50 "
               f"{delta:+.2f} ms (runs: {', '.join(f'{d:+.2f}' for d in deltas)}), output tok/s {ratio:.3f}x "
               f"(runs: {', '.join(f'{r:.3f}' for r in ratios)})")
     print()

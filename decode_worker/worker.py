@@ -268,7 +268,7 @@ class DecodeWorker(WorkerBase):
             index = out.num_tokens - len(out.new_token_ids)
             reason = out.finish_reason if out.finished else None
             new = len(out.new_token_ids)
-            prefilled = self.role == "mono" and index == 0
+            prefilled = self.role == "mono" and "prefill_s" not in timings  # its first output, even after a migration
             if prefilled:  # work received -> first token, the prefill time a prefill worker reports too
                 timings.update(prefill_s=out.metrics["ttft_s"], cached_tokens=out.metrics["num_cached_tokens"])
             sends.append(P.WorkerTokens(out.request_id, attempt, index, out.new_token_ids, reason,

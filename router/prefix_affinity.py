@@ -9,32 +9,57 @@ cache holds, they evict each other and few hit. Sent to the worker that has it, 
 computed once, and the workers' caches add up instead of repeating each other. This is SGLang's
 cache-aware routing and NVIDIA Dynamo's KV-aware routing, in their simplest form.
 
-The router cannot see the workers' caches, so it remembers what it sent each one: the hash chain
-of every prompt's full blocks (common/prefix_hash.py, the hashes the workers' caches use), least
-recently sent forgotten first, at most as many blocks as the worker's pool holds. Each candidate
-scores the cached share of the prompt minus how far its load is above the mean, relative to the
-mean (the vLLM production stack's load-aware score, weight 1): a worker holding the whole prompt
-wins while its load is within one mean of the others'. Ties go to the worker with more of the
-prompt cached (a hit saves work, a queue only waits), then the less loaded, then the first by id.
+The router cannot see the workers' caches, so it mirrors them from what it sent each one: the
+hash chain of every prompt's full blocks (common/prefix_hash.py, the hashes the workers' caches
+use), in the order a worker's pool reuses them (a prompt's partial last block first, then its
+full blocks from the last to the first, so its beginning stays longest), at most as many blocks
+as the pool holds. Each candidate scores the cached share of the prompt minus how far its load is
+above the mean, relative to the mean but to no less than LOAD_FLOOR requests (the vLLM production
+stack's load-aware score, with a floor so that one request in flight does not outweigh a cached
+document). Ties go to the worker with more of the prompt cached (a hit saves work, a queue only
+waits), then the less loaded, then the one whose cache holds less (a new prefix goes where there
+is room), then the first by id.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from typing import Callable
 
 from common.prefix_hash import prefix_hashes
 
-LOAD_WEIGHT = 1.0  # how much a load one mean above the others' outweighs: a wholly cached prompt
+LOAD_WEIGHT = 1.0  # a load this many (relative) means above the others' outweighs a wholly cached prompt
+LOAD_FLOOR = 4.0  # below a mean load of this many requests, load differences count against it
+MAX_BLOCKS = 256  # of a prompt's beginning, hashed and matched: enough to tell prefixes apart, bounded in cost
+_placeholders = itertools.count()  # keys for blocks without a hash (ints: never equal to a hash's bytes)
+
+
+class PromptChain:
+    """A prompt's block hashes, per block size, computed once per prompt (a request waiting for a
+    worker is dispatched again and again)."""
+
+    def __init__(self, token_ids: list[int]):
+        self.token_ids = token_ids
+        self.by_size: dict[int, list[bytes]] = {}
+
+    def hashes(self, block_size: int) -> list[bytes]:
+        if block_size not in self.by_size:
+            self.by_size[block_size] = prefix_hashes(self.token_ids[:MAX_BLOCKS * block_size + 1], block_size)
+        return self.by_size[block_size]
+
+    def blocks(self, block_size: int) -> int:
+        """Blocks the prompt takes in a pool."""
+        return -(-len(self.token_ids) // block_size)
 
 
 class PrefixIndex:
-    """The block hashes a worker was sent, least recently sent first, at most `capacity`: what
-    its prefix cache likely holds (it, too, reuses the least recently freed blocks first)."""
+    """What a worker's prefix cache likely holds: the blocks of what it was sent, in the order its
+    pool would reuse them, at most `capacity`."""
 
     def __init__(self, capacity: int):
         self.capacity = max(1, capacity)
-        self.blocks: OrderedDict[bytes, None] = OrderedDict()
+        self.blocks: OrderedDict[bytes | int, None] = OrderedDict()  # next to be reused first
 
     def matched(self, hashes: list[bytes]) -> int:
         """How many leading blocks of a prompt's chain it holds."""
@@ -45,32 +70,34 @@ class PrefixIndex:
             n += 1
         return n
 
-    def add(self, hashes: list[bytes]) -> None:
-        for h in hashes:
+    def add(self, hashes: list[bytes], blocks: int) -> None:
+        """A prompt of `blocks` blocks, `hashes` its leading full ones, computed by the worker: when
+        it is freed, its blocks are reused last first, so its beginning stays longest."""
+        for _ in range(max(0, blocks - len(hashes))):  # partial or unhashed: reused first
+            self.blocks[next(_placeholders)] = None
+        for h in reversed(hashes):
             self.blocks[h] = None
             self.blocks.move_to_end(h)
         while len(self.blocks) > self.capacity:
             self.blocks.popitem(last=False)
 
 
-def pick_affine(candidates: list, token_ids: list[int], load: Callable[[object], float]):
-    """The candidate (a registry Worker, sorted by id) to prefill token_ids; it remembers them."""
-    chains: dict[int, list[bytes]] = {}  # by block size
+def pick_affine(candidates: list, chain: PromptChain, load: Callable[[object], float]):
+    """The candidate (a registry Worker, sorted by id) to prefill the prompt."""
     mean = sum(map(load, candidates)) / len(candidates)
 
-    def chain(w) -> list[bytes]:
-        if w.block_size not in chains:
-            chains[w.block_size] = prefix_hashes(token_ids, w.block_size)
-        return chains[w.block_size]
+    def score(w) -> tuple:
+        hashes, idx = chain.hashes(w.block_size), index(w)
+        cached = idx.matched(hashes) / len(hashes) if hashes else 0.0
+        busier = (load(w) - mean) / max(LOAD_FLOOR, mean)
+        return cached - LOAD_WEIGHT * busier, cached, -load(w), -len(idx.blocks)
 
-    def score(w) -> tuple[float, float, float]:
-        hashes = chain(w)
-        cached = index(w).matched(hashes) / len(hashes) if hashes else 0.0
-        return cached - LOAD_WEIGHT * (load(w) - mean) / max(1.0, mean), cached, -load(w)
+    return max(candidates, key=score)  # the first of equals: the lowest id
 
-    best = max(candidates, key=score)  # the first of equals: the lowest id
-    index(best).add(chain(best))
-    return best
+
+def remember(w, chain: PromptChain) -> None:
+    """The prompt went to w: its cache will hold it."""
+    index(w).add(chain.hashes(w.block_size), chain.blocks(w.block_size))
 
 
 def index(w) -> PrefixIndex:

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from router.prefix_affinity import PrefixIndex, pick_affine
+from router.prefix_affinity import PrefixIndex, PromptChain, pick_affine
 
 PREFILL_ROLES = ("prefill", "mono")
 DECODE_ROLES = ("decode", "mono")
@@ -89,10 +89,11 @@ class Registry:
         return [w for w in self.workers.values() if w.alive and w.role in roles]
 
     def pick(self, roles, fits: Callable[[Worker], bool] | None = None,
-             prompt: list[int] | None = None) -> Worker | None:
+             prompt: PromptChain | None = None) -> Worker | None:
         """A live worker of these roles, by the policy among those that fit if any do (if none does,
-        among all: the worker then says why it cannot, which the caller passes on). prompt: the
-        tokens the worker will prefill, for prefix_affine (without it, that policy is least_loaded)."""
+        among all: the worker then says why it cannot, which the caller passes on). prompt: what the
+        worker will prefill, for prefix_affine (without it, that policy is least_loaded); the caller
+        tells prefix_affinity.remember where it went."""
         candidates = sorted(self.alive(roles), key=lambda w: w.worker_id)
         if fits is not None:
             candidates = [w for w in candidates if fits(w)] or candidates

@@ -31,6 +31,7 @@ from common.channel import Channel, Envelope
 from common.errors import InvalidArgument
 from common.sampling_params import SamplingParams, fresh_seed
 from router.metrics import RouterMetrics
+from router.prefix_affinity import PromptChain, remember
 from router.prompts import Prompts
 from router.registry import DECODE_ROLES, PREFILL_ROLES, Registry, Worker, invariance_split, missing_roles
 from common.text import TextStream
@@ -87,6 +88,7 @@ class Request:
     worker_timings: dict = field(default_factory=dict)
     failed_pairs: set[tuple[str, str]] = field(default_factory=set)  # (prefill, decode) that failed it
     router_s: float = 0.0  # the router's own time on the first-token path: admit + forward
+    chain: PromptChain | None = None  # prefix_affine: its prompt's block hashes, made once
 
 
 class Router:
@@ -347,13 +349,16 @@ class Router:
         if reason is not None:
             return self.done(req, reason)
         decoders = self.registry.alive(("decode",))
+        chain = self._prompt_chain(req)
         p = self.registry.pick(PREFILL_ROLES,
                                lambda p: any(pairs(req, p, d) for d in ([p] if p.role == "mono" else decoders)),
-                               prompt=req.prompt_ids + req.tokens)
+                               prompt=chain)
         d = p if p is None or p.role == "mono" else self.registry.pick(("decode",), lambda d: pairs(req, p, d))
         if p is None or d is None:
             req.state, req.deadline = "queued", req.arrival + self.cfg.queue_timeout_s
             return
+        if chain is not None:
+            remember(p, chain)
         req.attempt += 1
         req.state = "prefill"
         req.prefill_worker, req.decode_worker = p.worker_id, d.worker_id
@@ -367,6 +372,17 @@ class Router:
             sampling["prompt_logprobs"] = None
         self._send(self.backend, P.PrefillWork(req.rid, req.attempt, req.prompt_ids + req.tokens, len(req.prompt_ids),
                                                sampling, req.seed, d.worker_id, d.kv_address), p.identity)
+
+    def _prompt_chain(self, req: Request) -> PromptChain | None:
+        """What prefix_affine routes req by: the tokens its prefill computes, unless the prefix cache
+        cannot serve it (prompt logprobs need every position's logits; a re-prefill asks for none)."""
+        if self.registry.policy != "prefix_affine" or (req.params.prompt_logprobs is not None
+                                                       and req.prompt_logprobs is None):
+            return None
+        length = len(req.prompt_ids) + len(req.tokens)
+        if req.chain is None or len(req.chain.token_ids) != length:  # new, or migrating with more tokens
+            req.chain = PromptChain(req.prompt_ids + req.tokens)
+        return req.chain
 
     def retry(self, req: Request, why: str):
         self._cancel_work(req)

@@ -13,7 +13,7 @@ import pytest
 
 from common.prefix_hash import prefix_hashes
 from router.client import Client
-from router.prefix_affinity import PrefixIndex
+from router.prefix_affinity import MAX_BLOCKS, PrefixIndex, PromptChain, remember
 from router.registry import PREFILL_ROLES, Registry, Worker
 from tests.cluster import cluster
 
@@ -27,6 +27,14 @@ def registry(n: int = 2, blocks: int = 64) -> Registry:
     return r
 
 
+def pick(r: Registry, ids: list[int]) -> Worker:
+    """The prefill worker prefix_affine picks for ids, which then holds them, as the router does it."""
+    chain = PromptChain(ids)
+    w = r.pick(PREFILL_ROLES, prompt=chain)
+    remember(w, chain)
+    return w
+
+
 def prompt(seed: int, n: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(256) for _ in range(n)]
@@ -35,46 +43,76 @@ def prompt(seed: int, n: int) -> list[int]:
 def test_a_shared_prefix_follows_the_worker_that_has_it_until_its_load_outweighs_it():
     r = registry()
     system = prompt(0, 96)  # six full blocks
-    first = r.pick(PREFILL_ROLES, prompt=system + prompt(1, 20))
+    first = pick(r, system + prompt(1, 20))
     first.assigned.add("a")  # busy with it
     # a new prefix goes to the idle worker; the shared one follows the worker that has it, though busier
-    other = r.pick(PREFILL_ROLES, prompt=prompt(2, 100))
+    other = pick(r, prompt(2, 100))
     assert other is not first
     other.assigned.add("b")
-    first.assigned.add("c")  # loads 2 and 1: one mean (1.5) apart is less than a whole prompt cached
-    assert r.pick(PREFILL_ROLES, prompt=system + prompt(3, 20)) is first
-    first.assigned.update({"d", "e", "f"})  # loads 5 and 1: the load outweighs it
-    assert r.pick(PREFILL_ROLES, prompt=system + prompt(4, 20)) is other
+    first.assigned.add("c")  # loads 2 and 1: half a request each way of the mean, over LOAD_FLOOR (4)
+    assert pick(r, system + prompt(3, 20)) is first  # 6 of its 7 blocks cached outweigh that
+    first.assigned.update({"d", "e", "f"})  # loads 5 and 1: two requests each way of the mean (3), over 4
+    assert pick(r, system + prompt(4, 20)) is other
 
 
 def test_without_a_cached_prefix_it_is_least_loaded_and_without_a_prompt_too():
     r = registry(3)
     r.workers["prefill-0"].assigned.add("a")
     r.workers["prefill-1"].queued = 4
-    assert r.pick(PREFILL_ROLES, prompt=prompt(5, 50)).worker_id == "prefill-2"
+    assert pick(r, prompt(5, 50)).worker_id == "prefill-2"
     r.workers["prefill-2"].assigned.update({"b", "c"})
     assert r.pick(PREFILL_ROLES).worker_id == "prefill-0"  # loads 1, 2, 2
 
 
-def test_what_a_worker_holds_is_bounded_by_its_pool_least_recently_sent_forgotten_first():
+def test_what_a_worker_holds_is_bounded_by_its_pool_a_prompt_s_beginning_kept_longest():
     index = PrefixIndex(capacity=8)
-    a, b = prefix_hashes(prompt(6, 81), 16), prefix_hashes(prompt(7, 81), 16)  # five blocks each
-    index.add(a)
-    assert index.matched(a) == 5 and index.matched(b) == 0
-    index.add(b)  # ten blocks sent, eight kept: a's first two forgotten, so none of a's chain matches
-    assert len(index.blocks) == 8 and index.matched(b) == 5 and index.matched(a) == 0
-    index.add(b[:1])
-    assert list(index.blocks)[-1] == b[0]  # sent again: the most recent
+    a, b = PromptChain(prompt(6, 81)), PromptChain(prompt(7, 81))  # five full blocks and one partial each
+    remember_in(index, a)
+    assert index.matched(a.hashes(16)) == 5 and index.matched(b.hashes(16)) == 0
+    remember_in(index, b)  # twelve blocks sent, eight kept: a's partial block and last three go first
+    assert len(index.blocks) == 8 and index.matched(b.hashes(16)) == 5 and index.matched(a.hashes(16)) == 2
+
+
+def remember_in(index: PrefixIndex, chain: PromptChain):
+    index.add(chain.hashes(16), chain.blocks(16))
+
+
+def test_the_router_s_mirror_predicts_a_real_block_manager_s_hits_exactly():
+    """Prompts sharing a dozen prefixes, one at a time through a real BlockManager whose pool holds
+    a third of them: the index, fed only what was sent, says exactly what each prompt finds cached."""
+    from common.kv_cache import BlockManager
+    from common.sampling_params import SamplingParams
+    from common.sequence import Sequence
+
+    rng = random.Random(0)
+    docs = [prompt(20 + d, rng.randint(40, 120)) for d in range(12)]
+    manager, index = BlockManager(num_blocks=32, block_size=16), PrefixIndex(capacity=32)
+    hits = []
+    for i in range(300):
+        ids = rng.choice(docs) + prompt(1000 + i, rng.randint(1, 40))
+        seq = Sequence(str(i), ids, SamplingParams(max_tokens=1), 0, (), 10_000)
+        chain = PromptChain(ids)
+        predicted = index.matched(chain.hashes(16)) * 16
+        manager.allocate(seq)
+        assert seq.num_cached_tokens == predicted, (i, seq.num_cached_tokens, predicted)
+        hits.append(predicted > 0)
+        seq.num_computed_tokens = len(ids)  # prefilled
+        manager.cache_computed_blocks(seq)
+        manager.free_seq(seq)
+        remember_in(index, chain)
+    assert 0.3 < sum(hits) / len(hits) < 0.9  # hits and misses both: the pool is too small for every prefix
 
 
 def test_the_chain_is_the_block_managers():
-    """The router's hashes are the ones the workers' prefix caches use: full blocks, never the last token."""
+    """Full blocks of all but the last token, chained from the seed the block manager uses."""
     from common.kv_cache import PREFIX_HASH_SEED, block_hash
 
     ids = prompt(8, 48)
     assert prefix_hashes(ids, 16) == [block_hash(PREFIX_HASH_SEED, ids[:16]),
                                       block_hash(block_hash(PREFIX_HASH_SEED, ids[:16]), ids[16:32])]
     assert len(prefix_hashes(ids + [1], 16)) == 3
+    long = prompt(9, 16 * MAX_BLOCKS + 100)
+    assert PromptChain(long).hashes(16) == prefix_hashes(long, 16)[:MAX_BLOCKS]  # its beginning, bounded
 
 
 def settled(client: Client):
