@@ -144,6 +144,16 @@ def test_chat_gives_the_engines_tokens_sync_and_async(served, engine):
         assert [c.choices[0].finish_reason for c in chunks][-1] == "length"
 
 
+def test_usage_says_how_much_of_the_prompt_was_found_cached(served):
+    """OpenAI's usage.prompt_tokens_details.cached_tokens: none the first time, every full block
+    but the one holding the last token the second."""
+    prompt = [(7 * i) % 250 + 3 for i in range(100)]
+    client = api(served)
+    first, second = (client.completions.create(model=MODEL, prompt=prompt, max_tokens=2) for _ in range(2))
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == 96
+
+
 def test_n_choices_have_seeds_seed_plus_index(served, engine):
     client = api(served)
     r = client.completions.create(model=MODEL, prompt=["Once upon", PROMPT_IDS], n=3, seed=11, temperature=1.0,
