@@ -10,12 +10,13 @@
 #   bash bench/gpu_session.sh engine   # bench engine on dummy:llama-1b, both modes, vs transformers
 #   bash bench/gpu_session.sh cluster  # bench transfer, handoff and chaos on cuda:0
 #   bash bench/gpu_session.sh serve    # bench serve: mono vs 1p1d vs 2p2d on dummy:llama-1b, step traces
+#   bash bench/gpu_session.sh prefix   # bench serve shared_prefixes: least_loaded vs prefix_affine, 2p1d (~2 min)
 #   bash bench/gpu_session.sh overlap  # 1p1d served with and without --async-scheduling: loop share, ITL
 #   bash bench/gpu_session.sh router   # bench router on the GPU host's CPU: SDK, HTTP, 4 API servers  (~2 min, no GPU)
 set -u
 # A machine goes back 30 s after a call and a new one takes a minute or more to start: in a session
 # that may get one call, run `first`; then engine, overlap, cluster, serve, as time allows.
-stage=${1:?usage: bench/gpu_session.sh first|check|engine|cluster|serve|overlap|router}
+stage=${1:?usage: bench/gpu_session.sh first|check|engine|cluster|serve|prefix|overlap|router}
 OUT=${OUT:-/tmp/pdserve-gpu}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
@@ -74,6 +75,12 @@ serve)
     grep -v '^{' "$OUT/serve.log" | tail -n 40
     python3 -m common.step_trace "$OUT/steps" 48 | tee "$OUT/loop-share.jsonl"
     ;;
+prefix)
+    # routing by prefix on a GPU: 16 documents of 768 tokens over 1.5 prefill pools, least_loaded vs prefix_affine
+    run prefix 300 pdserve bench serve --model dummy:llama-1b --devices cuda:0 --topologies 2p1d \
+        --scenarios shared_prefixes --policies least_loaded,prefix_affine
+    grep -v '^{' "$OUT/prefix.log" | tail -n 8
+    ;;
 overlap)
     # issue 11: does async scheduling hide the decode worker's host work? Same load, each way.
     for mode in sync async; do
@@ -96,7 +103,7 @@ router)
     done
     ;;
 *)
-    echo "unknown stage $stage; allowed: first, check, engine, cluster, serve, overlap, router" >&2
+    echo "unknown stage $stage; allowed: first, check, engine, cluster, serve, prefix, overlap, router" >&2
     exit 2
     ;;
 esac
