@@ -42,6 +42,7 @@ import zmq.asyncio
 
 from common import protocol as P
 from common.channel import Channel
+from common.errors import PdserveError
 from common.sampling_params import SamplingParams
 from router.client import LOST
 from router.launcher import die_with_parent
@@ -51,6 +52,7 @@ from router.prompts import Prompts
 log = logging.getLogger("pdserve.api_server")
 ASK_TIMEOUT_S = 5.0  # for the router's status or metrics
 TRUSTED_REPLY_BYTES = 2**30
+READY_TIMEOUT_S = 120.0  # for an API server to load its tokenizer and serve
 RESTART_DELAYS_S = (1.0, 8.0)  # after an API server dies: the first wait, doubling to the last while it keeps dying
 STABLE_S = 30.0  # an API server up this long starts its next restart at the first delay again
 
@@ -182,6 +184,9 @@ async def serve(args):
     link.start()
     await front.start()
     log.info("API server %d ready: HTTP at %s, router at %s", args.index, front.url, args.router)
+    if args.ready_fd is not None:  # the router waits for this before it says it is ready
+        os.write(args.ready_fd, b"1")
+        os.close(args.ready_fd)
     try:
         await stop.wait()
     finally:
@@ -201,6 +206,7 @@ def main(argv=None):
     parser.add_argument("--max-body-bytes", type=int, required=True)
     parser.add_argument("--index", type=int, default=0)
     parser.add_argument("--parent", type=int, default=None, help="exit if this process is no longer the parent")
+    parser.add_argument("--ready-fd", type=int, default=None, help="a pipe to write a byte to once serving")
     args = parser.parse_args(argv)
     die_with_parent()  # here, not in a preexec_fn: the router forks from a threaded process (libzmq's)
     if args.parent is not None and os.getppid() != args.parent:
@@ -208,6 +214,19 @@ def main(argv=None):
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the router too, which stops us in order
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s api_server[{args.index}] %(message)s")
     uvloop.run(serve(args))
+
+
+async def _read_byte(fd: int, timeout_s: float) -> bytes | None:
+    """A byte from fd (a pipe), b"" at its end, None if neither comes within timeout_s."""
+    loop = asyncio.get_running_loop()
+    got: asyncio.Future = loop.create_future()
+    loop.add_reader(fd, lambda: got.done() or got.set_result(os.read(fd, 1)))
+    try:
+        return await asyncio.wait_for(got, timeout_s)
+    except asyncio.TimeoutError:
+        return None
+    finally:
+        loop.remove_reader(fd)
 
 
 class ApiServers:
@@ -235,14 +254,33 @@ class ApiServers:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def _spawn(self, i: int):
+    def _spawn(self, i: int, ready_fd: int | None = None):
         self.started[i] = time.monotonic()
-        self.procs[i] = subprocess.Popen(self.argv + ["--index", str(i)], pass_fds=(self.sock.fileno(),),
-                                         stdin=subprocess.DEVNULL, env=self.env)
+        argv = self.argv + ["--index", str(i)] + ([] if ready_fd is None else ["--ready-fd", str(ready_fd)])
+        fds = (self.sock.fileno(),) + (() if ready_fd is None else (ready_fd,))
+        self.procs[i] = subprocess.Popen(argv, pass_fds=fds, stdin=subprocess.DEVNULL, env=self.env)
 
-    def start(self):
-        for i in range(len(self.procs)):
-            self._spawn(i)
+    async def start(self, timeout_s: float = READY_TIMEOUT_S):
+        """Start every API server and wait until each serves: the router is not ready before. One
+        that exits first (a module missing on this host, say) fails the router's start, naming it."""
+        pipes = [os.pipe() for _ in self.procs]
+        try:
+            for i, (r, w) in enumerate(pipes):
+                self._spawn(i, ready_fd=w)
+                os.close(w)
+            for i, (r, _) in enumerate(pipes):
+                got = await _read_byte(r, timeout_s)
+                if got == b"":  # its end of the pipe closed: it exited
+                    raise PdserveError(f"API server {i} exited with {self.procs[i].wait(10)} before it served; "
+                                       "its error is in the log above")
+                if got is None:
+                    raise PdserveError(f"API server {i} did not serve within {timeout_s:.0f}s of its start")
+        except BaseException:
+            await self.close()
+            raise
+        finally:
+            for r, _ in pipes:
+                os.close(r)
         self._watch = asyncio.ensure_future(self._supervise())
 
     async def _supervise(self):

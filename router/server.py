@@ -187,7 +187,7 @@ class Router:
         if self.http is not None:
             await self.http.start()
         if self.api_servers is not None:
-            self.api_servers.start()
+            await self.api_servers.start()
         tasks = [asyncio.ensure_future(t) for t in (self._frontend_loop(), self._backend_loop(), self._monitor_loop())]
         where = f"clients at {self.frontend.address}, workers at {self.backend.address}"
         if self.http is not None:

@@ -192,3 +192,18 @@ def test_api_server_count_must_be_positive_and_serve_a_port():
                         "--api-server-count", "2"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "api_server_count=2 is invalid" in r.stderr and "http_port" in r.stderr, r.stderr
+
+
+def test_a_router_whose_api_servers_cannot_start_says_so_and_exits(tmp_path):
+    """aiohttp missing on the host (here a stand-in that fails to import): the API servers exit at
+    start, and the router, which waits for them to serve before it is ready, fails naming that."""
+    fake = tmp_path / "aiohttp"
+    fake.mkdir()
+    (fake / "__init__.py").write_text('raise ImportError("no aiohttp here (a test stand-in)")\n')
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    r = subprocess.run([sys.executable, "-m", "common.cli", "router", "--port", "0", "--worker-port", "0",
+                        "--http-port", "0", "--api-server-count", "2"], capture_output=True, text=True, timeout=120,
+                       env=env)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "no aiohttp here" in r.stderr and re.search(r"API server \d exited with 1 before it served", r.stderr)
+    assert "router:" not in r.stdout  # never said it was ready
