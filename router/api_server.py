@@ -19,8 +19,8 @@ The router binds the listening socket once and its API servers inherit it (gunic
 port can be 0, and the kernel hands each connection to whichever server accepts first. They die
 with the router (PR_SET_PDEATHSIG), and the router restarts one that dies (after 1 s, doubling to
 8 s while it keeps dying); the connections it held are lost with it, and the router cancels their
-requests when it can no longer reach it. When the router stops, each API server ends its requests
-with UNAVAILABLE before it goes.
+requests at once, streamed or not (it knows each server's ZeroMQ identity). When the router stops,
+each API server ends its requests with UNAVAILABLE before it goes.
 """
 
 from __future__ import annotations
@@ -61,13 +61,13 @@ class RouterLink:
     """HttpFront's backend in an API server: the router over ZeroMQ, as router/http.py's
     LocalBackend is the router in-process."""
 
-    def __init__(self, address: str, model: str, max_queue: int):
+    def __init__(self, address: str, model: str, max_queue: int, identity: bytes | None = None):
         self.prompts = Prompts(model)
         self.max_queue = max_queue
         self.ctx = zmq.asyncio.Context()
         # Its own router's replies are trusted, and as large as in-process replies may be (a Done
         # with every logprob): no cap but a sanity one.
-        self.chan = Channel.connect(self.ctx, zmq.DEALER, address, max_frame_bytes=-1,
+        self.chan = Channel.connect(self.ctx, zmq.DEALER, address, identity=identity, max_frame_bytes=-1,
                                     max_header_bytes=TRUSTED_REPLY_BYTES)
         self._routes: dict[str, Callable[[object], None]] = {}  # request id -> its reply_to, until Done or Error
         self._asked: dict[type, deque[asyncio.Future]] = defaultdict(deque)  # reply type -> who waits for one
@@ -173,7 +173,7 @@ class RouterLink:
 async def serve(args):
     from router.http import HttpFront
 
-    link = RouterLink(args.router, args.model, args.max_queue)
+    link = RouterLink(args.router, args.model, args.max_queue, identity(args.index, os.getpid()))
     sock = socket.socket(fileno=args.fd)
     host, port = sock.getsockname()[:2]
     front = HttpFront(link, host, port, os.environ.get("PDSERVE_API_KEY") or None, args.max_body_bytes, sock=sock)
@@ -216,6 +216,11 @@ def main(argv=None):
     uvloop.run(serve(args))
 
 
+def identity(index: int, pid: int) -> bytes:
+    """An API server's ZeroMQ identity at the router: the router knows it when the process dies."""
+    return f"api-server/{index}/{pid}".encode()
+
+
 async def _read_byte(fd: int, timeout_s: float) -> bytes | None:
     """A byte from fd (a pipe), b"" at its end, None if neither comes within timeout_s."""
     loop = asyncio.get_running_loop()
@@ -234,7 +239,9 @@ class ApiServers:
     stopped with the router."""
 
     def __init__(self, count: int, router_address: str, model: str, host: str, port: int, max_queue: int,
-                 max_body_bytes: int, api_key: str | None):
+                 max_body_bytes: int, api_key: str | None, on_exit: Callable[[bytes], None] = lambda identity: None):
+        """on_exit(identity): an API server died; its requests have nobody to go to (Router._client_gone)."""
+        self.on_exit = on_exit
         self.sock = socket.create_server((host, port), backlog=4096)
         self.sock.set_inheritable(True)
         self.host, self.port = host, self.sock.getsockname()[1]
@@ -294,6 +301,7 @@ class ApiServers:
                 delay = self.delays[i]
                 log.warning("API server %d (pid %d) exited with %s; restarting it in %.0fs", i, proc.pid,
                             proc.returncode, delay)
+                self.on_exit(identity(i, proc.pid))
                 self.procs[i] = None
                 self.delays[i] = min(2 * delay, RESTART_DELAYS_S[1])
                 asyncio.get_running_loop().call_later(delay, self._restart, i)

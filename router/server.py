@@ -121,7 +121,8 @@ class Router:
 
             address = self.frontend.address.replace("tcp://0.0.0.0:", "tcp://127.0.0.1:")  # they run here
             self.api_servers = ApiServers(cfg.api_server_count, address, cfg.model, cfg.host,
-                                          cfg.http_port, cfg.max_queue, cfg.max_message_bytes, cfg.api_key)
+                                          cfg.http_port, cfg.max_queue, cfg.max_message_bytes, cfg.api_key,
+                                          on_exit=self._client_gone)
         elif cfg.http_port is not None:
             from router.http import HttpFront, LocalBackend  # aiohttp is imported only where HTTP is served
 

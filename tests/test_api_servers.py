@@ -207,3 +207,38 @@ def test_a_router_whose_api_servers_cannot_start_says_so_and_exits(tmp_path):
     assert r.returncode == 2, r.stderr[-3000:]
     assert "no aiohttp here" in r.stderr and re.search(r"API server \d exited with 1 before it served", r.stderr)
     assert "router:" not in r.stdout  # never said it was ready
+
+
+def test_a_dead_api_server_s_requests_are_cancelled_at_once_streamed_or_not(tmp_path):
+    """Requests that are not streamed send nothing to their API server before they end, so the
+    router cannot find it gone by a failed send: it knows the dead process's identity instead."""
+    with cluster(tmp_path, http=True, api_servers=2, router_args=["--max-queue", "64"]) as c, \
+            Client(c.address, timeout=30) as sdk:
+        port = int(c.http_url.rsplit(":", 1)[1])
+        body = dict(model=MODEL, prompt="x" * 20, max_tokens=900, ignore_eos=True, temperature=0)
+
+        async def scenario():
+            sessions = [aiohttp.ClientSession() for _ in range(8)]  # a connection each
+            try:
+                posts = [asyncio.ensure_future(s.post(c.http_url + "/v1/completions", json=body)) for s in sessions]
+                deadline = time.monotonic() + 20
+                while sdk.status().in_flight < 8:
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.05)
+                held = {pid: connections(pid, port) for pid in router_children(c)}
+                assert sum(held.values()) == 8, held
+                victim = max(held, key=held.get)
+                os.kill(victim, signal.SIGKILL)
+                killed = time.monotonic()
+                while (left := sdk.status().in_flight) > 8 - held[victim]:
+                    assert time.monotonic() - killed < 1.5, f"{left} requests in flight; the victim held {held[victim]}"
+                    await asyncio.sleep(0.05)
+                answers = await asyncio.gather(*posts, return_exceptions=True)
+                return held[victim], left, [a for a in answers if not isinstance(a, Exception)]
+            finally:
+                for s in sessions:
+                    await s.close()
+
+        lost, left, answered = asyncio.run(scenario())
+        assert left == 8 - lost and len(answered) == 8 - lost and all(a.status == 200 for a in answered)
+        assert f"cancelled its {lost} requests" in c.router.log_path.read_text()
