@@ -148,8 +148,8 @@ def summarize(samples: list[Sample], wall: float) -> dict:
     done = [r for r in map(Latency.of, ok) if r.ttft is not None]
     router = [s.router_s * 1e3 for s in ok]
     told = [s for s in ok if "cached_tokens" in s.timings]  # the SDK gets the workers' timings; HTTP does not
-    cached = (round(100 * sum(min(s.timings["cached_tokens"], s.prompt_tokens) for s in told)  # a re-prefill's
-                    / max(1, sum(s.prompt_tokens for s in told)), 1) if told else None)  # counts its output too
+    cached = (round(100 * sum(s.timings["cached_tokens"] for s in told) / max(1, sum(s.prompt_tokens for s in told)), 1)
+              if told else None)
     return {"requests": len(samples), "failed": len(samples) - len(ok), "output_tokens": sum(s.tokens for s in ok),
             "output_tok_s": round(sum(s.tokens for s in ok) / wall, 1),
             **percentiles(done, (50, 99), ("ttft", "itl", "e2e")),
@@ -243,8 +243,9 @@ def run_serve_bench(model: str, topologies: list[str], scenarios: list[str], rou
                 "tokens found in the workers' prefix caches)",
                 ["scenario", "topology", "policy", "frontend", "reqs", "failed", "out tok/s", "TTFT p50", "TTFT p99",
                  "ITL p50", "ITL p99", "E2E p50", "E2E p99", "router p99", "cached %"],
-                [[r["scenario"], r["topology"], r["policy"], r["frontend"], r["requests"], r["failed"], r["output_tok_s"],
-                  r["ttft_p50_ms"], r["ttft_p99_ms"], r["itl_p50_ms"], r["itl_p99_ms"], r["e2e_p50_ms"], r["e2e_p99_ms"],
+                [[r["scenario"], r["topology"], r["policy"], r["frontend"], r["requests"], r["failed"],
+                  r["output_tok_s"], r["ttft_p50_ms"], r["ttft_p99_ms"], r["itl_p50_ms"], r["itl_p99_ms"],
+                  r["e2e_p50_ms"], r["e2e_p99_ms"],
                   r["router_p99_ms"] if r["frontend"] == "zmq" else "-",
                   "-" if r["prompt_cached_pct"] is None else r["prompt_cached_pct"]] for r in rows])
     result = {"bench": "serve", "model": model, "results": rows, "loopback_rtt_ms": round(rtt, 4)}
@@ -284,7 +285,8 @@ def compare_frontends(rows: list[dict]) -> list[dict]:
         deltas = [h["ttft_p50_ms"] - z["ttft_p50_ms"] for z, h in zip(zmq_runs, http_runs)]
         ratios = [h["output_tok_s"] / z["output_tok_s"] for z, h in zip(zmq_runs, http_runs)]
         delta, ratio = statistics.median(deltas), statistics.median(ratios)
-        out.append({"topology": topo, "policy": policy, "scenario": name, "runs": len(deltas), "ttft_p50_delta_ms": round(delta, 2),
+        out.append({"topology": topo, "policy": policy, "scenario": name, "runs": len(deltas),
+                    "ttft_p50_delta_ms": round(delta, 2),
                     "output_tok_s_ratio": round(ratio, 3), "ttft_p50_delta_ms_per_run": [round(d, 2) for d in deltas],
                     "output_tok_s_ratio_per_run": [round(r, 3) for r in ratios]})
         print(f"HTTP vs ZeroMQ SDK, {name} on {topo} ({policy}), median of {len(deltas)} back-to-back pairs: TTFT p50 "

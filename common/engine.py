@@ -378,7 +378,9 @@ class Engine:
             text = seq.text.final() if seq.text is not None else self.tokenizer.decode(seq.output_token_ids)
         metrics = {}
         if first or finished:  # a worker reports its prefill time and prefix hit with the first token
-            metrics.update(ttft_s=seq.first_token_time - seq.arrival_time, num_cached_tokens=seq.num_cached_tokens)
+            # Prompt tokens found cached (a re-prefill after a migration also finds output it recomputes)
+            cached = min(seq.num_cached_tokens, seq.num_prompt_tokens)
+            metrics.update(ttft_s=seq.first_token_time - seq.arrival_time, num_cached_tokens=cached)
         if finished:
             metrics.update(e2e_s=seq.finish_time - seq.arrival_time, num_preemptions=seq.num_preemptions)
             if seq.scheduled_time is not None:

@@ -26,7 +26,6 @@ from common.errors import InvalidArgument
 from common.sequence import Sequence
 
 
-
 def allocate_kv_pool(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                      device: torch.device, shared: bool = False) -> tuple[torch.Tensor, SharedSegment | None]:
     """The pool, and its shared-memory segment when shared (CPU only; close it when done)."""

@@ -44,7 +44,7 @@ from common import protocol as P
 from common.channel import Channel
 from common.errors import PdserveError
 from common.sampling_params import SamplingParams
-from router.client import LOST
+from router.client import LOST, replies, watch_disconnects
 from router.launcher import die_with_parent
 from router.openai_api import ApiError
 from router.prompts import Prompts
@@ -74,7 +74,8 @@ class RouterLink:
         self._tasks: list[asyncio.Task] = []
 
     def start(self):
-        self._tasks = [asyncio.ensure_future(self._read()), asyncio.ensure_future(self._watch())]
+        self._tasks = [asyncio.ensure_future(self._read()),
+                       asyncio.ensure_future(watch_disconnects(self.chan, self._lost))]
 
     async def close(self):
         for t in self._tasks:
@@ -89,18 +90,11 @@ class RouterLink:
         for rid, reply_to in routes.items():
             reply_to(P.Error(rid, "UNAVAILABLE", message))
 
-    async def _watch(self):
-        """The connection to the router dropping loses every reply in flight (the router cancels
-        the requests of a client it cannot reach): their HTTP requests fail now, not never."""
-        monitor = self.chan.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        try:
-            while True:
-                await monitor.recv_multipart()
-                log.warning("lost the connection to the router; failing %d requests", len(self._routes))
-                self.fail_all(LOST)
-        finally:
-            self.chan.sock.disable_monitor()
-            monitor.close(linger=0)
+    def _lost(self):
+        """The connection to the router dropped with every reply in flight (the router cancels the
+        requests of a client it cannot reach): their HTTP requests fail now, not never."""
+        log.warning("lost the connection to the router; failing %d requests", len(self._routes))
+        self.fail_all(LOST)
 
     def submit(self, request_id: str, ids: list[int], params: SamplingParams, stream: bool,
                reply_to: Callable[[object], None]) -> bool:
@@ -142,17 +136,16 @@ class RouterLink:
             if env.error is not None:
                 log.warning("undecodable reply from the router: %s", env.error)
                 continue
-            items = P.unbatch_tokens(env.msg) if isinstance(env.msg, P.TokenBatch) else [env.msg]
-            for msg in items:
+            msgs, bad = replies(env.msg)
+            for e in bad:
+                log.warning("undecodable item of a TokenBatch: %s", e)
+            for msg in msgs:
                 try:
                     self._deliver(msg)
                 except Exception:
                     log.exception("could not deliver %s", type(msg).__name__)
 
     def _deliver(self, msg):
-        if isinstance(msg, P.ProtocolError):
-            log.warning("undecodable item of a TokenBatch: %s", msg)
-            return
         waiting = self._asked.get(type(msg))
         if waiting is not None:
             while waiting:
@@ -245,16 +238,16 @@ class ApiServers:
         self.sock = socket.create_server((host, port), backlog=4096)
         self.sock.set_inheritable(True)
         self.host, self.port = host, self.sock.getsockname()[1]
-        self.env = {k: v for k, v in os.environ.items() if k != "PDSERVE_API_KEY"}  # the router's key, not one inherited
+        # The router's key, not one the router inherited; not in argv, which ps shows
+        self.env = {k: v for k, v in os.environ.items() if k != "PDSERVE_API_KEY"}
         if api_key:
-            self.env["PDSERVE_API_KEY"] = api_key  # not in argv: ps shows it
+            self.env["PDSERVE_API_KEY"] = api_key
         self.argv = [sys.executable, "-m", "router.api_server", "--router", router_address, "--model", model,
                      "--fd", str(self.sock.fileno()), "--max-queue", str(max_queue),
                      "--max-body-bytes", str(max_body_bytes), "--parent", str(os.getpid())]
         self.procs: list[subprocess.Popen | None] = [None] * count
         self.started = [0.0] * count
         self.delays = [RESTART_DELAYS_S[0]] * count
-        self.restarts = 0
         self._watch: asyncio.Task | None = None
 
     @property
@@ -298,13 +291,16 @@ class ApiServers:
                     continue
                 if time.monotonic() - self.started[i] > STABLE_S:
                     self.delays[i] = RESTART_DELAYS_S[0]
-                delay = self.delays[i]
                 log.warning("API server %d (pid %d) exited with %s; restarting it in %.0fs", i, proc.pid,
-                            proc.returncode, delay)
+                            proc.returncode, self.delays[i])
                 self.on_exit(identity(i, proc.pid))
                 self.procs[i] = None
-                self.delays[i] = min(2 * delay, RESTART_DELAYS_S[1])
-                asyncio.get_running_loop().call_later(delay, self._restart, i)
+                self._restart_later(i)
+
+    def _restart_later(self, i: int):
+        """Restart server i after its delay, which doubles (to the last of RESTART_DELAYS_S) each time."""
+        delay, self.delays[i] = self.delays[i], min(2 * self.delays[i], RESTART_DELAYS_S[1])
+        asyncio.get_running_loop().call_later(delay, self._restart, i)
 
     def _restart(self, i: int):
         if self._watch is None or self._watch.done():
@@ -312,11 +308,8 @@ class ApiServers:
         try:
             self._spawn(i)
         except OSError as e:
-            delay, self.delays[i] = self.delays[i], min(2 * self.delays[i], RESTART_DELAYS_S[1])
-            log.error("could not restart API server %d: %s; trying again in %.0fs", i, e, delay)
-            asyncio.get_running_loop().call_later(delay, self._restart, i)
-            return
-        self.restarts += 1
+            log.error("could not restart API server %d: %s; trying again in %.0fs", i, e, self.delays[i])
+            self._restart_later(i)
 
     async def close(self, grace_s: float = 5.0):
         if self._watch is not None:

@@ -30,6 +30,7 @@ import time
 import uuid
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 import zmq
 import zmq.asyncio
@@ -85,14 +86,32 @@ def _generate(request_id: str, prompt, messages, sampling: dict, stream: bool) -
     return P.Generate(request_id, "" if prompt is None else prompt, sampling, stream, messages, token_batches=True)
 
 
-def _replies(msg) -> tuple[list, list[P.ProtocolError]]:
-    """The messages a reply holds (a TokenBatch's Tokens, else the reply itself), and the errors
-    of a batch's bad items, which leave the others standing."""
+def replies(msg) -> tuple[list, list[P.ProtocolError]]:
+    """The messages a reply from the router holds (a TokenBatch's Tokens, else the reply itself),
+    and the errors of a batch's bad items, which leave the others standing."""
     if not isinstance(msg, P.TokenBatch):
         return [msg], []
     items = P.unbatch_tokens(msg)
     return ([m for m in items if not isinstance(m, P.ProtocolError)],
             [e for e in items if isinstance(e, P.ProtocolError)])
+
+
+def _key(msg) -> str | None:
+    """Whose a reply is: its request's, or no one's (a StatusReply)."""
+    return None if isinstance(msg, P.StatusReply) else getattr(msg, "request_id", None)
+
+
+async def watch_disconnects(chan: Channel, lost: Callable[[], None]) -> None:
+    """Call lost() each time chan's connection to the router drops (every reply in flight is lost
+    with it), until cancelled."""
+    monitor = chan.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    try:
+        while True:
+            await monitor.recv_multipart()
+            lost()
+    finally:
+        chan.sock.disable_monitor()
+        monitor.close(linger=0)
 
 
 def _raise(msg: P.Error):
@@ -185,9 +204,9 @@ class Client:
                 continue
             if env.error is not None:
                 raise RequestError("INTERNAL", f"undecodable reply from the router: {env.error}")
-            replies, bad = _replies(env.msg)
-            for msg in replies:
-                self._inbox[None if isinstance(msg, P.StatusReply) else getattr(msg, "request_id", None)].append(msg)
+            msgs, bad = replies(env.msg)
+            for msg in msgs:
+                self._inbox[_key(msg)].append(msg)
             if bad:
                 raise RequestError("INTERNAL", f"undecodable reply from the router: {bad[0]}")
         msg = self._inbox[key].popleft()
@@ -259,21 +278,16 @@ class AsyncClient:
             env = await self.chan.arecv()
             if env.error is not None:
                 continue
-            for msg in _replies(env.msg)[0]:  # a bad item is skipped, as an undecodable reply is
-                key = None if isinstance(msg, P.StatusReply) else getattr(msg, "request_id", None)
-                self._queues[key].put_nowait(msg)
+            for msg in replies(env.msg)[0]:  # a bad item is skipped, as an undecodable reply is
+                self._queues[_key(msg)].put_nowait(msg)
 
     async def _watch(self):
-        monitor = self.chan.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        try:
-            while True:
-                await monitor.recv_multipart()
-                for rid in self._open:
-                    self._queues[rid].put_nowait(P.Error(rid, "UNAVAILABLE", LOST))
-                self._open.clear()
-        finally:
-            self.chan.sock.disable_monitor()
-            monitor.close(linger=0)
+        await watch_disconnects(self.chan, self._lost)
+
+    def _lost(self):
+        for rid in self._open:
+            self._queues[rid].put_nowait(P.Error(rid, "UNAVAILABLE", LOST))
+        self._open.clear()
 
     async def submit(self, prompt=None, stream: bool = True, request_id: str | None = None,
                      messages: list[dict] | None = None, **sampling) -> str:

@@ -34,10 +34,9 @@ import asyncio
 import hmac
 import json
 import logging
+import socket
 import time
 import uuid
-
-import socket
 from typing import Callable
 
 from aiohttp import web

@@ -104,7 +104,7 @@ class Cluster:
                  api_key: str | None = None, device_share: float = 1.0, api_server_count: int = 1):
         self.host, self.port, self.worker_port = host, port or free_port(host), worker_port or free_port(host)
         self.http_port = None if http_port is None else http_port or free_port(host)
-        self.api_server_count = api_server_count if http_port is not None else 0  # 1: HTTP in the router process
+        self.api_server_count = api_server_count  # 1: HTTP (if any) in the router process
         if self.http_port is not None:
             router_args = ["--http-port", str(self.http_port), "--api-server-count", str(api_server_count),
                            *router_args]

@@ -313,10 +313,10 @@ class Choice:
 def usage(job: Job, choices: list[Choice]) -> dict:
     """Prompt tokens once per prompt (not per choice), completion tokens of every choice, and
     OpenAI's prompt_tokens_details.cached_tokens: the prompt tokens the prefill found in its
-    prefix cache (a re-prefill after a migration also finds the output it recomputes: capped)."""
+    prefix cache."""
     firsts = [c.done for c in choices[::job.n] if c.done is not None]
     prompt = sum(len(d.prompt_token_ids) for d in firsts)
-    cached = sum(min(d.timings.get("cached_tokens", 0), len(d.prompt_token_ids)) for d in firsts)
+    cached = sum(d.timings.get("cached_tokens", 0) for d in firsts)
     completion = sum(len(c.done.token_ids) for c in choices if c.done is not None)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}

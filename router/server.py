@@ -97,8 +97,7 @@ class Router:
             raise InvalidArgument(f"api_server_count={cfg.api_server_count} is invalid; allowed: 1 (HTTP in the "
                                   f"router process) or more (that many API server processes) with an http_port")
         self.cfg = cfg
-        self.prompts = Prompts(cfg.model)
-        self.tokenizer, self.model_config = self.prompts.tokenizer, self.prompts.model_config
+        self.prompts = Prompts(cfg.model)  # its tokenizer and model_config are the router's
         self.registry = Registry(cfg.policy)
         self.requests: dict[str, Request] = {}
         self.by_client: dict[tuple[bytes, str], str] = {}
@@ -284,8 +283,8 @@ class Router:
                       params.seed if params.seed is not None else fresh_seed(), stream, reply_to, arrival=received)
         if params.logprobs is not None:
             req.logprobs = []
-        if self.tokenizer is not None and (stream or params.stop):
-            req.text = TextStream(self.tokenizer, params.stop, params.include_stop_str_in_output)
+        if self.prompts.tokenizer is not None and (stream or params.stop):
+            req.text = TextStream(self.prompts.tokenizer, params.stop, params.include_stop_str_in_output)
         self.requests[req.rid] = req
         self.by_client[(client, client_request_id)] = req.rid
         self.dispatch(req)
@@ -297,8 +296,6 @@ class Router:
         """To a ZeroMQ client. If it reads TokenBatch, a Token waits for the rest of its worker's
         batch (_held); anything else to the client sends what waits first, so each stream stays
         in order."""
-        if client in self._gone:
-            return
         held = self._held
         if held is not None:
             if batches and type(msg) is P.Token and msg.prompt_logprobs is None:  # those are big: alone
@@ -306,13 +303,16 @@ class Router:
                 return
             if client in held and not self._send_held(client, held.pop(client)):
                 return
-        if not self._send(self.frontend, msg, client):
-            self._client_gone(client)
+        self._to_client(client, msg)
 
     def _send_held(self, client: bytes, tokens: list[P.Token]) -> bool:
+        return self._to_client(client, tokens[0] if len(tokens) == 1 else P.batch_tokens(tokens))
+
+    def _to_client(self, client: bytes, msg) -> bool:
+        """Send to a ZeroMQ client, unless it is gone; one found gone has its requests cancelled."""
         if client in self._gone:
             return False
-        if self._send(self.frontend, tokens[0] if len(tokens) == 1 else P.batch_tokens(tokens), client):
+        if self._send(self.frontend, msg, client):
             return True
         self._client_gone(client)
         return False
@@ -337,10 +337,12 @@ class Router:
         """A migrating request whose delivered tokens already end it (its Done was lost with its worker)."""
         if not req.tokens:
             return None
-        stops = set(req.params.stop_token_ids) | (set() if req.params.ignore_eos else set(self.model_config.eos_token_ids))
+        cfg = self.prompts.model_config
+        stops = set(req.params.stop_token_ids) | (set() if req.params.ignore_eos else set(cfg.eos_token_ids))
         if req.tokens[-1] in stops:
             return "stop"
-        if len(req.tokens) >= req.params.max_tokens or len(req.prompt_ids) + len(req.tokens) >= self.model_config.max_position_embeddings:
+        if len(req.tokens) >= req.params.max_tokens or \
+                len(req.prompt_ids) + len(req.tokens) >= cfg.max_position_embeddings:
             return "length"
         return None
 
@@ -369,7 +371,7 @@ class Router:
         p.assigned.add(req.rid)
         d.assigned.add(req.rid)
         sampling = req.params.to_dict()
-        if req.prompt_logprobs is not None:  # a migration: they came with the first attempt
+        if not asks_prompt_logprobs(req):  # none asked, or a migration: they came with the first attempt
             sampling["prompt_logprobs"] = None
         self._send(self.backend, P.PrefillWork(req.rid, req.attempt, req.prompt_ids + req.tokens, len(req.prompt_ids),
                                                sampling, req.seed, d.worker_id, d.kv_address), p.identity)
@@ -377,8 +379,7 @@ class Router:
     def _prompt_chain(self, req: Request) -> PromptChain | None:
         """What prefix_affine routes req by: the tokens its prefill computes, unless the prefix cache
         cannot serve it (prompt logprobs need every position's logits; a re-prefill asks for none)."""
-        if self.registry.policy != "prefix_affine" or (req.params.prompt_logprobs is not None
-                                                       and req.prompt_logprobs is None):
+        if self.registry.policy != "prefix_affine" or asks_prompt_logprobs(req):
             return None
         length = len(req.prompt_ids) + len(req.tokens)
         if req.chain is None or len(req.chain.token_ids) != length:  # new, or migrating with more tokens
@@ -454,9 +455,9 @@ class Router:
         if problem:
             log.warning("refused a registration from %r: %s", identity, problem)
             return
-        if msg.model and msg.model != self.model_config.fingerprint:
+        if msg.model and msg.model != self.prompts.model_config.fingerprint:
             log.error("refused worker %s: it serves model %r, the router %r", msg.worker_id, msg.model,
-                      self.model_config.fingerprint)
+                      self.prompts.model_config.fingerprint)
             self._send(self.backend, P.Shutdown(f"model mismatch: router serves {self.cfg.model}"), identity)
             return
         old = self.registry.workers.get(msg.worker_id)
@@ -603,6 +604,12 @@ class Router:
             if len(req.tokens) > 1:
                 t["tpot_s"] = (now - req.first_token_at) / (len(req.tokens) - 1)
         return t
+
+
+def asks_prompt_logprobs(req: Request) -> bool:
+    """Whether req's next prefill computes its prompt's logprobs: asked for, and not yet received
+    (a re-prefill after a migration does not compute them again)."""
+    return req.params.prompt_logprobs is not None and req.prompt_logprobs is None
 
 
 def _nowhere(msg):

@@ -5,7 +5,7 @@ last token, and a client that did not ask gets a Token per stream as before."""
 import asyncio
 
 from common import protocol as P
-from router.client import Client, _replies
+from router.client import Client, replies
 from tests.cluster import cluster, scripted_worker, serving_router
 
 
@@ -98,6 +98,6 @@ def test_a_token_with_prompt_logprobs_goes_alone_after_what_was_held():
 def test_a_bad_item_of_a_token_batch_leaves_the_others_to_the_client():
     batch = P.batch_tokens([P.Token("a", 0, [1]), P.Token("b", 0, [2])])
     batch.items.insert(1, ["c", "no index", [3]])
-    good, bad = _replies(P.decode(P.encode(batch)))
+    good, bad = replies(P.decode(P.encode(batch)))
     assert [m.request_id for m in good] == ["a", "b"] and len(bad) == 1 and "Token.index" in str(bad[0])
-    assert _replies(P.Done("a", "length", [1])) == ([P.Done("a", "length", [1])], [])
+    assert replies(P.Done("a", "length", [1])) == ([P.Done("a", "length", [1])], [])
