@@ -10,7 +10,7 @@ import click
 
 from bench.cli import bench, plan
 from common.cli_options import (devices_option, engine_argv, engine_options, http_options, parse_ints,
-                                sampling_kwargs, sampling_options, setup_logging)
+                                sampling_options, setup_logging)
 from common.errors import PdserveError
 from router.registry import POLICIES
 
@@ -58,14 +58,12 @@ def pull(name):
 @click.option("--router", "router_address", default=None, help="generate through a running router instead")
 @sampling_options
 @engine_options
-def generate(prompts, prompt_ids, chats, as_json, router_address, max_tokens, temperature, top_p, top_k, seed,
-             ignore_eos, engine_kwargs):
+def generate(prompts, prompt_ids, chats, as_json, router_address, sampling, engine_kwargs):
     """Generate text for one or more prompts: in-process, or through a cluster with --router."""
     requests = ([{"prompt": p} for p in prompts] + [{"prompt": parse_ints(p)} for p in prompt_ids]
                 + [{"messages": [{"role": "user", "content": c}]} for c in chats])
     if not requests:
         raise click.UsageError("give at least one --prompt, --prompt-ids or --chat")
-    sampling = sampling_kwargs(max_tokens, temperature, top_p, top_k, seed, ignore_eos)
     if router_address:
         from router.client import Client
 
@@ -96,12 +94,11 @@ def generate(prompts, prompt_ids, chats, as_json, router_address, max_tokens, te
 @click.option("--system", default=None, help="a system message to start the conversation with")
 @sampling_options(max_tokens=512)
 @engine_options
-def chat(router_address, system, max_tokens, temperature, top_p, top_k, seed, ignore_eos, engine_kwargs):
+def chat(router_address, system, sampling, engine_kwargs):
     """Talk to a model, streaming each answer: in-process (--model), or through a cluster (--router).
     Ctrl-C stops an answer, not the session; /clear starts over; Ctrl-D or /bye ends."""
     from common.chat_repl import EngineChat, RouterChat, run_chat
 
-    sampling = sampling_kwargs(max_tokens, temperature, top_p, top_k, seed, ignore_eos)
     if router_address:
         from router.client import Client
 
@@ -264,15 +261,14 @@ def status(router_address, as_json):
 @click.option("--prompt-ids", default=None)
 @click.option("--json", "as_json", is_flag=True, help="print the final result as JSON")
 @sampling_options
-def client(router_address, prompt, prompt_ids, as_json, max_tokens, temperature, top_p, top_k, seed, ignore_eos):
+def client(router_address, prompt, prompt_ids, as_json, sampling):
     """Stream one generation from a running router."""
     from router.client import Client
 
     if (prompt is None) == (prompt_ids is None):
         raise click.UsageError("give exactly one of --prompt or --prompt-ids")
     with Client(router_address) as c:
-        stream = c.stream(prompt if prompt is not None else parse_ints(prompt_ids),
-                          **sampling_kwargs(max_tokens, temperature, top_p, top_k, seed, ignore_eos))
+        stream = c.stream(prompt if prompt is not None else parse_ints(prompt_ids), **sampling)
         for chunk in stream:
             if not as_json:
                 print(chunk.text if chunk.text else "", end="", flush=True)

@@ -83,13 +83,6 @@ def engine_argv(engine_kwargs: dict) -> list[str]:
     return argv
 
 
-def sampling_kwargs(max_tokens, temperature, top_p, top_k, seed, ignore_eos) -> dict:
-    out = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, ignore_eos=ignore_eos)
-    if seed is not None:
-        out["seed"] = seed
-    return out
-
-
 def setup_logging(level: str = "INFO"):
     import logging
 
@@ -97,17 +90,38 @@ def setup_logging(level: str = "INFO"):
 
 
 def sampling_options(f=None, *, max_tokens: int = 32):
+    """Sampling options; the command receives them as `sampling`, SamplingParams' fields (those
+    left at their defaults left out, so a router's client sends only what was asked for)."""
     def apply(f):
-        for opt in reversed([
+        opts = [
             click.option("--max-tokens", default=max_tokens, show_default=True, type=int),
             click.option("--temperature", default=0.0, show_default=True, type=float, help="0 is greedy"),
             click.option("--top-p", default=1.0, show_default=True, type=float),
             click.option("--top-k", default=0, show_default=True, type=int, help="0 disables"),
+            click.option("--min-p", default=0.0, show_default=True, type=float, help="0 disables"),
+            click.option("--repetition-penalty", default=1.0, show_default=True, type=float,
+                         help="> 1 discourages the prompt's and output's tokens; 1 disables"),
+            click.option("--frequency-penalty", default=0.0, show_default=True, type=float, help="in [-2, 2]"),
+            click.option("--presence-penalty", default=0.0, show_default=True, type=float, help="in [-2, 2]"),
             click.option("--seed", default=None, type=int),
             click.option("--ignore-eos", is_flag=True),
-        ]):
-            f = opt(f)
-        return f
+        ]
+        defaults = dict(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0,
+                        frequency_penalty=0.0, presence_penalty=0.0, seed=None, ignore_eos=False)
+
+        @functools.wraps(f)
+        def wrapper(*args, max_tokens, temperature, top_p, top_k, min_p, repetition_penalty, frequency_penalty,
+                    presence_penalty, seed, ignore_eos, **kwargs):
+            given = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                         repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
+                         presence_penalty=presence_penalty, seed=seed, ignore_eos=ignore_eos)
+            sampling = {"max_tokens": max_tokens, "temperature": temperature,
+                        **{k: v for k, v in given.items() if v != defaults[k]}}
+            return f(*args, sampling=sampling, **kwargs)
+
+        for opt in reversed(opts):
+            wrapper = opt(wrapper)
+        return wrapper
 
     return apply(f) if f is not None else apply
 

@@ -1,5 +1,6 @@
 """The model runner: a scheduled batch turned into packed tensors (one host-to-device copy), the
-forward (eager, or a CUDA graph's replay for a decode batch), and sampling on the device."""
+forward (eager, or a CUDA graph's replay for a decode batch), any logit adjustments, and sampling
+on the device."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from common.attention import AttentionMetadata, PrefillChunk, decode_groups
 from common.config import upload
 from common.cuda_graphs import DecodeGraphs
+from common.logits_processing import adjust, adjusted_rows
 from common.sampling import Logprob, logprob_entries, logprobs_on_device, sample
 from common.scheduler import ScheduledSeq
 from common.sequence import Sequence
@@ -173,7 +175,11 @@ class ModelRunner:
                 return self._ready(step)
             logits_SV = self.model.logits(hidden_TC[sample_rows])
         rows = [q.params for q in sampled], [q.seed for q in sampled], [len(q) for q in sampled]
-        step.tokens_S = (self.graphs.sample if graphed else sample)(logits_SV, *rows)
+        adjusted = adjusted_rows(sampled)
+        if adjusted:  # penalties and the like: eagerly, over a float copy (logprobs stay the raw logits')
+            step.tokens_S = sample(adjust(logits_SV, sampled, adjusted, n, input_ids), *rows)
+        else:
+            step.tokens_S = (self.graphs.sample if graphed else sample)(logits_SV, *rows)
         if step.timing is not None:
             step.timing[1].record()
         wanted = [i for i, q in enumerate(sampled) if q.params.logprobs is not None]

@@ -13,6 +13,9 @@ MAX_SEED = 2**63 - 1
 MAX_COUNT = 2**31 - 1  # max_tokens, top_k and token ids: far past any model, and safe on the wire
 MAX_LOGPROBS = 20  # top alternatives per token, as vLLM's default max_logprobs
 MAX_STOP_STRINGS = 16
+MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI's range)
+MAX_BIAS = 100.0  # a logit bias lies in [-100, 100] (OpenAI's range)
+MAX_LOGIT_BIAS = 1024  # entries in one request's logit_bias
 
 
 def _is_int(x) -> bool:
@@ -36,7 +39,16 @@ class SamplingParams:
     stop: strings that end the text (the router, or an in-process Engine, finds them across tokens
     and cuts them off unless include_stop_str_in_output). logprobs: None, or N in [0, 20]: each generated token's
     logprob and the N most likely alternatives; prompt_logprobs the same for the prompt's tokens
-    (computed by the prefill, which then skips the prefix cache)."""
+    (computed by the prefill, which then skips the prefix cache).
+
+    Logit adjustments, applied in vLLM's order before temperature (common/logits_processing.py):
+    logit_bias ({token id: bias in [-100, 100]}, added to the logits); min_tokens (EOS and
+    stop_token_ids cannot be sampled before that many tokens); repetition_penalty (> 0; a logit
+    of a token seen in the prompt or output is divided by it if positive, else multiplied);
+    frequency_penalty and presence_penalty (in [-2, 2]; subtracted once per occurrence in the
+    output, and once if it occurs at all); then, after temperature, min_p (in [0, 1]: tokens less
+    likely than min_p times the likeliest are dropped). Each is off at its default. Logprobs stay
+    those of the raw logits."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -49,6 +61,12 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self):
         if not _is_number(self.temperature) or self.temperature < 0:
@@ -81,15 +99,43 @@ class SamplingParams:
             n = getattr(self, name)
             if n is not None and (not _is_int(n) or not 0 <= n <= MAX_LOGPROBS):
                 raise _bad(name, n, f"an integer in [0, {MAX_LOGPROBS}] or None")
-        self.temperature = float(self.temperature)
-        self.top_p = float(self.top_p)
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_number(v) or not -MAX_PENALTY <= v <= MAX_PENALTY:
+                raise _bad(name, v, "a number in [-2, 2] (0 is off)")
+        if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty <= 1e4:
+            raise _bad("repetition_penalty", self.repetition_penalty, "a number in (0, 10000] (1 is off)")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise _bad("min_p", self.min_p, "a number in [0, 1] (0 is off)")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise _bad("min_tokens", self.min_tokens, f"an integer in [0, max_tokens={self.max_tokens}]")
+        self.logit_bias = _logit_bias(self.logit_bias)
+        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
+            setattr(self, name, float(getattr(self, name)))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether any logit adjustment is on (common/logits_processing.py applies them)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or (self.min_p and not self.greedy) or self.min_tokens or self.logit_bias)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """The token ids logit_bias names must be the model's; checked where the model is known."""
+        bad = [t for t in self.logit_bias if t >= vocab_size]
+        if bad:
+            raise InvalidArgument(f"logit_bias token ids {bad[:5]} are invalid; allowed: integers in "
+                                  f"[0, {vocab_size})", param="logit_bias")
+
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The fields as plain data for the wire: logit_bias as [token, bias] pairs, since the
+        protocol's maps take string keys only."""
+        d = asdict(self)
+        d["logit_bias"] = [[t, b] for t, b in self.logit_bias.items()]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "SamplingParams":
@@ -100,6 +146,30 @@ class SamplingParams:
             raise InvalidArgument(f"unknown sampling fields {sorted(unknown)}; allowed: "
                                   f"{sorted(cls.__dataclass_fields__)}", param=sorted(unknown)[0])
         return cls(**d)
+
+
+def _logit_bias(value) -> dict[int, float]:
+    """logit_bias as {token id: bias}, from a map (JSON's keys are strings of digits) or a list
+    of [token, bias] pairs (the wire's form)."""
+    allowed = (f"a map of at most {MAX_LOGIT_BIAS} token ids (integers >= 0, or their decimal strings) "
+               f"to biases in [-{MAX_BIAS:g}, {MAX_BIAS:g}]")
+    if isinstance(value, dict):
+        pairs = list(value.items())
+    elif isinstance(value, (list, tuple)) and all(isinstance(p, (list, tuple)) and len(p) == 2 for p in value):
+        pairs = [tuple(p) for p in value]
+    else:
+        raise _bad("logit_bias", value, allowed)
+    if len(pairs) > MAX_LOGIT_BIAS:
+        raise _bad("logit_bias", value, allowed)
+    out = {}
+    for token, bias in pairs:
+        if isinstance(token, str) and token.isascii() and token.isdigit():
+            token = int(token)
+        if not _is_int(token) or not 0 <= token <= MAX_COUNT or not _is_number(bias) or abs(bias) > MAX_BIAS:
+            raise InvalidArgument(f"logit_bias entry {short_repr(token)}: {short_repr(bias)} is invalid; "
+                                  f"allowed: {allowed}", param="logit_bias")
+        out[token] = float(bias)
+    return out
 
 
 def choice_seed(seed: int, index: int) -> int:

@@ -83,6 +83,9 @@ def _chunk(msg: P.Token) -> Chunk:
 def _generate(request_id: str, prompt, messages, sampling: dict, stream: bool) -> P.Generate:
     if (prompt is None) == (messages is None):
         raise ValueError("give exactly one of prompt (text or token ids) or messages (chat)")
+    bias = sampling.get("logit_bias")
+    if isinstance(bias, dict):  # the protocol's maps take string keys only: [token, bias] pairs
+        sampling = {**sampling, "logit_bias": [[t, b] for t, b in bias.items()]}
     return P.Generate(request_id, "" if prompt is None else prompt, sampling, stream, messages, token_batches=True)
 
 

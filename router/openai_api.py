@@ -5,11 +5,12 @@ No HTTP here: router/http.py serves these.
 
 Checking is strict, as the rest of pdserve: a field of the wrong type, out of range, or unknown
 gets a 400 naming it and what is allowed. Fields of OpenAI's API that we do not implement
-(penalties, logit_bias, tools, ...) are accepted at their neutral value, which is what client
+(tools, response_format, ...) are accepted at their neutral value, which is what client
 libraries send by default, and refused otherwise: silently ignoring them would change results.
 
-Extensions, as vLLM has them: top_k, stop_token_ids, ignore_eos, include_stop_str_in_output and
-return_tokens_as_token_ids ("token_id:N" in logprobs, where token texts could collide).
+Extensions, as vLLM has them: top_k, min_p, repetition_penalty, min_tokens, stop_token_ids,
+ignore_eos, include_stop_str_in_output and return_tokens_as_token_ids ("token_id:N" in logprobs,
+where token texts could collide).
 
 n > 1 makes n requests whose seeds are seed + i (vLLM's rule; common/sampling.py choice_seed): our
 noise is keyed by (seed, position), so n copies under one seed would be n equal answers. Without a
@@ -61,11 +62,11 @@ BOOL = (lambda v: isinstance(v, bool), "true or false")
 STRING = (lambda v: isinstance(v, str), "a string")
 # Fields we take as given to SamplingParams, which checks them.
 SAMPLING = ("temperature", "top_p", "top_k", "max_tokens", "seed", "stop", "stop_token_ids", "ignore_eos",
-            "include_stop_str_in_output")
+            "include_stop_str_in_output", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
+            "min_tokens", "logit_bias")
 # Known fields we do not implement: accepted at the value that means "off".
 NEUTRAL = {
-    "presence_penalty": ((None, 0, 0.0), "0"), "frequency_penalty": ((None, 0, 0.0), "0"),
-    "logit_bias": ((None, {}), "null or {}"), "suffix": ((None, ""), "null"),
+    "suffix": ((None, ""), "null"),
     "tools": ((None, []), "null or [] (no tool calling)"), "functions": ((None, []), "null or []"),
     "tool_choice": ((None, "none", "auto"), '"none" (no tool calling)'),
     "function_call": ((None, "none", "auto"), '"none"'),

@@ -19,6 +19,7 @@ class Prompts:
                  sampling: dict | SamplingParams) -> tuple[list[int], SamplingParams]:
         """A request's prompt ids and sampling, or InvalidArgument naming what is wrong."""
         params = sampling if isinstance(sampling, SamplingParams) else SamplingParams.from_dict(sampling)
+        params.check_vocab(self.model_config.vocab_size)
         if messages is not None or isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidArgument(f"model {self.model!r} has no tokenizer; send token ids", param="prompt")

@@ -66,6 +66,7 @@ def test_async_decodes_through_the_graph_buffers_give_the_synchronous_tokens():
     params = varied_params(ps, model="dummy:llama-tiny")  # its stop tokens from SDPA's tokens: the same
     for p in params:
         p.max_tokens = min(p.max_tokens, 4)
+    params[1].repetition_penalty, params[2].logit_bias = 2.0, {7: 5.0}  # sampled eagerly after the replay
     runs, replays = {}, []
     for on in (False, True):
         engine = Engine(**kwargs, async_scheduling=on)

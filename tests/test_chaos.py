@@ -48,6 +48,8 @@ def workload(n, max_tokens=120):
     prompts = [[(7 * i + j) % 250 for j in range(10 + 5 * i)] for i in range(n)]
     sampling = [dict(max_tokens=max_tokens, ignore_eos=True, temperature=0.0 if i % 2 else 0.8, seed=i)
                 for i in range(n)]
+    for s in sampling[::3]:  # penalties count a migrated request's output as its first worker did
+        s.update(repetition_penalty=1.2, frequency_penalty=0.4, presence_penalty=0.2)
     return prompts, sampling
 
 

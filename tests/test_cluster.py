@@ -22,7 +22,8 @@ pytestmark = pytest.mark.timeout(600)
 
 
 def workload(n=50, seed=0, vocab=256):
-    """Mixed prompt lengths and sampling: greedy and seeded with filters."""
+    """Mixed prompt lengths and sampling: greedy and seeded with filters, some with penalties,
+    logit bias and min_p (their counts cross from the prefill to the decode worker)."""
     rng = random.Random(seed)
     prompts = [[rng.randrange(vocab) for _ in range(rng.choice([1, 5, 20, 60, 150]))] for _ in range(n)]
     sampling = []
@@ -32,6 +33,10 @@ def workload(n=50, seed=0, vocab=256):
             s.update(temperature=0.8, top_p=0.95, top_k=40, seed=100 + i)
         else:
             s.update(temperature=0.0)
+        if i % 3 == 0:
+            s.update(repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.3, min_p=0.05)
+        elif i % 3 == 1:
+            s.update(logit_bias={rng.randrange(vocab): 3.0, rng.randrange(vocab): -50})
         sampling.append(s)
     return prompts, sampling
 

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from common.errors import InvalidArgument
-from common.sampling_params import choice_seed
+from common.sampling_params import SamplingParams, choice_seed
 from common.tokenizer import ByteTokenizer, HFTokenizer
 from router.openai_api import CHAT_FIELDS, COMPLETION_FIELDS, ApiError, parse_chat, parse_completion
 from common.text import TextStream
@@ -31,6 +31,16 @@ def test_completion_body_becomes_a_job():
     assert parse_completion({"prompt": "x"}, MODEL).params.max_tokens == 16  # OpenAI's default
     unseeded = parse_completion({"prompt": "x", "n": 3}, MODEL)
     assert {unseeded.choice_params(i).seed for i in range(3)} == {None}  # each draws its own at admission
+
+
+def test_penalties_bias_and_min_p_reach_the_sampling():
+    job = parse_completion({"prompt": "x", "presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.2,
+                            "min_p": 0.1, "min_tokens": 3, "logit_bias": {"7": -100, "12": 2.5}}, MODEL)
+    p = job.params
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_p, p.min_tokens) == (0.5, -1, 1.2, 0.1, 3)
+    assert p.logit_bias == {7: -100.0, 12: 2.5} and p.adjusts_logits
+    assert SamplingParams.from_dict(p.to_dict()) == p  # the wire's form: [token, bias] pairs
+    assert not parse_completion({"prompt": "x", "presence_penalty": 0, "logit_bias": {}}, MODEL).params.adjusts_logits
 
 
 def test_chat_body_becomes_a_job():
@@ -56,7 +66,14 @@ def test_chat_body_becomes_a_job():
     ({"prompt": "x", "stream": True, "stream_options": {"include_usage": True, "x": 1}}, "stream_options", "include_usage"),
     ({"prompt": "x", "user": 5}, "user", "a string"),
     ({"prompt": "x", "best_of": 3}, "best_of", "no best-of"),
-    ({"prompt": "x", "frequency_penalty": 1}, "frequency_penalty", "not supported"),
+    ({"prompt": "x", "frequency_penalty": 3}, "frequency_penalty", "frequency_penalty=3 is invalid; allowed: a number in [-2, 2]"),
+    ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty", "a number in (0, 10000]"),
+    ({"prompt": "x", "min_p": -0.1}, "min_p", "a number in [0, 1]"),
+    ({"prompt": "x", "min_tokens": 17}, "min_tokens", "an integer in [0, max_tokens=16]"),
+    ({"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias", "logit_bias entry 'a': 1 is invalid"),
+    ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias", "biases in [-100, 100]"),
+    ({"prompt": "x", "logit_bias": [5]}, "logit_bias", "logit_bias=[5] is invalid"),
+    ({"prompt": "x", "response_format": {"type": "json_object"}}, "response_format", "not supported"),
     ({"prompt": "x", "suffix": "end"}, "suffix", "not supported"),
     ({"prompt": "x", "nonsense": 1}, "nonsense", "unknown field 'nonsense'"),
     ({"prompt": []}, "prompt", "a string, a list of token ids"),
