@@ -88,7 +88,7 @@ def pick_affine(candidates: list, chain: PromptChain, load: Callable[[object], f
 
     def score(w) -> tuple:
         hashes, idx = chain.hashes(w.block_size), index(w)
-        cached = idx.matched(hashes) / len(hashes) if hashes else 0.0
+        cached = idx.matched(hashes) / len(hashes) if hashes and w.prefix_caching else 0.0
         busier = (load(w) - mean) / max(LOAD_FLOOR, mean)
         return cached - LOAD_WEIGHT * busier, cached, -load(w), -len(idx.blocks)
 
@@ -96,8 +96,9 @@ def pick_affine(candidates: list, chain: PromptChain, load: Callable[[object], f
 
 
 def remember(w, chain: PromptChain) -> None:
-    """The prompt went to w: its cache will hold it."""
-    index(w).add(chain.hashes(w.block_size), chain.blocks(w.block_size))
+    """The prompt went to w: its cache will hold it (if it keeps one)."""
+    if w.prefix_caching:
+        index(w).add(chain.hashes(w.block_size), chain.blocks(w.block_size))
 
 
 def index(w) -> PrefixIndex:

@@ -466,7 +466,8 @@ class Router:
         self.registry.workers[msg.worker_id] = Worker(msg.worker_id, msg.role, msg.incarnation, identity, msg.device,
                                                       msg.total_blocks, msg.block_size, msg.kv_address,
                                                       list(msg.kv_transports), kv_dtype=msg.kv_dtype,
-                                                      batch_invariant=msg.batch_invariant, free_blocks=msg.total_blocks)
+                                                      batch_invariant=msg.batch_invariant, free_blocks=msg.total_blocks,
+                                                      prefix_caching=msg.prefix_caching)
         w = self.registry.workers[msg.worker_id]
         log.info("worker %s registered: role=%s device=%s blocks=%d (%s) kv=%s by %s", msg.worker_id, msg.role,
                  msg.device, msg.total_blocks, w.kv_name(), msg.kv_address or "-", ",".join(msg.kv_transports) or "-")

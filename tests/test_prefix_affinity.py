@@ -55,6 +55,19 @@ def test_a_shared_prefix_follows_the_worker_that_has_it_until_its_load_outweighs
     assert pick(r, system + prompt(4, 20)) is other
 
 
+def test_a_worker_without_a_prefix_cache_is_never_taken_to_hold_one():
+    r = registry()
+    r.workers["prefill-0"].prefix_caching = False  # started with --no-prefix-caching
+    system = prompt(0, 96)
+    first = pick(r, system + prompt(1, 20))
+    assert first.worker_id == "prefill-0"  # nothing cached anywhere: the first of equals
+    first.assigned.add("a")
+    second = pick(r, system + prompt(2, 20))  # by load, not by a cache prefill-0 does not keep
+    assert second.worker_id == "prefill-1"
+    second.assigned.add("b")
+    assert pick(r, system + prompt(3, 20)) is second  # its cache holds the prefix
+
+
 def test_without_a_cached_prefix_it_is_least_loaded_and_without_a_prompt_too():
     r = registry(3)
     r.workers["prefill-0"].assigned.add("a")

@@ -12,6 +12,7 @@ def test_workers_trace_their_steps(tmp_path, monkeypatch):
     with cluster(tmp_path, worker_args=["--no-prefix-caching"]) as c, Client(c.address, timeout=60) as client:
         for p in prompts:
             assert len(client.generate(p, max_tokens=8, ignore_eos=True).token_ids) == 8
+        assert [w["prefix_caching"] for w in client.status().workers] == [False, False]  # as registered
     prefill, decode = (rows(next((tmp_path / "trace").glob(f"{name}-*.tsv"))) for name in ("prefill-0", "decode-0"))
     assert sum(r["prefill_tokens"] for r in prefill) == 210 and not any(r["decodes"] for r in prefill)
     assert sum(r["prefill_token_ctx"] for r in prefill) == sum(n * n for n in (40, 70, 100))  # one chunk each
