@@ -68,6 +68,13 @@ class Rejected:
     code: str
 
 
+@dataclass
+class Probe:
+    """Router -> a ZeroMQ client waiting for a request that is not streamed: nothing to answer or
+    read. A client whose socket is gone makes the send fail, and the router cancels its requests
+    (otherwise nothing is sent to it before the request ends: it would decode for nobody)."""
+
+
 REJECT_CODES = ("INVALID_ARGUMENT", "UNAUTHENTICATED", "NOT_FOUND", "METHOD_NOT_ALLOWED", "TOO_LARGE", "INTERNAL")
 
 
@@ -297,7 +304,7 @@ class KVAck:
 
 
 MESSAGES: dict[str, type] = {cls.__name__: cls for cls in (
-    Generate, Cancel, StatusRequest, MetricsRequest, Rejected, Token, TokenBatch, Done, Error, StatusReply,
+    Generate, Cancel, StatusRequest, MetricsRequest, Rejected, Probe, Token, TokenBatch, Done, Error, StatusReply,
     MetricsReply,
     Register, Registered, Heartbeat, PrefillWork, WorkerTokens, WorkerTokenBatch, WorkerError, CancelWork, Shutdown,
     KVReserve, KVGrant, KVRefuse, KVRelease, KVChunk, KVTransfer, KVAck)}

@@ -91,9 +91,9 @@ def _generate(request_id: str, prompt, messages, sampling: dict, stream: bool) -
 
 def replies(msg) -> tuple[list, list[P.ProtocolError]]:
     """The messages a reply from the router holds (a TokenBatch's Tokens, else the reply itself),
-    and the errors of a batch's bad items, which leave the others standing."""
+    and the errors of a batch's bad items, which leave the others standing. A Probe holds none."""
     if not isinstance(msg, P.TokenBatch):
-        return [msg], []
+        return ([] if isinstance(msg, P.Probe) else [msg]), []
     items = P.unbatch_tokens(msg)
     return ([m for m in items if not isinstance(m, P.ProtocolError)],
             [e for e in items if isinstance(e, P.ProtocolError)])

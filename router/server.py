@@ -38,6 +38,7 @@ from common.text import TextStream
 
 log = logging.getLogger("pdserve.router")
 DEAD_WORKER_MEMORY_S = 300.0  # how long `pdserve status` still lists a dead worker
+CLIENT_PROBE_S = 1.0  # how often a ZeroMQ client waiting for a request that is not streamed is probed
 
 
 @dataclass
@@ -114,6 +115,7 @@ class Router:
         # While a worker's token batch is handled: each client's Tokens, held to go as one TokenBatch
         self._held: dict[bytes, list[P.Token]] | None = None
         self._gone: set[bytes] = set()  # clients found unreachable, their requests about to be cancelled
+        self._next_probe = 0.0  # when _probe_clients runs next
         self.http = self.api_servers = None
         if cfg.http_port is not None and cfg.api_server_count > 1:
             from router.api_server import ApiServers
@@ -591,6 +593,16 @@ class Router:
         for req in list(self.requests.values()):
             if req.state == "queued":
                 self.dispatch(req)
+        if now >= self._next_probe:
+            self._next_probe = now + CLIENT_PROBE_S
+            self._probe_clients()
+
+    def _probe_clients(self):
+        """Find ZeroMQ clients gone while they wait for a request that is not streamed: a stream's
+        tokens would have found them gone already."""
+        waiting = {req.client for req in self.requests.values() if not req.stream and isinstance(req.client, bytes)}
+        for client in waiting:
+            self._to_client(client, P.Probe())
 
     # ------------------------------------------------------------------ text and timings
 

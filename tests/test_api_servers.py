@@ -65,16 +65,66 @@ def test_a_client_the_router_cannot_reach_has_its_requests_cancelled():
     assert [t.index for t in got] == list(range(len(got))) and all(t.request_id == "c" for t in got)
 
 
-def test_a_gone_client_s_request_that_ends_is_counted_once():
-    """A Done that cannot be delivered finds the client gone; the request is finished once, as
-    what it was ("length"), not also as "cancelled"."""
+async def gone_client_s_work(router, connect, max_tokens: int, stream: bool):
+    """A mono worker, and the work of one request from a client that then closes its socket."""
+    worker = await scripted_worker(router, connect, "mono-0")
+    gone = connect(router.frontend.address)
+    await gone.send(P.Generate("a", [7, 8], {"max_tokens": max_tokens, "ignore_eos": True}, stream,
+                               token_batches=True))
+    work = (await asyncio.wait_for(worker.arecv(), 10)).msg
+    gone.close()
+    return worker, work
+
+
+def test_a_gone_client_waiting_for_a_request_that_is_not_streamed_is_found_by_a_probe():
+    """Nothing goes to such a client before its request ends, so no failed send would show it
+    gone: the router probes it (an SDK client reads past the probe)."""
+    async def scenario():
+        async with serving_router() as (router, connect):
+            worker, work = await gone_client_s_work(router, connect, 1000, stream=False)
+            closed = time.monotonic()
+            while True:  # the worker sends nothing: the request would run on for nobody
+                msg = (await asyncio.wait_for(worker.arecv(), 5)).msg
+                if isinstance(msg, P.CancelWork):
+                    return msg.request_id == work.request_id, time.monotonic() - closed, len(router.requests)
+
+    cancelled, after_s, left = asyncio.run(scenario())
+    assert cancelled and left == 0
+    assert after_s < 3, f"found gone after {after_s:.1f}s"
+
+
+def test_an_sdk_client_reads_past_probes():
     async def scenario():
         async with serving_router() as (router, connect):
             worker = await scripted_worker(router, connect, "mono-0")
-            gone = connect(router.frontend.address)
-            await gone.send(P.Generate("a", [7, 8], {"max_tokens": 1, "ignore_eos": True}, False, token_batches=True))
-            work = (await asyncio.wait_for(worker.arecv(), 10)).msg
-            gone.close()
+            probes = []
+            send = router._to_client
+            router._to_client = lambda client, msg: (probes.append(msg) if isinstance(msg, P.Probe) else None,
+                                                     send(client, msg))[1]
+            client = await asyncio.to_thread(Client, router.frontend.address, 10)
+            try:
+                pending = asyncio.ensure_future(asyncio.to_thread(client.generate, [7, 8], max_tokens=2))
+                work = (await asyncio.wait_for(worker.arecv(), 10)).msg
+                await asyncio.sleep(1.5)  # probed meanwhile (the worker's heartbeat timeout is 2 s)
+                await worker.send(P.WorkerTokens(work.request_id, work.attempt, 0, [5, 6], "length"))
+                result = await pending
+                status = await asyncio.to_thread(client.status)  # no probe filed as its reply
+                assert isinstance(status, P.StatusReply), status
+                return result, len(probes)
+            finally:
+                client.close()
+
+    result, probes = asyncio.run(scenario())
+    assert result.token_ids == [5, 6] and probes >= 1
+
+
+def test_a_gone_client_s_request_that_ends_is_counted_once():
+    """A reply that cannot be delivered finds the client gone; the request, which ends in the same
+    batch, is finished once, as what it was ("length"), not also as "cancelled". (Streamed: a
+    request that is not streamed could be found gone first by the router's probe.)"""
+    async def scenario():
+        async with serving_router() as (router, connect):
+            worker, work = await gone_client_s_work(router, connect, 1, stream=True)
             await asyncio.sleep(0.3)  # the router's socket drops the peer
             await worker.send(P.WorkerTokens(work.request_id, work.attempt, 0, [5], "length"))
             deadline = time.monotonic() + 5
