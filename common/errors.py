@@ -1,6 +1,9 @@
 """Errors a user can act on. Each carries a code that the router will put on the wire, so the
 same failure reads the same whether it happens in-process or across a socket."""
 
+import contextlib
+import errno
+
 
 class PdserveError(Exception):
     code = "INTERNAL"
@@ -33,3 +36,21 @@ def short_repr(value, limit: int = 60) -> str:
     """repr(value), cut to `limit` characters: for naming a bad value in an error message."""
     r = repr(value)
     return r if len(r) <= limit else r[:limit - 3] + "..."
+
+
+@contextlib.contextmanager
+def port_free(host: str, port: int, flag: str):
+    """Binding within turns "address in use" (a socket's OSError, ZeroMQ's ZMQError alike) into
+    an InvalidArgument naming the port and the flag that sets it, not a traceback."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno != errno.EADDRINUSE:
+            raise
+    except Exception as e:  # zmq.ZMQError is not an OSError
+        if getattr(e, "errno", None) != errno.EADDRINUSE:
+            raise
+    else:
+        return
+    raise InvalidArgument(f"port {port} on {host} is in use (another pdserve router?); allowed: a free port "
+                          f"for {flag} (0 picks one)", param=flag)

@@ -43,6 +43,13 @@ while (($#)); do
   esac
 done
 WORKER_PORT=${WORKER_PORT:-$((PORT + 1))}
+# Another router on these ports would answer the readiness check below, and take our workers.
+for flag_port in "--port $PORT" "--worker-port $WORKER_PORT" ${HTTP_PORT:+"--http-port $HTTP_PORT"}; do
+  read -r flag port <<<"$flag_port"
+  ((port > 0)) || { echo "launch.sh: $flag $port is invalid; allowed: a port number (pdserve launch picks free ports for 0)" >&2; exit 2; }
+  ((DRY_RUN)) || ! (exec 3<>"/dev/tcp/$HOST/$port") 2>/dev/null ||
+    { echo "launch.sh: port $port on $HOST is in use (another pdserve router?); allowed: a free port for $flag" >&2; exit 2; }
+done
 PDSERVE=${PDSERVE:-pdserve}
 command -v "$PDSERVE" >/dev/null || PDSERVE="python3 -m common.cli"
 IFS=, read -ra DEVICE_LIST <<<"$DEVICES"

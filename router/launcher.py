@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common.errors import port_free
 from common.memory import DEFAULT_UTILIZATION, launch_plan
 
 PR_SET_PDEATHSIG = 1
@@ -57,6 +58,14 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:  # a crowded host: fall back to the kernel's choice
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def check_port_free(host: str, port: int, flag: str) -> None:
+    """InvalidArgument naming the port and its flag if something holds it (as the router would
+    bind it: SO_REUSEADDR, so a port in TIME_WAIT counts as free)."""
+    with socket.socket() as s, port_free(host, port, flag):
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((host, port))
 
 
 def threads_per_worker(workers: int, cores: int | None = None) -> int:
@@ -144,7 +153,14 @@ class Cluster:
     def children(self) -> list[Child]:
         return [self.router] + self.workers
 
+    def check_ports(self):
+        """Another router on these ports would answer the readiness check, and take our workers."""
+        for port, flag in ((self.port, "--port"), (self.worker_port, "--worker-port"), (self.http_port, "--http-port")):
+            if port is not None:
+                check_port_free(self.host, port, flag)
+
     def start(self, ready_timeout: float = 180.0):
+        self.check_ports()
         self.log_dir.mkdir(parents=True, exist_ok=True)
         for c in self.children:
             c.start()
@@ -213,6 +229,7 @@ def run_launch(cluster: Cluster):
     stopping = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.append(True))
+    cluster.check_ports()  # before anything starts (or says "stopped")
     try:
         cluster.start()
         if cluster.http_url:

@@ -28,7 +28,7 @@ import zmq.asyncio
 
 from common import protocol as P
 from common.channel import Channel, Envelope
-from common.errors import InvalidArgument
+from common.errors import InvalidArgument, port_free
 from common.sampling_params import SamplingParams, fresh_seed
 from router.metrics import RouterMetrics
 from router.prefix_affinity import PromptChain, remember
@@ -107,10 +107,12 @@ class Router:
         # Messages over max_message_bytes get an error naming the limit; ZeroMQ itself drops a peer
         # sending frames over 4x that, before they are buffered whole.
         hard_cap = 4 * cfg.max_message_bytes
-        self.frontend = Channel.bind(self.ctx, zmq.ROUTER, f"tcp://{cfg.host}:{cfg.port}",
-                                     max_frame_bytes=hard_cap, max_header_bytes=cfg.max_message_bytes)
-        self.backend = Channel.bind(self.ctx, zmq.ROUTER, f"tcp://{cfg.host}:{cfg.worker_port}",
-                                    max_frame_bytes=hard_cap, max_header_bytes=cfg.max_message_bytes)
+        with port_free(cfg.host, cfg.port, "--port"):
+            self.frontend = Channel.bind(self.ctx, zmq.ROUTER, f"tcp://{cfg.host}:{cfg.port}",
+                                         max_frame_bytes=hard_cap, max_header_bytes=cfg.max_message_bytes)
+        with port_free(cfg.host, cfg.worker_port, "--worker-port"):
+            self.backend = Channel.bind(self.ctx, zmq.ROUTER, f"tcp://{cfg.host}:{cfg.worker_port}",
+                                        max_frame_bytes=hard_cap, max_header_bytes=cfg.max_message_bytes)
         self.metrics = RouterMetrics(self)
         # While a worker's token batch is handled: each client's Tokens, held to go as one TokenBatch
         self._held: dict[bytes, list[P.Token]] | None = None
@@ -121,9 +123,10 @@ class Router:
             from router.api_server import ApiServers
 
             address = self.frontend.address.replace("tcp://0.0.0.0:", "tcp://127.0.0.1:")  # they run here
-            self.api_servers = ApiServers(cfg.api_server_count, address, cfg.model, cfg.host,
-                                          cfg.http_port, cfg.max_queue, cfg.max_message_bytes, cfg.api_key,
-                                          on_exit=self._client_gone)
+            with port_free(cfg.host, cfg.http_port, "--http-port"):
+                self.api_servers = ApiServers(cfg.api_server_count, address, cfg.model, cfg.host,
+                                              cfg.http_port, cfg.max_queue, cfg.max_message_bytes, cfg.api_key,
+                                              on_exit=self._client_gone)
         elif cfg.http_port is not None:
             from router.http import HttpFront, LocalBackend  # aiohttp is imported only where HTTP is served
 
@@ -187,7 +190,8 @@ class Router:
     async def serve(self, stop: asyncio.Event | None = None, on_ready: Callable[[str], None] | None = None):
         stop = stop or asyncio.Event()
         if self.http is not None:
-            await self.http.start()
+            with port_free(self.cfg.host, self.cfg.http_port, "--http-port"):
+                await self.http.start()
         if self.api_servers is not None:
             await self.api_servers.start()
         tasks = [asyncio.ensure_future(t) for t in (self._frontend_loop(), self._backend_loop(), self._monitor_loop())]

@@ -63,6 +63,15 @@ def test_launch_answers_and_stops_cleanly(tmp_path, how):
             assert json.load(health)["status"] == "ok"
         assert len(processes_mentioning(marker)) >= 1
         assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == ["decode-0.log", "prefill-0.log", "router.log"]
+        # A second launch (or router) on these ports says so and starts nothing: before, its workers
+        # joined this router, which answered its readiness check, while its own router crash-looped.
+        for again in ([str(tmp_path / "again") if a == str(tmp_path / "logs") else a for a in cmd],
+                      [sys.executable, "-m", "common.cli", "router", "--port", str(free_port()), "--worker-port",
+                       address.rsplit(":", 1)[1]]):
+            second = subprocess.run(again, capture_output=True, text=True, cwd=ROOT, env=CHECKOUT_ENV, timeout=60)
+            assert second.returncode == 2, second
+            assert f"port {port} on 127.0.0.1 is in use" in second.stderr, second.stderr
+            assert "Traceback" not in second.stderr and not (tmp_path / "again").exists()
         # A crashed worker is restarted and rejoins under a new incarnation.
         with Client(address, timeout=60) as client:
             def incarnation():
