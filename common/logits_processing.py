@@ -10,6 +10,10 @@ and output where its prompt ends, wherever it runs.
 Under async scheduling the newest token of a decode may still be sampled on the device when the
 next step is prepared (PENDING on the host). That token is the decode's input, so its count is
 taken from the step's input ids on the device, and the host counts the tokens before it.
+
+The host's work per step is a memcpy of each adjusted sequence's tokens (Sequence.settled_tokens)
+into one buffer and one copy to the device, which spreads them into rows; a Python loop over
+tokens would cost tens of milliseconds a step at batch 64 with long prompts.
 """
 
 from __future__ import annotations
@@ -24,8 +28,9 @@ from common.sequence import Sequence
 
 
 def adjusted_rows(seqs: list[Sequence]) -> list[int]:
-    """The rows whose requests adjust their logits."""
-    return [i for i, q in enumerate(seqs) if q.params.adjusts_logits]
+    """The rows whose requests adjust their logits this step (min_tokens only until it is met)."""
+    return [i for i, q in enumerate(seqs)
+            if q.params.adjusts_logits or len(q) - q.num_prompt_tokens < q.params.min_tokens]
 
 
 def adjust(logits_SV: torch.Tensor, seqs: list[Sequence], rows: list[int], num_decode: int,
@@ -33,25 +38,26 @@ def adjust(logits_SV: torch.Tensor, seqs: list[Sequence], rows: list[int], num_d
     """A float32 copy of logits_SV (one row per sampling sequence, seqs[i] on row i), its `rows`
     adjusted. Rows below num_decode are decodes whose newest token is input_ids[row]."""
     V = logits_SV.shape[1]
-    out_SV = logits_SV.to(torch.float32, copy=True)
     R = len(rows)
-    # Host side: (row, token) pairs of each kind, then the per-row parameters; one copy each.
-    out_r, out_t, prompt_r, prompt_t = array.array("q"), array.array("q"), array.array("q"), array.array("q")
+    out_n, prompt_n, last_src = array.array("q"), array.array("q"), array.array("q")
     bias_r, bias_t, bias_v, stop_r, stop_t = array.array("q"), array.array("q"), [], array.array("q"), array.array("q")
-    last_r, last_src = array.array("q"), array.array("q")
-    floats = []
+    tokens = array.array("q")  # each row's output tokens, then each row's prompt tokens
+    prompts = []
+    params = []  # per row: repetition, frequency, presence, temperature, log(min_p)
     for j, i in enumerate(rows):
         q, p = seqs[i], seqs[i].params
-        outputs = q.token_ids[q.num_prompt_tokens:]
+        settled = q.settled_tokens()
+        outputs = settled[q.num_prompt_tokens:]
         if i < num_decode:  # its newest token: from the device, where it may still be pending on the host
-            outputs = outputs[:-1]
-            last_r.append(j)
             last_src.append(i)
-        out_t.extend(outputs)
-        out_r.extend([j] * len(outputs))
+        elif len(q) > q.num_prompt_tokens:  # a re-prefill's last output token: known on the host
+            outputs.append(q.token_ids[-1])
+        tokens += outputs
+        out_n.append(len(outputs))
+        prompt_n.append(q.num_prompt_tokens if p.repetition_penalty != 1.0 else 0)
         if p.repetition_penalty != 1.0:
-            prompt_t.extend(q.prompt_token_ids)
-            prompt_r.extend([j] * q.num_prompt_tokens)
+            prompts.append(settled[:q.num_prompt_tokens] if len(settled) >= q.num_prompt_tokens else
+                           array.array("q", q.prompt_token_ids))
         bias_t.extend(p.logit_bias)
         bias_r.extend([j] * len(p.logit_bias))
         bias_v.extend(p.logit_bias.values())
@@ -60,30 +66,39 @@ def adjust(logits_SV: torch.Tensor, seqs: list[Sequence], rows: list[int], num_d
             stop_t.extend(stops)
             stop_r.extend([j] * len(stops))
         min_p = p.min_p if not p.greedy else 0.0
-        floats += [p.repetition_penalty, p.frequency_penalty, p.presence_penalty, p.temperature or 1.0,
+        params += [p.repetition_penalty, p.frequency_penalty, p.presence_penalty, p.temperature or 1.0,
                    math.log(min_p) if min_p > 0 else -math.inf]
-    parts = (out_r, out_t, prompt_r, prompt_t, bias_r, bias_t, stop_r, stop_t, last_r, last_src)
-    buf = array.array("q", rows)
+    for prompt in prompts:
+        tokens += prompt
+    parts = (array.array("q", rows), out_n, prompt_n, last_src, bias_r, bias_t, stop_r, stop_t, tokens)
+    buf = array.array("q")
     for part in parts:
-        buf.extend(part)
+        buf += part
     dev = logits_SV.device
     ints = upload(torch.frombuffer(buf, dtype=torch.int64).clone(), dev)
-    rows_R, *views = ints.split([R] + [len(part) for part in parts])
-    out_r, out_t, prompt_r, prompt_t, bias_r, bias_t, stop_r, stop_t, last_r, last_src = views
-    fl = upload(torch.tensor(floats + bias_v, dtype=torch.float32), dev)
-    rep_R, freq_R, pres_R, temp_R, log_min_p_R = fl[:5 * R].view(R, 5).unbind(1)
-    x_RV = out_SV[rows_R]
-    if len(bias_v):
-        x_RV.index_put_((bias_r, bias_t), fl[5 * R:], accumulate=True)
+    rows_R, out_n_R, prompt_n_R, last_src, bias_r, bias_t, stop_r, stop_t, tokens = ints.split(list(map(len, parts)))
+    floats = upload(torch.tensor(params + bias_v, dtype=torch.float32), dev)
+    rep_R, freq_R, pres_R, temp_R, log_min_p_R = floats[:5 * R].view(R, 5).unbind(1)
+    x_RV = logits_SV[rows_R].float()  # a copy: the graph's logits stay the raw ones, for logprobs
+    if bias_v:
+        x_RV.index_put_((bias_r, bias_t), floats[5 * R:], accumulate=True)
     if len(stop_t):
         x_RV[stop_r, stop_t] = -math.inf
-    if any(floats[k] != 1.0 or floats[k + 1] or floats[k + 2] for k in range(0, 5 * R, 5)):
-        x_RV = _penalize(x_RV, rep_R, freq_R, pres_R, torch.cat([out_r, last_r]),
-                         torch.cat([out_t, input_ids[last_src]]), prompt_r, prompt_t)
-    if any(floats[k] > -math.inf for k in range(4, 5 * R, 5)):
+    if any(params[k] != 1.0 or params[k + 1] or params[k + 2] for k in range(0, 5 * R, 5)):
+        arange_R = torch.arange(R, device=dev)
+        n_out = len(tokens) - sum(map(len, prompts))
+        out_t = torch.cat([tokens[:n_out], input_ids[last_src]])
+        out_r = torch.cat([arange_R.repeat_interleave(out_n_R, output_size=n_out),
+                           arange_R[:len(last_src)]])  # decode rows come first in `rows`
+        prompt_r = arange_R.repeat_interleave(prompt_n_R, output_size=len(tokens) - n_out)
+        x_RV = _penalize(x_RV, rep_R, freq_R, pres_R, out_r, out_t, prompt_r, tokens[n_out:])
+    if any(params[k] > -math.inf for k in range(4, 5 * R, 5)):
         # min_p, after temperature: p_i < min_p * p_max  <=>  x_i < x_max + T log(min_p)
         threshold_R = x_RV.max(dim=-1).values + temp_R * log_min_p_R
         x_RV = x_RV.masked_fill(x_RV < threshold_R[:, None], -math.inf)
+    out_SV = logits_SV.float()
+    if out_SV is logits_SV:
+        out_SV = out_SV.clone()
     out_SV[rows_R] = x_RV
     return out_SV
 

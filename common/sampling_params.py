@@ -23,7 +23,8 @@ def _is_int(x) -> bool:
 
 
 def _is_number(x) -> bool:
-    return (_is_int(x) or isinstance(x, float)) and math.isfinite(x)
+    """A finite float, or an int a float holds exactly (a JSON integer of 400 digits is neither)."""
+    return (_is_int(x) and abs(x) <= 2**53) or (isinstance(x, float) and math.isfinite(x))
 
 
 def _bad(name: str, value, allowed: str) -> InvalidArgument:
@@ -43,7 +44,8 @@ class SamplingParams:
 
     Logit adjustments, applied in vLLM's order before temperature (common/logits_processing.py):
     logit_bias ({token id: bias in [-100, 100]}, added to the logits); min_tokens (EOS and
-    stop_token_ids cannot be sampled before that many tokens); repetition_penalty (> 0; a logit
+    stop_token_ids cannot be sampled before that many tokens, and stop strings are not searched
+    in their text: common/text.py); repetition_penalty (> 0; a logit
     of a token seen in the prompt or output is divided by it if positive, else multiplied);
     frequency_penalty and presence_penalty (in [-2, 2]; subtracted once per occurrence in the
     output, and once if it occurs at all); then, after temperature, min_p (in [0, 1]: tokens less
@@ -70,7 +72,7 @@ class SamplingParams:
 
     def __post_init__(self):
         if not _is_number(self.temperature) or self.temperature < 0:
-            raise _bad("temperature", self.temperature, "a number >= 0 (0 is greedy)")
+            raise _bad("temperature", self.temperature, "a finite number >= 0 (0 is greedy)")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise _bad("top_p", self.top_p, "a number in (0, 1]")
         if not _is_int(self.top_k) or not -1 <= self.top_k <= MAX_COUNT:
@@ -119,9 +121,10 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether any logit adjustment is on (common/logits_processing.py applies them)."""
+        """Whether a logit adjustment is on for every token (common/logits_processing.py applies
+        them; min_tokens only until it is met, which its sequence knows)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or (self.min_p and not self.greedy) or self.min_tokens or self.logit_bias)
+                    or (self.min_p and not self.greedy) or self.logit_bias)
 
     def check_vocab(self, vocab_size: int) -> None:
         """The token ids logit_bias names must be the model's; checked where the model is known."""
@@ -141,6 +144,7 @@ class SamplingParams:
     def from_dict(cls, d: dict) -> "SamplingParams":
         if not isinstance(d, dict):
             raise InvalidArgument(f"sampling={short_repr(d)} is invalid; allowed: a map of sampling fields")
+        d = {k: v for k, v in d.items() if v is not None}  # null: the field's default, as over HTTP
         unknown = set(d) - set(cls.__dataclass_fields__)
         if unknown:
             raise InvalidArgument(f"unknown sampling fields {sorted(unknown)}; allowed: "
@@ -151,8 +155,8 @@ class SamplingParams:
 def _logit_bias(value) -> dict[int, float]:
     """logit_bias as {token id: bias}, from a map (JSON's keys are strings of digits) or a list
     of [token, bias] pairs (the wire's form)."""
-    allowed = (f"a map of at most {MAX_LOGIT_BIAS} token ids (integers >= 0, or their decimal strings) "
-               f"to biases in [-{MAX_BIAS:g}, {MAX_BIAS:g}]")
+    allowed = (f"a map of at most {MAX_LOGIT_BIAS} distinct token ids (integers in [0, 2**31 - 1], or their "
+               f"decimal strings) to biases in [-{MAX_BIAS:g}, {MAX_BIAS:g}]")
     if isinstance(value, dict):
         pairs = list(value.items())
     elif isinstance(value, (list, tuple)) and all(isinstance(p, (list, tuple)) and len(p) == 2 for p in value):
@@ -163,10 +167,12 @@ def _logit_bias(value) -> dict[int, float]:
         raise _bad("logit_bias", value, allowed)
     out = {}
     for token, bias in pairs:
-        if isinstance(token, str) and token.isascii() and token.isdigit():
+        key = token
+        if isinstance(token, str) and token.isascii() and token.isdigit() and len(token) <= 10:
             token = int(token)
-        if not _is_int(token) or not 0 <= token <= MAX_COUNT or not _is_number(bias) or abs(bias) > MAX_BIAS:
-            raise InvalidArgument(f"logit_bias entry {short_repr(token)}: {short_repr(bias)} is invalid; "
+        if (not _is_int(token) or not 0 <= token <= MAX_COUNT or token in out or not _is_number(bias)
+                or abs(bias) > MAX_BIAS):
+            raise InvalidArgument(f"logit_bias entry {short_repr(key)}: {short_repr(bias)} is invalid; "
                                   f"allowed: {allowed}", param="logit_bias")
         out[token] = float(bias)
     return out

@@ -39,6 +39,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.block_table: list[int] = []
         self._table_array: tuple[list[int], array.array] | None = None  # (the list it copies, the copy)
+        self._settled = array.array("q")  # token_ids but the newest, as int64 (settled_tokens)
         self.block_hashes: list[bytes] = []  # hash chain of the full blocks whose KV is computed
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_cached_tokens = 0  # of those, found by prefix caching at admission
@@ -79,6 +80,17 @@ class Sequence:
         elif len(cached[1]) < len(table):
             cached[1].extend(table[len(cached[1]):])
         return cached[1]
+
+    def settled_tokens(self) -> array.array:
+        """token_ids but the newest, as an int64 array kept in step with them: those never change
+        (the newest may be PENDING). Logit adjustments take a sequence's tokens from it each step
+        at memcpy speed, where a list is converted an int at a time."""
+        settled, end = self._settled, len(self.token_ids) - 1
+        if len(settled) > end:  # not expected: tokens are only ever appended
+            settled = self._settled = array.array("q")
+        if len(settled) < end:
+            settled.extend(self.token_ids[len(settled):end])
+        return settled
 
     @property
     def pending(self) -> bool:

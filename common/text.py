@@ -9,16 +9,17 @@ Stop strings are searched in the text as it grows, so one found across token bou
 for "ab") stops the request at the token that completed it; the text is cut before the string
 (or after it, with include_stop_str_in_output). While a request has stop strings, the last
 len(longest) - 1 characters are held back from streaming: they might be the start of a stop
-string, which must never reach the client.
+string, which must never reach the client. Nor are they searched in the text of a request's
+first min_tokens tokens (vLLM's rule: the text after them may still complete one begun there).
 """
 
 from __future__ import annotations
 
 
 class TextStream:
-    def __init__(self, tokenizer, stop: list[str] = (), include_stop: bool = False):
+    def __init__(self, tokenizer, stop: list[str] = (), include_stop: bool = False, min_tokens: int = 0):
         self.tokenizer = tokenizer
-        self.stop, self.include_stop = list(stop), include_stop
+        self.stop, self.include_stop, self.min_tokens = list(stop), include_stop, min_tokens
         self.holdback = max(map(len, self.stop), default=1) - 1
         self.ids: list[int] = []
         self.prefix = self.read = 0  # the window: ids[prefix:read] is decoded already
@@ -33,12 +34,14 @@ class TextStream:
         after = self.tokenizer.decode(self.ids[self.prefix:])
         if len(after) <= len(before) or after.endswith("\ufffd"):
             return False  # nothing new yet, or inside a multi-byte character
-        searched = max(0, len(self.text) - self.holdback)
+        old = len(self.text)
         self.text += after[len(before):]
         self.prefix, self.read = self.read, len(self.ids)
-        if not self.stop:
+        if not self.stop or len(self.ids) <= self.min_tokens:
             return False
-        found = [(at, s) for s in self.stop if (at := self.text.find(s, searched)) >= 0]
+        # each string where it would take a new character (vLLM's rule): one within the text of the
+        # first min_tokens tokens, never searched, is not found later either
+        found = [(at, s) for s in self.stop if (at := self.text.find(s, max(0, old - len(s) + 1))) >= 0]
         if not found:
             return False
         at, self.stop_reason = min(found, key=lambda f: (f[0], -len(f[1])))

@@ -290,7 +290,8 @@ class Router:
         if params.logprobs is not None:
             req.logprobs = []
         if self.prompts.tokenizer is not None and (stream or params.stop):
-            req.text = TextStream(self.prompts.tokenizer, params.stop, params.include_stop_str_in_output)
+            req.text = TextStream(self.prompts.tokenizer, params.stop, params.include_stop_str_in_output,
+                                  params.min_tokens)
         self.requests[req.rid] = req
         self.by_client[(client, client_request_id)] = req.rid
         self.dispatch(req)

@@ -66,7 +66,7 @@ def test_async_decodes_through_the_graph_buffers_give_the_synchronous_tokens():
     params = varied_params(ps, model="dummy:llama-tiny")  # its stop tokens from SDPA's tokens: the same
     for p in params:
         p.max_tokens = min(p.max_tokens, 4)
-    params[1].repetition_penalty, params[2].logit_bias = 2.0, {7: 5.0}  # sampled eagerly after the replay
+    params[1].repetition_penalty, params[2].logit_bias = 2.0, {7: 100.0}  # sampled eagerly after the replay
     runs, replays = {}, []
     for on in (False, True):
         engine = Engine(**kwargs, async_scheduling=on)
@@ -76,6 +76,7 @@ def test_async_decodes_through_the_graph_buffers_give_the_synchronous_tokens():
         runs[on] = engine.generate(ps, params)
     assert_same_results(runs[True], runs[False])
     assert replays.count(True) > 2 and replays.count(False) > 2
+    assert set(runs[True][2].token_ids) == {7}  # the bias took, after the graph's forward
 
 
 def test_a_step_returns_the_tokens_of_the_step_before():

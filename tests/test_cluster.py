@@ -23,7 +23,8 @@ pytestmark = pytest.mark.timeout(600)
 
 def workload(n=50, seed=0, vocab=256):
     """Mixed prompt lengths and sampling: greedy and seeded with filters, some with penalties,
-    logit bias and min_p (their counts cross from the prefill to the decode worker)."""
+    logit bias and min_p (their counts cross from the prefill to the decode worker), and some
+    held off a favoured stop token by min_tokens (the prefill worker samples the first token)."""
     rng = random.Random(seed)
     prompts = [[rng.randrange(vocab) for _ in range(rng.choice([1, 5, 20, 60, 150]))] for _ in range(n)]
     sampling = []
@@ -37,6 +38,9 @@ def workload(n=50, seed=0, vocab=256):
             s.update(repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.3, min_p=0.05)
         elif i % 3 == 1:
             s.update(logit_bias={rng.randrange(vocab): 3.0, rng.randrange(vocab): -50})
+        elif i % 6 == 2:
+            stop = rng.randrange(vocab)
+            s.update(logit_bias={stop: 100.0}, stop_token_ids=[stop], min_tokens=min(3, s["max_tokens"]))
         sampling.append(s)
     return prompts, sampling
 
@@ -64,7 +68,9 @@ def check_cluster_matches(address, model, n=50, seed=0, vocab=256):
     prompts, sampling = workload(n, seed, vocab)
     expected = monolithic(model, prompts, sampling)
     results = asyncio.run(run_concurrently(address, prompts, sampling))
-    for (result, chunks), want in zip(results, expected):
+    for (result, chunks), want, s in zip(results, expected, sampling):
+        if s.get("min_tokens"):  # the favoured stop token comes just after them, or the length ends it first
+            assert len(want) == min(s["min_tokens"] + 1, s["max_tokens"]) and s["stop_token_ids"][0] not in want[:-1]
         assert result.token_ids == want
         streamed = [t for c in chunks for t in c.token_ids]
         assert streamed == want

@@ -199,6 +199,13 @@ def test_stop_strings_across_tokens_cut_the_text_and_free_the_blocks(served, eng
     assert chunks[-1].choices[0].finish_reason == "stop"
     kept = client.completions.create(**args | {"extra_body": dict(ignore_eos=True, include_stop_str_in_output=True)})
     assert kept.choices[0].text == want.text[:cut + len(stop)]
+    # min_tokens: no stop string in the text of the first min_tokens tokens (vLLM's rule), found
+    # alike in the router and in an engine
+    late = client.completions.create(**args | {"extra_body": dict(ignore_eos=True, min_tokens=ends_at)})
+    want_late = reference(engine, "The stop test", max_tokens=40, temperature=0, ignore_eos=True, stop=[stop, "never"],
+                          min_tokens=ends_at)
+    assert late.usage.completion_tokens == len(want_late.token_ids) > ends_at
+    assert late.choices[0].text == want_late.text and want_late.token_ids[:ends_at] == want.token_ids[:ends_at]
     with Client(served.address, timeout=60) as sdk:  # the ZeroMQ SDK: the same stop, in the router
         res = sdk.generate("The stop test", max_tokens=40, temperature=0, ignore_eos=True, stop=[stop])
         assert (res.text, res.finish_reason, res.stop_reason) == (want.text[:cut], "stop", stop)
@@ -270,7 +277,7 @@ def test_errors_have_openais_shape_and_the_server_serves_on(served):
         (dict(body=[1, 2]), 400, "INVALID_ARGUMENT", None, "JSON object"),
         (dict(body=base | {"max_tokens": "lots"}), 400, "INVALID_ARGUMENT", "max_tokens", "max_tokens='lots'"),
         (dict(body=base | {"max_tokens": -3}), 400, "INVALID_ARGUMENT", "max_tokens", "allowed: an integer in [1, 2**31 - 1]"),
-        (dict(body=base | {"temperature": "hot"}), 400, "INVALID_ARGUMENT", "temperature", "a number >= 0"),
+        (dict(body=base | {"temperature": "hot"}), 400, "INVALID_ARGUMENT", "temperature", "a finite number >= 0"),
         (dict(body=base | {"frobnicate": 1}), 400, "INVALID_ARGUMENT", "frobnicate", "unknown field 'frobnicate'"),
         (dict(body=base | {"presence_penalty": 2.5}), 400, "INVALID_ARGUMENT", "presence_penalty", "[-2, 2]"),
         (dict(body=base | {"logit_bias": {"999": 1}}), 400, "INVALID_ARGUMENT", "logit_bias", "token ids [999]"),

@@ -139,6 +139,20 @@ def test_adjusted_requests_sample_alike_alone_batched_chunked_and_async():
     assert not any(changed[i] for i in range(len(ps)) if i % 4 == 3)
 
 
+def test_every_token_counts_at_once_the_newest_pending_one_included():
+    """Three tokens biased far above the rest and a frequency penalty of 2: which comes next hangs
+    on the counts of all three so far, the newest included, which async scheduling still samples
+    on the device when the next step is prepared."""
+    ps = prompts(4, 5, 30, seed=3)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logit_bias={10: 100, 20: 100, 30: 100},
+                            frequency_penalty=2.0)
+    runs = [Engine(model="dummy:llama-tiny", async_scheduling=on).generate(ps, params) for on in (False, True)]
+    assert [o.token_ids for o in runs[1]] == [o.token_ids for o in runs[0]]
+    for out in runs[0]:
+        counts = Counter(out.token_ids)
+        assert set(counts) == {10, 20, 30} and min(counts.values()) >= 3, counts  # the penalty spreads them
+
+
 def test_logit_bias_outside_the_vocabulary_is_refused_by_name():
     engine = Engine(model="dummy:nanogpt")
     V = engine.model_config.vocab_size

@@ -56,7 +56,7 @@ def test_chat_body_becomes_a_job():
 @pytest.mark.parametrize("body, param, text", [
     ({"prompt": "x", "max_tokens": -1}, "max_tokens", "max_tokens=-1 is invalid; allowed: an integer in [1, 2**31 - 1]"),
     ({"prompt": "x", "max_tokens": True}, "max_tokens", "max_tokens=True"),
-    ({"prompt": "x", "temperature": "0.5"}, "temperature", "allowed: a number >= 0"),
+    ({"prompt": "x", "temperature": "0.5"}, "temperature", "allowed: a finite number >= 0"),
     ({"prompt": "x", "n": 0}, "n", "allowed: an integer >= 1"),
     ({"prompt": "x", "stop": [""]}, "stop", "a non-empty string"),
     ({"prompt": "x", "stop": ["a"] * 17}, "stop", "at most 16"),
@@ -191,6 +191,18 @@ def test_held_back_text_never_shows_a_stop_string():
     assert ts.add(ord("c"))
     shown += ts.delta()
     assert shown == ts.final() == "xxabx"
+
+
+def test_no_stop_string_is_found_in_the_first_min_tokens_text():
+    """vLLM's rule: the text of the first min_tokens tokens is not searched, and a string that lies
+    wholly within it is not found later either; one it begins and a later token completes is."""
+    def stops_at(text, min_tokens, stop=("ab", "long stop")):
+        ts = TextStream(ByteTokenizer(), list(stop), min_tokens=min_tokens)
+        return next((i + 1 for i, ch in enumerate(text) if ts.add(ord(ch))), None), ts.text
+    assert stops_at("xabyyab", 0) == (3, "x")
+    assert stops_at("xabyyab", 3) == (7, "xabyy")  # the first "ab" is within the first three tokens
+    assert stops_at("xabyyab", 2) == (3, "x")  # "ab" completed by the third token
+    assert stops_at("xabyy", 4) == (None, "xabyy")
 
 
 # ----------------------------------------------------------------------------- the router's side, with a scripted worker
