@@ -48,6 +48,7 @@ class Channel:
         # post(): the same socket without zmq.asyncio's futures, and how many of its sends wait
         self._raw = zmq.Socket.shadow(sock.underlying)
         self._waiting, self._posted = 0, False
+        self.monitor: zmq.Socket | None = None  # connect(monitor=...)'s
 
     @classmethod
     def _make(cls, ctx, kind: int, max_frame_bytes: int | None, identity: bytes | None, server: bool):
@@ -70,10 +71,22 @@ class Channel:
 
     @classmethod
     def connect(cls, ctx, kind: int, address: str, identity: bytes | None = None,
-                max_frame_bytes: int | None = None, **kw) -> "Channel":
+                max_frame_bytes: int | None = None, monitor: int = 0, **kw) -> "Channel":
+        """monitor: socket events to watch (`.monitor`, a PAIR socket), watched from before the
+        connection starts so that none is missed."""
         sock = cls._make(ctx, kind, max_frame_bytes, identity, server=False)
-        sock.connect(address)
-        return cls(sock, **kw)
+        watcher = sock.get_monitor_socket(monitor) if monitor else None
+        try:
+            sock.connect(address)
+        except zmq.ZMQError:
+            if watcher is not None:
+                sock.disable_monitor()
+                watcher.close(linger=0)
+            sock.close(linger=0)  # else the context's term() would wait for it
+            raise
+        chan = cls(sock, **kw)
+        chan.monitor = watcher
+        return chan
 
     @property
     def address(self) -> str:

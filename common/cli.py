@@ -290,7 +290,7 @@ def run():
     try:
         main(standalone_mode=True)
     except (PdserveError, RequestError) as e:
-        print(f"error [{e.code}]: {e}", file=sys.stderr)
+        print(f"error [{e.code}]: {getattr(e, 'message', e)}", file=sys.stderr)
         sys.exit(2)
 
 

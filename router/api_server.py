@@ -44,7 +44,7 @@ from common import protocol as P
 from common.channel import Channel
 from common.errors import PdserveError
 from common.sampling_params import SamplingParams
-from router.client import LOST, replies, watch_disconnects
+from router.client import LOST, Connection, replies
 from router.launcher import die_with_parent
 from router.openai_api import ApiError
 from router.prompts import Prompts
@@ -68,19 +68,20 @@ class RouterLink:
         # Its own router's replies are trusted, and as large as in-process replies may be (a Done
         # with every logprob): no cap but a sanity one.
         self.chan = Channel.connect(self.ctx, zmq.DEALER, address, identity=identity, max_frame_bytes=-1,
-                                    max_header_bytes=TRUSTED_REPLY_BYTES)
+                                    max_header_bytes=TRUSTED_REPLY_BYTES, monitor=Connection.EVENTS)
         self._routes: dict[str, Callable[[object], None]] = {}  # request id -> its reply_to, until Done or Error
         self._asked: dict[type, deque[asyncio.Future]] = defaultdict(deque)  # reply type -> who waits for one
         self._tasks: list[asyncio.Task] = []
+        self.connection = Connection(self.chan)
 
     def start(self):
-        self._tasks = [asyncio.ensure_future(self._read()),
-                       asyncio.ensure_future(watch_disconnects(self.chan, self._lost))]
+        self._tasks = [asyncio.ensure_future(self._read()), asyncio.ensure_future(self.connection.watch(self._lost))]
 
     async def close(self):
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.connection.close()
         self.chan.close()
         self.ctx.term()
 

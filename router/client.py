@@ -39,6 +39,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from common import protocol as P
 from common.channel import Channel
+from common.errors import InvalidArgument
 
 LOST = "lost the connection to the router (it died or restarted); the request's outcome is unknown"
 
@@ -104,17 +105,56 @@ def _key(msg) -> str | None:
     return None if isinstance(msg, P.StatusReply) else getattr(msg, "request_id", None)
 
 
-async def watch_disconnects(chan: Channel, lost: Callable[[], None]) -> None:
-    """Call lost() each time chan's connection to the router drops (every reply in flight is lost
-    with it), until cancelled."""
-    monitor = chan.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-    try:
+def _until(*times: float | None) -> float | None:
+    """Seconds until the earliest of times (None: never)."""
+    times = [t for t in times if t is not None]
+    return max(0.0, min(times) - time.monotonic()) if times else None
+
+
+class Connection:
+    """Whether a client's socket reaches the router, from the socket's monitor (made before it
+    connects, so that the first handshake is seen). A request waiting with no connection for
+    CONNECT_TIMEOUT_S (no router there, or one refusing our CURVE key) fails UNAVAILABLE rather
+    than wait out its timeout; a connection that drops loses every reply in flight."""
+
+    EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED  # Channel.connect(monitor=EVENTS)
+
+    def __init__(self, chan: Channel):
+        self.chan = chan
+        self.monitor = chan.monitor
+        self.down_since: float | None = time.monotonic()  # None while connected
+
+    def on_event(self, event: dict) -> bool:
+        """Take a monitor event; True if it was the connection dropping (not an attempt failing:
+        a router refusing our key drops each one before its handshake)."""
+        if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self.down_since = None
+            return False
+        if self.down_since is not None:
+            return False
+        self.down_since = time.monotonic()
+        return True
+
+    def give_up_at(self) -> float | None:
+        return None if self.down_since is None else self.down_since + CONNECT_TIMEOUT_S
+
+    def check(self, address: str, request_id: str | None, open_ids: set[str]) -> None:
+        """UNAVAILABLE for request_id (no longer open) if no connection came in CONNECT_TIMEOUT_S."""
+        at = self.give_up_at()
+        if at is not None and time.monotonic() >= at:
+            open_ids.discard(request_id)
+            raise RequestError("UNAVAILABLE", f"no router answers at {address} (for {CONNECT_TIMEOUT_S:g}s): is one "
+                                              "running there, with the same CURVE keys?", request_id)
+
+    async def watch(self, lost: Callable[[], None]) -> None:
+        """Call lost() each time the connection drops, until cancelled (an async socket's monitor)."""
         while True:
-            await monitor.recv_multipart()
-            lost()
-    finally:
-        chan.sock.disable_monitor()
-        monitor.close(linger=0)
+            if self.on_event(await recv_monitor_message(self.monitor)):
+                lost()
+
+    def close(self):
+        self.chan.sock.disable_monitor()
+        self.monitor.close(linger=0)
 
 
 def _raise(msg: P.Error):
@@ -130,12 +170,21 @@ class _Ids:
         return f"{self._prefix}-{next(self._n)}"
 
 
+CONNECT_TIMEOUT_S = 10.0  # how long a request waits for any connection to the router before UNAVAILABLE
+
+
+@dataclass
+class Deadline:
+    at: float | None  # time.monotonic() past which a call gives up; None: never
+    seconds: float | None  # the timeout it came from, for the message
+
+
 class Stream:
     """Iterator of Chunks for one request; `.result` holds the Result once it is exhausted."""
 
     def __init__(self, client: "Client", request_id: str, timeout: float | None):
         self.client, self.request_id = client, request_id
-        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.deadline = client._deadline(timeout)
         self.result: Result | None = None
 
     def __iter__(self):
@@ -151,15 +200,25 @@ class Stream:
         raise StopIteration
 
 
+def _connect(ctx, address: str) -> Channel:
+    """A DEALER to the router, or InvalidArgument for an address ZeroMQ cannot take."""
+    try:
+        return Channel.connect(ctx, zmq.DEALER, address, monitor=Connection.EVENTS)
+    except zmq.ZMQError as e:
+        ctx.term()
+        raise InvalidArgument(f"router address {address!r} is invalid ({e.strerror}); allowed: tcp://HOST:PORT, "
+                              "as the router prints it") from None
+
+
 class Client:
     def __init__(self, address: str, timeout: float | None = 120.0):
         self.address, self.timeout = address, timeout
         self.ctx = zmq.Context()
-        self.chan = Channel.connect(self.ctx, zmq.DEALER, address)
-        self._monitor = self.chan.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.chan = _connect(self.ctx, address)
+        self.connection = Connection(self.chan)
         self._poller = zmq.Poller()
         self._poller.register(self.chan.sock, zmq.POLLIN)
-        self._poller.register(self._monitor, zmq.POLLIN)
+        self._poller.register(self.connection.monitor, zmq.POLLIN)
         self._inbox: dict[str | None, deque] = defaultdict(deque)
         self._open: set[str] = set()  # submitted, no Done or Error yet
         self._new_id = _Ids()
@@ -171,8 +230,7 @@ class Client:
         self.close()
 
     def close(self):
-        self.chan.sock.disable_monitor()
-        self._monitor.close(linger=0)
+        self.connection.close()
         self.chan.close()
         self.ctx.term()
 
@@ -186,17 +244,20 @@ class Client:
     def cancel(self, request_id: str) -> None:
         self.chan.send(P.Cancel(request_id))
 
-    def _next(self, key: str | None, deadline: float | None):
-        """The next message for `key`, reading (and filing) others' messages meanwhile."""
+    def _next(self, key: str | None, deadline: "Deadline"):
+        """The next message for `key`, reading (and filing) others' messages meanwhile. With no
+        connection to the router for CONNECT_TIMEOUT_S, UNAVAILABLE: nothing would ever come."""
         while not self._inbox[key]:
-            wait = None if deadline is None else deadline - time.monotonic()
-            if wait is not None and wait <= 0:
+            now = time.monotonic()
+            self.connection.check(self.address, key, self._open)
+            if deadline.at is not None and deadline.at <= now:
                 if key is not None:
                     self.cancel(key)
-                raise RequestError("TIMEOUT", f"no reply within the client's timeout of {self.timeout}s", key)
-            ready = dict(self._poller.poll(None if wait is None else max(1, int(wait * 1000))))
-            if self._monitor in ready:
-                recv_monitor_message(self._monitor)
+                raise RequestError("TIMEOUT", f"no reply within {deadline.seconds:g}s (the call's timeout=, else "
+                                              f"Client(timeout=...))", key)
+            wait = _until(deadline.at, self.connection.give_up_at())
+            ready = dict(self._poller.poll(None if wait is None else max(1, int(wait * 1000) + 1)))
+            if self.connection.monitor in ready and self.connection.on_event(recv_monitor_message(self.connection.monitor)):
                 for rid in self._open:
                     self._inbox[rid].append(P.Error(rid, "UNAVAILABLE", LOST))
                 self._open.clear()
@@ -221,9 +282,9 @@ class Client:
             _raise(msg)
         return msg
 
-    def _deadline(self, timeout):
+    def _deadline(self, timeout) -> "Deadline":
         timeout = self.timeout if timeout is None else timeout
-        return None if timeout is None else time.monotonic() + timeout
+        return Deadline(None if timeout is None else time.monotonic() + timeout, timeout)
 
     def stream(self, prompt=None, timeout: float | None = None, **sampling) -> Stream:
         return Stream(self, self.submit(prompt, stream=True, **sampling), self.timeout if timeout is None else timeout)
@@ -253,7 +314,8 @@ class AsyncClient:
     def __init__(self, address: str, timeout: float | None = 120.0):
         self.address, self.timeout = address, timeout
         self.ctx = zmq.asyncio.Context()
-        self.chan = Channel.connect(self.ctx, zmq.DEALER, address)
+        self.chan = _connect(self.ctx, address)
+        self.connection = Connection(self.chan)
         self._queues: dict[str | None, asyncio.Queue] = defaultdict(asyncio.Queue)
         self._reader: asyncio.Task | None = None
         self._open: set[str] = set()
@@ -269,6 +331,7 @@ class AsyncClient:
         if self._reader is not None:
             self._reader.cancel()
             await asyncio.gather(self._reader, return_exceptions=True)
+        self.connection.close()
         self.chan.close()
         self.ctx.term()
 
@@ -285,7 +348,7 @@ class AsyncClient:
                 self._queues[_key(msg)].put_nowait(msg)
 
     async def _watch(self):
-        await watch_disconnects(self.chan, self._lost)
+        await self.connection.watch(self._lost)
 
     def _lost(self):
         for rid in self._open:
@@ -304,12 +367,18 @@ class AsyncClient:
         await self.chan.send(P.Cancel(request_id))
 
     async def _next(self, key, timeout):
-        try:
-            msg = await asyncio.wait_for(self._queues[key].get(), timeout)
-        except asyncio.TimeoutError:
-            if key is not None:
-                await self.cancel(key)
-            raise RequestError("TIMEOUT", f"no reply within the client's timeout of {timeout}s", key) from None
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            self.connection.check(self.address, key, self._open)
+            try:
+                msg = await asyncio.wait_for(self._queues[key].get(), _until(deadline, self.connection.give_up_at()))
+                break
+            except asyncio.TimeoutError:
+                if deadline is not None and time.monotonic() >= deadline:
+                    if key is not None:
+                        await self.cancel(key)
+                    raise RequestError("TIMEOUT", f"no reply within {timeout:g}s (the call's timeout=, else "
+                                                  f"AsyncClient(timeout=...))", key) from None
         if isinstance(msg, (P.Error, P.Done)):
             self._queues.pop(key, None)
             self._open.discard(key)

@@ -192,7 +192,7 @@ class HttpFront:
         backend, prompts = self.backend, self.backend.prompts
         try:
             job: Job = parse(await _json(request))
-            prepared = [prompts.validate(prompt, job.messages, job.params) for prompt in job.prompts]
+            prepared = [prompts.validate(prompt, job.messages, job.params, job.max_tokens_field) for prompt in job.prompts]
             total = len(prepared) * job.n
             if total > backend.max_queue:
                 raise ApiError("INVALID_ARGUMENT", f"{len(prepared)} prompts x n={job.n} make {total} choices; "

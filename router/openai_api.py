@@ -95,6 +95,7 @@ class Job:
     echo: bool
     logprobs: int | None  # alternatives shown per token, or None: no logprobs
     token_ids_as_text: bool
+    max_tokens_field: str | None = None  # the body's max_tokens or max_completion_tokens, if it gave one
 
     def choice_params(self, index: int) -> SamplingParams:
         """Choice index's sampling (choices are prompt-major: prompt index * n + j)."""
@@ -157,7 +158,8 @@ def _job(body: dict, served_model: str, chat: bool, prompts: list, messages: lis
             raise InvalidArgument(str(e).replace("max_tokens", "max_completion_tokens", 1),
                                   param="max_completion_tokens") from None
         raise
-    return Job(chat, model, prompts, messages, params, n, stream, include_usage, echo, logprobs, as_ids)
+    given = next((f for f in ("max_completion_tokens", "max_tokens") if body.get(f) is not None), None)
+    return Job(chat, model, prompts, messages, params, n, stream, include_usage, echo, logprobs, as_ids, given)
 
 
 LOGPROBS = (lambda v: _is_int(v) and 0 <= v <= MAX_LOGPROBS, f"an integer in [0, {MAX_LOGPROBS}]")

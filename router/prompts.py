@@ -15,9 +15,13 @@ class Prompts:
         self.tokenizer = load_tokenizer(model)
         self.model_config = model_config(model)
 
-    def validate(self, prompt: str | list[int], messages: list[dict] | None,
-                 sampling: dict | SamplingParams) -> tuple[list[int], SamplingParams]:
-        """A request's prompt ids and sampling, or InvalidArgument naming what is wrong."""
+    def validate(self, prompt: str | list[int], messages: list[dict] | None, sampling: dict | SamplingParams,
+                 max_tokens_field: str | None = None) -> tuple[list[int], SamplingParams]:
+        """A request's prompt ids and sampling, or InvalidArgument naming what is wrong. A
+        max_tokens the request gave (its field named by max_tokens_field, or in the sampling map)
+        must fit in the context with the prompt, as vLLM has it; a default one is cut to fit."""
+        if isinstance(sampling, dict) and sampling.get("max_tokens") is not None:
+            max_tokens_field = "max_tokens"
         params = sampling if isinstance(sampling, SamplingParams) else SamplingParams.from_dict(sampling)
         params.check_vocab(self.model_config.vocab_size)
         if messages is not None or isinstance(prompt, str):
@@ -47,6 +51,10 @@ class Prompts:
         if len(ids) >= limit:
             raise InvalidArgument(f"prompt has {len(ids)} tokens; allowed: at most {limit - 1} "
                                   f"(the model's context is {limit})", param="prompt")
+        if max_tokens_field is not None and len(ids) + params.max_tokens > limit:
+            raise InvalidArgument(f"{max_tokens_field}={params.max_tokens} is too large: the model's maximum context "
+                                  f"length is {limit} tokens and the prompt has {len(ids)}; allowed: at most "
+                                  f"{limit - len(ids)}", param=max_tokens_field)
         return ids, params
 
     def text(self, ids: list[int]) -> str | None:

@@ -142,7 +142,7 @@ def test_a_gone_client_s_request_that_ends_is_counted_once():
 @pytest.mark.parametrize("api_servers", [1, 2], ids=["in-router", "api-servers"])
 def test_a_stopping_router_ends_its_http_streams_with_unavailable(tmp_path, api_servers):
     with cluster(tmp_path, prefill=0, decode=0, mono=1, http=True, api_servers=api_servers) as c:
-        body = dict(model=MODEL, prompt="x", max_tokens=5000, stream=True, ignore_eos=True)
+        body = dict(model=MODEL, prompt="x", max_tokens=1000, stream=True, ignore_eos=True)
 
         async def scenario():
             async with aiohttp.ClientSession() as s:

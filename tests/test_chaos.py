@@ -110,7 +110,7 @@ def test_no_live_worker_ends_with_a_coded_error_not_a_hang(tmp_path):
 
 def test_router_restart_fails_inflight_clearly_and_workers_rejoin(tmp_path):
     with cluster(tmp_path, prefill=1, decode=1, restart=True) as c, Client(c.address, timeout=60) as client:
-        stream = client.stream([5, 6, 7], max_tokens=2000, ignore_eos=True)
+        stream = client.stream([5, 6, 7], max_tokens=1000, ignore_eos=True)
         next(stream)
         c.router.proc.kill()
         with pytest.raises(RequestError) as e:

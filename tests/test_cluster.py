@@ -111,6 +111,9 @@ def test_bad_requests_get_coded_errors_and_cluster_serves_on(tmp_path):
             (dict(prompt=[1, 999]), "[999]"),
             (dict(prompt=[1] * 1024), "prompt has 1024 tokens; allowed: at most 1023"),
             (dict(prompt=""), "prompt is empty"),
+            (dict(prompt=[1] * 1000, max_tokens=25), "max_tokens=25 is too large: the model's maximum context length "
+                                                     "is 1024 tokens and the prompt has 1000; allowed: at most 24"),
+            (dict(prompt="hi", logit_bias={"1" * 5000: 1}), "logit_bias entry '111"),
         ]
         for kwargs, text in cases:
             with pytest.raises(RequestError) as e:
@@ -197,13 +200,37 @@ def test_unavailable_when_no_worker_ever_registered(tmp_path):
                 try:
                     client.generate([1, 2, 3], max_tokens=2, timeout=2)
                 except RequestError as e:
-                    if e.code == "TIMEOUT" and time.monotonic() < deadline:
+                    if (e.code == "TIMEOUT" or "no router answers" in e.message) and time.monotonic() < deadline:
                         continue  # the router is still starting
                     assert e.code == "UNAVAILABLE" and "no prefill worker has registered" in e.message
                     break
     finally:
         router.terminate()
         router.wait(10)
+
+
+def test_a_client_with_no_router_to_reach_says_so_instead_of_waiting_out_its_timeout(monkeypatch):
+    import router.client
+    from common.errors import InvalidArgument
+    from router.launcher import free_port
+
+    monkeypatch.setattr(router.client, "CONNECT_TIMEOUT_S", 0.5)
+    address = f"tcp://127.0.0.1:{free_port()}"  # nothing listens there
+    with Client(address, timeout=60) as client:
+        started = time.monotonic()
+        with pytest.raises(RequestError) as e:
+            client.generate([1, 2, 3], max_tokens=2)
+        assert e.value.code == "UNAVAILABLE" and f"no router answers at {address}" in e.value.message
+        assert time.monotonic() - started < 5 and not client._open
+
+    async def async_client():
+        async with AsyncClient(address, timeout=60) as client:
+            with pytest.raises(RequestError) as e:
+                await client.status()
+            return e.value
+    assert asyncio.run(async_client()).code == "UNAVAILABLE"
+    with pytest.raises(InvalidArgument, match="router address '127.0.0.1:7100' is invalid.*allowed: tcp://HOST:PORT"):
+        Client("127.0.0.1:7100")
 
 
 def test_round_robin_takes_turns_within_each_role():

@@ -281,6 +281,8 @@ def test_errors_have_openais_shape_and_the_server_serves_on(served):
         (dict(body=base | {"frobnicate": 1}), 400, "INVALID_ARGUMENT", "frobnicate", "unknown field 'frobnicate'"),
         (dict(body=base | {"presence_penalty": 2.5}), 400, "INVALID_ARGUMENT", "presence_penalty", "[-2, 2]"),
         (dict(body=base | {"logit_bias": {"999": 1}}), 400, "INVALID_ARGUMENT", "logit_bias", "token ids [999]"),
+        (dict(body=base | {"max_tokens": 100000}), 400, "INVALID_ARGUMENT", "max_tokens",
+         "max_tokens=100000 is too large: the model's maximum context length is"),
         (dict(body=base | {"tools": [{"type": "function"}]}), 400, "INVALID_ARGUMENT", "tools", "not supported"),
         (dict(body=base | {"logprobs": 21}), 400, "INVALID_ARGUMENT", "logprobs", "[0, 20]"),
         (dict(body=base | {"prompt": [1, 999]}), 400, "INVALID_ARGUMENT", "prompt", "[999]"),
@@ -296,6 +298,9 @@ def test_errors_have_openais_shape_and_the_server_serves_on(served):
         error = body["error"]
         assert set(error) == {"message", "type", "param", "code"}
         assert (error["code"], error["param"]) == (code, param) and text in error["message"], error
+    too_long = dict(model=MODEL, messages=[{"role": "user", "content": "x"}], max_completion_tokens=5000)
+    got, _, body = http(served, "POST", "/v1/chat/completions", too_long)
+    assert got == 400 and body["error"]["param"] == "max_completion_tokens", body
     chat = dict(model=MODEL, messages=[{"role": "robot", "content": "x"}])
     got, _, body = http(served, "POST", "/v1/chat/completions", chat)
     assert got == 400 and "messages[0].role" in body["error"]["message"] and body["error"]["param"] == "messages"

@@ -9,7 +9,8 @@ import zmq.auth
 
 from common import protocol as P
 from common.security import create_keys
-from router.client import Client
+import router.client
+from router.client import Client, RequestError
 from tests.cluster import cluster
 
 pytestmark = pytest.mark.timeout(300)
@@ -56,3 +57,9 @@ def test_curve_keeps_unknown_peers_out(tmp_path, monkeypatch):
         assert all(w["free_blocks"] == w["total_blocks"] for w in workers)  # nothing was reserved
         for s in socks:
             s.close()
+        # An SDK client whose key the router refuses hears so, instead of waiting out its timeout.
+        monkeypatch.setattr(router.client, "CONNECT_TIMEOUT_S", 1.0)
+        monkeypatch.setenv("PDSERVE_CURVE_DIR", str(intruder_keys))
+        with pytest.raises(RequestError) as e, Client(c.address, timeout=60) as intruder:
+            intruder.generate([1, 2, 3], max_tokens=2)
+        assert e.value.code == "UNAVAILABLE" and "same CURVE keys" in e.value.message
