@@ -1,5 +1,5 @@
 """The router's HTTP front: OpenAI's API (/v1/completions, /v1/chat/completions, /v1/models),
-/health and Prometheus /metrics, served in the router process, on its event loop, or by API
+vLLM's /tokenize, /detokenize and /version, /health and Prometheus /metrics, served in the router process, on its event loop, or by API
 server processes beside it (router/api_server.py, --api-server-count).
 
     HTTP client --POST /v1/completions--> HttpFront --backend.submit(reply_to=queue)--> request state machine
@@ -45,13 +45,15 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from common import protocol as P
 from common.errors import InvalidArgument
 from common.sampling_params import SamplingParams
-from router.openai_api import RETRY_AFTER_S, ApiError, Choice, Envelope, Job, parse_chat, parse_completion, usage
+from router.openai_api import (RETRY_AFTER_S, ApiError, Choice, Envelope, Job, check_model, parse_chat,
+                               parse_completion, parse_detokenize, parse_tokenize, usage)
 from router.prompts import Prompts
 from router.registry import DECODE_ROLES, PREFILL_ROLES, missing_roles
 
 log = logging.getLogger("pdserve.http")
 HTTP_CLIENT = "http"  # the Router.submit client of every HTTP request (their request ids are unique)
-ROUTES = "GET /health, GET /metrics, GET /v1/models, POST /v1/completions, POST /v1/chat/completions"
+ROUTES = ("GET /health, GET /metrics, GET /version, GET /v1/models, GET /v1/models/{model}, POST /v1/completions, "
+          "POST /v1/chat/completions, POST /tokenize, POST /detokenize")
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 SHUTDOWN_GRACE_S = 2.0  # for handlers to answer their requests' UNAVAILABLE when the server stops
 
@@ -98,6 +100,10 @@ class HttpFront:
         self.app.router.add_get("/health", self.health)
         self.app.router.add_get("/metrics", self.metrics)
         self.app.router.add_get("/v1/models", self.models)
+        self.app.router.add_get("/v1/models/{model:.+}", self.model_card)
+        self.app.router.add_get("/version", self.version)
+        self.app.router.add_post("/tokenize", self.tokenize)
+        self.app.router.add_post("/detokenize", self.detokenize)
         self.app.router.add_post("/v1/completions", self.completions)
         self.app.router.add_post("/v1/chat/completions", self.chat_completions)
         self.runner: web.AppRunner | None = None
@@ -174,10 +180,41 @@ class HttpFront:
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=await self.backend.metrics(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
+    def _card(self) -> dict:
+        return {"id": self.model, "object": "model", "created": self.created, "owned_by": "pdserve",
+                "max_model_len": self.backend.prompts.model_config.max_position_embeddings}
+
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{
-            "id": self.model, "object": "model", "created": self.created, "owned_by": "pdserve",
-            "max_model_len": self.backend.prompts.model_config.max_position_embeddings}]})
+        return web.json_response({"object": "list", "data": [self._card()]})
+
+    async def model_card(self, request: web.Request) -> web.Response:
+        check_model(request.match_info["model"], self.model)
+        return web.json_response(self._card())
+
+    async def version(self, request: web.Request) -> web.Response:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            return web.json_response({"version": version("pdserve")})
+        except PackageNotFoundError:  # run from a checkout that was never installed
+            return web.json_response({"version": "unknown"})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /tokenize: a prompt's token ids (messages: through the chat template)."""
+        prompt, messages = parse_tokenize(await _json(request), self.model)
+        prompts = self.backend.prompts
+        if prompts.tokenizer is None:
+            raise InvalidArgument(f"model {self.model!r} has no tokenizer", param="prompt")
+        ids = prompts.tokenizer.encode(prompt) if messages is None else prompts.tokenizer.encode_chat(messages)
+        return web.json_response({"count": len(ids), "max_model_len": prompts.model_config.max_position_embeddings,
+                                  "tokens": ids})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        prompts = self.backend.prompts
+        ids = parse_detokenize(await _json(request), self.model, prompts.model_config.vocab_size)
+        if prompts.tokenizer is None:
+            raise InvalidArgument(f"model {self.model!r} has no tokenizer", param="tokens")
+        return web.json_response({"prompt": prompts.tokenizer.decode(ids)})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, lambda body: parse_completion(body, self.model))

@@ -74,11 +74,16 @@ NEUTRAL = {
     "response_format": ((None, {"type": "text"}), '{"type": "text"}'),
     "store": ((None, False), "false"), "service_tier": ((None, "auto", "default"), '"auto"'),
     "modalities": ((None, ["text"]), '["text"]'),
+    # vLLM's extensions, at what we do
+    "skip_special_tokens": ((None, True), "true"), "spaces_between_special_tokens": ((None, True), "true"),
+    "add_generation_prompt": ((None, True), "true"), "continue_final_message": ((None, False), "false"),
+    "chat_template_kwargs": ((None, {}), "null or {}"), "echo": ((None, False), "false (in chat)"),
 }
+CHAT_ONLY_NEUTRAL = {"add_generation_prompt", "continue_final_message", "chat_template_kwargs", "echo"}
 COMMON_FIELDS = {"model", "n", "stream", "stream_options", "user", "return_tokens_as_token_ids", "metadata",
-                 *SAMPLING, *NEUTRAL}
+                 *SAMPLING, *(set(NEUTRAL) - CHAT_ONLY_NEUTRAL)}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of"}
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
+CHAT_FIELDS = COMMON_FIELDS | CHAT_ONLY_NEUTRAL | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
 
 
 @dataclass
@@ -122,6 +127,8 @@ def _check_fields(body, allowed: set[str]):
     if unknown:
         raise InvalidArgument(f"unknown field {unknown[0]!r}; allowed: {', '.join(sorted(allowed))}", param=unknown[0])
     for name, (values, allowed_text) in NEUTRAL.items():
+        if name in CHAT_ONLY_NEUTRAL and allowed is not CHAT_FIELDS:  # a completion's echo is its own
+            continue
         if name in body and not any(body[name] == v and type(body[name]) is type(v) for v in values):
             raise InvalidArgument(f"{name}={short_repr(body[name])} is not supported; allowed: {allowed_text}",
                                   param=name)
@@ -132,12 +139,16 @@ def _sampling(body: dict, max_tokens: int, **extra) -> dict:
     return {"max_tokens": max_tokens, **{k: body[k] for k in SAMPLING if body.get(k) is not None}, **extra}
 
 
+def check_model(model, served_model: str) -> None:
+    if model != served_model:
+        raise ApiError("NOT_FOUND", f"the model {model!r} does not exist; served: {served_model!r}", "model")
+
+
 def _job(body: dict, served_model: str, chat: bool, prompts: list, messages: list | None, sampling: dict,
          echo: bool, logprobs: int | None) -> Job:
     """Check the fields both endpoints share, and make the Job."""
     model = _get(body, "model", STRING, served_model)
-    if model != served_model:
-        raise ApiError("NOT_FOUND", f"the model {model!r} does not exist; served: {served_model!r}", "model")
+    check_model(model, served_model)
     stream = _get(body, "stream", BOOL, False)
     options = _get(body, "stream_options", (lambda v: isinstance(v, dict), "an object"))
     if options is not None:
@@ -343,3 +354,30 @@ class Envelope:
     def chunk(self, entries: list[dict], usage_: dict | None = None) -> bytes:
         tail = b"" if usage_ is None else b', "usage": ' + json.dumps(usage_).encode()
         return b"data: " + self._chunk_head + json.dumps(entries).encode() + tail + b"}\n\n"
+
+
+# ----------------------------------------------------------------------------- vLLM's /tokenize and /detokenize
+
+def parse_tokenize(body, served_model: str) -> tuple[str | None, list | None]:
+    """(prompt, messages) of a /tokenize body: {"prompt": text} or {"messages": [...]}."""
+    _check_fields(body, {"model", "prompt", "messages", "add_generation_prompt"})
+    check_model(_get(body, "model", STRING, served_model), served_model)
+    _get(body, "add_generation_prompt", (lambda v: v is True, "true (the chat template's generation prompt)"))
+    prompt, messages = _get(body, "prompt", STRING), body.get("messages")
+    if (prompt is None) == (messages is None):
+        raise InvalidArgument("give one of prompt (a string) or messages", param="prompt")
+    if messages is not None and (not isinstance(messages, list) or not messages):
+        raise InvalidArgument(f"messages={short_repr(messages)} is invalid; allowed: a non-empty list of "
+                              '{"role": ..., "content": ...} objects', param="messages")
+    return prompt, messages
+
+
+def parse_detokenize(body, served_model: str, vocab_size: int) -> list[int]:
+    """The token ids of a /detokenize body: {"tokens": [ids]}."""
+    _check_fields(body, {"model", "tokens"})
+    check_model(_get(body, "model", STRING, served_model), served_model)
+    tokens = body.get("tokens")
+    if not _is_token_ids(tokens) or not all(0 <= t < vocab_size for t in tokens):
+        raise InvalidArgument(f"tokens={short_repr(tokens)} is invalid; allowed: a list of token ids in "
+                              f"[0, {vocab_size})", param="tokens")
+    return tokens

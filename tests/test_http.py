@@ -366,6 +366,42 @@ def test_api_key_guards_v1_but_not_health_and_metrics(served):
     assert http(served, "GET", "/metrics", key=None)[0] == 200
 
 
+def test_vllms_model_card_version_tokenize_and_detokenize_routes(served, engine):
+    card = api(served).models.retrieve(MODEL)
+    assert card.id == MODEL and card.model_extra["max_model_len"] == 1024
+    status, _, body = http(served, "GET", "/v1/models/gpt-4")
+    assert status == 404 and body["error"]["code"] == "NOT_FOUND" and "'gpt-4'" in body["error"]["message"]
+    status, _, body = http(served, "GET", "/version", key=None)
+    assert status == 200 and isinstance(body["version"], str)
+    status, _, body = http(served, "POST", "/tokenize", {"model": MODEL, "prompt": "Hello, world"}, key=None)
+    assert status == 200 and body == {"count": len(body["tokens"]), "max_model_len": 1024,
+                                      "tokens": engine.tokenizer.encode("Hello, world")}
+    messages = [{"role": "user", "content": "Hi"}]
+    status, _, chat = http(served, "POST", "/tokenize", {"messages": messages})
+    assert status == 200 and chat["tokens"] == engine.tokenizer.encode_chat(messages)
+    status, _, text = http(served, "POST", "/detokenize", {"model": MODEL, "tokens": body["tokens"]})
+    assert (status, text) == (200, {"prompt": "Hello, world"})
+    for path, bad, param in (("/tokenize", {"prompt": "x", "messages": messages}, "prompt"),
+                             ("/tokenize", {"prompt": 5}, "prompt"),
+                             ("/detokenize", {"tokens": [1, 10**6]}, "tokens"),
+                             ("/detokenize", {"tokens": [1], "model": "gpt-4"}, "model")):
+        status, _, body = http(served, "POST", path, bad)
+        assert status in (400, 404) and body["error"]["param"] == param, (path, bad, body)
+
+
+def test_vllms_sampling_extensions_are_taken_at_what_we_do(served):
+    client = api(served)
+    ok = dict(model=MODEL, max_tokens=2, extra_body=dict(skip_special_tokens=True, spaces_between_special_tokens=True))
+    assert client.completions.create(prompt="x", echo=True, **ok).choices[0].text.startswith("x")
+    messages = [{"role": "user", "content": "x"}]
+    extra = dict(add_generation_prompt=True, continue_final_message=False, echo=False, chat_template_kwargs={})
+    assert client.chat.completions.create(messages=messages, model=MODEL, max_tokens=2, extra_body=extra).choices
+    for field, value in (("skip_special_tokens", False), ("add_generation_prompt", False), ("echo", True)):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(messages=messages, model=MODEL, max_tokens=2, extra_body={field: value})
+        assert e.value.body["param"] == field and "not supported" in e.value.body["message"]
+
+
 # ----------------------------------------------------------------------------- metrics
 
 
