@@ -74,7 +74,7 @@ def run_handoff_bench(model: str, tokens: int, requests: int, transport: str, se
                        f"{key}_to_decode_ms": round(total * 1e3, 2), f"{key}_vs_prefill_alone": round(total / alone, 3)})
         rows.append([mode, prefill * 1e3, handoff * 1e3, total * 1e3, f"{total / alone:.3f}x"])
     print_table(f"pdserve bench handoff: {model}, {tokens}-token prompts, {transport} KV transport "
-                f"({result['kv_bytes'] / 2**20:.0f} MiB of {engine.dtype} KV each), p50 of {requests}, taken in turn (ms)",
+                f"({result['kv_bytes'] / 2**20:.2f} MiB of {engine.dtype} KV each), p50 of {requests}, taken in turn (ms)",
                 ["KV sent", "prefill", "handoff", "prefill start to decode start", "vs prefill alone"], rows)
     print_json(result)
     return result

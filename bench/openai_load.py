@@ -17,13 +17,28 @@ import time
 import aiohttp
 
 from bench.serve import Sample
+from router.client import RequestError
 
 
 async def served_model(session: aiohttp.ClientSession, base_url: str, headers: dict) -> str:
-    async with session.get(f"{base_url}/v1/models", headers=headers) as r:
-        if r.status != 200:
-            raise RuntimeError(f"GET {base_url}/v1/models answered {r.status}: {await r.text()}")
-        return (await r.json())["data"][0]["id"]
+    try:
+        async with session.get(f"{base_url}/v1/models", headers=headers) as r:
+            if r.status != 200:
+                raise RuntimeError(f"GET {base_url}/v1/models answered {r.status}: {await r.text()}")
+            return (await r.json())["data"][0]["id"]
+    except aiohttp.ClientConnectionError as e:
+        raise RequestError("UNAVAILABLE", f"no HTTP server answers at {base_url} ({e}): is one running "
+                                          "there?") from None
+
+
+def served_model_at(base_url: str, api_key: str | None) -> str:
+    """The model the server at base_url serves (another server may name the checkpoint --model
+    points at otherwise: the bench draws its prompts from --model's vocabulary and says both)."""
+    async def ask():
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+            return await served_model(session, base_url.rstrip("/").removesuffix("/v1"), headers)
+    return asyncio.run(ask())
 
 
 async def completion_chunks(session: aiohttp.ClientSession, url: str, body: dict, headers: dict | None = None):

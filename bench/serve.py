@@ -109,7 +109,7 @@ class Sample:
     token_times: list[float] = field(default_factory=list)
     end: float | None = None
     tokens: int = 0
-    router_s: float = 0.0
+    router_s: float | None = None  # the router's own time, which it tells SDK clients (not HTTP ones)
     error: str | None = None  # the router's code, for a request that failed
     timings: dict = field(default_factory=dict)  # the workers' and the router's, from Done
 
@@ -146,14 +146,15 @@ def summarize(samples: list[Sample], wall: float) -> dict:
     """Latencies and throughput of the requests that completed; the failed ones are counted apart."""
     ok = [s for s in samples if s.error is None]
     done = [r for r in map(Latency.of, ok) if r.ttft is not None]
-    router = [s.router_s * 1e3 for s in ok]
+    router = [s.router_s * 1e3 for s in ok if s.router_s is not None]  # the SDK's: HTTP does not say
     told = [s for s in ok if "cached_tokens" in s.timings]  # the SDK gets the workers' timings; HTTP does not
     cached = (round(100 * sum(s.timings["cached_tokens"] for s in told) / max(1, sum(s.prompt_tokens for s in told)), 1)
               if told else None)
     return {"requests": len(samples), "failed": len(samples) - len(ok), "output_tokens": sum(s.tokens for s in ok),
             "output_tok_s": round(sum(s.tokens for s in ok) / wall, 1),
             **percentiles(done, (50, 99), ("ttft", "itl", "e2e")),
-            "router_p50_ms": round(pct(router, 50), 3), "router_p99_ms": round(pct(router, 99), 3),
+            "router_p50_ms": round(pct(router, 50), 3) if router else None,
+            "router_p99_ms": round(pct(router, 99), 3) if router else None,
             "prompt_cached_pct": cached}
 
 
@@ -188,7 +189,7 @@ def run_serve_bench(model: str, topologies: list[str], scenarios: list[str], rou
                     worker_args: list[str], frontends: tuple[str, ...] = ("zmq",), base_url: str | None = None,
                     repeats: int = 1, api_key: str | None = None, devices: list[str] = ("cpu",),
                     policies: list[str] = ("least_loaded",)) -> dict:
-    from bench.openai_load import drive_http  # it imports Sample from here
+    from bench.openai_load import drive_http, served_model_at  # it imports Sample from here
     from router.registry import POLICIES
 
     for policy in policies:
@@ -203,6 +204,7 @@ def run_serve_bench(model: str, topologies: list[str], scenarios: list[str], rou
     if router and base_url:
         raise ValueError("give --router (a ZeroMQ address) or --base-url (an HTTP server), not both")
     frontends = ("http",) if base_url else ("zmq",) if router else tuple(frontends)
+    served = served_model_at(base_url, api_key) if base_url else model
     cfg = model_config(model)
     rows = []
     groups: dict[tuple, list[str]] = {}
@@ -239,7 +241,8 @@ def run_serve_bench(model: str, topologies: list[str], scenarios: list[str], rou
     rtt = loopback_rtt_ms()
     order = {n: i for i, n in enumerate(scenarios)}
     rows.sort(key=lambda r: (order[r["scenario"]], r["topology"]))  # stable: policies in the order given
-    print_table(f"pdserve bench serve: {model}, greedy, ignore_eos (latencies in ms; cached: the share of prompt "
+    shown = model if served == model else f"{served!r} at {base_url} (prompts from {model}'s vocabulary)"
+    print_table(f"pdserve bench serve: {shown}, greedy, ignore_eos (latencies in ms; cached: the share of prompt "
                 "tokens found in the workers' prefix caches)",
                 ["scenario", "topology", "policy", "frontend", "reqs", "failed", "out tok/s", "TTFT p50", "TTFT p99",
                  "ITL p50", "ITL p99", "E2E p50", "E2E p99", "router p99", "cached %"],
@@ -248,7 +251,7 @@ def run_serve_bench(model: str, topologies: list[str], scenarios: list[str], rou
                   r["e2e_p50_ms"], r["e2e_p99_ms"],
                   r["router_p99_ms"] if r["frontend"] == "zmq" else "-",
                   "-" if r["prompt_cached_pct"] is None else r["prompt_cached_pct"]] for r in rows])
-    result = {"bench": "serve", "model": model, "results": rows, "loopback_rtt_ms": round(rtt, 4)}
+    result = {"bench": "serve", "model": model, "served_model": served, "results": rows, "loopback_rtt_ms": round(rtt, 4)}
     zmq_rows = [r for r in rows if r["frontend"] == "zmq"]
     if zmq_rows:
         router_p50 = statistics.median([r["router_p50_ms"] for r in zmq_rows])

@@ -80,7 +80,8 @@ class RouterMetrics:
         self.generation_tokens.inc(count)
 
     def on_done(self, req, reason: str):
-        self._success.labels(self._model, reason).inc()
+        # vLLM's label values: "abort" where our finish reason says "cancelled"
+        self._success.labels(self._model, "abort" if reason == "cancelled" else reason).inc()
         self.prompt_tokens.inc(len(req.prompt_ids))
         self.e2e.observe(time.monotonic() - req.arrival)
         if req.dispatched_at is not None:

@@ -346,7 +346,7 @@ def test_overload_is_429_with_retry_after_and_a_disconnect_frees_every_block(ser
             assert time.monotonic() < deadline, "requests of closed connections still in flight"
             time.sleep(0.1)
     after = scrape(served)  # cancelled, not run to their end
-    cancelled = [value(m, "pdserve:request_success_total", finished_reason="cancelled") for m in (before, after)]
+    cancelled = [value(m, "pdserve:request_success_total", finished_reason="abort") for m in (before, after)]
     assert cancelled[1] - cancelled[0] == 16
     assert value(after, "pdserve:request_errors_total", code="OVERLOADED") - \
         value(before, "pdserve:request_errors_total", code="OVERLOADED") == 1
