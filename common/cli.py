@@ -10,7 +10,7 @@ import click
 
 from bench.cli import bench, plan
 from common.cli_options import (devices_option, engine_argv, engine_options, http_options, parse_ints,
-                                sampling_options, setup_logging)
+                                router_argv, router_options, sampling_options, setup_logging)
 from common.errors import PdserveError
 from router.registry import POLICIES
 
@@ -118,26 +118,21 @@ def chat(router_address, system, sampling, engine_kwargs):
 @click.option("--policy", default="least_loaded", show_default=True, type=click.Choice(POLICIES),
               help="how prefill workers are picked (decode workers: least loaded, or in turn with round_robin); "
                    "prefix_affine: by what their prefix caches likely hold, and load")
-@click.option("--max-queue", default=1024, show_default=True, type=int, help="requests held at once; more are OVERLOADED")
-@click.option("--heartbeat-timeout", default=2.0, show_default=True, type=float, help="seconds of silence before a worker is dead")
-@click.option("--max-attempts", default=3, show_default=True, type=int, help="dispatches of one request before it fails")
-@click.option("--prefill-timeout", default=60.0, show_default=True, type=float, help="seconds from dispatch to first token")
-@click.option("--decode-stall-timeout", default=30.0, show_default=True, type=float, help="longest gap between tokens")
-@click.option("--queue-timeout", default=30.0, show_default=True, type=float, help="longest wait for a live worker")
-@click.option("--max-message-bytes", default=4 * 2**20, show_default=True, type=int, help="also the HTTP body limit")
+@router_options
 @http_options
 @click.option("--log-level", default="INFO", show_default=True)
-def router(model, host, port, worker_port, policy, max_queue, heartbeat_timeout, max_attempts, prefill_timeout,
-           decode_stall_timeout, queue_timeout, max_message_bytes, http_port, api_key, api_server_count, log_level):
+def router(model, host, port, worker_port, policy, router_kwargs, http_port, api_key, api_server_count, log_level):
     """Run the router: clients connect to --port, workers to --worker-port, HTTP to --http-port."""
     from router.server import RouterConfig, run_router
 
     setup_logging(log_level)
+    k = router_kwargs
     run_router(RouterConfig(model=model, host=host, port=port, worker_port=worker_port or port + 1, policy=policy,
-                            max_queue=max_queue, heartbeat_timeout_s=heartbeat_timeout, max_attempts=max_attempts,
-                            prefill_timeout_s=prefill_timeout, decode_stall_timeout_s=decode_stall_timeout,
-                            queue_timeout_s=queue_timeout, max_message_bytes=max_message_bytes, http_port=http_port,
-                            api_key=api_key, api_server_count=api_server_count))
+                            max_queue=k["max_queue"], heartbeat_timeout_s=k["heartbeat_timeout"],
+                            max_attempts=k["max_attempts"], prefill_timeout_s=k["prefill_timeout"],
+                            decode_stall_timeout_s=k["decode_stall_timeout"], queue_timeout_s=k["queue_timeout"],
+                            max_message_bytes=k["max_message_bytes"], http_port=http_port, api_key=api_key,
+                            api_server_count=api_server_count))
 
 
 def worker_command(role: str):
@@ -192,10 +187,11 @@ for _role in ("prefill", "decode", "mono"):
 @click.option("--threads", default=None, type=int, help="torch threads per worker [default: (cores - 1) / workers: one core left to the router]")
 @click.option("--no-restart", is_flag=True, help="do not restart crashed workers")
 @click.option("--dry-run", is_flag=True, help="print each process's command line and exit")
+@router_options
 @http_options
 @engine_options
 def launch(prefill, decode, mono, devices, host, port, worker_port, policy, log_dir, threads, no_restart, dry_run,
-           http_port, api_key, api_server_count, engine_kwargs):
+           router_kwargs, http_port, api_key, api_server_count, engine_kwargs):
     """Bring up router + workers on this host; stop them all on Ctrl-C. Workers that share a GPU
     split it (decode workers get the larger shares) unless a memory flag sizes their pools."""
     import shlex
@@ -209,7 +205,8 @@ def launch(prefill, decode, mono, devices, host, port, worker_port, policy, log_
     try:
         cluster = Cluster(engine_kwargs["model"], prefill, decode, mono, devices, host, port, worker_port,
                           log_dir, policy, engine_argv(engine_kwargs), threads, restart=not no_restart,
-                          http_port=http_port, api_key=api_key, api_server_count=api_server_count)
+                          router_args=router_argv(router_kwargs), http_port=http_port, api_key=api_key,
+                          api_server_count=api_server_count)
     except ValueError as e:
         raise click.UsageError(str(e))
     if dry_run:

@@ -66,6 +66,38 @@ def engine_options(f):
     return wrapper
 
 
+ROUTER_OPTIONS = [  # (flag, default, type, help): the router's limits, on `router` and `launch` alike
+    ("--max-queue", 1024, int, "requests held at once; more are OVERLOADED"),
+    ("--heartbeat-timeout", 2.0, float, "seconds of silence before a worker is dead"),
+    ("--max-attempts", 3, int, "dispatches of one request before it fails"),
+    ("--prefill-timeout", 60.0, float, "seconds from dispatch to first token"),
+    ("--decode-stall-timeout", 30.0, float, "longest gap between tokens"),
+    ("--queue-timeout", 30.0, float, "longest wait for a live worker"),
+    ("--max-message-bytes", 4 * 2**20, int, "also the HTTP body limit"),
+]
+
+
+def router_options(f):
+    """The router's limits; the command receives them as `router_kwargs` (flag names, snake_case)."""
+    names = [flag[2:].replace("-", "_") for flag, *_ in ROUTER_OPTIONS]
+
+    @functools.wraps(f)
+    def wrapper(*args, **kwargs):
+        router_kwargs = {name: kwargs.pop(name) for name in names}
+        return f(*args, router_kwargs=router_kwargs, **kwargs)
+
+    for flag, default, kind, text in reversed(ROUTER_OPTIONS):
+        wrapper = click.option(flag, default=default, show_default=True, type=kind, help=text)(wrapper)
+    return wrapper
+
+
+def router_argv(router_kwargs: dict) -> list[str]:
+    """router_kwargs back to the router's flags, those left at their defaults left out."""
+    defaults = {flag[2:].replace("-", "_"): default for flag, default, *_ in ROUTER_OPTIONS}
+    return [arg for name, value in router_kwargs.items() if value != defaults[name]
+            for arg in (f"--{name.replace('_', '-')}", str(value))]
+
+
 def engine_argv(engine_kwargs: dict) -> list[str]:
     """engine_kwargs back to the command-line flags that produce them (for child processes)."""
     argv = []

@@ -9,19 +9,22 @@
 #
 #   deploy/launch.sh [--prefill N] [--decode M] [--mono K] [--model SPEC] [--devices cpu,cuda:0,...]
 #                    [--host ADDR] [--port P] [--worker-port P] [--http-port P] [--api-server-count N]
-#                    [--policy least_loaded|round_robin|prefix_affine] [--log-dir DIR] [--dry-run]
-#                    [-- WORKER_ARGS...]
+#                    [--api-key K] [--policy least_loaded|round_robin|prefix_affine] [--threads N]
+#                    [--max-queue N] [--heartbeat-timeout S] [--max-attempts N] [--prefill-timeout S]
+#                    [--decode-stall-timeout S] [--queue-timeout S] [--max-message-bytes N]
+#                    [--log-dir DIR] [--no-restart] [--dry-run] [-- WORKER_ARGS...]
 #
-# Prints "ready: router at tcp://HOST:PORT" once every worker has registered (after "HTTP API at
-# http://HOST:P" with --http-port; PDSERVE_API_KEY in the environment sets its key, and
-# --api-server-count N serves it from N processes beside the router); --dry-run prints each
-# process's command line instead and exits.
+# The flags are `pdserve launch`'s; engine flags (--kv-transport, --max-num-seqs, ...) go to the
+# workers after `--`. Prints "ready: router at tcp://HOST:PORT" once every worker has registered
+# (after "HTTP API at http://HOST:P" with --http-port; --api-key K, or PDSERVE_API_KEY in the
+# environment, sets its key, and --api-server-count N serves it from N processes beside the
+# router); --dry-run prints each process's command line instead and exits.
 set -uo pipefail
 
 PREFILL=1 DECODE=1 MONO=0 MODEL=dummy:nanogpt DEVICES=cpu HOST=127.0.0.1 PORT=7100 WORKER_PORT="" HTTP_PORT=""
 API_SERVERS=1 POLICY=least_loaded
-LOG_DIR=pdserve-logs DRY_RUN=0
-WORKER_ARGS=()
+LOG_DIR=pdserve-logs DRY_RUN=0 THREADS="" RESTART=1
+WORKER_ARGS=() ROUTER_LIMITS=()
 while (($#)); do
   case "$1" in
     --prefill) PREFILL=$2; shift 2 ;;
@@ -36,9 +39,14 @@ while (($#)); do
     --api-server-count) API_SERVERS=$2; shift 2 ;;
     --policy) POLICY=$2; shift 2 ;;
     --log-dir) LOG_DIR=$2; shift 2 ;;
+    --threads) THREADS=$2; shift 2 ;;
+    --api-key) export PDSERVE_API_KEY=$2; shift 2 ;;  # the environment, not argv: ps would show it
+    --max-queue|--heartbeat-timeout|--max-attempts|--prefill-timeout|--decode-stall-timeout|--queue-timeout|\
+    --max-message-bytes) ROUTER_LIMITS+=("$1" "$2"); shift 2 ;;
+    --no-restart) RESTART=0; shift ;;
     --dry-run) DRY_RUN=1; shift ;;
     --) shift; WORKER_ARGS=("$@"); break ;;
-    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
     *) echo "launch.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -55,14 +63,16 @@ command -v "$PDSERVE" >/dev/null || PDSERVE="python3 -m common.cli"
 IFS=, read -ra DEVICE_LIST <<<"$DEVICES"
 WORKERS=$((PREFILL + DECODE + MONO))
 # torch threads per worker: one core left to the router and the system (as pdserve launch does)
-THREADS=$(( ($(nproc) - 1) / (WORKERS > 0 ? WORKERS : 1) )); ((THREADS < 1)) && THREADS=1
+if [[ -z $THREADS ]]; then
+  THREADS=$(( ($(nproc) - 1) / (WORKERS > 0 ? WORKERS : 1) )); ((THREADS < 1)) && THREADS=1
+fi
 # Each worker's share of its GPU, in launch order ("-" off a GPU, or when the worker args size the
 # pool), as pdserve launch splits them.
 mapfile -t SHARES < <($PDSERVE gpu-shares --prefill "$PREFILL" --decode "$DECODE" --mono "$MONO" \
   --devices "$DEVICES" -- "${WORKER_ARGS[@]}")
 ((${#SHARES[@]} == WORKERS)) || { echo "launch.sh: could not split the devices ($PDSERVE gpu-shares)" >&2; exit 1; }
 
-ROUTER_ARGS=(--policy "$POLICY")
+ROUTER_ARGS=(--policy "$POLICY" "${ROUTER_LIMITS[@]}")
 [[ -n $HTTP_PORT ]] && ROUTER_ARGS+=(--http-port "$HTTP_PORT" --api-server-count "$API_SERVERS")
 if ((DRY_RUN)); then
   echo "router: $PDSERVE router --model $MODEL --host $HOST --port $PORT --worker-port $WORKER_PORT ${ROUTER_ARGS[*]}"
@@ -83,6 +93,7 @@ supervise() {
     started=$SECONDS
     wait "$child"
     local rc=$?
+    ((RESTART)) || { echo "[launch.sh] $name exited with $rc; not restarted (--no-restart)" >>"$LOG_DIR/$name.log"; return; }
     ((SECONDS - started > 30)) && delay=0.5
     echo "[launch.sh] $name exited with $rc; restarting in ${delay}s" >>"$LOG_DIR/$name.log"
     sleep "$delay" & wait $!

@@ -203,7 +203,7 @@ def dry_run(cmd: list[str]) -> dict[str, list[str]]:
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120,
                        env=dict(os.environ, PDSERVE="python3 -m common.cli"))  # this tree's code
     assert r.returncode == 0, r.stderr
-    lines = [re.match(r"([a-z]+-\d+): (.*)", line) for line in r.stdout.splitlines()]
+    lines = [re.match(r"([a-z]+-\d+|router): (.*)", line) for line in r.stdout.splitlines()]
     return {m[1]: m[2].split() for m in lines if m}
 
 
@@ -216,6 +216,7 @@ def dry_run(cmd: list[str]) -> dict[str, list[str]]:
 def test_both_launchers_give_the_same_shares(devices, args):
     launch = dry_run([sys.executable, "-m", "common.cli", "launch", "--devices", devices, "--dry-run", *args])
     script = dry_run(["bash", str(ROOT / "deploy" / "launch.sh"), "--devices", devices, "--dry-run", *args])
+    launch.pop("router"), script.pop("router")
     assert worker_shares(launch) == worker_shares(script)
     assert any(s is not None for s in worker_shares(launch).values())
     assert [launch[w][launch[w].index("--device") + 1] for w in launch] == \
@@ -236,6 +237,18 @@ def test_both_launchers_leave_a_core_to_the_router(args, workers):
     want = str(max(1, ((os.cpu_count() or 1) - 1) // workers))
     launch = dry_run([sys.executable, "-m", "common.cli", "launch", "--dry-run", *args])
     script = dry_run(["bash", str(ROOT / "deploy" / "launch.sh"), "--dry-run", *args])
+    launch.pop("router"), script.pop("router")
     for argv in (*launch.values(), *script.values()):
         assert argv[argv.index("--threads") + 1] == want, argv
     assert len(launch) == len(script) == workers
+
+
+def test_both_launchers_take_the_same_flags():
+    """The router's limits reach the router and --threads the workers, from either launcher."""
+    args = ["--threads", "3", "--max-queue", "8", "--queue-timeout", "2.5", "--max-attempts", "5", "--no-restart"]
+    launch = dry_run([sys.executable, "-m", "common.cli", "launch", "--dry-run", *args])
+    script = dry_run(["bash", str(ROOT / "deploy" / "launch.sh"), "--dry-run", *args])
+    for argv in (launch["router"], script["router"]):
+        assert [argv[argv.index(flag) + 1] for flag in ("--max-queue", "--queue-timeout", "--max-attempts")] == \
+            ["8", "2.5", "5"], argv
+    assert all(argv[argv.index("--threads") + 1] == "3" for argv in (launch["prefill-0"], script["decode-0"]))
