@@ -160,7 +160,8 @@ class HttpFront:
 
     def _http_error(self, request: web.Request, e: web.HTTPException) -> ApiError:
         if e.status == 413:
-            return ApiError("TOO_LARGE", f"the request body is over the limit of {self.max_body_bytes} bytes")
+            return ApiError("TOO_LARGE", f"the request body is over the limit of {self.max_body_bytes} bytes (the "
+                                         "router's --max-message-bytes)")
         if e.status == 405:
             return ApiError("METHOD_NOT_ALLOWED", f"{request.method} {request.path} is not served; allowed: {ROUTES}")
         if e.status == 404:
