@@ -200,7 +200,9 @@ def topology_row(t: Topology, s: Search) -> dict:
     at, sat = s.at_goodput, s.saturation
     row = {"topology": t.name, "devices": t.devices, "prefill": t.prefill, "decode": t.decode, "mono": t.mono,
            "goodput_rps": round(s.goodput, 4), "goodput_per_device_rps": round(s.goodput / t.devices, 4),
-           "saturation_rps": round(sat.requests_s, 3) if sat else 0.0,
+           # the most requests any point completed a second (the most-tokens point's may be fewer:
+           # each rate draws its own requests, of other lengths)
+           "saturation_rps": round(max(p.requests_s for p in s.points), 3) if sat else 0.0,
            "saturation_tok_s": round(sat.output_tok_s, 1) if sat else 0.0,
            "start_rate": s.points[0].rate if s.points else 0.0,
            "others_cores": round(statistics.mean(p.cpu.get("others", 0.0) for p in s.points), 3) if s.points else 0.0,

@@ -73,6 +73,7 @@ def test_small_sweep_end_to_end(tmp_path):
         # the search went on until attainment fell clearly below the target
         assert any(p["rate"] > r["goodput_rps"] and p["attainment"] < 0.9 for p in r["points"])
         assert r["saturation_tok_s"] == max(p["output_tok_s"] for p in r["points"])
+        assert r["saturation_rps"] == round(max(p["requests_s"] for p in r["points"]), 3)
         for k in ("ttft", "itl", "e2e"):
             lat = [r["at_goodput"][f"{k}_p{q}_ms"] for q in (50, 90, 99)]
             assert 0 <= lat[0] <= lat[1] <= lat[2]
