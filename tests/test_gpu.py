@@ -150,3 +150,27 @@ def test_1p1d_on_one_gpu_without_a_memory_flag_splits_it_and_serves_token_exact(
         # both got a pool (a tiny model's pools may both reach their max_num_seqs cap, so not compared)
         assert blocks["decode"] >= blocks["prefill"] > 0
         check_cluster_matches(c.address, "dummy:llama-tiny", n=30)  # float32 on a GPU gives the CPU's tokens
+
+
+def test_penalties_bias_and_min_p_on_the_gpu_give_the_cpus_tokens_through_graphs_and_async():
+    """Logit adjustments sample eagerly after the graph's forward, their counts built on the
+    device (the newest token from the step's input, pending under async scheduling): float32 with
+    SDPA on the GPU gives the CPU's tokens, the graphs give them alike with async scheduling and
+    without, and bfloat16 gives each request its tokens alone or batched."""
+    from tests.test_async_scheduling import assert_same_results
+    from tests.test_logits_processing import mixed_adjustments
+
+    ps = prompts(8, 2, 60, seed=21)
+    params = mixed_adjustments(len(ps))
+    cpu = Engine(model="dummy:llama-tiny").generate(ps, params)
+    sdpa = Engine(model="dummy:llama-tiny", device="cuda:0", dtype="float32", attention_backend="sdpa")
+    assert [o.token_ids for o in sdpa.generate(ps, params)] == [o.token_ids for o in cpu]
+    runs = []
+    for on in (False, True):
+        gpu = Engine(model="dummy:llama-tiny", device="cuda:0", dtype="float32", async_scheduling=on)
+        assert gpu.runner.graphs is not None
+        runs.append(gpu.generate(ps, params))
+    assert_same_results(runs[1], runs[0])
+    bf16 = dict(model="dummy:llama-tiny", device="cuda:0", dtype="bfloat16", async_scheduling=True)
+    alone = [Engine(**bf16).generate([p], sp)[0] for p, sp in zip(ps[:3], params[:3])]
+    assert_same_results(Engine(**bf16).generate(ps[:3], params[:3]), alone)
