@@ -26,9 +26,9 @@ async def served_model(session: aiohttp.ClientSession, base_url: str, headers: d
             if r.status != 200:
                 raise RuntimeError(f"GET {base_url}/v1/models answered {r.status}: {await r.text()}")
             return (await r.json())["data"][0]["id"]
-    except aiohttp.ClientConnectionError as e:
-        raise RequestError("UNAVAILABLE", f"no HTTP server answers at {base_url} ({e}): is one running "
-                                          "there?") from None
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:  # refused, timed out, not a URL
+        raise RequestError("UNAVAILABLE", f"no HTTP server answers at {base_url} ({type(e).__name__}: {e}): is "
+                                          "one running there?") from None
 
 
 def served_model_at(base_url: str, api_key: str | None) -> str:

@@ -23,7 +23,7 @@ set -uo pipefail
 
 PREFILL=1 DECODE=1 MONO=0 MODEL=dummy:nanogpt DEVICES=cpu HOST=127.0.0.1 PORT=7100 WORKER_PORT="" HTTP_PORT=""
 API_SERVERS=1 POLICY=least_loaded
-LOG_DIR=pdserve-logs DRY_RUN=0 THREADS="" RESTART=1
+LOG_DIR=pdserve-logs DRY_RUN=0 THREADS="" RESTART=1 API_KEY=${PDSERVE_API_KEY:-}
 WORKER_ARGS=() ROUTER_LIMITS=()
 while (($#)); do
   case "$1" in
@@ -40,7 +40,7 @@ while (($#)); do
     --policy) POLICY=$2; shift 2 ;;
     --log-dir) LOG_DIR=$2; shift 2 ;;
     --threads) THREADS=$2; shift 2 ;;
-    --api-key) export PDSERVE_API_KEY=$2; shift 2 ;;  # the environment, not argv: ps would show it
+    --api-key) API_KEY=$2; shift 2 ;;
     --max-queue|--heartbeat-timeout|--max-attempts|--prefill-timeout|--decode-stall-timeout|--queue-timeout|\
     --max-message-bytes) ROUTER_LIMITS+=("$1" "$2"); shift 2 ;;
     --no-restart) RESTART=0; shift ;;
@@ -111,9 +111,12 @@ stop() {
 trap 'stop; exit 0' INT TERM
 trap stop EXIT
 
+# The API key reaches the router alone, by its environment (argv would show it in ps).
+[[ -n $API_KEY ]] && export PDSERVE_API_KEY=$API_KEY
 ((DRY_RUN)) || { supervise router router --model "$MODEL" --host "$HOST" --port "$PORT" --worker-port "$WORKER_PORT" \
                    "${ROUTER_ARGS[@]}" &
                  PIDS+=($!); }
+unset PDSERVE_API_KEY
 i=0
 for role in prefill decode mono; do
   count_var=${role^^}

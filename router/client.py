@@ -113,38 +113,56 @@ def _until(*times: float | None) -> float | None:
 
 class Connection:
     """Whether a client's socket reaches the router, from the socket's monitor (made before it
-    connects, so that the first handshake is seen). A request waiting with no connection for
-    CONNECT_TIMEOUT_S (no router there, or one refusing our CURVE key) fails UNAVAILABLE rather
-    than wait out its timeout; a connection that drops loses every reply in flight."""
+    connects, so that the first handshake is seen). A call that has waited CONNECT_TIMEOUT_S with
+    no connection (no router there) fails UNAVAILABLE rather than wait out its timeout, and one
+    whose key the router refused fails at once; a connection that drops loses every reply in
+    flight. The socket reconnects by itself: a router back is used again."""
 
-    EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED  # Channel.connect(monitor=EVENTS)
+    EVENTS = (zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+              | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)  # Channel.connect(monitor=EVENTS)
 
     def __init__(self, chan: Channel):
         self.chan = chan
         self.monitor = chan.monitor
         self.down_since: float | None = time.monotonic()  # None while connected
+        self.refused: str | None = None  # why the router refused our handshake (libzmq then stops trying)
 
     def on_event(self, event: dict) -> bool:
         """Take a monitor event; True if it was the connection dropping (not an attempt failing:
         a router refusing our key drops each one before its handshake)."""
-        if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-            self.down_since = None
+        kind = event["event"]
+        if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self.down_since, self.refused = None, None
             return False
+        if kind in (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL):
+            self.refused = ("it refused this client's CURVE key" if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH else
+                            "the handshake failed: one side uses CURVE keys (PDSERVE_CURVE_DIR), the other not")
         if self.down_since is not None:
             return False
         self.down_since = time.monotonic()
         return True
 
-    def give_up_at(self) -> float | None:
-        return None if self.down_since is None else self.down_since + CONNECT_TIMEOUT_S
+    def drain(self) -> bool:
+        """Take every event waiting on a sync monitor, without waiting; True if the connection dropped."""
+        dropped = False
+        while self.monitor.poll(0):
+            dropped |= self.on_event(recv_monitor_message(self.monitor))
+        return dropped
 
-    def check(self, address: str, request_id: str | None, open_ids: set[str]) -> None:
-        """UNAVAILABLE for request_id (no longer open) if no connection came in CONNECT_TIMEOUT_S."""
-        at = self.give_up_at()
+    def give_up_at(self, since: float) -> float | None:
+        """When a call begun at `since` stops waiting for a connection (None: connected)."""
+        return None if self.down_since is None else max(self.down_since, since) + CONNECT_TIMEOUT_S
+
+    def unreachable(self, address: str, since: float, request_id: str | None) -> RequestError | None:
+        """The error for a call begun at `since`, if the router refused us or it waited too long."""
+        if self.refused is not None:
+            return RequestError("UNAVAILABLE", f"the router at {address} refused the connection: {self.refused}",
+                                request_id)
+        at = self.give_up_at(since)
         if at is not None and time.monotonic() >= at:
-            open_ids.discard(request_id)
-            raise RequestError("UNAVAILABLE", f"no router answers at {address} (for {CONNECT_TIMEOUT_S:g}s): is one "
-                                              "running there, with the same CURVE keys?", request_id)
+            return RequestError("UNAVAILABLE", f"no router answers at {address} (for {CONNECT_TIMEOUT_S:g}s): is one "
+                                               "running there, with the same CURVE keys?", request_id)
+        return None
 
     async def watch(self, lost: Callable[[], None]) -> None:
         """Call lost() each time the connection drops, until cancelled (an async socket's monitor)."""
@@ -237,30 +255,47 @@ class Client:
     def submit(self, prompt: str | list[int] | None = None, stream: bool = True, request_id: str | None = None,
                messages: list[dict] | None = None, **sampling) -> str:
         request_id = request_id or self._new_id()
-        self.chan.send(_generate(request_id, prompt, messages, sampling, stream))
+        message = _generate(request_id, prompt, messages, sampling, stream)
+        self._take_events()  # a drop seen now loses what was sent before it, not this request
+        error = self.connection.unreachable(self.address, 0.0, request_id)  # down that long already: queue nothing
+        if error is not None:
+            raise error
+        self.chan.send(message)
         self._open.add(request_id)
         return request_id
 
     def cancel(self, request_id: str) -> None:
         self.chan.send(P.Cancel(request_id))
 
+    def _take_events(self) -> None:
+        """The connection's news: a drop loses every reply in flight."""
+        if self.connection.drain():
+            for rid in self._open:
+                self._inbox[rid].append(P.Error(rid, "UNAVAILABLE", LOST))
+            self._open.clear()
+
     def _next(self, key: str | None, deadline: "Deadline"):
-        """The next message for `key`, reading (and filing) others' messages meanwhile. With no
-        connection to the router for CONNECT_TIMEOUT_S, UNAVAILABLE: nothing would ever come."""
+        """The next message for `key`, reading (and filing) others' messages meanwhile. After
+        CONNECT_TIMEOUT_S of this call with no connection to the router, UNAVAILABLE (and the
+        request, queued for a router that may yet come, is cancelled): nothing would come."""
+        since = time.monotonic()
         while not self._inbox[key]:
-            now = time.monotonic()
-            self.connection.check(self.address, key, self._open)
-            if deadline.at is not None and deadline.at <= now:
+            self._take_events()
+            if self._inbox[key]:
+                break
+            error = self.connection.unreachable(self.address, since, key)
+            if error is not None:
+                if key in self._open:
+                    self._open.discard(key)
+                    self.cancel(key)
+                raise error
+            if deadline.at is not None and deadline.at <= time.monotonic():
                 if key is not None:
                     self.cancel(key)
                 raise RequestError("TIMEOUT", f"no reply within {deadline.seconds:g}s (the call's timeout=, else "
                                               f"Client(timeout=...))", key)
-            wait = _until(deadline.at, self.connection.give_up_at())
+            wait = _until(deadline.at, self.connection.give_up_at(since))
             ready = dict(self._poller.poll(None if wait is None else max(1, int(wait * 1000) + 1)))
-            if self.connection.monitor in ready and self.connection.on_event(recv_monitor_message(self.connection.monitor)):
-                for rid in self._open:
-                    self._inbox[rid].append(P.Error(rid, "UNAVAILABLE", LOST))
-                self._open.clear()
             if self.chan.sock not in ready:
                 continue
             env = self.chan.recv(0)
@@ -367,11 +402,18 @@ class AsyncClient:
         await self.chan.send(P.Cancel(request_id))
 
     async def _next(self, key, timeout):
-        deadline = None if timeout is None else time.monotonic() + timeout
+        since = time.monotonic()
+        deadline = None if timeout is None else since + timeout
         while True:
-            self.connection.check(self.address, key, self._open)
+            error = self.connection.unreachable(self.address, since, key)
+            if error is not None:
+                if key in self._open:
+                    self._open.discard(key)
+                    await self.cancel(key)  # queued for a router that may yet come
+                raise error
             try:
-                msg = await asyncio.wait_for(self._queues[key].get(), _until(deadline, self.connection.give_up_at()))
+                msg = await asyncio.wait_for(self._queues[key].get(),
+                                             _until(deadline, self.connection.give_up_at(since)))
                 break
             except asyncio.TimeoutError:
                 if deadline is not None and time.monotonic() >= deadline:

@@ -178,7 +178,8 @@ class Cluster:
                                            f"see {c.log_path}:\n{c.log_path.read_text()[-2000:]}")
                 try:
                     status = client.status(timeout=2.0)
-                except RequestError:
+                except RequestError:  # still starting (a client fails at once once it has waited long)
+                    time.sleep(0.1)
                     continue
                 if sum(w["alive"] for w in status.workers) >= self.expected:
                     return

@@ -17,11 +17,9 @@ class Prompts:
 
     def validate(self, prompt: str | list[int], messages: list[dict] | None, sampling: dict | SamplingParams,
                  max_tokens_field: str | None = None) -> tuple[list[int], SamplingParams]:
-        """A request's prompt ids and sampling, or InvalidArgument naming what is wrong. A
-        max_tokens the request gave (its field named by max_tokens_field, or in the sampling map)
-        must fit in the context with the prompt, as vLLM has it; a default one is cut to fit."""
-        if isinstance(sampling, dict) and sampling.get("max_tokens") is not None:
-            max_tokens_field = "max_tokens"
+        """A request's prompt ids and sampling, or InvalidArgument naming what is wrong. Over HTTP
+        a max_tokens the body gave (its field: max_tokens_field) must fit in the context with the
+        prompt, as vLLM has it; otherwise (a default, an SDK client's) the engine cuts it to fit."""
         params = sampling if isinstance(sampling, SamplingParams) else SamplingParams.from_dict(sampling)
         params.check_vocab(self.model_config.vocab_size)
         if messages is not None or isinstance(prompt, str):

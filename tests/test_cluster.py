@@ -111,14 +111,15 @@ def test_bad_requests_get_coded_errors_and_cluster_serves_on(tmp_path):
             (dict(prompt=[1, 999]), "[999]"),
             (dict(prompt=[1] * 1024), "prompt has 1024 tokens; allowed: at most 1023"),
             (dict(prompt=""), "prompt is empty"),
-            (dict(prompt=[1] * 1000, max_tokens=25), "max_tokens=25 is too large: the model's maximum context length "
-                                                     "is 1024 tokens and the prompt has 1000; allowed: at most 24"),
             (dict(prompt="hi", logit_bias={"1" * 5000: 1}), "logit_bias entry '111"),
         ]
         for kwargs, text in cases:
             with pytest.raises(RequestError) as e:
                 client.generate(**kwargs)
             assert e.value.code == "INVALID_ARGUMENT" and text in e.value.message, e.value
+        # an SDK client's max_tokens past the context is cut to fit (HTTP's is refused, as vLLM's)
+        r = client.generate([1] * 1000, max_tokens=50, ignore_eos=True)
+        assert (len(r.token_ids), r.finish_reason) == (24, "length")
         # Frames that do not decode at all, sent raw, get an error reply, not silence.
         raw = Channel.connect(client.ctx, zmq.DEALER, c.address)
         try:  # closed whatever fails: an open socket would hang the client's close
@@ -231,6 +232,50 @@ def test_a_client_with_no_router_to_reach_says_so_instead_of_waiting_out_its_tim
     assert asyncio.run(async_client()).code == "UNAVAILABLE"
     with pytest.raises(InvalidArgument, match="router address '127.0.0.1:7100' is invalid.*allowed: tcp://HOST:PORT"):
         Client("127.0.0.1:7100")
+
+
+def test_a_client_idle_past_the_connect_timeout_or_across_a_router_restart_serves_on(monkeypatch):
+    """The connect timeout counts a call's own wait: a client made long before its first call, or
+    idle while its router restarted, is not failed for the connection it already has again."""
+    import subprocess
+    import sys
+
+    import router.client
+    from router.launcher import free_port
+
+    monkeypatch.setattr(router.client, "CONNECT_TIMEOUT_S", 0.5)
+    port, worker_port = free_port(), free_port()
+    argv = [sys.executable, "-m", "common.cli", "router", "--port", str(port), "--worker-port", str(worker_port)]
+
+    def status_when_up(client):
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                return client.status(timeout=5)
+            except RequestError as e:  # the router still starting: fails once a call has waited 0.5 s
+                assert e.code == "UNAVAILABLE" and time.monotonic() < deadline, e
+
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        with Client(f"tcp://127.0.0.1:{port}", timeout=30) as client:
+            status_when_up(client)
+            time.sleep(1.0)  # idle past the connect timeout
+            assert client.status().in_flight == 0
+            proc.terminate()
+            proc.wait(10)
+            proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            status_when_up(client)
+            time.sleep(1.0)
+            assert client.status().in_flight == 0
+
+            async def idle_async_client():
+                async with AsyncClient(f"tcp://127.0.0.1:{port}", timeout=30) as late:
+                    await asyncio.sleep(1.0)  # made long before its first call
+                    return (await late.status()).in_flight
+            assert asyncio.run(idle_async_client()) == 0
+    finally:
+        proc.terminate()
+        proc.wait(10)
 
 
 def test_round_robin_takes_turns_within_each_role():

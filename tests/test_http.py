@@ -396,6 +396,11 @@ def test_vllms_sampling_extensions_are_taken_at_what_we_do(served):
     messages = [{"role": "user", "content": "x"}]
     extra = dict(add_generation_prompt=True, continue_final_message=False, echo=False, chat_template_kwargs={})
     assert client.chat.completions.create(messages=messages, model=MODEL, max_tokens=2, extra_body=extra).choices
+    # no max_tokens: up to the context's end, which an API server's request must not be refused for
+    # (a favoured stop token ends it at once)
+    r = client.chat.completions.create(messages=messages, model=MODEL,
+                                       extra_body=dict(stop_token_ids=[65], logit_bias={"65": 100}))
+    assert (r.choices[0].finish_reason, r.usage.completion_tokens) == ("stop", 1)
     for field, value in (("skip_special_tokens", False), ("add_generation_prompt", False), ("echo", True)):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(messages=messages, model=MODEL, max_tokens=2, extra_body={field: value})
