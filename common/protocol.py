@@ -70,9 +70,9 @@ class Rejected:
 
 @dataclass
 class Probe:
-    """Router -> a ZeroMQ client waiting for a request that is not streamed: nothing to answer or
-    read. A client whose socket is gone makes the send fail, and the router cancels its requests
-    (otherwise nothing is sent to it before the request ends: it would decode for nobody)."""
+    """Router -> a ZeroMQ client whose requests send it nothing yet (not streamed, or not begun):
+    nothing to answer or read. A client whose socket is gone makes the send fail, and the router
+    cancels its requests (otherwise they would run to their end for nobody)."""
 
 
 REJECT_CODES = ("INVALID_ARGUMENT", "UNAUTHENTICATED", "NOT_FOUND", "METHOD_NOT_ALLOWED", "TOO_LARGE", "INTERNAL")

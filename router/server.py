@@ -38,7 +38,7 @@ from common.text import TextStream
 
 log = logging.getLogger("pdserve.router")
 DEAD_WORKER_MEMORY_S = 300.0  # how long `pdserve status` still lists a dead worker
-CLIENT_PROBE_S = 1.0  # how often a ZeroMQ client waiting for a request that is not streamed is probed
+CLIENT_PROBE_S = 1.0  # how often a ZeroMQ client is probed while its requests send it nothing
 
 
 @dataclass
@@ -603,9 +603,11 @@ class Router:
             self._probe_clients()
 
     def _probe_clients(self):
-        """Find ZeroMQ clients gone while they wait for a request that is not streamed: a stream's
-        tokens would have found them gone already."""
-        waiting = {req.client for req in self.requests.values() if not req.stream and isinstance(req.client, bytes)}
+        """Find ZeroMQ clients gone while their requests send them nothing: not streamed, or
+        streamed but still queued or prefilling (a stream's tokens find a gone client themselves,
+        once they flow)."""
+        waiting = {req.client for req in self.requests.values()
+                   if isinstance(req.client, bytes) and (not req.stream or not req.tokens)}
         for client in waiting:
             self._to_client(client, P.Probe())
 

@@ -76,12 +76,13 @@ async def gone_client_s_work(router, connect, max_tokens: int, stream: bool):
     return worker, work
 
 
-def test_a_gone_client_waiting_for_a_request_that_is_not_streamed_is_found_by_a_probe():
-    """Nothing goes to such a client before its request ends, so no failed send would show it
-    gone: the router probes it (an SDK client reads past the probe)."""
+@pytest.mark.parametrize("stream", [False, True], ids=["not-streamed", "streamed-before-its-first-token"])
+def test_a_gone_client_whose_request_sends_it_nothing_is_found_by_a_probe(stream):
+    """Nothing goes to such a client before its request ends (or begins), so no failed send would
+    show it gone: the router probes it (an SDK client reads past the probe)."""
     async def scenario():
         async with serving_router() as (router, connect):
-            worker, work = await gone_client_s_work(router, connect, 1000, stream=False)
+            worker, work = await gone_client_s_work(router, connect, 1000, stream=stream)
             closed = time.monotonic()
             while True:  # the worker sends nothing: the request would run on for nobody
                 msg = (await asyncio.wait_for(worker.arecv(), 5)).msg
@@ -120,10 +121,11 @@ def test_an_sdk_client_reads_past_probes():
 
 def test_a_gone_client_s_request_that_ends_is_counted_once():
     """A reply that cannot be delivered finds the client gone; the request, which ends in the same
-    batch, is finished once, as what it was ("length"), not also as "cancelled". (Streamed: a
-    request that is not streamed could be found gone first by the router's probe.)"""
+    batch, is finished once, as what it was ("length"), not also as "cancelled". (No probe here:
+    it would find the client gone first.)"""
     async def scenario():
         async with serving_router() as (router, connect):
+            router._next_probe = float("inf")
             worker, work = await gone_client_s_work(router, connect, 1, stream=True)
             await asyncio.sleep(0.3)  # the router's socket drops the peer
             await worker.send(P.WorkerTokens(work.request_id, work.attempt, 0, [5], "length"))
