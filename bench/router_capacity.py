@@ -112,6 +112,8 @@ class LoadGenerator(Load):
             self.open.clear()
 
     def on_reply(self, msg):
+        if isinstance(msg, P.Probe):  # the router checking that this client is there: nothing to read
+            return
         self.messages += isinstance(msg, (P.Token, P.TokenBatch))
         if not isinstance(msg, P.TokenBatch):
             return self._check(msg)

@@ -117,7 +117,7 @@ class Router:
         # While a worker's token batch is handled: each client's Tokens, held to go as one TokenBatch
         self._held: dict[bytes, list[P.Token]] | None = None
         self._gone: set[bytes] = set()  # clients found unreachable, their requests about to be cancelled
-        self._next_probe = 0.0  # when _probe_clients runs next
+        self._next_probe = time.monotonic() + CLIENT_PROBE_S  # when _probe_clients runs next
         self.http = self.api_servers = None
         if cfg.http_port is not None and cfg.api_server_count > 1:
             from router.api_server import ApiServers
