@@ -58,7 +58,7 @@ class EngineChat:
         engine = self.engine
         params = SamplingParams(**sampling)
         rid = engine.add_request(chat_prompt_ids(engine, messages), params)
-        text = TextStream(engine.tokenizer, params.stop, params.include_stop_str_in_output, params.min_tokens)
+        text = TextStream.for_params(engine.tokenizer, params)
         with _CtrlC() as ctrl_c:
             while not ctrl_c.hit:
                 for out in engine.step():

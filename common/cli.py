@@ -10,9 +10,8 @@ import click
 
 from bench.cli import bench, plan
 from common.cli_options import (devices_option, engine_argv, engine_options, http_options, parse_ints,
-                                router_argv, router_options, sampling_options, setup_logging)
+                                policy_option, router_argv, router_options, sampling_options, setup_logging)
 from common.errors import PdserveError
-from router.registry import POLICIES
 
 
 @click.group()
@@ -115,9 +114,7 @@ def chat(router_address, system, sampling, engine_kwargs):
 @click.option("--host", default="127.0.0.1", show_default=True, help="bind address (loopback unless set)")
 @click.option("--port", default=7100, show_default=True, type=int, help="client port")
 @click.option("--worker-port", default=None, type=int, help="worker port [default: port + 1]")
-@click.option("--policy", default="least_loaded", show_default=True, type=click.Choice(POLICIES),
-              help="how prefill workers are picked (decode workers: least loaded, or in turn with round_robin); "
-                   "prefix_affine: by what their prefix caches likely hold, and load")
+@policy_option
 @router_options
 @http_options
 @click.option("--log-level", default="INFO", show_default=True)
@@ -180,9 +177,7 @@ for _role in ("prefill", "decode", "mono"):
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=7100, show_default=True, type=int, help="client port (0: any free port)")
 @click.option("--worker-port", default=0, type=int, help="[default: any free port]")
-@click.option("--policy", default="least_loaded", show_default=True, type=click.Choice(POLICIES),
-              help="how prefill workers are picked (decode workers: least loaded, or in turn with round_robin); "
-                   "prefix_affine: by what their prefix caches likely hold, and load")
+@policy_option
 @click.option("--log-dir", default="pdserve-logs", show_default=True)
 @click.option("--threads", default=None, type=int, help="torch threads per worker [default: (cores - 1) / workers: one core left to the router]")
 @click.option("--no-restart", is_flag=True, help="do not restart crashed workers")

@@ -8,6 +8,7 @@ import functools
 import click
 
 from common.protocol import ATTENTION_BACKENDS, KV_TRANSPORTS  # no torch here: the CLI starts light
+from router.registry import POLICIES  # torch-free too
 
 
 MODEL_HELP = ("dummy:<preset>, a named model (smollm2: `pdserve pull smollm2` first), a GGUF file or a Hugging Face "
@@ -77,6 +78,12 @@ ROUTER_OPTIONS = [  # (flag, default, type, help): the router's limits, on `rout
 ]
 
 
+def policy_option(f):
+    return click.option("--policy", default="least_loaded", show_default=True, type=click.Choice(POLICIES),
+                        help="how prefill workers are picked (decode workers: least loaded, or in turn with "
+                             "round_robin); prefix_affine: by what their prefix caches likely hold, and load")(f)
+
+
 def router_options(f):
     """The router's limits; the command receives them as `router_kwargs` (flag names, snake_case)."""
     names = [flag[2:].replace("-", "_") for flag, *_ in ROUTER_OPTIONS]
@@ -121,39 +128,39 @@ def setup_logging(level: str = "INFO"):
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
 
-def sampling_options(f=None, *, max_tokens: int = 32):
-    """Sampling options; the command receives them as `sampling`, SamplingParams' fields (those
-    left at their defaults left out, so a router's client sends only what was asked for)."""
-    def apply(f):
-        opts = [
-            click.option("--max-tokens", default=max_tokens, show_default=True, type=int),
-            click.option("--temperature", default=0.0, show_default=True, type=float, help="0 is greedy"),
-            click.option("--top-p", default=1.0, show_default=True, type=float),
-            click.option("--top-k", default=0, show_default=True, type=int, help="0 disables"),
-            click.option("--min-p", default=0.0, show_default=True, type=float, help="0 disables"),
-            click.option("--repetition-penalty", default=1.0, show_default=True, type=float,
-                         help="> 1 discourages the prompt's and output's tokens; 1 disables"),
-            click.option("--frequency-penalty", default=0.0, show_default=True, type=float, help="in [-2, 2]"),
-            click.option("--presence-penalty", default=0.0, show_default=True, type=float, help="in [-2, 2]"),
-            click.option("--seed", default=None, type=int),
-            click.option("--ignore-eos", is_flag=True),
-        ]
-        defaults = dict(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0,
-                        frequency_penalty=0.0, presence_penalty=0.0, seed=None, ignore_eos=False)
+SAMPLING_OPTIONS = [  # (flag, default, type, help): SamplingParams' fields on the command line
+    ("--temperature", 0.0, float, "0 is greedy"),
+    ("--top-p", 1.0, float, None),
+    ("--top-k", 0, int, "0 disables"),
+    ("--min-p", 0.0, float, "0 disables"),
+    ("--repetition-penalty", 1.0, float, "> 1 discourages the prompt's and output's tokens; 1 disables"),
+    ("--frequency-penalty", 0.0, float, "in [-2, 2]"),
+    ("--presence-penalty", 0.0, float, "in [-2, 2]"),
+    ("--seed", None, int, None),
+]
 
+
+def sampling_options(f=None, *, max_tokens: int = 32):
+    """Sampling options; the command receives them as `sampling`, SamplingParams' fields (max_tokens
+    and temperature always, the others where they differ from their defaults, so that a router's
+    client sends only what was asked for)."""
+    defaults = {flag[2:].replace("-", "_"): default for flag, default, *_ in SAMPLING_OPTIONS}
+
+    def apply(f):
         @functools.wraps(f)
-        def wrapper(*args, max_tokens, temperature, top_p, top_k, min_p, repetition_penalty, frequency_penalty,
-                    presence_penalty, seed, ignore_eos, **kwargs):
-            given = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                         repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
-                         presence_penalty=presence_penalty, seed=seed, ignore_eos=ignore_eos)
-            sampling = {"max_tokens": max_tokens, "temperature": temperature,
+        def wrapper(*args, max_tokens, ignore_eos, **kwargs):
+            given = {name: kwargs.pop(name) for name in defaults}
+            sampling = {"max_tokens": max_tokens, "temperature": given["temperature"],
                         **{k: v for k, v in given.items() if v != defaults[k]}}
+            if ignore_eos:
+                sampling["ignore_eos"] = True
             return f(*args, sampling=sampling, **kwargs)
 
-        for opt in reversed(opts):
-            wrapper = opt(wrapper)
-        return wrapper
+        wrapper = click.option("--ignore-eos", is_flag=True)(wrapper)
+        for flag, default, kind, text in reversed(SAMPLING_OPTIONS):
+            wrapper = click.option(flag, default=default, show_default=default is not None, type=kind,
+                                   help=text)(wrapper)
+        return click.option("--max-tokens", default=max_tokens, show_default=True, type=int)(wrapper)
 
     return apply(f) if f is not None else apply
 

@@ -200,7 +200,7 @@ class Engine:
                        output_ids, prefill_only)
         if params.stop and self.finds_stop_strings and self.tokenizer is not None and not prefill_only:
             # The same text the router builds, so a request stops at the same token wherever it runs.
-            seq.text = TextStream(self.tokenizer, params.stop, params.include_stop_str_in_output, params.min_tokens)
+            seq.text = TextStream.for_params(self.tokenizer, params)
             for token in output_ids:
                 seq.text.add(token)
         need = self.block_manager.blocks_needed(seq.max_len)

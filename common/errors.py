@@ -44,10 +44,7 @@ def port_free(host: str, port: int, flag: str):
     an InvalidArgument naming the port and the flag that sets it, not a traceback."""
     try:
         yield
-    except OSError as e:
-        if e.errno != errno.EADDRINUSE:
-            raise
-    except Exception as e:  # zmq.ZMQError is not an OSError
+    except Exception as e:  # an OSError, or a zmq.ZMQError (not an OSError): both carry errno
         if getattr(e, "errno", None) != errno.EADDRINUSE:
             raise
     else:

@@ -28,9 +28,10 @@ from common.sequence import Sequence
 
 
 def adjusted_rows(seqs: list[Sequence]) -> list[int]:
-    """The rows whose requests adjust their logits this step (min_tokens only until it is met)."""
-    return [i for i, q in enumerate(seqs)
-            if q.params.adjusts_logits or len(q) - q.num_prompt_tokens < q.params.min_tokens]
+    """The rows whose requests adjust their logits this step (min_tokens only until it is met).
+    Every step asks, so a batch with none costs a flag read per sequence."""
+    return [i for i, q in enumerate(seqs) if q.adjusts_logits and
+            (q.params.adjusts_logits or len(q) - q.num_prompt_tokens < q.params.min_tokens)]
 
 
 def adjust(logits_SV: torch.Tensor, seqs: list[Sequence], rows: list[int], num_decode: int,
@@ -43,7 +44,7 @@ def adjust(logits_SV: torch.Tensor, seqs: list[Sequence], rows: list[int], num_d
     bias_r, bias_t, bias_v, stop_r, stop_t = array.array("q"), array.array("q"), [], array.array("q"), array.array("q")
     tokens = array.array("q")  # each row's output tokens, then each row's prompt tokens
     prompts = []
-    params = []  # per row: repetition, frequency, presence, temperature, log(min_p)
+    rep, freq, pres, temp, log_min_p = [], [], [], [], []  # per row
     for j, i in enumerate(rows):
         q, p = seqs[i], seqs[i].params
         settled = q.settled_tokens()
@@ -65,9 +66,11 @@ def adjust(logits_SV: torch.Tensor, seqs: list[Sequence], rows: list[int], num_d
             stops = [t for t in q.stop_ids if t < V]
             stop_t.extend(stops)
             stop_r.extend([j] * len(stops))
-        min_p = p.min_p if not p.greedy else 0.0
-        params += [p.repetition_penalty, p.frequency_penalty, p.presence_penalty, p.temperature or 1.0,
-                   math.log(min_p) if min_p > 0 else -math.inf]
+        rep.append(p.repetition_penalty)
+        freq.append(p.frequency_penalty)
+        pres.append(p.presence_penalty)
+        temp.append(p.temperature or 1.0)
+        log_min_p.append(math.log(p.min_p) if p.min_p > 0 and not p.greedy else -math.inf)
     for prompt in prompts:
         tokens += prompt
     parts = (array.array("q", rows), out_n, prompt_n, last_src, bias_r, bias_t, stop_r, stop_t, tokens)
@@ -77,14 +80,14 @@ def adjust(logits_SV: torch.Tensor, seqs: list[Sequence], rows: list[int], num_d
     dev = logits_SV.device
     ints = upload(torch.frombuffer(buf, dtype=torch.int64).clone(), dev)
     rows_R, out_n_R, prompt_n_R, last_src, bias_r, bias_t, stop_r, stop_t, tokens = ints.split(list(map(len, parts)))
-    floats = upload(torch.tensor(params + bias_v, dtype=torch.float32), dev)
-    rep_R, freq_R, pres_R, temp_R, log_min_p_R = floats[:5 * R].view(R, 5).unbind(1)
+    floats = upload(torch.tensor(rep + freq + pres + temp + log_min_p + bias_v, dtype=torch.float32), dev)
+    rep_R, freq_R, pres_R, temp_R, log_min_p_R = floats[:5 * R].view(5, R).unbind(0)
     x_RV = logits_SV[rows_R].float()  # a copy: the graph's logits stay the raw ones, for logprobs
     if bias_v:
         x_RV.index_put_((bias_r, bias_t), floats[5 * R:], accumulate=True)
     if len(stop_t):
         x_RV[stop_r, stop_t] = -math.inf
-    if any(params[k] != 1.0 or params[k + 1] or params[k + 2] for k in range(0, 5 * R, 5)):
+    if any(r != 1.0 for r in rep) or any(freq) or any(pres):
         arange_R = torch.arange(R, device=dev)
         n_out = len(tokens) - sum(map(len, prompts))
         out_t = torch.cat([tokens[:n_out], input_ids[last_src]])
@@ -92,7 +95,7 @@ def adjust(logits_SV: torch.Tensor, seqs: list[Sequence], rows: list[int], num_d
                            arange_R[:len(last_src)]])  # decode rows come first in `rows`
         prompt_r = arange_R.repeat_interleave(prompt_n_R, output_size=len(tokens) - n_out)
         x_RV = _penalize(x_RV, rep_R, freq_R, pres_R, out_r, out_t, prompt_r, tokens[n_out:])
-    if any(params[k] > -math.inf for k in range(4, 5 * R, 5)):
+    if any(m > -math.inf for m in log_min_p):
         # min_p, after temperature: p_i < min_p * p_max  <=>  x_i < x_max + T log(min_p)
         threshold_R = x_RV.max(dim=-1).values + temp_R * log_min_p_R
         x_RV = x_RV.masked_fill(x_RV < threshold_R[:, None], -math.inf)

@@ -27,6 +27,11 @@ class TextStream:
         self.sent = 0  # characters of text handed out by delta()
         self.stop_reason: str | None = None  # the stop string that ended the text
 
+    @classmethod
+    def for_params(cls, tokenizer, params) -> "TextStream":
+        """The text of a request with these SamplingParams: its stop strings and min_tokens."""
+        return cls(tokenizer, params.stop, params.include_stop_str_in_output, params.min_tokens)
+
     def add(self, token: int) -> bool:
         """Take the next token; True if the text now reaches a stop string (then add no more)."""
         self.ids.append(token)

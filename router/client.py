@@ -279,10 +279,9 @@ class Client:
         CONNECT_TIMEOUT_S of this call with no connection to the router, UNAVAILABLE (and the
         request, queued for a router that may yet come, is cancelled): nothing would come."""
         since = time.monotonic()
+        if not self._inbox[key]:
+            self._take_events()  # what the monitor holds, before deciding anything; later, as the poll finds it
         while not self._inbox[key]:
-            self._take_events()
-            if self._inbox[key]:
-                break
             error = self.connection.unreachable(self.address, since, key)
             if error is not None:
                 if key in self._open:
@@ -296,6 +295,8 @@ class Client:
                                               f"Client(timeout=...))", key)
             wait = _until(deadline.at, self.connection.give_up_at(since))
             ready = dict(self._poller.poll(None if wait is None else max(1, int(wait * 1000) + 1)))
+            if self.connection.monitor in ready:
+                self._take_events()
             if self.chan.sock not in ready:
                 continue
             env = self.chan.recv(0)

@@ -204,18 +204,16 @@ class HttpFront:
         """vLLM's /tokenize: a prompt's token ids (messages: through the chat template)."""
         prompt, messages = parse_tokenize(await _json(request), self.model)
         prompts = self.backend.prompts
-        if prompts.tokenizer is None:
-            raise InvalidArgument(f"model {self.model!r} has no tokenizer", param="prompt")
-        ids = prompts.tokenizer.encode(prompt) if messages is None else prompts.tokenizer.encode_chat(messages)
+        ids = prompts.encode(prompt, messages)
         return web.json_response({"count": len(ids), "max_model_len": prompts.model_config.max_position_embeddings,
                                   "tokens": ids})
 
     async def detokenize(self, request: web.Request) -> web.Response:
         prompts = self.backend.prompts
-        ids = parse_detokenize(await _json(request), self.model, prompts.model_config.vocab_size)
-        if prompts.tokenizer is None:
+        text = prompts.text(parse_detokenize(await _json(request), self.model, prompts.model_config.vocab_size))
+        if text is None:
             raise InvalidArgument(f"model {self.model!r} has no tokenizer", param="tokens")
-        return web.json_response({"prompt": prompts.tokenizer.decode(ids)})
+        return web.json_response({"prompt": text})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, lambda body: parse_completion(body, self.model))

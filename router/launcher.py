@@ -230,7 +230,6 @@ def run_launch(cluster: Cluster):
     stopping = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.append(True))
-    cluster.check_ports()  # before anything starts (or says "stopped")
     try:
         cluster.start()
         if cluster.http_url:
@@ -240,5 +239,6 @@ def run_launch(cluster: Cluster):
             cluster.supervise_once()
             time.sleep(0.1)
     finally:
-        cluster.stop()
-        print("stopped", flush=True)
+        if any(c.proc is not None for c in cluster.children):  # a refused start started nothing
+            cluster.stop()
+            print("stopped", flush=True)

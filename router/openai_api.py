@@ -120,16 +120,16 @@ def _get(body: dict, name: str, rule, default=None):
     return value
 
 
-def _check_fields(body, allowed: set[str]):
+def _check_fields(body, allowed: set[str], neutral: set[str] = frozenset(NEUTRAL)):
+    """Only allowed fields, and those of `neutral` (NEUTRAL's) at their neutral values."""
     if not isinstance(body, dict):
         raise InvalidArgument(f"the body is {type(body).__name__}; allowed: a JSON object")
     unknown = sorted(set(body) - allowed)
     if unknown:
         raise InvalidArgument(f"unknown field {unknown[0]!r}; allowed: {', '.join(sorted(allowed))}", param=unknown[0])
-    for name, (values, allowed_text) in NEUTRAL.items():
-        if name in CHAT_ONLY_NEUTRAL and allowed is not CHAT_FIELDS:  # a completion's echo is its own
-            continue
-        if name in body and not any(body[name] == v and type(body[name]) is type(v) for v in values):
+    for name in sorted(neutral & set(body)):
+        values, allowed_text = NEUTRAL[name]
+        if not any(body[name] == v and type(body[name]) is type(v) for v in values):
             raise InvalidArgument(f"{name}={short_repr(body[name])} is not supported; allowed: {allowed_text}",
                                   param=name)
 
@@ -177,7 +177,7 @@ LOGPROBS = (lambda v: _is_int(v) and 0 <= v <= MAX_LOGPROBS, f"an integer in [0,
 
 
 def parse_completion(body, served_model: str) -> Job:
-    _check_fields(body, COMPLETION_FIELDS)
+    _check_fields(body, COMPLETION_FIELDS, set(NEUTRAL) - CHAT_ONLY_NEUTRAL)  # a completion's echo is its own
     prompt = body.get("prompt")
     if isinstance(prompt, str) or (_is_token_ids(prompt) and prompt):
         prompts = [prompt]
@@ -362,7 +362,6 @@ def parse_tokenize(body, served_model: str) -> tuple[str | None, list | None]:
     """(prompt, messages) of a /tokenize body: {"prompt": text} or {"messages": [...]}."""
     _check_fields(body, {"model", "prompt", "messages", "add_generation_prompt"})
     check_model(_get(body, "model", STRING, served_model), served_model)
-    _get(body, "add_generation_prompt", (lambda v: v is True, "true (the chat template's generation prompt)"))
     prompt, messages = _get(body, "prompt", STRING), body.get("messages")
     if (prompt is None) == (messages is None):
         raise InvalidArgument("give one of prompt (a string) or messages", param="prompt")

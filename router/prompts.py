@@ -23,19 +23,10 @@ class Prompts:
         params = sampling if isinstance(sampling, SamplingParams) else SamplingParams.from_dict(sampling)
         params.check_vocab(self.model_config.vocab_size)
         if messages is not None or isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidArgument(f"model {self.model!r} has no tokenizer; send token ids", param="prompt")
-            if messages is None:
-                ids = self.tokenizer.encode(prompt)
-            elif prompt:
+            if messages is not None and prompt:
                 raise InvalidArgument("a request with messages must have an empty prompt; send one or the other",
                                       param="prompt")
-            else:
-                try:
-                    ids = self.tokenizer.encode_chat(messages)
-                except InvalidArgument as e:
-                    e.param = e.param or "messages"
-                    raise
+            ids = self.encode(prompt, messages)
         else:
             ids = prompt
             V = self.model_config.vocab_size
@@ -54,6 +45,19 @@ class Prompts:
                                   f"length is {limit} tokens and the prompt has {len(ids)}; allowed: at most "
                                   f"{limit - len(ids)}", param=max_tokens_field)
         return ids, params
+
+    def encode(self, text: str | None, messages: list[dict] | None) -> list[int]:
+        """The token ids of text, or of messages through the chat template."""
+        if self.tokenizer is None:
+            raise InvalidArgument(f"model {self.model!r} has no tokenizer; send token ids",
+                                  param="prompt" if messages is None else "messages")
+        if messages is None:
+            return self.tokenizer.encode(text)
+        try:
+            return self.tokenizer.encode_chat(messages)
+        except InvalidArgument as e:
+            e.param = e.param or "messages"
+            raise
 
     def text(self, ids: list[int]) -> str | None:
         return self.tokenizer.decode(ids) if self.tokenizer is not None else None

@@ -152,14 +152,12 @@ class Router:
             asyncio.get_running_loop().call_soon(self._cancel_gone, client)
 
     def _cancel_gone(self, client: bytes):
+        names = [name for c, name in self.by_client if c == client]
+        for name in names:  # their replies go nowhere: _to_client skips a client in _gone
+            self.cancel(client, name)
         self._gone.discard(client)
-        gone = [self.requests[rid] for (c, _), rid in self.by_client.items() if c == client]
-        for req in gone:
-            req.reply_to = _nowhere
-            self._cancel_work(req)
-            self.done(req, "cancelled")
-        if gone:
-            log.warning("client %r is gone: cancelled its %d requests", client, len(gone))
+        if names:
+            log.warning("client %r is gone: cancelled its %d requests", client, len(names))
 
     def reply(self, req: Request, msg):
         req.reply_to(msg)
@@ -280,18 +278,17 @@ class Router:
         if len(self.requests) >= self.cfg.max_queue:
             return refuse("OVERLOADED", f"the router holds {len(self.requests)} requests, its limit "
                                         f"(max_queue={self.cfg.max_queue}); retry later")
-        for roles, what in ((PREFILL_ROLES, "prefill"), (DECODE_ROLES, "decode")):
-            # None ever registered: say so now. Some did but are down: they may be restarting, so
-            # the request waits (dispatch queues it) up to queue_timeout_s.
-            if not any(w.role in roles for w in self.registry.workers.values()):
-                return refuse("UNAVAILABLE", f"no {what} worker has registered")
+        # None ever registered: say so now. Some did but are down: they may be restarting, so the
+        # request waits (dispatch queues it) up to queue_timeout_s.
+        never = missing_roles(w.role for w in self.registry.workers.values())
+        if never:
+            return refuse("UNAVAILABLE", f"no {never[0]} worker has registered")
         req = Request(str(next(self._ids)), client, client_request_id, ids, params,
                       params.seed if params.seed is not None else fresh_seed(), stream, reply_to, arrival=received)
         if params.logprobs is not None:
             req.logprobs = []
         if self.prompts.tokenizer is not None and (stream or params.stop):
-            req.text = TextStream(self.prompts.tokenizer, params.stop, params.include_stop_str_in_output,
-                                  params.min_tokens)
+            req.text = TextStream.for_params(self.prompts.tokenizer, params)
         self.requests[req.rid] = req
         self.by_client[(client, client_request_id)] = req.rid
         self.dispatch(req)
@@ -630,10 +627,6 @@ def asks_prompt_logprobs(req: Request) -> bool:
     """Whether req's next prefill computes its prompt's logprobs: asked for, and not yet received
     (a re-prefill after a migration does not compute them again)."""
     return req.params.prompt_logprobs is not None and req.prompt_logprobs is None
-
-
-def _nowhere(msg):
-    """The replies of a request whose client is gone."""
 
 
 DECODE_FAULTS = ("NO_ROOM", "LAYOUT_MISMATCH")  # WorkerError codes that say the decode worker cannot take it
