@@ -45,7 +45,7 @@ from common.channel import Channel
 from common.errors import PdserveError
 from common.sampling_params import SamplingParams
 from router.client import LOST, Connection, replies
-from router.launcher import die_with_parent
+from router.launcher import HEALTHY_S, die_with_parent, restart_delay
 from router.openai_api import ApiError
 from router.prompts import Prompts
 
@@ -53,8 +53,7 @@ log = logging.getLogger("pdserve.api_server")
 ASK_TIMEOUT_S = 5.0  # for the router's status or metrics
 TRUSTED_REPLY_BYTES = 2**30
 READY_TIMEOUT_S = 120.0  # for an API server to load its tokenizer and serve
-RESTART_DELAYS_S = (1.0, 8.0)  # after an API server dies: the first wait, doubling to the last while it keeps dying
-STABLE_S = 30.0  # an API server up this long starts its next restart at the first delay again
+FIRST_RESTART_S = 1.0  # after an API server dies: the first wait (router/launcher.py restart_delay doubles it)
 
 
 class RouterLink:
@@ -85,17 +84,13 @@ class RouterLink:
         self.chan.close()
         self.ctx.term()
 
-    def fail_all(self, message: str):
-        """Every request in flight ends with UNAVAILABLE."""
-        routes, self._routes = self._routes, {}
-        for rid, reply_to in routes.items():
-            reply_to(P.Error(rid, "UNAVAILABLE", message))
-
     def _lost(self):
         """The connection to the router dropped with every reply in flight (the router cancels the
         requests of a client it cannot reach): their HTTP requests fail now, not never."""
         log.warning("lost the connection to the router; failing %d requests", len(self._routes))
-        self.fail_all(LOST)
+        routes, self._routes = self._routes, {}
+        for rid, reply_to in routes.items():
+            reply_to(P.Error(rid, "UNAVAILABLE", LOST))
 
     def submit(self, request_id: str, ids: list[int], params: SamplingParams, stream: bool,
                reply_to: Callable[[object], None]) -> bool:
@@ -248,7 +243,7 @@ class ApiServers:
                      "--max-body-bytes", str(max_body_bytes), "--parent", str(os.getpid())]
         self.procs: list[subprocess.Popen | None] = [None] * count
         self.started = [0.0] * count
-        self.delays = [RESTART_DELAYS_S[0]] * count
+        self.restarts = [0] * count  # of each server, in a row
         self._watch: asyncio.Task | None = None
 
     @property
@@ -290,17 +285,18 @@ class ApiServers:
             for i, proc in enumerate(self.procs):
                 if proc is None or proc.poll() is None:
                     continue
-                if time.monotonic() - self.started[i] > STABLE_S:
-                    self.delays[i] = RESTART_DELAYS_S[0]
+                if time.monotonic() - self.started[i] > HEALTHY_S:
+                    self.restarts[i] = 0
                 log.warning("API server %d (pid %d) exited with %s; restarting it in %.0fs", i, proc.pid,
-                            proc.returncode, self.delays[i])
+                            proc.returncode, restart_delay(self.restarts[i], FIRST_RESTART_S))
                 self.on_exit(identity(i, proc.pid))
                 self.procs[i] = None
                 self._restart_later(i)
 
     def _restart_later(self, i: int):
-        """Restart server i after its delay, which doubles (to the last of RESTART_DELAYS_S) each time."""
-        delay, self.delays[i] = self.delays[i], min(2 * self.delays[i], RESTART_DELAYS_S[1])
+        """Restart server i after its delay, which doubles each time in a row."""
+        delay = restart_delay(self.restarts[i], FIRST_RESTART_S)
+        self.restarts[i] += 1
         asyncio.get_running_loop().call_later(delay, self._restart, i)
 
     def _restart(self, i: int):
@@ -309,7 +305,8 @@ class ApiServers:
         try:
             self._spawn(i)
         except OSError as e:
-            log.error("could not restart API server %d: %s; trying again in %.0fs", i, e, self.delays[i])
+            log.error("could not restart API server %d: %s; trying again in %.0fs", i, e,
+                      restart_delay(self.restarts[i], FIRST_RESTART_S))
             self._restart_later(i)
 
     async def close(self, grace_s: float = 5.0):

@@ -60,6 +60,15 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+HEALTHY_S = 30.0  # a process up this long starts its restart backoff over
+
+
+def restart_delay(restarts: int, first: float = 0.5) -> float:
+    """The wait before restarting a process that died `restarts` times in a row: doubling from
+    `first`, up to 8 s (the launcher's workers and router, the router's API servers)."""
+    return min(first * 2 ** restarts, 8.0)
+
+
 def check_port_free(host: str, port: int, flag: str) -> None:
     """InvalidArgument naming the port and its flag if something holds it (as the router would
     bind it: SO_REUSEADDR, so a port in TIME_WAIT counts as free)."""
@@ -195,9 +204,9 @@ class Cluster:
             if not self.restart:
                 continue
             if c.next_start == 0.0:
-                if now - c.started_at > 30:
+                if now - c.started_at > HEALTHY_S:
                     c.restarts = 0  # it had been healthy: start the backoff over
-                delay = min(0.5 * 2 ** c.restarts, 8.0)
+                delay = restart_delay(c.restarts)
                 c.next_start = now + delay
                 with open(c.log_path, "a") as f:
                     f.write(f"\n[launcher] {c.name} exited with {c.proc.returncode}; restarting in {delay:.1f}s\n")
