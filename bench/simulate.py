@@ -19,7 +19,8 @@ What is modelled, and how faithfully:
   worker's count until the decode worker's first token, and adds the measured front latency
   (client -> router -> worker and back) to what a client sees.
 - **KV handoff**: a prefill worker asks its decode worker for blocks when the work arrives
-  (refused while the decode worker's pool or batch is full: retried with the worker's backoff);
+  (refused while the decode worker's pool or batch is full: retried with the worker's backoff;
+  the prefill worker's scheduler admits prompts not granted yet only within the room it keeps);
   once prefilled and granted the KV moves in the profiled time for its bytes, or, for the share
   of handoffs that cross hosts, in network latency + bytes / bandwidth; the decode worker starts
   the request at its next step.
@@ -151,6 +152,7 @@ class SimRequest:
     first_token: int | None = None  # the token id the prefill sampled (any id: outputs run to length)
     prefilled_at: float | None = None
     granted: list[int] | None = None  # the decode worker's reserved blocks
+    seq: Sequence | None = None  # on its prefill worker
     retries: int = 0
     token_times: list[float] = field(default_factory=list)  # worker-side, every output token
     done: bool = False
@@ -163,8 +165,9 @@ class SimEngine:
     def __init__(self, shape: EngineShape):
         self.shape = shape
         self.block_manager = BlockManager(shape.num_blocks, shape.block_size, enable_prefix_caching=False)
-        self.scheduler = Scheduler(self.block_manager, shape.max_num_seqs, shape.max_num_batched_tokens)
-        self.held: dict[int, Sequence] = {}
+        self.scheduler = Scheduler(self.block_manager, shape.max_num_seqs, shape.max_num_batched_tokens,
+                                   shape.max_model_len)
+        self.held = self.scheduler.held
         self.num_reserved_seqs = 0
 
     def add(self, rid: int, prompt: int, output: int, prefill_only: bool, generated: int = 0) -> Sequence:
@@ -311,7 +314,7 @@ class Simulation:
         r.prefill, r.decode = p, d
         p.assigned.add(r.index)
         d.assigned.add(r.index)
-        p.engine.add(r.index, r.req.prompt_tokens, r.req.output_tokens, prefill_only=p is not d)
+        r.seq = p.engine.add(r.index, r.req.prompt_tokens, r.req.output_tokens, prefill_only=p is not d)
         if p is not d:
             self.reserve(r)
         self.kick(p)
@@ -382,8 +385,11 @@ class Simulation:
             r.retries += 1
             return
         r.granted = blocks
+        r.seq.awaits_kv_grant = False
         if r.prefilled_at is not None:
             self.handoff(r)
+        else:
+            self.kick(r.prefill)  # it may be admitted now
 
     def handoff(self, r: SimRequest) -> None:
         tokens = r.req.prompt_tokens

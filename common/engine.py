@@ -77,12 +77,13 @@ class Engine:
         self.kv_cache, self.kv_segment = allocate_kv_pool(mc, self.num_blocks, bs, config.torch_dtype,
                                                           config.torch_device, shared=config.kv_shared)
         self.block_manager = BlockManager(self.num_blocks, bs, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.max_model_len)
         self.batch_invariant = False  # on CUDA: set_batch_invariant below
         self.runner = ModelRunner(self.model, self.kv_cache, bs, config.torch_device)
         self.set_batch_invariant(config.batch_invariant)
         self.requests: dict[str, Sequence] = {}
-        self.held: dict[str, Sequence] = {}  # prefill-only requests done, blocks kept for transfer
+        self.held = self.scheduler.held  # prefill-only requests done, blocks kept for transfer
         self.last_batch: list[ScheduledSeq] = []  # what the last step ran (common/step_trace.py)
         self.inflight: LaunchedStep | None = None  # launched, its tokens not yet read (async scheduling)
         self.num_reserved_seqs = 0  # running slots promised to KV transfers not yet arrived
@@ -254,6 +255,13 @@ class Engine:
     def read_kv(self, block_ids: list[int], layer: int) -> torch.Tensor:
         """(2, blocks, block_size, kv_heads, head_dim) copy of one layer's KV in these blocks."""
         return self.kv_cache[layer].index_select(1, self.runner._tensor(block_ids))
+
+    def kv_granted(self, request_id: str) -> None:
+        """A decode worker has reserved blocks for this prefill-only request's KV (see the
+        scheduler's admission of requests still awaiting that)."""
+        seq = self.requests.get(request_id) or self.held.get(request_id)
+        if seq is not None:
+            seq.awaits_kv_grant = False
 
     def release(self, request_id: str) -> bool:
         seq = self.held.pop(request_id, None)

@@ -6,6 +6,14 @@ of the queue, later resumed by recompute). The rest of the budget goes to prefil
 requests whose prompt is partly computed, then newly admitted ones. A request is admitted only
 when the pool has blocks for its whole prompt (minus cached prefix blocks), keeping a small
 watermark free for running decodes to grow into.
+
+A prefill worker's requests end at their first token and keep their blocks until their KV has
+gone to a decode worker (`held`), which grants blocks for it when it has room. A request is
+admitted before its grant arrives, so the grant's round trip overlaps the prefill, but only while
+the blocks of such requests (running or held) leave room for the longest request: otherwise
+prefills awaiting grants could fill the pool while the decode worker's room is promised to
+requests that cannot be admitted to prefill, and neither would move until a lease ran out. A
+request awaiting its grant that may not be admitted is passed over for granted ones behind it.
 """
 
 from __future__ import annotations
@@ -53,13 +61,17 @@ def step_shape(batch: list[ScheduledSeq]) -> tuple[list[tuple[int, int]], list[i
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int):
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.watermark = max(1, block_manager.num_blocks // 100)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last is the newest
+        self.held: dict[str, Sequence] = {}  # prefill-only requests done, blocks kept for their transfer
+        # what requests awaiting a KV grant may hold at most: the rest fits the longest request
+        self.ungranted_room = max(0, block_manager.num_blocks - block_manager.blocks_needed(max_model_len))
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -95,14 +107,24 @@ class Scheduler:
             n = min(seq.num_uncomputed, budget)
             batch.append(ScheduledSeq(seq, n))
             budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        ungranted, i = None, 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[i]
             if seq.pending:  # preempted while its token is sampled: admitted once that is known
                 break
+            if seq.awaits_kv_grant:
+                if ungranted is None:
+                    ungranted = self.ungranted_blocks()
+                need = self.bm.blocks_needed(len(seq))
+                if ungranted + need > self.ungranted_room:
+                    i += 1  # it waits for its grant; a granted request behind it may go
+                    continue
             reserve = self.watermark if self.running else 0
             if not self.bm.can_allocate(seq, reserve):
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
+            if seq.awaits_kv_grant:
+                ungranted += need
             self.bm.allocate(seq)
             seq.status = Status.RUNNING
             seq.scheduled_time = seq.scheduled_time or time.monotonic()
@@ -111,6 +133,11 @@ class Scheduler:
             batch.append(ScheduledSeq(seq, n))
             budget -= n
         return batch
+
+    def ungranted_blocks(self) -> int:
+        """Blocks held by admitted requests whose KV has nowhere to go yet."""
+        return sum(len(s.block_table) for s in self.running if s.awaits_kv_grant) + \
+            sum(len(s.block_table) for s in self.held.values() if s.awaits_kv_grant)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -31,6 +31,8 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         # Stop after the next token and keep the KV blocks: a prefill worker's request.
         self.prefill_only = prefill_only
+        # Its KV has no decode worker's blocks to go to yet (common/scheduler.py, admission).
+        self.awaits_kv_grant = prefill_only
         self.params = params
         self.seed = seed
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))

@@ -7,7 +7,10 @@ and pushes the KV straight to the decode worker the router named:
                                  (common/kv_transport/), then KVTransfer(header) -> KVAck -> free our blocks
 
 The reservation is asked for when the work arrives, so the grant's round trip overlaps the
-prefill instead of following it; a request that ends at its first token sends KVRelease.
+prefill instead of following it; a request that ends at its first token sends KVRelease. Prompts
+still awaiting their grant are admitted only while they leave our pool room for the longest
+request (common/scheduler.py): full of them, it could wait on a decode worker whose room is
+promised to prompts we cannot admit.
 
 Layer-wise streaming (on unless --no-kv-stream): once granted, a request's KV goes out while the
 forward pass runs. After each layer, the blocks it has finished (every full block of the step's
@@ -241,6 +244,7 @@ class PrefillWorker(WorkerBase):
             return
         if isinstance(msg, P.KVGrant):
             t.block_ids, t.state = msg.block_ids, "granted"
+            self.engine.kv_granted(msg.request_id)
             t.offer, t.lease_end = msg.transports, t.requested_at + msg.lease_s
             self.offers[t.work.decode_kv_address] = msg.transports
             if t.first_token is not None:

@@ -170,6 +170,23 @@ def test_cancel_mid_stream_frees_every_block(tmp_path):
         assert all(w["free_blocks"] == w["total_blocks"] for w in workers), workers
 
 
+def test_a_full_prefill_pool_and_a_full_decode_batch_do_not_wait_on_each_other(tmp_path):
+    """A burst on small pools: while requests wait for the decode worker's room, others it
+    granted room to must still get into the prefill worker's pool (see common/scheduler.py).
+    Before that, prefills awaiting grants filled the pool, the decode worker's slots went to
+    requests that could not start their prefill, and the cluster stood still until the 30 s
+    lease and transfer timeouts: a transfer gave up and the request was served again."""
+    rng = random.Random(3)
+    prompts = [[rng.randrange(1, 60) for _ in range(rng.randrange(60, 100))] for _ in range(40)]
+    with cluster(tmp_path, worker_args=["--num-blocks", "24", "--max-num-seqs", "2"]) as c, \
+            Client(c.address, timeout=20) as client:
+        results = client.generate_many(prompts, max_tokens=32, ignore_eos=True, temperature=0)
+        assert [len(r.token_ids) for r in results] == [32] * 40
+        workers = wait_blocks_free(client)
+        assert all(w["free_blocks"] == w["total_blocks"] for w in workers), workers
+    assert "failed" not in (tmp_path / "logs" / "prefill-0.log").read_text()
+
+
 def test_unavailable_without_workers(tmp_path):
     with cluster(tmp_path, prefill=1, decode=1, router_args=["--queue-timeout", "1", "--heartbeat-timeout", "0.5"]) as c, \
             Client(c.address, timeout=30) as client:

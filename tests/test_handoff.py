@@ -73,3 +73,26 @@ def test_abort_releases_held_blocks():
     assert out.finish_reason == "prefilled" and "x" in engine.held
     assert engine.abort_request("x")
     assert_all_blocks_free(engine)
+
+
+def test_prefills_awaiting_their_grant_leave_room_for_the_longest_request():
+    """Prefills whose decode worker has not granted blocks yet may take the pool only up to what
+    leaves room for a request of max_model_len: else they could fill it while the decode worker's
+    room is promised to requests that cannot start their prefill, and neither side would move
+    until a lease ran out (a real 1P1D cluster stalled 30 s that way; see test_cluster)."""
+    engine = Engine(model="dummy:nanogpt", block_size=4, num_blocks=20, max_model_len=32)  # room: 20 - 8
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    for i in range(4):  # 4 blocks each
+        engine.add_sequence(f"u{i}", [i + 1] * 15, 15, params, 1, prefill_only=True)
+    engine.add_sequence("g", [9] * 28, 28, params, 1, prefill_only=True)  # 7 blocks, granted though behind
+    engine.kv_granted("g")
+    done = {o.request_id for o in engine.step()}
+    assert done == {"u0", "u1", "u2", "g"}  # u3 would pass the 12 blocks: g went ahead of it
+    assert [s.request_id for s in engine.scheduler.waiting] == ["u3"] and engine.block_manager.num_free_blocks == 1
+    engine.kv_granted("u0")  # no longer counts against the room, but still holds its blocks
+    assert engine.step() == [] and engine.scheduler.ungranted_blocks() == 8
+    assert engine.release("u0") and engine.release("g")
+    assert [o.request_id for o in engine.step()] == ["u3"]
+    for rid in ("u1", "u2", "u3"):
+        assert engine.release(rid)
+    assert_all_blocks_free(engine)

@@ -72,14 +72,18 @@ def test_monolithic_prefill_shares_the_step_with_decodes():
     assert max(split.records[0].itl[1:]) == pytest.approx(10.0)
 
 
-def test_kv_pool_limits_admission():
-    """A prefill worker whose pool holds one prompt at a time prefills them one after another."""
+def test_kv_pools_limit_admission():
+    """Pools that hold one prompt at a time, smaller than the longest request: a prefill worker
+    admits no prompt before its decode worker has granted it room (common/scheduler.py), so
+    each prompt waits for the one before to be prefilled, handed off and decoded."""
     model = WorkerModel(StepCost(prefill_token=1e-3, decode_base=1e-3), EngineShape(8, 16, 64, 2048, 1024),
                         kv_bytes_per_token=1024, handoff_base_s=0.005)
-    reqs = [Request(0.0, 100, 2) for _ in range(3)]  # 7 blocks each; the pool has 8
+    reqs = [Request(0.0, 100, 2) for _ in range(3)]  # 7 blocks each; the pools have 8
     p = simulate(model, 1, 1, 0, Placement(), 1.0, reqs, SLO(1000, 1000))
-    # each waits for the one before to be prefilled (100 ms) and handed off (5 ms) to free the pool
-    assert sorted(r.ttft for r in p.records) == pytest.approx([100, 205, 310])
+    # The first: prefilled in 100 ms, handed off in 5, decoded at 106. The others retry their
+    # reservation at 2, 7, 17, 37 ms and every 20 ms after: the second is granted at 117 and
+    # prefilled by 217, decoded at 223; the third is granted at its next retry, 237.
+    assert sorted(r.ttft for r in p.records) == pytest.approx([100, 217, 337])
 
 
 def test_least_loaded_router_spreads_requests():
