@@ -56,6 +56,7 @@ from common.sequence import PREFILLED, Sequence, Status
 
 HEARTBEAT_S = 0.2  # common/worker.py WorkerConfig.heartbeat_interval_s
 RESERVE_BACKOFF_S = (0.002, 0.005, 0.01, 0.02)  # prefill_worker/worker.py RETRY_BACKOFF_S
+STALL_HORIZON_S = 600.0  # of simulated time past the last arrival: a run still going is stuck
 GIVE_UP_CHECK_S = 0.25  # how often a run that may stop early counts the requests sure to miss
 
 
@@ -278,12 +279,19 @@ class Simulation:
         for k, w in enumerate(self.workers):
             self.at(HEARTBEAT_S * k / len(self.workers), self.heartbeat, w)
         self.gave_up = False
+        # A request the cluster could never serve (one that fits no pool) retries its reservation
+        # for good; the real one gives up on it in time. Stop there: those requests count as missed.
+        last = max((r.req.arrival for r in self.requests), default=0.0)
+        self.at(last + STALL_HORIZON_S, self.stop)
         if self.give_up_at is not None:
             self.at(GIVE_UP_CHECK_S, self.check_misses)
         while self.events and self.unfinished and not self.gave_up:
             self.now, _, fn, args = heapq.heappop(self.events)
             fn(*args)
         return self.requests
+
+    def stop(self) -> None:
+        self.gave_up = True
 
     def check_misses(self) -> None:
         """Count the requests already sure to miss the SLO: no first token within the TTFT target,

@@ -140,3 +140,12 @@ def test_workers_stepping_side_by_side_pay_co_run():
     assert [r.ttft for r in both.records] == pytest.approx([75, 75])
     apart = simulate(model, 0, 0, 2, host, 1.0, [Request(0.0, 100, 1), Request(1.0, 100, 1)], SLO(1000, 1000))
     assert [r.ttft for r in apart.records] == pytest.approx([50, 50])
+
+
+def test_a_request_no_pool_can_hold_ends_the_run_as_missed():
+    """Its reservation is refused for good: the run stops at the stall horizon, not never."""
+    model = WorkerModel(StepCost(prefill_token=1e-3, decode_base=1e-3), EngineShape(8, 16, 64, 2048, 1024),
+                        kv_bytes_per_token=1024)
+    p = simulate(model, 1, 1, 0, Placement(), 1.0, [Request(0.0, 100, 2), Request(0.5, 200, 2)], SLO(1000, 1000))
+    assert [r.ttft is not None and r.ttft < 1000 for r in p.records] == [True, False]
+    assert p.attainment == 0.5
