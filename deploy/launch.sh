@@ -55,7 +55,8 @@ WORKER_PORT=${WORKER_PORT:-$((PORT + 1))}
 for flag_port in "--port $PORT" "--worker-port $WORKER_PORT" ${HTTP_PORT:+"--http-port $HTTP_PORT"}; do
   read -r flag port <<<"$flag_port"
   ((port > 0)) || { echo "launch.sh: $flag $port is invalid; allowed: a port number (pdserve launch picks free ports for 0)" >&2; exit 2; }
-  ((DRY_RUN)) || ! (exec 3<>"/dev/tcp/$HOST/$port") 2>/dev/null ||
+  # (a connect that hangs, to a host that drops it, counts as free: the router's bind then decides)
+  ((DRY_RUN)) || ! timeout 2 bash -c 'exec 3<>"/dev/tcp/$0/$1"' "$HOST" "$port" 2>/dev/null ||
     { echo "launch.sh: port $port on $HOST is in use (another pdserve router?); allowed: a free port for $flag" >&2; exit 2; }
 done
 PDSERVE=${PDSERVE:-pdserve}
