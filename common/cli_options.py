@@ -128,6 +128,20 @@ def setup_logging(level: str = "INFO"):
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
 
+class LogitBias(click.ParamType):
+    """ID:BIAS,... -> {id: bias}, as OpenAI's logit_bias (SamplingParams checks the values)."""
+    name = "ID:BIAS,..."
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, dict):
+            return value
+        try:
+            pairs = [item.split(":") for item in value.replace(" ", "").split(",") if item]
+            return {int(token): float(bias) for token, bias in pairs}
+        except ValueError:
+            self.fail(f"{value!r} is not a comma-separated list of TOKEN_ID:BIAS (e.g. 42:-100,7:2.5)", param, ctx)
+
+
 SAMPLING_OPTIONS = [  # (flag, default, type, help): SamplingParams' fields on the command line
     ("--temperature", 0.0, float, "0 is greedy"),
     ("--top-p", 1.0, float, None),
@@ -136,6 +150,8 @@ SAMPLING_OPTIONS = [  # (flag, default, type, help): SamplingParams' fields on t
     ("--repetition-penalty", 1.0, float, "> 1 discourages the prompt's and output's tokens; 1 disables"),
     ("--frequency-penalty", 0.0, float, "in [-2, 2]"),
     ("--presence-penalty", 0.0, float, "in [-2, 2]"),
+    ("--min-tokens", 0, int, "end-of-sequence and stop ids are barred before this many tokens"),
+    ("--logit-bias", None, LogitBias(), "added to those tokens' logits: ID:BIAS,... (e.g. 42:-100,7:2.5)"),
     ("--seed", None, int, None),
 ]
 

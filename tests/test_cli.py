@@ -29,6 +29,21 @@ def test_generate_json_matches_engine():
     assert [line["text"] for line in lines] == [e.text for e in expected]
 
 
+def test_generate_takes_every_logit_adjustment():
+    r = pdserve("generate", "--prompt-ids", "1,2,3", "--max-tokens", "8", "--repetition-penalty", "1.3",
+                "--frequency-penalty", "0.5", "--presence-penalty", "0.2", "--min-p", "0.05", "--min-tokens", "3",
+                "--logit-bias", "7:5, 9:-100", "--json")
+    assert r.returncode == 0, r.stderr
+    params = SamplingParams(max_tokens=8, temperature=0, repetition_penalty=1.3, frequency_penalty=0.5,
+                            presence_penalty=0.2, min_p=0.05, min_tokens=3, logit_bias={7: 5.0, 9: -100.0})
+    (expected,) = Engine(model="dummy:nanogpt").generate([[1, 2, 3]], params)
+    assert json.loads(r.stdout)["token_ids"] == expected.token_ids
+    unbiased = Engine(model="dummy:nanogpt").generate([[1, 2, 3]], SamplingParams(max_tokens=8, temperature=0))
+    assert expected.token_ids != unbiased[0].token_ids  # the flags changed something
+    r = pdserve("generate", "--prompt-ids", "1", "--logit-bias", "7=5")
+    assert r.returncode == 2 and "'7=5' is not a comma-separated list of TOKEN_ID:BIAS" in r.stderr
+
+
 def test_generate_rejects_bad_values_clearly():
     r = pdserve("generate", "--prompt", "x", "--temperature", "-1")
     assert r.returncode == 2
