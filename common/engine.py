@@ -286,10 +286,14 @@ class Engine:
 
     def reserve(self, num_tokens: int) -> list[int] | None:
         """Blocks and a running slot for a sequence whose KV will be written from outside, or None
-        when either is short (the caller refuses the transfer for now: backpressure)."""
+        when either is short (the caller refuses the transfer for now: backpressure). Requests
+        preempted here resume first: granting their room to new arrivals kept them waiting out
+        whole bursts. The watermark is kept as admission keeps it: only beside other sequences."""
         need = self.block_manager.blocks_needed(num_tokens + 1)  # room for the next token too
-        busy = len(self.scheduler.running) + self.num_reserved_seqs
-        if busy >= self.config.max_num_seqs or need + self.scheduler.watermark > self.block_manager.num_free_blocks:
+        s = self.scheduler
+        busy = len(s.running) + self.num_reserved_seqs
+        keep = s.watermark if busy else 0
+        if s.waiting or busy >= self.config.max_num_seqs or need + keep > self.block_manager.num_free_blocks:
             return None
         self.num_reserved_seqs += 1
         return self.block_manager.take_blocks(need)

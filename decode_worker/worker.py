@@ -144,9 +144,6 @@ class DecodeWorker(WorkerBase):
         e, blocks_for = self.engine, self.engine.block_manager.blocks_needed
         if num_tokens >= e.max_model_len:
             return f"{num_tokens} tokens; this decode worker's max_model_len is {e.max_model_len}"
-        grant, room = blocks_for(num_tokens + 1), e.num_blocks - e.scheduler.watermark
-        if grant > room:
-            return f"{num_tokens} tokens need {grant} KV blocks; this decode worker grants at most {room}"
         grown = blocks_for(min(max(max_len, num_tokens + 1), e.max_model_len))
         if grown > e.num_blocks:
             return f"the sequence may grow to {grown} KV blocks; this decode worker has {e.num_blocks}"

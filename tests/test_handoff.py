@@ -66,6 +66,28 @@ def test_reserve_backpressure_and_unreserve():
     assert_all_blocks_free(engine)
 
 
+def test_a_request_filling_the_pool_alone_is_granted_as_admission_would_take_it():
+    """The watermark is kept only beside other sequences, on both sides: a prompt that fits an
+    empty monolithic pool fits an empty decode pool (it was refused NO_ROOM after three prefills)."""
+    engine = Engine(model="dummy:nanogpt", block_size=16, num_blocks=12)
+    blocks = engine.reserve(180)  # 12 blocks with its next token: all of them
+    assert blocks is not None and len(blocks) == 12
+    engine.unreserve(blocks)
+    assert engine.reserve(10) and engine.reserve(160) is None  # 11 of 11 free: beside another, the watermark stays
+
+
+def test_preempted_requests_resume_before_new_kv_is_granted_room():
+    engine = Engine(model="dummy:nanogpt", block_size=4, num_blocks=20)
+    params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+    blocks = engine.reserve(9)
+    engine.add_prefilled("a", list(range(1, 11)), 9, params, 1, blocks)
+    engine.step()
+    engine.scheduler._preempt(engine.scheduler.running[0])  # as a full pool makes schedule() do
+    assert engine.reserve(3) is None  # its room goes to "a" first, though the pool has it free
+    engine.step()  # "a" resumes by recompute
+    assert engine.scheduler.running and not engine.scheduler.waiting and engine.reserve(3) is not None
+
+
 def test_abort_releases_held_blocks():
     engine = Engine(model="dummy:nanogpt")
     engine.add_sequence("x", [1, 2, 3, 4], 4, SamplingParams(max_tokens=5), 1, prefill_only=True)
