@@ -114,11 +114,14 @@ def chat(router_address, system, sampling, engine_kwargs):
 @click.option("--host", default="127.0.0.1", show_default=True, help="bind address (loopback unless set)")
 @click.option("--port", default=7100, show_default=True, type=int, help="client port")
 @click.option("--worker-port", default=None, type=int, help="worker port [default: port + 1]")
+@click.option("--max-model-len", default=None, type=int,
+              help="longest prompt + output admitted; give workers the same [default: the model's context]")
 @policy_option
 @router_options
 @http_options
 @click.option("--log-level", default="INFO", show_default=True)
-def router(model, host, port, worker_port, policy, router_kwargs, http_port, api_key, api_server_count, log_level):
+def router(model, host, port, worker_port, max_model_len, policy, router_kwargs, http_port, api_key, api_server_count,
+           log_level):
     """Run the router: clients connect to --port, workers to --worker-port, HTTP to --http-port."""
     from router.server import RouterConfig, run_router
 
@@ -129,7 +132,7 @@ def router(model, host, port, worker_port, policy, router_kwargs, http_port, api
                             max_attempts=k["max_attempts"], prefill_timeout_s=k["prefill_timeout"],
                             decode_stall_timeout_s=k["decode_stall_timeout"], queue_timeout_s=k["queue_timeout"],
                             max_message_bytes=k["max_message_bytes"], http_port=http_port, api_key=api_key,
-                            api_server_count=api_server_count))
+                            api_server_count=api_server_count, max_model_len=max_model_len))
 
 
 def worker_command(role: str):

@@ -127,7 +127,7 @@ class WorkerBase:
         self.to_router(P.Register(self.role, self.worker_id, self.incarnation, str(e.config.torch_device),
                                   e.num_blocks, e.config.block_size, self.kv_address, e.model_config.fingerprint,
                                   self.kv_transports(), e.config.dtype, e.batch_invariant,
-                                  e.config.enable_prefix_caching))
+                                  e.config.enable_prefix_caching, e.max_model_len))
 
     # ------------------------------------------------------------------ the loop
 

@@ -75,6 +75,12 @@ mapfile -t SHARES < <($PDSERVE gpu-shares --prefill "$PREFILL" --decode "$DECODE
 
 ROUTER_ARGS=(--policy "$POLICY" "${ROUTER_LIMITS[@]}")
 [[ -n $HTTP_PORT ]] && ROUTER_ARGS+=(--http-port "$HTTP_PORT" --api-server-count "$API_SERVERS")
+for ((i = 0; i < ${#WORKER_ARGS[@]}; i++)); do  # the router admits the context the workers serve
+  case ${WORKER_ARGS[i]} in
+    --max-model-len) ROUTER_ARGS+=(--max-model-len "${WORKER_ARGS[i + 1]}") ;;
+    --max-model-len=*) ROUTER_ARGS+=("${WORKER_ARGS[i]}") ;;
+  esac
+done
 if ((DRY_RUN)); then
   echo "router: $PDSERVE router --model $MODEL --host $HOST --port $PORT --worker-port $WORKER_PORT ${ROUTER_ARGS[*]}"
 else

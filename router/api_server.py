@@ -60,8 +60,9 @@ class RouterLink:
     """HttpFront's backend in an API server: the router over ZeroMQ, as router/http.py's
     LocalBackend is the router in-process."""
 
-    def __init__(self, address: str, model: str, max_queue: int, identity: bytes | None = None):
-        self.prompts = Prompts(model)
+    def __init__(self, address: str, model: str, max_queue: int, identity: bytes | None = None,
+                 max_model_len: int | None = None):
+        self.prompts = Prompts(model, max_model_len)
         self.max_queue = max_queue
         self.ctx = zmq.asyncio.Context()
         # Its own router's replies are trusted, and as large as in-process replies may be (a Done
@@ -162,7 +163,7 @@ class RouterLink:
 async def serve(args):
     from router.http import HttpFront
 
-    link = RouterLink(args.router, args.model, args.max_queue, identity(args.index, os.getpid()))
+    link = RouterLink(args.router, args.model, args.max_queue, identity(args.index, os.getpid()), args.max_model_len)
     sock = socket.socket(fileno=args.fd)
     host, port = sock.getsockname()[:2]
     front = HttpFront(link, host, port, os.environ.get("PDSERVE_API_KEY") or None, args.max_body_bytes, sock=sock)
@@ -193,6 +194,7 @@ def main(argv=None):
     parser.add_argument("--fd", type=int, required=True, help="the listening socket, inherited")
     parser.add_argument("--max-queue", type=int, required=True)
     parser.add_argument("--max-body-bytes", type=int, required=True)
+    parser.add_argument("--max-model-len", type=int, default=None, help="the router's served context")
     parser.add_argument("--index", type=int, default=0)
     parser.add_argument("--parent", type=int, default=None, help="exit if this process is no longer the parent")
     parser.add_argument("--ready-fd", type=int, default=None, help="a pipe to write a byte to once serving")
@@ -228,7 +230,8 @@ class ApiServers:
     stopped with the router."""
 
     def __init__(self, count: int, router_address: str, model: str, host: str, port: int, max_queue: int,
-                 max_body_bytes: int, api_key: str | None, on_exit: Callable[[bytes], None] = lambda identity: None):
+                 max_body_bytes: int, api_key: str | None, max_model_len: int,
+                 on_exit: Callable[[bytes], None] = lambda identity: None):
         """on_exit(identity): an API server died; its requests have nobody to go to (Router._client_gone)."""
         self.on_exit = on_exit
         self.sock = socket.create_server((host, port), backlog=4096)
@@ -239,7 +242,7 @@ class ApiServers:
         if api_key:
             self.env["PDSERVE_API_KEY"] = api_key
         self.argv = [sys.executable, "-m", "router.api_server", "--router", router_address, "--model", model,
-                     "--fd", str(self.sock.fileno()), "--max-queue", str(max_queue),
+                     "--fd", str(self.sock.fileno()), "--max-queue", str(max_queue), "--max-model-len", str(max_model_len),
                      "--max-body-bytes", str(max_body_bytes), "--parent", str(os.getpid())]
         self.procs: list[subprocess.Popen | None] = [None] * count
         self.started = [0.0] * count

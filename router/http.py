@@ -183,7 +183,7 @@ class HttpFront:
 
     def _card(self) -> dict:
         return {"id": self.model, "object": "model", "created": self.created, "owned_by": "pdserve",
-                "max_model_len": self.backend.prompts.model_config.max_position_embeddings}
+                "max_model_len": self.backend.prompts.context}
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [self._card()]})
@@ -205,7 +205,7 @@ class HttpFront:
         prompt, messages = parse_tokenize(await _json(request), self.model)
         prompts = self.backend.prompts
         ids = prompts.encode(prompt, messages)
-        return web.json_response({"count": len(ids), "max_model_len": prompts.model_config.max_position_embeddings,
+        return web.json_response({"count": len(ids), "max_model_len": prompts.context,
                                   "tokens": ids})
 
     async def detokenize(self, request: web.Request) -> web.Response:
@@ -219,7 +219,7 @@ class HttpFront:
         return await self._serve(request, lambda body: parse_completion(body, self.model))
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        context = self.backend.prompts.model_config.max_position_embeddings
+        context = self.backend.prompts.context
         return await self._serve(request, lambda body: parse_chat(body, self.model, context))
 
     # ------------------------------------------------------------------ requests

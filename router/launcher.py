@@ -69,6 +69,17 @@ def restart_delay(restarts: int, first: float = 0.5) -> float:
     return min(first * 2 ** restarts, 8.0)
 
 
+def flag_value(args: list[str], flag: str) -> str | None:
+    """The value given to flag in args (as 'FLAG VALUE' or 'FLAG=VALUE'; the last one wins), or None."""
+    value = None
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif a.startswith(flag + "="):
+            value = a.split("=", 1)[1]
+    return value
+
+
 def check_port_free(host: str, port: int, flag: str) -> None:
     """InvalidArgument naming the port and its flag if something holds it (as the router would
     bind it: SO_REUSEADDR, so a port in TIME_WAIT counts as free)."""
@@ -126,6 +137,9 @@ class Cluster:
         if self.http_port is not None:
             router_args = ["--http-port", str(self.http_port), "--api-server-count", str(api_server_count),
                            *router_args]
+        context = flag_value(worker_args, "--max-model-len")
+        if context is not None and flag_value(router_args, "--max-model-len") is None:
+            router_args = [*router_args, "--max-model-len", context]  # the router admits what workers serve
         self.log_dir = Path(log_dir)
         self.restart = restart
         self.expected = prefill + decode + mono

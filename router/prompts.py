@@ -10,10 +10,16 @@ from common.sampling_params import SamplingParams
 
 
 class Prompts:
-    def __init__(self, model: str):
+    def __init__(self, model: str, max_model_len: int | None = None):
+        """max_model_len: the served context (vLLM's --max-model-len), prompt and output; at most,
+        and by default, the model's."""
         self.model = model
         self.tokenizer = load_tokenizer(model)
         self.model_config = model_config(model)
+        full = self.model_config.max_position_embeddings
+        if max_model_len is not None and max_model_len < 2:
+            raise InvalidArgument(f"--max-model-len {max_model_len}; allowed: 2..{full} (model {model!r}'s context)")
+        self.context = min(max_model_len or full, full)
 
     def validate(self, prompt: str | list[int], messages: list[dict] | None, sampling: dict | SamplingParams,
                  max_tokens_field: str | None = None) -> tuple[list[int], SamplingParams]:
@@ -34,7 +40,7 @@ class Prompts:
             if bad:
                 raise InvalidArgument(f"prompt token ids {bad[:5]} are invalid; allowed: integers in [0, {V})",
                                       param="prompt")
-        limit = self.model_config.max_position_embeddings
+        limit = self.context
         if not ids:
             raise InvalidArgument("prompt is empty; allowed: at least one token", param="prompt")
         if len(ids) >= limit:

@@ -58,6 +58,7 @@ class RouterConfig:
     http_port: int | None = None  # the OpenAI-compatible HTTP API and /metrics (router/http.py)
     api_key: str | None = None  # HTTP: required as "Authorization: Bearer <key>" on /v1/
     api_server_count: int = 1  # 1: HTTP served in the router process; N > 1: by N processes (router/api_server.py)
+    max_model_len: int | None = None  # the served context, prompt and output (None: the model's)
 
 
 @dataclass
@@ -98,7 +99,7 @@ class Router:
             raise InvalidArgument(f"api_server_count={cfg.api_server_count} is invalid; allowed: 1 (HTTP in the "
                                   f"router process) or more (that many API server processes) with an http_port")
         self.cfg = cfg
-        self.prompts = Prompts(cfg.model)  # its tokenizer and model_config are the router's
+        self.prompts = Prompts(cfg.model, cfg.max_model_len)  # its tokenizer and model_config are the router's
         self.registry = Registry(cfg.policy)
         self.requests: dict[str, Request] = {}
         self.by_client: dict[tuple[bytes, str], str] = {}
@@ -126,7 +127,7 @@ class Router:
             with port_free(cfg.host, cfg.http_port, "--http-port"):
                 self.api_servers = ApiServers(cfg.api_server_count, address, cfg.model, cfg.host,
                                               cfg.http_port, cfg.max_queue, cfg.max_message_bytes, cfg.api_key,
-                                              on_exit=self._client_gone)
+                                              self.prompts.context, on_exit=self._client_gone)
         elif cfg.http_port is not None:
             from router.http import HttpFront, LocalBackend  # aiohttp is imported only where HTTP is served
 
@@ -346,7 +347,7 @@ class Router:
         if req.tokens[-1] in stops:
             return "stop"
         if len(req.tokens) >= req.params.max_tokens or \
-                len(req.prompt_ids) + len(req.tokens) >= cfg.max_position_embeddings:
+                len(req.prompt_ids) + len(req.tokens) >= self.prompts.context:
             return "length"
         return None
 
@@ -476,6 +477,10 @@ class Router:
         log.info("worker %s registered: role=%s device=%s blocks=%d (%s) kv=%s by %s", msg.worker_id, msg.role,
                  msg.device, msg.total_blocks, w.kv_name(), msg.kv_address or "-", ",".join(msg.kv_transports) or "-")
         self._warn_kv_orphans()
+        if 0 < msg.max_model_len < self.prompts.context:
+            log.warning("worker %s serves a context of %d tokens; the router admits %d: requests past %d end there "
+                        "with finish_reason 'length'. Give the router the workers' --max-model-len", msg.worker_id,
+                        msg.max_model_len, self.prompts.context, msg.max_model_len)
         split = invariance_split(list(self.registry.workers.values()))
         if split is not None and msg.worker_id in split[0] + split[1]:
             log.warning("workers disagree on batch invariance (on: %s; off: %s): a request's tokens then depend on "

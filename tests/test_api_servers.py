@@ -19,7 +19,7 @@ from click.testing import CliRunner
 
 from common import protocol as P
 from common.cli import main
-from router.client import Client
+from router.client import Client, RequestError
 from tests.cluster import cluster, router_children, running, scripted_worker, serving_router, wait_blocks_free
 
 pytestmark = pytest.mark.timeout(300)
@@ -295,3 +295,38 @@ def test_a_dead_api_server_s_requests_are_cancelled_at_once_streamed_or_not(tmp_
         lost, left, answered = asyncio.run(scenario())
         assert left == 8 - lost and len(answered) == 8 - lost and all(a.status == 200 for a in answered)
         assert f"cancelled its {lost} requests" in c.router.log_path.read_text()
+
+
+def test_the_workers_max_model_len_is_what_the_router_and_its_api_servers_admit(tmp_path):
+    """--max-model-len given to the workers reaches the router (the launcher passes it on), which
+    refuses past it over ZeroMQ and HTTP alike, and reports it in the model card."""
+    with cluster(tmp_path, http=True, api_servers=2, worker_args=["--max-model-len", "128"]) as c, \
+            Client(c.address, timeout=60) as client:
+        with pytest.raises(RequestError, match="prompt has 130 tokens; allowed: at most 127"):
+            client.generate([1] * 130, max_tokens=2)
+        assert len(client.generate([1] * 60, max_tokens=500, ignore_eos=True).token_ids) == 68  # cut to fit
+
+        async def scenario():
+            async with aiohttp.ClientSession() as s:
+                async with s.get(c.http_url + "/v1/models") as r:
+                    card = (await r.json())["data"][0]
+                out = []
+                for prompt, max_tokens in (([1] * 130, 2), ([1] * 60, 69), ([1] * 60, 68)):
+                    body = dict(model=MODEL, prompt=prompt, max_tokens=max_tokens, ignore_eos=True)
+                    async with s.post(c.http_url + "/v1/completions", json=body) as r:
+                        out.append((r.status, await r.json()))
+                return card, out
+
+        card, ((s1, e1), (s2, e2), (s3, ok)) = asyncio.run(scenario())
+    assert card["max_model_len"] == 128
+    assert s1 == 400 and e1["error"]["param"] == "prompt" and "at most 127" in e1["error"]["message"]
+    assert s2 == 400 and "max_tokens=69 is too large" in e2["error"]["message"] and "length is 128" in e2["error"]["message"]
+    assert s3 == 200 and ok["usage"]["completion_tokens"] == 68
+
+
+def test_a_router_admitting_more_than_a_worker_serves_names_it(tmp_path):
+    with cluster(tmp_path, prefill=0, decode=0, mono=1, worker_args=["--max-model-len", "128"],
+                 router_args=["--max-model-len", "512"]):
+        pass
+    log = (tmp_path / "logs" / "router.log").read_text()
+    assert "worker mono-0 serves a context of 128 tokens; the router admits 512" in log
