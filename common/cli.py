@@ -4,6 +4,8 @@ subcommand is a thin layer over an in-process API; the benchmarks and the planne
 from __future__ import annotations
 
 import json
+import logging
+import os
 import sys
 
 import click
@@ -162,6 +164,13 @@ def worker_command(role: str):
             from decode_worker.worker import DecodeWorker
 
             DecodeWorker(cfg, mono=role == "mono").run()
+        # Closed in order (sockets, shared memory, process groups). What torch.distributed's gloo
+        # leaves of its threads would abort the interpreter's own teardown (std::terminate, exit
+        # -6, in about half the runs with --kv-transport gloo), so the process ends here.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
     command.__doc__ = {"prefill": "Run a prefill worker.", "decode": "Run a decode worker.",
                        "mono": "Run a monolithic worker (prefill and decode in one process)."}[role]
