@@ -569,8 +569,13 @@ class Router:
             self.error(req, msg.code, msg.message)
         else:
             # the decode worker's own fault (its pool, its model) holds for every prefill worker
-            req.failed_pairs.add(("*" if msg.code in DECODE_FAULTS else req.prefill_worker, req.decode_worker))
-            self.retry(req, f"{msg.code} from {w.worker_id}: {msg.message}")
+            fault = msg.code in DECODE_FAULTS
+            req.failed_pairs.add(("*" if fault else req.prefill_worker, req.decode_worker))
+            why = f"{msg.code} from {w.worker_id}: {msg.message}"
+            if fault and not self.registry.alive(("mono",)) and \
+                    all(("*", d.worker_id) in req.failed_pairs for d in self.registry.alive(("decode",))):
+                return self.error(req, "UNAVAILABLE", f"no decode worker can take this request; {why}")
+            self.retry(req, why)
 
     # ------------------------------------------------------------------ time
 

@@ -535,3 +535,21 @@ def test_a_request_that_failed_between_two_workers_is_retried_between_others(tmp
     assert got == [e.token_ids for e in expected]
     log = (tmp_path / "logs" / "router.log").read_text()
     assert log.count("re-dispatching") == 2 and log.count("NO_ROOM from prefill-0") == 2, log
+
+
+def test_a_request_no_decode_worker_can_hold_fails_at_once(tmp_path):
+    """The only decode worker's pool cannot hold it: the first NO_ROOM fails it, instead of two
+    more prefills that could only be refused again."""
+    c = Cluster("dummy:nanogpt", 1, 1, 0, ["cpu"], "127.0.0.1", 0, 0, tmp_path / "logs", "least_loaded", [],
+                threads=1, restart=False)
+    c.workers[1].argv += ["--num-blocks", "8"]  # decode-0
+    try:
+        c.start()
+        with Client(c.address, timeout=60) as client:
+            with pytest.raises(RequestError, match="UNAVAILABLE: no decode worker can take this request; NO_ROOM "
+                                                   "from prefill-0"):
+                client.generate([1] * 300, max_tokens=4)
+            assert len(client.generate([1] * 20, max_tokens=4, ignore_eos=True).token_ids) == 4
+    finally:
+        c.stop()
+    assert "re-dispatching" not in (tmp_path / "logs" / "router.log").read_text()
