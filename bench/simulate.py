@@ -157,6 +157,7 @@ class SimRequest:
     retries: int = 0
     token_times: list[float] = field(default_factory=list)  # worker-side, every output token
     done: bool = False
+    failed: bool = False  # refused by every decode worker (NO_ROOM): the client got an error
 
 
 class SimEngine:
@@ -203,12 +204,11 @@ class SimEngine:
 
     def reserve(self, num_tokens: int) -> list[int] | None:
         """Engine.reserve: blocks and a batch slot for KV arriving from a prefill worker, or None (BUSY)."""
-        bm, s = self.block_manager, self.scheduler
-        need = bm.blocks_needed(num_tokens + 1)
-        if len(s.running) + self.num_reserved_seqs >= self.shape.max_num_seqs or need + s.watermark > bm.num_free_blocks:
+        need = self.scheduler.reservable(num_tokens, self.num_reserved_seqs)
+        if need is None:
             return None
         self.num_reserved_seqs += 1
-        return bm.take_blocks(need)
+        return self.block_manager.take_blocks(need)
 
     def add_prefilled(self, rid: int, prompt: int, output: int, blocks: list[int]) -> None:
         seq = self.add(rid, prompt, output, False, generated=1)
@@ -279,8 +279,8 @@ class Simulation:
         for k, w in enumerate(self.workers):
             self.at(HEARTBEAT_S * k / len(self.workers), self.heartbeat, w)
         self.gave_up = False
-        # A request the cluster could never serve (one that fits no pool) retries its reservation
-        # for good; the real one gives up on it in time. Stop there: those requests count as missed.
+        # A safety net: a run still going this long after its last arrival is stuck (none is known
+        # to be: a request no decode pool can hold fails at once); what is unfinished counts as missed.
         last = max((r.req.arrival for r in self.requests), default=0.0)
         self.at(last + STALL_HORIZON_S, self.stop)
         if self.give_up_at is not None:
@@ -387,7 +387,13 @@ class Simulation:
     def reserve(self, r: SimRequest) -> None:
         if r.done or r.granted is not None:
             return
-        blocks = r.decode.engine.reserve(r.req.prompt_tokens)
+        prompt = r.req.prompt_tokens
+        if r.decode.engine.scheduler.no_room(prompt, prompt + r.req.output_tokens):
+            # the decode workers are alike: every one refuses it, and the router fails it at once
+            r.prefill.engine.scheduler.finish(r.seq, "abort")
+            r.failed = True
+            return self.finish(r)
+        blocks = r.decode.engine.reserve(prompt)
         if blocks is None:
             self.at(self.now + RESERVE_BACKOFF_S[min(r.retries, len(RESERVE_BACKOFF_S) - 1)], self.reserve, r)
             r.retries += 1
@@ -419,6 +425,8 @@ def latency(r: SimRequest, front_latency_s: float, now: float) -> Latency:
     (lower bounds: enough to tell which target it was missing), or None if it had not arrived."""
     half = front_latency_s / 2
     t = r.token_times
+    if r.failed:
+        return Latency(None)
     if not t:
         return Latency((now + half - r.req.arrival) * 1e3 if now >= r.req.arrival else None)
     gaps = [(b - a) * 1e3 for a, b in zip(t, t[1:])]

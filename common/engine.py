@@ -244,7 +244,9 @@ class Engine:
                      params: SamplingParams, seed: int, prefill_only: bool = False) -> None:
         """A request given as token ids, of which those past num_prompt_tokens were generated
         before (a migrated request resumes that way). With prefill_only, stop after sampling one
-        token and hold the blocks (see `held`) until `release`: the prefill worker's request."""
+        token and hold the blocks (see `held`) until `release`: the prefill worker's request. Such
+        a request waits for kv_granted() where admitting it would take the room the scheduler keeps
+        for the longest request (common/scheduler.py)."""
         ids = self.tokenize(list(token_ids))
         if not 1 <= num_prompt_tokens <= len(ids):
             raise InvalidArgument(f"num_prompt_tokens={num_prompt_tokens} is invalid; allowed: 1..{len(ids)}")
@@ -286,14 +288,10 @@ class Engine:
 
     def reserve(self, num_tokens: int) -> list[int] | None:
         """Blocks and a running slot for a sequence whose KV will be written from outside, or None
-        when either is short (the caller refuses the transfer for now: backpressure). Requests
-        preempted here resume first: granting their room to new arrivals kept them waiting out
-        whole bursts. The watermark is kept as admission keeps it: only beside other sequences."""
-        need = self.block_manager.blocks_needed(num_tokens + 1)  # room for the next token too
-        s = self.scheduler
-        busy = len(s.running) + self.num_reserved_seqs
-        keep = s.watermark if busy else 0
-        if s.waiting or busy >= self.config.max_num_seqs or need + keep > self.block_manager.num_free_blocks:
+        when either is short (the caller refuses the transfer for now: backpressure; see
+        Scheduler.reservable)."""
+        need = self.scheduler.reservable(num_tokens, self.num_reserved_seqs)
+        if need is None:
             return None
         self.num_reserved_seqs += 1
         return self.block_manager.take_blocks(need)

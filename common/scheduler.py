@@ -70,6 +70,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last is the newest
         self.held: dict[str, Sequence] = {}  # prefill-only requests done, blocks kept for their transfer
+        self.max_model_len = max_model_len
         # what requests awaiting a KV grant may hold at most: the rest fits the longest request
         self.ungranted_room = max(0, block_manager.num_blocks - block_manager.blocks_needed(max_model_len))
         self.num_preemptions = 0
@@ -107,32 +108,60 @@ class Scheduler:
             n = min(seq.num_uncomputed, budget)
             batch.append(ScheduledSeq(seq, n))
             budget -= n
-        ungranted, i = None, 0
-        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[i]
+        admitted: list[Sequence] = []
+        ungranted = None
+        for seq in self.waiting:
+            if budget == 0 or len(self.running) >= self.max_num_seqs:
+                break
             if seq.pending:  # preempted while its token is sampled: admitted once that is known
                 break
             if seq.awaits_kv_grant:
                 if ungranted is None:
                     ungranted = self.ungranted_blocks()
-                need = self.bm.blocks_needed(len(seq))
+                need = 1 if ungranted >= self.ungranted_room else self.bm.blocks_needed(len(seq))
                 if ungranted + need > self.ungranted_room:
-                    i += 1  # it waits for its grant; a granted request behind it may go
-                    continue
+                    continue  # it waits for its grant; a granted request behind it may go
+                ungranted += need
             reserve = self.watermark if self.running else 0
             if not self.bm.can_allocate(seq, reserve):
                 break
-            del self.waiting[i]
-            if seq.awaits_kv_grant:
-                ungranted += need
             self.bm.allocate(seq)
             seq.status = Status.RUNNING
             seq.scheduled_time = seq.scheduled_time or time.monotonic()
             self.running.append(seq)
+            admitted.append(seq)
             n = min(seq.num_uncomputed, budget)
             batch.append(ScheduledSeq(seq, n))
             budget -= n
+        if admitted and admitted[-1] is self.waiting[len(admitted) - 1]:  # none passed over
+            for _ in admitted:
+                self.waiting.popleft()
+        else:
+            for seq in admitted:
+                self.waiting.remove(seq)
         return batch
+
+    def reservable(self, num_tokens: int, reserved_seqs: int) -> int | None:
+        """The blocks a sequence whose KV for num_tokens arrives from elsewhere needs (with its next
+        token's), or None while they or a batch slot are short (reserved_seqs: promised already).
+        Requests preempted here resume first: granting their room to new arrivals kept them
+        waiting out whole bursts. The watermark is kept as admission keeps it: beside others only."""
+        need = self.bm.blocks_needed(num_tokens + 1)
+        busy = len(self.running) + reserved_seqs
+        keep = self.watermark if busy else 0
+        if self.waiting or busy >= self.max_num_seqs or need + keep > self.bm.num_free_blocks:
+            return None
+        return need
+
+    def no_room(self, num_tokens: int, max_len: int) -> str | None:
+        """Why a sequence of num_tokens that may grow to max_len could never be reserved or
+        admitted here, or None."""
+        if num_tokens >= self.max_model_len:
+            return f"{num_tokens} tokens; this worker's max_model_len is {self.max_model_len}"
+        grown = self.bm.blocks_needed(min(max(max_len, num_tokens + 1), self.max_model_len))
+        if grown > self.bm.num_blocks:
+            return f"the sequence may grow to {grown} KV blocks; this worker has {self.bm.num_blocks}"
+        return None
 
     def ungranted_blocks(self) -> int:
         """Blocks held by admitted requests whose KV has nowhere to go yet."""

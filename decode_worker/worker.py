@@ -138,17 +138,6 @@ class DecodeWorker(WorkerBase):
             return "KV layouts differ (sender, receiver): " + ", ".join(f"{k}={a!r}/{b!r}" for k, (a, b) in sorted(diff.items()))
         return None
 
-    def _no_room(self, num_tokens: int, max_len: int) -> str | None:
-        """Why this worker could never take a sequence of num_tokens that may grow to max_len (as
-        Engine.reserve grants and Engine.add_prefilled admits), or None."""
-        e, blocks_for = self.engine, self.engine.block_manager.blocks_needed
-        if num_tokens >= e.max_model_len:
-            return f"{num_tokens} tokens; this decode worker's max_model_len is {e.max_model_len}"
-        grown = blocks_for(min(max(max_len, num_tokens + 1), e.max_model_len))
-        if grown > e.num_blocks:
-            return f"the sequence may grow to {grown} KV blocks; this decode worker has {e.num_blocks}"
-        return None
-
     def _reserve(self, sender: bytes, msg: P.KVReserve):
         def refuse(code, text):
             self.ingress.try_send(P.KVRefuse(msg.request_id, msg.attempt, code, text), to=sender)
@@ -158,7 +147,7 @@ class DecodeWorker(WorkerBase):
             return refuse("LAYOUT_MISMATCH", problem)
         if msg.num_tokens < 1:
             return refuse("INVALID_ARGUMENT", f"num_tokens={msg.num_tokens}; allowed: >= 1")
-        problem = self._no_room(msg.num_tokens, msg.max_len)
+        problem = self.engine.scheduler.no_room(msg.num_tokens, msg.max_len)
         if problem:  # never, here (BUSY would wait in vain): the router tries another decode worker
             return refuse("NO_ROOM", problem)
         old = self.reservations.get(msg.request_id)

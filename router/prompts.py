@@ -45,7 +45,7 @@ class Prompts:
             raise InvalidArgument("prompt is empty; allowed: at least one token", param="prompt")
         if len(ids) >= limit:
             raise InvalidArgument(f"prompt has {len(ids)} tokens; allowed: at most {limit - 1} "
-                                  f"(the model's context is {limit})", param="prompt")
+                                  f"(the context served is {limit})", param="prompt")
         if max_tokens_field is not None and len(ids) + params.max_tokens > limit:
             raise InvalidArgument(f"{max_tokens_field}={params.max_tokens} is too large: the model's maximum context "
                                   f"length is {limit} tokens and the prompt has {len(ids)}; allowed: at most "

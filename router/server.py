@@ -572,8 +572,10 @@ class Router:
             fault = msg.code in DECODE_FAULTS
             req.failed_pairs.add(("*" if fault else req.prefill_worker, req.decode_worker))
             why = f"{msg.code} from {w.worker_id}: {msg.message}"
-            if fault and not self.registry.alive(("mono",)) and \
-                    all(("*", d.worker_id) in req.failed_pairs for d in self.registry.alive(("decode",))):
+            # every decode worker registered (a dead one may come back) refused it, and no mono worker could
+            others = [d for d in self.registry.workers.values() if d.role in ("decode", "mono")
+                      and ("*", d.worker_id) not in req.failed_pairs]
+            if fault and not others:
                 return self.error(req, "UNAVAILABLE", f"no decode worker can take this request; {why}")
             self.retry(req, why)
 
