@@ -18,6 +18,15 @@ MAX_BIAS = 100.0  # a logit bias lies in [-100, 100] (OpenAI's range)
 MAX_LOGIT_BIAS = 1024  # entries in one request's logit_bias
 
 
+def _is_text(s: str) -> bool:
+    """Whether s is encodable text: JSON lets a lone surrogate (\\ud800) through, UTF-8 does not."""
+    try:
+        s.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -94,6 +103,8 @@ class SamplingParams:
         if (not isinstance(self.stop, (list, tuple)) or len(self.stop) > MAX_STOP_STRINGS
                 or not all(isinstance(s, str) and s for s in self.stop)):
             raise _bad("stop", self.stop, f"a non-empty string or a list of at most {MAX_STOP_STRINGS} of them")
+        if not all(_is_text(s) for s in self.stop):
+            raise _bad("stop", self.stop, "text (a lone surrogate such as '\\ud800' is not)")
         self.stop = list(self.stop)
         if not isinstance(self.include_stop_str_in_output, bool):
             raise _bad("include_stop_str_in_output", self.include_stop_str_in_output, "true or false")

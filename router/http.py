@@ -204,7 +204,7 @@ class HttpFront:
         """vLLM's /tokenize: a prompt's token ids (messages: through the chat template)."""
         prompt, messages = parse_tokenize(await _json(request), self.model)
         prompts = self.backend.prompts
-        ids = prompts.encode(prompt, messages)
+        ids = await asyncio.to_thread(prompts.encode, prompt, messages)
         return web.json_response({"count": len(ids), "max_model_len": prompts.context,
                                   "tokens": ids})
 
@@ -228,7 +228,10 @@ class HttpFront:
         backend, prompts = self.backend, self.backend.prompts
         try:
             job: Job = parse(await _json(request))
-            prepared = [prompts.validate(prompt, job.messages, job.params, job.max_tokens_field) for prompt in job.prompts]
+            # off the event loop: tokenizing megabytes of text would stall every stream (and, in the
+            # router's own process, its reading of workers' heartbeats)
+            prepared = await asyncio.to_thread(lambda: [prompts.validate(prompt, job.messages, job.params,
+                                                                         job.max_tokens_field) for prompt in job.prompts])
             total = len(prepared) * job.n
             if total > backend.max_queue:
                 raise ApiError("INVALID_ARGUMENT", f"{len(prepared)} prompts x n={job.n} make {total} choices; "
@@ -314,6 +317,8 @@ async def _json(request: web.Request):
         return json.loads(raw)
     except ValueError as e:
         raise ApiError("INVALID_ARGUMENT", f"the body is not valid JSON ({e})") from None
+    except RecursionError:
+        raise ApiError("INVALID_ARGUMENT", "the body nests too deeply to be a request") from None
 
 
 def error_response(e: ApiError) -> web.Response:

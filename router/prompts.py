@@ -35,17 +35,18 @@ class Prompts:
             ids = self.encode(prompt, messages)
         else:
             ids = prompt
+        limit = self.context
+        if not ids:
+            raise InvalidArgument("prompt is empty; allowed: at least one token", param="prompt")
+        if len(ids) >= limit:  # before reading ids one by one: a client may send millions
+            raise InvalidArgument(f"prompt has {len(ids)} tokens; allowed: at most {limit - 1} "
+                                  f"(the context served is {limit})", param="prompt")
+        if ids is prompt:
             V = self.model_config.vocab_size
             bad = [t for t in ids if not 0 <= t < V]
             if bad:
                 raise InvalidArgument(f"prompt token ids {bad[:5]} are invalid; allowed: integers in [0, {V})",
                                       param="prompt")
-        limit = self.context
-        if not ids:
-            raise InvalidArgument("prompt is empty; allowed: at least one token", param="prompt")
-        if len(ids) >= limit:
-            raise InvalidArgument(f"prompt has {len(ids)} tokens; allowed: at most {limit - 1} "
-                                  f"(the context served is {limit})", param="prompt")
         if max_tokens_field is not None and len(ids) + params.max_tokens > limit:
             raise InvalidArgument(f"{max_tokens_field}={params.max_tokens} is too large: the model's maximum context "
                                   f"length is {limit} tokens and the prompt has {len(ids)}; allowed: at most "
@@ -57,13 +58,14 @@ class Prompts:
         if self.tokenizer is None:
             raise InvalidArgument(f"model {self.model!r} has no tokenizer; send token ids",
                                   param="prompt" if messages is None else "messages")
-        if messages is None:
-            return self.tokenizer.encode(text)
+        param = "prompt" if messages is None else "messages"
         try:
-            return self.tokenizer.encode_chat(messages)
+            return self.tokenizer.encode(text) if messages is None else self.tokenizer.encode_chat(messages)
         except InvalidArgument as e:
-            e.param = e.param or "messages"
+            e.param = e.param or param
             raise
+        except UnicodeEncodeError:  # JSON lets a lone surrogate (\ud800) through; UTF-8 does not
+            raise InvalidArgument(f"{param} is not text: it holds a lone surrogate", param=param) from None
 
     def text(self, ids: list[int]) -> str | None:
         return self.tokenizer.decode(ids) if self.tokenizer is not None else None

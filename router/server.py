@@ -39,6 +39,8 @@ from common.text import TextStream
 log = logging.getLogger("pdserve.router")
 DEAD_WORKER_MEMORY_S = 300.0  # how long `pdserve status` still lists a dead worker
 CLIENT_PROBE_S = 1.0  # how often a ZeroMQ client is probed while its requests send it nothing
+TICK_S = 0.05  # how often the router checks deadlines and heartbeats
+LOOP_LAG_S = 0.5  # a tick this late: the event loop was held up (a huge request), not the workers
 
 
 @dataclass
@@ -466,7 +468,7 @@ class Router:
             self._send(self.backend, P.Shutdown(f"model mismatch: router serves {self.cfg.model}"), identity)
             return
         old = self.registry.workers.get(msg.worker_id)
-        if old is not None and old.incarnation != msg.incarnation:
+        if old is not None and old.alive and old.incarnation != msg.incarnation:
             self.worker_lost(old, "restarted under a new incarnation")
         self.registry.workers[msg.worker_id] = Worker(msg.worker_id, msg.role, msg.incarnation, identity, msg.device,
                                                       msg.total_blocks, msg.block_size, msg.kv_address,
@@ -582,10 +584,18 @@ class Router:
     # ------------------------------------------------------------------ time
 
     async def _monitor_loop(self):
+        last = time.monotonic()
         while True:
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(TICK_S)
+            now = time.monotonic()
+            lag, last = now - last - TICK_S, now
+            if lag > LOOP_LAG_S:
+                # Heartbeats may wait unread in the socket: the router's own stall is no worker's silence.
+                log.warning("the router's event loop was held up %.1f s; workers' silence counted from now", lag)
+                for w in self.registry.alive(PREFILL_ROLES + DECODE_ROLES):
+                    w.last_seen = max(w.last_seen, now - self.cfg.heartbeat_timeout_s / 2)
             try:
-                self.tick(time.monotonic())
+                self.tick(now)
             except Exception:
                 log.exception("monitor tick failed")
 

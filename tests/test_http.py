@@ -284,6 +284,11 @@ def test_errors_have_openais_shape_and_the_server_serves_on(served):
         (dict(body=base | {"max_tokens": 100000}), 400, "INVALID_ARGUMENT", "max_tokens",
          "max_tokens=100000 is too large: the model's maximum context length is"),
         (dict(body=base | {"tools": [{"type": "function"}]}), 400, "INVALID_ARGUMENT", "tools", "not supported"),
+        (dict(raw=b'{"model": "%s", "prompt": "a\\ud800"}' % MODEL.encode()), 400, "INVALID_ARGUMENT", "prompt",
+         "lone surrogate"),
+        (dict(raw=b'{"model": "%s", "prompt": "a", "stop": ["\\ud800"]}' % MODEL.encode()), 400, "INVALID_ARGUMENT",
+         "stop", "lone surrogate"),
+        (dict(raw=b"[" * 100_000), 400, "INVALID_ARGUMENT", None, "nests too deeply"),
         (dict(body=base | {"logprobs": 21}), 400, "INVALID_ARGUMENT", "logprobs", "[0, 20]"),
         (dict(body=base | {"prompt": [1, 999]}), 400, "INVALID_ARGUMENT", "prompt", "[999]"),
         (dict(body=base | {"prompt": [[1]] * 5, "n": 4}), 400, "INVALID_ARGUMENT", "n", "max_queue"),
@@ -552,3 +557,29 @@ def test_migration_after_a_worker_death_keeps_tokens_and_logprobs_exact(tmp_path
         metrics = scrape(c)
         assert value(metrics, "pdserve:request_migrations_total") >= 1
         assert value(metrics, "pdserve:worker_deaths_total") == 1
+
+
+def test_a_restarted_worker_is_one_death_and_a_stalled_router_loses_no_worker(tmp_path):
+    """A worker killed and restarted by the launcher is one death, not one at its silence and one
+    more when its new incarnation registers. A router held up (here SIGSTOPped) past the heartbeat
+    timeout does not take its own stall for its workers' silence."""
+    with cluster(tmp_path, prefill=0, decode=0, mono=1, restart=True, http=True,
+                 router_args=["--heartbeat-timeout", "1"]) as c, Client(c.address, timeout=60) as sdk:
+        (before,) = sdk.status().workers
+        c.workers[0].proc.send_signal(signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while True:
+            c.supervise_once()  # what pdserve launch does: restart what died
+            (w,) = sdk.status().workers
+            if w["alive"] and w["incarnation"] != before["incarnation"]:
+                break
+            assert time.monotonic() < deadline, w
+            time.sleep(0.2)
+        assert value(scrape(c), "pdserve:worker_deaths_total") == 1
+        c.router.proc.send_signal(signal.SIGSTOP)
+        time.sleep(2.5)
+        c.router.proc.send_signal(signal.SIGCONT)
+        time.sleep(1.5)
+        assert sdk.status().workers[0]["alive"] and value(scrape(c), "pdserve:worker_deaths_total") == 1
+        assert len(sdk.generate([1, 2, 3], max_tokens=3).token_ids) == 3
+    assert "event loop was held up" in (tmp_path / "logs" / "router.log").read_text()
