@@ -202,9 +202,9 @@ class SimEngine:
     def release(self, rid: int) -> None:
         self.block_manager.free_seq(self.held.pop(rid))
 
-    def reserve(self, num_tokens: int) -> list[int] | None:
+    def reserve(self, rid: int, num_tokens: int, now: float) -> list[int] | None:
         """Engine.reserve: blocks and a batch slot for KV arriving from a prefill worker, or None (BUSY)."""
-        need = self.scheduler.reservable(num_tokens, self.num_reserved_seqs)
+        need = self.scheduler.reservable(str(rid), num_tokens, self.num_reserved_seqs, now)
         if need is None:
             return None
         self.num_reserved_seqs += 1
@@ -393,7 +393,7 @@ class Simulation:
             r.prefill.engine.scheduler.finish(r.seq, "abort")
             r.failed = True
             return self.finish(r)
-        blocks = r.decode.engine.reserve(prompt)
+        blocks = r.decode.engine.reserve(r.index, prompt, self.now)
         if blocks is None:
             self.at(self.now + RESERVE_BACKOFF_S[min(r.retries, len(RESERVE_BACKOFF_S) - 1)], self.reserve, r)
             r.retries += 1

@@ -286,11 +286,11 @@ class Engine:
     def free_blocks(self, block_ids: list[int]) -> None:
         self.block_manager.release_blocks(block_ids)
 
-    def reserve(self, num_tokens: int) -> list[int] | None:
+    def reserve(self, num_tokens: int, request_id: str = "") -> list[int] | None:
         """Blocks and a running slot for a sequence whose KV will be written from outside, or None
         when either is short (the caller refuses the transfer for now: backpressure; see
-        Scheduler.reservable)."""
-        need = self.scheduler.reservable(num_tokens, self.num_reserved_seqs)
+        Scheduler.reservable, which also keeps the room of the first request refused)."""
+        need = self.scheduler.reservable(request_id, num_tokens, self.num_reserved_seqs, time.monotonic())
         if need is None:
             return None
         self.num_reserved_seqs += 1

@@ -60,6 +60,9 @@ def step_shape(batch: list[ScheduledSeq]) -> tuple[list[tuple[int, int]], list[i
     return chunks, decodes
 
 
+REFUSED_STALE_S = 0.5  # a refused reservation not asked again this long is given up (retries: <= 20 ms)
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int):
@@ -71,6 +74,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order: the last is the newest
         self.held: dict[str, Sequence] = {}  # prefill-only requests done, blocks kept for their transfer
         self.max_model_len = max_model_len
+        self.first_refused: tuple[str, int, float] | None = None  # (request, tokens, when) of reservable
         # what requests awaiting a KV grant may hold at most: the rest fits the longest request
         self.ungranted_room = max(0, block_manager.num_blocks - block_manager.blocks_needed(max_model_len))
         self.num_preemptions = 0
@@ -141,15 +145,24 @@ class Scheduler:
                 self.waiting.remove(seq)
         return batch
 
-    def reservable(self, num_tokens: int, reserved_seqs: int) -> int | None:
+    def reservable(self, request_id: str, num_tokens: int, reserved_seqs: int, now: float) -> int | None:
         """The blocks a sequence whose KV for num_tokens arrives from elsewhere needs (with its next
         token's), or None while they or a batch slot are short (reserved_seqs: promised already).
         Requests preempted here resume first: granting their room to new arrivals kept them
-        waiting out whole bursts. The watermark is kept as admission keeps it: beside others only."""
+        waiting out whole bursts. So does the first request refused: later ones are granted only
+        what leaves its room, else a long prompt lost every race for freed blocks to short ones and
+        waited out its transfer timeout. The watermark is kept as admission keeps it: beside others."""
+        head = self.first_refused
+        if head is not None and (head[0] == request_id or now - head[2] > REFUSED_STALE_S):
+            head = self.first_refused = None  # its turn, or its prefill worker stopped asking
         need = self.bm.blocks_needed(num_tokens + 1)
         busy = len(self.running) + reserved_seqs
         keep = self.watermark if busy else 0
+        if head is not None:  # leave it a batch slot and its blocks
+            busy, keep = busy + 1, self.watermark + self.bm.blocks_needed(head[1] + 1)
         if self.waiting or busy >= self.max_num_seqs or need + keep > self.bm.num_free_blocks:
+            if head is None:
+                self.first_refused = (request_id, num_tokens, now)
             return None
         return need
 

@@ -155,7 +155,7 @@ class DecodeWorker(WorkerBase):
             blocks = old.block_ids  # a repeated request: grant the same blocks again
         else:
             self._drop(msg.request_id)  # an older attempt of this request, if any
-            blocks = self.engine.reserve(msg.num_tokens)
+            blocks = self.engine.reserve(msg.num_tokens, msg.request_id)
             if blocks is None:
                 return refuse("BUSY", "no free KV blocks or batch slots now")
             now = time.monotonic()

@@ -187,6 +187,31 @@ def test_a_full_prefill_pool_and_a_full_decode_batch_do_not_wait_on_each_other(t
     assert "failed" not in (tmp_path / "logs" / "prefill-0.log").read_text()
 
 
+def test_a_long_prompt_is_not_starved_by_short_ones_for_decode_room(tmp_path):
+    """Short requests keep a small decode pool busy; a 420-token prompt needs most of it. Once
+    refused, it keeps its room from later requests (common/scheduler.py reservable): before, the
+    short ones won every race for freed blocks and it waited about 24 s."""
+    async def scenario(address):
+        async with AsyncClient(address, timeout=10) as client:
+            stop = False
+
+            async def short_requests(k):
+                rng = random.Random(k)
+                while not stop:
+                    await client.generate([rng.randrange(1, 200) for _ in range(20)], max_tokens=30, ignore_eos=True)
+
+            loops = [asyncio.ensure_future(short_requests(k)) for k in range(6)]
+            await asyncio.sleep(1.0)
+            try:
+                return await client.generate([7] * 420, max_tokens=8, ignore_eos=True)
+            finally:
+                stop = True
+                await asyncio.gather(*loops)
+
+    with cluster(tmp_path, worker_args=["--num-blocks", "32", "--max-num-seqs", "8"]) as c:
+        assert len(asyncio.run(scenario(c.address)).token_ids) == 8
+
+
 def test_unavailable_without_workers(tmp_path):
     with cluster(tmp_path, prefill=1, decode=1, router_args=["--queue-timeout", "1", "--heartbeat-timeout", "0.5"]) as c, \
             Client(c.address, timeout=30) as client:

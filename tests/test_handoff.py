@@ -88,6 +88,21 @@ def test_preempted_requests_resume_before_new_kv_is_granted_room():
     assert engine.scheduler.running and not engine.scheduler.waiting and engine.reserve(3) is not None
 
 
+def test_the_first_request_refused_keeps_its_room_from_later_ones():
+    """Else a long prompt loses every race for freed blocks to short ones (they need fewer) and
+    waits out its transfer timeout while short requests keep coming."""
+    engine = Engine(model="dummy:nanogpt", block_size=4, num_blocks=20)
+    a = engine.reserve(44, "a")  # 12 blocks: 8 free
+    assert engine.reserve(30, "long") is None  # 8 blocks, and the watermark beside "a"
+    assert engine.reserve(3, "short") is None  # 1 block fits, but not beside the long one's 8
+    engine.unreserve(a)
+    assert engine.reserve(3, "short") and engine.reserve(30, "long")  # room for both now
+    s = engine.scheduler  # 11 blocks free
+    s.first_refused = ("big", 36, 100.0)  # 10 blocks, refused at t=100 s...
+    assert s.reservable("short", 3, 2, now=100.2) is None
+    assert s.reservable("short", 3, 2, now=100.6) == 1  # ...and not asked again for 0.5 s: given up
+
+
 def test_abort_releases_held_blocks():
     engine = Engine(model="dummy:nanogpt")
     engine.add_sequence("x", [1, 2, 3, 4], 4, SamplingParams(max_tokens=5), 1, prefill_only=True)
