@@ -56,6 +56,7 @@ ROUTES = ("GET /health, GET /metrics, GET /version, GET /v1/models, GET /v1/mode
           "POST /v1/chat/completions, POST /tokenize, POST /detokenize")
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 SHUTDOWN_GRACE_S = 2.0  # for handlers to answer their requests' UNAVAILABLE when the server stops
+TOKENS_PER_WRITE = 65536  # /tokenize: ids serialized between two turns of the event loop
 
 
 class LocalBackend:
@@ -205,8 +206,20 @@ class HttpFront:
         prompt, messages = parse_tokenize(await _json(request), self.model)
         prompts = self.backend.prompts
         ids = await asyncio.to_thread(prompts.encode, prompt, messages)
-        return web.json_response({"count": len(ids), "max_model_len": prompts.context,
-                                  "tokens": ids})
+        head = {"count": len(ids), "max_model_len": prompts.context}
+        if len(ids) <= TOKENS_PER_WRITE:
+            return web.json_response(head | {"tokens": ids})
+        # Millions of ids are a second of json.dumps holding the GIL: written a piece at a time,
+        # with the event loop (every stream, and the router's own work) run in between.
+        response = web.StreamResponse(headers={"Content-Type": "application/json; charset=utf-8"})
+        await response.prepare(request)
+        await response.write(json.dumps(head)[:-1].encode() + b', "tokens": [')
+        for i in range(0, len(ids), TOKENS_PER_WRITE):
+            await response.write((", " if i else "").encode() + json.dumps(ids[i:i + TOKENS_PER_WRITE])[1:-1].encode())
+            await asyncio.sleep(0)
+        await response.write(b"]}")
+        await response.write_eof()
+        return response
 
     async def detokenize(self, request: web.Request) -> web.Response:
         prompts = self.backend.prompts
