@@ -324,6 +324,12 @@ class Simulation:
         d.assigned.add(r.index)
         r.seq = p.engine.add(r.index, r.req.prompt_tokens, r.req.output_tokens, prefill_only=p is not d)
         if p is not d:
+            prompt = r.req.prompt_tokens
+            if d.engine.scheduler.no_room(prompt, prompt + r.req.output_tokens):
+                # the decode workers are alike: every one refuses it, and the router fails it at once
+                p.engine.scheduler.finish(r.seq, "abort")
+                r.failed = True
+                return self.finish(r)
             self.reserve(r)
         self.kick(p)
 
@@ -387,13 +393,7 @@ class Simulation:
     def reserve(self, r: SimRequest) -> None:
         if r.done or r.granted is not None:
             return
-        prompt = r.req.prompt_tokens
-        if r.decode.engine.scheduler.no_room(prompt, prompt + r.req.output_tokens):
-            # the decode workers are alike: every one refuses it, and the router fails it at once
-            r.prefill.engine.scheduler.finish(r.seq, "abort")
-            r.failed = True
-            return self.finish(r)
-        blocks = r.decode.engine.reserve(r.index, prompt, self.now)
+        blocks = r.decode.engine.reserve(r.index, r.req.prompt_tokens, self.now)
         if blocks is None:
             self.at(self.now + RESERVE_BACKOFF_S[min(r.retries, len(RESERVE_BACKOFF_S) - 1)], self.reserve, r)
             r.retries += 1

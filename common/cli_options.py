@@ -84,23 +84,33 @@ def policy_option(f):
                              "round_robin); prefix_affine: by what their prefix caches likely hold, and load")(f)
 
 
+def table_defaults(table: list[tuple]) -> dict:
+    """{name: default} of an option table's (flag, default, type, help) rows; name: the flag in snake_case."""
+    return {flag[2:].replace("-", "_"): default for flag, default, *_ in table}
+
+
+def table_options(f, table: list[tuple]):
+    """f with an option table's flags, in the table's order in --help."""
+    for flag, default, kind, text in reversed(table):
+        f = click.option(flag, default=default, show_default=default is not None, type=kind, help=text)(f)
+    return f
+
+
 def router_options(f):
     """The router's limits; the command receives them as `router_kwargs` (flag names, snake_case)."""
-    names = [flag[2:].replace("-", "_") for flag, *_ in ROUTER_OPTIONS]
+    names = list(table_defaults(ROUTER_OPTIONS))
 
     @functools.wraps(f)
     def wrapper(*args, **kwargs):
         router_kwargs = {name: kwargs.pop(name) for name in names}
         return f(*args, router_kwargs=router_kwargs, **kwargs)
 
-    for flag, default, kind, text in reversed(ROUTER_OPTIONS):
-        wrapper = click.option(flag, default=default, show_default=True, type=kind, help=text)(wrapper)
-    return wrapper
+    return table_options(wrapper, ROUTER_OPTIONS)
 
 
 def router_argv(router_kwargs: dict) -> list[str]:
     """router_kwargs back to the router's flags, those left at their defaults left out."""
-    defaults = {flag[2:].replace("-", "_"): default for flag, default, *_ in ROUTER_OPTIONS}
+    defaults = table_defaults(ROUTER_OPTIONS)
     return [arg for name, value in router_kwargs.items() if value != defaults[name]
             for arg in (f"--{name.replace('_', '-')}", str(value))]
 
@@ -160,7 +170,7 @@ def sampling_options(f=None, *, max_tokens: int = 32):
     """Sampling options; the command receives them as `sampling`, SamplingParams' fields (max_tokens
     and temperature always, the others where they differ from their defaults, so that a router's
     client sends only what was asked for)."""
-    defaults = {flag[2:].replace("-", "_"): default for flag, default, *_ in SAMPLING_OPTIONS}
+    defaults = table_defaults(SAMPLING_OPTIONS)
 
     def apply(f):
         @functools.wraps(f)
@@ -172,10 +182,7 @@ def sampling_options(f=None, *, max_tokens: int = 32):
                 sampling["ignore_eos"] = True
             return f(*args, sampling=sampling, **kwargs)
 
-        wrapper = click.option("--ignore-eos", is_flag=True)(wrapper)
-        for flag, default, kind, text in reversed(SAMPLING_OPTIONS):
-            wrapper = click.option(flag, default=default, show_default=default is not None, type=kind,
-                                   help=text)(wrapper)
+        wrapper = table_options(click.option("--ignore-eos", is_flag=True)(wrapper), SAMPLING_OPTIONS)
         return click.option("--max-tokens", default=max_tokens, show_default=True, type=int)(wrapper)
 
     return apply(f) if f is not None else apply
