@@ -42,6 +42,10 @@ class TextStream:
         old = len(self.text)
         self.text += after[len(before):]
         self.prefix, self.read = self.read, len(self.ids)
+        return self._stopped_after(old)
+
+    def _stopped_after(self, old: int) -> bool:
+        """Whether text grown from old characters now holds a stop string; if so, cut it there."""
         if not self.stop or len(self.ids) <= self.min_tokens:
             return False
         # each string where it would take a new character (vLLM's rule): one within the text of the
@@ -60,9 +64,13 @@ class TextStream:
         return out
 
     def final(self) -> str:
-        """The whole text once the output is complete (a trailing partial character included)."""
+        """The whole text once the output is complete: a trailing partial character included, and
+        searched for stop strings like the rest (a token "a\\xc3" completes "xa" before its partial
+        character; then stop_reason is set)."""
         if self.stop_reason is None and self.read < len(self.ids):
+            old = len(self.text)
             before = self.tokenizer.decode(self.ids[self.prefix:self.read])
             self.text += self.tokenizer.decode(self.ids[self.prefix:])[len(before):]
             self.prefix = self.read = len(self.ids)
+            self._stopped_after(old)
         return self.text

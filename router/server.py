@@ -174,6 +174,8 @@ class Router:
         """Finish req with its tokens so far: Done to the client."""
         text = req.text.final() if req.text is not None else self.prompts.text(req.tokens)
         stop_reason = req.text.stop_reason if req.text is not None else None
+        if stop_reason is not None and reason == "length":  # final() found it in a trailing partial character's token
+            reason = "stop"
         if stop_reason is None and reason == "stop" and req.tokens and req.tokens[-1] in req.params.stop_token_ids:
             stop_reason = req.tokens[-1]
         self.reply(req, P.Done(req.client_request_id, reason, req.tokens, text, req.prompt_ids, self._timings(req),

@@ -181,6 +181,17 @@ def test_stop_string_across_tokens_ends_the_text_in_process(tmp_path):
     assert_all_blocks_free(engine)
 
 
+def test_a_stop_string_in_the_last_partial_character_ends_the_text_with_stop():
+    """Output that ends inside a multi-byte character (byte 0xC3, twice) has its trailing text
+    decoded at the end; a stop string found there is cut, and the request reports stop."""
+    engine = Engine(model="dummy:nanogpt")
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, logit_bias={0xC3: 100.0})
+    plain = engine.generate("ab", params)[0]
+    assert (plain.token_ids, plain.text, plain.finish_reason) == ([0xC3, 0xC3], "\ufffd\ufffd", "length")
+    out = engine.generate("ab", SamplingParams(**{**params.__dict__, "stop": ["\ufffd"]}))[0]
+    assert (out.token_ids, out.text, out.finish_reason) == ([0xC3, 0xC3], "", "stop")
+
+
 def test_seeded_sampling_is_reproducible_and_seed_dependent():
     engine = Engine(model="dummy:llama-tiny")
     p = prompts(1, 8, 8, seed=7)[0]

@@ -205,6 +205,30 @@ def test_no_stop_string_is_found_in_the_first_min_tokens_text():
     assert stops_at("xabyy", 4) == (None, "xabyy")
 
 
+class PieceTokenizer:
+    """Each id decodes to a byte string of its own, as a byte-level BPE's token may end inside a
+    character (b"a\\xc3" is "a" then the first byte of "é")."""
+    PIECES = {1: b"x", 2: b"a\xc3", 3: b"\xa9"}
+
+    def decode(self, ids):
+        return b"".join(self.PIECES[i] for i in ids).decode("utf-8", errors="replace")
+
+
+def test_a_stop_string_completed_by_a_token_ending_in_a_partial_character_is_found_at_the_end():
+    """The text of b"a\\xc3" waits for the character's next byte; if the output ends first, the
+    final text still holds the "a" that completes "xa", and must stop there, not show it."""
+    ts = TextStream(PieceTokenizer(), ["xa"])
+    assert not ts.add(1) and not ts.add(2)  # "a" waits with its partial character
+    assert ts.final() == "" and ts.stop_reason == "xa"
+    ts = TextStream(PieceTokenizer(), ["xa"], include_stop=True)
+    assert not ts.add(1) and not ts.add(2) and (ts.final(), ts.stop_reason) == ("xa", "xa")
+    ts = TextStream(PieceTokenizer(), ["xa"], min_tokens=2)  # within the first min_tokens: not searched
+    assert not ts.add(1) and not ts.add(2) and (ts.final(), ts.stop_reason) == ("xa\ufffd", None)
+    ts = TextStream(PieceTokenizer(), ["xa"])
+    assert not ts.add(1) and ts.add(2) is False and ts.add(3)  # the character completes: found as it grows
+    assert (ts.final(), ts.stop_reason) == ("", "xa")
+
+
 # ----------------------------------------------------------------------------- the router's side, with a scripted worker
 
 
@@ -237,6 +261,34 @@ def test_router_stops_at_a_stop_string_and_cancels_the_workers_work():
             assert [lp[0] for lp in done.logprobs] == [-1.0, -2.0, -3.0]
             streamed = [m for m in replies if isinstance(m, P.Token)]
             assert "".join(m.text for m in streamed) == "x" and sum(len(m.token_ids) for m in streamed) == 3
+            assert not router.requests
+
+    asyncio.run(scenario())
+
+
+def test_router_reports_stop_for_a_stop_string_found_in_the_last_partial_character():
+    """A worker ends a request at its length on a token that begins a character ("x", then 0xC3);
+    the router's final text holds the stop string "\\ufffd": it cuts it and reports stop."""
+    import asyncio
+
+    from common import protocol as P
+    from common.sampling_params import SamplingParams
+    from tests.cluster import scripted_worker, serving_router
+
+    async def scenario():
+        async with serving_router(model=MODEL) as (router, connect):
+            worker = await scripted_worker(router, connect, "w")
+            replies = []
+            params = SamplingParams(max_tokens=2, stop=["\ufffd"], ignore_eos=True)
+            assert router.submit("test", "r1", [1, 2, 3], params, True, replies.append)
+            work = (await worker.arecv()).msg
+            await worker.send(P.WorkerTokens(work.request_id, work.attempt, 0, [ord("x"), 0xC3], finish_reason="length"))
+            for _ in range(100):
+                if replies and isinstance(replies[-1], P.Done):
+                    break
+                await asyncio.sleep(0.02)
+            done = replies[-1]
+            assert isinstance(done, P.Done) and (done.finish_reason, done.stop_reason, done.text) == ("stop", "\ufffd", "x")
             assert not router.requests
 
     asyncio.run(scenario())
