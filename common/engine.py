@@ -73,7 +73,10 @@ class Engine:
         mc = self.model_config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         bs = config.block_size
-        self.num_blocks = config.num_blocks or self._auto_num_blocks()
+        if config.num_blocks:
+            self.num_blocks = config.num_blocks
+        else:
+            self.num_blocks, self.max_model_len = self._auto_num_blocks()
         self.kv_cache, self.kv_segment = allocate_kv_pool(mc, self.num_blocks, bs, config.torch_dtype,
                                                           config.torch_device, shared=config.kv_shared)
         self.block_manager = BlockManager(self.num_blocks, bs, config.enable_prefix_caching)
@@ -134,32 +137,45 @@ class Engine:
             log.warning("CUDA graphs off: capturing the decode step failed (%s); decoding eagerly", first_line(e))
             return None
 
-    def _auto_num_blocks(self) -> int:
+    def _auto_num_blocks(self) -> tuple[int, int]:
+        """(KV blocks, max_model_len): on a GPU a pool that holds fewer tokens than max_model_len
+        lowers it to what the pool holds (the step's activations are sized for that context)."""
         cfg, bs, mc = self.config, self.config.block_size, self.model_config
         dtype_bytes = torch.finfo(cfg.torch_dtype).bits // 8
         block_bytes = mc.kv_values_per_token * bs * dtype_bytes
         useful = cfg.max_num_seqs * -(-self.max_model_len // bs)
         if cfg.torch_device.type != "cuda":
             budget = (cfg.kv_cache_gb or _CPU_KV_CACHE_GB) * 2**30
-            return max(1, min(useful, int(budget // block_bytes)))
+            return max(1, min(useful, int(budget // block_bytes))), self.max_model_len
         dev = cfg.torch_device
         torch.cuda.empty_cache()  # what loading the weights cached and let go is not held
         free, total = torch.cuda.mem_get_info(dev)
         mem = memory.DeviceMemory(str(dev), total, free, torch.cuda.memory_reserved(dev) + memory.CONTEXT_BYTES)
-        activations = memory.step_activation_bytes(mc, cfg.max_num_batched_tokens, cfg.max_num_seqs,
-                                                   self.max_model_len, dtype_bytes)
-        if self.model.layers[0].attention.name == "triton":
-            activations += memory.triton_prefill_bytes(mc, cfg.max_num_batched_tokens, self.max_model_len)
-            if self._graphs_wanted():
-                activations += memory.decode_graph_bytes(mc, cfg.max_num_seqs, self.max_model_len, dtype_bytes)
+        triton, graphs = self.model.layers[0].attention.name == "triton", self._graphs_wanted()
+
+        def activations_at(context: int) -> int:
+            bytes_ = memory.step_activation_bytes(mc, cfg.max_num_batched_tokens, cfg.max_num_seqs, context,
+                                                  dtype_bytes)
+            if triton:
+                bytes_ += memory.triton_prefill_bytes(mc, cfg.max_num_batched_tokens, context)
+                if graphs:
+                    bytes_ += memory.decode_graph_bytes(mc, cfg.max_num_seqs, context, dtype_bytes)
+            return bytes_
+
         step_blocks = -(-min(self.max_model_len, cfg.max_num_batched_tokens) // bs)
         kv_bytes = None if cfg.kv_cache_gb is None else cfg.kv_cache_gb * 2**30
-        blocks = memory.kv_pool_blocks(mem, block_bytes, mc.num_layers, activations, step_blocks, useful,
-                                       cfg.gpu_memory_utilization, kv_bytes)
+        blocks, context = memory.pool_and_context(mem, block_bytes, bs, mc.num_layers, activations_at,
+                                                  self.max_model_len, step_blocks, useful,
+                                                  cfg.gpu_memory_utilization, kv_bytes)
+        if context < self.max_model_len:
+            log.warning("max_model_len lowered from %d to %d tokens, what the KV pool holds (a longer request "
+                        "could never fit); pass --max-model-len, or raise --gpu-memory-utilization",
+                        self.max_model_len, context)
         log.info("KV pool on %s: %d blocks (%s, %d tokens; max_model_len %d) beside %s held and %s of activations; "
                  "the device has %s, %s free", dev, blocks, memory.gib(blocks * block_bytes), blocks * bs,
-                 self.max_model_len, memory.gib(mem.held), memory.gib(activations), memory.gib(total), memory.gib(free))
-        return blocks
+                 context, memory.gib(mem.held), memory.gib(activations_at(context)), memory.gib(total),
+                 memory.gib(free))
+        return blocks, context
 
     # ------------------------------------------------------------------ requests
 

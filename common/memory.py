@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 from common.errors import InvalidArgument
 
@@ -170,3 +171,32 @@ def kv_pool_blocks(mem: DeviceMemory, block_bytes: int, num_layers: int, activat
         raise InvalidArgument(f"{found}: a KV pool of {blocks} blocks and the activations need {gib(need)} more, "
                               f"more than is free: {flag}, or free the device")
     return blocks
+
+
+def pool_and_context(mem: DeviceMemory, block_bytes: int, block_size: int, num_layers: int,
+                     activations_at: Callable[[int], int], max_model_len: int, min_blocks: int, max_blocks: int,
+                     utilization: float | None = None, kv_cache_bytes: float | None = None) -> tuple[int, int]:
+    """(KV blocks, the longest context a step attends over) of a worker whose step activations
+    grow with that context (activations_at(tokens)). No sequence outgrows its pool, so a pool that
+    holds less than max_model_len bounds the context too, and the activations are sized for that
+    bound: sized for llama-1b's whole 131,072-token context, the Triton attention's partial
+    results alone ask 8.7 GB, more than a prefill worker's share of an H100 beside three others.
+    The context is the shortest c with c >= min(max_model_len, what the pool left at c holds),
+    the largest pool that is safe; raises as kv_pool_blocks does if no useful pool is left."""
+    def blocks_at(context: int) -> int:
+        return kv_pool_blocks(mem, block_bytes, num_layers, activations_at(context), min_blocks, max_blocks,
+                              utilization, kv_cache_bytes)
+
+    def safe(context: int) -> bool:
+        try:
+            held = blocks_at(context) * block_size
+        except InvalidArgument:
+            held = 0
+        return context >= min(max_model_len, held)
+
+    lo, hi = min(max_model_len, min_blocks * block_size), max_model_len  # safe(hi) always holds
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if safe(mid) else (mid + 1, hi)
+    blocks = blocks_at(lo)
+    return blocks, min(max_model_len, blocks * block_size)

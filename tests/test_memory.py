@@ -15,8 +15,8 @@ from common.model_spec import model_config
 from common.config import EngineConfig
 from common.errors import InvalidArgument
 from common.memory import (CONTEXT_BYTES, DEFAULT_UTILIZATION, SAMPLER_BYTES_PER_LOGIT, DeviceMemory, block_cost,
-                           decode_graph_bytes, device_shares, kv_pool_blocks, step_activation_bytes,
-                           triton_prefill_bytes)
+                           decode_graph_bytes, device_shares, kv_pool_blocks, pool_and_context,
+                           step_activation_bytes, triton_prefill_bytes)
 from router.launcher import Cluster
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -124,6 +124,40 @@ def test_decode_graphs_reserve_their_partials_for_a_full_context():
     assert triton_paged.SPLIT == 256  # the split decode_graph_bytes counts by
     # an eager step of 2,048 chunk tokens at the end of llama-1b's full context: 512 splits each
     assert triton_prefill_bytes(LLAMA_1B, 2048, 131072) == 2048 * 512 * 32 * 65 * 4
+
+
+def llama_1b_activations(context: int) -> int:
+    """What a bfloat16 llama-1b worker with the Triton attention and decode graphs reserves for a
+    step attending over `context` tokens (common/engine.py's sum)."""
+    return (step_activation_bytes(LLAMA_1B, 2048, 64, context, 2) + triton_prefill_bytes(LLAMA_1B, 2048, context)
+            + decode_graph_bytes(LLAMA_1B, 64, context, 2))
+
+
+def test_a_pool_smaller_than_the_context_bounds_the_context_the_activations_are_sized_for():
+    """2P2D of llama-1b on one H100: a prefill worker's share (0.15) cannot hold the activations
+    of a step over the model's whole 131,072-token context; no sequence outgrows the pool, so the
+    worker sizes them for what its pool holds, and gets a pool that holds at least that context."""
+    full = LLAMA_1B.max_position_embeddings
+    share = device_shares(["prefill", "prefill", "decode", "decode"], ["cuda:0"] * 4)[0]
+    mem = DeviceMemory("cuda:0", H100, H100 - WEIGHTS - CONTEXT_BYTES, WEIGHTS + CONTEXT_BYTES)
+    with pytest.raises(InvalidArgument):  # sized for the whole context, nothing is left for a pool
+        kv_pool_blocks(mem, BLOCK, LLAMA_1B.num_layers, llama_1b_activations(full), 128, 10**9, share)
+    blocks, context = pool_and_context(mem, BLOCK, 16, LLAMA_1B.num_layers, llama_1b_activations, full, 128,
+                                       10**9, share)
+    assert context == blocks * 16 < full  # the context is what the pool holds
+    assert blocks >= 1000  # a useful pool: more than a few requests' worth
+    used = WEIGHTS + CONTEXT_BYTES + blocks * block_cost(BLOCK, LLAMA_1B.num_layers) + llama_1b_activations(context)
+    assert used <= share * H100  # within the share, the step's activations at that context included
+    # the largest safe pool: sized for a context a block shorter, the pool would hold more than it
+    assert kv_pool_blocks(mem, BLOCK, LLAMA_1B.num_layers, llama_1b_activations(context - 16), 128, 10**9,
+                          share) * 16 > context - 16
+    # a share whose pool holds the whole context keeps it
+    big = pool_and_context(mem, BLOCK, 16, LLAMA_1B.num_layers, llama_1b_activations, full, 128, 10**9, 0.9)
+    assert big[1] == full and big[0] * 16 >= full
+    # a pool sized by --kv-cache-gb bounds the context alike
+    blocks, context = pool_and_context(mem, BLOCK, 16, LLAMA_1B.num_layers, llama_1b_activations, full, 128, 10**9,
+                                       None, 2 * GiB)
+    assert (blocks, context) == (2 * GiB // BLOCK, 2 * GiB // BLOCK * 16)
 
 
 def test_no_share_given_takes_the_default_and_no_more_than_is_free():
