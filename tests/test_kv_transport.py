@@ -477,6 +477,33 @@ def test_an_idle_decode_peer_is_dropped_and_made_again_when_needed(tmp_path, tra
     assert got == [e.token_ids for e in expected]
 
 
+def test_cuda_ipc_closes_a_dead_peers_pool_when_it_opens_a_new_one(monkeypatch):
+    """An opened CUDA IPC pool stays allocated while it is open, even after its decode worker died;
+    a restarted worker's new pool must not wait PEER_IDLE_S for the old one to go. Without a GPU:
+    torch's rebuild of the tensor from its handle is replaced by a record of the handle."""
+    import torch.multiprocessing.reductions as reductions
+
+    from common.kv_transport.cuda_ipc import CudaIpcSender
+
+    monkeypatch.setattr(reductions, "rebuild_cuda_tensor", lambda *args: ("pool", args[7]))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+
+    def advert(handle: bytes, pid: int) -> dict:
+        return {"ipc": [None, [2, 3], [3, 1], 0, None, "float32", 0, handle, 24, 0, False, "rc", 0, b"ev", True],
+                "pid": pid}
+
+    sender = CudaIpcSender()
+    try:
+        assert sender._mapped(advert(b"old", dead.pid)).tensor == ("pool", b"old")
+        assert sender._mapped(advert(b"live", os.getpid())).tensor == ("pool", b"live")
+        assert set(sender.maps) == {b"live".hex()}  # the dead worker's pool closed
+        sender._mapped(advert(b"other", os.getpid()))
+        assert set(sender.maps) == {b"live".hex(), b"other".hex()}  # a live one's stays open
+    finally:
+        sender.close()
+
+
 def _two_decode_cluster(tmp_path, prefill_args=(), decode0_args=()) -> Cluster:
     c = Cluster("dummy:nanogpt", 1, 2, 0, ["cpu"], "127.0.0.1", 0, 0, tmp_path / "logs", "least_loaded", [],
                 threads=1, restart=False)

@@ -2,11 +2,16 @@
 shared by its CUDA IPC handle, as torch.multiprocessing shares a tensor; the prefill worker opens
 it once per peer and pool and copies its blocks into the granted ones on a stream of its own.
 Same host, CUDA pools. Not run in CI (no GPU): its tests are marked gpu.
+
+A pool opened in this process stays allocated on the device while it is open, even after its
+decode worker died: the advert carries the worker's pid, and a restarted peer's old pool is closed
+when a new one is opened (mapped.py), or the restarted worker would find its memory still taken.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import types
 
 import torch
@@ -33,7 +38,11 @@ class CudaIpcSender(MappedSender):
         a = advert["ipc"]
         return types.SimpleNamespace(tensor=rebuild_cuda_tensor(
             torch.Tensor, torch.Size(a[1]), tuple(a[2]), a[3], torch.storage.TypedStorage, DTYPES[a[5]], *a[6:10],
-            False, *a[11:]))
+            False, *a[11:]), pid=advert.get("pid"))
+
+    def _gone(self, key: str) -> bool:
+        pid = getattr(self.maps.get(key), "pid", None)
+        return pid is not None and not os.path.exists(f"/proc/{pid}")
 
     @contextlib.contextmanager
     def _copying(self, ours: torch.device, peers: torch.device, after):
@@ -64,4 +73,4 @@ class CudaIpcReceiver(MappedReceiver):
         _, args = reduce_tensor(pool)
         ipc = [None, list(args[1]), list(args[2]), args[3], None, dtype, *args[6:10], False, *args[11:]]
         self.key = ipc[7].hex()
-        super().__init__({"ipc": ipc})
+        super().__init__({"ipc": ipc, "pid": os.getpid()})
