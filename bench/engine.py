@@ -27,6 +27,11 @@ from common.errors import InvalidArgument
 from common.sampling_params import SamplingParams
 
 
+def sig(x: float, figures: int = 4) -> float:
+    """x to a few significant figures: a tiny model's floor (6e-4 ms) rounds to 0 at 3 decimals."""
+    return float(f"{x:.{figures}g}")
+
+
 def _random_prompts(rng: random.Random, n: int, length: int, vocab: int) -> list[list[int]]:
     return [[rng.randrange(vocab) for _ in range(length)] for _ in range(n)]
 
@@ -148,7 +153,7 @@ def measure_mode(engine: Engine, name: str, batch_sizes: list[int], kv_lens: lis
         step_ms = 1e3 * b / tok_s
         floor_ms = 1e3 * (weights + b * (kv + steps / 2) * kv_token) / bandwidth
         decode[f"b{b}_kv{kv}"] = point = {"tok_s": round(tok_s, 1), "step_ms": round(step_ms, 3),
-                                          "floor_ms": round(floor_ms, 3), "of_floor": round(floor_ms / step_ms, 3)}
+                                          "floor_ms": sig(floor_ms), "of_floor": sig(floor_ms / step_ms)}
         if async_tok_s is not None:
             point["async_step_ms"] = round(1e3 * b / async_tok_s, 3)
     print(f"[{name}] prefill of one {prefill_len}-token prompt", file=sys.stderr, flush=True)

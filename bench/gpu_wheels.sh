@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Run here, before a GPU session: the wheels pdserve needs that the GPU machine's image lacks, for
 # its Python 3.12, in .whl/ (git-ignored), which every device call carries (carry: [".whl"]) and
-# bench/gpu_session.sh installs. pyzmq (every process), prometheus-client (the router), aiohttp and
-# its dependencies (the router's HTTP API, bench router --frontend http). About 4 MB.
+# bench/gpu_session.sh installs. pyzmq (every process), gguf (GGUF models; its dependencies are on
+# the image), prometheus-client (the router), aiohttp and its dependencies (the router's HTTP API,
+# bench router --frontend http), pinned to what the CPU suite runs. About 4 MB.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 exclude="$(git rev-parse --git-common-dir)/info/exclude"
@@ -10,6 +11,6 @@ mkdir -p "$(dirname "$exclude")"
 grep -qx '/.whl/' "$exclude" 2>/dev/null || echo /.whl/ >> "$exclude"
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 -d .whl \
-    pyzmq==27.3.0 prometheus-client==0.26.0 \
+    pyzmq==27.3.0 gguf==0.19.0 prometheus-client==0.26.0 \
     aiohttp==3.14.5 aiohappyeyeballs aiosignal attrs frozenlist multidict propcache yarl
 ls .whl
