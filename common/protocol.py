@@ -214,7 +214,10 @@ class WorkerError:
 
 @dataclass
 class CancelWork:
+    """Router -> worker: drop this attempt of the request. Only that attempt: a retry's next attempt
+    may reach a decode worker (by the prefill worker's KVReserve) before the old attempt's cancel."""
     request_id: str
+    attempt: int
 
 
 @dataclass

@@ -75,7 +75,8 @@ class DecodeWorker(WorkerBase):
 
     def on_router(self, msg):
         if isinstance(msg, P.CancelWork):
-            self._drop(msg.request_id)
+            if self._attempt(msg.request_id) == msg.attempt:  # an older attempt's cancel: not this one
+                self._drop(msg.request_id)
         elif isinstance(msg, P.PrefillWork) and self.role == "mono":
             self._drop(msg.request_id)
             try:
@@ -85,6 +86,13 @@ class DecodeWorker(WorkerBase):
                 self.to_router(P.WorkerError(msg.request_id, msg.attempt, e.code, str(e)))
                 return
             self.streams[msg.request_id] = (msg.attempt, {})
+
+    def _attempt(self, rid: str) -> int | None:
+        """The attempt of rid this worker holds: reserved for, or decoding."""
+        r = self.reservations.get(rid)
+        if r is not None:
+            return r.attempt
+        return self.streams.get(rid, (None,))[0]
 
     def _drop(self, rid: str):
         r = self.reservations.pop(rid, None)

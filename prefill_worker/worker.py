@@ -131,7 +131,9 @@ class PrefillWorker(WorkerBase):
         if isinstance(msg, P.PrefillWork):
             self.accept(msg)
         elif isinstance(msg, P.CancelWork):
-            self._drop(msg.request_id)
+            t = self.transfers.get(msg.request_id)
+            if t is not None and t.work.attempt == msg.attempt:
+                self._drop(msg.request_id)
 
     def accept(self, work: P.PrefillWork):
         rid = work.request_id

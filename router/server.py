@@ -338,7 +338,7 @@ class Router:
         for wid in {req.prefill_worker, req.decode_worker} - {None}:
             w = self.registry.workers.get(wid)
             if w is not None and w.alive:
-                self._send(self.backend, P.CancelWork(req.rid), w.identity)
+                self._send(self.backend, P.CancelWork(req.rid, req.attempt), w.identity)
 
     # ------------------------------------------------------------------ dispatch
 

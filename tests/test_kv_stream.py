@@ -146,7 +146,7 @@ def test_a_cancelled_shm_stream_says_it_is_done_only_after_its_last_copy(tmp_pat
             spin(prefill, lambda: prefill.transfers["r1"].state == "streaming")
             t = prefill.transfers["r1"]
             assert not all(f.done() for f in t.handle.futures)  # copies still queued
-            prefill.on_router(P.CancelWork("r1"))
+            prefill.on_router(P.CancelWork("r1", 1))
             assert released == [True]
         finally:
             prefill.close()

@@ -359,7 +359,7 @@ def test_cancelled_reservation_waits_for_a_one_sided_writer(tmp_path, transport)
         chan.send(P.KVReserve("x", 1, 100, layout))
         grant = chan.recv(10_000).msg
         assert isinstance(grant, P.KVGrant)
-        d.router.send(P.CancelWork("x"), to=d.identity)
+        d.router.send(P.CancelWork("x", 1), to=d.identity)
         time.sleep(0.5)  # the cancel is long handled by the next heartbeat
         hb = heartbeat(d)
         held = hb.total_blocks - hb.free_blocks
@@ -367,6 +367,26 @@ def test_cancelled_reservation_waits_for_a_one_sided_writer(tmp_path, transport)
         chan.send(P.KVRelease("x", 1))  # the writer is done with them
         while hb.free_blocks != hb.total_blocks:
             hb = heartbeat(d)
+
+
+def test_an_older_attempts_late_cancel_leaves_the_newer_attempts_reservation(tmp_path):
+    """A retry's attempt 2 reaches the decode worker (the prefill worker's KVReserve) before the
+    router's cancel of attempt 1 (another socket): that cancel must not drop attempt 2."""
+    layout = Engine(model="dummy:nanogpt", num_blocks=4).kv_layout
+    with decode_worker(tmp_path, "zmq") as d:
+        chan = Channel.connect(d.ctx, zmq.DEALER, d.register.kv_address)
+        chan.send(P.KVReserve("x", 2, 100, layout))
+        grant = chan.recv(10_000).msg
+        assert isinstance(grant, P.KVGrant) and grant.attempt == 2
+        d.router.send(P.CancelWork("x", 1), to=d.identity)
+        time.sleep(0.5)  # the cancel is long handled by the next heartbeat
+        hb = heartbeat(d)
+        assert hb.total_blocks - hb.free_blocks == len(grant.block_ids), hb
+        d.router.send(P.CancelWork("x", 2), to=d.identity)  # its own attempt's cancel frees it
+        deadline = time.monotonic() + 10
+        while hb.free_blocks != hb.total_blocks and time.monotonic() < deadline:
+            hb = heartbeat(d)
+        assert hb.free_blocks == hb.total_blocks, hb
 
 
 @pytest.fixture(scope="module")

@@ -254,7 +254,7 @@ def test_router_stops_at_a_stop_string_and_cancels_the_workers_work():
                 await worker.send(P.WorkerTokens(work.request_id, work.attempt, index, tokens,
                                                  logprobs=[[-1.0 - index, [], []]] * len(tokens)))
             cancel = (await asyncio.wait_for(worker.arecv(), 10)).msg
-            assert cancel == P.CancelWork(work.request_id)
+            assert cancel == P.CancelWork(work.request_id, work.attempt)
             done = replies[-1]
             assert isinstance(done, P.Done) and (done.finish_reason, done.stop_reason) == ("stop", "ab")
             assert (done.text, done.token_ids) == ("x", [ord("x"), ord("a"), ord("b")])
