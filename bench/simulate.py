@@ -55,7 +55,6 @@ from common.scheduler import ScheduledSeq, Scheduler, step_shape
 from common.sequence import PREFILLED, Sequence, Status
 
 HEARTBEAT_S = 0.2  # common/worker.py WorkerConfig.heartbeat_interval_s
-RESERVE_BACKOFF_S = (0.002, 0.005, 0.01, 0.02)  # prefill_worker/worker.py RETRY_BACKOFF_S
 STALL_HORIZON_S = 600.0  # of simulated time past the last arrival: a run still going is stuck
 GIVE_UP_CHECK_S = 0.25  # how often a run that may stop early counts the requests sure to miss
 
@@ -154,7 +153,6 @@ class SimRequest:
     prefilled_at: float | None = None
     granted: list[int] | None = None  # the decode worker's reserved blocks
     seq: Sequence | None = None  # on its prefill worker
-    retries: int = 0
     token_times: list[float] = field(default_factory=list)  # worker-side, every output token
     done: bool = False
     failed: bool = False  # refused by every decode worker (NO_ROOM): the client got an error
@@ -240,6 +238,7 @@ class SimWorker:
     assigned: set[int] = field(default_factory=set)
     queued: int = 0  # as of the last heartbeat
     step: Step | None = None
+    reservations: dict[int, "SimRequest"] = field(default_factory=dict)  # a decode worker's, queued for room
 
     def load(self) -> tuple[float, str]:
         return len(self.assigned) + self.queued / 2, self.worker_id
@@ -378,10 +377,15 @@ class Simulation:
             if w.role == "decode":  # the router hears from the decode worker: the prefill is done with it
                 r.prefill.assigned.discard(r.index)
             if seq.status is Status.FINISHED:
-                if w.role == "prefill" and r.granted is not None:  # ended at its first token: KVRelease
-                    r.decode.engine.num_reserved_seqs -= 1
-                    r.decode.engine.block_manager.release_blocks(r.granted)
+                if w.role == "prefill":  # ended at its first token: KVRelease
+                    r.decode.reservations.pop(r.index, None)
+                    if r.granted is not None:
+                        r.decode.engine.num_reserved_seqs -= 1
+                        r.decode.engine.block_manager.release_blocks(r.granted)
+                        self.grant_queued(r.decode)
                 self.finish(r)
+        if w.role == "decode":
+            self.grant_queued(w)
         self.kick(w)
 
     def finish(self, r: SimRequest) -> None:
@@ -391,13 +395,28 @@ class Simulation:
         r.decode.assigned.discard(r.index)
 
     def reserve(self, r: SimRequest) -> None:
+        """A KVReserve reaches r's decode worker: granted now if none is queued ahead of it and
+        there is room, else queued (decode_worker/worker.py)."""
         if r.done or r.granted is not None:
             return
-        blocks = r.decode.engine.reserve(r.index, r.req.prompt_tokens, self.now)
+        queue = r.decode.reservations
+        blocks = None if queue else r.decode.engine.reserve(r.index, r.req.prompt_tokens, self.now)
         if blocks is None:
-            self.at(self.now + RESERVE_BACKOFF_S[min(r.retries, len(RESERVE_BACKOFF_S) - 1)], self.reserve, r)
-            r.retries += 1
-            return
+            queue[r.index] = r
+        else:
+            self.granted(r, blocks)
+
+    def grant_queued(self, w: SimWorker) -> None:
+        """The decode worker's queued reservations, in order, while there is room (DecodeWorker._grant_queued)."""
+        for index, r in list(w.reservations.items()):
+            blocks = w.engine.reserve(index, r.req.prompt_tokens, self.now)
+            if blocks is not None:
+                del w.reservations[index]
+                self.granted(r, blocks)
+            elif w.engine.scheduler.refuses_all(w.engine.num_reserved_seqs):
+                break
+
+    def granted(self, r: SimRequest, blocks: list[int]) -> None:
         r.granted = blocks
         r.seq.awaits_kv_grant = False
         if r.prefilled_at is not None:

@@ -171,6 +171,16 @@ class Heartbeat:
 
 
 @dataclass
+class Holding:
+    """Worker -> router, every HOLDING_S: the attempts it holds, [request_id, attempt] pairs
+    (prefilling or queued for it, waiting for decode room, decoding or preempted). A request queued
+    at a live worker is waiting, not lost: its deadline is held off while a worker of its attempt
+    says so, so a busy cluster queues requests instead of re-prefilling them on a timeout."""
+    worker_id: str
+    requests: list
+
+
+@dataclass
 class PrefillWork:
     """Router -> prefill (or mono) worker: compute the KV of token_ids and sample the next token.
     token_ids may extend the prompt with tokens already generated (a migrated request)."""
@@ -310,7 +320,7 @@ class KVAck:
 MESSAGES: dict[str, type] = {cls.__name__: cls for cls in (
     Generate, Cancel, StatusRequest, MetricsRequest, Rejected, Probe, Token, TokenBatch, Done, Error, StatusReply,
     MetricsReply,
-    Register, Registered, Heartbeat, PrefillWork, WorkerTokens, WorkerTokenBatch, WorkerError, CancelWork, Shutdown,
+    Register, Registered, Heartbeat, Holding, PrefillWork, WorkerTokens, WorkerTokenBatch, WorkerError, CancelWork, Shutdown,
     KVReserve, KVGrant, KVRefuse, KVRelease, KVChunk, KVTransfer, KVAck)}
 
 

@@ -60,7 +60,7 @@ def step_shape(batch: list[ScheduledSeq]) -> tuple[list[tuple[int, int]], list[i
     return chunks, decodes
 
 
-REFUSED_STALE_S = 0.5  # a refused reservation not asked again this long is given up (retries: <= 20 ms)
+REFUSED_STALE_S = 0.5  # a refused reservation not asked again this long is given up (a queue asks on every change)
 
 
 class Scheduler:
@@ -165,6 +165,11 @@ class Scheduler:
                 self.first_refused = (request_id, num_tokens, now)
             return None
         return need
+
+    def refuses_all(self, reserved_seqs: int) -> bool:
+        """Whether every reservation is refused now, whatever its size: preempted requests resume
+        first, or the batch is full. A queue of reservations (the decode worker's) stops there."""
+        return bool(self.waiting) or len(self.running) + reserved_seqs >= self.max_num_seqs
 
     def no_room(self, num_tokens: int, max_len: int) -> str | None:
         """Why a sequence of num_tokens that may grow to max_len could never be reserved or

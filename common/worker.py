@@ -34,6 +34,7 @@ IDLE_POLL_MS = 10  # no work: wait this long for a message before the next tick
 # Work that cannot run yet (no blocks to admit a request to while others are held for transfers):
 # what frees them comes as a message, a wake, or by on_tick's polls. Not 0: that spins a core.
 STALLED_POLL_MS = 1
+HOLDING_S = 1.0  # how often a worker tells the router which attempts it holds (P.Holding)
 
 
 @dataclass
@@ -93,6 +94,7 @@ class WorkerBase:
         self.registered = False
         self._last_register = 0.0
         self._last_heartbeat = 0.0
+        self._last_holding = 0.0
 
     def _on_router(self, env: Envelope):
         if env.error is not None:
@@ -181,6 +183,11 @@ class WorkerBase:
             self.to_router(P.Heartbeat(self.worker_id, self.incarnation, len(s.waiting), len(s.running),
                                        bm.num_free_blocks, bm.num_blocks, bm.prefix_queries, bm.prefix_hits,
                                        self.kv_bytes))
+        if self.registered and now - self._last_holding > HOLDING_S:
+            self._last_holding = now
+            held = self.holding()
+            if held:
+                self.to_router(P.Holding(self.worker_id, held))
         self.on_tick(now)
 
     @staticmethod
@@ -214,6 +221,10 @@ class WorkerBase:
 
     def on_tick(self, now: float):
         pass
+
+    def holding(self) -> list[list]:
+        """[request_id, attempt] of every attempt this worker holds, for P.Holding."""
+        return []
 
     def drop_all_work(self):
         for rid in list(self.engine.requests) + list(self.engine.held):

@@ -3,12 +3,14 @@ for incoming KV before the bytes arrive, lets a KV transport (common/kv_transpor
 bytes into them, adds the request to its continuous decode batch and streams every new token to
 the router:
 
-    KVReserve -> KVGrant(blocks, the transports we offer) | KVRefuse(BUSY: retry later)
+    KVReserve -> KVGrant(blocks, the transports we offer) | KVRefuse(BUSY: queued; KVGrant later)
     [KVChunk...] KVTransfer(header) -> the transport settles -> start decoding -> KVAck
 
 Reservations are leases: blocks granted to a transfer that never arrives (the prefill died, the
-request was cancelled) come back when the lease expires. A full pool or a full batch refuses a
-reservation with BUSY, and the prefill worker retries: that is the backpressure. Where a peer
+request was cancelled) come back when the lease expires. A full pool or a full batch answers a
+reservation with BUSY and queues it, in order of arrival, granting it as soon as room frees: that
+is the backpressure, and a busy decode worker is a queue, not a failure. A queued reservation its
+prefill worker stops asking about (it asks every REASK_S) is dropped after QUEUE_STALE_S. Where a peer
 may write our blocks itself (shm), a cancelled reservation's blocks are fenced: they come back
 only when that writer says it is done, or at the end of the lease.
 
@@ -33,6 +35,15 @@ from common.sampling_params import SamplingParams
 from common.worker import WorkerBase
 
 log = logging.getLogger("pdserve.decode")
+QUEUE_STALE_S = 5.0  # a queued reservation not asked about again this long is dropped (its prefill is gone)
+
+
+@dataclass
+class Queued:
+    """A reservation refused BUSY, waiting for room."""
+    sender: bytes
+    msg: P.KVReserve
+    asked: float  # when its prefill worker last asked
 
 
 @dataclass
@@ -63,6 +74,8 @@ class DecodeWorker(WorkerBase):
         self.kv_address = self.ingress.address
         self.watch(self.ingress, self._on_ingress)
         self.reservations: dict[str, Reservation] = {}
+        self.queued: dict[str, Queued] = {}  # request id -> reservation waiting for room, in arrival order
+        self._room_seen: tuple | None = None  # the room the queue was last tried against
         self.fenced: dict[tuple[str, int], Reservation] = {}  # (request id, attempt): dropped, maybe being written
         self.arriving: dict[str, tuple[P.KVTransfer, bytes]] = {}  # header in, the transport still settling
         self.streams: dict[str, tuple[int, dict]] = {}  # request id -> (attempt, timings)
@@ -88,13 +101,14 @@ class DecodeWorker(WorkerBase):
             self.streams[msg.request_id] = (msg.attempt, {})
 
     def _attempt(self, rid: str) -> int | None:
-        """The attempt of rid this worker holds: reserved for, or decoding."""
-        r = self.reservations.get(rid)
+        """The attempt of rid this worker holds: queued for room, reserved for, or decoding."""
+        r = self.reservations.get(rid) or self.queued.get(rid)
         if r is not None:
-            return r.attempt
+            return r.attempt if isinstance(r, Reservation) else r.msg.attempt
         return self.streams.get(rid, (None,))[0]
 
     def _drop(self, rid: str):
+        self.queued.pop(rid, None)
         r = self.reservations.pop(rid, None)
         if r is not None:
             self._free(rid, r, writer_done=self.arriving.pop(rid, None) is not None)
@@ -131,6 +145,9 @@ class DecodeWorker(WorkerBase):
         if isinstance(msg, P.KVReserve):
             self._reserve(env.sender, msg)
         elif isinstance(msg, P.KVRelease):
+            q = self.queued.get(msg.request_id)
+            if q is not None and q.msg.attempt == msg.attempt:  # it ended at its first token, still queued
+                del self.queued[msg.request_id]
             self._writer_done(msg.request_id, msg.attempt)
         elif isinstance(msg, P.KVChunk):
             self._on_chunk(msg, env.frames)
@@ -158,18 +175,48 @@ class DecodeWorker(WorkerBase):
         problem = self.engine.scheduler.no_room(msg.num_tokens, msg.max_len)
         if problem:  # never, here (BUSY would wait in vain): the router tries another decode worker
             return refuse("NO_ROOM", problem)
-        old = self.reservations.get(msg.request_id)
-        if old is not None and old.attempt == msg.attempt:
-            blocks = old.block_ids  # a repeated request: grant the same blocks again
+        rid, now = msg.request_id, time.monotonic()
+        old = self.reservations.get(rid)
+        if old is not None and old.attempt == msg.attempt:  # a repeated request: grant the same blocks again
+            return self._grant(sender, msg, old.block_ids)
+        queued = self.queued.get(rid)
+        if queued is not None and queued.msg.attempt == msg.attempt:  # asked again: it keeps its place
+            queued.sender, queued.asked = sender, now
         else:
-            self._drop(msg.request_id)  # an older attempt of this request, if any
-            blocks = self.engine.reserve(msg.num_tokens, msg.request_id)
-            if blocks is None:
-                return refuse("BUSY", "no free KV blocks or batch slots now")
-            now = time.monotonic()
-            self.reservations[msg.request_id] = Reservation(msg.attempt, blocks, now + self.cfg.kv_lease_s, now)
+            self._drop(rid)  # an older attempt of this request, if any
+            blocks = None if self.queued else self.engine.reserve(msg.num_tokens, rid)  # none ahead of it: now
+            if blocks is not None:
+                self.reservations[rid] = Reservation(msg.attempt, blocks, now + self.cfg.kv_lease_s, now)
+                return self._grant(sender, msg, blocks)
+            self.queued[rid] = Queued(sender, msg, now)
+        refuse("BUSY", f"queued, {len(self.queued)} waiting: no free KV blocks or batch slots now")
+
+    def _grant(self, sender: bytes, msg: P.KVReserve, blocks: list[int]):
         self.ingress.try_send(P.KVGrant(msg.request_id, msg.attempt, blocks, self.cfg.kv_lease_s, self.offer),
                               to=sender)
+
+    def _room(self) -> tuple:
+        e = self.engine
+        return e.block_manager.num_free_blocks, e.num_reserved_seqs, len(e.scheduler.running), len(e.scheduler.waiting)
+
+    def _grant_queued(self):
+        """Grant queued reservations, in order, while there is room for them (Engine.reserve keeps
+        the first one refused its room from the later ones); tried again when the room changed."""
+        if not self.queued or self._room() == self._room_seen:
+            return
+        now = time.monotonic()
+        for rid, q in list(self.queued.items()):
+            if now - q.asked > QUEUE_STALE_S:
+                del self.queued[rid]
+                continue
+            blocks = self.engine.reserve(q.msg.num_tokens, rid)
+            if blocks is not None:
+                del self.queued[rid]
+                self.reservations[rid] = Reservation(q.msg.attempt, blocks, now + self.cfg.kv_lease_s, now)
+                self._grant(q.sender, q.msg, blocks)
+            elif self.engine.scheduler.refuses_all(self.engine.num_reserved_seqs):
+                break
+        self._room_seen = self._room()
 
     def _on_chunk(self, msg: P.KVChunk, frames):
         receiver = self.receivers.get(msg.transport)
@@ -274,8 +321,12 @@ class DecodeWorker(WorkerBase):
         if sends:
             self.to_router(P.batch_tokens(sends))
 
+    def holding(self) -> list[list]:
+        return [[rid, attempt] for rid, (attempt, _) in self.streams.items()]
+
     def on_tick(self, now: float):
         self._settle()
+        self._grant_queued()
         for rid, r in list(self.reservations.items()):
             if now > r.expires:
                 log.warning("KV lease of %s expired; freeing %d blocks", rid, len(r.block_ids))
@@ -290,6 +341,7 @@ class DecodeWorker(WorkerBase):
             receiver.poll(now)
 
     def drop_all_work(self):
+        self.queued.clear()
         for rid in list(self.reservations):
             self._drop(rid)
         self.streams.clear()

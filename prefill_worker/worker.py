@@ -2,12 +2,16 @@
 token, reports it to the router at once (time to first token does not wait for the transfer),
 and pushes the KV straight to the decode worker the router named:
 
-    on accepting the work:  KVReserve -> (decode) KVGrant(blocks, transports) | KVRefuse(BUSY: retry later)
+    on accepting the work:  KVReserve -> (decode) KVGrant(blocks, transports)
+                                       | KVRefuse(BUSY: queued there; the KVGrant comes when room frees)
     once prefilled and granted:  the KV by the fastest transport both ends support
                                  (common/kv_transport/), then KVTransfer(header) -> KVAck -> free our blocks
 
 The reservation is asked for when the work arrives, so the grant's round trip overlaps the
-prefill instead of following it; a request that ends at its first token sends KVRelease. Prompts
+prefill instead of following it; a request that ends at its first token sends KVRelease. A busy
+decode worker queues the reservation and grants it when room frees; we ask again every REASK_S
+(a lost message, a restarted peer), and each answer renews our deadline: waiting for room is
+queueing, not a failure. Our Holding messages tell the router the same. Prompts
 still awaiting their grant are admitted only while they leave our pool room for the longest
 request (common/scheduler.py): full of them, it could wait on a decode worker whose room is
 promised to prompts we cannot admit.
@@ -48,7 +52,8 @@ from common.worker import WorkerBase
 
 log = logging.getLogger("pdserve.prefill")
 
-RETRY_BACKOFF_S = (0.002, 0.005, 0.01, 0.02)
+REASK_S = 1.0  # a reservation the decode worker queued (BUSY) is asked for again this often
+RESEND_S = 0.05  # a KVReserve our full socket to the decode worker did not take is sent again after this
 LEASE_MARGIN_S = 1.0  # never start writing a peer's blocks closer than this to the end of their lease
 STREAM_MIN_BYTES = 1 << 20  # layer-wise streaming sends groups of layers at least this big (but the last)
 PEER_IDLE_S = 300.0  # what we hold for a decode worker not used this long is dropped (remade on demand)
@@ -74,7 +79,6 @@ class Transfer:
     offer: dict = field(default_factory=dict)  # the decode worker's transports, from its grant
     lease_end: float = 0.0  # the grant holds until at least then (its lease, counted from our request)
     state: str = "reserving"  # reserving -> (granted) -> [streaming] -> sending -> (acked: removed)
-    retries: int = 0
     retry_at: float | None = None
     requested_at: float = 0.0
     transport: str = ""
@@ -205,9 +209,11 @@ class PrefillWorker(WorkerBase):
 
     def _reserve(self, rid: str):
         t = self.transfers[rid]
-        t.state, t.retry_at, t.requested_at = "reserving", None, time.monotonic()
-        self._peer(t.work.decode_kv_address).try_send(
-            P.KVReserve(rid, t.work.attempt, len(t.work.token_ids), self.engine.kv_layout, t.max_len))
+        now = time.monotonic()
+        t.state, t.retry_at, t.requested_at = "reserving", None, now
+        if not self._peer(t.work.decode_kv_address).try_send(
+                P.KVReserve(rid, t.work.attempt, len(t.work.token_ids), self.engine.kv_layout, t.max_len)):
+            t.retry_at = now + RESEND_S  # our queue to it is full: nothing would ever answer this one
 
     def _release_reservation(self, rid: str):
         t = self.transfers.pop(rid, None)
@@ -245,17 +251,21 @@ class PrefillWorker(WorkerBase):
         if t is None or msg.attempt != t.work.attempt:
             return
         if isinstance(msg, P.KVGrant):
-            t.block_ids, t.state = msg.block_ids, "granted"
+            if t.state != "reserving":  # granted already (a re-ask crossed its queued grant): the same blocks
+                return
+            t.block_ids, t.state, t.retry_at = msg.block_ids, "granted", None
             self.engine.kv_granted(msg.request_id)
             t.offer, t.lease_end = msg.transports, t.requested_at + msg.lease_s
+            t.deadline = max(t.deadline, time.monotonic() + self.cfg.transfer_timeout_s)  # as long as the lease
             self.offers[t.work.decode_kv_address] = msg.transports
             if t.first_token is not None:
                 self._send_kv(msg.request_id, t)
         elif isinstance(msg, P.KVRefuse):
-            if msg.code == "BUSY" and time.monotonic() < t.deadline:
-                t.retry_at = time.monotonic() + RETRY_BACKOFF_S[min(t.retries, len(RETRY_BACKOFF_S) - 1)]
-                t.retries += 1
-            else:
+            if msg.code == "BUSY" and t.state == "reserving":  # queued there, and it is alive: wait on
+                now = time.monotonic()
+                t.retry_at = now + REASK_S
+                t.deadline = max(t.deadline, now + self.cfg.transfer_timeout_s)
+            elif msg.code != "BUSY":
                 self._give_up(msg.request_id, msg.code, msg.message)
         elif isinstance(msg, P.KVAck):
             if msg.ok:
@@ -387,6 +397,9 @@ class PrefillWorker(WorkerBase):
             if now - used > PEER_IDLE_S and address not in busy:
                 log.info("dropping what we hold for idle decode worker %s", address)
                 self._forget_peer(address, self.offers.get(address, {}))
+
+    def holding(self) -> list[list]:
+        return [[rid, t.work.attempt] for rid, t in self.transfers.items()]
 
     def drop_all_work(self):
         for rid in list(self.transfers):

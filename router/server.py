@@ -1,14 +1,16 @@
 """The router process: admits requests from clients, picks a prefill and a decode worker, tracks
 each request through its states, streams tokens back in order, and recovers from workers dying.
 
-    client --Generate--> frontend   backend <--Register/Heartbeat/WorkerTokens(Batch)-- workers
+    client --Generate--> frontend   backend <--Register/Heartbeat/Holding/WorkerTokens(Batch)-- workers
            <--Token/Done--                  --PrefillWork/CancelWork-->
 
 States: queued -> prefill (PrefillWork sent, waiting for the first token) -> decode (tokens
 flowing) -> done. Each dispatch of a request is an attempt with its own number; messages from
 any attempt but the current one are dropped, so a slow or dead worker's late output can never
-duplicate or reorder tokens. Every state has a deadline; a missed one, or the death of a worker
-holding the request, re-dispatches it as prompt + the tokens already delivered (a migration).
+duplicate or reorder tokens. Every state has a deadline, held off while a live worker of the
+attempt says it holds the request (queued behind others is waiting, not lost); a missed one, or
+the death of a worker holding the request, re-dispatches it as prompt + the tokens already
+delivered (a migration).
 The router never carries KV bytes.
 """
 
@@ -52,6 +54,7 @@ class RouterConfig:
     policy: str = "least_loaded"
     max_queue: int = 1024  # requests in the router at once; more get OVERLOADED
     heartbeat_timeout_s: float = 2.0  # a worker silent this long is dead
+    # what a request's attempt may wait with no worker of it saying it holds the request (P.Holding)
     prefill_timeout_s: float = 60.0  # dispatch -> first token
     decode_stall_timeout_s: float = 30.0  # longest gap between two tokens
     queue_timeout_s: float = 30.0  # longest wait for a live worker
@@ -452,6 +455,8 @@ class Router:
                     self._send_held(client, tokens)
         elif isinstance(msg, P.WorkerError):
             self.on_worker_error(w, msg)
+        elif isinstance(msg, P.Holding):
+            self.on_holding(w, msg)
 
     def register(self, identity: bytes, msg: P.Register):
         problem = None
@@ -564,6 +569,20 @@ class Router:
             if req.logprobs is not None:
                 del req.logprobs[req.finish_at:]
             self.done(req, req.finish_reason)
+
+    def on_holding(self, w: Worker, msg: P.Holding):
+        """A live worker of their attempt holds these requests: queued or progressing, not lost.
+        Their deadlines wait (they catch a request no worker holds, not a busy cluster)."""
+        now = time.monotonic()
+        for item in msg.requests if isinstance(msg.requests, list) else ():
+            if not (isinstance(item, list) and len(item) == 2):
+                continue
+            req = self.requests.get(item[0]) if isinstance(item[0], str) else None
+            if req is None or req.attempt != item[1] or w.worker_id not in (req.prefill_worker, req.decode_worker):
+                continue
+            if req.state in ("prefill", "decode"):
+                wait = self.cfg.prefill_timeout_s if req.state == "prefill" else self.cfg.decode_stall_timeout_s
+                req.deadline = max(req.deadline, now + wait)
 
     def on_worker_error(self, w: Worker, msg: P.WorkerError):
         req = self.requests.get(msg.request_id)

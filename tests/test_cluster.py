@@ -187,6 +187,27 @@ def test_a_full_prefill_pool_and_a_full_decode_batch_do_not_wait_on_each_other(t
     assert "failed" not in (tmp_path / "logs" / "prefill-0.log").read_text()
 
 
+def test_requests_queued_for_decode_room_are_waiting_not_lost(tmp_path):
+    """A busy cluster is a queue. Its decode worker holds 2 requests at a time and the router's
+    deadlines are 1.2 s; 24 requests of 300 tokens wait for decode room for seconds. Their workers
+    say they hold them (Holding), so none is timed out and prefilled again: every one is served on
+    its first attempt, with the monolithic engine's tokens. Before, each wait past a deadline was a
+    retry, and past --max-attempts a 503 from a healthy cluster."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(1, 200) for _ in range(rng.randrange(8, 40))] for _ in range(24)]
+    params = dict(max_tokens=300, ignore_eos=True, temperature=0)
+    with cluster(tmp_path, worker_args=["--max-num-seqs", "2"],
+                 router_args=["--prefill-timeout", "1.2", "--decode-stall-timeout", "1.2"]) as c, \
+            Client(c.address, timeout=120) as client:
+        started = time.monotonic()
+        results = client.generate_many(prompts, **params)
+        waited = time.monotonic() - started
+        assert [r.timings["attempts"] for r in results] == [1] * len(prompts), waited
+    expected = Engine(model="dummy:nanogpt").generate(prompts, SamplingParams(**params))
+    assert [r.token_ids for r in results] == [e.token_ids for e in expected]
+    assert waited > 2.4  # long enough that the last ones waited past both deadlines
+
+
 def test_a_long_prompt_is_not_starved_by_short_ones_for_decode_room(tmp_path):
     """Short requests keep a small decode pool busy; a 420-token prompt needs most of it. Once
     refused, it keeps its room from later requests (common/scheduler.py reservable): before, the

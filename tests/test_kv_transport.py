@@ -266,14 +266,14 @@ def test_forced_transport_the_peer_lacks_is_refused_naming_both(tmp_path):
 # ----------------------------------------------------------------------------- one decode worker, by hand
 
 @contextlib.contextmanager
-def decode_worker(tmp_path, transport: str, model: str = "dummy:nanogpt"):
+def decode_worker(tmp_path, transport: str, model: str = "dummy:nanogpt", args: tuple = ()):
     """A real decode worker process whose router is this test: its Register says where its KV
     ingress is; it is answered so that it heartbeats."""
     ctx = zmq.Context()
     router = Channel.bind(ctx, zmq.ROUTER, "tcp://127.0.0.1:0")
     with open(tmp_path / f"decode-{transport}.log", "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "common.cli", "decode", "--router", router.address,
-                                 "--model", model, "--kv-transport", transport, "--threads", "1"],
+                                 "--model", model, "--kv-transport", transport, "--threads", "1", *args],
                                 stdout=log, stderr=subprocess.STDOUT)
     try:
         env = router.recv(120_000)
@@ -367,6 +367,38 @@ def test_cancelled_reservation_waits_for_a_one_sided_writer(tmp_path, transport)
         chan.send(P.KVRelease("x", 1))  # the writer is done with them
         while hb.free_blocks != hb.total_blocks:
             hb = heartbeat(d)
+
+
+def test_a_busy_decode_worker_queues_reservations_and_grants_them_in_order(tmp_path):
+    """A reservation that finds no room is answered BUSY and queued; as room frees, the queue is
+    granted in order of arrival without being asked again. Asking again keeps its place; a
+    KVRelease (it ended at its first token) takes it out of the queue."""
+    layout = Engine(model="dummy:nanogpt", num_blocks=4).kv_layout
+    with decode_worker(tmp_path, "zmq", args=("--num-blocks", "16", "--max-num-seqs", "4")) as d:
+        chan = Channel.connect(d.ctx, zmq.DEALER, d.register.kv_address)
+
+        def answer(timeout_ms=10_000):
+            env = chan.recv(timeout_ms)
+            return None if env is None else env.msg
+
+        def reserve(rid):  # 100 tokens and the next: 7 of the 16 blocks
+            chan.send(P.KVReserve(rid, 1, 100, layout, 110))
+            return answer()
+
+        assert isinstance(reserve("a"), P.KVGrant)
+        assert isinstance(reserve("b"), P.KVGrant)
+        for rid in ("c", "d", "e"):
+            busy = reserve(rid)
+            assert isinstance(busy, P.KVRefuse) and busy.code == "BUSY" and "queued" in busy.message, busy
+        assert isinstance(reserve("c"), P.KVRefuse)  # asked again: still first in line
+        chan.send(P.KVRelease("d", 1))  # d ended at its prefill: out of the queue
+        chan.send(P.KVRelease("a", 1))  # a's blocks come back: c, first in line, is granted unasked
+        grant = answer()
+        assert isinstance(grant, P.KVGrant) and grant.request_id == "c", grant
+        assert answer(500) is None  # e waits: no room for it beside b and c
+        chan.send(P.KVRelease("b", 1))
+        grant = answer()
+        assert isinstance(grant, P.KVGrant) and grant.request_id == "e", grant
 
 
 def test_an_older_attempts_late_cancel_leaves_the_newer_attempts_reservation(tmp_path):
