@@ -114,14 +114,14 @@ async def _drive(address: str, work, concurrency: int, gap_s: float, faults_done
             async with sem:
                 t0 = time.monotonic()
                 try:
-                    async for item in client.stream(prompt, **sampling):
-                        if hasattr(item, "finish_reason"):
-                            o.tokens, o.attempts = item.token_ids, item.timings.get("attempts", 1)
-                        elif item.index < len(o.streamed):
+                    stream = client.stream(prompt, **sampling)
+                    async for chunk in stream:
+                        if chunk.index < len(o.streamed):
                             o.duplicated += 1
                         else:
-                            o.gaps += item.index > len(o.streamed)
-                            o.streamed.extend(item.token_ids)
+                            o.gaps += chunk.index > len(o.streamed)
+                            o.streamed.extend(chunk.token_ids)
+                    o.tokens, o.attempts = stream.result.token_ids, stream.result.timings.get("attempts", 1)
                 except RequestError as e:
                     o.error = e.code
                 o.latency_s = time.monotonic() - t0

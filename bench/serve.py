@@ -124,14 +124,13 @@ async def drive(address: str, requests, concurrency: int = 0) -> tuple[list[Samp
             await gate.acquire()  # at most `concurrency` in flight
             s = Sample(time.perf_counter(), len(prompt))
             try:
-                async for item in client.stream(prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True):
+                stream = client.stream(prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True)
+                async for chunk in stream:
                     now = time.perf_counter()
-                    if hasattr(item, "finish_reason"):
-                        s.end, s.tokens, s.timings = now, len(item.token_ids), item.timings
-                        s.router_s = item.timings.get("router_s", 0.0)
-                    else:
-                        s.first = s.first or now
-                        s.token_times += [now] * len(item.token_ids)
+                    s.first = s.first or now
+                    s.token_times += [now] * len(chunk.token_ids)
+                s.end, s.tokens, s.timings = time.perf_counter(), len(stream.result.token_ids), stream.result.timings
+                s.router_s = stream.result.timings.get("router_s", 0.0)
             except RequestError as e:  # counted as failed, not fatal to the run
                 s.error, s.end = e.code, None
             finally:

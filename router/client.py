@@ -8,7 +8,9 @@
 
     async with AsyncClient(addr) as c:
         result = await c.generate("Hello")
-        async for chunk in c.stream("Hello"): ...
+        stream = c.stream("Hello")
+        async for chunk in stream: ...
+        print(stream.result.text)
 
 A chat goes as `messages=[{"role": "user", "content": "Hi"}]` instead of a prompt; the router
 renders it with the model's chat template. Sampling options are SamplingParams' fields
@@ -19,7 +21,9 @@ RequestError carrying the router's code (INVALID_ARGUMENT, OVERLOADED, UNAVAILAB
 and message. Many requests may be in
 flight on one client; replies are matched to them by request id. If the connection to the router
 drops (the router died or restarted), every request in flight fails at once with UNAVAILABLE
-rather than waiting out its timeout; the client reconnects by itself for new requests.
+rather than waiting out its timeout; the client reconnects by itself for new requests. A request
+its caller stops waiting for (a stream left before its end, a call cancelled or interrupted) is
+cancelled on the router, as vLLM's AsyncLLM does, so its KV blocks are freed at once.
 """
 
 from __future__ import annotations
@@ -179,6 +183,18 @@ def _raise(msg: P.Error):
     raise RequestError(msg.code, msg.message, msg.request_id)
 
 
+def _cancel_nowait(chan: Channel, request_id: str) -> None:
+    """Cancel a request on the router if the socket takes the message now: a send must never
+    block (with no connection, as after a refused handshake, a DEALER's send waits for good), and
+    with no connection there is nothing to cancel. Sync, so that a finalizer can call it."""
+    if chan.sock.closed:
+        return
+    try:
+        zmq.Socket.shadow(chan.sock.underlying).send(P.encode(P.Cancel(request_id)), zmq.NOBLOCK)
+    except zmq.ZMQError:
+        pass
+
+
 class _Ids:
     def __init__(self):
         self._prefix = uuid.uuid4().hex[:8]
@@ -198,7 +214,8 @@ class Deadline:
 
 
 class Stream:
-    """Iterator of Chunks for one request; `.result` holds the Result once it is exhausted."""
+    """Iterator of Chunks for one request; `.result` holds the Result once it is exhausted.
+    Closed (or dropped) before its end, it cancels the request."""
 
     def __init__(self, client: "Client", request_id: str, timeout: float | None):
         self.client, self.request_id = client, request_id
@@ -217,6 +234,58 @@ class Stream:
         self.result = _result(msg)
         raise StopIteration
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self) -> None:
+        self.client._abandon(self.request_id)
+
+    def __del__(self):
+        self.close()
+
+
+class AsyncStream:
+    """Async iterator of Chunks for one request; `.result` holds the Result once it is exhausted
+    (as Stream). Closed (aclose, or dropped) before its end, it cancels the request."""
+
+    def __init__(self, client: "AsyncClient", prompt, timeout: float | None, sampling: dict):
+        self.client, self.request_id = client, None
+        self._submit = (prompt, sampling)
+        self.timeout = client.timeout if timeout is None else timeout
+        self.result: Result | None = None
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> Chunk:
+        if self.result is not None:
+            raise StopAsyncIteration
+        if self.request_id is None:
+            prompt, sampling = self._submit
+            self.request_id = await self.client.submit(prompt, stream=True, **sampling)
+        try:
+            msg = await self.client._next(self.request_id, self.timeout)
+        except asyncio.CancelledError:
+            self.close()
+            raise
+        if isinstance(msg, P.Token):
+            return _chunk(msg)
+        self.result = _result(msg)
+        raise StopAsyncIteration
+
+    def close(self) -> None:
+        if self.request_id is not None:
+            self.client._abandon(self.request_id)
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def __del__(self):
+        self.close()
+
 
 def _connect(ctx, address: str) -> Channel:
     """A DEALER to the router, or InvalidArgument for an address ZeroMQ cannot take."""
@@ -228,7 +297,19 @@ def _connect(ctx, address: str) -> Channel:
                               "as the router prints it") from None
 
 
-class Client:
+class _Requests:
+    """What both clients keep of their requests in flight: `_open` (submitted, no Done or Error
+    yet) and `_replies` (what came for each, not yet read)."""
+
+    def _abandon(self, request_id: str) -> None:
+        """Its caller stopped waiting for it before its end: cancel it, and drop what came for it."""
+        if request_id in self._open:
+            self._open.discard(request_id)
+            self._replies.pop(request_id, None)
+            _cancel_nowait(self.chan, request_id)
+
+
+class Client(_Requests):
     def __init__(self, address: str, timeout: float | None = 120.0):
         self.address, self.timeout = address, timeout
         self.ctx = zmq.Context()
@@ -237,7 +318,7 @@ class Client:
         self._poller = zmq.Poller()
         self._poller.register(self.chan.sock, zmq.POLLIN)
         self._poller.register(self.connection.monitor, zmq.POLLIN)
-        self._inbox: dict[str | None, deque] = defaultdict(deque)
+        self._replies: dict[str | None, deque] = defaultdict(deque)
         self._open: set[str] = set()  # submitted, no Done or Error yet
         self._new_id = _Ids()
 
@@ -265,13 +346,14 @@ class Client:
         return request_id
 
     def cancel(self, request_id: str) -> None:
-        self.chan.send(P.Cancel(request_id))
+        """Ask the router to cancel it; its stream then ends with finish_reason "cancelled"."""
+        _cancel_nowait(self.chan, request_id)
 
     def _take_events(self) -> None:
         """The connection's news: a drop loses every reply in flight."""
         if self.connection.drain():
             for rid in self._open:
-                self._inbox[rid].append(P.Error(rid, "UNAVAILABLE", LOST))
+                self._replies[rid].append(P.Error(rid, "UNAVAILABLE", LOST))
             self._open.clear()
 
     def _next(self, key: str | None, deadline: "Deadline"):
@@ -279,18 +361,15 @@ class Client:
         CONNECT_TIMEOUT_S of this call with no connection to the router, UNAVAILABLE (and the
         request, queued for a router that may yet come, is cancelled): nothing would come."""
         since = time.monotonic()
-        if not self._inbox[key]:
+        if not self._replies[key]:
             self._take_events()  # what the monitor holds, before deciding anything; later, as the poll finds it
-        while not self._inbox[key]:
+        while not self._replies[key]:
             error = self.connection.unreachable(self.address, since, key)
             if error is not None:
-                if key in self._open:
-                    self._open.discard(key)
-                    self.cancel(key)
+                self._abandon(key)  # queued for a router that may yet come
                 raise error
             if deadline.at is not None and deadline.at <= time.monotonic():
-                if key is not None:
-                    self.cancel(key)
+                self._abandon(key)
                 raise RequestError("TIMEOUT", f"no reply within {deadline.seconds:g}s (the call's timeout=, else "
                                               f"Client(timeout=...))", key)
             wait = _until(deadline.at, self.connection.give_up_at(since))
@@ -306,12 +385,12 @@ class Client:
                 raise RequestError("INTERNAL", f"undecodable reply from the router: {env.error}")
             msgs, bad = replies(env.msg)
             for msg in msgs:
-                self._inbox[_key(msg)].append(msg)
+                self._replies[_key(msg)].append(msg)
             if bad:
                 raise RequestError("INTERNAL", f"undecodable reply from the router: {bad[0]}")
-        msg = self._inbox[key].popleft()
-        if not self._inbox[key]:
-            del self._inbox[key]
+        msg = self._replies[key].popleft()
+        if not self._replies[key]:
+            del self._replies[key]
         if isinstance(msg, (P.Error, P.Done)):
             self._open.discard(key)
         if isinstance(msg, P.Error):
@@ -331,28 +410,36 @@ class Client:
 
     def wait(self, request_id: str, timeout: float | None = None) -> Result:
         deadline = self._deadline(timeout)
-        while True:
-            msg = self._next(request_id, deadline)
-            if isinstance(msg, P.Done):
-                return _result(msg)
+        try:
+            while True:
+                msg = self._next(request_id, deadline)
+                if isinstance(msg, P.Done):
+                    return _result(msg)
+        finally:  # a KeyboardInterrupt, or an error: nobody waits for it any more
+            self._abandon(request_id)
 
     def generate_many(self, prompts: list, timeout: float | None = None, **sampling) -> list[Result]:
-        """All prompts in flight at once; results in prompt order. The first failure raises."""
+        """All prompts in flight at once; results in prompt order. The first failure raises (and
+        cancels the others)."""
         ids = [self.submit(p, stream=False, **sampling) for p in prompts]
-        return [self.wait(rid, timeout) for rid in ids]
+        try:
+            return [self.wait(rid, timeout) for rid in ids]
+        finally:
+            for rid in ids:
+                self._abandon(rid)
 
     def status(self, timeout: float | None = 10.0) -> P.StatusReply:
         self.chan.send(P.StatusRequest())
         return self._next(None, self._deadline(timeout))
 
 
-class AsyncClient:
+class AsyncClient(_Requests):
     def __init__(self, address: str, timeout: float | None = 120.0):
         self.address, self.timeout = address, timeout
         self.ctx = zmq.asyncio.Context()
         self.chan = _connect(self.ctx, address)
         self.connection = Connection(self.chan)
-        self._queues: dict[str | None, asyncio.Queue] = defaultdict(asyncio.Queue)
+        self._replies: dict[str | None, asyncio.Queue] = defaultdict(asyncio.Queue)
         self._reader: asyncio.Task | None = None
         self._open: set[str] = set()
         self._new_id = _Ids()
@@ -381,14 +468,14 @@ class AsyncClient:
             if env.error is not None:
                 continue
             for msg in replies(env.msg)[0]:  # a bad item is skipped, as an undecodable reply is
-                self._queues[_key(msg)].put_nowait(msg)
+                self._replies[_key(msg)].put_nowait(msg)
 
     async def _watch(self):
         await self.connection.watch(self._lost)
 
     def _lost(self):
         for rid in self._open:
-            self._queues[rid].put_nowait(P.Error(rid, "UNAVAILABLE", LOST))
+            self._replies[rid].put_nowait(P.Error(rid, "UNAVAILABLE", LOST))
         self._open.clear()
 
     async def submit(self, prompt=None, stream: bool = True, request_id: str | None = None,
@@ -400,7 +487,8 @@ class AsyncClient:
         return request_id
 
     async def cancel(self, request_id: str) -> None:
-        await self.chan.send(P.Cancel(request_id))
+        """Ask the router to cancel it; its stream then ends with finish_reason "cancelled"."""
+        _cancel_nowait(self.chan, request_id)
 
     async def _next(self, key, timeout):
         since = time.monotonic()
@@ -408,46 +496,38 @@ class AsyncClient:
         while True:
             error = self.connection.unreachable(self.address, since, key)
             if error is not None:
-                if key in self._open:
-                    self._open.discard(key)
-                    await self.cancel(key)  # queued for a router that may yet come
+                self._abandon(key)  # queued for a router that may yet come
                 raise error
             try:
-                msg = await asyncio.wait_for(self._queues[key].get(),
+                msg = await asyncio.wait_for(self._replies[key].get(),
                                              _until(deadline, self.connection.give_up_at(since)))
                 break
             except asyncio.TimeoutError:
                 if deadline is not None and time.monotonic() >= deadline:
-                    if key is not None:
-                        await self.cancel(key)
+                    self._abandon(key)
                     raise RequestError("TIMEOUT", f"no reply within {timeout:g}s (the call's timeout=, else "
                                                   f"AsyncClient(timeout=...))", key) from None
         if isinstance(msg, (P.Error, P.Done)):
-            self._queues.pop(key, None)
+            self._replies.pop(key, None)
             self._open.discard(key)
         if isinstance(msg, P.Error):
             _raise(msg)
         return msg
 
-    async def stream(self, prompt=None, timeout: float | None = None, **sampling):
-        """Async iterator of Chunks; the last item is the Result."""
-        rid = await self.submit(prompt, stream=True, **sampling)
-        timeout = self.timeout if timeout is None else timeout
-        while True:
-            msg = await self._next(rid, timeout)
-            if isinstance(msg, P.Token):
-                yield _chunk(msg)
-            else:
-                yield _result(msg)
-                return
+    def stream(self, prompt=None, timeout: float | None = None, **sampling) -> AsyncStream:
+        """Async iterator of Chunks (submitted at the first step); `.result` once exhausted."""
+        return AsyncStream(self, prompt, timeout, sampling)
 
     async def generate(self, prompt=None, timeout: float | None = None, **sampling) -> Result:
         rid = await self.submit(prompt, stream=False, **sampling)
         timeout = self.timeout if timeout is None else timeout
-        while True:
-            msg = await self._next(rid, timeout)
-            if isinstance(msg, P.Done):
-                return _result(msg)
+        try:
+            while True:
+                msg = await self._next(rid, timeout)
+                if isinstance(msg, P.Done):
+                    return _result(msg)
+        finally:  # cancelled (asyncio.wait_for, a task's cancel), or an error: nobody waits for it
+            self._abandon(rid)
 
     async def generate_many(self, prompts: list, timeout: float | None = None, **sampling) -> list[Result]:
         return list(await asyncio.gather(*(self.generate(p, timeout, **sampling) for p in prompts)))

@@ -54,13 +54,9 @@ async def run_concurrently(address, prompts, sampling):
     """All requests in flight at once, streamed; returns (final tokens, streamed chunks) per request."""
     async with AsyncClient(address, timeout=300) as client:
         async def one(p, s):
-            chunks, result = [], None
-            async for item in client.stream(p, **s):
-                if hasattr(item, "finish_reason"):
-                    result = item
-                else:
-                    chunks.append(item)
-            return result, chunks
+            stream = client.stream(p, **s)
+            chunks = [chunk async for chunk in stream]
+            return stream.result, chunks
         return await asyncio.gather(*(one(p, s) for p, s in zip(prompts, sampling)))
 
 
@@ -185,6 +181,41 @@ def test_a_full_prefill_pool_and_a_full_decode_batch_do_not_wait_on_each_other(t
         workers = wait_blocks_free(client)
         assert all(w["free_blocks"] == w["total_blocks"] for w in workers), workers
     assert "failed" not in (tmp_path / "logs" / "prefill-0.log").read_text()
+
+
+def test_a_request_its_caller_stops_waiting_for_is_cancelled(tmp_path):
+    """Leaving a stream before its end (sync or async), or cancelling an async generate (as
+    asyncio.wait_for does), cancels the request on the router, as vLLM's AsyncLLM does: its KV
+    blocks come back while the client stays open. Before, they ran to max_tokens."""
+    def in_flight(client):
+        return client.status().in_flight
+
+    async def abandon_async(address):
+        async with AsyncClient(address, timeout=60) as client:
+            stream = client.stream([7] * 30, max_tokens=1000, ignore_eos=True)
+            async for _ in stream:
+                break
+            del stream
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(client.generate([8] * 30, max_tokens=1000, ignore_eos=True), 0.3)
+            with Client(address) as watcher:
+                deadline = time.monotonic() + 10
+                while in_flight(watcher) and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+                assert in_flight(watcher) == 0  # while this client is still open
+
+    with cluster(tmp_path) as c, Client(c.address, timeout=60) as client:
+        for chunk in client.stream([5] * 30, max_tokens=1000, ignore_eos=True):
+            break
+        with client.stream([6] * 30, max_tokens=1000, ignore_eos=True) as stream:
+            next(stream)
+        deadline = time.monotonic() + 10
+        while in_flight(client) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert in_flight(client) == 0
+        asyncio.run(abandon_async(c.address))
+        workers = wait_blocks_free(client)
+        assert all(w["free_blocks"] == w["total_blocks"] for w in workers), workers
 
 
 def test_requests_queued_for_decode_room_are_waiting_not_lost(tmp_path):

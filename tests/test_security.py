@@ -1,6 +1,7 @@
 """Loopback by default, and with CURVE keys every socket is authenticated: an unknown peer can
 neither submit requests, nor register, nor push KV."""
 
+import threading
 import time
 
 import pytest
@@ -63,3 +64,20 @@ def test_curve_keeps_unknown_peers_out(tmp_path, monkeypatch):
         with pytest.raises(RequestError) as e, Client(c.address, timeout=60) as intruder:
             intruder.generate([1, 2, 3], max_tokens=2)
         assert e.value.code == "UNAVAILABLE" and "CURVE key" in e.value.message, e.value
+        # Nor does one without keys hang: it used to send a Cancel on a socket left with no
+        # connection (the refused handshake), and that send waited for good (6 runs in 20).
+        monkeypatch.delenv("PDSERVE_CURVE_DIR")
+        outcomes = []
+
+        def keyless():
+            for _ in range(10):
+                with Client(c.address, timeout=60) as plain:
+                    try:
+                        plain.generate([1, 2, 3], max_tokens=2)
+                    except RequestError as err:
+                        outcomes.append(err.code)
+        runner = threading.Thread(target=keyless, daemon=True)
+        runner.start()
+        runner.join(60)
+        assert not runner.is_alive(), f"a keyless client hung after {len(outcomes)} refusals"
+        assert outcomes == ["UNAVAILABLE"] * 10
