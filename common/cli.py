@@ -182,9 +182,9 @@ for _role in ("prefill", "decode", "mono"):
 
 
 @main.command()
-@click.option("--prefill", default=1, show_default=True, type=int)
-@click.option("--decode", default=1, show_default=True, type=int)
-@click.option("--mono", default=0, show_default=True, type=int, help="monolithic workers (use with --prefill 0 --decode 0)")
+@click.option("--prefill", default=None, type=click.IntRange(min=0), help="prefill workers [default: 1; 0 with --mono]")
+@click.option("--decode", default=None, type=click.IntRange(min=0), help="decode workers [default: 1; 0 with --mono]")
+@click.option("--mono", default=0, show_default=True, type=click.IntRange(min=0), help="monolithic workers")
 @devices_option()
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=7100, show_default=True, type=int, help="client port (0: any free port)")
@@ -206,6 +206,13 @@ def launch(prefill, decode, mono, devices, host, port, worker_port, policy, log_
     from common.model_hub import NAMED_MODELS, named_model_path
     from router.launcher import Cluster, run_launch
 
+    if engine_kwargs["device"] != "cpu":
+        raise click.UsageError(f"--device {engine_kwargs['device']} is a worker's flag; launch places its workers "
+                               "with --devices (e.g. --devices cuda:0 or cuda:0,cuda:1)")
+    if http_port is None and (api_key is not None or api_server_count > 1):
+        raise click.UsageError("--api-key and --api-server-count are for the HTTP API: give --http-port too")
+    prefill = (0 if mono else 1) if prefill is None else prefill
+    decode = (0 if mono else 1) if decode is None else decode
     if engine_kwargs["model"] in NAMED_MODELS:
         named_model_path(engine_kwargs["model"])  # not pulled yet: say so here, not in every child's log
 

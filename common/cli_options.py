@@ -67,14 +67,16 @@ def engine_options(f):
     return wrapper
 
 
+POSITIVE = click.FloatRange(min=0, min_open=True)
 ROUTER_OPTIONS = [  # (flag, default, type, help): the router's limits, on `router` and `launch` alike
-    ("--max-queue", 1024, int, "requests held at once; more are OVERLOADED"),
-    ("--heartbeat-timeout", 2.0, float, "seconds of silence before a worker is dead"),
-    ("--max-attempts", 3, int, "dispatches of one request before it fails"),
-    ("--prefill-timeout", 60.0, float, "seconds from dispatch to first token"),
-    ("--decode-stall-timeout", 30.0, float, "longest gap between tokens"),
-    ("--queue-timeout", 30.0, float, "longest wait for a live worker"),
-    ("--max-message-bytes", 4 * 2**20, int, "also the HTTP body limit"),
+    ("--max-queue", 1024, click.IntRange(min=1), "requests held at once; more are OVERLOADED"),
+    # workers heartbeat every 0.2 s (common/worker.py): less than 0.5 s of silence is no death
+    ("--heartbeat-timeout", 2.0, click.FloatRange(min=0.5), "seconds of silence before a worker is dead"),
+    ("--max-attempts", 3, click.IntRange(min=1), "dispatches of one request before it fails"),
+    ("--prefill-timeout", 60.0, POSITIVE, "seconds from dispatch to first token, unless a worker holds it"),
+    ("--decode-stall-timeout", 30.0, POSITIVE, "longest gap between tokens, unless a worker holds the request"),
+    ("--queue-timeout", 30.0, POSITIVE, "longest wait for a live worker"),
+    ("--max-message-bytes", 4 * 2**20, click.IntRange(min=4096), "also the HTTP body limit"),
 ]
 
 

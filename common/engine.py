@@ -71,7 +71,10 @@ class Engine:
                             config.block_size)
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         mc = self.model_config
-        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        if config.max_model_len is not None and config.max_model_len > mc.max_position_embeddings:
+            raise InvalidArgument(f"--max-model-len {config.max_model_len}; allowed: 2..{mc.max_position_embeddings} "
+                                  f"(model {config.model!r}'s context: positions past it were never trained)")
+        self.max_model_len = config.max_model_len or mc.max_position_embeddings
         bs = config.block_size
         if config.num_blocks:
             self.num_blocks = config.num_blocks

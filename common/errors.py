@@ -20,6 +20,12 @@ class InvalidArgument(PdserveError, ValueError):
         self.param = param
 
 
+class StartupError(PdserveError, RuntimeError):
+    """A process of a cluster that exited, or did not become ready, while it started."""
+
+    code = "STARTUP"
+
+
 class ModelLoadError(PdserveError, ValueError):
     """A checkpoint that cannot be loaded: missing file, unknown architecture, wrong shape."""
 

@@ -21,7 +21,7 @@
 # router); --dry-run prints each process's command line instead and exits.
 set -uo pipefail
 
-PREFILL=1 DECODE=1 MONO=0 MODEL=dummy:nanogpt DEVICES=cpu HOST=127.0.0.1 PORT=7100 WORKER_PORT="" HTTP_PORT=""
+PREFILL="" DECODE="" MONO=0 MODEL=dummy:nanogpt DEVICES=cpu HOST=127.0.0.1 PORT=7100 WORKER_PORT="" HTTP_PORT=""
 API_SERVERS=1 POLICY=least_loaded
 LOG_DIR=pdserve-logs DRY_RUN=0 THREADS="" RESTART=1 API_KEY=${PDSERVE_API_KEY:-}
 WORKER_ARGS=() ROUTER_LIMITS=()
@@ -50,6 +50,7 @@ while (($#)); do
     *) echo "launch.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
+PREFILL=${PREFILL:-$((MONO > 0 ? 0 : 1))} DECODE=${DECODE:-$((MONO > 0 ? 0 : 1))}  # --mono alone: only mono workers
 WORKER_PORT=${WORKER_PORT:-$((PORT + 1))}
 # Another router on these ports would answer the readiness check below, and take our workers.
 for flag_port in "--port $PORT" "--worker-port $WORKER_PORT" ${HTTP_PORT:+"--http-port $HTTP_PORT"}; do
@@ -100,6 +101,7 @@ supervise() {
     started=$SECONDS
     wait "$child"
     local rc=$?
+    echo "$name $rc" >>"$EXITS"  # the readiness check below fails the start on any
     ((RESTART)) || { echo "[launch.sh] $name exited with $rc; not restarted (--no-restart)" >>"$LOG_DIR/$name.log"; return; }
     ((SECONDS - started > 30)) && delay=0.5
     echo "[launch.sh] $name exited with $rc; restarting in ${delay}s" >>"$LOG_DIR/$name.log"
@@ -109,10 +111,12 @@ supervise() {
 }
 
 PIDS=()
+EXITS=$(mktemp)  # "NAME RC" of each process that exited, as supervise saw it
 stop() {
   trap - INT TERM EXIT
   ((${#PIDS[@]})) && kill -TERM "${PIDS[@]}" 2>/dev/null
   wait
+  rm -f "$EXITS"
   echo "stopped"
 }
 trap 'stop; exit 0' INT TERM
@@ -159,9 +163,17 @@ watch_launcher() {
 watch_launcher &
 PIDS+=($!)
 
-# Ready once the router reports every worker alive.
-for _ in $(seq 1 600); do
-  alive=$($PDSERVE status --router "tcp://$HOST:$PORT" --json 2>/dev/null |
+# Ready once the router reports every worker alive, within READY_TIMEOUT_S; a process that exits
+# while starting (a bad flag, a model that does not load) fails the start at once, with its log's end.
+READY_TIMEOUT_S=${READY_TIMEOUT_S:-180}
+alive=0
+while ((SECONDS < READY_TIMEOUT_S)); do
+  if read -r name rc <"$EXITS"; then
+    echo "launch.sh: $name exited with $rc during start-up; see $LOG_DIR/$name.log:" >&2
+    grep -v '^\[launch.sh\]' "$LOG_DIR/$name.log" | uniq | tail -n 15 >&2
+    exit 1
+  fi
+  alive=$(timeout 5 $PDSERVE status --router "tcp://$HOST:$PORT" --json 2>/dev/null |
           python3 -c 'import json,sys; print(sum(w["alive"] for w in json.load(sys.stdin)["workers"]))' 2>/dev/null)
   if [[ "${alive:-0}" -ge "$WORKERS" ]]; then
     [[ -n $HTTP_PORT ]] && echo "HTTP API at http://$HOST:$HTTP_PORT"
@@ -170,5 +182,5 @@ for _ in $(seq 1 600); do
   fi
   sleep 0.5
 done
-[[ "${alive:-0}" -ge "$WORKERS" ]] || { echo "launch.sh: cluster not ready; logs in $LOG_DIR" >&2; exit 1; }
+[[ "${alive:-0}" -ge "$WORKERS" ]] || { echo "launch.sh: cluster not ready within ${READY_TIMEOUT_S}s; logs in $LOG_DIR" >&2; exit 1; }
 while true; do wait; done

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.errors import port_free
+from common.errors import StartupError, port_free
 from common.memory import DEFAULT_UTILIZATION, launch_plan
 
 PR_SET_PDEATHSIG = 1
@@ -197,7 +197,7 @@ class Cluster:
             while time.monotonic() < deadline:
                 for c in self.children:
                     if c.proc.poll() is not None:
-                        raise RuntimeError(f"{c.name} exited with {c.proc.returncode} during start-up; "
+                        raise StartupError(f"{c.name} exited with {c.proc.returncode} during start-up; "
                                            f"see {c.log_path}:\n{c.log_path.read_text()[-2000:]}")
                 try:
                     status = client.status(timeout=2.0)
@@ -207,7 +207,7 @@ class Cluster:
                 if sum(w["alive"] for w in status.workers) >= self.expected:
                     return
                 time.sleep(0.1)
-        raise TimeoutError(f"cluster not ready within {timeout}s; logs in {self.log_dir}")
+        raise StartupError(f"cluster not ready within {timeout}s; logs in {self.log_dir}")
 
     def supervise_once(self):
         """Restart any child that exited, with exponential backoff."""

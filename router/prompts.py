@@ -17,7 +17,7 @@ class Prompts:
         self.tokenizer = load_tokenizer(model)
         self.model_config = model_config(model)
         full = self.model_config.max_position_embeddings
-        if max_model_len is not None and max_model_len < 2:
+        if max_model_len is not None and not 2 <= max_model_len <= full:  # more: positions it never learned
             raise InvalidArgument(f"--max-model-len {max_model_len}; allowed: 2..{full} (model {model!r}'s context)")
         self.context = min(max_model_len or full, full)
 

@@ -54,6 +54,29 @@ def test_generate_rejects_bad_values_clearly():
     assert r.returncode == 2 and "dummy:nanogpt" in r.stderr
 
 
+def test_launch_refuses_flags_it_would_silently_ignore():
+    """Each names the value and what to do instead; nothing starts."""
+    cases = [
+        (["--device", "cuda:0"], "--device cuda:0 is a worker's flag; launch places its workers with --devices"),
+        (["--api-key", "k"], "--api-key and --api-server-count are for the HTTP API: give --http-port too"),
+        (["--heartbeat-timeout", "0"], "'--heartbeat-timeout': 0.0 is not in the range x>=0.5"),
+        (["--prefill", "-1"], "'--prefill': -1 is not in the range x>=0"),
+    ]
+    for args, message in cases:
+        r = pdserve("launch", "--dry-run", *args)
+        assert r.returncode == 2 and message in r.stderr, (args, r.stderr)
+    r = pdserve("generate", "--prompt", "x", "--max-model-len", "5000")  # dummy:nanogpt's context is 1,024
+    assert r.returncode == 2 and "--max-model-len 5000; allowed: 2..1024" in r.stderr, r.stderr
+
+
+def test_launch_with_mono_workers_runs_only_them_unless_told_otherwise():
+    names = lambda r: [line.split(":")[0] for line in r.stdout.splitlines()]  # noqa: E731
+    assert names(pdserve("launch", "--dry-run", "--mono", "2")) == ["router", "mono-0", "mono-1"]
+    assert names(pdserve("launch", "--dry-run", "--mono", "1", "--prefill", "1", "--decode", "1")) == \
+        ["router", "prefill-0", "decode-0", "mono-0"]
+    assert names(pdserve("launch", "--dry-run")) == ["router", "prefill-0", "decode-0"]
+
+
 def test_bench_engine_prints_table_and_json():
     """Also --vs-transformers on a dummy preset, which has no file: transformers builds the same
     shapes from its config, and the speeds compare while the tokens (other weights) and load

@@ -129,6 +129,26 @@ def test_killing_the_launcher_outright_takes_its_cluster_down(tmp_path, how):
             pass
 
 
+@pytest.mark.parametrize("how", ["launch.sh", "pdserve launch"])
+def test_a_process_that_fails_to_start_fails_the_launch_with_its_error(tmp_path, how):
+    """A model that does not load: the launch stops at once with the error from the process's log
+    (launch.sh used to restart it quietly and poll for about 100 minutes), as one error line, not a
+    traceback, and leaves nothing running."""
+    port = free_port()
+    args = ["--model", str(tmp_path / "nope.gguf"), "--port", str(port), "--log-dir", str(tmp_path / "logs")]
+    if how == "launch.sh":
+        cmd = ["bash", str(ROOT / "deploy" / "launch.sh"), *args]
+    else:
+        cmd = [sys.executable, "-m", "common.cli", "launch", *args]
+    started = time.monotonic()
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=CHECKOUT_ENV, timeout=120)
+    assert r.returncode != 0
+    assert time.monotonic() - started < 60
+    assert "exited with 2 during start-up" in r.stderr and "nope.gguf' is not a dummy preset" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    assert not processes_mentioning(f"--port {port}")
+
+
 def test_free_ports_are_never_the_kernels_to_hand_out():
     """The router binds a port chosen before it starts, beside workers binding theirs to "*": a port
     from the kernel's ephemeral range could be given to one of them in between (CI saw
