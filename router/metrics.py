@@ -122,10 +122,14 @@ class _StateCollector:
         self.router = router
 
     def collect(self):
+        """vLLM's meanings: running, in a batch a worker steps (prefill or decode, as its last
+        heartbeat said); waiting, admitted and not in one (queued in the router or in a worker, or
+        waiting for decode room or for its KV to arrive)."""
         router, model = self.router, self.router.cfg.model
-        queued = sum(r.state == "queued" for r in router.requests.values())
-        for name, doc, value in (("num_requests_running", "Requests with workers", len(router.requests) - queued),
-                                 ("num_requests_waiting", "Requests waiting for a live worker", queued)):
+        running = min(len(router.requests), sum(w.running for w in router.registry.workers.values() if w.alive))
+        for name, doc, value in (("num_requests_running", "Requests in a worker's running batch", running),
+                                 ("num_requests_waiting", "Requests admitted and not in a running batch",
+                                  len(router.requests) - running)):
             g = GaugeMetricFamily(f"pdserve:{name}", doc, labels=["model_name"])
             g.add_metric([model], value)
             yield g

@@ -481,6 +481,23 @@ def test_metrics_parse_and_count_known_requests(served):
     assert all(re.fullmatch(r"pdserve:[a-z0-9_]+", n) for n, _ in after)
 
 
+def test_request_gauges_count_what_workers_run_and_the_rest_as_waiting():
+    """vLLM's meanings: running is what the workers' batches hold (their heartbeats), waiting the
+    rest the router admitted: in its queue, in a worker's queue, or waiting for decode room. They
+    used to count every dispatched request as running (536 with a decode batch of 64)."""
+    from types import SimpleNamespace
+
+    from router.metrics import _StateCollector
+
+    worker = lambda running, alive=True: SimpleNamespace(  # noqa: E731
+        worker_id=f"w{running}", role="decode", alive=alive, running=running, queued=0, total_blocks=8,
+        free_blocks=8)
+    router = SimpleNamespace(cfg=SimpleNamespace(model=MODEL), requests=dict.fromkeys(range(536)),
+                             registry=SimpleNamespace(workers={"a": worker(64), "b": worker(3), "c": worker(9, False)}))
+    gauges = {m.name: m.samples[0].value for m in _StateCollector(router).collect() if m.name.startswith("pdserve:num")}
+    assert gauges == {"pdserve:num_requests_running": 67, "pdserve:num_requests_waiting": 536 - 67}
+
+
 def test_bench_serve_drives_the_http_api(served, capsys):
     from bench.serve import run_serve_bench
 
