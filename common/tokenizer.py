@@ -7,6 +7,7 @@ adding special tokens (the template writes them)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from common.chat import DUMMY_CHAT_TEMPLATE, ChatTemplate
@@ -39,6 +40,10 @@ class ByteTokenizer(_ChatMixin):
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes one token stands for (b"" for BOS, EOS and padding)."""
+        return bytes([token]) if 0 <= token < 256 else b""
+
 
 class HFTokenizer(_ChatMixin):
     """A `tokenizers` Tokenizer: a checkpoint's tokenizer.json, or one built in memory (GGUF).
@@ -46,6 +51,8 @@ class HFTokenizer(_ChatMixin):
 
     def __init__(self, tokenizer, chat_template: ChatTemplate | None = None):
         self._tok = tokenizer
+        self._spelling: dict[str, int] | str | None = None  # _spelling_of_pieces(), once asked
+        self._special = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
         self.chat_template = chat_template
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
 
@@ -64,3 +71,35 @@ class HFTokenizer(_ChatMixin):
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes one token stands for, a partial UTF-8 character's included (decode() makes
+        those U+FFFD): a byte-level vocabulary's spelling mapped back to bytes; a SentencePiece
+        piece with its word boundary as a space, or its byte (<0xNN>, byte fallback); any other
+        token, or a special one, as decode() shows it alone."""
+        piece = self._tok.id_to_token(token)
+        if piece is None or token in self._special:
+            return self.decode([token]).encode("utf-8")
+        if self._spelling is None:
+            self._spelling = self._spelling_of_pieces()
+        if self._spelling == "sentencepiece":
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                return bytes([int(piece[3:5], 16)])
+            return piece.replace("\u2581", " ").encode("utf-8")
+        if self._spelling and all(c in self._spelling for c in piece):
+            return bytes(self._spelling[c] for c in piece)
+        return self.decode([token]).encode("utf-8")
+
+    def _spelling_of_pieces(self) -> dict[str, int] | str:
+        """How the vocabulary spells bytes, from its decoder: GPT-2's byte-level alphabet (char ->
+        byte), "sentencepiece" (U+2581 for a space, <0xNN> for a byte), or {} (its text)."""
+        from common.gguf_tokenizer import bytes_to_unicode
+
+        decoder = json.loads(self._tok.to_str()).get("decoder") or {}
+        steps = decoder.get("decoders", [decoder]) if decoder.get("type") == "Sequence" else [decoder]
+        kinds = {step.get("type") for step in steps}
+        if "ByteLevel" in kinds:
+            return {c: b for b, c in bytes_to_unicode().items()}
+        if "Metaspace" in kinds or "ByteFallback" in kinds:
+            return "sentencepiece"
+        return {}

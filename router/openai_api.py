@@ -215,9 +215,15 @@ def parse_chat(body, served_model: str, context: int) -> Job:
 
 
 def token_text(tokenizer, token: int, as_id: bool) -> str:
+    """A token as logprobs show it: its text, or OpenAI's "bytes:\\xNN" for one that is not whole
+    UTF-8 (a byte-level token inside a character; decoded, several would all be U+FFFD)."""
     if as_id or tokenizer is None:
         return f"token_id:{token}"
-    return tokenizer.decode([token])
+    raw = tokenizer.token_bytes(token)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
 
 def _lp(value: float) -> float:
@@ -246,7 +252,7 @@ class Choice:
             text = token_text(self.tokenizer, token, as_id)
             out["tokens"].append(text)
             out["text_offset"].append(self.text_offset)
-            self.text_offset += len(token_text(self.tokenizer, token, False))
+            self.text_offset += len(self.tokenizer.decode([token])) if self.tokenizer is not None else 0
             if entry is None:
                 out["token_logprobs"].append(None)
                 out["top_logprobs"].append(None)
@@ -263,7 +269,8 @@ class Choice:
 
         def item(token, logprob):
             text = token_text(self.tokenizer, token, as_id)
-            return {"token": text, "logprob": _lp(logprob), "bytes": list(text.encode())}
+            raw = self.tokenizer.token_bytes(token) if self.tokenizer is not None else text.encode()
+            return {"token": text, "logprob": _lp(logprob), "bytes": list(raw)}
 
         content = []
         for token, entry in zip(token_ids, entries or ()):

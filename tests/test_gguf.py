@@ -173,6 +173,10 @@ def test_sentencepiece_tokenizer_matches_transformers(tmp_path):
         assert tok.decode(ids) == ref.decode(ids, skip_special_tokens=True)
     assert any(259 <= i for i in tok.encode("the quick"))  # learned pieces, not only bytes
     assert tok.encode("日")[-3:] == [3 + 0xE6, 3 + 0x97, 3 + 0xA5]  # byte fallback: <0xE6> <0x97> <0xA5>
+    # each token's own bytes (logprobs' "bytes"), a piece's word boundary a space: together, the text
+    text = "the lazy dog ünïcödé 日本 🚀"
+    assert b"".join(tok.token_bytes(i) for i in tok.encode(text)) == b" " + text.encode()
+    assert [tok.token_bytes(i) for i in tok.encode("日")[-3:]] == [b"\xe6", b"\x97", b"\xa5"]
 
 
 def test_load_errors_name_file_key_and_allowed_values(tmp_path):

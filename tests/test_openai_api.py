@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from common.errors import InvalidArgument
 from common.sampling_params import SamplingParams, choice_seed
 from common.tokenizer import ByteTokenizer, HFTokenizer
-from router.openai_api import CHAT_FIELDS, COMPLETION_FIELDS, ApiError, parse_chat, parse_completion
+from router.openai_api import CHAT_FIELDS, COMPLETION_FIELDS, ApiError, parse_chat, parse_completion, token_text
 from common.text import TextStream
 from tests.checkpoints import VOCAB, write_tokenizer
 
@@ -138,6 +138,29 @@ def bpe(tmp_path_factory):
     path = tmp_path_factory.mktemp("tok")
     write_tokenizer(path)
     return HFTokenizer.from_file(path / "tokenizer.json")
+
+
+@pytest.mark.parametrize("which", ["byte", "bpe"])
+def test_logprobs_show_each_tokens_own_bytes_even_inside_a_character(which, bpe):
+    """OpenAI's logprobs carry each token's bytes, so that a client can rebuild characters split
+    between tokens; decoded alone, such a token is U+FFFD, and several of them collided as one
+    top_logprobs key. Now each shows as OpenAI's "bytes:\\xNN" with its own bytes."""
+    tok = ByteTokenizer() if which == "byte" else bpe
+    text = "héllo wörld €"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert b"".join(tok.token_bytes(i) for i in ids) == text.encode()
+
+    def whole(raw):
+        try:
+            return raw.decode("utf-8") is not None
+        except UnicodeDecodeError:
+            return False
+    partial = sorted({i for i in ids if not whole(tok.token_bytes(i))})
+    assert partial  # some tokens end or begin inside a character
+    shown = [token_text(tok, i, False) for i in partial]
+    assert shown == ["bytes:" + "".join(f"\\x{b:02x}" for b in tok.token_bytes(i)) for i in partial]
+    assert len(set(shown)) == len(partial)  # distinct keys
+    assert token_text(tok, tok.encode("h", add_special_tokens=False)[0], False) == "h"
 
 
 def stream_all(tokenizer, ids, stop=(), include=False):
