@@ -11,7 +11,7 @@ import sys
 import click
 
 from bench.cli import bench, plan
-from common.cli_options import (devices_option, engine_argv, engine_options, http_options, parse_ints,
+from common.cli_options import (PORT, devices_option, engine_argv, engine_options, http_options, parse_ints,
                                 policy_option, router_argv, router_options, sampling_options, setup_logging)
 from common.errors import PdserveError
 
@@ -114,8 +114,8 @@ def chat(router_address, system, sampling, engine_kwargs):
 @main.command()
 @click.option("--model", default="dummy:nanogpt", show_default=True, help="for tokenizing and validating requests")
 @click.option("--host", default="127.0.0.1", show_default=True, help="bind address (loopback unless set)")
-@click.option("--port", default=7100, show_default=True, type=int, help="client port")
-@click.option("--worker-port", default=None, type=int, help="worker port [default: port + 1]")
+@click.option("--port", default=7100, show_default=True, type=PORT, help="client port")
+@click.option("--worker-port", default=None, type=PORT, help="worker port [default: port + 1]")
 @click.option("--max-model-len", default=None, type=int,
               help="longest prompt + output admitted; give workers the same [default: the model's context]")
 @policy_option
@@ -187,8 +187,8 @@ for _role in ("prefill", "decode", "mono"):
 @click.option("--mono", default=0, show_default=True, type=click.IntRange(min=0), help="monolithic workers")
 @devices_option()
 @click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", default=7100, show_default=True, type=int, help="client port (0: any free port)")
-@click.option("--worker-port", default=0, type=int, help="[default: any free port]")
+@click.option("--port", default=7100, show_default=True, type=PORT, help="client port (0: any free port)")
+@click.option("--worker-port", default=0, type=PORT, help="[default: any free port]")
 @policy_option
 @click.option("--log-dir", default="pdserve-logs", show_default=True)
 @click.option("--threads", default=None, type=int, help="torch threads per worker [default: (cores - 1) / workers: one core left to the router]")

@@ -68,6 +68,7 @@ def engine_options(f):
 
 
 POSITIVE = click.FloatRange(min=0, min_open=True)
+PORT = click.IntRange(0, 65535)
 ROUTER_OPTIONS = [  # (flag, default, type, help): the router's limits, on `router` and `launch` alike
     ("--max-queue", 1024, click.IntRange(min=1), "requests held at once; more are OVERLOADED"),
     # workers heartbeat every 0.2 s (common/worker.py): less than 0.5 s of silence is no death
@@ -200,7 +201,7 @@ def parse_ints(text: str, flag: str = "--prompt-ids", what: str = "token ids") -
 
 def http_options(f):
     for opt in reversed([
-        click.option("--http-port", default=None, type=int,
+        click.option("--http-port", default=None, type=PORT,
                      help="serve OpenAI's API and /metrics on this port (0: any free port) [default: no HTTP]"),
         click.option("--api-key", default=None, envvar="PDSERVE_API_KEY",
                      help="HTTP /v1/ requires 'Authorization: Bearer KEY' [env: PDSERVE_API_KEY]"),

@@ -51,9 +51,14 @@ def port_free(host: str, port: int, flag: str):
     try:
         yield
     except Exception as e:  # an OSError, or a zmq.ZMQError (not an OSError): both carry errno
-        if getattr(e, "errno", None) != errno.EADDRINUSE:
+        code = getattr(e, "errno", None)
+        if code == errno.EADDRNOTAVAIL:
+            raise InvalidArgument(f"host {host!r} is not an address of this machine, so {flag} {port} cannot be "
+                                  "bound there; allowed: one of its addresses, 127.0.0.1 or 0.0.0.0 (all)",
+                                  param="--host") from None
+        if code != errno.EADDRINUSE:
             raise
     else:
         return
-    raise InvalidArgument(f"port {port} on {host} is in use (another pdserve router?); allowed: a free port "
-                          f"for {flag} (0 picks one)", param=flag)
+    raise InvalidArgument(f"port {port} on {host} is in use (another pdserve router, or another of this "
+                          f"router's ports?); allowed: a free port for {flag} (0 picks one)", param=flag)

@@ -18,6 +18,8 @@ from pathlib import Path
 import zmq
 import zmq.auth
 
+from common.errors import InvalidArgument
+
 ENV = "PDSERVE_CURVE_DIR"
 
 
@@ -34,7 +36,7 @@ class CurveKeys:
         d = Path(directory)
         for name in ("server.key", "client.key_secret", "authorized"):
             if not (d / name).exists():
-                raise ValueError(f"{d / name} is missing; create the key directory with `pdserve keys --dir {d}`")
+                raise InvalidArgument(f"{d / name} is missing; create the key directory with `pdserve keys --dir {d}`")
         server_public, _ = zmq.auth.load_certificate(str(d / "server.key"))
         server_secret = None
         if (d / "server.key_secret").exists():
@@ -73,7 +75,7 @@ def secure(sock: zmq.Socket, ctx, server: bool) -> None:
         return
     if server:
         if keys.server_secret is None:
-            raise ValueError(f"{ENV}={os.environ[ENV]} has no server.key_secret, needed to bind")
+            raise InvalidArgument(f"{ENV}={os.environ[ENV]} has no server.key_secret, needed to bind")
         _authenticator(ctx, keys)
         sock.curve_server = True
         sock.curve_publickey, sock.curve_secretkey = keys.server_public, keys.server_secret

@@ -103,6 +103,13 @@ class Router:
         if cfg.api_server_count < 1 or (cfg.api_server_count > 1 and cfg.http_port is None):
             raise InvalidArgument(f"api_server_count={cfg.api_server_count} is invalid; allowed: 1 (HTTP in the "
                                   f"router process) or more (that many API server processes) with an http_port")
+        ports = [(flag, port) for flag, port in (("--port", cfg.port), ("--worker-port", cfg.worker_port),
+                                                 ("--http-port", cfg.http_port)) if port]
+        for i, (flag, port) in enumerate(ports):
+            if any(port == other for _, other in ports[:i]):
+                raise InvalidArgument(f"{flag} {port} is also {', '.join(f for f, p in ports[:i] if p == port)} "
+                                      "(--worker-port defaults to --port + 1); allowed: a port of its own",
+                                      param=flag)
         self.cfg = cfg
         self.prompts = Prompts(cfg.model, cfg.max_model_len)  # its tokenizer and model_config are the router's
         self.registry = Registry(cfg.policy)

@@ -1,6 +1,7 @@
 """The `pdserve` command line, run as a user runs it: a real subprocess."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -11,10 +12,10 @@ from common.engine import Engine
 from common.sampling_params import SamplingParams
 
 
-def pdserve(*args, timeout=120):
+def pdserve(*args, timeout=120, env=None):
     exe = shutil.which("pdserve")
     cmd = [exe] if exe else [sys.executable, "-m", "common.cli"]
-    return subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def test_generate_json_matches_engine():
@@ -67,6 +68,24 @@ def test_launch_refuses_flags_it_would_silently_ignore():
         assert r.returncode == 2 and message in r.stderr, (args, r.stderr)
     r = pdserve("generate", "--prompt", "x", "--max-model-len", "5000")  # dummy:nanogpt's context is 1,024
     assert r.returncode == 2 and "--max-model-len 5000; allowed: 2..1024" in r.stderr, r.stderr
+
+
+def test_bad_addresses_keys_and_backends_are_one_line_errors(tmp_path):
+    """Each a line naming the value and what is allowed, exit code 2, no traceback."""
+    from router.launcher import free_port
+
+    port = free_port()
+    cases = [
+        (["router", "--host", "10.255.255.1", "--port", str(port)], "host '10.255.255.1' is not an address of this machine"),
+        (["router", "--port", str(port), "--http-port", str(port + 1)], f"--http-port {port + 1} is also --worker-port"),
+        (["launch", "--dry-run", "--port", "70000"], "'--port': 70000 is not in the range 0<=x<=65535"),
+        (["generate", "--prompt", "x", "--attention-backend", "triton"], "'triton' runs on CUDA devices, not cpu"),
+        (["--curve-dir", str(tmp_path / "none"), "status"], "server.key is missing; create the key directory"),
+    ]
+    as_users_run_it = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the tests interpret Triton
+    for args, message in cases:
+        r = pdserve(*args, timeout=60, env=as_users_run_it)
+        assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
 
 
 def test_launch_with_mono_workers_runs_only_them_unless_told_otherwise():

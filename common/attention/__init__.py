@@ -24,7 +24,7 @@ import logging
 
 import torch
 
-from common.errors import first_line
+from common.errors import InvalidArgument, first_line
 from common.attention.batch import AttentionMetadata, PrefillChunk, decode_groups, decode_kv_read
 from common.attention.sdpa import SDPAAttention
 
@@ -47,6 +47,9 @@ def make_attention(name: str, device: torch.device, num_heads: int, num_kv_heads
         return FlexAttention(num_heads, num_kv_heads, head_dim)
     from common.attention import triton_paged
 
+    if name == "triton" and device.type != "cuda" and not triton_paged.interpreted():  # (the tests interpret it)
+        raise InvalidArgument(f"attention backend 'triton' runs on CUDA devices, not {device}; allowed there: "
+                              "sdpa, flex or auto")
     if name == "triton" and not triton_paged.available():
         raise RuntimeError("attention backend 'triton' needs the triton package (pip install triton); "
                            "or use --attention-backend sdpa")
