@@ -194,11 +194,13 @@ for _role in ("prefill", "decode", "mono"):
 @click.option("--threads", default=None, type=int, help="torch threads per worker [default: (cores - 1) / workers: one core left to the router]")
 @click.option("--no-restart", is_flag=True, help="do not restart crashed workers")
 @click.option("--dry-run", is_flag=True, help="print each process's command line and exit")
+@click.option("--worker-arg", "worker_args", multiple=True,
+              help="a worker's own flag for every worker, repeatable (e.g. --worker-arg=--no-kv-stream)")
 @router_options
 @http_options
 @engine_options
 def launch(prefill, decode, mono, devices, host, port, worker_port, policy, log_dir, threads, no_restart, dry_run,
-           router_kwargs, http_port, api_key, api_server_count, engine_kwargs):
+           worker_args, router_kwargs, http_port, api_key, api_server_count, engine_kwargs):
     """Bring up router + workers on this host; stop them all on Ctrl-C. Workers that share a GPU
     split it (decode workers get the larger shares) unless a memory flag sizes their pools."""
     import shlex
@@ -218,7 +220,7 @@ def launch(prefill, decode, mono, devices, host, port, worker_port, policy, log_
 
     try:
         cluster = Cluster(engine_kwargs["model"], prefill, decode, mono, devices, host, port, worker_port,
-                          log_dir, policy, engine_argv(engine_kwargs), threads, restart=not no_restart,
+                          log_dir, policy, engine_argv(engine_kwargs) + list(worker_args), threads, restart=not no_restart,
                           router_args=router_argv(router_kwargs), http_port=http_port, api_key=api_key,
                           api_server_count=api_server_count)
     except ValueError as e:

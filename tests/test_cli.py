@@ -135,3 +135,8 @@ def test_weight_bytes_of_a_step_count_the_output_projection_once():
     layers = sum(p.numel() for p in m.layers.parameters()) + sum(p.numel() for p in m.norm.parameters())
     assert weight_bytes_per_step(engine) == 4 * (layers + m.embed.weight.numel())
 
+
+
+def test_launch_passes_a_workers_own_flags_to_every_worker():
+    lines = pdserve("launch", "--dry-run", "--worker-arg=--no-kv-stream").stdout.splitlines()
+    assert [line.split(":")[0] for line in lines if line.endswith(" --no-kv-stream")] == ["prefill-0", "decode-0"]
