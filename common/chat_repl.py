@@ -129,6 +129,11 @@ def run_chat(backend, system: str | None, sampling: dict) -> None:
         if command == "/clear":
             messages = list(start)
             continue
+        if command.startswith("/") and len(command.split()) == 1:  # a one-word /line is a command, not a message
+            if command not in ("/help", "/?"):
+                show(f"unknown command {command}; ")
+            show("commands: /clear starts over, /bye (or /exit, /quit, Ctrl-D) ends; Ctrl-C stops an answer\n")
+            continue
         messages.append({"role": "user", "content": line})
         try:
             answer, stopped = backend.reply(messages, sampling, show)

@@ -93,3 +93,20 @@ def test_chat_through_cluster_equals_prompt_of_rendered_text(tmp_path):
                 client.generate(messages=[{"role": "bot", "content": "x"}], max_tokens=2)
             with pytest.raises(ValueError, match="exactly one"):
                 client.generate("x", messages=messages)
+
+
+def test_chat_answers_slash_commands_itself_and_sends_the_rest(monkeypatch, capsys):
+    """/help lists the commands, an unknown /word says so; neither reaches the model (they used to,
+    as user messages). A line with more words is a message, slash or not."""
+    from types import SimpleNamespace
+
+    from common.chat_repl import run_chat
+
+    lines = iter(["/help", "/nope", "/usr/bin is a path?", "/bye"])
+    monkeypatch.setattr("builtins.input", lambda prompt: next(lines))
+    sent = []
+    backend = SimpleNamespace(name="fake", reply=lambda messages, sampling, show: (sent.append(list(messages)), ("ok", False))[1])
+    run_chat(backend, None, {})
+    out = capsys.readouterr().out
+    assert sent == [[{"role": "user", "content": "/usr/bin is a path?"}]]
+    assert out.count("commands: /clear starts over") == 2 and "unknown command /nope" in out
