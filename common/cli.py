@@ -68,6 +68,7 @@ def generate(prompts, prompt_ids, chats, as_json, router_address, sampling, engi
     if router_address:
         from router.client import Client
 
+        refuse_engine_flags(engine_kwargs)
         with Client(router_address) as client:
             ids = [client.submit(stream=False, **r, **sampling) for r in requests]
             results = [client.wait(rid) for rid in ids]
@@ -90,6 +91,17 @@ def generate(prompts, prompt_ids, chats, as_json, router_address, sampling, engi
             print(f"{shown!r} -> {text if text is not None else token_ids!r}", flush=True)
 
 
+def refuse_engine_flags(engine_kwargs: dict) -> None:
+    """With --router the cluster's workers run the model: a --model or engine flag given too would
+    be ignored, so it is refused."""
+    ctx = click.get_current_context()
+    given = [f"--{name.replace('_', '-')}" for name in engine_kwargs
+             if ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE]
+    if given:
+        raise click.UsageError(f"{', '.join(given)}: the cluster's workers choose the model and the engine; with "
+                               "--router, leave them out")
+
+
 @main.command()
 @click.option("--router", "router_address", default=None, help="chat with a running cluster instead (its model)")
 @click.option("--system", default=None, help="a system message to start the conversation with")
@@ -103,6 +115,7 @@ def chat(router_address, system, sampling, engine_kwargs):
     if router_address:
         from router.client import Client
 
+        refuse_engine_flags(engine_kwargs)
         with Client(router_address, timeout=None) as client:
             run_chat(RouterChat(client, router_address), system, sampling)
     else:
