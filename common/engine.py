@@ -405,9 +405,10 @@ class Engine:
         finished = seq.status is Status.FINISHED
         text = None
         if finished and self.tokenizer:
-            text = seq.text.final() if seq.text is not None else self.tokenizer.decode(seq.output_token_ids)
-            if seq.finish_reason == "length" and seq.text is not None and seq.text.stop_reason is not None:
-                seq.finish_reason = "stop"  # final() found it in a trailing partial character's token
+            if seq.text is not None:
+                text, seq.finish_reason = seq.text.final(), seq.text.finish_reason(seq.finish_reason)
+            else:
+                text = self.tokenizer.decode(seq.output_token_ids)
         metrics = {}
         if first or finished:  # a worker reports its prefill time and prefix hit with the first token
             # Prompt tokens found cached (a re-prefill after a migration also finds output it recomputes)

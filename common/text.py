@@ -57,6 +57,11 @@ class TextStream:
         self.text = self.text[:at + (len(self.stop_reason) if self.include_stop else 0)]
         return True
 
+    def finish_reason(self, reason: str) -> str:
+        """The request's finish reason once final() ran: "stop" where it found a stop string in the
+        trailing partial character's token of an output that ended at its length."""
+        return "stop" if reason == "length" and self.stop_reason is not None else reason
+
     def delta(self) -> str:
         """Text not handed out yet, less what may still turn out to begin a stop string."""
         end = len(self.text) if self.stop_reason is not None else max(self.sent, len(self.text) - self.holdback)

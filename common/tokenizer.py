@@ -7,6 +7,7 @@ adding special tokens (the template writes them)."""
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -51,7 +52,6 @@ class HFTokenizer(_ChatMixin):
 
     def __init__(self, tokenizer, chat_template: ChatTemplate | None = None):
         self._tok = tokenizer
-        self._spelling: dict[str, int] | str | None = None  # _spelling_of_pieces(), once asked
         self._special = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
         self.chat_template = chat_template
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
@@ -80,8 +80,6 @@ class HFTokenizer(_ChatMixin):
         piece = self._tok.id_to_token(token)
         if piece is None or token in self._special:
             return self.decode([token]).encode("utf-8")
-        if self._spelling is None:
-            self._spelling = self._spelling_of_pieces()
         if self._spelling == "sentencepiece":
             if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
                 return bytes([int(piece[3:5], 16)])
@@ -90,7 +88,8 @@ class HFTokenizer(_ChatMixin):
             return bytes(self._spelling[c] for c in piece)
         return self.decode([token]).encode("utf-8")
 
-    def _spelling_of_pieces(self) -> dict[str, int] | str:
+    @functools.cached_property
+    def _spelling(self) -> dict[str, int] | str:
         """How the vocabulary spells bytes, from its decoder: GPT-2's byte-level alphabet (char ->
         byte), "sentencepiece" (U+2581 for a space, <0xNN> for a byte), or {} (its text)."""
         from common.gguf_tokenizer import bytes_to_unicode

@@ -45,6 +45,10 @@ class Queued:
     msg: P.KVReserve
     asked: float  # when its prefill worker last asked
 
+    @property
+    def attempt(self) -> int:
+        return self.msg.attempt
+
 
 @dataclass
 class Reservation:
@@ -102,10 +106,8 @@ class DecodeWorker(WorkerBase):
 
     def _attempt(self, rid: str) -> int | None:
         """The attempt of rid this worker holds: queued for room, reserved for, or decoding."""
-        r = self.reservations.get(rid) or self.queued.get(rid)
-        if r is not None:
-            return r.attempt if isinstance(r, Reservation) else r.msg.attempt
-        return self.streams.get(rid, (None,))[0]
+        held = self.reservations.get(rid) or self.queued.get(rid)
+        return held.attempt if held is not None else self.streams.get(rid, (None,))[0]
 
     def _drop(self, rid: str):
         self.queued.pop(rid, None)
@@ -146,7 +148,7 @@ class DecodeWorker(WorkerBase):
             self._reserve(env.sender, msg)
         elif isinstance(msg, P.KVRelease):
             q = self.queued.get(msg.request_id)
-            if q is not None and q.msg.attempt == msg.attempt:  # it ended at its first token, still queued
+            if q is not None and q.attempt == msg.attempt:  # it ended at its first token, still queued
                 del self.queued[msg.request_id]
             self._writer_done(msg.request_id, msg.attempt)
         elif isinstance(msg, P.KVChunk):
@@ -180,7 +182,7 @@ class DecodeWorker(WorkerBase):
         if old is not None and old.attempt == msg.attempt:  # a repeated request: grant the same blocks again
             return self._grant(sender, msg, old.block_ids)
         queued = self.queued.get(rid)
-        if queued is not None and queued.msg.attempt == msg.attempt:  # asked again: it keeps its place
+        if queued is not None and queued.attempt == msg.attempt:  # asked again: it keeps its place
             queued.sender, queued.asked = sender, now
         else:
             self._drop(rid)  # an older attempt of this request, if any
@@ -212,7 +214,7 @@ class DecodeWorker(WorkerBase):
             blocks = self.engine.reserve(q.msg.num_tokens, rid)
             if blocks is not None:
                 del self.queued[rid]
-                self.reservations[rid] = Reservation(q.msg.attempt, blocks, now + self.cfg.kv_lease_s, now)
+                self.reservations[rid] = Reservation(q.attempt, blocks, now + self.cfg.kv_lease_s, now)
                 self._grant(q.sender, q.msg, blocks)
             elif self.engine.scheduler.refuses_all(self.engine.num_reserved_seqs):
                 break

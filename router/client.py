@@ -213,7 +213,20 @@ class Deadline:
     seconds: float | None  # the timeout it came from, for the message
 
 
-class Stream:
+class _Abandonable:
+    """A stream closed (or dropped) before its end cancels its request (the client's _abandon)."""
+    client: "_Requests"
+    request_id: str | None
+
+    def close(self) -> None:
+        if self.request_id is not None:
+            self.client._abandon(self.request_id)
+
+    def __del__(self):
+        self.close()
+
+
+class Stream(_Abandonable):
     """Iterator of Chunks for one request; `.result` holds the Result once it is exhausted.
     Closed (or dropped) before its end, it cancels the request."""
 
@@ -240,14 +253,8 @@ class Stream:
     def __exit__(self, *exc):
         self.close()
 
-    def close(self) -> None:
-        self.client._abandon(self.request_id)
 
-    def __del__(self):
-        self.close()
-
-
-class AsyncStream:
+class AsyncStream(_Abandonable):
     """Async iterator of Chunks for one request; `.result` holds the Result once it is exhausted
     (as Stream). Closed (aclose, or dropped) before its end, it cancels the request."""
 
@@ -276,14 +283,7 @@ class AsyncStream:
         self.result = _result(msg)
         raise StopAsyncIteration
 
-    def close(self) -> None:
-        if self.request_id is not None:
-            self.client._abandon(self.request_id)
-
     async def aclose(self) -> None:
-        self.close()
-
-    def __del__(self):
         self.close()
 
 

@@ -215,15 +215,21 @@ def parse_chat(body, served_model: str, context: int) -> Job:
 
 
 def token_text(tokenizer, token: int, as_id: bool) -> str:
-    """A token as logprobs show it: its text, or OpenAI's "bytes:\\xNN" for one that is not whole
-    UTF-8 (a byte-level token inside a character; decoded, several would all be U+FFFD)."""
+    return token_shown(tokenizer, token, as_id)[0]
+
+
+def token_shown(tokenizer, token: int, as_id: bool) -> tuple[str, bytes]:
+    """A token as logprobs show it, and its bytes: its text, or OpenAI's "bytes:\\xNN" for one
+    that is not whole UTF-8 (a byte-level token inside a character; decoded, several would all be
+    U+FFFD)."""
     if as_id or tokenizer is None:
-        return f"token_id:{token}"
+        text = f"token_id:{token}"
+        return text, text.encode()
     raw = tokenizer.token_bytes(token)
     try:
-        return raw.decode("utf-8")
+        return raw.decode("utf-8"), raw
     except UnicodeDecodeError:
-        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), raw
 
 
 def _lp(value: float) -> float:
@@ -268,8 +274,7 @@ class Choice:
         as_id = self.job.token_ids_as_text
 
         def item(token, logprob):
-            text = token_text(self.tokenizer, token, as_id)
-            raw = self.tokenizer.token_bytes(token) if self.tokenizer is not None else text.encode()
+            text, raw = token_shown(self.tokenizer, token, as_id)
             return {"token": text, "logprob": _lp(logprob), "bytes": list(raw)}
 
         content = []

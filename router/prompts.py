@@ -19,7 +19,7 @@ class Prompts:
         full = self.model_config.max_position_embeddings
         if max_model_len is not None and not 2 <= max_model_len <= full:  # more: positions it never learned
             raise InvalidArgument(f"--max-model-len {max_model_len}; allowed: 2..{full} (model {model!r}'s context)")
-        self.context = min(max_model_len or full, full)
+        self.context = max_model_len or full
 
     def validate(self, prompt: str | list[int], messages: list[dict] | None, sampling: dict | SamplingParams,
                  max_tokens_field: str | None = None) -> tuple[list[int], SamplingParams]:

@@ -103,13 +103,12 @@ class Router:
         if cfg.api_server_count < 1 or (cfg.api_server_count > 1 and cfg.http_port is None):
             raise InvalidArgument(f"api_server_count={cfg.api_server_count} is invalid; allowed: 1 (HTTP in the "
                                   f"router process) or more (that many API server processes) with an http_port")
-        ports = [(flag, port) for flag, port in (("--port", cfg.port), ("--worker-port", cfg.worker_port),
-                                                 ("--http-port", cfg.http_port)) if port]
-        for i, (flag, port) in enumerate(ports):
-            if any(port == other for _, other in ports[:i]):
-                raise InvalidArgument(f"{flag} {port} is also {', '.join(f for f, p in ports[:i] if p == port)} "
-                                      "(--worker-port defaults to --port + 1); allowed: a port of its own",
-                                      param=flag)
+        taken: dict[int, str] = {}
+        for flag, port in (("--port", cfg.port), ("--worker-port", cfg.worker_port), ("--http-port", cfg.http_port)):
+            if port and port in taken:
+                raise InvalidArgument(f"{flag} {port} is also {taken[port]} (--worker-port defaults to --port + 1); "
+                                      "allowed: a port of its own", param=flag)
+            taken[port] = flag
         self.cfg = cfg
         self.prompts = Prompts(cfg.model, cfg.max_model_len)  # its tokenizer and model_config are the router's
         self.registry = Registry(cfg.policy)
@@ -184,8 +183,7 @@ class Router:
         """Finish req with its tokens so far: Done to the client."""
         text = req.text.final() if req.text is not None else self.prompts.text(req.tokens)
         stop_reason = req.text.stop_reason if req.text is not None else None
-        if stop_reason is not None and reason == "length":  # final() found it in a trailing partial character's token
-            reason = "stop"
+        reason = req.text.finish_reason(reason) if req.text is not None else reason
         if stop_reason is None and reason == "stop" and req.tokens and req.tokens[-1] in req.params.stop_token_ids:
             stop_reason = req.tokens[-1]
         self.reply(req, P.Done(req.client_request_id, reason, req.tokens, text, req.prompt_ids, self._timings(req),
