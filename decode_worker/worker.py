@@ -178,6 +178,9 @@ class DecodeWorker(WorkerBase):
         if problem:  # never, here (BUSY would wait in vain): the router tries another decode worker
             return refuse("NO_ROOM", problem)
         rid, now = msg.request_id, time.monotonic()
+        held = self._attempt(rid)
+        if held is not None and held > msg.attempt:  # a late ask of an attempt the router has replaced
+            return refuse("CANCELLED", f"attempt {msg.attempt} was replaced by attempt {held}, held here")
         old = self.reservations.get(rid)
         if old is not None and old.attempt == msg.attempt:  # a repeated request: grant the same blocks again
             return self._grant(sender, msg, old.block_ids)
@@ -198,12 +201,15 @@ class DecodeWorker(WorkerBase):
                               to=sender)
 
     def _room(self) -> tuple:
+        """What a queued reservation waits on, and the head of the queue (one that left it lets the next try)."""
         e = self.engine
-        return e.block_manager.num_free_blocks, e.num_reserved_seqs, len(e.scheduler.running), len(e.scheduler.waiting)
+        return (e.block_manager.num_free_blocks, e.num_reserved_seqs, len(e.scheduler.running),
+                len(e.scheduler.waiting), next(iter(self.queued), None))
 
     def _grant_queued(self):
         """Grant queued reservations, in order, while there is room for them (Engine.reserve keeps
-        the first one refused its room from the later ones); tried again when the room changed."""
+        the first one refused its room from the later ones); tried again when the room or the head
+        of the queue changed."""
         if not self.queued or self._room() == self._room_seen:
             return
         now = time.monotonic()

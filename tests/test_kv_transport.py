@@ -421,6 +421,26 @@ def test_an_older_attempts_late_cancel_leaves_the_newer_attempts_reservation(tmp
         assert hb.free_blocks == hb.total_blocks, hb
 
 
+def test_an_older_attempts_late_reservation_is_refused_and_leaves_the_newer_one(tmp_path):
+    """A prefill worker SIGSTOPped past its heartbeat timeout wakes and asks again for its attempt
+    1, after the router's retry (attempt 2, through another prefill worker) holds the decode
+    worker's blocks: attempt 1 is refused, and attempt 2 keeps its grant."""
+    layout = Engine(model="dummy:nanogpt", num_blocks=4).kv_layout
+    with decode_worker(tmp_path, "zmq") as d:
+        newer = Channel.connect(d.ctx, zmq.DEALER, d.register.kv_address)
+        newer.send(P.KVReserve("x", 2, 100, layout))
+        grant = newer.recv(10_000).msg
+        assert isinstance(grant, P.KVGrant) and grant.attempt == 2
+        late = Channel.connect(d.ctx, zmq.DEALER, d.register.kv_address)
+        late.send(P.KVReserve("x", 1, 100, layout))
+        refused = late.recv(10_000).msg
+        assert isinstance(refused, P.KVRefuse) and refused.code == "CANCELLED", refused
+        assert "replaced by attempt 2" in refused.message
+        newer.send(P.KVReserve("x", 2, 100, layout))  # attempt 2 asks again: the same blocks
+        again = newer.recv(10_000).msg
+        assert isinstance(again, P.KVGrant) and again.block_ids == grant.block_ids, again
+
+
 @pytest.fixture(scope="module")
 def wide_kv_model(tmp_path_factory) -> str:
     """A tiny Llama whose KV is wide (64 KiB a token), so that a 1,000-token prompt's 64 MB of KV
