@@ -56,6 +56,7 @@ REASK_S = 1.0  # a reservation the decode worker queued (BUSY) is asked for agai
 RESEND_S = 0.05  # a KVReserve our full socket to the decode worker did not take is sent again after this
 LEASE_MARGIN_S = 1.0  # never start writing a peer's blocks closer than this to the end of their lease
 STREAM_MIN_BYTES = 1 << 20  # layer-wise streaming sends groups of layers at least this big (but the last)
+SWEEP_S = 1.0  # how often the senders look for peers whose process exited (Sender.sweep)
 PEER_IDLE_S = 300.0  # what we hold for a decode worker not used this long is dropped (remade on demand)
 
 
@@ -114,6 +115,7 @@ class PrefillWorker(WorkerBase):
                                     cfg.host, cfg.transfer_timeout_s, cfg.engine.torch_device)
         self.chosen: dict[str, str] = {}  # decode KV address -> transport last used (for the log)
         self.draining: list[Draining] = []
+        self._last_sweep = 0.0  # when the senders last let go of exited peers' pools
         self.stream = self._on_layer if cfg.kv_stream else None
         self.deferred: list[Envelope] = []  # decode workers' answers read mid-forward, but for grants
         kv = self.engine.kv_cache
@@ -392,6 +394,10 @@ class PrefillWorker(WorkerBase):
             if now > d.deadline:  # closing what we hold for the peer ends the reads
                 self._forget_peer(d.address, d.offer)
             self.draining.append(d)
+        if now - self._last_sweep > SWEEP_S:
+            self._last_sweep = now
+            for sender in self.senders.values():
+                sender.sweep()
         busy = {d.address for d in self.draining}
         for address, used in list(self.peer_used.items()):
             if now - used > PEER_IDLE_S and address not in busy:

@@ -549,9 +549,10 @@ def test_an_idle_decode_peer_is_dropped_and_made_again_when_needed(tmp_path, tra
     assert got == [e.token_ids for e in expected]
 
 
-def test_cuda_ipc_closes_a_dead_peers_pool_when_it_opens_a_new_one(monkeypatch):
+def test_cuda_ipc_closes_a_dead_peers_pool(monkeypatch):
     """An opened CUDA IPC pool stays allocated while it is open, even after its decode worker died;
-    a restarted worker's new pool must not wait PEER_IDLE_S for the old one to go. Without a GPU:
+    a restarted worker, which sizes its pool by the memory it finds free, must not wait PEER_IDLE_S
+    (or a transfer to it) for the old one to go. Without a GPU:
     torch's rebuild of the tensor from its handle is replaced by a record of the handle."""
     import torch.multiprocessing.reductions as reductions
 
@@ -572,6 +573,9 @@ def test_cuda_ipc_closes_a_dead_peers_pool_when_it_opens_a_new_one(monkeypatch):
         assert set(sender.maps) == {b"live".hex()}  # the dead worker's pool closed
         sender._mapped(advert(b"other", os.getpid()))
         assert set(sender.maps) == {b"live".hex(), b"other".hex()}  # a live one's stays open
+        sender._mapped(advert(b"died", dead.pid))
+        sender.sweep()  # the prefill worker's tick: no new pool needs opening for the old one to close
+        assert set(sender.maps) == {b"live".hex(), b"other".hex()}
     finally:
         sender.close()
 

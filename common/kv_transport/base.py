@@ -151,6 +151,9 @@ class Sender:
     def forget(self, advert: dict) -> None:
         """The peer is gone: drop what we hold for it."""
 
+    def sweep(self) -> None:
+        """Drop what we hold for peers found gone without being told (the worker's tick calls it)."""
+
     def close(self) -> None:
         pass
 

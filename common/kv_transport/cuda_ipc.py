@@ -5,7 +5,8 @@ Same host, CUDA pools. Not run in CI (no GPU): its tests are marked gpu.
 
 A pool opened in this process stays allocated on the device while it is open, even after its
 decode worker died: the advert carries the worker's pid, and a restarted peer's old pool is closed
-when a new one is opened (mapped.py), or the restarted worker would find its memory still taken.
+within a second by the prefill worker's tick (mapped.py: sweep), or the restarted worker would
+find its memory still taken.
 """
 
 from __future__ import annotations

@@ -75,13 +75,19 @@ class MappedSender(Sender):
     def _mapped(self, advert: dict):
         key = self._key(advert)
         if key not in self.maps:
-            for gone in [k for k in self.maps if self._gone(k)]:  # a restarted peer's old pool
-                self.forget_key(gone)
+            self.sweep()  # a restarted peer's old pool first
             self.maps[key] = self._map(advert)
         return self.maps[key]
 
     def _gone(self, key: str) -> bool:
         return False
+
+    def sweep(self) -> None:
+        """Close the pools of peers whose process has exited: a CUDA pool opened here stays
+        allocated on the device while it is open, and a restarted decode worker sizes its own
+        pool by the memory it finds free, before any transfer would reopen (and so sweep) here."""
+        for gone in [k for k in self.maps if self._gone(k)]:
+            self.forget_key(gone)
 
     def unusable(self, advert: dict) -> str | None:
         if advert.get("host") != HOSTNAME:
