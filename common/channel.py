@@ -21,6 +21,7 @@ import weakref
 from dataclasses import dataclass, field
 
 import zmq
+import zmq.asyncio
 
 from common import protocol
 from common.protocol import ProtocolError
@@ -141,6 +142,20 @@ class Channel:
         if self._posted:
             self._posted = False
             self.sock.get(zmq.EVENTS)  # zmq.asyncio schedules the waiting receive if a message is there
+
+    def send_nowait(self, msg) -> bool:
+        """Send a frameless message if the socket takes it now, else drop it; never blocks, never
+        makes a future, callable outside the event loop's coroutines (a finalizer). On an asyncio
+        socket it then looks at the socket's events, as settle() does. Returns whether it went."""
+        if self.sock.closed:
+            return False
+        try:
+            self._raw.send(protocol.encode(msg), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            return False
+        if isinstance(self.sock, zmq.asyncio.Socket):
+            self.sock.get(zmq.EVENTS)  # zmq.asyncio schedules a waiting receive if a message is there
+        return True
 
     def try_send(self, msg, frames=(), to: bytes | None = None) -> bool:
         """Send, or log and return False if the peer is gone (ROUTER) or the send would block."""

@@ -187,12 +187,7 @@ def _cancel_nowait(chan: Channel, request_id: str) -> None:
     """Cancel a request on the router if the socket takes the message now: a send must never
     block (with no connection, as after a refused handshake, a DEALER's send waits for good), and
     with no connection there is nothing to cancel. Sync, so that a finalizer can call it."""
-    if chan.sock.closed:
-        return
-    try:
-        zmq.Socket.shadow(chan.sock.underlying).send(P.encode(P.Cancel(request_id)), zmq.NOBLOCK)
-    except zmq.ZMQError:
-        pass
+    chan.send_nowait(P.Cancel(request_id))
 
 
 class _Ids:
@@ -301,6 +296,12 @@ class _Requests:
     """What both clients keep of their requests in flight: `_open` (submitted, no Done or Error
     yet) and `_replies` (what came for each, not yet read)."""
 
+    def _wanted(self, msg) -> bool:
+        """Whether a reply is for a request still open or for a status call: an abandoned
+        request's late tokens and Done would be kept for nobody, for as long as the client lives."""
+        key = _key(msg)
+        return key is None or key in self._open
+
     def _abandon(self, request_id: str) -> None:
         """Its caller stopped waiting for it before its end: cancel it, and drop what came for it."""
         if request_id in self._open:
@@ -341,8 +342,12 @@ class Client(_Requests):
         error = self.connection.unreachable(self.address, 0.0, request_id)  # down that long already: queue nothing
         if error is not None:
             raise error
-        self.chan.send(message)
-        self._open.add(request_id)
+        self._open.add(request_id)  # before the send: its replies are wanted from the first
+        try:
+            self.chan.send(message)
+        except BaseException:
+            self._open.discard(request_id)
+            raise
         return request_id
 
     def cancel(self, request_id: str) -> None:
@@ -385,7 +390,8 @@ class Client(_Requests):
                 raise RequestError("INTERNAL", f"undecodable reply from the router: {env.error}")
             msgs, bad = replies(env.msg)
             for msg in msgs:
-                self._replies[_key(msg)].append(msg)
+                if self._wanted(msg):
+                    self._replies[_key(msg)].append(msg)
             if bad:
                 raise RequestError("INTERNAL", f"undecodable reply from the router: {bad[0]}")
         msg = self._replies[key].popleft()
@@ -468,7 +474,8 @@ class AsyncClient(_Requests):
             if env.error is not None:
                 continue
             for msg in replies(env.msg)[0]:  # a bad item is skipped, as an undecodable reply is
-                self._replies[_key(msg)].put_nowait(msg)
+                if self._wanted(msg):
+                    self._replies[_key(msg)].put_nowait(msg)
 
     async def _watch(self):
         await self.connection.watch(self._lost)
@@ -482,8 +489,13 @@ class AsyncClient(_Requests):
                      messages: list[dict] | None = None, **sampling) -> str:
         self._start()
         request_id = request_id or self._new_id()
-        await self.chan.send(_generate(request_id, prompt, messages, sampling, stream))
-        self._open.add(request_id)
+        message = _generate(request_id, prompt, messages, sampling, stream)
+        self._open.add(request_id)  # before the send: the reader may take its first reply while we await
+        try:
+            await self.chan.send(message)
+        except BaseException:
+            self._open.discard(request_id)
+            raise
         return request_id
 
     async def cancel(self, request_id: str) -> None:

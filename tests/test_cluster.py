@@ -203,6 +203,9 @@ def test_a_request_its_caller_stops_waiting_for_is_cancelled(tmp_path):
                 while in_flight(watcher) and time.monotonic() < deadline:
                     await asyncio.sleep(0.05)
                 assert in_flight(watcher) == 0  # while this client is still open
+            result = await client.generate([9] * 10, max_tokens=4, ignore_eos=True)  # its replies still come
+            assert len(result.token_ids) == 4
+            assert not client._replies  # the abandoned requests' late replies were not kept for nobody
 
     with cluster(tmp_path) as c, Client(c.address, timeout=60) as client:
         for chunk in client.stream([5] * 30, max_tokens=1000, ignore_eos=True):
@@ -213,6 +216,8 @@ def test_a_request_its_caller_stops_waiting_for_is_cancelled(tmp_path):
         while in_flight(client) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert in_flight(client) == 0
+        assert len(client.generate([9] * 10, max_tokens=4, ignore_eos=True).token_ids) == 4
+        assert not client._replies  # the abandoned streams' late tokens and Done were dropped as they came
         asyncio.run(abandon_async(c.address))
         workers = wait_blocks_free(client)
         assert all(w["free_blocks"] == w["total_blocks"] for w in workers), workers
