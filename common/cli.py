@@ -6,13 +6,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 
 import click
 
 from bench.cli import bench, plan
-from common.cli_options import (PORT, devices_option, engine_argv, engine_options, http_options, parse_ints,
-                                policy_option, router_argv, router_options, sampling_options, setup_logging)
+from common.cli_options import (ENGINE_PARAMS, PORT, devices_option, engine_argv, engine_options, http_options,
+                                parse_ints, policy_option, router_argv, router_options, sampling_options, setup_logging)
 from common.errors import PdserveError
 
 
@@ -68,7 +69,7 @@ def generate(prompts, prompt_ids, chats, as_json, router_address, sampling, engi
     if router_address:
         from router.client import Client
 
-        refuse_engine_flags(engine_kwargs)
+        refuse_engine_flags()
         with Client(router_address) as client:
             ids = [client.submit(stream=False, **r, **sampling) for r in requests]
             results = [client.wait(rid) for rid in ids]
@@ -91,11 +92,11 @@ def generate(prompts, prompt_ids, chats, as_json, router_address, sampling, engi
             print(f"{shown!r} -> {text if text is not None else token_ids!r}", flush=True)
 
 
-def refuse_engine_flags(engine_kwargs: dict) -> None:
+def refuse_engine_flags() -> None:
     """With --router the cluster's workers run the model: a --model or engine flag given too would
     be ignored, so it is refused."""
     ctx = click.get_current_context()
-    given = [f"--{name.replace('_', '-')}" for name in engine_kwargs
+    given = [f"--{name.replace('_', '-')}" for name in ENGINE_PARAMS
              if ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE]
     if given:
         raise click.UsageError(f"{', '.join(given)}: the cluster's workers choose the model and the engine; with "
@@ -115,7 +116,7 @@ def chat(router_address, system, sampling, engine_kwargs):
     if router_address:
         from router.client import Client
 
-        refuse_engine_flags(engine_kwargs)
+        refuse_engine_flags()
         with Client(router_address, timeout=None) as client:
             run_chat(RouterChat(client, router_address), system, sampling)
     else:
@@ -150,6 +151,12 @@ def router(model, host, port, worker_port, max_model_len, policy, router_kwargs,
                             api_server_count=api_server_count, max_model_len=max_model_len))
 
 
+def _stop_while_starting(signum, frame):
+    """A SIGTERM while a worker imports torch and builds its model (a launcher stopping what it just
+    restarted): an orderly exit, its finally clauses run, rather than death by the signal (-15)."""
+    raise SystemExit(0)
+
+
 def worker_command(role: str):
     @click.option("--router", "router_address", default="tcp://127.0.0.1:7101", show_default=True,
                   help="the router's worker address")
@@ -161,6 +168,7 @@ def worker_command(role: str):
     @click.option("--log-level", default="INFO", show_default=True)
     @engine_options
     def command(router_address, worker_id, host, threads, no_kv_stream, log_level, engine_kwargs):
+        signal.signal(signal.SIGTERM, _stop_while_starting)  # until the worker's loop installs its own
         from common.config import EngineConfig
         from common.worker import WorkerConfig
 

@@ -15,6 +15,11 @@ MODEL_HELP = ("dummy:<preset>, a named model (smollm2: `pdserve pull smollm2` fi
               "checkpoint directory")
 
 
+ENGINE_PARAMS = ("model", "device", "dtype", "block_size", "num_blocks", "kv_cache_gb", "gpu_memory_utilization",
+                 "max_num_seqs", "max_num_batched_tokens", "max_model_len", "no_prefix_caching", "attention_backend",
+                 "kv_transport", "no_batch_invariant", "enforce_eager", "async_scheduling")  # engine_options' own
+
+
 def engine_options(f):
     """Options that build an EngineConfig; the command receives them as `engine_kwargs`."""
     opts = [
@@ -50,16 +55,11 @@ def engine_options(f):
     ]
 
     @functools.wraps(f)
-    def wrapper(*args, model, device, dtype, block_size, num_blocks, kv_cache_gb, gpu_memory_utilization,
-                max_num_seqs, max_num_batched_tokens, max_model_len, no_prefix_caching, attention_backend, kv_transport,
-                no_batch_invariant, enforce_eager, async_scheduling, **kwargs):
-        engine_kwargs = dict(model=model, device=device, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
-                             kv_cache_gb=kv_cache_gb, gpu_memory_utilization=gpu_memory_utilization,
-                             max_num_seqs=max_num_seqs,
-                             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                             enable_prefix_caching=not no_prefix_caching, attention_backend=attention_backend,
-                             kv_transport=kv_transport, batch_invariant=not no_batch_invariant,
-                             enforce_eager=enforce_eager, async_scheduling=async_scheduling)
+    def wrapper(*args, **kwargs):
+        flags = {name: kwargs.pop(name) for name in ENGINE_PARAMS}
+        engine_kwargs = {name: value for name, value in flags.items() if not name.startswith("no_")}
+        engine_kwargs.update(enable_prefix_caching=not flags["no_prefix_caching"],
+                             batch_invariant=not flags["no_batch_invariant"])
         return f(*args, engine_kwargs=engine_kwargs, **kwargs)
 
     for opt in reversed(opts):

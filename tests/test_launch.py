@@ -159,3 +159,21 @@ def test_free_ports_are_never_the_kernels_to_hand_out():
     ports = [free_port() for _ in range(50)]
     assert len(set(ports)) == len(ports)
     assert all(1024 <= p < low for p in ports), (low, sorted(ports))
+
+
+def test_a_worker_stopped_while_it_starts_exits_cleanly():
+    """A launcher stopping a worker it has just restarted sends SIGTERM while the worker still
+    imports torch: the worker exits 0 through its finally clauses, not by the signal (-15)."""
+    proc = subprocess.Popen([sys.executable, "-m", "common.cli", "decode", "--router", f"tcp://127.0.0.1:{free_port()}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while "libtorch" not in Path(f"/proc/{proc.pid}/maps").read_text():  # in its imports, past the CLI's
+            assert proc.poll() is None and time.monotonic() < deadline, "the worker never began importing torch"
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
