@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # A GPU session's runs for issues 11 and 12, one stage per device call (each under its 10-minute
-# limit; a session has 30 minutes of device time). The machine has torch, triton and transformers
+# limit). A task drawn for a GPU now has 15 minutes of device time in all, the machine's start (a
+# minute or two) and its idle waits included, and no machine starts with under 4 minutes left: plan
+# on one call, `first` (at most 9.5 minutes), with timeout_s 600, then give the machine back. The machine has torch, triton and transformers
 # but no pyzmq and no package index: run bench/gpu_wheels.sh here first, and carry .whl/ in every
 # call (../shared/GPU.md). Logs and each benchmark's JSON land in $OUT; the last lines printed are
 # a summary.
@@ -14,8 +16,9 @@
 #   bash bench/gpu_session.sh overlap  # 1p1d served with and without --async-scheduling: loop share, ITL
 #   bash bench/gpu_session.sh router   # bench router on the GPU host's CPU: SDK, HTTP, 4 API servers  (~2 min, no GPU)
 set -u
-# A machine goes back 30 s after a call and a new one takes a minute or more to start: in a session
-# that may get one call, run `first`; then engine, overlap, cluster, serve, as time allows.
+# A machine goes back 30 s after a call and a new one takes a minute or more to start: run `first`;
+# the other stages are for a later session (or a larger budget), in the order engine, overlap,
+# cluster, serve.
 # Cluster stages serve 4,096-token contexts: sized for llama-1b's whole 131,072, each worker would set
 # GBs aside for one step's attention partials (a GPU test starts a cluster with no flag at all).
 CTX=--worker-arg=--max-model-len=4096

@@ -492,9 +492,10 @@ class Router:
                  msg.device, msg.total_blocks, w.kv_name(), msg.kv_address or "-", ",".join(msg.kv_transports) or "-")
         self._warn_kv_orphans()
         if 0 < msg.max_model_len < self.prompts.context:
-            log.warning("worker %s serves a context of %d tokens; the router admits %d: requests past %d end there "
-                        "with finish_reason 'length'. Give the router the workers' --max-model-len", msg.worker_id,
-                        msg.max_model_len, self.prompts.context, msg.max_model_len)
+            log.warning("worker %s serves a context of %d tokens; the router admits %d: it refuses prompts of %d "
+                        "tokens or more (INVALID_ARGUMENT), and outputs it decodes end at %d tokens with finish_reason "
+                        "'length'. Give the router and every worker the same --max-model-len", msg.worker_id,
+                        msg.max_model_len, self.prompts.context, msg.max_model_len, msg.max_model_len)
         split = invariance_split(list(self.registry.workers.values()))
         if split is not None and msg.worker_id in split[0] + split[1]:
             log.warning("workers disagree on batch invariance (on: %s; off: %s): a request's tokens then depend on "
