@@ -67,6 +67,8 @@ class Engine:
 
     def __init__(self, config: EngineConfig | None = None, **kwargs):
         self.config = config = config or EngineConfig(**kwargs)
+        if config.torch_device.type == "cuda":  # Triton's launches, graph capture and events use the current device
+            torch.cuda.set_device(config.torch_device)
         loaded = load_model(config.model, config.torch_device, config.torch_dtype, config.attention_backend,
                             config.block_size)
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer

@@ -33,9 +33,12 @@ class ModelLoadError(PdserveError, ValueError):
 
 
 def first_line(e: BaseException, limit: int = 200) -> str:
-    """'Type: the first line of its message': a compiler's failure in one log line, not its dump."""
+    """'Type: the first line of its message': a compiler's failure in one log line, not its dump.
+    An error raised while another was handled names that one too (a CUDA graph whose capture
+    failed ends in capture_end's own error; the first is the cause)."""
     line = (str(e).strip().splitlines() or [""])[0][:limit]
-    return f"{type(e).__name__}: {line}"
+    inner = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
+    return f"{type(e).__name__}: {line}" + (f" (after {first_line(inner, limit)})" if inner is not None else "")
 
 
 def short_repr(value, limit: int = 60) -> str:
