@@ -29,7 +29,7 @@ from common.errors import first_line
 from common.model import RMSNorm
 
 
-@_jit
+@_jit(do_not_specialize=["M"])  # a step's row count: one variant for every batch
 def _linear_kernel(A, W, Bias, C, M, N, stride_am, stride_wn, stride_cm, K: tl.constexpr, HAS_BIAS: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # rows x stride may pass 2**31

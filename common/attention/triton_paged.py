@@ -40,7 +40,18 @@ try:
 except ImportError:  # an optional dependency: without it, `auto` keeps SDPA
     triton = tl = None
 
-_jit = triton.jit if triton else (lambda fn: fn)
+
+def _jit(fn=None, **options):
+    """triton.jit (bare, or with options), or the plain function where triton is missing.
+
+    Triton compiles a variant of a kernel for each pattern of its integer arguments (1, a multiple
+    of 16, other) and pointer alignments it meets. Arguments that vary from step to step (a row
+    count, a table's width, views into a step's packed metadata) are named in the options, so a
+    server does not compile new variants mid-stream, between the steps of its first requests."""
+    if triton is None:
+        return fn if fn is not None else (lambda f: f)
+    return triton.jit(fn, **options) if fn is not None else triton.jit(**options)
+
 
 SPLIT = 256  # keys per split: fixed, so a query's splits never move with its batch
 BLOCK_N = 64  # keys per step of a split (a multiple of the page size and a divisor of SPLIT)
@@ -48,7 +59,8 @@ MIN_ROWS = 16  # tl.dot's smallest tile side: a tile's rows (tokens x grouped he
 LANES = 16  # programs per (tile, KV head), each taking every LANES-th split
 
 
-@_jit
+@_jit(do_not_specialize=["stride_tb"],
+      do_not_specialize_on_alignment=["Tables", "TileSeq", "TileStart", "TileLen", "TilePos", "SplitBase"])
 def _split_kernel(Q, KCache, VCache, Tables, TileSeq, TileStart, TileLen, TilePos, SplitBase, OutPart, LsePart, scale,
                   stride_qt, stride_qh, stride_kn, stride_kp, stride_kh, stride_vn, stride_vp, stride_vh,
                   stride_tb, stride_or, stride_oh, stride_lr,
@@ -115,7 +127,7 @@ def _split_kernel(Q, KCache, VCache, Tables, TileSeq, TileStart, TileLen, TilePo
             tl.store(LsePart + row * stride_lr + heads, m + tl.log(denom), mask=sees)
 
 
-@_jit
+@_jit(do_not_specialize_on_alignment=["Positions", "SplitBase"])
 def _merge_kernel(OutPart, LsePart, Positions, SplitBase, Out, stride_or, stride_oh, stride_lr, stride_t, stride_h, HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
                   BLOCK_D: tl.constexpr, SPLIT_KEYS: tl.constexpr, MAX_SPLITS: tl.constexpr):
     t = tl.program_id(0)
@@ -142,7 +154,7 @@ def _merge_kernel(OutPart, LsePart, Positions, SplitBase, Out, stride_or, stride
              mask=ok)
 
 
-@_jit
+@_jit(do_not_specialize_on_alignment=["Slots"])
 def _store_kv_kernel(K, V, KCache, VCache, Slots, stride_kt, stride_vt, stride_cs, stride_ds,
                      ROW: tl.constexpr, BLOCK: tl.constexpr):
     """Token t's K and V rows into the pool at slot Slots[t]; a negative slot (a CUDA graph's
