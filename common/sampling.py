@@ -84,7 +84,10 @@ def top_k_top_p(scaled_SV: torch.Tensor, k_S: torch.Tensor, top_p_S: torch.Tenso
     drop_SV = rank_V[None, :] >= k_S[:, None]
     sorted_SV = sorted_SV.masked_fill(drop_SV, -math.inf)
     probs_SV = sorted_SV.softmax(dim=-1)
-    mass_before_SV = probs_SV.cumsum(dim=-1) - probs_SV
+    # On CUDA torch scans a lone row with CUB (another order of additions, and not deterministic)
+    # and several rows a row per thread group: a single row is scanned as two, as in any batch.
+    S = probs_SV.shape[0]
+    mass_before_SV = (probs_SV if S > 1 else probs_SV.expand(2, V)).cumsum(dim=-1)[:S] - probs_SV
     drop_SV |= (mass_before_SV >= top_p_S[:, None]) & (top_p_S[:, None] < 1.0)
     drop_SV[:, 0] = False
     sorted_SV = sorted_SV.masked_fill(drop_SV, -math.inf)
