@@ -7,7 +7,7 @@
 # call (../shared/GPU.md). Logs and each benchmark's JSON land in $OUT; the last lines printed are
 # a summary.
 #
-#   bash bench/gpu_session.sh first    # check, then the engine at batch 1 and 64 x 512 (one call, < 10 min)
+#   bash bench/gpu_session.sh first    # pytest -m gpu, then the engine at batch 1 and 64 x 512 (one call, < 9.5 min)
 #   bash bench/gpu_session.sh check    # kernels compile, pytest -m gpu            (~5 min)
 #   bash bench/gpu_session.sh engine   # bench engine on dummy:llama-1b, both modes, vs transformers
 #   bash bench/gpu_session.sh cluster  # bench transfer, handoff and chaos on cuda:0
@@ -38,18 +38,20 @@ run() {  # run NAME SECONDS CMD...: its output in $OUT/NAME.log, its last line (
     local name=$1 limit=$2
     shift 2
     local t0=$SECONDS
-    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    # SIGINT first: pytest then prints its failures and summary, a bench what it has
+    timeout -s INT -k 20 "$limit" "$@" > "$OUT/$name.log" 2>&1
     local rc=$?
-    tail -n 1 "$OUT/$name.log" > "$OUT/$name.json"
+    # a bench's last line is its JSON; only 8 files come back from $OUT, so no others
+    tail -n 1 "$OUT/$name.log" | grep '^{' > "$OUT/$name.json" || rm -f "$OUT/$name.json"
     echo "$name: rc=$rc in $((SECONDS - t0)) s" | tee -a "$OUT/summary.txt"
 }
 
 case $stage in
 first)
+    # (the CPU suite compiles every Triton kernel for sm_90 already: tests/triton_aot.py)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt"
-    run aot 90 python3 -m tests.triton_aot
-    run gpu-tests 300 python3 -m pytest -m gpu tests -q -p no:cacheprovider --timeout 120 -rf \
-        --continue-on-collection-errors
+    run gpu-tests 360 python3 -m pytest -m gpu tests -v --tb=short -p no:cacheprovider --timeout 200 -rf \
+        --durations=15 --junitxml="$OUT/gpu-tests.xml" --continue-on-collection-errors
     run engine 170 pdserve bench engine --device cuda:0 --model dummy:llama-1b --max-model-len 4096 \
         --batch-sizes 1,64 --kv-lens 512 --steps 32 --num-requests 16 --output-len 32
     tail -n 15 "$OUT/gpu-tests.log"
@@ -59,8 +61,8 @@ check)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt"
     python3 -c "import torch, triton; print(torch.__version__, triton.__version__)" >> "$OUT/gpu.txt"
     run aot 120 python3 -m tests.triton_aot
-    run gpu-tests 420 python3 -m pytest -m gpu tests -q -p no:cacheprovider --timeout 300 -rf \
-        --continue-on-collection-errors
+    run gpu-tests 420 python3 -m pytest -m gpu tests -v --tb=short -p no:cacheprovider --timeout 300 -rf \
+        --durations=15 --junitxml="$OUT/gpu-tests.xml" --continue-on-collection-errors
     tail -n 15 "$OUT/gpu-tests.log"
     ;;
 engine)

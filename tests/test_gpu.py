@@ -82,7 +82,7 @@ def test_cuda_graph_replay_gives_the_eager_tokens(dtype):
 def test_bfloat16_llama_1b_gives_each_request_its_tokens_in_any_batch_and_chunking():
     """Batch invariance, on by default: 16 mixed requests (greedy and seeded) give the same tokens
     alone with whole prompts, all batched, alone in 1-token chunks, and 7 at a time in 7-token chunks."""
-    ps, params = prompts(16, 5, 200, seed=15), mixed_params(16, max_tokens=24)
+    ps, params = prompts(16, 5, 120, seed=15), mixed_params(16, max_tokens=24)  # 1-token chunks: ~1,000 eager steps
     base = dict(model="dummy:llama-1b", device="cuda:0", max_model_len=512)
 
     def run(max_num_seqs, budget, together):
