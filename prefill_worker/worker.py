@@ -175,8 +175,8 @@ class PrefillWorker(WorkerBase):
             self.to_router(P.WorkerTokens(out.request_id, work.attempt, index, [first],
                                           out.finish_reason if done else None, timings,
                                           out.logprobs and out.logprobs[-1:], out.prompt_logprobs))
-            if done:
-                self._release_reservation(out.request_id)
+            if done:  # a one-sided writer may still be copying its streamed layers: as a cancel does
+                self._drop(out.request_id)
                 continue
             t = self.transfers.get(out.request_id)
             if t is not None:
