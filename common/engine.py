@@ -328,9 +328,13 @@ class Engine:
     def add_prefilled(self, request_id: str, token_ids: list[int], num_prompt_tokens: int,
                       params: SamplingParams, seed: int, block_ids: list[int]) -> None:
         """Start decoding a sequence whose KV for token_ids[:-1] was written into its reserved
-        blocks; token_ids[-1] is the token sampled by the prefill."""
-        seq = self._new_sequence(request_id, token_ids[:num_prompt_tokens], params, seed,
-                                 token_ids[num_prompt_tokens:])
+        blocks; token_ids[-1] is the token sampled by the prefill. The ids came over the network:
+        checked as a prompt's are (InvalidArgument), before anything is taken from the reservation."""
+        ids = self.tokenize(list(token_ids))
+        if not 1 <= num_prompt_tokens < len(ids):
+            raise InvalidArgument(f"num_prompt_tokens={num_prompt_tokens} is invalid; allowed: 1..{len(ids) - 1} "
+                                  "(the last token id is the one the prefill sampled)")
+        seq = self._new_sequence(request_id, ids[:num_prompt_tokens], params, seed, ids[num_prompt_tokens:])
         self.num_reserved_seqs -= 1
         seq.prompt_logprobs = None  # the prefill computed them
         seq.block_table = list(block_ids)
@@ -437,4 +441,6 @@ class Engine:
             for out in self.step():
                 if out.finished:
                     done[out.request_id] = out
+        while self.inflight is not None:  # launched before the last stop was read: its blocks come back
+            self.step()
         return [done[i] for i in ids]

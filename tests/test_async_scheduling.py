@@ -55,6 +55,19 @@ def test_async_scheduling_gives_the_synchronous_tokens(model, pool):
     assert any(o.logprobs for o in runs[True])
 
 
+def test_generate_returns_with_nothing_in_flight_after_a_stop_token():
+    """The last request ends by a stop token read while its next decode was already launched:
+    generate() returns with that step collected and every block free."""
+    p = prompts(1, 10, 10, seed=3)[0]
+    free = Engine(model="dummy:nanogpt").generate(p, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    stop = free.token_ids[3]
+    engine = Engine(model="dummy:nanogpt", async_scheduling=True)
+    out = engine.generate(p, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop_token_ids=[stop]))[0]
+    assert out.finish_reason == "stop" and out.token_ids[-1] == stop
+    assert engine.inflight is None and not engine.has_unfinished()
+    assert_all_blocks_free(engine)
+
+
 def test_async_decodes_through_the_graph_buffers_give_the_synchronous_tokens():
     """The GPU path on CPU (tests/test_cuda_graphs.py): the Triton attention interpreted, decodes
     through the graphs' static buffers, whose input ids the step before fills on the device."""

@@ -66,6 +66,23 @@ def test_reserve_backpressure_and_unreserve():
     assert_all_blocks_free(engine)
 
 
+def test_add_prefilled_refuses_ids_no_prompt_could_hold():
+    """A KVTransfer's token ids come over the network: one out of the vocabulary raised in the next
+    step (an embedding lookup) and took the decode worker, and every request in it, down."""
+    from common.errors import InvalidArgument
+
+    engine = Engine(model="dummy:nanogpt", num_blocks=8)
+    blocks = engine.reserve(20)
+    V = engine.model_config.vocab_size
+    with pytest.raises(InvalidArgument, match=rf"prompt token ids \[{V}\] are invalid"):
+        engine.add_prefilled("r", list(range(20)) + [V], 20, SamplingParams(), 0, blocks)
+    with pytest.raises(InvalidArgument, match=r"num_prompt_tokens=21 is invalid; allowed: 1..20"):
+        engine.add_prefilled("r", list(range(21)), 21, SamplingParams(), 0, blocks)
+    engine.unreserve(blocks)  # what the decode worker does with a refused transfer
+    assert not engine.has_unfinished() and engine.num_reserved_seqs == 0
+    assert_all_blocks_free(engine)
+
+
 def test_a_request_filling_the_pool_alone_is_granted_as_admission_would_take_it():
     """The watermark is kept only beside other sequences, on both sides: a prompt that fits an
     empty monolithic pool fits an empty decode pool (it was refused NO_ROOM after three prefills)."""
