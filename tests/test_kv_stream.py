@@ -123,15 +123,18 @@ def test_cluster_streaming_long_chunked_prompts_matches_monolithic(tmp_path, tra
         assert all(w["free_blocks"] == w["total_blocks"] for w in workers), workers
 
 
-def test_a_cancelled_shm_stream_says_it_is_done_only_after_its_last_copy(tmp_path, wide_kv_model, monkeypatch):
+@pytest.mark.parametrize("end", ["cancelled", "first token"])
+def test_a_shm_stream_says_it_is_done_only_after_its_last_copy(tmp_path, wide_kv_model, monkeypatch, end):
     """shm copies run on a thread; KVRelease tells the decode worker it may reuse the blocks, so
-    it must not go while a copy into them is still queued."""
+    it must not go while a copy into them is still queued: after a cancel, or after the request
+    ended at its first token (max_tokens=1) with its streamed layers queued."""
     from common.kv_transport import JobThread, MappedSender
 
     slow = JobThread("slow-copier")
     monkeypatch.setattr(MappedSender, "send", lambda self, out, handle, layers, blocks: handle.futures.append(
         slow.submit(time.sleep, 0.3)))
     prompt = [(5 * i) % 300 for i in range(1000)]
+    max_tokens = 1 if end == "first token" else 2
     with decode_worker(tmp_path, "shm", wide_kv_model) as d:
         cfg = WorkerConfig(router=d.router.address, worker_id="prefill-test",
                            engine=EngineConfig(model=wide_kv_model, kv_transport="shm", max_num_batched_tokens=400))
@@ -141,43 +144,15 @@ def test_a_cancelled_shm_stream_says_it_is_done_only_after_its_last_copy(tmp_pat
         prefill._release_reservation = lambda rid: (released.append(all(f.done() for f in t.handle.futures)),
                                                     release(rid))[1]
         try:
-            prefill.accept(P.PrefillWork("r1", 1, prompt, len(prompt), {"max_tokens": 2, "temperature": 0.0}, 7,
-                                         "decode-0", d.register.kv_address))
+            prefill.accept(P.PrefillWork("r1", 1, prompt, len(prompt), {"max_tokens": max_tokens, "temperature": 0.0},
+                                         7, "decode-0", d.register.kv_address))
             spin(prefill, lambda: prefill.transfers["r1"].state == "streaming")
             t = prefill.transfers["r1"]
-            assert not all(f.done() for f in t.handle.futures)  # copies still queued
-            prefill.on_router(P.CancelWork("r1", 1))
-            assert released == [True]
-        finally:
-            prefill.close()
-            slow.shutdown()
-
-
-def test_a_request_ended_by_its_first_token_says_it_is_done_only_after_its_last_copy(tmp_path, wide_kv_model,
-                                                                                      monkeypatch):
-    """A request with max_tokens=1 ends at its first token, after its streamed layers were queued
-    for copying into the decode worker's blocks: its KVRelease must wait for those copies, as a
-    cancel's does, or the decode worker would give the blocks to another request under them."""
-    from common.kv_transport import JobThread, MappedSender
-
-    slow = JobThread("slow-copier")
-    monkeypatch.setattr(MappedSender, "send", lambda self, out, handle, layers, blocks: handle.futures.append(
-        slow.submit(time.sleep, 0.2)))
-    prompt = [(3 * i) % 300 for i in range(1000)]
-    with decode_worker(tmp_path, "shm", wide_kv_model) as d:
-        cfg = WorkerConfig(router=d.router.address, worker_id="prefill-test",
-                           engine=EngineConfig(model=wide_kv_model, kv_transport="shm", max_num_batched_tokens=400))
-        prefill = PrefillWorker(cfg)
-        released = []
-        release = prefill._release_reservation
-        prefill._release_reservation = lambda rid: (released.append(all(f.done() for f in t.handle.futures)),
-                                                    release(rid))[1]
-        try:
-            prefill.accept(P.PrefillWork("r1", 1, prompt, len(prompt), {"max_tokens": 1, "temperature": 0.0}, 7,
-                                         "decode-0", d.register.kv_address))
-            spin(prefill, lambda: prefill.transfers["r1"].state == "streaming")
-            t = prefill.transfers["r1"]
-            spin(prefill, lambda: "r1" not in prefill.transfers)
+            if end == "cancelled":
+                assert not all(f.done() for f in t.handle.futures)  # copies still queued
+                prefill.on_router(P.CancelWork("r1", 1))
+            else:
+                spin(prefill, lambda: "r1" not in prefill.transfers)
             assert released == [True]
         finally:
             prefill.close()
