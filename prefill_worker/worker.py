@@ -213,9 +213,11 @@ class PrefillWorker(WorkerBase):
         t = self.transfers[rid]
         now = time.monotonic()
         t.state, t.retry_at, t.requested_at = "reserving", None, now
-        if not self._peer(t.work.decode_kv_address).try_send(
-                P.KVReserve(rid, t.work.attempt, len(t.work.token_ids), self.engine.kv_layout, t.max_len)):
-            t.retry_at = now + RESEND_S  # our queue to it is full: nothing would ever answer this one
+        try:
+            self._peer(t.work.decode_kv_address).send(
+                P.KVReserve(rid, t.work.attempt, len(t.work.token_ids), self.engine.kv_layout, t.max_len))
+        except zmq.ZMQError:  # our queue to it is full: again shortly, unlogged (20 a second to a stuck peer)
+            t.retry_at = now + RESEND_S  # until the transfer's deadline gives up, and says so
 
     def _release_reservation(self, rid: str):
         t = self.transfers.pop(rid, None)
