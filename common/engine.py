@@ -87,6 +87,7 @@ class Engine:
         self.block_manager = BlockManager(self.num_blocks, bs, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len)
+        self._warm_up_attention()
         self.batch_invariant = False  # on CUDA: set_batch_invariant below
         self.runner = ModelRunner(self.model, self.kv_cache, bs, config.torch_device)
         self.set_batch_invariant(config.batch_invariant)
@@ -96,6 +97,22 @@ class Engine:
         self.inflight: LaunchedStep | None = None  # launched, its tokens not yet read (async scheduling)
         self.num_reserved_seqs = 0  # running slots promised to KV transfers not yet arrived
         self._ids = itertools.count()
+
+    def _warm_up_attention(self) -> None:
+        """On CUDA, compile the Triton attention's variants for every context width now: each is a
+        second or so the first time, and a serving step would wait for it."""
+        attention = self.model.layers[0].attention
+        if self.config.torch_device.type != "cuda" or not hasattr(attention, "warm_up"):
+            return
+        t0 = time.perf_counter()
+        try:
+            variants = attention.warm_up(self.kv_cache[0, 0], self.kv_cache[0, 1],
+                                         -(-self.max_model_len // self.config.block_size))
+        except Exception as e:  # what fails here fails in a step too; the log says where it began
+            log.warning("Triton attention: compiling its variants failed (%s)", first_line(e))
+            return
+        log.info("Triton attention: compiled for up to %d KV splits (%d variants) in %.1f s", variants[-1],
+                 len(variants), time.perf_counter() - t0)
 
     def set_batch_invariant(self, on: bool) -> None:
         """Batch-invariant kernels (common/batch_invariant.py) or torch's ops, then the decode

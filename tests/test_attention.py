@@ -108,6 +108,23 @@ def test_triton_decode_is_batch_invariant(monkeypatch):
         assert torch.equal(alone[0], batched[i]) and torch.equal(wide[0], batched[i]), (i, n)
 
 
+def test_triton_warm_up_launches_every_split_variant_a_context_can_need(monkeypatch):
+    """An engine on CUDA compiles the attention's variants at start (one per MAX_SPLITS, a table's
+    width rounded up to a power of two of splits), so that no serving step waits on a compile."""
+    pytest.importorskip("triton")
+    from common.attention import triton_paged as tp
+
+    launched = []
+    launch = tp.paged_attention
+    monkeypatch.setattr(tp, "paged_attention", lambda q, k, v, tables, *rest: (
+        launched.append(tp._pow2(-(-tables.shape[1] * k.shape[1] // tp.SPLIT))), launch(q, k, v, tables, *rest))[1])
+    k = torch.randn(4, 16, 2, 32)
+    for max_blocks in (1, 16, 17, 100, 256):
+        launched.clear()
+        want = {tp._pow2(-(-width * 16 // tp.SPLIT)) for width in range(1, max_blocks + 1)}  # every width's
+        assert tp.warm_up(torch.randn(1, 8, 32), k, k.clone(), max_blocks, 0.2) == sorted(want) == launched
+
+
 class _Sequences:
     """Sequences with random per-position q/k/v over a shuffled pool, and packed steps over them:
     `step(rows)` runs one backend call where each row is (sequence, first position, tokens), the

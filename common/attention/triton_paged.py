@@ -259,6 +259,27 @@ def paged_attention(q_THD: torch.Tensor, k_cache_NPKD: torch.Tensor, v_cache_NPK
     return out
 
 
+def split_variants(max_blocks: int, page: int) -> list[int]:
+    """The MAX_SPLITS values (one compiled variant of each kernel apiece) that steps whose tables
+    are 1..max_blocks blocks wide launch with."""
+    return sorted({_pow2(max(1, -(-width * page // SPLIT))) for width in range(1, max_blocks + 1)})
+
+
+def warm_up(q_THD: torch.Tensor, k_cache_NPKD: torch.Tensor, v_cache_NPKD: torch.Tensor, max_blocks: int,
+            scale: float) -> list[int]:
+    """Launch the attention once for each MAX_SPLITS variant a context of max_blocks blocks can
+    need (a decode at position 0 reading block 0; nothing is written), so that each compiles at
+    start and not in the step whose widest table first reaches it. Returns the variants."""
+    device, P = q_THD.device, k_cache_NPKD.shape[1]
+    variants = split_variants(max_blocks, P)
+    zero = torch.zeros(1, dtype=torch.int64, device=device)
+    for splits in variants:
+        width = min(max_blocks, splits * SPLIT // P)  # a table this wide launches with `splits`
+        tables = torch.zeros(1, width, dtype=torch.int64, device=device)
+        paged_attention(q_THD[:1], k_cache_NPKD, v_cache_NPKD, tables, decode_tiles(zero + 1), zero, scale)
+    return variants
+
+
 def decode_tiles(lens_B: torch.Tensor) -> torch.Tensor:
     """Tiles of a decode-only batch, built on the device: row b is a tile of one token at position
     lens_B[b] - 1 (what a CUDA graph can rebuild from its static context lengths)."""
@@ -300,6 +321,10 @@ class TritonAttention(SDPAAttention):
         super().__init__(num_heads, num_kv_heads, head_dim)
         self._layout_meta = None  # the step the cached layout was built for (every layer shares it)
         self._layout = None
+
+    def warm_up(self, k_cache_NBKD: torch.Tensor, v_cache_NBKD: torch.Tensor, max_blocks: int) -> list[int]:
+        q = torch.zeros(1, self.num_heads, self.head_dim, dtype=k_cache_NBKD.dtype, device=k_cache_NBKD.device)
+        return warm_up(q, k_cache_NBKD, v_cache_NBKD, max_blocks, self.scale)
 
     def forget_layout(self) -> None:
         """Drop the cached step layout (it may hold a CUDA graph's static buffers)."""
