@@ -205,9 +205,10 @@ def run_engine_bench(engine_kwargs: dict, num_requests: int, prompt_len: int, ou
     peak = matmul_rate(device, cfg.torch_dtype)
     weights = weight_bytes_per_step(engine)
     kv_token = engine.kv_cache.numel() // (engine.num_blocks * cfg.block_size) * engine.kv_cache.element_size()
-    # On a GPU both modes, the promise's first (the default), each with its own graphs; on a CPU
-    # the mode changes nothing (CPU serving keeps torch's ops).
-    modes = [engine.batch_invariant, not engine.batch_invariant] if device.type == "cuda" else [False]
+    # Both modes, the engine's first, each with its own graphs on a GPU; on a CPU only torch's ops
+    # unless --batch-invariant asked for its cost too.
+    both = device.type == "cuda" or engine.batch_invariant
+    modes = [engine.batch_invariant, not engine.batch_invariant] if both else [False]
     runs = {}
     for on in modes:
         engine.set_batch_invariant(on)

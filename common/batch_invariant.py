@@ -14,8 +14,12 @@ mode:
 
 With the Triton attention (common/attention/triton_paged.py) a request's tokens are then the same
 in any batch. `install(model)` swaps a model's linear layers and norms for these; it is what
-`--batch-invariant` (the default on CUDA) does. On CPU the kernels run only in Triton's
-interpreter (the tests), and CPU serving keeps torch's own ops.
+`--batch-invariant` (the default on CUDA) does. On a CPU the Triton kernels run only in Triton's
+interpreter (their tests); `--batch-invariant` there (`install_cpu`) keeps torch's ops in shapes
+that never change: matmuls over fixed tiles of rows (row_tiled_linear: MKL then computes every
+tile alike), attention a token at a time over keys split at fixed positions
+(common/attention/tiled.py); torch's
+CPU norms already reduce each row alone.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common.attention import tiled
+from common.attention.sdpa import SDPAAttention
 from common.attention.triton_paged import _jit, _pow2, available, interpreted, triton, tl
 from common.errors import first_line
 from common.model import RMSNorm
@@ -146,17 +152,62 @@ def install(model: nn.Module) -> None:
     model.project = linear
 
 
+CPU_ROWS = 16  # rows per product of row_tiled_linear: a decode step's handful costs what one does
+
+
+def row_tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T + bias on a CPU, batch-invariantly: the rows go through one batched product in
+    tiles of CPU_ROWS (the last padded with zeros), each tile the same MKL call whatever the row
+    count. About 1x torch's matmul for a decode step's rows, 2x for a long prefill's."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    rows = x.reshape(-1, k)
+    m, n, R = rows.shape[0], weight.shape[0], CPU_ROWS
+    tiles = -(-m // R)
+    padded = rows.new_zeros(tiles * R, k)
+    padded[:m] = rows
+    out = torch.bmm(padded.view(tiles, R, k), weight.t().expand(tiles, k, n)).view(tiles * R, n)[:m]
+    if bias is not None:
+        out = out + bias
+    return out.view(*lead, n)
+
+
+class RowTiledLinear(nn.Linear):
+    def forward(self, x):
+        return row_tiled_linear(x, self.weight, self.bias)
+
+
+def _set_attention(model: nn.Module, attention) -> None:
+    model.attention = attention
+    for layer in model.layers:
+        layer.attention = attention
+
+
+def install_cpu(model: nn.Module) -> None:
+    """The CPU's batch invariance, in place: row-tiled matmuls and the tiled attention (in place
+    of SDPA; a backend asked for by name, such as Triton's in its interpreter, stays)."""
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            module.__class__ = RowTiledLinear
+    model.project = row_tiled_linear
+    a = model.attention
+    if type(a) is SDPAAttention:
+        _set_attention(model, tiled.TiledAttention(a.num_heads, a.num_kv_heads, a.head_dim))
+
+
 def uninstall(model: nn.Module) -> None:
-    """Back to torch's own ops (bench engine's second mode)."""
-    back = {v: k for k, v in _SWAPS.items()}
+    """Back to torch's own ops (bench engine's second mode), from install or install_cpu."""
+    back = {v: k for k, v in _SWAPS.items()} | {RowTiledLinear: nn.Linear}
     for module in model.modules():
         if type(module) in back:
             module.__class__ = back[type(module)]
     model.project = F.linear
+    a = model.attention
+    if type(a) is tiled.TiledAttention:
+        _set_attention(model, SDPAAttention(a.num_heads, a.num_kv_heads, a.head_dim))
 
 
 def installed(model: nn.Module) -> bool:
-    return model.project is linear
+    return model.project in (linear, row_tiled_linear)
 
 
 def _start_up_difference(device: torch.device, dtype: torch.dtype) -> float:
@@ -170,8 +221,17 @@ def _start_up_difference(device: torch.device, dtype: torch.dtype) -> float:
 
 
 def enable(model: nn.Module, device: torch.device, dtype: torch.dtype, log) -> bool:
-    """Install the kernels on a CUDA model if Triton is there and they agree with torch at start;
-    else say why in one line and leave torch's ops. Returns whether they are installed."""
+    """Batch invariance for a model on this device: on a CPU install_cpu (torch's ops, nothing to
+    compile or check), elsewhere enable_triton. Returns whether it is installed."""
+    if device.type == "cpu":
+        install_cpu(model)
+        return True
+    return enable_triton(model, device, dtype, log)
+
+
+def enable_triton(model: nn.Module, device: torch.device, dtype: torch.dtype, log) -> bool:
+    """Install the Triton kernels if Triton is there and they agree with torch at start; else say
+    why in one line and leave torch's ops. Returns whether they are installed."""
     if not available():
         log.warning("batch invariance off: triton is not installed, so a request's tokens may depend on its batch")
         return False

@@ -96,7 +96,13 @@ def refuse_engine_flags() -> None:
     """With --router the cluster's workers run the model: a --model or engine flag given too would
     be ignored, so it is refused."""
     ctx = click.get_current_context()
-    given = [f"--{name.replace('_', '-')}" for name in ENGINE_PARAMS
+    options = {p.name: p for p in ctx.command.params}
+
+    def as_given(name: str) -> str:  # a flag pair's --no- side when that is the one given
+        o = options[name]
+        return o.secondary_opts[0] if o.secondary_opts and ctx.params[name] is False else o.opts[0]
+
+    given = [as_given(name) for name in ENGINE_PARAMS
              if ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE]
     if given:
         raise click.UsageError(f"{', '.join(given)}: the cluster's workers choose the model and the engine; with "

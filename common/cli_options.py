@@ -17,7 +17,7 @@ MODEL_HELP = ("dummy:<preset>, a named model (smollm2: `pdserve pull smollm2` fi
 
 ENGINE_PARAMS = ("model", "device", "dtype", "block_size", "num_blocks", "kv_cache_gb", "gpu_memory_utilization",
                  "max_num_seqs", "max_num_batched_tokens", "max_model_len", "no_prefix_caching", "attention_backend",
-                 "kv_transport", "no_batch_invariant", "enforce_eager", "async_scheduling")  # engine_options' own
+                 "kv_transport", "batch_invariant", "enforce_eager", "async_scheduling")  # engine_options' own
 
 
 def engine_options(f):
@@ -42,9 +42,11 @@ def engine_options(f):
                      help="auto: the Triton paged kernel on CUDA (if triton is installed), SDPA elsewhere"),
         click.option("--kv-transport", default="auto", show_default=True, type=click.Choice(KV_TRANSPORTS),
                      help="how KV crosses from prefill to decode workers; auto: the fastest both ends support"),
-        click.option("--no-batch-invariant", is_flag=True,
-                     help="on CUDA, torch's own matmuls and norms: faster, but a request's tokens may then depend on "
-                          "what else is in its batch (bfloat16)"),
+        click.option("--batch-invariant/--no-batch-invariant", default=None,
+                     help="kernels whose rounding does not depend on what else is in the batch, so a request's "
+                          "tokens and logprobs are the same bits in any batch, chunking and after a migration "
+                          "[default: on on CUDA; off on a CPU, where it costs up to 2x]. --no-batch-invariant on "
+                          "CUDA: torch's own, faster matmuls and norms"),
         click.option("--enforce-eager", is_flag=True,
                      help="no CUDA graphs: launch every decode step's kernels from Python (they are captured by "
                           "default on CUDA with the Triton attention)"),
@@ -58,8 +60,7 @@ def engine_options(f):
     def wrapper(*args, **kwargs):
         flags = {name: kwargs.pop(name) for name in ENGINE_PARAMS}
         engine_kwargs = {name: value for name, value in flags.items() if not name.startswith("no_")}
-        engine_kwargs.update(enable_prefix_caching=not flags["no_prefix_caching"],
-                             batch_invariant=not flags["no_batch_invariant"])
+        engine_kwargs.update(enable_prefix_caching=not flags["no_prefix_caching"])
         return f(*args, engine_kwargs=engine_kwargs, **kwargs)
 
     for opt in reversed(opts):
@@ -129,7 +130,7 @@ def engine_argv(engine_kwargs: dict) -> list[str]:
         elif key in ("enforce_eager", "async_scheduling"):
             argv += [f"--{key.replace('_', '-')}"] if value else []
         elif key == "batch_invariant":
-            argv += [] if value else ["--no-batch-invariant"]
+            argv += ["--batch-invariant" if value else "--no-batch-invariant"]
         else:
             argv += [f"--{key.replace('_', '-')}", str(value)]
     return argv

@@ -66,7 +66,9 @@ class EngineConfig:
     attention_backend: str = "auto"
     enforce_eager: bool = False  # no CUDA graphs of the decode step (vLLM's name): every step launched from Python
     async_scheduling: bool = False  # schedule and launch step N while N - 1 runs (common/engine.py)
-    batch_invariant: bool = True  # on CUDA: kernels whose rounding does not depend on the batch (common/batch_invariant.py)
+    # kernels whose rounding does not depend on the batch (common/batch_invariant.py); None: on CUDA,
+    # off on a CPU (where it costs up to 2x: common/attention/tiled.py)
+    batch_invariant: bool | None = None
     kv_transport: str = "auto"  # how KV crosses between workers; auto: the fastest both ends support
     kv_shared: bool = False  # the KV pool in a named shared-memory segment (CPU): what shm writes into
     torch_dtype: torch.dtype = field(init=False)

@@ -90,7 +90,8 @@ class Engine:
         self._warm_up_attention()
         self.batch_invariant = False  # on CUDA: set_batch_invariant below
         self.runner = ModelRunner(self.model, self.kv_cache, bs, config.torch_device)
-        self.set_batch_invariant(config.batch_invariant)
+        on = config.batch_invariant
+        self.set_batch_invariant(on if on is not None else config.torch_device.type == "cuda")
         self.requests: dict[str, Sequence] = {}
         self.held = self.scheduler.held  # prefill-only requests done, blocks kept for transfer
         self.last_batch: list[ScheduledSeq] = []  # what the last step ran (common/step_trace.py)
@@ -116,15 +117,15 @@ class Engine:
 
     def set_batch_invariant(self, on: bool) -> None:
         """Batch-invariant kernels (common/batch_invariant.py) or torch's ops, then the decode
-        graphs captured again for them. On CPU nothing changes: CPU serving keeps torch's ops."""
+        graphs captured again for them (on CUDA)."""
         changed = False
-        if self.config.torch_device.type == "cuda":
-            from common import batch_invariant
+        if on != self.batch_invariant:
+            from common import batch_invariant  # (imports triton where it is installed: only when asked)
 
-            if on and not self.batch_invariant:
+            if on:
                 self.batch_invariant = changed = batch_invariant.enable(self.model, self.config.torch_device,
                                                                         self.config.torch_dtype, log)
-            elif not on and self.batch_invariant:
+            else:
                 batch_invariant.uninstall(self.model)
                 self.batch_invariant, changed = False, True
         if self.runner.graphs is not None and not changed:

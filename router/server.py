@@ -499,7 +499,7 @@ class Router:
         split = invariance_split(list(self.registry.workers.values()))
         if split is not None and msg.worker_id in split[0] + split[1]:
             log.warning("workers disagree on batch invariance (on: %s; off: %s): a request's tokens then depend on "
-                        "the workers it meets. Start every worker with the same --no-batch-invariant or without it",
+                        "the workers it meets. Start every worker with the same --batch-invariant or --no-batch-invariant",
                         ", ".join(split[0]), ", ".join(split[1]))
         self._send(self.backend, P.Registered(msg.worker_id, msg.incarnation), identity)
 

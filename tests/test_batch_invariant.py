@@ -71,12 +71,12 @@ def test_enable_checks_the_kernels_at_start_and_says_why_it_declines(monkeypatch
     model = load_model("dummy:nanogpt", torch.device("cpu"), torch.float32, "sdpa").model
     monkeypatch.setattr(bi, "linear", lambda *a: (_ for _ in ()).throw(RuntimeError("PTX failed\nline 2\nline 3")))
     with caplog.at_level(logging.WARNING):
-        assert not bi.enable(model, torch.device("cpu"), torch.float32, log)
+        assert not bi.enable_triton(model, torch.device("cpu"), torch.float32, log)  # (interpreted)
     assert not bi.installed(model)
     assert [r.getMessage() for r in caplog.records] == ["batch invariance off: its kernels failed on cpu "
                                                         "(RuntimeError: PTX failed)"]
     monkeypatch.undo()
-    assert bi.enable(model, torch.device("cpu"), torch.float32, log) and bi.installed(model)
+    assert bi.enable_triton(model, torch.device("cpu"), torch.float32, log) and bi.installed(model)
 
 
 def test_a_gpt2_on_the_invariant_kernels_generates_torchs_tokens():

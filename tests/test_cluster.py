@@ -439,7 +439,7 @@ def test_workers_that_disagree_on_batch_invariance_are_named_at_registration(cap
                 assert bool(warned) == (name == "decode-2"), (name, warned)  # None: an older worker, not said
             assert warned == ["workers disagree on batch invariance (on: decode-0, prefill-0; off: decode-2): a "
                               "request's tokens then depend on the workers it meets. Start every worker with the "
-                              "same --no-batch-invariant or without it"]
+                              "same --batch-invariant or --no-batch-invariant"]
             modes = {w.worker_id: w.describe(time.monotonic())["batch_invariant"]
                      for w in router.registry.workers.values()}
             assert modes == {"prefill-0": True, "decode-0": True, "decode-1": None, "decode-2": False}
