@@ -31,7 +31,7 @@ from torch import nn
 from common.attention import tiled
 from common.attention.sdpa import SDPAAttention
 from common.attention.triton_paged import _jit, _pow2, available, interpreted, triton, tl
-from common.errors import first_line
+from common.errors import InvalidArgument, first_line
 from common.model import RMSNorm
 
 
@@ -157,12 +157,12 @@ CPU_ROWS = 16  # rows per product of row_tiled_linear: a decode step's handful c
 
 def row_tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T + bias on a CPU, batch-invariantly: the rows go through one batched product in
-    tiles of CPU_ROWS (the last padded with zeros), each tile the same MKL call whatever the row
-    count. About 1x torch's matmul for a decode step's rows, 2x for a long prefill's."""
+    tiles of CPU_ROWS (the last padded with zeros; two tiles at least), each tile the same MKL call
+    whatever the row count. About 2x torch's matmul for a long prefill's rows."""
     lead, k = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, k)
     m, n, R = rows.shape[0], weight.shape[0], CPU_ROWS
-    tiles = -(-m // R)
+    tiles = max(2, -(-m // R))  # one tile alone, MKL threads inside it and rounds otherwise (K >= ~900)
     padded = rows.new_zeros(tiles * R, k)
     padded[:m] = rows
     out = torch.bmm(padded.view(tiles, R, k), weight.t().expand(tiles, k, n)).view(tiles * R, n)[:m]
@@ -183,13 +183,16 @@ def _set_attention(model: nn.Module, attention) -> None:
 
 
 def install_cpu(model: nn.Module) -> None:
-    """The CPU's batch invariance, in place: row-tiled matmuls and the tiled attention (in place
-    of SDPA; a backend asked for by name, such as Triton's in its interpreter, stays)."""
+    """The CPU's batch invariance, in place: row-tiled matmuls and the tiled attention in place of
+    SDPA (Triton's, in its interpreter, stays: the tests' GPU path; flex is refused)."""
+    a = model.attention
+    if a.name == "flex":
+        raise InvalidArgument("--batch-invariant on a CPU needs the attention backend sdpa (or auto), whose "
+                              "place the tiled attention takes; flex's rounding depends on the batch")
     for module in model.modules():
         if type(module) is nn.Linear:
             module.__class__ = RowTiledLinear
     model.project = row_tiled_linear
-    a = model.attention
     if type(a) is SDPAAttention:
         _set_attention(model, tiled.TiledAttention(a.num_heads, a.num_kv_heads, a.head_dim))
 

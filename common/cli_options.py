@@ -45,8 +45,8 @@ def engine_options(f):
         click.option("--batch-invariant/--no-batch-invariant", default=None,
                      help="kernels whose rounding does not depend on what else is in the batch, so a request's "
                           "tokens and logprobs are the same bits in any batch, chunking and after a migration "
-                          "[default: on on CUDA; off on a CPU, where it costs up to 2x]. --no-batch-invariant on "
-                          "CUDA: torch's own, faster matmuls and norms"),
+                          "[default: on on CUDA; off on a CPU, where it costs a decode step about 1.6-2.5x and "
+                          "a prefill 2x or more]. --no-batch-invariant on CUDA: torch's own, faster matmuls and norms"),
         click.option("--enforce-eager", is_flag=True,
                      help="no CUDA graphs: launch every decode step's kernels from Python (they are captured by "
                           "default on CUDA with the Triton attention)"),

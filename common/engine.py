@@ -88,7 +88,7 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len)
         self._warm_up_attention()
-        self.batch_invariant = False  # on CUDA: set_batch_invariant below
+        self.batch_invariant = False  # set_batch_invariant below
         self.runner = ModelRunner(self.model, self.kv_cache, bs, config.torch_device)
         on = config.batch_invariant
         self.set_batch_invariant(on if on is not None else config.torch_device.type == "cuda")

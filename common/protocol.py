@@ -145,7 +145,7 @@ class Register:
     model: str = ""
     kv_transports: list[str] = field(default_factory=list)  # KV transports it sends (prefill) or receives by
     kv_dtype: str = ""  # of its KV pool: a prefill and a decode worker must agree on it, and on block_size
-    batch_invariant: bool | None = None  # runs the batch-invariant kernels (on CUDA); None: not said
+    batch_invariant: bool | None = None  # runs batch-invariant kernels (common/batch_invariant.py); None: not said
     prefix_caching: bool = True  # keeps a prefix cache (prefix_affine routes shared prompts to it)
     max_model_len: int = 0  # the context it serves, prompt and output; 0: not said
 

@@ -47,10 +47,15 @@ class SDPAAttention:
         self.scale = head_dim ** -0.5
         self.k_scratch, self.v_scratch = _Scratch(), _Scratch()
 
-    def __call__(self, q_THD, k_TKD, v_TKD, k_cache_NBKD, v_cache_NBKD, meta: AttentionMetadata):
+    @staticmethod
+    def store(k_TKD, v_TKD, k_cache_NBKD, v_cache_NBKD, meta: AttentionMetadata) -> None:
+        """The step's new K/V into the pool at their slots."""
         N, B, K, D = k_cache_NBKD.shape
         k_cache_NBKD.view(N * B, K, D).index_copy_(0, meta.slot_mapping, k_TKD)
         v_cache_NBKD.view(N * B, K, D).index_copy_(0, meta.slot_mapping, v_TKD)
+
+    def __call__(self, q_THD, k_TKD, v_TKD, k_cache_NBKD, v_cache_NBKD, meta: AttentionMetadata):
+        self.store(k_TKD, v_TKD, k_cache_NBKD, v_cache_NBKD, meta)
         out_THD = torch.empty_like(q_THD)
         nd = meta.num_decode
         if nd:

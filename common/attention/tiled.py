@@ -37,9 +37,7 @@ class TiledAttention(SDPAAttention):
     grouped_decodes = False  # groups decodes by their split count itself
 
     def __call__(self, q_THD, k_TKD, v_TKD, k_cache_NBKD, v_cache_NBKD, meta: AttentionMetadata):
-        N, B, K, D = k_cache_NBKD.shape
-        k_cache_NBKD.view(N * B, K, D).index_copy_(0, meta.slot_mapping, k_TKD)
-        v_cache_NBKD.view(N * B, K, D).index_copy_(0, meta.slot_mapping, v_TKD)
+        self.store(k_TKD, v_TKD, k_cache_NBKD, v_cache_NBKD, meta)
         out_THD = torch.empty_like(q_THD)
         positions = meta.host_positions or meta.positions.tolist()
         by_splits: dict[int, list[int]] = {}  # decodes read together: those of one split count
@@ -55,56 +53,63 @@ class TiledAttention(SDPAAttention):
                                                  positions[c.start:c.end])
         return out_THD
 
+    def _splits_of(self, k_cache, v_cache, tables_nM, splits: int):
+        """Keys (n, K, splits, D, SPLIT), each split's (D x SPLIT) matrix row-major (MKL rounds a
+        transposed layout differently), and values with their ones column (n, K, S, D + 1), of
+        `splits` splits of each table's sequence; block 0 stands past a table's end (read, and
+        weighted zero)."""
+        n, B = tables_nM.shape[0], k_cache.shape[1]
+        S, width = splits * SPLIT, -(-splits * SPLIT // B)
+        tables = tables_nM.new_zeros(n, width)
+        tables[:, :min(width, tables_nM.shape[1])] = tables_nM[:, :width]
+        k_nSKD = gather_blocks(k_cache, tables, self.k_scratch)[:, :S]
+        n, _, K, D = k_nSKD.shape
+        keys = k_nSKD.view(n, splits, SPLIT, K, D).permute(0, 3, 1, 4, 2).contiguous()
+        values = _with_ones(gather_blocks(v_cache, tables, self.v_scratch)[:, :S].transpose(1, 2))
+        return keys, values
+
     def _decodes(self, q_nHD, k_cache, v_cache, tables_nM, positions: list[int], splits: int):
         """n decodes of `splits` splits each: a product per (decode, KV head)."""
         n, H, D = q_nHD.shape
-        K, G, B = self.num_kv_heads, self.group, k_cache.shape[1]
-        S, width = splits * SPLIT, -(-splits * SPLIT // B)
-        tables = tables_nM.new_zeros(n, width)  # block 0 past a table's end: read, weighted zero
-        tables[:, :min(width, tables_nM.shape[1])] = tables_nM[:, :width]
-        keys = gather_blocks(k_cache, tables, self.k_scratch)[:, :S].permute(0, 2, 3, 1)  # (n, K, D, S)
-        values = _with_ones(gather_blocks(v_cache, tables, self.v_scratch)[:, :S].transpose(1, 2))  # (n, K, S, D+1)
+        K, G = self.num_kv_heads, self.group
+        keys, values = self._splits_of(k_cache, v_cache, tables_nM, splits)
         row_pos = torch.tensor(positions, device=q_nHD.device).repeat_interleave(K).view(n * K, 1, 1)
         out = self._fold(_padded(q_nHD.reshape(n * K, G, D)), row_pos, splits,
-                         lambda part: keys[..., part].reshape(n * K, D, SPLIT),
-                         lambda part: values[:, :, part].reshape(n * K, SPLIT, D + 1))
+                         lambda s: keys[:, :, s].reshape(n * K, D, SPLIT),
+                         lambda s: values[:, :, s * SPLIT:(s + 1) * SPLIT].reshape(n * K, SPLIT, D + 1))
         return out[:, :G].reshape(n, H, D)
 
     def _chunk(self, q_QHD, k_cache, v_cache, table_M, positions: list[int]):
         """A prefill chunk's tokens, a product per (token, KV head), against the chunk's keys (one
         copy of them, broadcast to every token)."""
         Q, H, D = q_QHD.shape
-        K, G, B = self.num_kv_heads, self.group, k_cache.shape[1]
+        K, G = self.num_kv_heads, self.group
         splits = positions[-1] // SPLIT + 1
-        S, width = splits * SPLIT, -(-splits * SPLIT // B)
-        table = table_M.new_zeros(1, width)
-        table[0, :min(width, table_M.shape[0])] = table_M[:width]
-        keys = gather_blocks(k_cache, table, self.k_scratch)[0, :S].permute(1, 2, 0)  # (K, D, S)
-        values = _with_ones(gather_blocks(v_cache, table, self.v_scratch)[0, :S].transpose(0, 1))  # (K, S, D + 1)
+        keys, values = self._splits_of(k_cache, v_cache, table_M[None], splits)
         q_KQGD = q_QHD.view(Q, K, G, D).transpose(0, 1)
         row_pos = torch.tensor(positions, device=q_QHD.device).view(Q, 1, 1)
         out_KQGD = torch.stack([
-            self._fold(_padded(q_KQGD[k]), row_pos, splits, lambda part, k=k: keys[k, :, part].expand(Q, D, SPLIT),
-                       lambda part, k=k: values[k, part].expand(Q, SPLIT, D + 1))
+            self._fold(_padded(q_KQGD[k]), row_pos, splits, lambda s, k=k: keys[0, k, s].expand(Q, D, SPLIT),
+                       lambda s, k=k: values[0, k, s * SPLIT:(s + 1) * SPLIT].expand(Q, SPLIT, D + 1))
             for k in range(K)])[:, :, :G]
         return out_KQGD.transpose(0, 1).reshape(Q, H, D)
 
     def _fold(self, q_UGD, row_pos_U11, splits: int, keys_of, values_of):
-        """Each unit's query rows against its keys, split by split: scores, a max over all the
-        splits, then each split's weighted values and weights' sum (one product: the values carry
-        a column of ones, so the sum is rounded as the products are), added in split order."""
+        """Each unit's query rows against its keys, split by split (keys_of(s), values_of(s)):
+        scores, a max over all the splits, then each split's weighted values and weights' sum (one
+        product: the values carry a column of ones, so the sum is rounded as the products are),
+        added in split order."""
         scores = []
         for s in range(splits):
-            part = slice(s * SPLIT, (s + 1) * SPLIT)
-            key_pos = torch.arange(part.start, part.stop, device=q_UGD.device)
-            x = torch.bmm(q_UGD, keys_of(part)) * self.scale
+            key_pos = torch.arange(s * SPLIT, (s + 1) * SPLIT, device=q_UGD.device)
+            x = torch.bmm(q_UGD, keys_of(s)) * self.scale
             scores.append(x.masked_fill(key_pos > row_pos_U11, -math.inf))
         top = scores[0].amax(-1, keepdim=True)
         for x in scores[1:]:
             top = torch.maximum(top, x.amax(-1, keepdim=True))
         acc = None
         for s, x in enumerate(scores):
-            part = torch.bmm(torch.exp(x - top), values_of(slice(s * SPLIT, (s + 1) * SPLIT)))
+            part = torch.bmm(torch.exp(x - top), values_of(s))
             acc = part if acc is None else acc + part
         return acc[..., :-1] / acc[..., -1:]
 
