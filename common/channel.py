@@ -154,7 +154,10 @@ class Channel:
         except zmq.ZMQError:
             return False
         if isinstance(self.sock, zmq.asyncio.Socket):
-            self.sock.get(zmq.EVENTS)  # zmq.asyncio schedules a waiting receive if a message is there
+            try:
+                self.sock.get(zmq.EVENTS)  # zmq.asyncio schedules a waiting receive if a message is there
+            except RuntimeError:  # a finalizer's, after its event loop closed: nothing waits to receive
+                pass
         return True
 
     def try_send(self, msg, frames=(), to: bytes | None = None) -> bool:
