@@ -18,8 +18,7 @@ in any batch. `install(model)` swaps a model's linear layers and norms for these
 interpreter (their tests); `--batch-invariant` there (`install_cpu`) keeps torch's ops in shapes
 that never change: matmuls over fixed tiles of rows (row_tiled_linear: MKL then computes every
 tile alike), attention a token at a time over keys split at fixed positions
-(common/attention/tiled.py); torch's
-CPU norms already reduce each row alone.
+(common/attention/tiled.py); torch's CPU norms already reduce each row alone.
 """
 
 from __future__ import annotations

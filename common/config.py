@@ -67,7 +67,7 @@ class EngineConfig:
     enforce_eager: bool = False  # no CUDA graphs of the decode step (vLLM's name): every step launched from Python
     async_scheduling: bool = False  # schedule and launch step N while N - 1 runs (common/engine.py)
     # kernels whose rounding does not depend on the batch (common/batch_invariant.py); None: on CUDA,
-    # off on a CPU (where it costs up to 2x: common/attention/tiled.py)
+    # off on a CPU (where it costs 1.6-2.5x a decode step, 2x or more a prefill: common/attention/tiled.py)
     batch_invariant: bool | None = None
     kv_transport: str = "auto"  # how KV crosses between workers; auto: the fastest both ends support
     kv_shared: bool = False  # the KV pool in a named shared-memory segment (CPU): what shm writes into

@@ -29,6 +29,7 @@ cancelled on the router, as vLLM's AsyncLLM does, so its KV blocks are freed at 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
 import uuid
@@ -302,6 +303,17 @@ class _Requests:
         key = _key(msg)
         return key is None or key in self._open
 
+    @contextlib.contextmanager
+    def _opening(self, request_id: str):
+        """Around a request's send: it is open from before it (the first reply may be read while an
+        async send is awaited), and not if the send fails."""
+        self._open.add(request_id)
+        try:
+            yield
+        except BaseException:
+            self._open.discard(request_id)
+            raise
+
     def _abandon(self, request_id: str) -> None:
         """Its caller stopped waiting for it before its end: cancel it, and drop what came for it."""
         if request_id in self._open:
@@ -342,12 +354,8 @@ class Client(_Requests):
         error = self.connection.unreachable(self.address, 0.0, request_id)  # down that long already: queue nothing
         if error is not None:
             raise error
-        self._open.add(request_id)  # before the send: its replies are wanted from the first
-        try:
+        with self._opening(request_id):
             self.chan.send(message)
-        except BaseException:
-            self._open.discard(request_id)
-            raise
         return request_id
 
     def cancel(self, request_id: str) -> None:
@@ -490,12 +498,8 @@ class AsyncClient(_Requests):
         self._start()
         request_id = request_id or self._new_id()
         message = _generate(request_id, prompt, messages, sampling, stream)
-        self._open.add(request_id)  # before the send: the reader may take its first reply while we await
-        try:
+        with self._opening(request_id):
             await self.chan.send(message)
-        except BaseException:
-            self._open.discard(request_id)
-            raise
         return request_id
 
     async def cancel(self, request_id: str) -> None:

@@ -401,36 +401,18 @@ def test_a_busy_decode_worker_queues_reservations_and_grants_them_in_order(tmp_p
         assert isinstance(grant, P.KVGrant) and grant.request_id == "e", grant
 
 
-def test_an_older_attempts_late_cancel_leaves_the_newer_attempts_reservation(tmp_path):
-    """A retry's attempt 2 reaches the decode worker (the prefill worker's KVReserve) before the
-    router's cancel of attempt 1 (another socket): that cancel must not drop attempt 2."""
-    layout = Engine(model="dummy:nanogpt", num_blocks=4).kv_layout
-    with decode_worker(tmp_path, "zmq") as d:
-        chan = Channel.connect(d.ctx, zmq.DEALER, d.register.kv_address)
-        chan.send(P.KVReserve("x", 2, 100, layout))
-        grant = chan.recv(10_000).msg
-        assert isinstance(grant, P.KVGrant) and grant.attempt == 2
-        d.router.send(P.CancelWork("x", 1), to=d.identity)
-        time.sleep(0.5)  # the cancel is long handled by the next heartbeat
-        hb = heartbeat(d)
-        assert hb.total_blocks - hb.free_blocks == len(grant.block_ids), hb
-        d.router.send(P.CancelWork("x", 2), to=d.identity)  # its own attempt's cancel frees it
-        deadline = time.monotonic() + 10
-        while hb.free_blocks != hb.total_blocks and time.monotonic() < deadline:
-            hb = heartbeat(d)
-        assert hb.free_blocks == hb.total_blocks, hb
-
-
-def test_an_older_attempts_late_reservation_is_refused_and_leaves_the_newer_one(tmp_path):
-    """A prefill worker SIGSTOPped past its heartbeat timeout wakes and asks again for its attempt
-    1, after the router's retry (attempt 2, through another prefill worker) holds the decode
-    worker's blocks: attempt 1 is refused, and attempt 2 keeps its grant."""
+def test_an_older_attempts_late_messages_leave_the_newer_attempt(tmp_path):
+    """A retry's attempt 2 holds the decode worker's blocks when attempt 1's messages arrive late:
+    the router's cancel of attempt 1 (another socket) must not drop attempt 2, and attempt 1's
+    reservation (a prefill worker SIGSTOPped past its heartbeat timeout, asking again as it wakes)
+    is refused while attempt 2 keeps its grant; attempt 2's own cancel frees it."""
     layout = Engine(model="dummy:nanogpt", num_blocks=4).kv_layout
     with decode_worker(tmp_path, "zmq") as d:
         newer = Channel.connect(d.ctx, zmq.DEALER, d.register.kv_address)
         newer.send(P.KVReserve("x", 2, 100, layout))
         grant = newer.recv(10_000).msg
         assert isinstance(grant, P.KVGrant) and grant.attempt == 2
+        d.router.send(P.CancelWork("x", 1), to=d.identity)
         late = Channel.connect(d.ctx, zmq.DEALER, d.register.kv_address)
         late.send(P.KVReserve("x", 1, 100, layout))
         refused = late.recv(10_000).msg
@@ -439,6 +421,13 @@ def test_an_older_attempts_late_reservation_is_refused_and_leaves_the_newer_one(
         newer.send(P.KVReserve("x", 2, 100, layout))  # attempt 2 asks again: the same blocks
         again = newer.recv(10_000).msg
         assert isinstance(again, P.KVGrant) and again.block_ids == grant.block_ids, again
+        hb = heartbeat(d)
+        assert hb.total_blocks - hb.free_blocks == len(grant.block_ids), hb
+        d.router.send(P.CancelWork("x", 2), to=d.identity)  # its own attempt's cancel frees it
+        deadline = time.monotonic() + 10
+        while hb.free_blocks != hb.total_blocks and time.monotonic() < deadline:
+            hb = heartbeat(d)
+        assert hb.free_blocks == hb.total_blocks, hb
 
 
 @pytest.fixture(scope="module")
