@@ -79,7 +79,9 @@ def top_k_top_p(scaled_SV: torch.Tensor, k_S: torch.Tensor, top_p_S: torch.Tenso
     whatever else is in its batch: a cumulative sum that rounds up to 1 before its end must not
     cut its tail."""
     V = scaled_SV.shape[1]
-    sorted_SV, order_SV = scaled_SV.sort(dim=-1, descending=True)
+    # stable: tied logits keep their ids' order. An unstable sort orders ties as its algorithm
+    # goes, on CUDA by the batch's shape: a tie at the top-k boundary kept another token alone.
+    sorted_SV, order_SV = scaled_SV.sort(dim=-1, descending=True, stable=True)
     rank_V = torch.arange(V, device=scaled_SV.device)
     drop_SV = rank_V[None, :] >= k_S[:, None]
     sorted_SV = sorted_SV.masked_fill(drop_SV, -math.inf)

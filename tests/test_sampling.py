@@ -86,3 +86,23 @@ def test_a_row_asking_for_no_filter_leaves_the_filter_untouched():
     assert out[1].tolist() == [-math.inf, -math.inf, 3.0, 4.0]  # top-2 still cuts
     nucleus = top_k_top_p(scaled, torch.tensor([4, 4]), torch.tensor([1.0, 0.5]))
     assert torch.equal(nucleus[0], scaled[0]) and nucleus[1].isinf().tolist() == [True, True, True, False]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_ties_at_the_top_k_boundary_keep_the_lowest_ids_in_any_batch(device):
+    """bfloat16 logits tie often. A row whose k-th and (k+1)-th logits tie keeps the lower ids,
+    alone and among other rows. Unstable sorts kept 20,000 here on a CPU, and on CUDA order ties
+    by the batch's shape."""
+    from common.sampling import top_k_top_p
+
+    V, k = 50_000, 3
+    row = torch.full((V,), -5.0)
+    tied = [7, 901, 20_000, 44_444]  # four ties for the last two places
+    row[123] = 9.0
+    row[tied] = 4.0
+    for batch in (1, 3, 64):
+        rows = torch.randn(batch, V, generator=torch.Generator().manual_seed(batch))
+        rows[batch // 2] = row
+        out = top_k_top_p(rows.to(device), torch.full((batch,), k, device=device),
+                          torch.ones(batch, device=device))[batch // 2].cpu()
+        assert out.isfinite().nonzero().flatten().tolist() == [7, 123, 901], batch
