@@ -39,6 +39,7 @@ class Worker:
     counters: dict = field(default_factory=dict)  # its heartbeat's counters, last seen (router/metrics.py)
     prefix_caching: bool = True  # it keeps a prefix cache (started without --no-prefix-caching)
     prefix_index: PrefixIndex | None = None  # prefix_affine: what its prefix cache likely holds
+    max_model_len: int = 0  # the context it serves, prompt and output (0: not said)
 
     def describe(self, now: float) -> dict:
         return {"worker_id": self.worker_id, "role": self.role, "incarnation": self.incarnation,
@@ -46,7 +47,7 @@ class Worker:
                 "assigned": len(self.assigned), "free_blocks": self.free_blocks,
                 "total_blocks": self.total_blocks, "kv_address": self.kv_address, "kv_transports": self.kv_transports,
                 "kv_dtype": self.kv_dtype, "block_size": self.block_size, "batch_invariant": self.batch_invariant,
-                "prefix_caching": self.prefix_caching,
+                "prefix_caching": self.prefix_caching, "max_model_len": self.max_model_len,
                 "heartbeat_age_s": round(now - self.last_seen, 3)}
 
     def kv_fits(self, other: "Worker") -> bool:

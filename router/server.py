@@ -111,6 +111,7 @@ class Router:
             taken[port] = flag
         self.cfg = cfg
         self.prompts = Prompts(cfg.model, cfg.max_model_len)  # its tokenizer and model_config are the router's
+        self.configured_context = self.prompts.context  # prompts.context: the least of it and the workers' (_fit_context)
         self.registry = Registry(cfg.policy)
         self.requests: dict[str, Request] = {}
         self.by_client: dict[tuple[bytes, str], str] = {}
@@ -486,16 +487,12 @@ class Router:
                                                       msg.total_blocks, msg.block_size, msg.kv_address,
                                                       list(msg.kv_transports), kv_dtype=msg.kv_dtype,
                                                       batch_invariant=msg.batch_invariant, free_blocks=msg.total_blocks,
-                                                      prefix_caching=msg.prefix_caching)
+                                                      prefix_caching=msg.prefix_caching, max_model_len=msg.max_model_len)
         w = self.registry.workers[msg.worker_id]
         log.info("worker %s registered: role=%s device=%s blocks=%d (%s) kv=%s by %s", msg.worker_id, msg.role,
                  msg.device, msg.total_blocks, w.kv_name(), msg.kv_address or "-", ",".join(msg.kv_transports) or "-")
         self._warn_kv_orphans()
-        if 0 < msg.max_model_len < self.prompts.context:
-            log.warning("worker %s serves a context of %d tokens; the router admits %d: it refuses prompts of %d "
-                        "tokens or more (INVALID_ARGUMENT), and outputs it decodes end at %d tokens with finish_reason "
-                        "'length'. Give the router and every worker the same --max-model-len", msg.worker_id,
-                        msg.max_model_len, self.prompts.context, msg.max_model_len, msg.max_model_len)
+        self._fit_context()
         split = invariance_split(list(self.registry.workers.values()))
         if split is not None and msg.worker_id in split[0] + split[1]:
             log.warning("workers disagree on batch invariance (on: %s; off: %s): a request's tokens then depend on "
@@ -516,8 +513,26 @@ class Router:
                           w.worker_id, w.kv_name(), others[0].role,
                           "; ".join(f"{o.worker_id}: {o.kv_name()}" for o in others))
 
+    def _fit_context(self):
+        """Admit the context every live worker serves. A worker may serve less than the router was
+        told (started with another --max-model-len, or a GPU worker whose KV pool holds less: see
+        Engine._auto_num_blocks); past it, that worker would refuse a prompt or end an output early,
+        and a migrated request's output would depend on the workers it met."""
+        served = {w.worker_id: w.max_model_len for w in self.registry.workers.values() if w.alive and w.max_model_len}
+        context = min([self.configured_context, *served.values()])
+        if context < self.prompts.context:
+            least = [name for name, n in sorted(served.items()) if n == context]
+            log.warning("worker %s serves a context of %d tokens; the router admits %d from now on (was %d): longer "
+                        "prompts are refused, outputs end there with finish_reason 'length'. Give every worker the "
+                        "router's --max-model-len and a KV pool that holds it", ", ".join(least), context, context,
+                        self.prompts.context)
+        elif context > self.prompts.context:
+            log.info("the live workers serve a context of %d tokens or more: the router admits %d again", context, context)
+        self.prompts.context = context
+
     def worker_lost(self, w: Worker, why: str):
         w.alive = False
+        self._fit_context()
         self.metrics.worker_deaths.inc()
         log.warning("worker %s lost (%s); %d requests to recover", w.worker_id, why, len(w.assigned))
         for rid in sorted(w.assigned):

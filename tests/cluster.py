@@ -77,12 +77,14 @@ async def serving_router(**config):
 
 
 async def scripted_worker(router: Router, connect, name: str, role: str = "mono", device: str = "cpu",
-                          kv_dtype: str = "float32", batch_invariant: bool | None = None) -> Channel:
+                          kv_dtype: str = "float32", batch_invariant: bool | None = None,
+                          max_model_len: int = 0) -> Channel:
     """A socket registered with the router as worker `name` (incarnation 1), its Registered read:
     the test speaks the worker protocol on it."""
     chan = connect(router.backend.address, f"{name}/1".encode())
     await chan.send(P.Register(role, name, "1", device, 64, 16, "tcp://127.0.0.1:1",
-                               model_config(router.cfg.model).fingerprint, [], kv_dtype, batch_invariant))
+                               model_config(router.cfg.model).fingerprint, [], kv_dtype, batch_invariant,
+                               max_model_len=max_model_len))
     assert isinstance((await chan.arecv()).msg, P.Registered)
     return chan
 

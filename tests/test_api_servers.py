@@ -324,9 +324,31 @@ def test_the_workers_max_model_len_is_what_the_router_and_its_api_servers_admit(
     assert s3 == 200 and ok["usage"]["completion_tokens"] == 68
 
 
-def test_a_router_admitting_more_than_a_worker_serves_names_it(tmp_path):
+def test_a_router_told_more_than_a_worker_serves_admits_what_it_serves(tmp_path):
+    """A worker started with a shorter context (or a GPU worker whose pool holds less) lowers what
+    the router admits: a longer prompt is refused by the router itself, and the log names the worker."""
     with cluster(tmp_path, prefill=0, decode=0, mono=1, worker_args=["--max-model-len", "128"],
-                 router_args=["--max-model-len", "512"]):
-        pass
+                 router_args=["--max-model-len", "512"]) as c, Client(c.address, timeout=60) as client:
+        with pytest.raises(RequestError, match=r"prompt has 130 tokens; allowed: at most 127 \(the context served is 128\)"):
+            client.generate([1] * 130, max_tokens=2)
+        assert len(client.generate([1] * 60, max_tokens=500, ignore_eos=True).token_ids) == 68
+        assert [w["max_model_len"] for w in client.status().workers] == [128]
     log = (tmp_path / "logs" / "router.log").read_text()
-    assert "worker mono-0 serves a context of 128 tokens; the router admits 512" in log
+    assert "worker mono-0 serves a context of 128 tokens; the router admits 128 from now on (was 512)" in log
+
+
+def test_the_router_admits_the_least_context_its_live_workers_serve(caplog):
+    async def scenario():
+        async with serving_router(max_model_len=512) as (router, connect):
+            seen = []
+            for name, context in (("mono-0", 256), ("mono-1", 128), ("mono-2", 0)):  # 0: an older worker, not said
+                await scripted_worker(router, connect, name, max_model_len=context)
+                seen.append(router.prompts.context)
+            for name in ("mono-1", "mono-0"):
+                router.worker_lost(router.registry.workers[name], "test")
+                seen.append(router.prompts.context)
+            return seen
+
+    with caplog.at_level("INFO", logger="pdserve.router"):
+        assert asyncio.run(scenario()) == [256, 128, 128, 256, 512]
+    assert "the live workers serve a context of 512 tokens or more: the router admits 512 again" in caplog.text
