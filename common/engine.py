@@ -161,15 +161,21 @@ class Engine:
             return None
 
     def _auto_num_blocks(self) -> tuple[int, int]:
-        """(KV blocks, max_model_len): on a GPU a pool that holds fewer tokens than max_model_len
-        lowers it to what the pool holds (the step's activations are sized for that context)."""
+        """(KV blocks, max_model_len): a pool that holds fewer tokens than max_model_len lowers it
+        to what the pool holds, or a request asking for the whole context (an HTTP chat's default
+        max_tokens) could never fit. On a GPU the step's activations are sized for that context."""
         cfg, bs, mc = self.config, self.config.block_size, self.model_config
         dtype_bytes = torch.finfo(cfg.torch_dtype).bits // 8
         block_bytes = mc.kv_values_per_token * bs * dtype_bytes
         useful = cfg.max_num_seqs * -(-self.max_model_len // bs)
         if cfg.torch_device.type != "cuda":
             budget = (cfg.kv_cache_gb or _CPU_KV_CACHE_GB) * 2**30
-            return max(1, min(useful, int(budget // block_bytes))), self.max_model_len
+            blocks = max(1, min(useful, int(budget // block_bytes)))
+            if blocks * bs < self.max_model_len:
+                log.warning("max_model_len lowered from %d to %d tokens, what the KV pool of %s holds (a longer "
+                            "request could never fit); pass --max-model-len, or raise --kv-cache-gb",
+                            self.max_model_len, blocks * bs, memory.gib(blocks * block_bytes))
+            return blocks, min(self.max_model_len, blocks * bs)
         dev = cfg.torch_device
         torch.cuda.empty_cache()  # what loading the weights cached and let go is not held
         free, total = torch.cuda.mem_get_info(dev)

@@ -5,12 +5,14 @@ rather than decoded to their end for nobody. (test_http runs the whole HTTP API 
 and from API servers.)"""
 
 import asyncio
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import aiohttp
@@ -335,6 +337,23 @@ def test_a_router_told_more_than_a_worker_serves_admits_what_it_serves(tmp_path)
         assert [w["max_model_len"] for w in client.status().workers] == [128]
     log = (tmp_path / "logs" / "router.log").read_text()
     assert "worker mono-0 serves a context of 128 tokens; the router admits 128 from now on (was 512)" in log
+
+
+def test_a_pool_smaller_than_the_context_lowers_it_and_a_chat_without_max_tokens_is_served(tmp_path):
+    """--kv-cache-gb 0.001 holds 512 of dummy:nanogpt's 1,024 tokens. A chat without max_tokens
+    asks for the whole context (vLLM's default): it had been refused, "request needs 64 KV blocks"."""
+    with cluster(tmp_path, http=True, worker_args=["--kv-cache-gb", "0.001"]) as c:
+        def post(path, body=None):
+            req = urllib.request.Request(c.http_url + path, None if body is None else json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=120) as r:
+                return json.loads(r.read())
+        chat = post("/v1/chat/completions", dict(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                  ignore_eos=True))
+        card = post("/v1/models")["data"][0]
+    assert chat["choices"][0]["finish_reason"] == "length" and chat["usage"]["total_tokens"] == 512
+    assert card["max_model_len"] == 512
+    assert "max_model_len lowered from 1024 to 512 tokens" in (tmp_path / "logs" / "decode-0.log").read_text()
 
 
 def test_the_router_admits_the_least_context_its_live_workers_serve(caplog):
