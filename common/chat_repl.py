@@ -58,7 +58,7 @@ class EngineChat:
         engine = self.engine
         params = SamplingParams(**sampling)
         rid = engine.add_request(chat_prompt_ids(engine, messages), params)
-        text = TextStream.for_params(engine.tokenizer, params)
+        text = TextStream.for_params(engine.tokenizer, params, engine.model_config.eos_token_ids)
         with _CtrlC() as ctrl_c:
             while not ctrl_c.hit:
                 for out in engine.step():

@@ -31,7 +31,7 @@ from common.kv_cache import BlockManager, allocate_kv_pool
 from common.model_runner import LaunchedStep, LayerHook, ModelRunner
 from common.sampling_params import SamplingParams, fresh_seed
 from common.scheduler import ScheduledSeq, Scheduler
-from common.text import TextStream
+from common.text import TextStream, output_text
 from common.sequence import PENDING, PREFILLED, Sequence, Status
 
 _CPU_KV_CACHE_GB = 1.0
@@ -246,7 +246,7 @@ class Engine:
                        output_ids, prefill_only)
         if params.stop and self.finds_stop_strings and self.tokenizer is not None and not prefill_only:
             # The same text the router builds, so a request stops at the same token wherever it runs.
-            seq.text = TextStream.for_params(self.tokenizer, params)
+            seq.text = TextStream.for_params(self.tokenizer, params, self.model_config.eos_token_ids)
             for token in output_ids:
                 seq.text.add(token)
         need = self.block_manager.blocks_needed(seq.max_len)
@@ -438,7 +438,7 @@ class Engine:
             if seq.text is not None:
                 text, seq.finish_reason = seq.text.final(), seq.text.finish_reason(seq.finish_reason)
             else:
-                text = self.tokenizer.decode(seq.output_token_ids)
+                text = output_text(self.tokenizer, seq.output_token_ids, seq.params, self.model_config.eos_token_ids)
         metrics = {}
         if first or finished:  # a worker reports its prefill time and prefix hit with the first token
             # Prompt tokens found cached (a re-prefill after a migration also finds output it recomputes)

@@ -137,6 +137,10 @@ class SamplingParams:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
                     or (self.min_p and not self.greedy) or self.logit_bias)
 
+    def stop_ids(self, eos_token_ids) -> set[int]:
+        """The token ids that end the output: stop_token_ids, and the model's EOS unless ignore_eos."""
+        return set(self.stop_token_ids) | (set() if self.ignore_eos else set(eos_token_ids))
+
     def check_vocab(self, vocab_size: int) -> None:
         """The token ids logit_bias names must be the model's; checked where the model is known."""
         bad = [t for t in self.logit_bias if t >= vocab_size]

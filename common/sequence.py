@@ -35,7 +35,7 @@ class Sequence:
         self.awaits_kv_grant = prefill_only
         self.params = params
         self.seed = seed
-        self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+        self.stop_ids = params.stop_ids(eos_token_ids)
         # any logit adjustment (common/logits_processing.py), min_tokens included while unmet
         self.adjusts_logits = params.adjusts_logits or params.min_tokens > 0
         self.max_len = min(self.num_prompt_tokens + params.max_tokens, max_model_len)

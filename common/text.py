@@ -11,15 +11,21 @@ for "ab") stops the request at the token that completed it; the text is cut befo
 len(longest) - 1 characters are held back from streaming: they might be the start of a stop
 string, which must never reach the client. Nor are they searched in the text of a request's
 first min_tokens tokens (vLLM's rule: the text after them may still complete one begun there).
+
+As in vLLM, a stop token that ends the output (stop_token_ids, or EOS) adds no text unless
+include_stop_str_in_output, and an output that ends inside a multi-byte character ends its text
+before that character: a client never sees a trailing U+FFFD.
 """
 
 from __future__ import annotations
 
 
 class TextStream:
-    def __init__(self, tokenizer, stop: list[str] = (), include_stop: bool = False, min_tokens: int = 0):
+    def __init__(self, tokenizer, stop: list[str] = (), include_stop: bool = False, min_tokens: int = 0,
+                 stop_ids: set[int] = frozenset()):
         self.tokenizer = tokenizer
         self.stop, self.include_stop, self.min_tokens = list(stop), include_stop, min_tokens
+        self.stop_ids = stop_ids  # tokens that end the output without text of theirs
         self.holdback = max(map(len, self.stop), default=1) - 1
         self.ids: list[int] = []
         self.prefix = self.read = 0  # the window: ids[prefix:read] is decoded already
@@ -28,12 +34,16 @@ class TextStream:
         self.stop_reason: str | None = None  # the stop string that ended the text
 
     @classmethod
-    def for_params(cls, tokenizer, params) -> "TextStream":
-        """The text of a request with these SamplingParams: its stop strings and min_tokens."""
-        return cls(tokenizer, params.stop, params.include_stop_str_in_output, params.min_tokens)
+    def for_params(cls, tokenizer, params, eos_token_ids=()) -> "TextStream":
+        """The text of a request with these SamplingParams, of a model with these EOS ids."""
+        include = params.include_stop_str_in_output
+        return cls(tokenizer, params.stop, include, params.min_tokens,
+                   frozenset() if include else params.stop_ids(eos_token_ids))
 
     def add(self, token: int) -> bool:
         """Take the next token; True if the text now reaches a stop string (then add no more)."""
+        if token in self.stop_ids:
+            return False  # it ends the output, which its caller sees
         self.ids.append(token)
         before = self.tokenizer.decode(self.ids[self.prefix:self.read])
         after = self.tokenizer.decode(self.ids[self.prefix:])
@@ -69,13 +79,21 @@ class TextStream:
         return out
 
     def final(self) -> str:
-        """The whole text once the output is complete: a trailing partial character included, and
-        searched for stop strings like the rest (a token "a\\xc3" completes "xa" before its partial
-        character; then stop_reason is set)."""
+        """The whole text once the output is complete: what its last tokens hold before a trailing
+        partial character, searched for stop strings like the rest (a token "a\\xc3" completes
+        "xa" before its partial character; then stop_reason is set)."""
         if self.stop_reason is None and self.read < len(self.ids):
             old = len(self.text)
             before = self.tokenizer.decode(self.ids[self.prefix:self.read])
-            self.text += self.tokenizer.decode(self.ids[self.prefix:])[len(before):]
+            self.text += self.tokenizer.decode(self.ids[self.prefix:])[len(before):].rstrip("\ufffd")
             self.prefix = self.read = len(self.ids)
             self._stopped_after(old)
         return self.text
+
+
+def output_text(tokenizer, ids: list[int], params, eos_token_ids=()) -> str:
+    """A whole output's text decoded at once, as TextStream builds it token by token: without the
+    text of a stop token that ended it, nor of a character it ends inside of."""
+    if ids and not params.include_stop_str_in_output and ids[-1] in params.stop_ids(eos_token_ids):
+        ids = ids[:-1]
+    return tokenizer.decode(ids).rstrip("\ufffd")

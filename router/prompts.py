@@ -7,6 +7,7 @@ from __future__ import annotations
 from common.errors import InvalidArgument
 from common.model_spec import load_tokenizer, model_config
 from common.sampling_params import SamplingParams
+from common.text import output_text
 
 
 class Prompts:
@@ -69,3 +70,7 @@ class Prompts:
 
     def text(self, ids: list[int]) -> str | None:
         return self.tokenizer.decode(ids) if self.tokenizer is not None else None
+
+    def output_text(self, ids: list[int], params: SamplingParams) -> str | None:
+        """An output's text, as a TextStream of it ends (common/text.py)."""
+        return output_text(self.tokenizer, ids, params, self.model_config.eos_token_ids) if self.tokenizer else None

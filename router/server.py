@@ -182,7 +182,7 @@ class Router:
 
     def done(self, req: Request, reason: str):
         """Finish req with its tokens so far: Done to the client."""
-        text = req.text.final() if req.text is not None else self.prompts.text(req.tokens)
+        text = req.text.final() if req.text is not None else self.prompts.output_text(req.tokens, req.params)
         stop_reason = req.text.stop_reason if req.text is not None else None
         reason = req.text.finish_reason(reason) if req.text is not None else reason
         if stop_reason is None and reason == "stop" and req.tokens and req.tokens[-1] in req.params.stop_token_ids:
@@ -302,7 +302,7 @@ class Router:
         if params.logprobs is not None:
             req.logprobs = []
         if self.prompts.tokenizer is not None and (stream or params.stop):
-            req.text = TextStream.for_params(self.prompts.tokenizer, params)
+            req.text = TextStream.for_params(self.prompts.tokenizer, params, self.prompts.model_config.eos_token_ids)
         self.requests[req.rid] = req
         self.by_client[(client, client_request_id)] = req.rid
         self.dispatch(req)
@@ -355,9 +355,7 @@ class Router:
         """A migrating request whose delivered tokens already end it (its Done was lost with its worker)."""
         if not req.tokens:
             return None
-        cfg = self.prompts.model_config
-        stops = set(req.params.stop_token_ids) | (set() if req.params.ignore_eos else set(cfg.eos_token_ids))
-        if req.tokens[-1] in stops:
+        if req.tokens[-1] in req.params.stop_ids(self.prompts.model_config.eos_token_ids):
             return "stop"
         if len(req.tokens) >= req.params.max_tokens or \
                 len(req.prompt_ids) + len(req.tokens) >= self.prompts.context:

@@ -173,23 +173,31 @@ def test_stop_string_across_tokens_ends_the_text_in_process(tmp_path):
         assert out.finish_reason == "stop"
         assert out.token_ids == free.token_ids[:completes]
         assert out.text == prefixes[-1][:at + (len(stop) if include else 0)]
-    # a stop token ending the request before any stop string: the text is the same with or without one
+    # a stop token ending the request before any stop string: the text is the same with or without
+    # one, and holds the stop token's only with include_stop_str_in_output (vLLM's rule)
     by_id = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop_token_ids=[free.token_ids[3]])
     plain = engine.generate("the quick brown", by_id)[0]
+    shown = tok.decode(plain.token_ids[:-1]).rstrip("\ufffd")  # (random weights: it may end inside a character)
+    assert plain.token_ids[-1] == free.token_ids[3] and plain.text == shown
     both = engine.generate("the quick brown", SamplingParams(**{**by_id.__dict__, "stop": ["\x00never"]}))[0]
     assert (both.token_ids, both.text) == (plain.token_ids, plain.text) and plain.text
+    for stop in ([], ["\x00never"]):
+        kept = engine.generate("the quick brown", SamplingParams(**{**by_id.__dict__, "stop": stop,
+                                                                    "include_stop_str_in_output": True}))[0]
+        assert (kept.token_ids, kept.text) == (plain.token_ids, tok.decode(plain.token_ids).rstrip("\ufffd"))
     assert_all_blocks_free(engine)
 
 
-def test_a_stop_string_in_the_last_partial_character_ends_the_text_with_stop():
-    """Output that ends inside a multi-byte character (byte 0xC3, twice) has its trailing text
-    decoded at the end; a stop string found there is cut, and the request reports stop."""
+def test_an_output_ending_inside_a_character_ends_its_text_before_it():
+    """Output that ends inside a multi-byte character (byte 0xC3, twice) shows no U+FFFD for it,
+    as vLLM's text never does, with stop strings to find or without."""
     engine = Engine(model="dummy:nanogpt")
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, logit_bias={0xC3: 100.0})
     plain = engine.generate("ab", params)[0]
-    assert (plain.token_ids, plain.text, plain.finish_reason) == ([0xC3, 0xC3], "\ufffd\ufffd", "length")
-    out = engine.generate("ab", SamplingParams(**{**params.__dict__, "stop": ["\ufffd"]}))[0]
-    assert (out.token_ids, out.text, out.finish_reason) == ([0xC3, 0xC3], "", "stop")
+    assert (plain.token_ids, plain.text, plain.finish_reason) == ([0xC3, 0xC3], "", "length")
+    for stop in (["\ufffd"], ["\x00never"]):
+        out = engine.generate("ab", SamplingParams(**{**params.__dict__, "stop": stop}))[0]
+        assert (out.token_ids, out.text, out.finish_reason) == ([0xC3, 0xC3], "", "length")
 
 
 def test_seeded_sampling_is_reproducible_and_seed_dependent():

@@ -187,7 +187,7 @@ def test_incremental_text_equals_decoding_everything(which, bpe):
         if which == "byte" and rng.random() < 0.5:
             ids = list("héllo wörld €".encode()) + ids  # multi-byte characters split across tokens
         streamed, final, _, _ = stream_all(tok, ids)
-        assert streamed == final == tok.decode(ids), ids
+        assert streamed == final == tok.decode(ids).rstrip("\ufffd"), ids  # (less a last partial character)
 
 
 def test_stop_string_spanning_bpe_tokens(bpe):
@@ -246,7 +246,7 @@ def test_a_stop_string_completed_by_a_token_ending_in_a_partial_character_is_fou
     ts = TextStream(PieceTokenizer(), ["xa"], include_stop=True)
     assert not ts.add(1) and not ts.add(2) and (ts.final(), ts.stop_reason) == ("xa", "xa")
     ts = TextStream(PieceTokenizer(), ["xa"], min_tokens=2)  # within the first min_tokens: not searched
-    assert not ts.add(1) and not ts.add(2) and (ts.final(), ts.stop_reason) == ("xa\ufffd", None)
+    assert not ts.add(1) and not ts.add(2) and (ts.final(), ts.stop_reason) == ("xa", None)  # no U+FFFD
     ts = TextStream(PieceTokenizer(), ["xa"])
     assert not ts.add(1) and ts.add(2) is False and ts.add(3)  # the character completes: found as it grows
     assert (ts.final(), ts.stop_reason) == ("", "xa")
@@ -289,29 +289,39 @@ def test_router_stops_at_a_stop_string_and_cancels_the_workers_work():
     asyncio.run(scenario())
 
 
-def test_router_reports_stop_for_a_stop_string_found_in_the_last_partial_character():
-    """A worker ends a request at its length on a token that begins a character ("x", then 0xC3);
-    the router's final text holds the stop string "\\ufffd": it cuts it and reports stop."""
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "decoded at the end"])
+@pytest.mark.parametrize("case", ["partial character", "stop token", "stop token kept"])
+def test_the_routers_text_shows_neither_a_trailing_partial_character_nor_the_stop_token(case, stream):
+    """As vLLM's: an output that ends inside a character ("x", then 0xC3) ends its text before it,
+    even with "\\ufffd" as a stop string, and a stop token that ended it ("b") adds no text unless
+    include_stop_str_in_output. Streamed or decoded once at the end, the text is the same."""
     import asyncio
 
     from common import protocol as P
     from common.sampling_params import SamplingParams
     from tests.cluster import scripted_worker, serving_router
 
+    tokens, finish, want = {"partial character": ([ord("x"), 0xC3], "length", ("length", None, "x")),
+                            "stop token": ([ord("x"), ord("b")], "stop", ("stop", ord("b"), "x")),
+                            "stop token kept": ([ord("x"), ord("b")], "stop", ("stop", ord("b"), "xb"))}[case]
+    params = SamplingParams(max_tokens=2, stop=["\ufffd"] if case == "partial character" else [],
+                            stop_token_ids=[ord("b")], include_stop_str_in_output=case == "stop token kept",
+                            ignore_eos=True)
+
     async def scenario():
         async with serving_router(model=MODEL) as (router, connect):
             worker = await scripted_worker(router, connect, "w")
             replies = []
-            params = SamplingParams(max_tokens=2, stop=["\ufffd"], ignore_eos=True)
-            assert router.submit("test", "r1", [1, 2, 3], params, True, replies.append)
+            assert router.submit("test", "r1", [1, 2, 3], params, stream, replies.append)
             work = (await worker.arecv()).msg
-            await worker.send(P.WorkerTokens(work.request_id, work.attempt, 0, [ord("x"), 0xC3], finish_reason="length"))
+            await worker.send(P.WorkerTokens(work.request_id, work.attempt, 0, tokens, finish_reason=finish))
             for _ in range(100):
                 if replies and isinstance(replies[-1], P.Done):
                     break
                 await asyncio.sleep(0.02)
             done = replies[-1]
-            assert isinstance(done, P.Done) and (done.finish_reason, done.stop_reason, done.text) == ("stop", "\ufffd", "x")
+            assert isinstance(done, P.Done) and (done.finish_reason, done.stop_reason, done.text) == want
+            assert "".join(m.text for m in replies if isinstance(m, P.Token)) in ("", want[2])
             assert not router.requests
 
     asyncio.run(scenario())
