@@ -2,8 +2,9 @@
 
 The template is the model's own Jinja source (`chat_template` in a Hugging Face checkpoint's
 tokenizer_config.json or chat_template.jinja, `tokenizer.chat_template` in a GGUF file), rendered
-in a sandboxed, immutable Jinja environment with the globals `transformers` provides, so a
-template written for `apply_chat_template` renders the same string here. A template comes from a
+in a sandboxed, immutable Jinja environment with the globals, filters and tags `transformers`
+provides, and the variables it defines, so a template written for `apply_chat_template` renders
+the same string here. A template comes from a
 model file, which is data: the sandbox keeps it from reaching Python objects.
 
 The rendered text usually carries the model's special tokens (BOS included) itself, so it is
@@ -21,6 +22,7 @@ The embedded dummy models have no template of their own; they get DUMMY_CHAT_TEM
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 
 from common.errors import InvalidArgument, ModelLoadError, short_repr as _short
@@ -29,40 +31,43 @@ DUMMY_CHAT_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
-ROLES = ("system", "user", "assistant", "tool", "developer")
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 MAX_MESSAGES = 4096
 
 
 class ChatTemplate:
-    def __init__(self, source: str, bos_token: str = "", eos_token: str = "", origin: str = "chat template"):
+    def __init__(self, source: str, bos_token: str = "", eos_token: str = "", origin: str = "chat template",
+                 **other_tokens: str):
+        """other_tokens: more of SPECIAL_TOKENS by name (pad_token="<pad>"). The template sees those
+        given as variables, as transformers defines a tokenizer's special tokens; an empty one is absent."""
         from jinja2 import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        self.source, self.bos_token, self.eos_token, self.origin = source, bos_token, eos_token, origin
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-        env.filters["tojson"] = _tojson
-        env.globals["raise_exception"] = _raise_exception
-        env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+        self.source, self.origin = source, origin
+        tokens = dict(bos_token=bos_token, eos_token=eos_token, **other_tokens)
+        self.tokens = {name: text for name, text in tokens.items() if text}
         try:
-            self._template = env.from_string(source)
+            self._template = _environment().from_string(source)
         except TemplateError as e:
             raise ModelLoadError(f"{origin}: not a valid Jinja template ({e})") from e
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
-        """messages (checked by check_messages) to the prompt text; a template that raises says why."""
-        from jinja2 import TemplateError
-
+        """messages (checked by check_messages) to the prompt text, with the variables transformers'
+        apply_chat_template defines (extra overrides the tokens); a template that fails says why."""
         messages = check_messages(messages)
+        variables = {"tools": None, "documents": None, **self.tokens, **extra}
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token, eos_token=self.eos_token, **extra)
-        except TemplateError as e:
-            raise InvalidArgument(f"messages cannot be rendered by the {self.origin}: {e}") from e
+            return self._template.render(variables, messages=messages, add_generation_prompt=add_generation_prompt)
+        except Exception as e:  # raise_exception, or a Python error in what the template called (a TypeError...)
+            raise InvalidArgument(f"messages cannot be rendered by the {self.origin}: "
+                                  f"{type(e).__name__}: {e}") from e
 
 
 def check_messages(messages) -> list[dict]:
-    """OpenAI-style messages: a non-empty list of {"role", "content"}, content a string or a list
-    of {"type": "text", "text"} parts (joined). Returns plain {"role", "content": str} maps."""
+    """OpenAI-style messages: a non-empty list of objects with a role (any non-empty string) and a
+    content, a string or a list of {"type": "text", "text"} parts (joined by newlines, as vLLM
+    joins them). Other keys (name, tool_calls, tool_call_id...) reach the template as given, as
+    in transformers, those that are null dropped as it drops them; their values must be JSON data.
+    Returns copies whose content is a string."""
     if not isinstance(messages, list) or not messages:
         raise InvalidArgument(f"messages={_short(messages)} is invalid; allowed: a non-empty list of "
                               '{"role": ..., "content": ...} objects')
@@ -73,8 +78,9 @@ def check_messages(messages) -> list[dict]:
         if not isinstance(m, dict):
             raise InvalidArgument(f"messages[{i}]={_short(m)} is invalid; allowed: an object with role and content")
         role, content = m.get("role"), m.get("content")
-        if role not in ROLES:
-            raise InvalidArgument(f"messages[{i}].role={_short(role)} is invalid; allowed: {', '.join(ROLES)}")
+        if not isinstance(role, str) or not role:
+            raise InvalidArgument(f"messages[{i}].role={_short(role)} is invalid; allowed: a non-empty string "
+                                  "(system, user, assistant, tool...)")
         if isinstance(content, list):
             parts = []
             for j, part in enumerate(content):
@@ -82,14 +88,32 @@ def check_messages(messages) -> list[dict]:
                     raise InvalidArgument(f"messages[{i}].content[{j}]={_short(part)} is invalid; allowed: "
                                           '{"type": "text", "text": "..."} (no images or audio)')
                 parts.append(part["text"])
-            content = "".join(parts)
+            content = "\n".join(parts)
         elif content is None and role == "assistant":
             content = ""
         if not isinstance(content, str):
             raise InvalidArgument(f"messages[{i}].content={_short(content)} is invalid; allowed: a string or a "
                                   "list of text parts")
-        out.append({"role": role, "content": content})
+        for key, value in m.items():
+            if not isinstance(key, str):
+                raise InvalidArgument(f"messages[{i}] has the key {_short(key)}; allowed: string keys")
+            if key not in ("role", "content"):
+                _check_data(value, f"messages[{i}].{key}")
+        out.append({**{key: value for key, value in m.items() if value is not None}, "content": content})
     return out
+
+
+def _check_data(value, name: str) -> None:
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict) and all(isinstance(key, str) for key in v):
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+        elif not (v is None or isinstance(v, (str, int, float))):
+            raise InvalidArgument(f"{name}={_short(value)} is invalid; allowed: JSON data (strings, numbers, "
+                                  "booleans, null, lists, objects with string keys)")
 
 
 def hf_chat_template(path, bos_token: str = "", eos_token: str = "") -> ChatTemplate | None:
@@ -103,17 +127,18 @@ def hf_chat_template(path, bos_token: str = "", eos_token: str = "") -> ChatTemp
             config = json.loads(config_file.read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise ModelLoadError(f"{config_file}: cannot read ({e})") from e
-    bos = _token_text(config.get("bos_token")) or bos_token
-    eos = _token_text(config.get("eos_token")) or eos_token
+    tokens = {name: _token_text(config.get(name)) for name in SPECIAL_TOKENS}
+    tokens["bos_token"] = tokens["bos_token"] or bos_token
+    tokens["eos_token"] = tokens["eos_token"] or eos_token
     if jinja_file.is_file():
-        return ChatTemplate(jinja_file.read_text(), bos, eos, origin=str(jinja_file))
+        return ChatTemplate(jinja_file.read_text(), origin=str(jinja_file), **tokens)
     source = config.get("chat_template")
     if isinstance(source, list):
         named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
         source = named.get("default")
     if not isinstance(source, str):
         return None
-    return ChatTemplate(source, bos, eos, origin=f"{config_file} chat_template")
+    return ChatTemplate(source, origin=f"{config_file} chat_template", **tokens)
 
 
 def _token_text(token) -> str:
@@ -122,8 +147,36 @@ def _token_text(token) -> str:
     return token if isinstance(token, str) else ""
 
 
-def _tojson(value, indent=None, ensure_ascii=False):
-    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=False)
+@functools.cache
+def _environment():
+    """A sandboxed, immutable Jinja environment as transformers' (_compile_jinja_template)."""
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):
+        """{% generation %}...{% endgeneration %}: transformers marks the assistant's text with it
+        for training masks; it renders its body, in a scope of its own as there."""
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[Generation, "jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    return env
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _raise_exception(message):

@@ -23,7 +23,7 @@ TEMPLATE = (
 )
 CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": " the quick fox "},
                 {"role": "assistant", "content": "hello world"}, {"role": "user", "content": [
-                    {"type": "text", "text": "the lazy "}, {"type": "text", "text": "dog"}]}]
+                    {"type": "text", "text": "the lazy"}, {"type": "text", "text": "dog"}]}]
 
 
 @pytest.fixture(scope="module")
@@ -31,9 +31,24 @@ def checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("chat") / "llama"
     write_checkpoint(path, "llama-gqa")
     (path / "tokenizer_config.json").write_text(json.dumps(
-        {"chat_template": TEMPLATE, "bos_token": "<s>", "eos_token": "</s>",
+        {"chat_template": TEMPLATE, "bos_token": "<s>", "eos_token": "</s>", "pad_token": "</s>",
          "tokenizer_class": "PreTrainedTokenizerFast"}))
     return path
+
+
+@pytest.fixture(scope="module")
+def render_both(checkpoint):
+    """render_both(source, messages) -> (ours, transformers'): the template source with the checkpoint's
+    special tokens, rendered with a generation prompt."""
+    from transformers import AutoTokenizer
+
+    ref = AutoTokenizer.from_pretrained(str(checkpoint))
+    tokens = load_tokenizer(str(checkpoint)).chat_template.tokens
+
+    def render(source, messages):
+        return (ChatTemplate(source, **tokens).render(messages),
+                ref.apply_chat_template(messages, chat_template=source, tokenize=False, add_generation_prompt=True))
+    return render
 
 
 def test_checkpoint_template_renders_and_encodes_as_transformers(checkpoint):
@@ -41,7 +56,8 @@ def test_checkpoint_template_renders_and_encodes_as_transformers(checkpoint):
 
     ref = AutoTokenizer.from_pretrained(str(checkpoint))
     tok = load_tokenizer(str(checkpoint))
-    plain = [{"role": m["role"], "content": m["content"] if isinstance(m["content"], str) else "the lazy dog"}
+    # text parts joined by newlines, as vLLM joins them
+    plain = [{"role": m["role"], "content": m["content"] if isinstance(m["content"], str) else "the lazy\ndog"}
              for m in CONVERSATION]
     for gen in (True, False):
         text = ref.apply_chat_template(plain, tokenize=False, add_generation_prompt=gen)
@@ -61,8 +77,58 @@ def test_template_errors_name_the_problem(checkpoint):
         ChatTemplate("{{ messages.__class__.__mro__ }}").render([{"role": "user", "content": "x"}])
 
 
+def test_other_message_keys_and_variables_reach_the_template_as_in_transformers(render_both):
+    source = (
+        "{{ bos_token }}{% for m in messages %}<|{{ m.role }}|>{% if m.name is defined %}({{ m.name }}){% endif %}"
+        "{{ m.content }}{% for call in m.tool_calls or [] %}[{{ call.function.name }}"
+        "{{ call.function.arguments | tojson }}]{% endfor %}{% if m.tool_call_id %}#{{ m.tool_call_id }}{% endif %}"
+        "{{ eos_token }}{% endfor %}{{ tools is none }} {{ documents is none }} {{ pad_token }}"
+        " {{ unk_token is defined }} {{ add_generation_prompt }}")
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": [2.5, None]}}}
+    messages = [{"role": "user", "content": "add", "name": "ann"}, {"role": "assistant", "content": None,
+                "tool_calls": [call], "name": None}, {"role": "tool", "content": "3.5", "tool_call_id": "c1"}]
+    ours, theirs = render_both(source, messages)
+    assert ours == theirs and "(ann)" in ours and '[add{"a": 1, "b": [2.5, null]}]' in ours and "#c1" in ours
+    assert ours.endswith("True True </s> False True")
+
+
+def test_jinja_environment_is_transformers(render_both):
+    """{% generation %} (transformers' training masks) renders its body, in its own scope; tojson
+    takes transformers' arguments; strftime_now is there."""
+    source = (
+        "{% for m in messages %}{% set x = 'outer' %}{% generation %}{% set x = 'inner' %}"
+        "{{ m.content }}{% endgeneration %}{{ x }}{% endfor %}"
+        "{{ messages | tojson(indent=2, separators=(',', '= '), sort_keys=True) }}"
+        "{{ 'é' | tojson }}{{ 'é' | tojson(ensure_ascii=True) }}{{ strftime_now('%Y') }}")
+    ours, theirs = render_both(source, [{"role": "user", "content": "<é>"}])
+    assert ours == theirs and "<é>outer" in ours and '"content"= "<é>"' in ours
+
+
+@pytest.mark.parametrize("source, error", [
+    ("{{ raise_exception('no ' + messages[0].role) }}", "TemplateError: no user"),
+    ("{{ messages | tojson(separators=1) }}", "TypeError"), ("{{ messages[0].content + 1 }}", "TypeError"),
+    ("{{ 1 / 0 }}", "ZeroDivisionError"), ("{{ messages[5].content.upper() }}", "UndefinedError"),
+])
+def test_template_failures_are_invalid_arguments(source, error):
+    """A template's failure of any kind is a bad request (HTTP 400) naming it, not a server error."""
+    with pytest.raises(InvalidArgument, match=f"cannot be rendered by the chat template: {error}"):
+        ChatTemplate(source).render([{"role": "user", "content": "x"}])
+
+
+def test_any_role_renders_as_in_transformers(render_both):
+    """vLLM and transformers take any role: Llama 3.1's ipython, function, critic."""
+    messages = [{"role": role, "content": role} for role in ("system", "user", "ipython", "function", "critic")]
+    ours, theirs = render_both(TEMPLATE, messages)
+    assert ours == theirs and "<|ipython|>ipython</s>" in ours
+
+
 @pytest.mark.parametrize("bad, field", [
-    ([], "messages="), ("hi", "messages="), ([{"role": "robot", "content": "x"}], r"messages\[0\].role"),
+    ([], "messages="), ("hi", "messages="), ([{"role": "", "content": "x"}], r"messages\[0\].role"),
+    ([{"role": 3, "content": "x"}], r"messages\[0\].role"), ([{"content": "x"}], r"messages\[0\].role"),
+    ([{"role": "user", "content": "x", "name": b"bob"}], r"messages\[0\].name"),
+    ([{"role": "user", "content": "x", "tool_calls": [{"id": {1, 2}}]}], r"messages\[0\].tool_calls"),
+    ([{"role": "user", "content": "x", "metadata": {1: "a"}}], r"messages\[0\].metadata"),
+    ([{"role": "user", "content": "x", 1: "a"}], r"messages\[0\] has the key 1"),
     ([{"role": "user", "content": 3}], r"messages\[0\].content"),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], r"messages\[0\].content\[0\]"),
 ])
@@ -90,7 +156,7 @@ def test_chat_through_cluster_equals_prompt_of_rendered_text(tmp_path):
             assert by_chat.prompt_token_ids == list(rendered.encode())
             assert by_chat.token_ids == by_text.token_ids
             with pytest.raises(RequestError, match="messages\\[0\\].role"):
-                client.generate(messages=[{"role": "bot", "content": "x"}], max_tokens=2)
+                client.generate(messages=[{"role": "", "content": "x"}], max_tokens=2)
             with pytest.raises(ValueError, match="exactly one"):
                 client.generate("x", messages=messages)
 

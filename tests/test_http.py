@@ -310,7 +310,7 @@ def test_errors_have_openais_shape_and_the_server_serves_on(served):
     too_long = dict(model=MODEL, messages=[{"role": "user", "content": "x"}], max_completion_tokens=5000)
     got, _, body = http(served, "POST", "/v1/chat/completions", too_long)
     assert got == 400 and body["error"]["param"] == "max_completion_tokens", body
-    chat = dict(model=MODEL, messages=[{"role": "robot", "content": "x"}])
+    chat = dict(model=MODEL, messages=[{"role": "", "content": "x"}])
     got, _, body = http(served, "POST", "/v1/chat/completions", chat)
     assert got == 400 and "messages[0].role" in body["error"]["message"] and body["error"]["param"] == "messages"
     got, _, body = http(served, "GET", "/v1/nothing")
