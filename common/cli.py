@@ -142,8 +142,8 @@ def chat(router_address, system, sampling, engine_kwargs):
 @router_options
 @http_options
 @click.option("--log-level", default="INFO", show_default=True)
-def router(model, host, port, worker_port, max_model_len, policy, router_kwargs, http_port, api_key, api_server_count,
-           log_level):
+def router(model, host, port, worker_port, max_model_len, policy, router_kwargs, http_port, api_key, allowed_origins,
+           api_server_count, log_level):
     """Run the router: clients connect to --port, workers to --worker-port, HTTP to --http-port."""
     from router.server import RouterConfig, run_router
 
@@ -154,7 +154,8 @@ def router(model, host, port, worker_port, max_model_len, policy, router_kwargs,
                             max_attempts=k["max_attempts"], prefill_timeout_s=k["prefill_timeout"],
                             decode_stall_timeout_s=k["decode_stall_timeout"], queue_timeout_s=k["queue_timeout"],
                             max_message_bytes=k["max_message_bytes"], http_port=http_port, api_key=api_key,
-                            api_server_count=api_server_count, max_model_len=max_model_len))
+                            api_server_count=api_server_count, max_model_len=max_model_len,
+                            allowed_origins=allowed_origins))
 
 
 def _stop_while_starting(signum, frame):
@@ -227,7 +228,7 @@ for _role in ("prefill", "decode", "mono"):
 @http_options
 @engine_options
 def launch(prefill, decode, mono, devices, host, port, worker_port, policy, log_dir, threads, no_restart, dry_run,
-           worker_args, router_kwargs, http_port, api_key, api_server_count, engine_kwargs):
+           worker_args, router_kwargs, http_port, api_key, allowed_origins, api_server_count, engine_kwargs):
     """Bring up router + workers on this host; stop them all on Ctrl-C. Workers that share a GPU
     split it (decode workers get the larger shares) unless a memory flag sizes their pools."""
     import shlex
@@ -248,7 +249,8 @@ def launch(prefill, decode, mono, devices, host, port, worker_port, policy, log_
     try:
         cluster = Cluster(engine_kwargs["model"], prefill, decode, mono, devices, host, port, worker_port,
                           log_dir, policy, engine_argv(engine_kwargs) + list(worker_args), threads, restart=not no_restart,
-                          router_args=router_argv(router_kwargs), http_port=http_port, api_key=api_key,
+                          router_args=router_argv(router_kwargs) + ["--allowed-origins", allowed_origins],
+                          http_port=http_port, api_key=api_key,
                           api_server_count=api_server_count)
     except ValueError as e:
         raise click.UsageError(str(e))

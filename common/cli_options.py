@@ -206,6 +206,9 @@ def http_options(f):
                      help="serve OpenAI's API and /metrics on this port (0: any free port) [default: no HTTP]"),
         click.option("--api-key", default=None, envvar="PDSERVE_API_KEY",
                      help="HTTP /v1/ requires 'Authorization: Bearer KEY' [env: PDSERVE_API_KEY]"),
+        click.option("--allowed-origins", default="*", show_default=True,
+                     help="the web origins whose pages may call the HTTP API (CORS), comma-separated: "
+                          "'*' any (vLLM's default), '' none"),
         click.option("--api-server-count", default=1, show_default=True, type=click.IntRange(min=1),
                      help="1: HTTP served in the router process; N > 1: by N API server processes sharing "
                           "--http-port, for more HTTP tokens a second than one router process carries"),

@@ -90,8 +90,10 @@ class SamplingParams:
             self.top_k = 0
         if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_COUNT:
             raise _bad("max_tokens", self.max_tokens, "an integer in [1, 2**31 - 1]")
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
-            raise _bad("seed", self.seed, "an integer in [0, 2**63 - 1] or None")
+        if self.seed is not None:
+            if not _is_int(self.seed) or not -MAX_SEED - 1 <= self.seed <= MAX_SEED:
+                raise _bad("seed", self.seed, "an integer in [-2**63, 2**63 - 1] or None")
+            self.seed &= MAX_SEED  # a negative one (vLLM and OpenAI take any int64) as its low 63 bits
         if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
                 _is_int(t) and 0 <= t <= MAX_COUNT for t in self.stop_token_ids):
             raise _bad("stop_token_ids", self.stop_token_ids, "a list of token ids in [0, 2**31 - 1]")

@@ -38,8 +38,8 @@ class ByteTokenizer(_ChatMixin):
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
 
-    def decode(self, ids: list[int]) -> str:
-        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")  # specials have no text
 
     def token_bytes(self, token: int) -> bytes:
         """The bytes one token stands for (b"" for BOS, EOS and padding)."""
@@ -69,17 +69,17 @@ class HFTokenizer(_ChatMixin):
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def token_bytes(self, token: int) -> bytes:
         """The bytes one token stands for, a partial UTF-8 character's included (decode() makes
         those U+FFFD): a byte-level vocabulary's spelling mapped back to bytes; a SentencePiece
         piece with its word boundary as a space, or its byte (<0xNN>, byte fallback); any other
-        token, or a special one, as decode() shows it alone."""
+        token as decode() shows it alone, a special one's text included (as vLLM's logprobs show it)."""
         piece = self._tok.id_to_token(token)
         if piece is None or token in self._special:
-            return self.decode([token]).encode("utf-8")
+            return self.decode([token], skip_special_tokens=False).encode("utf-8")
         if self._spelling == "sentencepiece":
             if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
                 return bytes([int(piece[3:5], 16)])

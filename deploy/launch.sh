@@ -9,7 +9,8 @@
 #
 #   deploy/launch.sh [--prefill N] [--decode M] [--mono K] [--model SPEC] [--devices cpu,cuda:0,...]
 #                    [--host ADDR] [--port P] [--worker-port P] [--http-port P] [--api-server-count N]
-#                    [--api-key K] [--policy least_loaded|round_robin|prefix_affine] [--threads N]
+#                    [--api-key K] [--allowed-origins O,O] [--threads N]
+#                    [--policy least_loaded|round_robin|prefix_affine]
 #                    [--max-queue N] [--heartbeat-timeout S] [--max-attempts N] [--prefill-timeout S]
 #                    [--decode-stall-timeout S] [--queue-timeout S] [--max-message-bytes N]
 #                    [--log-dir DIR] [--no-restart] [--dry-run] [-- WORKER_ARGS...]
@@ -41,6 +42,7 @@ while (($#)); do
     --log-dir) LOG_DIR=$2; shift 2 ;;
     --threads) THREADS=$2; shift 2 ;;
     --api-key) API_KEY=$2; shift 2 ;;
+    --allowed-origins) ROUTER_LIMITS+=("$1" "$2"); shift 2 ;;
     --max-queue|--heartbeat-timeout|--max-attempts|--prefill-timeout|--decode-stall-timeout|--queue-timeout|\
     --max-message-bytes) ROUTER_LIMITS+=("$1" "$2"); shift 2 ;;
     --no-restart) RESTART=0; shift ;;

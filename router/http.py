@@ -22,7 +22,8 @@ and what is allowed, as every pdserve error does). aiohttp's client also drives
 `pdserve bench serve --base-url`.
 
 Errors are OpenAI's shape, {"error": {"message", "type", "param", "code"}}, with our codes:
-INVALID_ARGUMENT 400 (malformed JSON too), UNAUTHENTICATED 401, NOT_FOUND 404 (model or route),
+INVALID_ARGUMENT 400 (malformed JSON too), UNAUTHENTICATED 401, FORBIDDEN 403 (a CORS preflight
+from an origin not allowed), NOT_FOUND 404 (model or route),
 TOO_LARGE 413 (a body over --max-message-bytes), OVERLOADED 429 with Retry-After, UNAVAILABLE 503.
 A stream sends its headers with its first token, so an error before it still gets its status; one
 after it comes as an SSE event {"error": ...}, then [DONE].
@@ -89,15 +90,18 @@ class LocalBackend:
 
 class HttpFront:
     def __init__(self, backend, host: str, port: int, api_key: str | None, max_body_bytes: int,
-                 sock: socket.socket | None = None):
+                 sock: socket.socket | None = None, allowed_origins: str = "*"):
         """Serves backend (LocalBackend or RouterLink) on host:port, or on sock, a listening socket
-        that API server processes share."""
+        that API server processes share. allowed_origins: the web origins whose pages may call it
+        (CORS), comma-separated; "*" any, as vLLM's default."""
         self.backend, self.host, self.port, self.sock = backend, host, port, sock
         self.model = backend.prompts.model
         self.api_key = api_key.encode() if api_key else None
         self.max_body_bytes = max_body_bytes
         self.created = int(time.time())
+        self.origins = {o.strip() for o in allowed_origins.split(",") if o.strip()}
         self.app = web.Application(client_max_size=max_body_bytes, middlewares=[self._guard])
+        self.app.on_response_prepare.append(self._cors_headers)
         self.app.router.add_get("/health", self.health)
         self.app.router.add_get("/metrics", self.metrics)
         self.app.router.add_get("/v1/models", self.models)
@@ -135,9 +139,35 @@ class HttpFront:
 
     # ------------------------------------------------------------------ errors and auth
 
+    def _origin(self, request: web.Request) -> str | None:
+        """What Access-Control-Allow-Origin says to this request's page, or None (not allowed)."""
+        origin = request.headers.get("Origin")
+        if origin is None or not self.origins:
+            return None
+        return "*" if "*" in self.origins else origin if origin in self.origins else None
+
+    async def _cors_headers(self, request: web.Request, response: web.StreamResponse):
+        allowed = self._origin(request)
+        if allowed is not None:  # (before a stream's headers go: a signal, not the middleware)
+            response.headers["Access-Control-Allow-Origin"] = allowed
+            if allowed != "*":
+                response.headers["Vary"] = "Origin"
+
+    def _preflight(self, request: web.Request) -> web.Response:
+        """A browser's CORS preflight: answered before the API key is asked for, as vLLM's is."""
+        if self._origin(request) is None:
+            raise ApiError("FORBIDDEN", f"origin {request.headers.get('Origin')!r} may not call this API; "
+                                        "allowed: the router's --allowed-origins")
+        return web.Response(status=204, headers={
+            "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+            "Access-Control-Allow-Headers": request.headers.get("Access-Control-Request-Headers", "*"),
+            "Access-Control-Max-Age": "600"})
+
     @web.middleware
     async def _guard(self, request: web.Request, handler):
         try:
+            if request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers:
+                return self._preflight(request)
             if self.api_key is not None and request.path.startswith("/v1/"):
                 self._authorize(request)
             return await handler(request)
@@ -223,7 +253,8 @@ class HttpFront:
 
     async def detokenize(self, request: web.Request) -> web.Response:
         prompts = self.backend.prompts
-        text = prompts.text(parse_detokenize(await _json(request), self.model, prompts.model_config.vocab_size))
+        ids = parse_detokenize(await _json(request), self.model, prompts.model_config.vocab_size)
+        text = prompts.text(ids, skip_special_tokens=False)  # as vLLM's: special tokens shown
         if text is None:
             raise InvalidArgument(f"model {self.model!r} has no tokenizer", param="tokens")
         return web.json_response({"prompt": text})

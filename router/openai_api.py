@@ -30,9 +30,9 @@ from common.errors import InvalidArgument, short_repr
 from common.sampling_params import MAX_LOGPROBS, SamplingParams, choice_seed
 
 # our codes -> HTTP status, and OpenAI's error type for each status
-STATUS = {"INVALID_ARGUMENT": 400, "UNAUTHENTICATED": 401, "NOT_FOUND": 404, "METHOD_NOT_ALLOWED": 405,
+STATUS = {"INVALID_ARGUMENT": 400, "UNAUTHENTICATED": 401, "FORBIDDEN": 403, "NOT_FOUND": 404, "METHOD_NOT_ALLOWED": 405,
           "TOO_LARGE": 413, "OVERLOADED": 429, "UNAVAILABLE": 503, "TIMEOUT": 504}
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
                405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
                503: "service_unavailable_error", 504: "timeout_error"}
 RETRY_AFTER_S = 1  # what a 429 asks the client to wait
@@ -74,16 +74,28 @@ NEUTRAL = {
     "response_format": ((None, {"type": "text"}), '{"type": "text"}'),
     "store": ((None, False), "false"), "service_tier": ((None, "auto", "default"), '"auto"'),
     "modalities": ((None, ["text"]), '["text"]'),
+    "reasoning_effort": ((None,), "null (not a reasoning model)"), "verbosity": ((None,), "null"),
+    "prediction": ((None,), "null"), "audio": ((None,), "null"), "web_search_options": ((None,), "null"),
     # vLLM's extensions, at what we do
     "skip_special_tokens": ((None, True), "true"), "spaces_between_special_tokens": ((None, True), "true"),
     "add_generation_prompt": ((None, True), "true"), "continue_final_message": ((None, False), "false"),
     "chat_template_kwargs": ((None, {}), "null or {}"), "echo": ((None, False), "false (in chat)"),
 }
 CHAT_ONLY_NEUTRAL = {"add_generation_prompt", "continue_final_message", "chat_template_kwargs", "echo"}
-COMMON_FIELDS = {"model", "n", "stream", "stream_options", "user", "return_tokens_as_token_ids", "metadata",
-                 *SAMPLING, *(set(NEUTRAL) - CHAT_ONLY_NEUTRAL)}
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of"}
-CHAT_FIELDS = COMMON_FIELDS | CHAT_ONLY_NEUTRAL | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
+# vLLM's add_special_tokens, at what each endpoint does: a prompt's text gets them, a chat's
+# template writes its own.
+TEXT_SPECIALS = {"add_special_tokens": ((None, True), "true")}
+CHAT_SPECIALS = {"add_special_tokens": ((None, False), "false (the chat template writes them)")}
+COMPLETION_NEUTRAL = {k: v for k, v in NEUTRAL.items() if k not in CHAT_ONLY_NEUTRAL} | TEXT_SPECIALS
+CHAT_NEUTRAL = NEUTRAL | CHAT_SPECIALS
+# OpenAI's obfuscation pads chunks against side channels: ours are not padded, asked or not
+STREAM_NEUTRAL = {"include_obfuscation": ((None, True, False), "true or false"),
+                  "continuous_usage_stats": ((None, False), "false")}
+IGNORED = ("user", "prompt_cache_key", "safety_identifier")  # strings that ask nothing of the output
+COMMON_FIELDS = {"model", "n", "stream", "stream_options", "return_tokens_as_token_ids", "metadata", *IGNORED,
+                 *SAMPLING}
+COMPLETION_FIELDS = COMMON_FIELDS | set(COMPLETION_NEUTRAL) | {"prompt", "logprobs", "echo", "best_of"}
+CHAT_FIELDS = COMMON_FIELDS | set(CHAT_NEUTRAL) | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
 
 
 @dataclass
@@ -120,15 +132,16 @@ def _get(body: dict, name: str, rule, default=None):
     return value
 
 
-def _check_fields(body, allowed: set[str], neutral: set[str] = frozenset(NEUTRAL)):
-    """Only allowed fields, and those of `neutral` (NEUTRAL's) at their neutral values."""
+def _check_fields(body, allowed: set[str], neutral: dict | None = None):
+    """Only allowed fields, and those of `neutral` (as NEUTRAL) at their neutral values."""
     if not isinstance(body, dict):
         raise InvalidArgument(f"the body is {type(body).__name__}; allowed: a JSON object")
     unknown = sorted(set(body) - allowed)
     if unknown:
         raise InvalidArgument(f"unknown field {unknown[0]!r}; allowed: {', '.join(sorted(allowed))}", param=unknown[0])
-    for name in sorted(neutral & set(body)):
-        values, allowed_text = NEUTRAL[name]
+    neutral = neutral or {}
+    for name in sorted(set(neutral) & set(body)):
+        values, allowed_text = neutral[name]
         if not any(body[name] == v and type(body[name]) is type(v) for v in values):
             raise InvalidArgument(f"{name}={short_repr(body[name])} is not supported; allowed: {allowed_text}",
                                   param=name)
@@ -154,11 +167,13 @@ def _job(body: dict, served_model: str, chat: bool, prompts: list, messages: lis
     if options is not None:
         if not stream:
             raise InvalidArgument("stream_options is only allowed with stream=true", param="stream_options")
-        if set(options) - {"include_usage"}:
-            raise InvalidArgument(f"stream_options={short_repr(options)} is invalid; allowed: "
-                                  '{"include_usage": true or false}', param="stream_options")
+        try:
+            _check_fields(options, {"include_usage", *STREAM_NEUTRAL}, STREAM_NEUTRAL)
+        except InvalidArgument as e:
+            raise InvalidArgument(f"stream_options: {e}", param="stream_options") from None
     include_usage = _get(options or {}, "include_usage", BOOL, False)
-    _get(body, "user", STRING)
+    for name in IGNORED:
+        _get(body, name, STRING)
     _get(body, "metadata", (lambda v: isinstance(v, dict), "an object"))
     n = _get(body, "n", (lambda v: _is_int(v) and v >= 1, "an integer >= 1"), 1)
     as_ids = _get(body, "return_tokens_as_token_ids", BOOL, False)
@@ -177,7 +192,7 @@ LOGPROBS = (lambda v: _is_int(v) and 0 <= v <= MAX_LOGPROBS, f"an integer in [0,
 
 
 def parse_completion(body, served_model: str) -> Job:
-    _check_fields(body, COMPLETION_FIELDS, set(NEUTRAL) - CHAT_ONLY_NEUTRAL)  # a completion's echo is its own
+    _check_fields(body, COMPLETION_FIELDS, COMPLETION_NEUTRAL)  # a completion's echo is its own
     prompt = body.get("prompt")
     if isinstance(prompt, str) or (_is_token_ids(prompt) and prompt):
         prompts = [prompt]
@@ -195,7 +210,7 @@ def parse_completion(body, served_model: str) -> Job:
 
 
 def parse_chat(body, served_model: str, context: int) -> Job:
-    _check_fields(body, CHAT_FIELDS)
+    _check_fields(body, CHAT_FIELDS, CHAT_NEUTRAL)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidArgument(f"messages={short_repr(messages)} is invalid; allowed: a non-empty list of "
@@ -372,9 +387,11 @@ class Envelope:
 
 def parse_tokenize(body, served_model: str) -> tuple[str | None, list | None]:
     """(prompt, messages) of a /tokenize body: {"prompt": text} or {"messages": [...]}."""
-    _check_fields(body, {"model", "prompt", "messages", "add_generation_prompt"})
+    messages = body.get("messages") if isinstance(body, dict) else None
+    specials = CHAT_SPECIALS if messages is not None else TEXT_SPECIALS
+    _check_fields(body, {"model", "prompt", "messages", "add_generation_prompt", *specials}, specials)
     check_model(_get(body, "model", STRING, served_model), served_model)
-    prompt, messages = _get(body, "prompt", STRING), body.get("messages")
+    prompt = _get(body, "prompt", STRING)
     if (prompt is None) == (messages is None):
         raise InvalidArgument("give one of prompt (a string) or messages", param="prompt")
     if messages is not None and (not isinstance(messages, list) or not messages):

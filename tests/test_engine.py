@@ -207,12 +207,14 @@ def test_seeded_sampling_is_reproducible_and_seed_dependent():
             for s in (1, 1, 2)]
     assert runs[0] == runs[1]
     assert runs[0] != runs[2]
+    # a negative seed, as vLLM and OpenAI take: its low 63 bits
+    assert (SamplingParams(seed=-1).seed, SamplingParams(seed=-2**63).seed) == (2**63 - 1, 0)
 
 
 @pytest.mark.parametrize("kwargs, name", [
     (dict(temperature=-0.5), "temperature"), (dict(temperature=float("nan")), "temperature"),
     (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(top_k=-2), "top_k"),
-    (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=2.5), "max_tokens"), (dict(seed=-1), "seed"),
+    (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=2.5), "max_tokens"), (dict(seed=-2**63 - 1), "seed"),
     (dict(stop_token_ids=[-3]), "stop_token_ids"), (dict(ignore_eos="yes"), "ignore_eos"),
 ])
 def test_invalid_sampling_params_name_the_field(kwargs, name):

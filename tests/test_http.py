@@ -375,6 +375,42 @@ def test_api_key_guards_v1_but_not_health_and_metrics(served):
     assert http(served, "GET", "/metrics", key=None)[0] == 200
 
 
+@pytest.mark.parametrize("allowed", ["*", "https://a.example"])
+def test_web_pages_of_allowed_origins_may_call_it(allowed):
+    """CORS, as vLLM's (--allowed-origins, '*' by default): a browser's preflight is answered
+    before the API key is asked for, and every answer, a stream's too, names the origin it allows."""
+    import types
+
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from router.http import HttpFront
+
+    backend = types.SimpleNamespace(prompts=types.SimpleNamespace(model=MODEL))
+    front = HttpFront(backend, "127.0.0.1", 0, "sekrit", 2**20, allowed_origins=allowed)
+
+    async def scenario():
+        async with TestClient(TestServer(front.app)) as client:
+            out = {}
+            for origin in ("https://a.example", "https://b.example"):
+                r = await client.options("/v1/chat/completions", headers={
+                    "Origin": origin, "Access-Control-Request-Method": "POST",
+                    "Access-Control-Request-Headers": "authorization, content-type"})
+                out[origin] = (r.status, dict(r.headers))
+            r = await client.get("/v1/models", headers={"Origin": "https://a.example"})  # no key: refused, but readable
+            return out, r.status, dict(r.headers)
+
+    preflights, status, headers = asyncio.run(scenario())
+    status_a, a = preflights["https://a.example"]
+    assert status_a == 204 and a["Access-Control-Allow-Origin"] == allowed
+    assert "POST" in a["Access-Control-Allow-Methods"] and a["Access-Control-Allow-Headers"] == "authorization, content-type"
+    assert (status, headers["Access-Control-Allow-Origin"]) == (401, allowed)
+    status_b, b = preflights["https://b.example"]
+    if allowed == "*":
+        assert status_b == 204 and b["Access-Control-Allow-Origin"] == "*"
+    else:
+        assert status_b == 403 and "Access-Control-Allow-Origin" not in b and a["Vary"] == "Origin"
+
+
 def test_vllms_model_card_version_tokenize_and_detokenize_routes(served, engine):
     card = api(served).models.retrieve(MODEL)
     assert card.id == MODEL and card.model_extra["max_model_len"] == 1024

@@ -33,6 +33,27 @@ def test_completion_body_becomes_a_job():
     assert {unseeded.choice_params(i).seed for i in range(3)} == {None}  # each draws its own at admission
 
 
+def test_openais_other_fields_are_taken_where_they_ask_nothing_of_the_output():
+    """Fields OpenAI documents that change nothing here: null (or a cache key, an identifier),
+    vLLM's add_special_tokens at what each endpoint does, and a negative seed (its low 63 bits)."""
+    quiet = {"reasoning_effort": None, "verbosity": None, "prediction": None, "audio": None,
+             "web_search_options": None, "prompt_cache_key": "k", "safety_identifier": "u1", "seed": -1}
+    job = parse_completion({"prompt": "x", "add_special_tokens": True, **quiet}, MODEL)
+    assert job.params.seed == 2**63 - 1
+    chat = parse_chat({"messages": [{"role": "user", "content": "x"}], "add_special_tokens": False, "stream": True,
+                       "stream_options": {"include_usage": True, "include_obfuscation": True}, **quiet}, MODEL, 1024)
+    assert chat.include_usage and chat.params.seed == 2**63 - 1
+    for body, param in (({"reasoning_effort": "high"}, "reasoning_effort"), ({"prompt_cache_key": 5}, "prompt_cache_key"),
+                        ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options")):
+        with pytest.raises(InvalidArgument) as e:
+            parse_chat({"messages": [{"role": "user", "content": "x"}], **body}, MODEL, 1024)
+        assert e.value.param == param, str(e.value)
+    with pytest.raises(InvalidArgument, match="add_special_tokens=False is not supported; allowed: true"):
+        parse_completion({"prompt": "x", "add_special_tokens": False}, MODEL)
+    with pytest.raises(InvalidArgument, match="add_special_tokens=True is not supported; allowed: false"):
+        parse_chat({"messages": [{"role": "user", "content": "x"}], "add_special_tokens": True}, MODEL, 1024)
+
+
 def test_penalties_bias_and_min_p_reach_the_sampling():
     job = parse_completion({"prompt": "x", "presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.2,
                             "min_p": 0.1, "min_tokens": 3, "logit_bias": {"7": -100, "12": 2.5}}, MODEL)
@@ -64,6 +85,7 @@ def test_chat_body_becomes_a_job():
     ({"prompt": "x", "echo": "yes"}, "echo", "true or false"),
     ({"prompt": "x", "stream": 1}, "stream", "true or false"),
     ({"prompt": "x", "stream": True, "stream_options": {"include_usage": True, "x": 1}}, "stream_options", "include_usage"),
+    ({"prompt": "x", "seed": 2**63}, "seed", "an integer in [-2**63, 2**63 - 1]"),
     ({"prompt": "x", "user": 5}, "user", "a string"),
     ({"prompt": "x", "best_of": 3}, "best_of", "no best-of"),
     ({"prompt": "x", "frequency_penalty": 3}, "frequency_penalty", "frequency_penalty=3 is invalid; allowed: a number in [-2, 2]"),
@@ -138,6 +160,18 @@ def bpe(tmp_path_factory):
     path = tmp_path_factory.mktemp("tok")
     write_tokenizer(path)
     return HFTokenizer.from_file(path / "tokenizer.json")
+
+
+def test_special_tokens_show_their_text_in_logprobs_and_on_request(bpe):
+    """As vLLM's: a special token's logprob entry is its text (two of them would otherwise share
+    the key "" in top_logprobs), and decode keeps them when asked (/detokenize asks)."""
+    from router.openai_api import token_shown
+
+    bos, eos = bpe.encode("x")[0], 1
+    assert [token_shown(bpe, t, False) for t in (bos, eos)] == [("<s>", b"<s>"), ("</s>", b"</s>")]
+    ids = bpe.encode("the quick")
+    assert bpe.decode(ids + [eos], skip_special_tokens=False) == "<s>" + bpe.decode(ids) + "</s>"
+    assert bpe.decode(ids + [eos]) == bpe.decode(ids)
 
 
 @pytest.mark.parametrize("which", ["byte", "bpe"])
