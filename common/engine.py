@@ -213,6 +213,10 @@ class Engine:
             if self.tokenizer is None:
                 raise InvalidArgument(f"model {self.config.model!r} has no tokenizer.json; send token ids")
             ids = self.tokenizer.encode(prompt)
+            if ids and max(ids) >= self.model_config.vocab_size:  # a bad model file, not a bad request
+                raise InvalidArgument(f"the tokenizer gave token id {max(ids)} for this text; the model's "
+                                      f"vocabulary is [0, {self.model_config.vocab_size}): its tokenizer and "
+                                      "weights disagree")
         elif isinstance(prompt, (list, tuple)):
             ids = list(prompt)
             V = self.model_config.vocab_size

@@ -222,6 +222,22 @@ def test_invalid_sampling_params_name_the_field(kwargs, name):
         SamplingParams(**kwargs)
 
 
+def test_a_tokenizer_giving_ids_past_the_vocabulary_is_refused_before_any_step(monkeypatch):
+    """A GGUF whose tokenizer and weights disagree must not take a worker down on a text prompt
+    (an embedding lookup past the table raised in the step): the engine and the router refuse it."""
+    from router.prompts import Prompts
+
+    engine, prompts = Engine(model="dummy:nanogpt"), Prompts("dummy:nanogpt")
+    for tok in (engine.tokenizer, prompts.tokenizer):
+        monkeypatch.setattr(tok, "encode", lambda text, add_special_tokens=True: [104, 258])
+    with pytest.raises(InvalidArgument, match=r"tokenizer gave token id 258 .* \[0, 258\)"):
+        engine.add_request("hi")
+    with pytest.raises(InvalidArgument, match="tokenizer gave token id 258") as e:
+        prompts.validate("hi", None, {})
+    assert e.value.param == "prompt" and not engine.has_unfinished()
+    assert len(engine.generate([[104, 105]], SamplingParams(max_tokens=2, ignore_eos=True))[0].token_ids) == 2
+
+
 def test_invalid_prompts_are_refused_and_engine_keeps_serving():
     engine = Engine(model="dummy:nanogpt", max_model_len=64)
     with pytest.raises(InvalidArgument, match="prompt has 64 tokens; allowed: at most 63"):
