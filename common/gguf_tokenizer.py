@@ -9,9 +9,11 @@ Two tokenizer models, by `tokenizer.ggml.model`:
 - `llama`: SentencePiece BPE (tokens, scores): merges are rebuilt from the scores, bytes fall
   back to <0xNN> tokens, and a space is prepended to the text unless `add_space_prefix` is false.
 
-Tokens the file marks as control or unknown (<|im_start|>, <s>, <unk>) are special: matched whole in the text, and
-left out when decoding. BOS/EOS are added as `add_bos_token`/`add_eos_token` say (defaults: BOS for
-`llama`, nothing for `gpt2`), as `transformers` does for the same file.
+Tokens the file marks as control, unknown or user-defined are written as plain text (in a byte-level
+vocabulary too) and are matched whole in the text as their own ids, as llama.cpp does; control and
+unknown ones (<|im_start|>, <s>, <｜User｜>, <unk>) are special, left out when decoding. BOS/EOS are
+added as `add_bos_token`/`add_eos_token` say (defaults: BOS for `llama`, nothing for `gpt2`), as
+`transformers` does for the same file.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ _FAMILIES = {  # split expressions -> the `tokenizer.ggml.pre` names that use th
 PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {name: splits for splits, names in _FAMILIES.items() for name in names}
 MODELS = ("gpt2", "llama")
 _UNKNOWN, _CONTROL, _USER_DEFINED = 2, 3, 4  # llama.cpp token types
+_ADDED = (_UNKNOWN, _CONTROL, _USER_DEFINED)
 
 
 @functools.cache
@@ -69,10 +72,10 @@ def gguf_tokenizer(g) -> HFTokenizer:
     tokens = g.get("tokenizer.ggml.tokens")
     types = g.get("tokenizer.ggml.token_type", None) or [1] * len(tokens)
     if model == "gpt2":
-        tok = _byte_level_bpe(g, tokens)
+        tok = _byte_level_bpe(g, tokens, types)
     else:
         tok = _sentencepiece_bpe(g, tokens)
-    _add_special_tokens(tok, tokens, types, byte_level=model == "gpt2")
+    _add_special_tokens(tok, tokens, types)
     bos, eos = _special(g, tokens, "bos"), _special(g, tokens, "eos")
     add_bos = g.get("tokenizer.ggml.add_bos_token", model == "llama")
     add_eos = g.get("tokenizer.ggml.add_eos_token", False)
@@ -90,7 +93,7 @@ def _special(g, tokens: list[str], which: str) -> tuple[str, int] | None:
     return (tokens[i], i) if isinstance(i, int) and 0 <= i < len(tokens) else None
 
 
-def _byte_level_bpe(g, tokens: list[str]):
+def _byte_level_bpe(g, tokens: list[str], types: list[int]):
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
     pre = g.get("tokenizer.ggml.pre", "default")
@@ -99,9 +102,12 @@ def _byte_level_bpe(g, tokens: list[str]):
                              + ", ".join(sorted(PRE_TOKENIZERS)))
     spelling = bytes_to_unicode()
     alphabet = set(spelling.values())
-    # A few converters store some tokens as plain text; BPE needs every token in the byte alphabet.
+    # A few converters store some normal tokens as plain text; BPE needs them in the byte alphabet.
     vocab = {t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")): i
-             for i, t in enumerate(tokens)}
+             for i, (t, kind) in enumerate(zip(tokens, types)) if kind not in _ADDED}
+    # Control, unknown and user-defined tokens are plain text, found by it (_add_special_tokens); one
+    # spelled like a normal token takes that spelling, as llama.cpp matches them before BPE.
+    vocab.update({t: i for i, (t, kind) in enumerate(zip(tokens, types)) if kind in _ADDED})
     merges = [tuple(m.split(" ", 1)) for m in g.get("tokenizer.ggml.merges")]
     tok = Tokenizer(models.BPE(vocab, merges, fuse_unk=False))
     tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -139,15 +145,13 @@ def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list
     return [(a, b) for a, b, _ in merges]
 
 
-def _add_special_tokens(tok, tokens: list[str], types: list[int], byte_level: bool):
+def _add_special_tokens(tok, tokens: list[str], types: list[int]):
+    """Each token added here is a key of the vocabulary, so it gets the file's id for it (one
+    missing there would get a new id, past the model's vocabulary)."""
     from tokenizers import AddedToken
 
-    alphabet = set(bytes_to_unicode().values()) if byte_level else None
-    # A control token outside the byte alphabet is a converter's mislabel: it could never be
-    # produced by the vocabulary, so it is not added (transformers skips it too).
-    control = [AddedToken(t, normalized=False, special=True) for t, kind in zip(tokens, types)
-               if kind in (_UNKNOWN, _CONTROL) and (alphabet is None or set(t) <= alphabet)]
-    tok.add_special_tokens(control)
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t, kind in zip(tokens, types)
+                            if kind in (_UNKNOWN, _CONTROL)])
     tok.add_tokens([AddedToken(t, normalized=False, special=False) for t, kind in zip(tokens, types)
                     if kind == _USER_DEFINED])
 

@@ -85,8 +85,10 @@ def random_blocks(qtype: str, rows: int, cols: int, seed: int = 0) -> np.ndarray
     return raw.reshape(rows, -1)
 
 
-def write_gpt2_tokenizer(w, checkpoint_dir: Path, vocab_size: int, bos: int, eos: int):
-    """The checkpoint's tokenizer.json as llama.cpp stores a byte-level BPE vocabulary."""
+def write_gpt2_tokenizer(w, checkpoint_dir: Path, vocab_size: int, bos: int, eos: int, pre: str = "gpt-2",
+                         extra: dict | None = None):
+    """The checkpoint's tokenizer.json as llama.cpp stores a byte-level BPE vocabulary; `extra`
+    {id: (text, TokenType)} puts other tokens in place of those ids."""
     from gguf import TokenType
 
     tok = json.loads((checkpoint_dir / "tokenizer.json").read_text())
@@ -96,8 +98,10 @@ def write_gpt2_tokenizer(w, checkpoint_dir: Path, vocab_size: int, bos: int, eos
         tokens[i], types[i] = t, TokenType.NORMAL
     for added in tok["added_tokens"]:
         types[added["id"]] = TokenType.CONTROL
+    for i, (t, kind) in (extra or {}).items():
+        tokens[i], types[i] = t, kind
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt-2")
+    w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
     w.add_token_types(types)
     w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])

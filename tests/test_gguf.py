@@ -1,8 +1,10 @@
 """GGUF files: dequantization equal to gguf's reference, models equal to `transformers` loading
-the same file, tokenizers equal to transformers' for the same metadata, and clear load errors.
+the same file, tokenizers equal to transformers' for the same metadata (to llama.cpp's for added
+tokens, where transformers differs), and clear load errors.
 Every file is written here with gguf's writer (tests/gguf_files.py); the SmolLM2 file from the
 package index is tests/test_smollm2.py's."""
 
+import json
 import random
 
 import numpy as np
@@ -16,7 +18,7 @@ from common.gguf_loader import read_tensor
 from common.gguf_quants import SUPPORTED
 from common.sampling_params import SamplingParams
 from tests.checkpoints import VOCAB, write_checkpoint
-from tests.gguf_files import CHAT_TEMPLATE, QUANTIZABLE, quantized, random_blocks, write_gguf
+from tests.gguf_files import CHAT_TEMPLATE, QUANTIZABLE, quantized, random_blocks, write_gguf, write_gpt2_tokenizer
 from tests.test_model_parity import engine_prompt_logits
 
 
@@ -173,10 +175,58 @@ def test_sentencepiece_tokenizer_matches_transformers(tmp_path):
         assert tok.decode(ids) == ref.decode(ids, skip_special_tokens=True)
     assert any(259 <= i for i in tok.encode("the quick"))  # learned pieces, not only bytes
     assert tok.encode("日")[-3:] == [3 + 0xE6, 3 + 0x97, 3 + 0xA5]  # byte fallback: <0xE6> <0x97> <0xA5>
-    # each token's own bytes (logprobs' "bytes"), a piece's word boundary a space: together, the text
+    # each token's own bytes (logprobs' "bytes"), a piece's word boundary a space: together, the
+    # text after BOS, which shows its own (as vLLM's logprobs show a special token)
     text = "the lazy dog ünïcödé 日本 🚀"
-    assert b"".join(tok.token_bytes(i) for i in tok.encode(text)) == b" " + text.encode()
+    ids = tok.encode(text)
+    assert tok.token_bytes(ids[0]) == b"<s>" and b"".join(map(tok.token_bytes, ids[1:])) == b" " + text.encode()
     assert [tok.token_bytes(i) for i in tok.encode("日")[-3:]] == [b"\xe6", b"\x97", b"\xa5"]
+
+
+def _added_tokens_gguf(tmp_path, extra: dict, pre: str = "gpt-2"):
+    """The llama-gqa model with `extra` {id: (text, TokenType)} in its padding ids (296-299), the
+    way llama.cpp's converter writes added tokens: as their text, not in the byte alphabet."""
+    return _gguf_model(tmp_path, "llama-gqa", "llama", qtypes=("F32",),
+                       tokenizer=lambda w: write_gpt2_tokenizer(w, tmp_path / "ck", VOCAB, 0, 1, pre, extra))[1]
+
+
+def test_user_defined_tokens_are_matched_as_their_own_ids(tmp_path):
+    """As llama.cpp: "  " was looked up as "ĠĠ", so it got a new id, 300, that crashed the engine;
+    " dog" took "Ġdog"'s place (which then decoded to ''); a normal token spelled "<s>" took the
+    control token's."""
+    from gguf import TokenType
+
+    path = _added_tokens_gguf(tmp_path, {297: (" dog", TokenType.USER_DEFINED), 298: ("  ", TokenType.USER_DEFINED),
+                                         299: ("<s>", TokenType.NORMAL)})
+    engine = Engine(model=str(path), enable_prefix_caching=False)
+    tok = engine.tokenizer
+
+    def enc(text):
+        return tok.encode(text, add_special_tokens=False)
+
+    assert tok.encode("hello  world") == [0, *enc("hello"), 298, *enc("world")]
+    assert enc("the lazy dog<s>") == [*enc("the lazy"), 297, 0]
+    dog = json.loads((tmp_path / "ck" / "tokenizer.json").read_text())["model"]["vocab"]["Ġdog"]
+    assert tok.decode([dog]) == tok.decode([297]) == " dog" and tok.decode([298]) == "  "
+    assert len(engine.generate(["hello  world"], SamplingParams(max_tokens=2, ignore_eos=True))[0].token_ids) == 2
+
+
+def test_control_tokens_outside_the_byte_alphabet_are_special(tmp_path):
+    """DeepSeek-R1-Distill files mark <｜User｜> and the like control: matched whole, as llama.cpp
+    does, and left out when decoding. transformers leaves them out: added by their text, they would
+    have got new ids past the vocabulary; looked up by it, they keep their own."""
+    from gguf import TokenType
+
+    from common.model_spec import load_tokenizer
+
+    control = {296: "<｜begin▁of▁sentence｜>", 297: "<｜User｜>", 298: "<｜Assistant｜>"}
+    path = _added_tokens_gguf(tmp_path, {i: (t, TokenType.CONTROL) for i, t in control.items()}, "deepseek-r1-qwen")
+    tok = load_tokenizer(str(path))
+    hello = tok.encode("hello", add_special_tokens=False)
+    ids = tok.encode("<｜begin▁of▁sentence｜><｜User｜>hello<｜Assistant｜>", add_special_tokens=False)
+    assert ids == [296, 297, *hello, 298]
+    assert tok.decode(ids) == "hello"
+    assert tok.vocab_size == VOCAB
 
 
 def test_load_errors_name_file_key_and_allowed_values(tmp_path):
