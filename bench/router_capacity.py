@@ -40,6 +40,8 @@ from common import protocol as P
 from common.channel import Channel
 from common.errors import InvalidArgument
 from common.model_spec import load_tokenizer, model_config
+from common.sampling_params import SamplingParams
+from common.text import output_text
 from router.launcher import Child, Cluster
 
 
@@ -200,7 +202,7 @@ class HttpLoadGenerator(Load):
             self.errors.append(f"a stream failed: {type(e).__name__}: {e}")
             return
         self.done += 1
-        want = self.tokenizer.decode(self.expected(prompt))
+        want = output_text(self.tokenizer, self.expected(prompt), SamplingParams(ignore_eos=True))
         if events != self.max_tokens or "".join(texts) != want:
             self.errors.append(f"a stream of {events} token events gave {''.join(texts)!r:.80}; "
                                f"expected {self.max_tokens}, {want!r:.80}")
