@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 
 from common.chat import ChatTemplate
-from common.errors import ModelLoadError
+from common.errors import ModelLoadError, first_line
 from common.tokenizer import HFTokenizer
 
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -102,14 +102,29 @@ def _byte_level_bpe(g, tokens: list[str], types: list[int]):
                              + ", ".join(sorted(PRE_TOKENIZERS)))
     spelling = bytes_to_unicode()
     alphabet = set(spelling.values())
+
+    def byte_spelled(t: str) -> str:
+        return t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))
+
     # A few converters store some normal tokens as plain text; BPE needs them in the byte alphabet.
-    vocab = {t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")): i
-             for i, (t, kind) in enumerate(zip(tokens, types)) if kind not in _ADDED}
+    vocab = {byte_spelled(t): i for i, (t, kind) in enumerate(zip(tokens, types)) if kind not in _ADDED}
     # Control, unknown and user-defined tokens are plain text, found by it (_add_special_tokens); one
-    # spelled like a normal token takes that spelling, as llama.cpp matches them before BPE.
-    vocab.update({t: i for i, (t, kind) in enumerate(zip(tokens, types)) if kind in _ADDED})
+    # spelled like a normal token takes that spelling, as llama.cpp matches them before BPE. A
+    # merge that names one by its byte spelling finds it there too (else the library panics).
     merges = [tuple(m.split(" ", 1)) for m in g.get("tokenizer.ggml.merges")]
-    tok = Tokenizer(models.BPE(vocab, merges, fuse_unk=False))
+    named = {part for a, b in merges for part in (a, b, a + b)}
+    for i, (t, kind) in enumerate(zip(tokens, types)):
+        if kind in _ADDED:
+            vocab[t] = i
+            if byte_spelled(t) in named:
+                vocab.setdefault(byte_spelled(t), i)
+    try:
+        tok = Tokenizer(models.BPE(vocab, merges, fuse_unk=False))
+    except BaseException as e:  # the library panics (a BaseException) on a merge of tokens it lacks
+        if not isinstance(e, Exception) and type(e).__name__ != "PanicException":
+            raise
+        raise ModelLoadError(f"{g.path}: its BPE vocabulary and merges do not fit ({type(e).__name__}: "
+                             f"{first_line(e)})") from None
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in PRE_TOKENIZERS[pre]]
         + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])

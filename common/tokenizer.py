@@ -54,7 +54,7 @@ class HFTokenizer(_ChatMixin):
         self._tok = tokenizer
         self._special = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
         self.chat_template = chat_template
-        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        self.vocab_size = 1 + max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1)  # ids below it
 
     @classmethod
     def from_file(cls, path: Path, chat_template: ChatTemplate | None = None) -> "HFTokenizer":

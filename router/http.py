@@ -147,11 +147,12 @@ class HttpFront:
         return "*" if "*" in self.origins else origin if origin in self.origins else None
 
     async def _cors_headers(self, request: web.Request, response: web.StreamResponse):
+        """(A signal, not the middleware: before a stream's headers go.)"""
         allowed = self._origin(request)
-        if allowed is not None:  # (before a stream's headers go: a signal, not the middleware)
+        if allowed is not None:
             response.headers["Access-Control-Allow-Origin"] = allowed
-            if allowed != "*":
-                response.headers["Vary"] = "Origin"
+        if "Origin" in request.headers and self.origins and "*" not in self.origins:
+            response.headers["Vary"] = "Origin"  # a cache must not give one origin's answer to another
 
     def _preflight(self, request: web.Request) -> web.Response:
         """A browser's CORS preflight: answered before the API key is asked for, as vLLM's is."""

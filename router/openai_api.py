@@ -388,8 +388,9 @@ class Envelope:
 def parse_tokenize(body, served_model: str) -> tuple[str | None, list | None]:
     """(prompt, messages) of a /tokenize body: {"prompt": text} or {"messages": [...]}."""
     messages = body.get("messages") if isinstance(body, dict) else None
-    specials = CHAT_SPECIALS if messages is not None else TEXT_SPECIALS
-    _check_fields(body, {"model", "prompt", "messages", "add_generation_prompt", *specials}, specials)
+    neutral = {**(CHAT_SPECIALS if messages is not None else TEXT_SPECIALS),
+               "add_generation_prompt": NEUTRAL["add_generation_prompt"]}
+    _check_fields(body, {"model", "prompt", "messages", *neutral}, neutral)
     check_model(_get(body, "model", STRING, served_model), served_model)
     prompt = _get(body, "prompt", STRING)
     if (prompt is None) == (messages is None):

@@ -86,9 +86,9 @@ def random_blocks(qtype: str, rows: int, cols: int, seed: int = 0) -> np.ndarray
 
 
 def write_gpt2_tokenizer(w, checkpoint_dir: Path, vocab_size: int, bos: int, eos: int, pre: str = "gpt-2",
-                         extra: dict | None = None):
+                         extra: dict | None = None, more_merges: list[str] = ()):
     """The checkpoint's tokenizer.json as llama.cpp stores a byte-level BPE vocabulary; `extra`
-    {id: (text, TokenType)} puts other tokens in place of those ids."""
+    {id: (text, TokenType)} puts other tokens in place of those ids, `more_merges` ("a b") follow its merges."""
     from gguf import TokenType
 
     tok = json.loads((checkpoint_dir / "tokenizer.json").read_text())
@@ -104,7 +104,7 @@ def write_gpt2_tokenizer(w, checkpoint_dir: Path, vocab_size: int, bos: int, eos
     w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
     w.add_token_types(types)
-    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]] + list(more_merges))
     w.add_bos_token_id(bos)
     w.add_eos_token_id(eos)
     w.add_add_bos_token(True)

@@ -183,11 +183,12 @@ def test_sentencepiece_tokenizer_matches_transformers(tmp_path):
     assert [tok.token_bytes(i) for i in tok.encode("日")[-3:]] == [b"\xe6", b"\x97", b"\xa5"]
 
 
-def _added_tokens_gguf(tmp_path, extra: dict, pre: str = "gpt-2"):
+def _added_tokens_gguf(tmp_path, extra: dict, pre: str = "gpt-2", more_merges: list[str] = ()):
     """The llama-gqa model with `extra` {id: (text, TokenType)} in its padding ids (296-299), the
     way llama.cpp's converter writes added tokens: as their text, not in the byte alphabet."""
     return _gguf_model(tmp_path, "llama-gqa", "llama", qtypes=("F32",),
-                       tokenizer=lambda w: write_gpt2_tokenizer(w, tmp_path / "ck", VOCAB, 0, 1, pre, extra))[1]
+                       tokenizer=lambda w: write_gpt2_tokenizer(w, tmp_path / "ck", VOCAB, 0, 1, pre, extra,
+                                                                more_merges))[1]
 
 
 def test_user_defined_tokens_are_matched_as_their_own_ids(tmp_path):
@@ -209,6 +210,20 @@ def test_user_defined_tokens_are_matched_as_their_own_ids(tmp_path):
     dog = json.loads((tmp_path / "ck" / "tokenizer.json").read_text())["model"]["vocab"]["Ġdog"]
     assert tok.decode([dog]) == tok.decode([297]) == " dog" and tok.decode([298]) == "  "
     assert len(engine.generate(["hello  world"], SamplingParams(max_tokens=2, ignore_eos=True))[0].token_ids) == 2
+
+
+def test_a_merge_naming_an_added_token_by_its_byte_spelling_loads(tmp_path):
+    """A user-defined "  " whose byte spelling "ĠĠ" a merge makes: the library panicked (a
+    BaseException past every handler) when only the plain text was in the vocabulary."""
+    from gguf import TokenType
+
+    from common.model_spec import load_tokenizer
+
+    tok = load_tokenizer(str(_added_tokens_gguf(tmp_path, {298: ("  ", TokenType.USER_DEFINED)},
+                                                more_merges=["Ġ Ġ"])))
+    hello, world = tok.encode("hello", add_special_tokens=False), tok.encode("world", add_special_tokens=False)
+    assert tok.encode("hello  world", add_special_tokens=False) == [*hello, 298, *world]
+    assert tok.vocab_size == VOCAB
 
 
 def test_control_tokens_outside_the_byte_alphabet_are_special(tmp_path):

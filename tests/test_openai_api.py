@@ -50,6 +50,16 @@ def test_openais_other_fields_are_taken_where_they_ask_nothing_of_the_output():
         assert e.value.param == param, str(e.value)
     with pytest.raises(InvalidArgument, match="add_special_tokens=False is not supported; allowed: true"):
         parse_completion({"prompt": "x", "add_special_tokens": False}, MODEL)
+    from router.openai_api import parse_tokenize
+
+    messages = [{"role": "user", "content": "x"}]
+    assert parse_tokenize({"messages": messages, "add_generation_prompt": True, "add_special_tokens": False},
+                          MODEL) == (None, messages)
+    for body, param in (({"messages": messages, "add_generation_prompt": False}, "add_generation_prompt"),
+                        ({"prompt": "x", "add_special_tokens": False}, "add_special_tokens")):
+        with pytest.raises(InvalidArgument, match="not supported") as e:
+            parse_tokenize(body, MODEL)
+        assert e.value.param == param
     with pytest.raises(InvalidArgument, match="add_special_tokens=True is not supported; allowed: false"):
         parse_chat({"messages": [{"role": "user", "content": "x"}], "add_special_tokens": True}, MODEL, 1024)
 
