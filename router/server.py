@@ -514,11 +514,12 @@ class Router:
                           "; ".join(f"{o.worker_id}: {o.kv_name()}" for o in others))
 
     def _fit_context(self):
-        """Admit the context every live worker serves. A worker may serve less than the router was
+        """Admit the context every known worker serves. A worker may serve less than the router was
         told (started with another --max-model-len, or a GPU worker whose KV pool holds less: see
         Engine._auto_num_blocks); past it, that worker would refuse a prompt or end an output early,
-        and a migrated request's output would depend on the workers it met."""
-        served = {w.worker_id: w.max_model_len for w in self.registry.workers.values() if w.alive and w.max_model_len}
+        and a migrated request's output would depend on the workers it met. A dead worker counts
+        until it is forgotten (DEAD_WORKER_MEMORY_S): it is likely to come back as it was."""
+        served = {w.worker_id: w.max_model_len for w in self.registry.workers.values() if w.max_model_len}
         context = min([self.configured_context, *served.values()])
         if context < self.prompts.context:
             least = [name for name, n in sorted(served.items()) if n == context]
@@ -527,12 +528,11 @@ class Router:
                         "router's --max-model-len and a KV pool that holds it", ", ".join(least), context, context,
                         self.prompts.context)
         elif context > self.prompts.context:
-            log.info("the live workers serve a context of %d tokens or more: the router admits %d again", context, context)
+            log.info("no worker known serves less than %d tokens now: the router admits %d again", context, context)
         self.prompts.context = context
 
     def worker_lost(self, w: Worker, why: str):
         w.alive = False
-        self._fit_context()
         self.metrics.worker_deaths.inc()
         log.warning("worker %s lost (%s); %d requests to recover", w.worker_id, why, len(w.assigned))
         for rid in sorted(w.assigned):
@@ -647,6 +647,7 @@ class Router:
                 self.worker_lost(w, f"silent for {now - w.last_seen:.1f}s")
             elif not w.alive and now - w.last_seen > DEAD_WORKER_MEMORY_S:
                 del self.registry.workers[w.worker_id]  # long gone: forget it
+                self._fit_context()
         for req in list(self.requests.values()):
             if now < req.deadline:
                 continue

@@ -22,6 +22,7 @@ from click.testing import CliRunner
 from common import protocol as P
 from common.cli import main
 from router.client import Client, RequestError
+from router.server import DEAD_WORKER_MEMORY_S
 from tests.cluster import cluster, router_children, running, scripted_worker, serving_router, wait_blocks_free
 
 pytestmark = pytest.mark.timeout(300)
@@ -363,11 +364,14 @@ def test_the_router_admits_the_least_context_its_live_workers_serve(caplog):
             for name, context in (("mono-0", 256), ("mono-1", 128), ("mono-2", 0)):  # 0: an older worker, not said
                 await scripted_worker(router, connect, name, max_model_len=context)
                 seen.append(router.prompts.context)
-            for name in ("mono-1", "mono-0"):
+            for name in ("mono-1", "mono-0"):  # dead, it still counts (it may come back); forgotten, no more
                 router.worker_lost(router.registry.workers[name], "test")
+                seen.append(router.prompts.context)
+                router.registry.workers[name].last_seen -= DEAD_WORKER_MEMORY_S + 1
+                router.tick(time.monotonic())
                 seen.append(router.prompts.context)
             return seen
 
     with caplog.at_level("INFO", logger="pdserve.router"):
-        assert asyncio.run(scenario()) == [256, 128, 128, 256, 512]
-    assert "the live workers serve a context of 512 tokens or more: the router admits 512 again" in caplog.text
+        assert asyncio.run(scenario()) == [256, 128, 128, 128, 256, 256, 512]
+    assert "no worker known serves less than 512 tokens now: the router admits 512 again" in caplog.text
