@@ -65,9 +65,9 @@ class ChatTemplate:
 def check_messages(messages) -> list[dict]:
     """OpenAI-style messages: a non-empty list of objects with a role (any non-empty string) and a
     content, a string or a list of {"type": "text", "text"} parts (joined by newlines, as vLLM
-    joins them). Other keys (name, tool_calls, tool_call_id...) reach the template as given, as
-    in transformers, those that are null dropped as it drops them; their values must be JSON data.
-    Returns copies whose content is a string."""
+    joins them). Other keys (name, tool_calls, tool_call_id...) reach the template as vLLM passes
+    them: those that are null dropped, an assistant's tool call arguments sent as a JSON string
+    parsed; their values must be JSON data. Returns copies whose content is a string."""
     if not isinstance(messages, list) or not messages:
         raise InvalidArgument(f"messages={_short(messages)} is invalid; allowed: a non-empty list of "
                               '{"role": ..., "content": ...} objects')
@@ -99,8 +99,26 @@ def check_messages(messages) -> list[dict]:
                 raise InvalidArgument(f"messages[{i}] has the key {_short(key)}; allowed: string keys")
             if key not in ("role", "content"):
                 _check_data(value, f"messages[{i}].{key}")
-        out.append({**{key: value for key, value in m.items() if value is not None}, "content": content})
+        m = {**{key: value for key, value in m.items() if value is not None}, "content": content}
+        if role == "assistant" and isinstance(m.get("tool_calls"), list):
+            m["tool_calls"] = [_arguments_parsed(call, f"messages[{i}].tool_calls[{j}]")
+                               for j, call in enumerate(m["tool_calls"])]
+        out.append(m)
     return out
+
+
+def _arguments_parsed(call, name: str):
+    """A tool call whose function's arguments OpenAI's clients send as a JSON string, with them
+    as the object templates expect (vLLM parses them so too)."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except json.JSONDecodeError:
+        raise InvalidArgument(f"{name}.function.arguments={_short(function['arguments'])} is invalid; allowed: "
+                              "a JSON object, or a string of one") from None
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 def _check_data(value, name: str) -> None:

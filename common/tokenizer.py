@@ -25,12 +25,14 @@ class _ChatMixin:
 
 
 class ByteTokenizer(_ChatMixin):
-    """Ids 0..255 are the UTF-8 bytes of the text; 256 is BOS and 257 EOS. Ids past 257 (the
-    model's padded vocabulary) decode to nothing. Nothing is added by encode."""
+    """Ids 0..255 are the UTF-8 bytes of the text; 256 is BOS and 257 EOS, shown as <s> and </s>
+    where special tokens are shown. Ids past 257 (the model's padded vocabulary) decode to nothing.
+    Nothing is added by encode."""
 
     bos_token_id = 256
     eos_token_id = 257
     vocab_size = 258
+    SPECIALS = {256: b"<s>", 257: b"</s>"}
 
     def __init__(self):
         self.chat_template = ChatTemplate(DUMMY_CHAT_TEMPLATE, origin="dummy chat template")
@@ -39,11 +41,13 @@ class ByteTokenizer(_ChatMixin):
         return list(text.encode("utf-8"))
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")  # specials have no text
+        if skip_special_tokens:
+            return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+        return b"".join(map(self.token_bytes, ids)).decode("utf-8", errors="replace")
 
     def token_bytes(self, token: int) -> bytes:
-        """The bytes one token stands for (b"" for BOS, EOS and padding)."""
-        return bytes([token]) if 0 <= token < 256 else b""
+        """The bytes one token stands for: a special token's name, b"" for padding."""
+        return bytes([token]) if 0 <= token < 256 else self.SPECIALS.get(token, b"")
 
 
 class HFTokenizer(_ChatMixin):

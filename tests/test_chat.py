@@ -90,6 +90,11 @@ def test_other_message_keys_and_variables_reach_the_template_as_in_transformers(
     ours, theirs = render_both(source, messages)
     assert ours == theirs and "(ann)" in ours and '[add{"a": 1, "b": [2.5, null]}]' in ours and "#c1" in ours
     assert ours.endswith("True True </s> False True")
+    # OpenAI's clients send a call's arguments as a JSON string; templates get the object, as vLLM has it
+    as_sent = {**call, "function": {**call["function"], "arguments": json.dumps(call["function"]["arguments"])}}
+    assert render_both(source, [messages[0], {**messages[1], "tool_calls": [as_sent]}, messages[2]])[0] == ours
+    with pytest.raises(InvalidArgument, match=r"messages\[1\].tool_calls\[0\].function.arguments='{a' is invalid"):
+        check_messages([messages[0], {**messages[1], "tool_calls": [{"function": {"name": "f", "arguments": "{a"}}]}])
 
 
 def test_jinja_environment_is_transformers(render_both):

@@ -182,6 +182,10 @@ def test_special_tokens_show_their_text_in_logprobs_and_on_request(bpe):
     ids = bpe.encode("the quick")
     assert bpe.decode(ids + [eos], skip_special_tokens=False) == "<s>" + bpe.decode(ids) + "</s>"
     assert bpe.decode(ids + [eos]) == bpe.decode(ids)
+    byte = ByteTokenizer()  # the dummy models' alike
+    assert [token_shown(byte, t, False)[0] for t in (256, 257, 300)] == ["<s>", "</s>", ""]
+    assert byte.decode([256, 104, 105, 257], skip_special_tokens=False) == "<s>hi</s>"
+    assert byte.decode([256, 104, 105, 257]) == "hi"
 
 
 @pytest.mark.parametrize("which", ["byte", "bpe"])
@@ -334,7 +338,8 @@ def test_router_stops_at_a_stop_string_and_cancels_the_workers_work():
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["streamed", "decoded at the end"])
-@pytest.mark.parametrize("case", ["partial character", "stop token", "stop token kept"])
+@pytest.mark.parametrize("case", ["partial character", "partial character, stop string", "stop token",
+                                  "stop token kept"])
 def test_the_routers_text_shows_neither_a_trailing_partial_character_nor_the_stop_token(case, stream):
     """As vLLM's: an output that ends inside a character ("x", then 0xC3) ends its text before it,
     even with "\\ufffd" as a stop string, and a stop token that ended it ("b") adds no text unless
@@ -346,9 +351,10 @@ def test_the_routers_text_shows_neither_a_trailing_partial_character_nor_the_sto
     from tests.cluster import scripted_worker, serving_router
 
     tokens, finish, want = {"partial character": ([ord("x"), 0xC3], "length", ("length", None, "x")),
+                            "partial character, stop string": ([ord("x"), 0xC3], "length", ("length", None, "x")),
                             "stop token": ([ord("x"), ord("b")], "stop", ("stop", ord("b"), "x")),
                             "stop token kept": ([ord("x"), ord("b")], "stop", ("stop", ord("b"), "xb"))}[case]
-    params = SamplingParams(max_tokens=2, stop=["\ufffd"] if case == "partial character" else [],
+    params = SamplingParams(max_tokens=2, stop=["\ufffd"] if case.endswith("stop string") else [],
                             stop_token_ids=[ord("b")], include_stop_str_in_output=case == "stop token kept",
                             ignore_eos=True)
 
@@ -365,7 +371,8 @@ def test_the_routers_text_shows_neither_a_trailing_partial_character_nor_the_sto
                 await asyncio.sleep(0.02)
             done = replies[-1]
             assert isinstance(done, P.Done) and (done.finish_reason, done.stop_reason, done.text) == want
-            assert "".join(m.text for m in replies if isinstance(m, P.Token)) in ("", want[2])
+            streamed = "".join(m.text for m in replies if isinstance(m, P.Token))
+            assert streamed == (want[2] if stream else ""), streamed
             assert not router.requests
 
     asyncio.run(scenario())
