@@ -290,10 +290,11 @@ def status(router_address, as_json):
         print(json.dumps({"workers": reply.workers, "queued": reply.queued, "in_flight": reply.in_flight}))
         return
     print_table(f"router {router_address}: {reply.queued} queued, {reply.in_flight} in flight",
-                ["worker", "role", "device", "alive", "queued", "running", "free blocks", "total blocks", "KV by",
-                 "heartbeat age s"],
+                ["worker", "role", "device", "alive", "queued", "running", "free blocks", "total blocks", "context",
+                 "KV by", "heartbeat age s"],
                 [[w["worker_id"], w["role"], w["device"], w["alive"], w["queued"], w["running"], w["free_blocks"],
-                  w["total_blocks"], ",".join(w.get("kv_transports", [])) or "-", w["heartbeat_age_s"]]
+                  w["total_blocks"], w.get("max_model_len") or "-", ",".join(w.get("kv_transports", [])) or "-",
+                  w["heartbeat_age_s"]]
                  for w in reply.workers])
 
 
