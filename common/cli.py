@@ -187,18 +187,18 @@ def worker_command(role: str):
         if role == "prefill":
             from prefill_worker.worker import PrefillWorker
 
-            PrefillWorker(cfg).run()
+            status = PrefillWorker(cfg).run()
         else:
             from decode_worker.worker import DecodeWorker
 
-            DecodeWorker(cfg, mono=role == "mono").run()
+            status = DecodeWorker(cfg, mono=role == "mono").run()
         # Closed in order (sockets, shared memory, process groups). What torch.distributed's gloo
         # leaves of its threads would abort the interpreter's own teardown (std::terminate, exit
         # -6, in about half the runs with --kv-transport gloo), so the process ends here.
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
+        os._exit(status)
 
     command.__doc__ = {"prefill": "Run a prefill worker.", "decode": "Run a decode worker.",
                        "mono": "Run a monolithic worker (prefill and decode in one process)."}[role]

@@ -98,3 +98,12 @@ def _authenticator(ctx, keys: CurveKeys):
     auth.start()
     auth.configure_curve(domain="*", location=str(keys.authorized))
     _authenticators[id(ctx)] = auth
+
+
+def close_context(ctx) -> None:
+    """Terminate a context, its ZAP authenticator first: the authenticator holds a socket of the
+    context open, and term() waits for every socket, so a process with CURVE on never exited."""
+    auth = _authenticators.pop(id(ctx), None)
+    if auth is not None:
+        auth.stop()
+    ctx.term()

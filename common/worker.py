@@ -26,6 +26,7 @@ from common import protocol as P
 from common.channel import Channel, Envelope, Waker
 from common.config import EngineConfig
 from common.engine import Engine, RequestOutput
+from common.security import close_context
 from common.step_trace import StepTrace
 
 log = logging.getLogger("pdserve.worker")
@@ -68,6 +69,7 @@ class WorkerBase:
         self.handlers: dict[zmq.Socket, tuple[Channel, callable]] = {}
         self.router: Channel | None = None
         self.stopping = False
+        self.refused: str | None = None  # why the router sent us away (run() then exits 1)
         self.kv_address = ""
         self.kv_bytes: dict[str, int] = {}  # KV bytes sent, by transport (prefill), for the router's metrics
         self.stalled = False  # the last step had work but ran nothing
@@ -112,7 +114,7 @@ class WorkerBase:
                 self._connect_router()
             else:
                 log.error("router asked %s to stop: %s", self.worker_id, msg.reason)
-                self.stopping = True
+                self.stopping, self.refused = True, msg.reason
         else:
             self.on_router(msg)
 
@@ -133,7 +135,8 @@ class WorkerBase:
 
     # ------------------------------------------------------------------ the loop
 
-    def run(self):
+    def run(self) -> int:
+        """Serve until SIGTERM, SIGINT or the router refuses us; the process's exit status."""
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: setattr(self, "stopping", True))
         log.info("%s %s on %s: %s, %d KV blocks%s", self.role, self.worker_id, self.engine.config.torch_device,
@@ -167,6 +170,7 @@ class WorkerBase:
             if trace is not None:
                 trace.close()
             self.close()
+        return 1 if self.refused else 0
 
     def poll_timeout(self) -> int:
         """Milliseconds the loop waits for a message: none while the engine has work to step."""
@@ -205,7 +209,7 @@ class WorkerBase:
     def close(self):
         for chan, _ in list(self.handlers.values()):
             chan.close()
-        self.ctx.term()
+        close_context(self.ctx)
         self.waker.close()
 
     # ------------------------------------------------------------------ for the roles

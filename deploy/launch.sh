@@ -104,9 +104,9 @@ supervise() {
     wait "$child"
     local rc=$?
     echo "$name $rc" >>"$EXITS"  # the readiness check below fails the start on any
-    ((RESTART)) || { echo "[launch.sh] $name exited with $rc; not restarted (--no-restart)" >>"$LOG_DIR/$name.log"; return; }
+    ((RESTART)) || { echo "[launch.sh] $name exited with $rc; not restarted (--no-restart)" | tee -a "$LOG_DIR/$name.log" >&2; return; }
     ((SECONDS - started > 30)) && delay=0.5
-    echo "[launch.sh] $name exited with $rc; restarting in ${delay}s" >>"$LOG_DIR/$name.log"
+    echo "[launch.sh] $name exited with $rc; restarting in ${delay}s" | tee -a "$LOG_DIR/$name.log" >&2
     sleep "$delay" & wait $!
     delay=$(awk -v d="$delay" 'BEGIN { d *= 2; print (d > 8 ? 8 : d) }')
   done

@@ -142,6 +142,7 @@ class Cluster:
             router_args = [*router_args, "--max-model-len", context]  # the router admits what workers serve
         self.log_dir = Path(log_dir)
         self.restart = restart
+        self.killed: list[str] = []  # children stop() had to kill
         self.expected = prefill + decode + mono
         if self.expected == 0:
             raise ValueError("a cluster needs at least one worker: --prefill/--decode, or --mono")
@@ -222,24 +223,30 @@ class Cluster:
                     c.restarts = 0  # it had been healthy: start the backoff over
                 delay = restart_delay(c.restarts)
                 c.next_start = now + delay
+                line = f"[launcher] {c.name} exited with {c.proc.returncode}; restarting in {delay:.1f}s"
                 with open(c.log_path, "a") as f:
-                    f.write(f"\n[launcher] {c.name} exited with {c.proc.returncode}; restarting in {delay:.1f}s\n")
+                    f.write(f"\n{line}\n")
+                print(line, file=sys.stderr, flush=True)
             elif now >= c.next_start:
                 c.restarts += 1
                 c.next_start = 0.0
                 c.start()
 
     def stop(self, grace_s: float = 5.0):
-        procs = [c.proc for c in self.children if c.proc is not None and c.proc.poll() is None]
-        for p in procs:
-            p.send_signal(signal.SIGTERM)
+        """SIGTERM every child; one still running grace_s later is killed, and named in self.killed."""
+        running = [c for c in self.children if c.proc is not None and c.proc.poll() is None]
+        for c in running:
+            c.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + grace_s
-        for p in procs:
+        for c in running:
             try:
-                p.wait(max(0.0, deadline - time.monotonic()))
+                c.proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+                c.proc.kill()
+                c.proc.wait()
+                self.killed.append(c.name)
+                print(f"[launcher] {c.name} did not stop within {grace_s:g}s of SIGTERM; killed it", file=sys.stderr,
+                      flush=True)
 
     def __enter__(self):
         self.start()

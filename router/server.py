@@ -32,6 +32,7 @@ from common import protocol as P
 from common.channel import Channel, Envelope
 from common.errors import InvalidArgument, port_free
 from common.sampling_params import SamplingParams, fresh_seed
+from common.security import close_context
 from router.metrics import RouterMetrics
 from router.prefix_affinity import PromptChain, remember
 from router.prompts import Prompts
@@ -229,7 +230,7 @@ class Router:
             await asyncio.gather(*tasks, return_exceptions=True)
             self.frontend.close()
             self.backend.close()
-            self.ctx.term()
+            close_context(self.ctx)
 
     # ------------------------------------------------------------------ clients
 

@@ -36,6 +36,7 @@ def cluster(tmp_path, model="dummy:nanogpt", prefill=1, decode=1, mono=0, worker
         c.stop()
         for child in c.children:
             assert child.proc.poll() is not None, f"{child.name} still running"
+        assert not c.killed, f"{c.killed} did not stop on SIGTERM"
         for pid in api_server_pids:  # the router's own children stop with it
             assert not running(pid), f"API server {pid} still running"
 

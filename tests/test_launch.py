@@ -14,6 +14,7 @@ import pytest
 
 from router.client import Client
 from router.launcher import free_port
+from tests.cluster import cluster
 
 ROOT = Path(__file__).resolve().parents[1]
 # launch.sh runs `pdserve` if one is installed: make it this checkout's, which a test is about.
@@ -177,3 +178,12 @@ def test_a_worker_stopped_while_it_starts_exits_cleanly():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_worker_the_router_refuses_exits_with_an_error(tmp_path):
+    """A worker of another model is sent away at registration: it says why and exits 1, so that a
+    supervisor or script sees it failed (it had exited 0)."""
+    with cluster(tmp_path, prefill=0, decode=0, mono=1) as c:
+        r = subprocess.run([sys.executable, "-m", "common.cli", "mono", "--router", f"tcp://127.0.0.1:{c.worker_port}",
+                            "--model", "dummy:llama-tiny", "--threads", "1"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "model mismatch: router serves dummy:nanogpt" in r.stderr, (r.returncode, r.stderr[-2000:])
