@@ -16,6 +16,7 @@ not compared).
 from __future__ import annotations
 
 import random
+import sys
 import time
 
 import torch
@@ -87,7 +88,11 @@ def run_vs_transformers(engine: Engine, prompt_len: int, output_len: int, batch_
             while f.read(1 << 24):
                 pass
     ours_s, theirs_s = [], []
-    for _ in range(1 if dummy else load_repeats):
+    repeats = 1 if dummy else load_repeats
+    for i in range(repeats):
+        print(f"[vs transformers {i + 1}/{repeats}] loading {spec} by pdserve and by transformers"
+              + (" (transformers dequantizes a GGUF in Python: minutes)" if path is not None and path.is_file() else ""),
+              file=sys.stderr, flush=True)
         gguf_file._open.cache_clear()  # parse the file again, as a fresh process would
         if not dummy:
             ours_s.append(_timed(lambda: load_model(spec, device, dtype, cfg.attention_backend))[0])
@@ -109,6 +114,7 @@ def run_vs_transformers(engine: Engine, prompt_len: int, output_len: int, batch_
     engine.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
     rows, gen = [], {}
     for b in batch_sizes:
+        print(f"[vs transformers] greedy generate, batch {b}", file=sys.stderr, flush=True)
         hf_generate(prompts[:b])  # warm-up: a static cache compiles per shape
         ours, outs = _timed(lambda: engine.generate(prompts[:b], params))
         theirs, hf_outs = _timed(lambda: hf_generate(prompts[:b]))
