@@ -4,8 +4,8 @@
 # minute or two) and its idle waits included, and no machine starts with under 4 minutes left: plan
 # on one call, `first` (at most 9.5 minutes), with timeout_s 600, then give the machine back. The
 # machine has torch, triton and transformers but no pyzmq and no package index: run
-# bench/gpu_wheels.sh here first, and carry .whl/ in every call (../shared/GPU.md). Logs and each benchmark's JSON land in $OUT; the last lines printed are
-# a summary.
+# bench/gpu_wheels.sh here first, and carry .whl/ in every call (../shared/GPU.md). Logs and each
+# benchmark's JSON land in $OUT; the last lines printed are a summary.
 #
 #   bash bench/gpu_session.sh first    # pytest -m gpu, then the engine at batch 1 and 64 x 512 (one call, < 9.5 min)
 #   bash bench/gpu_session.sh check    # kernels compile, pytest -m gpu            (~5 min)

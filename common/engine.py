@@ -32,6 +32,7 @@ from common.model_runner import LaunchedStep, LayerHook, ModelRunner
 from common.sampling_params import SamplingParams, fresh_seed
 from common.scheduler import ScheduledSeq, Scheduler
 from common.text import TextStream, output_text
+from common.tokenizer import check_encoded
 from common.sequence import PENDING, PREFILLED, Sequence, Status
 
 _CPU_KV_CACHE_GB = 1.0
@@ -171,11 +172,7 @@ class Engine:
         if cfg.torch_device.type != "cuda":
             budget = (cfg.kv_cache_gb or _CPU_KV_CACHE_GB) * 2**30
             blocks = max(1, min(useful, int(budget // block_bytes)))
-            if blocks * bs < self.max_model_len:
-                log.warning("max_model_len lowered from %d to %d tokens, what the KV pool of %s holds (a longer "
-                            "request could never fit); pass --max-model-len, or raise --kv-cache-gb",
-                            self.max_model_len, blocks * bs, memory.gib(blocks * block_bytes))
-            return blocks, min(self.max_model_len, blocks * bs)
+            return blocks, self._say_if_lowered(min(self.max_model_len, blocks * bs), "--kv-cache-gb")
         dev = cfg.torch_device
         torch.cuda.empty_cache()  # what loading the weights cached and let go is not held
         free, total = torch.cuda.mem_get_info(dev)
@@ -196,15 +193,18 @@ class Engine:
         blocks, context = memory.pool_and_context(mem, block_bytes, bs, mc.num_layers, activations_at,
                                                   self.max_model_len, step_blocks, useful,
                                                   cfg.gpu_memory_utilization, kv_bytes)
-        if context < self.max_model_len:
-            log.warning("max_model_len lowered from %d to %d tokens, what the KV pool holds (a longer request "
-                        "could never fit); pass --max-model-len, or raise --gpu-memory-utilization",
-                        self.max_model_len, context)
+        self._say_if_lowered(context, "--kv-cache-gb" if kv_bytes else "--gpu-memory-utilization")
         log.info("KV pool on %s: %d blocks (%s, %d tokens; max_model_len %d) beside %s held and %s of activations; "
                  "the device has %s, %s free", dev, blocks, memory.gib(blocks * block_bytes), blocks * bs,
                  context, memory.gib(mem.held), memory.gib(activations_at(context)), memory.gib(total),
                  memory.gib(free))
         return blocks, context
+
+    def _say_if_lowered(self, context: int, flag: str) -> int:
+        if context < self.max_model_len:
+            log.warning("max_model_len lowered from %d to %d tokens, what the KV pool holds (a longer request "
+                        "could never fit); pass --max-model-len, or raise %s", self.max_model_len, context, flag)
+        return context
 
     # ------------------------------------------------------------------ requests
 
@@ -213,10 +213,7 @@ class Engine:
             if self.tokenizer is None:
                 raise InvalidArgument(f"model {self.config.model!r} has no tokenizer.json; send token ids")
             ids = self.tokenizer.encode(prompt)
-            if ids and max(ids) >= self.model_config.vocab_size:  # a bad model file, not a bad request
-                raise InvalidArgument(f"the tokenizer gave token id {max(ids)} for this text; the model's "
-                                      f"vocabulary is [0, {self.model_config.vocab_size}): its tokenizer and "
-                                      "weights disagree")
+            check_encoded(ids, self.model_config.vocab_size)
         elif isinstance(prompt, (list, tuple)):
             ids = list(prompt)
             V = self.model_config.vocab_size

@@ -109,15 +109,14 @@ def _byte_level_bpe(g, tokens: list[str], types: list[int]):
     # A few converters store some normal tokens as plain text; BPE needs them in the byte alphabet.
     vocab = {byte_spelled(t): i for i, (t, kind) in enumerate(zip(tokens, types)) if kind not in _ADDED}
     # Control, unknown and user-defined tokens are plain text, found by it (_add_special_tokens); one
-    # spelled like a normal token takes that spelling, as llama.cpp matches them before BPE. A
-    # merge that names one by its byte spelling finds it there too (else the library panics).
-    merges = [tuple(m.split(" ", 1)) for m in g.get("tokenizer.ggml.merges")]
-    named = {part for a, b in merges for part in (a, b, a + b)}
+    # spelled like a normal token takes that spelling, as llama.cpp matches them before BPE. Their
+    # byte spelling stays theirs where no other token has it: a merge may name it (else the library
+    # panics), and only a merge can produce it.
     for i, (t, kind) in enumerate(zip(tokens, types)):
         if kind in _ADDED:
             vocab[t] = i
-            if byte_spelled(t) in named:
-                vocab.setdefault(byte_spelled(t), i)
+            vocab.setdefault(byte_spelled(t), i)
+    merges = [tuple(m.split(" ", 1)) for m in g.get("tokenizer.ggml.merges")]
     try:
         tok = Tokenizer(models.BPE(vocab, merges, fuse_unk=False))
     except BaseException as e:  # the library panics (a BaseException) on a merge of tokens it lacks

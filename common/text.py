@@ -36,9 +36,8 @@ class TextStream:
     @classmethod
     def for_params(cls, tokenizer, params, eos_token_ids=()) -> "TextStream":
         """The text of a request with these SamplingParams, of a model with these EOS ids."""
-        include = params.include_stop_str_in_output
-        return cls(tokenizer, params.stop, include, params.min_tokens,
-                   frozenset() if include else params.stop_ids(eos_token_ids))
+        return cls(tokenizer, params.stop, params.include_stop_str_in_output, params.min_tokens,
+                   textless_ids(params, eos_token_ids))
 
     def add(self, token: int) -> bool:
         """Take the next token; True if the text now reaches a stop string (then add no more)."""
@@ -91,9 +90,14 @@ class TextStream:
         return self.text
 
 
+def textless_ids(params, eos_token_ids) -> frozenset[int]:
+    """The stop tokens whose text an output leaves out: all, unless include_stop_str_in_output."""
+    return frozenset() if params.include_stop_str_in_output else frozenset(params.stop_ids(eos_token_ids))
+
+
 def output_text(tokenizer, ids: list[int], params, eos_token_ids=()) -> str:
     """A whole output's text decoded at once, as TextStream builds it token by token: without the
     text of a stop token that ended it, nor of a character it ends inside of."""
-    if ids and not params.include_stop_str_in_output and ids[-1] in params.stop_ids(eos_token_ids):
+    if ids and ids[-1] in textless_ids(params, eos_token_ids):
         ids = ids[:-1]
     return tokenizer.decode(ids).rstrip("\ufffd")

@@ -15,6 +15,14 @@ from common.chat import DUMMY_CHAT_TEMPLATE, ChatTemplate
 from common.errors import InvalidArgument, ModelLoadError
 
 
+def check_encoded(ids: list[int], vocab_size: int) -> None:
+    """The ids a tokenizer gave for a text must index the model's embedding. A tokenizer that
+    outgrows the weights is the model file's fault; refused per request, it cannot crash a step."""
+    if ids and max(ids) >= vocab_size:
+        raise InvalidArgument(f"the tokenizer gave token id {max(ids)} for this text; the model's vocabulary is "
+                              f"[0, {vocab_size}): its tokenizer and weights disagree", param="prompt")
+
+
 class _ChatMixin:
     chat_template: ChatTemplate | None = None
 

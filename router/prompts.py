@@ -8,6 +8,7 @@ from common.errors import InvalidArgument
 from common.model_spec import load_tokenizer, model_config
 from common.sampling_params import SamplingParams
 from common.text import output_text
+from common.tokenizer import check_encoded
 
 
 class Prompts:
@@ -42,15 +43,14 @@ class Prompts:
         if len(ids) >= limit:  # before reading ids one by one: a client may send millions
             raise InvalidArgument(f"prompt has {len(ids)} tokens; allowed: at most {limit - 1} "
                                   f"(the context served is {limit})", param="prompt")
-        V = self.model_config.vocab_size
         if ids is prompt:
+            V = self.model_config.vocab_size
             bad = [t for t in ids if not 0 <= t < V]
             if bad:
                 raise InvalidArgument(f"prompt token ids {bad[:5]} are invalid; allowed: integers in [0, {V})",
                                       param="prompt")
-        elif max(ids) >= V:  # a bad model file, not a bad request: no worker must see it
-            raise InvalidArgument(f"the tokenizer gave token id {max(ids)} for this text; the model's vocabulary "
-                                  f"is [0, {V}): its tokenizer and weights disagree", param="prompt")
+        else:
+            check_encoded(ids, self.model_config.vocab_size)
         if max_tokens_field is not None and len(ids) + params.max_tokens > limit:
             raise InvalidArgument(f"{max_tokens_field}={params.max_tokens} is too large: the model's maximum context "
                                   f"length is {limit} tokens and the prompt has {len(ids)}; allowed: at most "
