@@ -12,6 +12,13 @@ only calls `measure(rate)`. It climbs geometrically from a start rate until atta
 *clearly* below the target (by `margin`, or below it twice running: one unlucky point near the
 target is noise, not the knee), then bisects between the highest passing and the lowest failing
 rate. A start rate that already fails is halved until one passes.
+
+What a rate delivered (requests and output tokens a second) is counted in the run's steady part:
+the completions and tokens between the end of the first quarter of the arrivals and the last
+arrival, over that window. Counted from the first arrival to the last completion, a run's figure
+would fall short of what the system serves by the warm-up of an empty system and the drain of the
+last requests (several seconds of long outputs), so a rate that met the SLO would show more
+requests a second than "saturation" delivered.
 """
 
 from __future__ import annotations
@@ -80,8 +87,8 @@ class Point:
 
     rate: float
     attainment: float
-    requests_s: float = 0.0  # completed requests per second, first arrival to last completion
-    output_tok_s: float = 0.0
+    requests_s: float = 0.0  # completed per second in the run's steady part (`delivered`)
+    output_tok_s: float = 0.0  # likewise
     records: list[Latency] = field(default_factory=list)
     cpu: dict[str, float] = field(default_factory=dict)  # cores used meanwhile, by whom (bench/hostload.py)
 
@@ -97,10 +104,34 @@ class Point:
         return out
 
 
-def point_from(rate: float, records: list[Latency], slo: SLO, tokens: int, wall_s: float) -> Point:
-    done = sum(r.e2e is not None for r in records)
-    return Point(rate, attainment(records, slo), done / wall_s if wall_s > 0 else 0.0,
-                 tokens / wall_s if wall_s > 0 else 0.0, records)
+SETTLE = 0.25  # the first quarter of the arrivals fills an empty system: not counted
+
+
+def delivered(arrivals: list[float], ends: list[float], tokens: list[float], until: float | None = None
+              ) -> tuple[float, float]:
+    """(requests/s, output tokens/s) of a run in its steady part: the completions (`ends`) and
+    output tokens (each one's time) between SETTLE of the way through the arrivals and the last
+    arrival (or `until`, where a run stopped sooner), over that window. One clock for all; a run
+    whose requests all arrived at once is counted from its arrival to its last completion."""
+    if not arrivals:
+        return 0.0, 0.0
+    first, last = min(arrivals), max(arrivals)
+    if until is not None:
+        last = min(last, until)
+    start = first + SETTLE * (last - first)
+    if last - start <= 0:  # one burst: no steady part
+        end = max(ends, default=first)
+        wall = end - first
+        return (len(ends) / wall, len(tokens) / wall) if wall > 0 else (0.0, 0.0)
+    window = last - start
+    return (sum(start < t <= last for t in ends) / window, sum(start < t <= last for t in tokens) / window)
+
+
+def point_from(rate: float, records: list[Latency], slo: SLO, arrivals: list[float], ends: list[float],
+               tokens: list[float], until: float | None = None) -> Point:
+    """A measured (or simulated) rate: attainment over `records`, and what it delivered (`delivered`)."""
+    requests_s, tok_s = delivered(arrivals, ends, tokens, until)
+    return Point(rate, attainment(records, slo), requests_s, tok_s, records)
 
 
 @dataclass

@@ -154,8 +154,10 @@ def measure_cluster(cluster: Cluster, workload: Workload, rate: float, n: int, s
     load = [(r.arrival, random_prompt(rng, r.prompt_tokens, vocab), r.output_tokens)
             for r in reqs]
     watch = CpuWatch({"router": [cluster.router.proc.pid], "workers": [w.proc.pid for w in cluster.workers]})
-    samples, wall = asyncio.run(drive(cluster.address, load))
-    p = point_from(rate, [Latency.of(s) for s in samples], slo, sum(s.tokens for s in samples), wall)
+    samples, _ = asyncio.run(drive(cluster.address, load))
+    served = [s for s in samples if s.error is None and s.end is not None]
+    p = point_from(rate, [Latency.of(s) for s in samples], slo, [s.sent for s in samples], [s.end for s in served],
+                   [t for s in served for t in s.token_times])
     p.cpu = watch.stop()
     return p
 

@@ -464,6 +464,8 @@ def simulate(model: WorkerModel, prefill: int, decode: int, mono: int, placement
     sim = Simulation(model, prefill, decode, mono, placement, rate, requests, slo, stop_below)
     done = sim.run()
     records = [latency(r, model.front_latency_s, sim.now) for r in done]
-    ends = [r.token_times[-1] for r in done if r.token_times]
-    wall = (max(ends) + model.front_latency_s / 2 - requests[0].arrival) if ends else math.inf
-    return point_from(rate, records, slo, sum(len(r.token_times) for r in done), wall)
+    half = model.front_latency_s / 2  # a client sees a worker's token this much later
+    served = [r for r in done if not r.failed]
+    return point_from(rate, records, slo, [r.req.arrival for r in done],
+                      [r.token_times[-1] + half for r in served if r.done],
+                      [t + half for r in served for t in r.token_times], until=sim.now + half)

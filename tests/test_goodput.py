@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from bench.goodput import SLO, Latency, Point, attainment, find_goodput
+from bench.goodput import SLO, Latency, Point, attainment, delivered, find_goodput
 from common.errors import InvalidArgument
 
 
@@ -83,6 +83,21 @@ def test_throughput_at_saturation_is_the_best_delivered():
     s = find_goodput(lambda r: Point(r, 1.0 if r <= 4 else 0.0, output_tok_s=rates.get(r, 300.0)), 0.9, 1.0,
                      refine=0)
     assert s.saturation.output_tok_s == 350.0
+
+
+def test_delivered_counts_the_steady_part_of_a_run():
+    # one request a second for 9 s, each taking 2 s with 10 tokens: the steady part is 2..8 s, in
+    # which the system delivers what arrives (counted to the last completion: 9 in 10 s)
+    arrivals = [float(i) for i in range(9)]
+    ends = [a + 2 for a in arrivals]
+    tokens = [a + 0.2 * k for a in arrivals for k in range(1, 11)]
+    rps, tok_s = delivered(arrivals, ends, tokens)
+    assert rps == pytest.approx(1.0) and tok_s == pytest.approx(10.0)
+    # a run stopped at 4 s counts up to then
+    assert delivered(arrivals, ends, tokens, until=4.0)[1] == pytest.approx(sum(1 < t <= 4 for t in tokens) / 3)
+    # all at once: from the arrival to the last completion
+    assert delivered([0.0, 0.0], [1.0, 2.0], [0.5, 1.0, 1.5, 2.0]) == (1.0, 2.0)
+    assert delivered([], [], []) == (0.0, 0.0)
 
 
 @pytest.mark.parametrize("ttft, itl, attain, flag", [(0, 10, 0.9, "--ttft-slo-ms"), (-5, 10, 0.9, "--ttft-slo-ms"),

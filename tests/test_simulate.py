@@ -151,3 +151,19 @@ def test_a_request_no_decode_pool_can_hold_fails_at_once_and_a_pool_sized_one_is
                  SLO(1000, 1000))
     assert [r.ttft is not None for r in p.records] == [True, False, True]
     assert p.records[2].ttft < 1000 and p.records[2].e2e is not None  # 113 tokens: all 8 blocks
+
+
+def test_a_rate_delivers_itself_below_saturation_and_the_service_rate_above():
+    """DECODE_BOUND serves 20 requests/s. Counted in the run's steady part, a rate below that
+    delivers itself, and one above it the service rate: not less, for the warm-up and the drain
+    of the last requests' 410 ms, which a count from first arrival to last completion includes."""
+    slo = SLO(ttft_ms=200, itl_ms=12)
+    below = simulate(DECODE_BOUND, 1, 1, 0, Placement(), 10.0, constant(10.0, 60, 16, 41), slo)
+    assert below.requests_s == pytest.approx(10.0, rel=0.05)
+    assert below.output_tok_s == pytest.approx(10.0 * 41, rel=0.05)
+    above = simulate(DECODE_BOUND, 1, 1, 0, Placement(), 40.0, constant(40.0, 240, 16, 41), slo)
+    assert above.requests_s == pytest.approx(20.0, rel=0.1)
+    s = find_goodput(lambda r: simulate(DECODE_BOUND, 1, 1, 0, Placement(), r, constant(r, 120, 16, 41), slo),
+                     slo.attainment, start=4.0, refine=4)
+    assert s.at_goodput.requests_s == pytest.approx(s.goodput, rel=0.05)
+    assert max(p.requests_s for p in s.points) >= 0.95 * s.goodput  # saturation is no less than goodput
