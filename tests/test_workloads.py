@@ -16,12 +16,14 @@ def test_named_workloads_arrive_at_the_rate_asked(name):
     w = get_workload(name)
     reqs = w.requests(20.0, 2000, seed=3)
     gaps = [b.arrival - a.arrival for a, b in zip(reqs, reqs[1:])]
-    assert statistics.mean(gaps) == pytest.approx(1 / 20, rel=0.1)
-    assert all(g >= 0 for g in gaps)
+    assert statistics.mean(gaps) == pytest.approx(1 / 20, rel=1e-9)  # the rate offered is the rate named
+    assert all(g >= 0 for g in gaps) and statistics.pstdev(gaps) > 0.01  # not evenly spaced
     assert all(w.prompt.lo <= r.prompt_tokens <= w.prompt.hi and w.output.lo <= r.output_tokens <= w.output.hi
                for r in reqs)
-    assert w.requests(20.0, 50, seed=3) == reqs[:50]  # seeded
-    assert w.requests(5.0, 50, seed=3)[7].prompt_tokens == reqs[7].prompt_tokens  # same lengths at any rate
+    assert w.requests(20.0, 2000, seed=3) == reqs  # seeded
+    few = w.requests(5.0, 50, seed=3)
+    assert [(r.prompt_tokens, r.output_tokens) for r in few] == [(r.prompt_tokens, r.output_tokens) for r in reqs[:50]]
+    assert statistics.mean(b.arrival - a.arrival for a, b in zip(few, few[1:])) == pytest.approx(1 / 5)
 
 
 def test_named_workloads_have_their_shape():
