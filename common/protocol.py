@@ -124,6 +124,7 @@ class StatusReply:
     workers: list[dict]
     queued: int
     in_flight: int
+    context: int = 0  # what the router admits, prompt and output (its API servers follow it)
 
 
 @dataclass

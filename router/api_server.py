@@ -51,6 +51,7 @@ from router.prompts import Prompts
 
 log = logging.getLogger("pdserve.api_server")
 ASK_TIMEOUT_S = 5.0  # for the router's status or metrics
+FOLLOW_CONTEXT_S = 1.0  # how often an API server asks the context the router admits
 TRUSTED_REPLY_BYTES = 2**30
 READY_TIMEOUT_S = 120.0  # for an API server to load its tokenizer and serve
 FIRST_RESTART_S = 1.0  # after an API server dies: the first wait (router/launcher.py restart_delay doubles it)
@@ -75,7 +76,24 @@ class RouterLink:
         self.connection = Connection(self.chan)
 
     def start(self):
-        self._tasks = [asyncio.ensure_future(self._read()), asyncio.ensure_future(self.connection.watch(self._lost))]
+        self._tasks = [asyncio.ensure_future(self._read()), asyncio.ensure_future(self.connection.watch(self._lost)),
+                       asyncio.ensure_future(self._follow_context())]
+
+    async def _follow_context(self):
+        """Admit what the router admits: it lowers its context to the least its workers serve
+        (Router._fit_context), and an API server checks max_tokens against it and shows it in
+        /v1/models. Within FOLLOW_CONTEXT_S of a change; a longer prompt meanwhile is still refused
+        by the router, and a max_tokens past it ends the output there."""
+        while True:
+            try:
+                reply = await self._ask(P.StatusRequest(), P.StatusReply)
+            except ApiError:  # the router is busy or away: keep the last context
+                pass
+            else:
+                if reply.context and reply.context != self.prompts.context:
+                    log.info("the router admits a context of %d tokens (was %d)", reply.context, self.prompts.context)
+                    self.prompts.context = reply.context
+            await asyncio.sleep(FOLLOW_CONTEXT_S)
 
     async def close(self):
         for t in self._tasks:

@@ -256,7 +256,8 @@ class Router:
             now = time.monotonic()
             workers = [w.describe(now) for w in sorted(self.registry.workers.values(), key=lambda w: w.worker_id)]
             queued = sum(r.state == "queued" for r in self.requests.values())
-            self._send(self.frontend, P.StatusReply(workers, queued, len(self.requests) - queued), env.sender)
+            self._send(self.frontend, P.StatusReply(workers, queued, len(self.requests) - queued, self.prompts.context),
+                       env.sender)
         elif isinstance(msg, P.MetricsRequest):
             self._send(self.frontend, P.MetricsReply(self.metrics.render()), env.sender)
         elif isinstance(msg, P.Rejected):

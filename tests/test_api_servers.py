@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -342,20 +343,35 @@ def test_a_router_told_more_than_a_worker_serves_admits_what_it_serves(tmp_path)
     assert "worker mono-0 serves a context of 128 tokens; the router admits 128 from now on (was 512)" in log
 
 
-def test_a_pool_smaller_than_the_context_lowers_it_and_a_chat_without_max_tokens_is_served(tmp_path):
+@pytest.mark.parametrize("api_servers", [1, 2], ids=["in-router", "api-servers"])
+def test_a_pool_smaller_than_the_context_lowers_it_and_a_chat_without_max_tokens_is_served(tmp_path, api_servers):
     """--kv-cache-gb 0.001 holds 512 of dummy:nanogpt's 1,024 tokens. A chat without max_tokens
-    asks for the whole context (vLLM's default): it had been refused, "request needs 64 KV blocks"."""
-    with cluster(tmp_path, http=True, worker_args=["--kv-cache-gb", "0.001"]) as c:
+    asks for the whole context (vLLM's default): it had been refused, "request needs 64 KV blocks".
+    API server processes follow the context the router admits, within a second."""
+    with cluster(tmp_path, http=True, worker_args=["--kv-cache-gb", "0.001"], api_servers=api_servers) as c:
         def post(path, body=None):
             req = urllib.request.Request(c.http_url + path, None if body is None else json.dumps(body).encode(),
                                          {"Content-Type": "application/json"})
-            with urllib.request.urlopen(req, timeout=120) as r:
-                return json.loads(r.read())
-        chat = post("/v1/chat/completions", dict(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
-                                                  ignore_eos=True))
-        card = post("/v1/models")["data"][0]
-    assert chat["choices"][0]["finish_reason"] == "length" and chat["usage"]["total_tokens"] == 512
-    assert card["max_model_len"] == 512
+            try:
+                with urllib.request.urlopen(req, timeout=120) as r:
+                    return r.status, json.loads(r.read())
+            except urllib.error.HTTPError as e:
+                return e.code, json.loads(e.read())
+
+        def cards():  # the API servers take connections as the kernel hands them out: ask several times
+            return {post("/v1/models")[1]["data"][0]["max_model_len"] for _ in range(4 * api_servers)}
+
+        deadline = time.monotonic() + 10
+        while cards() != {512} and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert cards() == {512}
+        status, chat = post("/v1/chat/completions", dict(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                          ignore_eos=True))
+        too_long = [post("/v1/completions", dict(model=MODEL, prompt=[1] * 10, max_tokens=600))
+                    for _ in range(4 * api_servers)]
+    assert status == 200 and chat["choices"][0]["finish_reason"] == "length" and chat["usage"]["total_tokens"] == 512
+    assert all(code == 400 and "max_tokens=600 is too large" in e["error"]["message"]
+               and "length is 512" in e["error"]["message"] for code, e in too_long), too_long
     assert "max_model_len lowered from 1024 to 512 tokens" in (tmp_path / "logs" / "decode-0.log").read_text()
 
 
