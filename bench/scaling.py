@@ -232,11 +232,6 @@ def print_results(title: str, rows: list[dict], best: dict[str, str]) -> None:
                   r["saturation_tok_s"]]
                  + ["/".join(f"{lat(r, f'{k}_p{q}_ms'):.0f}" for q in (50, 90, 99)) for k in ("ttft", "itl", "e2e")]
                  + [f"{r['others_cores']:.2f}", "*" if r["topology"] in winners else ""] for r in rows])
-    for r in rows:
-        if r["goodput_rps"] > r["saturation_rps"]:
-            print(f"note: {r['topology']}'s goodput ({r['goodput_rps']:.3g} req/s) is above what any of its rates "
-                  f"delivered ({r['saturation_rps']:.3g}): the SLO held for the run while a backlog may have grown; "
-                  "a longer --duration (and --max-requests) tells a sustained rate from a transient one")
 
 
 def run_scaling_bench(model: str, devices: str, workers: int | None, topologies: list[str] | None,

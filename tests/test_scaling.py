@@ -105,16 +105,3 @@ def test_bad_input_is_named_before_anything_starts(tmp_path):
     bad.write_text('{"arrival": 0, "prompt_tokens": 4, "output_tokens": 2}\n{"arrival": 1, "prompt_tokens": 4}\n')
     r = run("bench", "scaling", "--workload", str(bad))
     assert r.returncode == 2 and "bad.jsonl:2: field 'output_tokens' is missing" in r.stderr
-
-
-def test_a_goodput_above_what_any_rate_delivered_is_pointed_out(capsys):
-    from bench.scaling import print_results
-
-    def row(name, goodput, saturation):
-        return {"topology": name, "devices": 2, "goodput_rps": goodput, "goodput_per_device_rps": goodput / 2,
-                "saturation_rps": saturation, "saturation_tok_s": 100 * saturation, "at_goodput": {},
-                "others_cores": 0.0}
-
-    print_results("sweep", [row("2mono", 29.6, 27.7), row("1p1d", 20.0, 23.3)], {"2": "2mono"})
-    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:")]
-    assert len(notes) == 1 and "2mono's goodput (29.6 req/s) is above what any of its rates delivered (27.7)" in notes[0]
