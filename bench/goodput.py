@@ -14,11 +14,11 @@ target is noise, not the knee), then bisects between the highest passing and the
 rate. A start rate that already fails is halved until one passes.
 
 What a rate delivered (requests and output tokens a second) is counted in the run's steady part:
-the completions and tokens between the end of the first quarter of the arrivals and the last
-arrival, over that window. Counted from the first arrival to the last completion, a run's figure
-would fall short of what the system serves by the warm-up of an empty system and the drain of the
-last requests (several seconds of long outputs), so a rate that met the SLO would show more
-requests a second than "saturation" delivered.
+the completions and tokens from a quarter of the way through the arrivals' time span to the last
+arrival, over that window, beside the arrivals in the same window (what it was offered: a
+Poisson draw puts more or fewer there than the rate names). Counted from the first arrival to the
+last completion, a run's figure would fall short of what the system serves by the warm-up of an
+empty system and the drain of the last requests (several seconds of long outputs).
 """
 
 from __future__ import annotations
@@ -91,47 +91,65 @@ class Point:
     output_tok_s: float = 0.0  # likewise
     records: list[Latency] = field(default_factory=list)
     cpu: dict[str, float] = field(default_factory=dict)  # cores used meanwhile, by whom (bench/hostload.py)
+    offered_rps: float = 0.0  # arrivals per second in that steady part: a Poisson draw's differ from `rate`
 
     def latency_summary(self) -> dict:
         return percentiles(self.records, (50, 90, 99))
 
     def to_json(self) -> dict:
         out = {"rate": round(self.rate, 4), "attainment": round(self.attainment, 4),
-               "requests_s": round(self.requests_s, 3), "output_tok_s": round(self.output_tok_s, 1),
+               "offered_rps": round(self.offered_rps, 3), "requests_s": round(self.requests_s, 3),
+               "output_tok_s": round(self.output_tok_s, 1),
                **self.latency_summary()}
         if self.cpu:
             out["cpu_cores"] = {k: round(v, 3) for k, v in self.cpu.items()}
         return out
 
 
-SETTLE = 0.25  # the first quarter of the arrivals fills an empty system: not counted
+SETTLE = 0.25  # the first quarter of the arrivals' time span fills an empty system: not counted
 
 
-def delivered(arrivals: list[float], ends: list[float], tokens: list[float], until: float | None = None
-              ) -> tuple[float, float]:
-    """(requests/s, output tokens/s) of a run in its steady part: the completions (`ends`) and
-    output tokens (each one's time) between SETTLE of the way through the arrivals and the last
-    arrival (or `until`, where a run stopped sooner), over that window. One clock for all; a run
-    whose requests all arrived at once is counted from its arrival to its last completion."""
+@dataclass(frozen=True)
+class Delivery:
+    """What a run was offered and delivered a second, in its steady part (`delivered`)."""
+
+    offered_rps: float  # arrivals
+    requests_s: float  # completions
+    output_tok_s: float
+
+
+def delivered(arrivals: list[float], ends: list[float], tokens: list[float], until: float | None = None) -> Delivery:
+    """A run in its steady part: the arrivals, completions (`ends`) and output tokens (each one's
+    time) from SETTLE of the way through the arrivals' time span to the last arrival (or `until`,
+    where a run stopped sooner), over that window. One clock for all. A run with no such window
+    (its requests arrived at once, or nearly: the window under a quarter of the run) is counted
+    from its first arrival to its last event."""
     if not arrivals:
-        return 0.0, 0.0
+        return Delivery(0.0, 0.0, 0.0)
     first, last = min(arrivals), max(arrivals)
+    latest = max(max(ends, default=first), max(tokens, default=first))
     if until is not None:
-        last = min(last, until)
+        last, latest = min(last, until), min(latest, until)
     start = first + SETTLE * (last - first)
-    if last - start <= 0:  # one burst: no steady part
-        end = max(ends, default=first)
-        wall = end - first
-        return (len(ends) / wall, len(tokens) / wall) if wall > 0 else (0.0, 0.0)
     window = last - start
-    return (sum(start < t <= last for t in ends) / window, sum(start < t <= last for t in tokens) / window)
+    if window <= SETTLE * (latest - first):
+        wall = latest - first
+        if wall <= 0:
+            return Delivery(0.0, 0.0, 0.0)
+        return Delivery(len(arrivals) / wall, sum(t <= latest for t in ends) / wall,
+                        sum(t <= latest for t in tokens) / wall)
+
+    def rate(times):
+        return sum(start < t <= last for t in times) / window
+
+    return Delivery(rate(arrivals), rate(ends), rate(tokens))
 
 
 def point_from(rate: float, records: list[Latency], slo: SLO, arrivals: list[float], ends: list[float],
                tokens: list[float], until: float | None = None) -> Point:
     """A measured (or simulated) rate: attainment over `records`, and what it delivered (`delivered`)."""
-    requests_s, tok_s = delivered(arrivals, ends, tokens, until)
-    return Point(rate, attainment(records, slo), requests_s, tok_s, records)
+    d = delivered(arrivals, ends, tokens, until)
+    return Point(rate, attainment(records, slo), d.requests_s, d.output_tok_s, records, offered_rps=d.offered_rps)
 
 
 @dataclass

@@ -109,7 +109,8 @@ class Progress:
     def point(self, t: Topology, p: Point, n: int, slo: SLO):
         mark = "meets" if p.attainment >= slo.attainment else "misses"
         self.say(f"{t.name} ({self.index}/{self.total}): {p.rate:.3g} req/s x {n} requests -> attainment "
-                 f"{p.attainment:.0%} ({mark} {slo.attainment:.0%}), {p.output_tok_s:.0f} tok/s; other "
+                 f"{p.attainment:.0%} ({mark} {slo.attainment:.0%}), delivered {p.requests_s:.3g} of {p.offered_rps:.3g} "
+                 f"req/s offered in its steady part, {p.output_tok_s:.0f} tok/s; other "
                  f"processes on the machine kept {p.cpu.get('others', 0):.2f} cores busy")
 
     def say(self, text: str):

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from bench.goodput import SLO, Latency, Point, attainment, delivered, find_goodput
+from bench.goodput import SLO, Delivery, Latency, Point, attainment, delivered, find_goodput
 from common.errors import InvalidArgument
 
 
@@ -91,13 +91,25 @@ def test_delivered_counts_the_steady_part_of_a_run():
     arrivals = [float(i) for i in range(9)]
     ends = [a + 2 for a in arrivals]
     tokens = [a + 0.2 * k for a in arrivals for k in range(1, 11)]
-    rps, tok_s = delivered(arrivals, ends, tokens)
-    assert rps == pytest.approx(1.0) and tok_s == pytest.approx(10.0)
-    # a run stopped at 4 s counts up to then
-    assert delivered(arrivals, ends, tokens, until=4.0)[1] == pytest.approx(sum(1 < t <= 4 for t in tokens) / 3)
-    # all at once: from the arrival to the last completion
-    assert delivered([0.0, 0.0], [1.0, 2.0], [0.5, 1.0, 1.5, 2.0]) == (1.0, 2.0)
-    assert delivered([], [], []) == (0.0, 0.0)
+    d = delivered(arrivals, ends, tokens)
+    assert (d.offered_rps, d.requests_s, d.output_tok_s) == pytest.approx((1.0, 1.0, 10.0))
+    # a run stopped at 4 s counts up to then: the window is 1..4 s
+    stopped = delivered(arrivals, ends, tokens, until=4.0)
+    assert stopped.output_tok_s == pytest.approx(sum(1 < t <= 4 for t in tokens) / 3) and stopped.requests_s == pytest.approx(1.0)
+    # arrivals twice as dense in the first half offer 2 a second there and 1 after: the window sees both
+    dense = [i / 2 for i in range(9)] + [5.0 + i for i in range(5)]
+    assert delivered(dense, [], []).offered_rps == pytest.approx(sum(2.25 < a <= 9 for a in dense) / 6.75)
+
+
+def test_a_burst_is_counted_from_its_arrival_to_its_last_event():
+    assert delivered([0.0, 0.0], [1.0, 2.0], [0.5, 1.0, 1.5, 2.0]) == Delivery(1.0, 1.0, 2.0)
+    # nearly a burst: a window of 0.75 ms would make rates of noise
+    near = delivered([0.0] * 20 + [0.001], [1.0] * 21, [0.5] * 21 + [1.0] * 21)
+    assert (near.requests_s, near.output_tok_s) == pytest.approx((21.0, 42.0))
+    # stopped at 0.6 s: nothing completed yet, 21 tokens delivered in 0.6 s
+    stopped = delivered([0.0] * 20 + [0.001], [1.0] * 21, [0.5] * 21 + [1.0] * 21, until=0.6)
+    assert (stopped.requests_s, stopped.output_tok_s) == pytest.approx((0.0, 21 / 0.6))
+    assert delivered([], [], []) == Delivery(0.0, 0.0, 0.0)
 
 
 @pytest.mark.parametrize("ttft, itl, attain, flag", [(0, 10, 0.9, "--ttft-slo-ms"), (-5, 10, 0.9, "--ttft-slo-ms"),

@@ -99,8 +99,8 @@ def test_fuzzed_frames_leave_every_process_serving(fuzz_cluster, fuzzed_messages
             sock.send_multipart(parts)
             while sock.poll(0):
                 sock.recv_multipart()  # replies (errors) are fine; just do not let them pile up
-        time.sleep(0.5)
-        assert len(fuzzed_messages) >= 700
+        time.sleep(1.0)  # sent in well under a second: let every target read them all
+        assert len(fuzzed_messages) >= 700  # hypothesis drew enough
         for child in c.children:
             assert child.proc.poll() is None, f"{child.name} died"
         serves_exactly(c.address)

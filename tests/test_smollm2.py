@@ -60,8 +60,9 @@ def engine(smollm2):
 def reference(smollm2):
     """transformers loading the same GGUF file, once per module (the slow part). Its loader parses
     the file anew for the tokenizer, the config and the weights, and builds gguf's tensor-name map
-    once per tensor: 20 of its 30 s here. Each is a pure function of its arguments, so the fixture
-    keeps the first result; what transformers computes from them is unchanged."""
+    once per module: 20 of its 30 s here. The fixture keeps the first result of each; transformers
+    (5.x, with gguf 0.19) only reads them, so what it computes is unchanged. Nothing of pdserve's
+    may load a GGUF inside the patch (common/gguf_file.py subclasses GGUFReader)."""
     import functools
 
     import gguf
