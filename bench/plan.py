@@ -113,8 +113,10 @@ def bound(s: Search, slo: SLO) -> str:
 
 
 def scaled(s: Search, hosts: int) -> Search:
-    """A slice's search as the whole cluster's: hosts slices, each taking 1 / hosts of the rate."""
-    return Search([replace(p, rate=p.rate * hosts) for p in s.points], s.goodput * hosts)
+    """A slice's search as the whole cluster's: hosts slices, each taking 1 / hosts of the rate and
+    delivering 1 / hosts of the throughput."""
+    return Search([replace(p, rate=p.rate * hosts, offered_rps=p.offered_rps * hosts, requests_s=p.requests_s * hosts,
+                           output_tok_s=p.output_tok_s * hosts) for p in s.points], s.goodput * hosts)
 
 
 class Planner:

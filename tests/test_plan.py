@@ -109,3 +109,13 @@ def test_a_profile_of_another_version_is_refused_by_name(tmp_path):
     old.write_text(json.dumps({"profile_version": 1, "model": "dummy:nanogpt", "device": "cpu", "profiles": []}))
     with pytest.raises(InvalidArgument, match=r"old.json' is version 1; allowed: 2.*--reprofile"):
         Profile.load(old)
+
+
+def test_a_slice_scaled_to_the_cluster_offers_and_delivers_hosts_times_as_much():
+    from bench.goodput import Point, Search
+    from bench.plan import scaled
+
+    s = scaled(Search([Point(2.0, 1.0, requests_s=1.9, output_tok_s=190.0, offered_rps=2.1)], 2.0), hosts=8)
+    (p,) = s.points
+    assert s.goodput == 16.0 and (p.rate, p.offered_rps, p.requests_s, p.output_tok_s) == pytest.approx(
+        (16.0, 16.8, 15.2, 1520.0)) and p.attainment == 1.0
