@@ -287,9 +287,11 @@ def status(router_address, as_json):
     with Client(router_address) as client:
         reply = client.status()
     if as_json:
-        print(json.dumps({"workers": reply.workers, "queued": reply.queued, "in_flight": reply.in_flight}))
+        print(json.dumps({"workers": reply.workers, "queued": reply.queued, "in_flight": reply.in_flight,
+                          "context": reply.context}))
         return
-    print_table(f"router {router_address}: {reply.queued} queued, {reply.in_flight} in flight",
+    print_table(f"router {router_address}: {reply.queued} queued, {reply.in_flight} in flight; admits a context of "
+                f"{reply.context} tokens",
                 ["worker", "role", "device", "alive", "queued", "running", "free blocks", "total blocks", "context",
                  "KV by", "heartbeat age s"],
                 [[w["worker_id"], w["role"], w["device"], w["alive"], w["queued"], w["running"], w["free_blocks"],
