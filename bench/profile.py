@@ -17,8 +17,13 @@ latency and CPU).
   token rises as the read outgrows the caches).
 - The front: what a client sees beyond the worker (TTFT - prefill_s, median), and the CPU seconds
   the router and the client spend per request and per token (from /proc and this process).
-- A monolithic worker the same way (it reports its prefill time too): its steps cost what they
-  cost, not what the prefill and decode workers' do.
+- A monolithic worker: its steps mix prefill chunks into decode batches, which the runs above
+  never do, and a mixed step costs more than its prefill alone plus its decodes alone (1.27x on the
+  2-core CPU machine, measured on a served chat load). So it is measured by its own steps (its step
+  trace, common/step_trace.py): the same prefill and decode runs, then prompts of every length
+  arriving while batches decode; each step's loop time (step, sending, the loop's own gap, not
+  idling) in a run is divided by that run's contention, steps of one shape averaged, and the means
+  fitted. Its client-side times stay for `co_run`, which compares them with a pair's.
 - On a CPU, two monolithic workers decoding at once (`co_run`: a step's cost beside another
   worker over alone, once the cores it lacked are divided out; shared caches and memory).
 
@@ -34,11 +39,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import random
 import statistics
 import sys
 import tempfile
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -51,12 +58,14 @@ from common.cli_options import engine_kwargs_from
 from bench.simulate import EngineShape, StepCost, WorkerModel, host_slowdown
 from common.model_spec import model_config
 from common.attention import decode_kv_read, make_attention
+from common import step_trace
 from common.config import EngineConfig, resolve_device
 from common.errors import InvalidArgument
 from router.client import Client
 from router.launcher import Cluster, threads_per_worker
 
-PROFILE_VERSION = 2  # 2: co_run, decode_kv2, KV read in runs, the router and client first in `contention`
+PROFILE_VERSION = 3  # 2: co_run, decode_kv2, KV read in runs, the router and client first in `contention`;
+# 3: a monolithic worker's steps fitted from its step trace, mixed steps included
 DECODE_TOKENS = 256  # output tokens of each decode-profile request: long enough for a full batch to form
 
 
@@ -107,6 +116,35 @@ def nonneg_fit(rows: list[list[float]], y: list[float]) -> list[float]:
     return [float(c) for c in coef]
 
 
+def fit_steps(rows: list[dict], windows: list[tuple[float, float, dict]], padded: bool, slow
+              ) -> tuple[StepCost, list[list[float]]]:
+    """A worker's StepCost from its step trace (common/step_trace.py rows). A step's time is its loop:
+    the step, sending its outputs, and the gap before it up to twice the median gap (the loop's own
+    polling and messages; more is idling for work). Each is divided by the contention of the run it
+    fell in (windows: (start, end, cpu), monotonic; slow(cpu) -> factor); steps outside every run
+    (warm-up) are left out. Steps of one shape (prefill tokens and KV read to a quarter octave,
+    decodes exactly) are averaged, so a fit of relative errors over shapes is not pulled under the
+    mean by the skew of single steps. One base serves prefill and decode steps alike.
+    Returns the cost and the means: [prefill tokens, token x context, decodes, KV read, seconds, steps]."""
+    gaps = sorted(r["gap_ms"] for r in rows if r["gap_ms"] is not None)
+    cap = 2 * gaps[len(gaps) // 2] if gaps else 0.0
+    shapes: dict[tuple, list[list[float]]] = {}
+    for r in rows:
+        run = next((cpu for start, end, cpu in windows if start <= r["start"] <= end), None)
+        if run is None:
+            continue
+        kv = r["kv_padded"] if padded else r["kv_tokens"]
+        loop_s = (r["step_ms"] + r["send_ms"] + min(r["gap_ms"] or 0.0, cap)) / 1e3 / slow(run)
+        key = (round(4 * math.log2(1 + r["prefill_tokens"])), int(r["decodes"]), round(4 * math.log2(1 + kv)))
+        shapes.setdefault(key, []).append([r["prefill_tokens"], r["prefill_token_ctx"], r["decodes"], kv, loop_s])
+    means = [[*(statistics.fmean(col) for col in zip(*steps)), len(steps)] for steps in shapes.values()]
+    if not means:
+        raise RuntimeError("the worker's step trace holds no step of the profile's runs")
+    base, pt, pa, ds, dk, dk2 = nonneg_fit([[1, n, ctx, b, kv, kv * kv] for n, ctx, b, kv, *_ in means],
+                                           [t for *_, t, _ in means])
+    return StepCost(base, pt, pa, base, ds, dk, dk2), [[round(v, 9) for v in m] for m in means]
+
+
 def prefill_features(n: int, budget: int) -> list[float]:
     """[steps, tokens, token x context] of prefilling n tokens alone, chunked by the token budget."""
     chunks = [(min(budget, n - start), start) for start in range(0, n, budget)]
@@ -131,12 +169,15 @@ class Profiler:
         self.front_rows: list[list[float]] = []  # [requests, tokens] of each run ...
         self.front_cpu: list[float] = []  # ... and the router's + client's CPU seconds in it
         self.runs_cpu: list[dict[str, float]] = []
+        self.windows: list[tuple[float, float, dict[str, float]]] = []  # (start, end, cpu) of each run, monotonic
 
     def run(self, load):
         c = self.cluster
         watch = CpuWatch({"router": [c.router.proc.pid], "workers": [w.proc.pid for w in c.workers]})
+        began = time.monotonic()
         samples, _ = asyncio.run(drive(c.address, load))
         cpu = watch.stop()
+        self.windows.append((began, time.monotonic(), cpu))
         bad = [s.error for s in samples if s.error]
         if bad:
             raise RuntimeError(f"profile requests failed: {bad[:3]}")
@@ -149,6 +190,16 @@ class Profiler:
         """One request at a time per length: (length, [(sample, cpu)] of each repeat)."""
         return [(n, [(s, cpu) for _ in range(repeats) for (s,), cpu in [self.run([(0.0, self.prompt(n), max_tokens)])]])
                 for n in lengths]
+
+    def mixed(self, lengths: list[int], batch: int, prompt_len: int, step_s: float) -> None:
+        """Prompts of every length arriving, one every few steps, while `batch` requests of
+        prompt_len tokens decode (step_s: about their step): the mixed steps a monolithic worker runs
+        under load, for its step trace."""
+        spacing = max(0.01, step_s * self.decode_tokens / (len(lengths) + 1))
+        self.run([(0.0, self.prompt(prompt_len), self.decode_tokens) for _ in range(batch)]
+                 + [((i + 1) * spacing, self.prompt(n), 2) for i, n in enumerate(lengths)])
+        self.say(f"profile (threads {self.threads}): mono: prompts of {len(lengths)} lengths into a decode batch of "
+                 f"{batch}")
 
     def decode(self, lengths: list[int], batches: list[int], padded: bool, what: str, pool_tokens: int,
                workers: int = 1) -> list[tuple]:
@@ -182,6 +233,18 @@ class Profiler:
         return points
 
 
+def mixed(pr: Profiler, decoded: list[tuple], lengths: list[int], prompt_len: int, out_tokens: int, pool_tokens: int,
+          max_seqs: int) -> None:
+    """A monolithic worker's mixed steps: prompts of every length into a small and a large decode
+    batch (an eighth and half of max_num_seqs), as many as the pool holds beside the prompts.
+    decoded: the decode runs' (batch, KV read, step s, cpu), for the pace of the arrivals."""
+    room = pool_tokens * 9 // 10 - sum(n + 2 + 16 for n in lengths)
+    most = max(1, room // (prompt_len + out_tokens + 16))
+    for batch in sorted({min(most, max(1, max_seqs // 8)), min(most, max(1, max_seqs // 2))}):
+        step_s = min(decoded, key=lambda d: (abs(d[0] - batch), abs(d[1] - batch * prompt_len)))[2]
+        pr.mixed(lengths, batch, prompt_len, step_s)
+
+
 def profile_workers(model: str, device: str, threads: int | None, worker_args: list[str], repeats: int = 5,
                     say=print) -> dict:
     """Profile one prefill and one decode worker (a 1P1D cluster) and one monolithic worker: the
@@ -209,7 +272,7 @@ def profile_workers(model: str, device: str, threads: int | None, worker_args: l
     mid = min(max(256, context // 2), context - out_tokens - 2)
     kv_lengths = sorted({min(32, mid), mid, min(2 * mid, context - out_tokens - 2)})
     batches = sorted({b for b in (1, 2, 4, 8, 16, 32, 64) if b < max_seqs} | {max_seqs})
-    raw, profilers = {}, []
+    raw, profilers = {}, {}
     # On a CPU, two monolithic workers decoding side by side: how much more each step costs beside
     # another than alone, once the cores they lacked are divided out (the simulator's co_run).
     clusters = [("disaggregated", (1, 1, 0)), ("mono", (0, 0, 1))]
@@ -219,6 +282,9 @@ def profile_workers(model: str, device: str, threads: int | None, worker_args: l
         for name, topology in clusters:
             cluster = Cluster(model, *topology, [device], "127.0.0.1", 0, 0, Path(tmp) / name, "least_loaded",
                               list(worker_args), threads=threads, restart=False)
+            if name == "mono":
+                for w in cluster.workers:
+                    w.env[step_trace.ENV] = str(Path(tmp) / "mono-steps")
             try:
                 cluster.start()
                 with Client(cluster.address) as c:
@@ -226,7 +292,7 @@ def profile_workers(model: str, device: str, threads: int | None, worker_args: l
                 if name == "disaggregated":
                     total_blocks = pool
                 pr = Profiler(cluster, threads, prompt, say, engine.block_size, out_tokens)
-                profilers.append(pr)
+                profilers[name] = pr
                 asyncio.run(drive(cluster.address, [(0.0, prompt(64), 4)] * 2))  # warm-up
                 if name == "pair":
                     raw[name] = ([], pr.decode([mid], [b for b in (4, 16, 32) if b <= max_seqs], padded, "pair:",
@@ -235,8 +301,12 @@ def profile_workers(model: str, device: str, threads: int | None, worker_args: l
                 # both report their prefill time (work received -> first token sampled)
                 raw[name] = (pr.prefill(default_lengths(context), repeats, 2 if name == "disaggregated" else 1),
                              pr.decode(kv_lengths, batches, padded, f"{name}:", pool * engine.block_size))
+                if name == "mono":
+                    mixed(pr, raw[name][1], default_lengths(context), mid, out_tokens, pool * engine.block_size,
+                          max_seqs)
             finally:
                 cluster.stop()
+        mono_steps = [row for path in sorted((Path(tmp) / "mono-steps").glob("*.tsv")) for row in step_trace.read(path)]
 
     # A stepping worker uses this many cores (at most its threads): what it adds to the contention.
     cores = min(float(threads), max(cpu["workers"] for name, (_, dec) in raw.items() if name != "pair"
@@ -265,19 +335,21 @@ def profile_workers(model: str, device: str, threads: int | None, worker_args: l
         return StepCost(pb, pt, pa, db, ds, dk, dk2)
 
     hb, hp = nonneg_fit([[1, nbytes] for nbytes, _ in pts["handoff_s"]], [t for _, t in pts["handoff_s"]])
-    cr, ct = nonneg_fit([r for p in profilers for r in p.front_rows], [c for p in profilers for c in p.front_cpu])
+    cr, ct = nonneg_fit([r for p in profilers.values() for r in p.front_rows],
+                        [c for p in profilers.values() for c in p.front_cpu])
     shape = EngineShape(total_blocks, engine.block_size, max_seqs, budget, context)
-    mono = step_cost(pts["mono_prefill_s"], pts["mono_decode_s"])
+    mono_client = step_cost(pts["mono_prefill_s"], pts["mono_decode_s"])  # timed as the pair's are, for co_run
+    mono, pts["mono_steps"] = fit_steps(mono_steps, profilers["mono"].windows, padded, slow)
     co_run = 1.0
     if raw.get("pair"):
         pts["pair_decode_s"] = [[b, kv, t / contention(cores, c, host_cores, stepping=2)] for b, kv, t, c in raw["pair"][1]]
-        alone = [t / mono([], b, kv) for b, kv, t in pts["pair_decode_s"]]
+        alone = [t / mono_client([], b, kv) for b, kv, t in pts["pair_decode_s"]]
         co_run = max(1.0, statistics.median(alone)) if alone else 1.0
         say(f"profile (threads {threads}): a step beside another worker costs {co_run:.2f}x alone "
             f"({', '.join(f'{r:.2f}' for r in alone)})")
     wm = WorkerModel(step_cost(pts["prefill_s"], pts["decode_s"]), shape, kv_bytes, hb, hp, max(0.0, front), cr, ct,
                      threads, round(cores, 3), round(co_run, 3), padded, mono)
-    others = [c["others"] for p in profilers for c in p.runs_cpu]
+    others = [c["others"] for p in profilers.values() for c in p.runs_cpu]
     return {"threads": threads, "worker_model": asdict(wm), "others_cores": round(statistics.mean(others), 3),
             "points": pts}
 

@@ -87,6 +87,11 @@ def test_plan_profiles_once_then_plans_from_the_saved_profile(tmp_path):
     assert step["decode_base"] + step["decode_seq"] > 0 and step["prefill_token"] + step["prefill_base"] > 0
     assert p["worker_model"]["engine"]["max_num_seqs"] == 8 and p["worker_model"]["engine"]["max_model_len"] == 256
     assert max(b for b, _, _ in p["points"]["decode_s"]) == 8  # batches up to max_num_seqs
+    # the monolithic worker's cost comes from its own steps, prefills inside decode batches among them
+    shapes = p["points"]["mono_steps"]
+    assert any(n and b for n, _, b, *_ in shapes) and any(n and not b for n, _, b, *_ in shapes)
+    mono = p["worker_model"]["mono_step"]
+    assert mono["prefill_base"] == mono["decode_base"] and mono["prefill_base"] + mono["prefill_token"] > 0
     assert "profile (threads" in first.stderr
 
     again = subprocess.run(pdserve_cmd() + args, capture_output=True, text=True, timeout=150, cwd=REPO)
@@ -107,7 +112,7 @@ def test_plan_profiles_once_then_plans_from_the_saved_profile(tmp_path):
 def test_a_profile_of_another_version_is_refused_by_name(tmp_path):
     old = tmp_path / "old.json"
     old.write_text(json.dumps({"profile_version": 1, "model": "dummy:nanogpt", "device": "cpu", "profiles": []}))
-    with pytest.raises(InvalidArgument, match=r"old.json' is version 1; allowed: 2.*--reprofile"):
+    with pytest.raises(InvalidArgument, match=r"old.json' is version 1; allowed: 3.*--reprofile"):
         Profile.load(old)
 
 
