@@ -17,13 +17,15 @@ latency and CPU).
   token rises as the read outgrows the caches).
 - The front: what a client sees beyond the worker (TTFT - prefill_s, median), and the CPU seconds
   the router and the client spend per request and per token (from /proc and this process).
-- A monolithic worker: its steps mix prefill chunks into decode batches, which the runs above
-  never do, and a mixed step costs more than its prefill alone plus its decodes alone (1.27x on the
-  2-core CPU machine, measured on a served chat load). So it is measured by its own steps (its step
-  trace, common/step_trace.py): the same prefill and decode runs, then prompts of every length
-  arriving while batches decode; each step's loop time (step, sending, the loop's own gap, not
-  idling) in a run is divided by that run's contention, steps of one shape averaged, and the means
-  fitted. Its client-side times stay for `co_run`, which compares them with a pair's.
+- A monolithic worker: under load its steps mix prefill chunks into decode batches, which the
+  runs above never do, and the client's view of isolated runs under-costed the steps it served
+  (2-core CPU machine, a `chat` load beside its profile: 1.15x the fit's time overall, 1.21x on
+  the mixed steps). So it is measured by its own steps (its step trace, common/step_trace.py):
+  the same prefill and decode runs, then prompts of every length arriving while batches decode;
+  each step's loop time (step, sending, the loop's own gap, not idling) in a run is divided by
+  that run's contention, steps of one shape averaged, and the means fitted, with a cost per
+  prefill token beside decodes (a GPU replays decode-only steps as graphs, mixed ones eagerly).
+  Its client-side times stay for `co_run`, which compares them with a pair's.
 - On a CPU, two monolithic workers decoding at once (`co_run`: a step's cost beside another
   worker over alone, once the cores it lacked are divided out; shared caches and memory).
 
@@ -46,7 +48,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
@@ -124,7 +126,8 @@ def fit_steps(rows: list[dict], windows: list[tuple[float, float, dict]], padded
     fell in (windows: (start, end, cpu), monotonic; slow(cpu) -> factor); steps outside every run
     (warm-up) are left out. Steps of one shape (prefill tokens and KV read to a quarter octave,
     decodes exactly) are averaged, so a fit of relative errors over shapes is not pulled under the
-    mean by the skew of single steps. One base serves prefill and decode steps alike.
+    mean by the skew of single steps. One base serves prefill and decode steps alike; a prefill
+    token beside decodes may cost more than alone (prefill_mixed).
     Returns the cost and the means: [prefill tokens, token x context, decodes, KV read, seconds, steps]."""
     gaps = sorted(r["gap_ms"] for r in rows if r["gap_ms"] is not None)
     cap = 2 * gaps[len(gaps) // 2] if gaps else 0.0
@@ -140,9 +143,9 @@ def fit_steps(rows: list[dict], windows: list[tuple[float, float, dict]], padded
     means = [[*(statistics.fmean(col) for col in zip(*steps)), len(steps)] for steps in shapes.values()]
     if not means:
         raise RuntimeError("the worker's step trace holds no step of the profile's runs")
-    base, pt, pa, ds, dk, dk2 = nonneg_fit([[1, n, ctx, b, kv, kv * kv] for n, ctx, b, kv, *_ in means],
-                                           [t for *_, t, _ in means])
-    return StepCost(base, pt, pa, base, ds, dk, dk2), [[round(v, 9) for v in m] for m in means]
+    base, pt, pa, ds, dk, dk2, pm = nonneg_fit([[1, n, ctx, b, kv, kv * kv, n if b else 0.0]
+                                                for n, ctx, b, kv, *_ in means], [t for *_, t, _ in means])
+    return StepCost(base, pt, pa, base, ds, dk, dk2, pm), [[round(v, 9) for v in m] for m in means]
 
 
 def prefill_features(n: int, budget: int) -> list[float]:
@@ -261,6 +264,9 @@ def profile_workers(model: str, device: str, threads: int | None, worker_args: l
     attention = make_attention(engine.attention_backend, resolve_device(device), cfg.num_heads, cfg.num_kv_heads,
                                cfg.head_dim)
     padded = attention.name == "sdpa"
+    if engine.async_scheduling:
+        say("profile: --async-scheduling: a step's trace row holds the wait for the step before it, so the "
+            "monolithic worker's fit blurs neighbouring shapes")
     rng = random.Random(0)
 
     def prompt(n):
@@ -340,6 +346,17 @@ def profile_workers(model: str, device: str, threads: int | None, worker_args: l
     shape = EngineShape(total_blocks, engine.block_size, max_seqs, budget, context)
     mono_client = step_cost(pts["mono_prefill_s"], pts["mono_decode_s"])  # timed as the pair's are, for co_run
     mono, pts["mono_steps"] = fit_steps(mono_steps, profilers["mono"].windows, padded, slow)
+    mixed_shapes = [m for m in pts["mono_steps"] if m[0] and m[2]]
+    if mixed_shapes:
+        alone = replace(mono, prefill_mixed=0.0)
+        ratio = sum(t for *_, t, _ in mixed_shapes) / sum(alone([(round(n), 0)], round(b), kv)
+                                                          for n, _, b, kv, *_ in mixed_shapes)
+        say(f"profile (threads {threads}): mono: steps with a prefill beside decodes ({len(mixed_shapes)} shapes) "
+            f"took {ratio:.2f}x what the fit gives their prefill and decodes alone; fitted as "
+            f"{mono.prefill_mixed * 1e6:.2f} ms more per 1k prefill tokens beside decodes")
+    else:
+        say(f"profile (threads {threads}): mono: no step prefilled beside decodes (--max-num-seqs "
+            f"{max_seqs}); mixed steps are costed as their parts")
     co_run = 1.0
     if raw.get("pair"):
         pts["pair_decode_s"] = [[b, kv, t / contention(cores, c, host_cores, stepping=2)] for b, kv, t, c in raw["pair"][1]]
@@ -390,9 +407,10 @@ def run_profile(model: str, device: str, workers: int, worker_args: list[str], o
     for p in profiles:
         wm = p["worker_model"]
         print_table(f"profile of {model} on {device}, {p['threads']} threads per worker (fitted costs, ms)",
-                    ["worker", "prefill step", "per 1k tokens", "per 1M tok x ctx", "decode step", "per seq",
-                     "per 1k KV read", "per (1k KV)^2", "handoff per MB", "front latency"],
-                    [[role, s["prefill_base"] * 1e3, s["prefill_token"] * 1e6, s["prefill_attn"] * 1e9,
+                    ["worker", "prefill step", "per 1k tokens", "+ beside decodes", "per 1M tok x ctx", "decode step",
+                     "per seq", "per 1k KV read", "per (1k KV)^2", "handoff per MB", "front latency"],
+                    [[role, s["prefill_base"] * 1e3, s["prefill_token"] * 1e6, s.get("prefill_mixed", 0.0) * 1e6,
+                      s["prefill_attn"] * 1e9,
                       s["decode_base"] * 1e3, s["decode_seq"] * 1e3, s["decode_kv"] * 1e6,
                       s["decode_kv2"] * 1e9, wm["handoff_s_per_byte"] * 1e9 if role != "mono" else "-", wm["front_latency_s"] * 1e3]
                      for role, s in (("prefill/decode", wm["step"]), ("mono", wm["mono_step"]))])

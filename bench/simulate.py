@@ -13,7 +13,8 @@ What is modelled, and how faithfully:
 - **A step's duration** comes from the profile: a fixed cost, plus per prefill token and per
   token x context (attention) for prefill chunks, plus per running sequence and per token of KV
   for decodes, and per KV token squared: on a CPU a read past the caches' size costs more per
-  byte (`StepCost`); one step mixes both on a monolithic worker.
+  byte (`StepCost`); one step mixes both on a monolithic worker, where a prefill token beside
+  decodes costs more than alone (`prefill_mixed`, fitted from the worker's own steps).
 - **The router** picks workers by its least-loaded policy (requests assigned + half the queue
   the worker last reported by heartbeat, every 0.2 s; ties by worker id), holds a prefill
   worker's count until the decode worker's first token, and adds the measured front latency
@@ -70,12 +71,15 @@ class StepCost:
     decode_seq: float = 0.0
     decode_kv: float = 0.0  # per token of KV the decodes read
     decode_kv2: float = 0.0  # per token of KV squared: a read that outgrows the caches costs more per byte
+    prefill_mixed: float = 0.0  # per prefill token more in a step that also decodes (a monolithic worker's)
 
     def __call__(self, chunks: list[tuple[int, int]], batch: int, kv: int) -> float:
         """chunks: (tokens, tokens already computed) of each prefill chunk; batch decodes reading kv tokens."""
         t = 0.0
         if chunks:
-            t += self.prefill_token * sum(n for n, _ in chunks) + self.prefill_attn * sum(n * (n + c) for n, c in chunks)
+            tokens = sum(n for n, _ in chunks)
+            t += (self.prefill_token + (self.prefill_mixed if batch else 0.0)) * tokens \
+                + self.prefill_attn * sum(n * (n + c) for n, c in chunks)
         if batch:
             t += self.decode_seq * batch + self.decode_kv * kv + self.decode_kv2 * kv * kv
         return t + max(self.prefill_base if chunks else 0.0, self.decode_base if batch else 0.0)

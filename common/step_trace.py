@@ -2,7 +2,9 @@
 directory and every worker started with it (a launcher's children inherit it) writes
 `<worker-id>-<pid>.tsv` there. The planner's profile times steps from the client; this is the worker's
 own view: how long each forward took, how long sending its tokens took, and what the step held,
-in the terms of the simulator's step cost (bench/simulate.py StepCost).
+in the terms of the simulator's step cost (bench/simulate.py StepCost). The planner's profile
+fits a monolithic worker's step cost from these rows (bench/profile.fit_steps); the other roles'
+it times from the client.
 
 Columns: start (time.monotonic s), step_ms (Engine.step), send_ms (handing its outputs on),
 gap_ms (from the previous step's end to this one's start: polling, handling messages, ticks),
@@ -22,6 +24,7 @@ millisecond on a GPU, the loop's own Python is what is left to overlap)."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 from common.attention import decode_kv_read
@@ -52,11 +55,11 @@ class StepTrace:
         chunks, decodes = step_shape(batch)
         gap = "" if self.last_end is None else f"{(start - self.last_end) * 1e3:.3f}"
         gpu = "" if gpu_ms is None else f"{gpu_ms:.3f}"
-        self.last_end = sent
         self.file.write(f"{start:.6f}\t{(stepped - start) * 1e3:.3f}\t{(sent - stepped) * 1e3:.3f}\t{gap}\t{gpu}\t"
                         f"{len(decodes)}\t{max(decodes, default=0)}\t{sum(decodes)}\t"
                         f"{decode_kv_read(decodes, self.block_size)}\t{sum(n for n, _ in chunks)}\t"
                         f"{sum(n * (n + c) for n, c in chunks)}\n")
+        self.last_end = time.monotonic()  # the next gap leaves out this row's own writing: a worker not traced does none
 
     def close(self) -> None:
         self.file.close()

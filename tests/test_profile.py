@@ -9,7 +9,7 @@ from bench.profile import fit_steps
 from bench.simulate import StepCost
 
 TRUE = StepCost(prefill_base=1e-3, prefill_token=2e-5, prefill_attn=1e-8, decode_base=1e-3, decode_seq=3e-5,
-                decode_kv=5e-7)
+                decode_kv=5e-7, prefill_mixed=1e-5)  # a prefill token beside decodes: 1.5x its cost alone
 GAP_MS = 0.2  # the loop's own time between steps
 SLOW_EVERY = 10  # one step in ten is held up twice as long (a neighbour took the core)
 
@@ -56,7 +56,9 @@ def test_a_trace_is_fitted_to_the_mean_step_of_each_shape():
         assert cost([(n, 0)] if n else [], b, kv) == pytest.approx(want, rel=0.04), (n, b, kv)
     # the runs' contention divided out: both runs' steps of a shape fall in one mean
     assert sum(m[-1] for m in means) == len(calm) + len(loaded) and len(means) == len(shapes())
-    assert cost.prefill_base == cost.decode_base
+    # what a prefill token costs more beside decodes than alone is told apart from its cost alone
+    assert cost.prefill_mixed == pytest.approx(TRUE.prefill_mixed * held, rel=0.1)
+    assert cost.prefill_token == pytest.approx(TRUE.prefill_token * held, rel=0.1)
 
 
 def test_a_trace_with_no_step_in_any_run_is_an_error():
