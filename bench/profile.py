@@ -244,7 +244,8 @@ def mixed(pr: Profiler, decoded: list[tuple], lengths: list[int], prompt_len: in
     room = pool_tokens * 9 // 10 - sum(n + 2 + 16 for n in lengths)
     most = max(1, room // (prompt_len + out_tokens + 16))
     for batch in sorted({min(most, max(1, max_seqs // 8)), min(most, max(1, max_seqs // 2))}):
-        step_s = min(decoded, key=lambda d: (abs(d[0] - batch), abs(d[1] - batch * prompt_len)))[2]
+        near = min(decoded, key=lambda d: (abs(d[0] - batch), abs(d[1] - batch * prompt_len)), default=None)
+        step_s = near[2] if near else 0.01  # (no decode run formed its batch: arrivals 10 ms a step apart)
         pr.mixed(lengths, batch, prompt_len, step_s)
 
 
