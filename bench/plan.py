@@ -50,6 +50,7 @@ class Profile:
     host_cores: int | None
     models: dict[int, WorkerModel]
     worker_args: tuple[str, ...] = ()
+    measured_unix: float | None = None  # when it was profiled (a machine's speed drifts: compare like with like)
 
     @classmethod
     def load(cls, path: str | Path) -> "Profile":
@@ -58,7 +59,8 @@ class Profile:
             version = d.get("profile_version")
             if version == PROFILE_VERSION:
                 models = {p["threads"]: model_from_json(p["worker_model"]) for p in d["profiles"]}
-                return cls(d["model"], d["device"], d.get("host_cores"), models, tuple(d.get("worker_args", ())))
+                return cls(d["model"], d["device"], d.get("host_cores"), models, tuple(d.get("worker_args", ())),
+                           d.get("measured_unix"))
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise InvalidArgument(f"profile {str(path)!r} cannot be read ({type(e).__name__}: {e}); make one with "
                                   "pdserve plan --profile PATH (it profiles when PATH does not exist)") from e
@@ -211,10 +213,12 @@ def compare(planner: Planner, scaling: dict) -> list[dict]:
         measured, others = r["goodput_rps"], r.get("others_cores", 0.0)
         quiet = planner.search(t, start=r.get("start_rate") or None).goodput
         loaded = planner.search(t, start=r.get("start_rate") or None, background_cores=others).goodput
+        apart = (None if planner.profile.measured_unix is None or r.get("finished_unix") is None
+                 else round((planner.profile.measured_unix - r["finished_unix"]) / 60, 1))
         rows.append({"topology": t.name, "measured_rps": measured, "others_cores": others,
                      "predicted_rps": round(quiet, 4), "error": round(relative(quiet, measured), 4),
                      "predicted_under_others_rps": round(loaded, 4),
-                     "error_under_others": round(relative(loaded, measured), 4)})
+                     "error_under_others": round(relative(loaded, measured), 4), "profile_after_min": apart})
     return rows
 
 
@@ -253,11 +257,14 @@ def run_plan(profile: Profile, workload_spec: str, slo: SLO, sweep: Sweep, devic
         rows = compare(planner, compare_with)
         result["validation"] = rows
         print_table(f"predicted vs measured goodput ({compare_with['model']}, {workload_spec}; the measured sweep "
-                    "replayed in simulation; 'others': cores other processes kept busy during the measurement)",
+                    "replayed in simulation; 'others': cores other processes kept busy during the measurement; "
+                    "'profiled': minutes from the topology's sweep to the profile, over which a shared machine's "
+                    "speed can drift)",
                     ["topology", "measured req/s", "others", "predicted (quiet)", "error", "predicted (others)",
-                     "error"],
+                     "error", "profiled"],
                     [[r["topology"], r["measured_rps"], f"{r['others_cores']:.2f}", r["predicted_rps"],
-                      f"{r['error']:+.1%}", r["predicted_under_others_rps"], f"{r['error_under_others']:+.1%}"]
+                      f"{r['error']:+.1%}", r["predicted_under_others_rps"], f"{r['error_under_others']:+.1%}",
+                      "-" if r["profile_after_min"] is None else f"{r['profile_after_min']:+.0f} min"]
                      for r in rows])
     plans = [planner.plan(n) for n in device_counts]
     result["plans"] = plans

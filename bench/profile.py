@@ -401,7 +401,7 @@ def run_profile(model: str, device: str, workers: int, worker_args: list[str], o
     profiles = [profile_workers(model, device, t, worker_args, repeats, say=say) for t in counts]
     result = {"profile_version": PROFILE_VERSION, "model": model, "device": device,
               "host_cores": cores if device == "cpu" else None, "worker_args": list(worker_args),
-              "profiles": profiles}
+              "measured_unix": round(time.time()), "profiles": profiles}
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))

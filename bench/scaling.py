@@ -245,11 +245,13 @@ def run_scaling_bench(model: str, devices: str, workers: int | None, topologies:
     out_dir.mkdir(parents=True, exist_ok=True)
     progress = Progress(len(topos))
     searches: dict[Topology, Search] = {}
+    finished: dict[Topology, float] = {}  # when each topology's sweep ended (a later profile is compared with it)
     with tempfile.TemporaryDirectory() as logs:
         for t in topos:
             progress.topology(t)
             searches[t] = sweep_topology(model, t, names, workload, slo, sweep, list(worker_args), progress, Path(logs))
-    rows = [topology_row(t, s) for t, s in searches.items()]
+            finished[t] = time.time()
+    rows = [{**topology_row(t, s), "finished_unix": round(finished[t])} for t, s in searches.items()]
     best = best_per_n(rows)
     title = (f"pdserve bench scaling: {model} on {','.join(names)} (up to {max_workers} workers), "
              f"{workload.describe()}; SLO TTFT <= {slo.ttft_ms:g} ms, TPOT <= {slo.itl_ms:g} ms for "

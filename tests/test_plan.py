@@ -3,6 +3,8 @@ whole command (profile real workers once, save, plan from the saved profile) as 
 
 import json
 import subprocess
+import time
+from dataclasses import replace
 
 import pytest
 
@@ -68,6 +70,16 @@ def test_compare_replays_a_measurement():
     replayed = p.search(Topology.parse("1p1d"), start=5.0)  # the measured search's start rate, replayed
     assert replayed.points[0].rate == 5.0 and rows[0]["predicted_rps"] == round(replayed.goodput, 4)
     assert p.search(Topology.parse("1p1d")).points[0].rate == SWEEP.start_rate  # the plan's own search
+    assert rows[0]["profile_after_min"] is None  # neither says when it was measured
+
+
+def test_compare_says_how_long_after_each_topologys_sweep_the_profile_was_taken():
+    p = planner(PREFILL_BOUND, 100, 10, SLO(200, 20))
+    p.profile = replace(p.profile, measured_unix=10_000 + 1_800)
+    row = {"goodput_rps": 20.0, "start_rate": 5.0, "others_cores": 0}
+    rows = compare(p, {"results": [{**row, "topology": "1p1d", "finished_unix": 10_000},
+                                   {**row, "topology": "2mono", "finished_unix": 10_000 + 2_400}]})
+    assert [r["profile_after_min"] for r in rows] == [30.0, -10.0]
 
 
 def test_plan_profiles_once_then_plans_from_the_saved_profile(tmp_path):
@@ -81,6 +93,7 @@ def test_plan_profiles_once_then_plans_from_the_saved_profile(tmp_path):
     first = subprocess.run(pdserve_cmd() + args, capture_output=True, text=True, timeout=150, cwd=REPO)
     assert first.returncode == 0, first.stderr[-3000:]
     saved = json.loads(profile.read_text())
+    assert time.time() - 300 < saved["measured_unix"] <= time.time()
     (p,) = saved["profiles"]
     assert p["threads"] == 1
     step = p["worker_model"]["step"]

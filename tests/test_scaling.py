@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -63,6 +64,8 @@ def test_small_sweep_end_to_end(tmp_path):
     assert json.loads((out / "scaling.json").read_text()) == result
     rows = {r["topology"]: r for r in result["results"]}
     assert set(rows) == {"2mono", "1p1d"}
+    # each topology says when its sweep ended, in the order they ran (a profile is compared with it)
+    assert result["results"][0]["finished_unix"] <= result["results"][1]["finished_unix"] <= time.time()
     for r in rows.values():
         assert r["devices"] == 2 and r["goodput_rps"] > 0
         assert r["goodput_per_device_rps"] == pytest.approx(r["goodput_rps"] / 2, abs=1e-3)
