@@ -148,7 +148,6 @@ def measure_mode(engine: Engine, name: str, batch_sizes: list[int], kv_lens: lis
     async scheduling ("async_step_ms")."""
     decode, points = {}, len(batch_sizes) * len(kv_lens)
     for i, (b, kv) in enumerate((b, kv) for b in batch_sizes for kv in kv_lens):
-        print(f"[{name} {i + 1}/{points}] decode batch {b}, KV {kv}", file=sys.stderr, flush=True)
         tok_s, async_tok_s = decode_speed(engine, b, kv, steps, rng, compare_async)
         step_ms = 1e3 * b / tok_s
         floor_ms = 1e3 * (weights + b * (kv + steps / 2) * kv_token) / bandwidth
@@ -156,9 +155,16 @@ def measure_mode(engine: Engine, name: str, batch_sizes: list[int], kv_lens: lis
                                           "floor_ms": sig(floor_ms), "of_floor": sig(floor_ms / step_ms)}
         if async_tok_s is not None:
             point["async_step_ms"] = round(1e3 * b / async_tok_s, 3)
+        # each point's figures as it is taken: a run cut short by a time limit still says them
+        print(f"[{name} {i + 1}/{points}] decode batch {b}, KV {kv}: {step_ms:.3f} ms/step, {tok_s:,.1f} tok/s, "
+              f"{floor_ms / step_ms:.1%} of the floor"
+              + (f", async {point['async_step_ms']:.3f} ms" if async_tok_s is not None else ""),
+              file=sys.stderr, flush=True)
     print(f"[{name}] prefill of one {prefill_len}-token prompt", file=sys.stderr, flush=True)
     prefill_s = prefill_seconds(engine, prefill_len, rng)
     flops = prefill_flops(engine, prefill_len)
+    print(f"[{name}] prefill: {1e3 * prefill_s:.2f} ms, {flops / prefill_s / peak:.1%} of matmul peak",
+          file=sys.stderr, flush=True)
     prefill = {"tokens": prefill_len, "ms": round(1e3 * prefill_s, 2), "tflop_s": round(flops / prefill_s / 1e12, 3),
                "matmul_peak_tflop_s": round(peak / 1e12, 3), "of_peak": round(flops / prefill_s / peak, 3)}
     return {"decode": decode, "prefill": prefill}

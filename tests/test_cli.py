@@ -121,7 +121,8 @@ def test_bench_engine_prints_table_and_json():
     assert run["prefill"]["tokens"] == 32 and 0 < run["prefill"]["of_peak"]
     assert all(p["async_step_ms"] > 0 for p in run["decode"].values())
     assert "async scheduling (torch ops)" in r.stdout
-    assert "[torch_ops 4/4] decode batch 2, KV 16" in r.stderr  # progress
+    # progress, each point with its figures (a run cut short still says what it measured)
+    assert f"[torch_ops 4/4] decode batch 2, KV 16: {run['decode']['b2_kv16']['step_ms']:.3f} ms/step" in r.stderr
     vs = result["vs_transformers"]
     assert vs["load"] is None and vs["transformers_cache"] == "static"
     assert vs["generate"]["b2"]["same_tokens"] == "n/a (its own weights)" and vs["generate"]["b2"]["ratio"] > 0
