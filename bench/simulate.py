@@ -75,14 +75,17 @@ class StepCost:
 
     def __call__(self, chunks: list[tuple[int, int]], batch: int, kv: int) -> float:
         """chunks: (tokens, tokens already computed) of each prefill chunk; batch decodes reading kv tokens."""
+        return self.of_sums(sum(n for n, _ in chunks), sum(n * (n + c) for n, c in chunks), batch, kv)
+
+    def of_sums(self, tokens: float, token_ctx: float, batch: float, kv: float) -> float:
+        """The same from a step's sums (a step trace's columns): prefill tokens, and over the chunks
+        tokens x (context before + tokens)."""
         t = 0.0
-        if chunks:
-            tokens = sum(n for n, _ in chunks)
-            t += (self.prefill_token + (self.prefill_mixed if batch else 0.0)) * tokens \
-                + self.prefill_attn * sum(n * (n + c) for n, c in chunks)
+        if tokens:
+            t += (self.prefill_token + (self.prefill_mixed if batch else 0.0)) * tokens + self.prefill_attn * token_ctx
         if batch:
             t += self.decode_seq * batch + self.decode_kv * kv + self.decode_kv2 * kv * kv
-        return t + max(self.prefill_base if chunks else 0.0, self.decode_base if batch else 0.0)
+        return t + max(self.prefill_base if tokens else 0.0, self.decode_base if batch else 0.0)
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ def trace(slowdown: float, t0: float, rng: random.Random) -> list[dict]:
     first step of each shape follows a second of idling."""
     rows, t = [], t0
     for n, ctx, b, kv in shapes():
-        cost = TRUE([(n, 0)] if n else [], b, kv)
+        cost = TRUE.of_sums(n, ctx, b, kv)
         for i in range(20):
             held = 2.0 if i % SLOW_EVERY == SLOW_EVERY - 1 else 1.0
             seconds = cost * held * slowdown * rng.uniform(0.98, 1.02)
@@ -52,7 +52,7 @@ def test_a_trace_is_fitted_to_the_mean_step_of_each_shape():
 
     held = (SLOW_EVERY - 1 + 2) / SLOW_EVERY  # the mean step is 1.1x the usual one
     for n, ctx, b, kv in shapes():
-        want = TRUE([(n, 0)] if n else [], b, kv) * held
+        want = TRUE.of_sums(n, ctx, b, kv) * held
         assert cost([(n, 0)] if n else [], b, kv) == pytest.approx(want, rel=0.04), (n, b, kv)
     # the runs' contention divided out: both runs' steps of a shape fall in one mean
     assert sum(m[-1] for m in means) == len(calm) + len(loaded) and len(means) == len(shapes())
