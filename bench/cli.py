@@ -45,6 +45,24 @@ def bench_engine(num_requests, prompt_len, output_len, batch_sizes, kv_lens, pre
                      prefill_len, transformers_cache)
 
 
+@bench.command("step-profile")
+@click.option("--batch-sizes", default="1,64", show_default=True)
+@click.option("--kv-len", default=512, show_default=True, type=int, help="tokens cached per request")
+@click.option("--steps", default=32, show_default=True, type=int, help="steps timed and profiled per point")
+@click.option("--top", default=15, show_default=True, type=int, help="rows of each kernel and function table")
+@click.option("--modes", default="both", show_default=True, type=click.Choice(["both", "invariant", "torch"]),
+              help="kernel modes: batch-invariant, torch's ops, or both in turn (a CPU profiles its default only)")
+@click.option("--seed", default=0, show_default=True, type=int)
+@engine_options
+def bench_step_profile(batch_sizes, kv_len, steps, top, modes, seed, engine_kwargs):
+    """Where a decode step's time goes: the forward's graph and the sampler on the device, the host's
+    rest and its Python functions, and the forward's kernels by device time."""
+    from bench.step_profile import run_step_profile
+
+    run_step_profile(engine_kwargs, parse_ints(batch_sizes, "--batch-sizes", "batch sizes"), kv_len, steps, seed,
+                     top, modes)
+
+
 @bench.command("serve")
 @click.option("--model", default="dummy:nanogpt", show_default=True)
 @click.option("--topologies", default="mono,1p1d,2p2d", show_default=True, help="mono and/or XpYd")

@@ -106,18 +106,36 @@ def prefill_seconds(engine: Engine, tokens: int, rng: random.Random, repeats: in
     return best
 
 
+def decoding_batch(engine: Engine, batch: int, kv_len: int, max_tokens: int, rng: random.Random) -> list[int]:
+    """Add `batch` greedy requests of `kv_len`-token random prompts that may decode `max_tokens`,
+    and step until all decode, plus one warm decode step: their ids."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in
+           _random_prompts(rng, batch, kv_len, engine.model_config.vocab_size)]
+    seqs = [engine.requests[i] for i in ids]
+    while not all(s.is_decoding for s in seqs):
+        engine.step()
+    engine.step()
+    return ids
+
+
+def release(engine: Engine, ids: list[int]) -> None:
+    """Abort the requests and run the engine dry: a launched step's blocks come back once it is collected."""
+    for i in ids:
+        engine.abort_request(i)
+    while engine.has_unfinished():
+        engine.step()
+
+
 def decode_speed(engine: Engine, batch: int, kv_len: int, steps: int, rng: random.Random,
                  compare_async: bool = False) -> tuple[float, float | None]:
     """Decode tokens/s of `batch` requests whose caches hold about `kv_len` tokens; with
     compare_async also with async scheduling (else None), on the same requests, in four blocks of
-    steps / 2 (sync, async, async, sync) so that the contexts' growth favours neither."""
-    params = SamplingParams(temperature=0, max_tokens=2 * steps + 8, ignore_eos=True)
-    ids = [engine.add_request(p, params) for p in
-           _random_prompts(rng, batch, kv_len, engine.model_config.vocab_size)]
-    seqs = [engine.requests[i] for i in ids]
-    while not all(s.is_decoding for s in seqs):  # prefill everything, plus one warm decode step
-        engine.step()
-    engine.step()
+    steps / 2 (sync, async, async, sync) so that the contexts' growth favours neither. The engine's
+    own setting is back in place after."""
+    default = engine.config.async_scheduling
+    engine.config.async_scheduling = False
+    ids = decoding_batch(engine, batch, kv_len, 2 * steps + 8, rng)
     blocks = [(False, steps)] if not compare_async else [(on, max(1, steps // 2)) for on in (False, True, True, False)]
     seconds, counted = {False: 0.0, True: 0.0}, {False: 0, True: 0}
     for on, n in blocks:
@@ -131,11 +149,9 @@ def decode_speed(engine: Engine, batch: int, kv_len: int, steps: int, rng: rando
         _sync(engine.config.torch_device)
         seconds[on] += time.perf_counter() - t0
         counted[on] += n
-    engine.config.async_scheduling = False
-    for i in ids:
-        engine.abort_request(i)
-    while engine.has_unfinished():  # a launched step's blocks come back once it is collected
-        engine.step()
+    engine.config.async_scheduling = False  # the last block's launched step is collected
+    release(engine, ids)
+    engine.config.async_scheduling = default
     speed = {on: batch * counted[on] / seconds[on] for on in seconds if counted[on]}
     return speed[False], speed.get(True)
 
@@ -170,31 +186,37 @@ def measure_mode(engine: Engine, name: str, batch_sizes: list[int], kv_lens: lis
     return {"decode": decode, "prefill": prefill}
 
 
+def engine_for_bench(engine_kwargs: dict, max_batch: int, seq_len: int, prefill_len: int) -> Engine:
+    """An engine for a bench whose batches reach `max_batch` sequences of up to `seq_len` tokens,
+    and whose prefill takes `prefill_len`, with no prefix caching (random prompts: hits would only
+    be noise) and, unless asked otherwise, a KV pool of what the bench uses, not of the device's free
+    memory: a larger one is not faster, and --vs-transformers needs the rest for its model and cache."""
+    cfg = EngineConfig(**{**engine_kwargs, "enable_prefix_caching": False})
+    cfg.max_num_seqs = max(cfg.max_num_seqs, max_batch)
+    cfg.max_num_batched_tokens = max(cfg.max_num_batched_tokens, max_batch, prefill_len)
+    longest = max(seq_len, prefill_len + 1)
+    if cfg.max_model_len is not None and cfg.max_model_len < longest:
+        raise InvalidArgument(f"--max-model-len {cfg.max_model_len} is shorter than the longest sequence of the "
+                              f"bench ({longest} tokens); allowed: at least that")
+    if cfg.num_blocks is None:
+        need = max(max_batch * -(-seq_len // cfg.block_size), -(-(prefill_len + 1) // cfg.block_size))
+        cfg.num_blocks = need + need // 50  # and the scheduler's 1% watermark
+    return Engine(cfg)
+
+
 def run_engine_bench(engine_kwargs: dict, num_requests: int, prompt_len: int, output_len: int,
                      batch_sizes: list[int] | None, kv_lens: list[int] | None, steps: int, seed: int,
                      vs_transformers: bool = False, prefill_len: int | None = None,
                      transformers_cache: str = "static") -> dict:
     rng = random.Random(seed)
-    engine_kwargs = dict(engine_kwargs)
-    engine_kwargs["enable_prefix_caching"] = False  # random prompts: hits would only be noise
-    cfg = EngineConfig(**engine_kwargs)
-    device = cfg.torch_device
+    device = EngineConfig(**engine_kwargs).torch_device
     grid = default_grid(device)
     batch_sizes, kv_lens = batch_sizes or grid[0], kv_lens or grid[1]
     prefill_len = prefill_len or (2048 if device.type == "cuda" else 512)
-    max_b, max_kv = max(batch_sizes + [1]), max(kv_lens + [prompt_len])
-    cfg.max_num_seqs = max(cfg.max_num_seqs, max_b)
-    cfg.max_num_batched_tokens = max(cfg.max_num_batched_tokens, max_b, prefill_len)
-    if cfg.max_model_len is not None and cfg.max_model_len < max(max_kv + steps + 2, prefill_len + 1):
-        raise InvalidArgument(f"--max-model-len {cfg.max_model_len} is shorter than the longest point of the bench "
-                              f"({max(max_kv + steps + 2, prefill_len + 1)} tokens); allowed: at least that")
-    # A pool of what the bench uses, not of the device's free memory: a larger one is not faster,
-    # and --vs-transformers needs the rest for transformers' model and cache.
-    if cfg.num_blocks is None:
-        per_seq = -(-(max_kv + max(2 * steps + 8, output_len)) // cfg.block_size)  # decode_speed's max_tokens
-        need = max(max(max_b, num_requests) * per_seq, -(-(prefill_len + 1) // cfg.block_size))
-        cfg.num_blocks = need + need // 50  # and the scheduler's 1% watermark
-    engine = Engine(cfg)
+    max_b = max(batch_sizes + [1, num_requests])
+    engine = engine_for_bench(engine_kwargs, max_b, max(kv_lens + [prompt_len]) + max(2 * steps + 8, output_len),
+                              prefill_len)
+    cfg = engine.config
 
     # Offline throughput: all requests at once, to completion.
     prompts = _random_prompts(rng, num_requests, prompt_len, engine.model_config.vocab_size)

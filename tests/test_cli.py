@@ -128,6 +128,29 @@ def test_bench_engine_prints_table_and_json():
     assert vs["generate"]["b2"]["same_tokens"] == "n/a (its own weights)" and vs["generate"]["b2"]["ratio"] > 0
 
 
+def test_bench_step_profile_splits_a_step_into_device_and_host_and_names_the_kernels():
+    """On a CPU: no graphs, so the forward is the eager one of a step's own inputs, timed again;
+    the kernel table is torch's ops by their own time and the host's Python functions by theirs."""
+    r = pdserve("bench", "step-profile", "--batch-sizes", "1,3", "--kv-len", "24", "--steps", "4", "--top", "5",
+                timeout=300)
+    assert r.returncode == 0, r.stderr
+    *table, last = r.stdout.strip().splitlines()
+    result = json.loads(last)
+    assert result["bench"] == "step_profile" and list(result["modes"]) == ["torch_ops"]
+    points = result["modes"]["torch_ops"]
+    assert [p["batch"] for p in points] == [1, 3]
+    for p in points:
+        assert p["captured_size"] is None and p["sample_ms"] == 0  # eager: no graph, no sampler's
+        assert p["host_ms"] == pytest.approx(p["step_ms"] - p["forward_ms"], abs=2e-4)
+        assert 0 < p["forward_ms"] < p["step_ms"] * 3  # the same forward, timed apart (noise aside)
+        assert 0 < len(p["kernels"]) <= 5 and p["kernels_per_forward"] >= len(p["kernels"])
+        assert any("addmm" in k["kernel"] or "linear" in k["kernel"] or "mm" in k["kernel"] for k in p["kernels"])
+        assert sum(k["share"] for k in p["kernels"]) <= 1 + 1e-9
+        assert any("prepare" in f["function"] for f in p["host_functions"]) or len(p["host_functions"]) == 5
+    assert any("where a step's time goes" in line for line in table)
+    assert f"batch 3: step {points[1]['step_ms']:.3f} ms" in r.stderr
+
+
 def test_weight_bytes_of_a_step_count_the_output_projection_once():
     """nanogpt ties its output projection to the embedding: a step reads the table as the
     projection, and not the position embeddings."""

@@ -1,0 +1,192 @@
+"""`pdserve bench step-profile`: where a decode step's time goes, host against device, kernel by
+kernel: what to make faster next.
+
+`bench engine` says how far a step is from its floor; this says why. For each batch size, in each
+kernel mode, on requests decoding with about `kv_len` tokens cached:
+
+- the step as `bench engine` times it (`engine.step()`, synchronous);
+- the device's share: the forward's CUDA graph replayed alone and the sampler's graph alone, timed
+  by events (on a CPU, or without graphs, the eager forward on the same inputs);
+- the host's share: the step less the device's, and the Python functions that spend it (cProfile
+  over the same steps, by own time);
+- the forward's kernels, by device time per step (torch.profiler over eager forwards of the captured
+  shape, which launch the kernels the graph holds: a graph's replay hides them from the profiler
+  on some CUDA versions). Their sum against the graph's replay is what launching costs inside it.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import pstats
+import random
+import sys
+import time
+
+import torch
+from torch.autograd import DeviceType
+
+from bench.engine import _sync, decoding_batch, engine_for_bench, release
+from bench.report import print_json, print_table
+
+
+def _device_ms(device: torch.device, fn, repeats: int) -> float:
+    """Mean ms of fn() on the device (events on CUDA, the wall clock elsewhere), after one warm call."""
+    fn()
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        return 1e3 * (time.perf_counter() - t0) / repeats
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize(device)
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
+def kernel_table(device: torch.device, fn, repeats: int, top: int) -> tuple[list[dict], int, float]:
+    """The kernels fn() launches, by device time per call: (top rows, kernels per call, their
+    total µs per call). On a CPU: torch's ops by their own CPU time instead."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    fn()
+    _sync(device)
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(repeats):
+            fn()
+        _sync(device)
+    rows = []
+    for avg in prof.key_averages():
+        if device.type == "cuda":
+            if avg.device_type != DeviceType.CUDA or avg.self_device_time_total <= 0:
+                continue
+            us = avg.self_device_time_total
+        else:
+            if avg.self_cpu_time_total <= 0 or avg.key.startswith("ProfilerStep"):
+                continue
+            us = avg.self_cpu_time_total
+        rows.append({"kernel": avg.key, "calls": avg.count / repeats, "us": us / repeats})
+    rows.sort(key=lambda r: -r["us"])
+    total = sum(r["us"] for r in rows)
+    count = round(sum(r["calls"] for r in rows))
+    for r in rows:
+        r["share"] = r["us"] / total if total else 0.0
+    return rows[:top], count, total
+
+
+def host_functions(engine, steps: int, top: int) -> list[dict]:
+    """The Python functions of `steps` engine steps by their own time per step (cProfile)."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        engine.step()
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats
+    rows = [{"function": f"{fn} ({path.rsplit('/', 2)[-1] if '/' in path else path}:{line})",
+             "calls": ncalls / steps, "us": 1e6 * tottime / steps}
+            for (path, line, fn), (_, ncalls, tottime, _, _) in stats.items()]
+    rows.sort(key=lambda r: -r["us"])
+    return rows[:top]
+
+
+def _eager_forward(engine):
+    """The forward of one engine step's decode batch, as a function to call again: the inputs its
+    runner prepared (a call writes the same K/V to the same slots again)."""
+    runner, kept = engine.runner, []
+
+    def prepare(*args, **kwargs):
+        kept.append(type(runner).prepare(runner, *args, **kwargs))
+        return kept[-1]
+
+    runner.prepare = prepare
+    try:
+        engine.step()
+    finally:
+        del runner.prepare
+    _, input_ids, positions, meta, _ = kept[-1]
+    return lambda: engine.model.logits(engine.model(input_ids, positions, engine.kv_cache, meta))
+
+
+def profile_point(engine, batch: int, kv_len: int, steps: int, rng: random.Random, top: int) -> dict:
+    """One decode point, its steps synchronous: the step is then its host's work plus its device's."""
+    device = engine.config.torch_device
+    ids = decoding_batch(engine, batch, kv_len, 3 * steps + 8, rng)
+    try:
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        _sync(device)
+        step_ms = 1e3 * (time.perf_counter() - t0) / steps
+        graphs = engine.runner.graphs
+        size = graphs.size_for(batch) if graphs is not None else None
+        if graphs is not None and size in graphs.graphs:
+            forward_ms = _device_ms(device, graphs.graphs[size][0].replay, steps)
+            samplers = [g for (n, _), (g, _) in graphs.samplers.items() if n == size]
+            sample_ms = _device_ms(device, samplers[-1].replay, steps) if samplers else 0.0  # greedy: captured last
+            eager = lambda: graphs._forward(size)  # noqa: E731  the captured shape, eagerly
+        else:  # eager steps: the forward of one step's inputs, again
+            size, sample_ms, eager = None, 0.0, _eager_forward(engine)
+            with torch.inference_mode():
+                forward_ms = _device_ms(device, eager, steps)
+        with torch.inference_mode():
+            kernels, launches, kernel_us = kernel_table(device, eager, max(2, steps // 4), top)
+        host = host_functions(engine, steps, top)
+    finally:
+        release(engine, ids)
+    return {"batch": batch, "kv": kv_len, "captured_size": size, "step_ms": round(step_ms, 4),
+            "forward_ms": round(forward_ms, 4), "sample_ms": round(sample_ms, 4),
+            "host_ms": round(step_ms - forward_ms - sample_ms, 4), "kernels_per_forward": launches,
+            "kernel_ms": round(kernel_us / 1e3, 4), "kernels": kernels, "host_functions": host}
+
+
+def run_step_profile(engine_kwargs: dict, batch_sizes: list[int], kv_len: int, steps: int, seed: int,
+                     top: int = 15, modes: str = "both") -> dict:
+    rng = random.Random(seed)
+    engine = engine_for_bench({**engine_kwargs, "async_scheduling": False}, max(batch_sizes), kv_len + 3 * steps + 8, 0)
+    device = engine.config.torch_device
+    order = {"both": [engine.batch_invariant, not engine.batch_invariant], "invariant": [True], "torch": [False]}[modes]
+    if device.type != "cuda" and modes == "both":
+        order = [engine.batch_invariant]  # a CPU's invariant mode is a different kernel set, not a cheaper one
+    results = {}
+    for on in order:
+        engine.set_batch_invariant(on)
+        name = "batch_invariant" if engine.batch_invariant else "torch_ops"
+        if name in results:
+            break
+        points = []
+        for b in batch_sizes:
+            print(f"[{name}] profiling decode batch {b}, KV {kv_len}", file=sys.stderr, flush=True)
+            points.append(profile_point(engine, b, kv_len, steps, rng, top))
+            p = points[-1]
+            print(f"[{name}] batch {b}: step {p['step_ms']:.3f} ms = forward {p['forward_ms']:.3f} + sample "
+                  f"{p['sample_ms']:.3f} + host {p['host_ms']:.3f}; {p['kernels_per_forward']} kernels, "
+                  f"{p['kernel_ms']:.3f} ms of them", file=sys.stderr, flush=True)
+        results[name] = points
+
+    unit = "device" if device.type == "cuda" else "CPU"
+    for name, points in results.items():
+        print_table(f"decode step, {name.replace('_', ' ')} ({engine.config.model} on {device}, "
+                    f"{engine.config.dtype}, KV {kv_len}): where a step's time goes",
+                    ["batch", "graph", "step ms", "forward ms", "sample ms", "host ms", "host share", "kernels",
+                     f"kernels' {unit} ms", "forward / kernels"],
+                    [[p["batch"], p["captured_size"] or "eager", f"{p['step_ms']:.3f}", f"{p['forward_ms']:.3f}",
+                      f"{p['sample_ms']:.3f}", f"{p['host_ms']:.3f}", f"{p['host_ms'] / p['step_ms']:.0%}",
+                      p["kernels_per_forward"], f"{p['kernel_ms']:.3f}",
+                      f"{p['forward_ms'] / p['kernel_ms']:.2f}x" if p["kernel_ms"] else "-"] for p in points])
+        for p in points:
+            print_table(f"{name.replace('_', ' ')}, batch {p['batch']}: the forward's kernels by {unit} time per step",
+                        ["kernel", "calls", "µs", "share"],
+                        [[r["kernel"][:90], f"{r['calls']:g}", f"{r['us']:.1f}", f"{r['share']:.1%}"]
+                         for r in p["kernels"]])
+            print_table(f"{name.replace('_', ' ')}, batch {p['batch']}: the step's Python functions by own time per step",
+                        ["function", "calls", "µs"],
+                        [[r["function"][:90], f"{r['calls']:g}", f"{r['us']:.1f}"] for r in p["host_functions"]])
+    result = {"bench": "step_profile", "model": engine.config.model, "device": str(device),
+              "dtype": engine.config.dtype, "kv_len": kv_len, "steps": steps, "modes": results}
+    print_json(result)
+    return result
