@@ -9,8 +9,14 @@ The kernels here fix every choice that touches a row's arithmetic by the weight'
 never the row count, after Thinking Machines' batch_invariant_ops and SGLang's deterministic
 mode:
 
-- `linear`: one tile configuration per (N, K) of a weight, the K loop in order, no split-K;
-- `rms_norm`, `layer_norm`: a program per row, the whole row reduced in one fixed-width block.
+- `linear`: K cut into segments fixed by the weight's shape (`segments`), each summed in order
+  from zero by the tensor cores, the segments' sums added in order. Which programs do that work
+  follows the row count: for a decode step's few rows each segment runs in programs of its own
+  (split-K, so enough SMs read the weight) and a second kernel adds them; for a prefill one program
+  adds its tile's segments. Every tile shape gives a row the same tensor-core chain (measured on
+  an H100: bench/matmul_tiles.py), so the tile follows the row count too (`tile_config`);
+- `rms_norm`, `layer_norm`: a program per row, the whole row reduced in one fixed-width block,
+  optionally after the residual add before it (`add_norm`: the add's rounding kept).
 
 With the Triton attention (common/attention/triton_paged.py) a request's tokens are then the same
 in any batch. `install(model)` swaps a model's linear layers and norms for these; it is what
@@ -34,17 +40,16 @@ from common.errors import InvalidArgument, first_line
 from common.model import RMSNorm
 
 
-@_jit(do_not_specialize=["M"])  # a step's row count: one variant for every batch
-def _linear_kernel(A, W, Bias, C, M, N, stride_am, stride_wn, stride_cm, K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
-    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # rows x stride may pass 2**31
-    cols = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+@_jit
+def _dot_segment(A, W, rows, cols, row_ok, col_ok, k_start, k_end, stride_am, stride_wn,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    """The rows x cols tile of A @ W.T over k_start <= k < k_end, from zero, BLOCK_K at a time in
+    order: every tile shape gives each element the same chain of tensor-core steps (measured:
+    bench/matmul_tiles.py)."""
     ks = tl.arange(0, BLOCK_K)
-    row_ok = rows < M
-    col_ok = cols < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):  # K is a constant of the weight: the same steps for every row
-        k_ok = (k0 + ks) < K
+    for k0 in range(k_start, k_end, BLOCK_K):
+        k_ok = (k0 + ks) < k_end
         a = tl.load(A + rows[:, None] * stride_am + (k0 + ks)[None, :], mask=row_ok[:, None] & k_ok[None, :],
                     other=0.0)
         w = tl.load(W + cols[None, :] * stride_wn + (k0 + ks)[:, None], mask=col_ok[None, :] & k_ok[:, None],
@@ -53,19 +58,62 @@ def _linear_kernel(A, W, Bias, C, M, N, stride_am, stride_wn, stride_cm, K: tl.c
             acc = tl.dot(a, w, acc, input_precision="ieee")
         else:
             acc = tl.dot(a, w, acc)
+    return acc
+
+
+@_jit(do_not_specialize=["M"])  # a step's row count: one variant for every batch
+def _linear_kernel(A, W, Bias, C, M, N, stride_am, stride_wn, stride_cm, stride_cs, K: tl.constexpr,
+                   SEGMENT: tl.constexpr, SEGMENTS: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    """K is cut into SEGMENTS runs of SEGMENT. With SPLIT, program (i, j, s) writes segment s's
+    float32 partial to C[s] (then _sum_segments); else a program sums its tile's segments in order
+    and writes the result: the same additions either way."""
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # rows x stride may pass 2**31
+    cols = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    row_ok = rows < M
+    col_ok = cols < N
+    out = row_ok[:, None] & col_ok[None, :]
+    if SPLIT:
+        s = tl.program_id(2)
+        acc = _dot_segment(A, W, rows, cols, row_ok, col_ok, s * SEGMENT, tl.minimum(K, (s + 1) * SEGMENT),
+                           stride_am, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
+        tl.store(C + s * stride_cs + rows[:, None] * stride_cm + cols[None, :], acc, mask=out)
+    else:
+        total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for s in range(0, SEGMENTS):
+            total += _dot_segment(A, W, rows, cols, row_ok, col_ok, s * SEGMENT, tl.minimum(K, (s + 1) * SEGMENT),
+                                  stride_am, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
+        if HAS_BIAS:
+            total += tl.load(Bias + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(C + rows[:, None] * stride_cm + cols[None, :], total.to(C.dtype.element_ty), mask=out)
+
+
+@_jit(do_not_specialize=["size"])
+def _sum_segments(Parts, Bias, C, size, N, SEGMENTS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """C = the sum of the SEGMENTS partials in order (+ bias), as _linear_kernel sums them unsplit."""
+    i = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+    ok = i < size
+    total = tl.zeros([BLOCK], tl.float32)
+    for s in range(0, SEGMENTS):
+        total += tl.load(Parts + s * size + i, mask=ok, other=0.0)
     if HAS_BIAS:
-        acc += tl.load(Bias + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(C + rows[:, None] * stride_cm + cols[None, :], acc.to(C.dtype.element_ty),
-             mask=row_ok[:, None] & col_ok[None, :])
+        total += tl.load(Bias + i % N, mask=ok, other=0.0).to(tl.float32)
+    tl.store(C + i, total.to(C.dtype.element_ty), mask=ok)
 
 
 @_jit
-def _norm_kernel(X, Weight, Bias, Y, stride_x, stride_y, eps, C: tl.constexpr, BLOCK: tl.constexpr,
-                 RMS: tl.constexpr, HAS_BIAS: tl.constexpr):
+def _norm_kernel(X, Weight, Bias, Y, Delta, Sum, stride_x, stride_y, stride_d, stride_s, eps, C: tl.constexpr,
+                 BLOCK: tl.constexpr, RMS: tl.constexpr, HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr):
+    """Y = the norm of a row of X; with RESIDUAL, of X + Delta, rounded to the dtype as torch's add
+    rounds it, which is also written to Sum (the residual stream's next value)."""
     row = tl.program_id(0)
     i = tl.arange(0, BLOCK)
     ok = i < C
-    x = tl.load(X + row * stride_x + i, mask=ok, other=0.0).to(tl.float32)
+    x = tl.load(X + row * stride_x + i, mask=ok, other=0.0)
+    if RESIDUAL:
+        x = (x.to(tl.float32) + tl.load(Delta + row * stride_d + i, mask=ok, other=0.0).to(tl.float32)).to(x.dtype)
+        tl.store(Sum + row * stride_s + i, x, mask=ok)
+    x = x.to(tl.float32)
     if RMS:  # Hugging Face's: normalise in float32, round to the model's dtype, then scale
         normed = (x * tl.rsqrt(tl.sum(x * x, 0) / C + eps)).to(Y.dtype.element_ty)
         y = normed.to(tl.float32) * tl.load(Weight + i, mask=ok, other=0.0).to(tl.float32)
@@ -79,11 +127,32 @@ def _norm_kernel(X, Weight, Bias, Y, stride_x, stride_y, eps, C: tl.constexpr, B
     tl.store(Y + row * stride_y + i, y.to(Y.dtype.element_ty), mask=ok)
 
 
-def tile_config(n: int, k: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K) for a weight of n outputs and k inputs: a function of the
-    weight alone, so every row count gets the same arithmetic. Narrow outputs take narrower
-    column tiles, so a decode step (a handful of rows) still spreads over many programs."""
-    return 64, 64 if n <= 4096 else 128, 64
+SPLIT_ROWS = 128  # at most this many rows: K's segments run in programs of their own
+SUM_BLOCK = 1024
+
+
+def segments(n: int, k: int) -> tuple[int, int]:
+    """(segments, keys per segment) of K for a weight of n outputs and k inputs: a function of the
+    weight alone, so every row count gets the same arithmetic. Enough that a few rows' product runs
+    some 256 programs (n / 64 column tiles times the segments), each segment 256 keys at least and
+    a multiple of 128 (whole steps of every tile's BLOCK_K)."""
+    count = 1
+    while count * 2 * -(-n // 64) <= 256 and k // (count * 2) >= 256:
+        count *= 2
+    length = -(-k // count // 128) * 128
+    return -(-k // length), length
+
+
+def tile_config(m: int, n: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) for m rows. Any of them gives a row the same bits
+    (bench/matmul_tiles.py, on an H100: 14 shapes from 16x32x64 to 128x256x128 alike), so the tile
+    follows the row count: narrow for a decode step, whose time is reading the weight, wide for a
+    prefill, whose time is the tensor cores'. The fastest of those measured at each size."""
+    if m <= 16:
+        return 16, 64, 128, 4, 4
+    if m <= SPLIT_ROWS:
+        return 64, 64, 128, 4, 3
+    return (128, 256, 64, 8, 3) if n >= 2048 else (64, 64, 128, 4, 3)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -97,31 +166,50 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     m, n = a.shape[0], weight.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
-        bm, bn, bk = tile_config(n, k)
-        _linear_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
-            a, weight, bias if bias is not None else weight, out, m, n, a.stride(0), weight.stride(0), out.stride(0),
-            K=k, HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, IEEE=x.dtype == torch.float32)
+        count, length = segments(n, k)
+        split = count > 1 and m <= SPLIT_ROWS
+        bm, bn, bk, warps, stages = tile_config(m, n)
+        if interpreted():  # its dot is one numpy product per BLOCK_K step, rounded by the step's length
+            bk = 128
+        has_bias = bias is not None
+        bias = bias if has_bias else weight
+        parts = torch.empty(count, m, n, dtype=torch.float32, device=x.device) if split else out
+        _linear_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), count if split else 1)](
+            a, weight, bias, parts, m, n, a.stride(0), weight.stride(0), n, m * n, K=k, SEGMENT=length,
+            SEGMENTS=count, SPLIT=split, HAS_BIAS=has_bias, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+            IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=stages)
+        if split:
+            _sum_segments[(triton.cdiv(m * n, SUM_BLOCK),)](parts, bias, out, m * n, n, SEGMENTS=count,
+                                                            HAS_BIAS=has_bias, BLOCK=SUM_BLOCK)
     return out.view(*lead, n)
 
 
-def _norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float, rms: bool) -> torch.Tensor:
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def _norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float, rms: bool,
+          delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the rows normed, and with delta the sum x + delta they were normed from, else x)."""
     c = x.shape[-1]
-    rows = x.reshape(-1, c)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
+    rows = _rows(x)
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    total = rows if delta is None else torch.empty_like(rows)
+    deltas = rows if delta is None else _rows(delta)
     if rows.shape[0]:
-        _norm_kernel[(rows.shape[0],)](rows, weight, bias if bias is not None else weight, out, rows.stride(0),
-                                       out.stride(0), eps, C=c, BLOCK=_pow2(c), RMS=rms, HAS_BIAS=bias is not None)
-    return out.view(x.shape)
+        _norm_kernel[(rows.shape[0],)](rows, weight, bias if bias is not None else weight, out, deltas, total,
+                                       rows.stride(0), out.stride(0), deltas.stride(0), total.stride(0), eps, C=c,
+                                       BLOCK=_pow2(c), RMS=rms, HAS_BIAS=bias is not None, RESIDUAL=delta is not None)
+    return out.view(x.shape), total.view(x.shape)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return _norm(x, weight, None, eps, rms=True)
+    return _norm(x, weight, None, eps, rms=True)[0]
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
-    return _norm(x, weight, bias, eps, rms=False)
+    return _norm(x, weight, bias, eps, rms=False)[0]
 
 
 class InvariantLinear(nn.Linear):
@@ -133,10 +221,19 @@ class InvariantLayerNorm(nn.LayerNorm):
     def forward(self, x):
         return layer_norm(x, self.weight, self.bias, self.eps)
 
+    def add_norm(self, x, delta):
+        """(x + delta, its norm) in one kernel (common/model.py's add_norm)."""
+        normed, total = _norm(x, self.weight, self.bias, self.eps, rms=False, delta=delta)
+        return total, normed
+
 
 class InvariantRMSNorm(RMSNorm):
     def forward(self, x):
         return rms_norm(x, self.weight, self.eps)
+
+    def add_norm(self, x, delta):
+        normed, total = _norm(x, self.weight, None, self.eps, rms=True, delta=delta)
+        return total, normed
 
 
 _SWAPS = {nn.Linear: InvariantLinear, nn.LayerNorm: InvariantLayerNorm, RMSNorm: InvariantRMSNorm}

@@ -30,6 +30,17 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
+def add_norm(norm: nn.Module, x_TC: torch.Tensor, delta_TC: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, norm(x + delta)): the residual stream's add and the norm after it, in one kernel
+    where the norm has one (common/batch_invariant.py), with the same bits as the two ops."""
+    if delta_TC is None:
+        return x_TC, norm(x_TC)
+    if hasattr(norm, "add_norm"):
+        return norm.add_norm(x_TC, delta_TC)
+    x_TC = x_TC + delta_TC
+    return x_TC, norm(x_TC)
+
+
 def make_norm(cfg: ModelConfig, dim: int) -> nn.Module:
     return RMSNorm(dim, cfg.norm_eps) if cfg.arch == "llama" else nn.LayerNorm(dim, eps=cfg.norm_eps)
 
@@ -79,23 +90,30 @@ class Layer(nn.Module):
         self.down = nn.Linear(I, C, bias=cfg.mlp_bias or gpt2)
         self.attention = attention
 
-    def forward(self, x_TC, rope, k_cache, v_cache, meta: AttentionMetadata):
+    def forward(self, x_TC, delta_TC, rope, k_cache, v_cache, meta: AttentionMetadata):
+        """The residual stream is x + delta, the add left to the next norm (add_norm); returns the
+        stream after the layer the same way, as (x, delta)."""
         T = x_TC.shape[0]
-        q, k, v = self.qkv(self.attn_norm(x_TC)).split(self.sizes, dim=-1)
-        q_THD, k_TKD, v_TKD = q.view(T, self.H, self.D), k.view(T, self.K, self.D), v.view(T, self.K, self.D)
-        if self.q_norm is not None:
-            q_THD, k_TKD = self.q_norm(q_THD), self.k_norm(k_TKD)
-        if rope is not None:
-            q_THD, k_TKD = apply_rope(q_THD, *rope), apply_rope(k_TKD, *rope)
-        o_THD = self.attention(q_THD, k_TKD, v_TKD, k_cache, v_cache, meta)
-        x_TC = x_TC + self.o(o_THD.reshape(T, -1))
-        h_TI = self.up(self.mlp_norm(x_TC))
+        x_TC, h_TC = add_norm(self.attn_norm, x_TC, delta_TC)
+        qkv_TX = self.qkv(h_TC)
+        if rope is not None and self.q_norm is None and hasattr(self.attention, "rope_attend"):
+            o_THD = self.attention.rope_attend(qkv_TX, rope, k_cache, v_cache, meta)  # the same bits in one kernel
+        else:
+            q, k, v = qkv_TX.split(self.sizes, dim=-1)
+            q_THD, k_TKD, v_TKD = q.view(T, self.H, self.D), k.view(T, self.K, self.D), v.view(T, self.K, self.D)
+            if self.q_norm is not None:
+                q_THD, k_TKD = self.q_norm(q_THD), self.k_norm(k_TKD)
+            if rope is not None:
+                q_THD, k_TKD = apply_rope(q_THD, *rope), apply_rope(k_TKD, *rope)
+            o_THD = self.attention(q_THD, k_TKD, v_TKD, k_cache, v_cache, meta)
+        x_TC, h_TC = add_norm(self.mlp_norm, x_TC, self.o(o_THD.reshape(T, -1)))
+        h_TI = self.up(h_TC)
         if self.gated:
             gate, up = h_TI.chunk(2, dim=-1)
             h_TI = F.silu(gate) * up
         else:
             h_TI = F.gelu(h_TI, approximate="tanh")
-        return x_TC + self.down(h_TI)
+        return x_TC, self.down(h_TI)
 
 
 def _embedding(num: int, dim: int) -> nn.Embedding:
@@ -135,11 +153,12 @@ class Transformer(nn.Module):
         else:
             dtype = x_TC.dtype
             rope = (self.rope_cos[positions_T].to(dtype), self.rope_sin[positions_T].to(dtype))
+        delta_TC = None
         for i, layer in enumerate(self.layers):
-            x_TC = layer(x_TC, rope, kv_cache[i, 0], kv_cache[i, 1], meta)
+            x_TC, delta_TC = layer(x_TC, delta_TC, rope, kv_cache[i, 0], kv_cache[i, 1], meta)
             if on_layer is not None:
                 on_layer(i)
-        return x_TC
+        return x_TC if delta_TC is None else x_TC + delta_TC
 
     def logits(self, hidden_SC):
         h = self.norm(hidden_SC)

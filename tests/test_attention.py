@@ -274,3 +274,33 @@ def test_triton_kernels_compile_for_an_h100():
     compiled = json.loads(run.stdout.splitlines()[-1])["compiled"]
     assert len(compiled) == (4 + 3 + 3) + (1 + 1 + 1) and {"bf16/h32/kv8/d64", "bf16/linear/2048x8192",
                                                             "fp32/h32/kv8/d64"} <= set(compiled)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 2, 32), (32, 8, 64), (9, 3, 20)])
+def test_fused_rope_and_kv_store_give_the_unfused_bits(dtype, heads, kv_heads, head_dim):
+    """rope_store (one kernel) against apply_rope then store_kv: the same query bits, the same K/V
+    in the pool, and nothing written for a padding row's slot -1."""
+    from common.attention.triton_paged import rope_store, store_kv
+    from common.model import apply_rope, rope_inv_freq
+    from common.model_spec import model_config
+
+    cfg = model_config("dummy:llama-tiny")
+    cfg.head_dim = head_dim
+    gen = torch.Generator().manual_seed(heads)
+    T, x = 6, (heads + 2 * kv_heads) * head_dim
+    qkv = (torch.randn(T, x, generator=gen) * 3).to(dtype)
+    positions = torch.tensor([0, 5, 17, 100, 3000, 7])
+    freqs = torch.outer(torch.arange(4096).float(), rope_inv_freq(cfg))
+    cos, sin = freqs.cos()[positions].to(dtype), freqs.sin()[positions].to(dtype)
+    slots = torch.tensor([3, 40, -1, 9, 0, 63])
+    caches = [torch.zeros(4, 16, kv_heads, head_dim, dtype=dtype) for _ in range(4)]
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    want_q = apply_rope(q.view(T, heads, head_dim), cos, sin)
+    k_roped = apply_rope(k.view(T, kv_heads, head_dim), cos, sin)
+    real = slots >= 0
+    store_kv(k_roped[real], v.reshape(T, kv_heads, head_dim)[real], caches[0], caches[1], slots[real])
+    got_q = rope_store(qkv, cos, sin, caches[2], caches[3], slots, heads)
+    assert torch.equal(got_q, want_q)
+    assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
+    assert caches[2].flatten(0, 1)[slots[real]].abs().sum() > 0

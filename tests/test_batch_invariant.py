@@ -12,7 +12,9 @@ from common import batch_invariant as bi  # noqa: E402
 from common.model import RMSNorm  # noqa: E402
 
 
-@pytest.mark.parametrize("n, k, bias", [(96, 80, True), (200, 64, False), (5000, 40, True)])
+# (96, 512): two segments of K, each run by programs of its own up to SPLIT_ROWS rows, summed in one above
+@pytest.mark.parametrize("n, k, bias", [(96, 80, True), (200, 64, False), (5000, 40, True), (96, 512, True),
+                                        (2100, 300, False)])
 def test_linear_equals_torch_and_is_the_same_bits_for_any_row_count(n, k, bias):
     gen = torch.Generator().manual_seed(n)
     x = torch.randn(130, k, generator=gen)
@@ -20,7 +22,8 @@ def test_linear_equals_torch_and_is_the_same_bits_for_any_row_count(n, k, bias):
     b = torch.randn(n, generator=gen) if bias else None
     full = bi.linear(x, w, b)
     assert (full - torch.nn.functional.linear(x, w, b)).abs().max().item() < 1e-4
-    for first, rows in ((0, 1), (64, 1), (37, 5), (60, 70)):
+    assert bi.segments(n, k)[0] == (2 if k == 512 else 1)
+    for first, rows in ((0, 1), (64, 1), (37, 5), (60, 70), (2, 128)):
         assert torch.equal(bi.linear(x[first:first + rows], w, b), full[first:first + rows]), (first, rows)
 
 
@@ -47,6 +50,22 @@ def test_norms_equal_torch_and_are_the_same_bits_for_any_row_count(dtype):
                            bi.rms_norm(x, rms.weight, rms.eps)[first:first + rows])
         assert torch.equal(bi.layer_norm(x[first:first + rows], ln.weight, ln.bias, ln.eps),
                            bi.layer_norm(x, ln.weight, ln.bias, ln.eps)[first:first + rows])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_norm_with_the_residual_add_gives_the_bits_of_the_add_then_the_norm(dtype):
+    """common/model.py's add_norm through the invariant norms' one kernel: the sum written as torch's
+    add rounds it, and the norm of that sum."""
+    from common.model import add_norm
+
+    gen = torch.Generator().manual_seed(2)
+    x, delta = ((torch.randn(9, 96, generator=gen) * 3).to(dtype) for _ in range(2))
+    for norm in (bi.InvariantRMSNorm(96, 1e-5), bi.InvariantLayerNorm(96, eps=1e-5)):
+        norm.weight.data = torch.randn(96, generator=gen)
+        norm = norm.to(dtype)
+        total, normed = add_norm(norm, x, delta)
+        assert torch.equal(total, x + delta) and torch.equal(normed, norm(x + delta)), type(norm).__name__
+        assert add_norm(norm, x, None)[0] is x
 
 
 def test_install_swaps_every_linear_and_norm_and_uninstall_restores_them():

@@ -65,6 +65,22 @@ def test_triton_decode_on_the_gpu_equals_sdpa_and_is_batch_invariant(dtype):
         assert torch.equal(alone[0], got[i]), (i, n)
 
 
+@pytest.mark.parametrize("n, k", [(3072, 2048), (2048, 8192), (16384, 2048)])
+def test_invariant_linear_gives_a_row_the_same_bits_at_every_row_count_tile_and_split(n, k):
+    """llama-1b's qkv and down (K in segments run apart up to SPLIT_ROWS rows, summed in one
+    program above) and up (one segment): every row count's tile and path give a row the same bits,
+    and torch's product within bfloat16 rounding."""
+    from common import batch_invariant as bi
+
+    gen = torch.Generator(device="cuda").manual_seed(n + k)
+    w = (torch.randn(n, k, generator=gen, device="cuda") / k ** 0.5).bfloat16()
+    x = torch.randn(2048, k, generator=gen, device="cuda").bfloat16()
+    full = bi.linear(x, w)
+    assert ((full.float() - torch.nn.functional.linear(x, w).float()).abs().max() < 0.05).item()
+    for first, rows in ((0, 1), (5, 7), (16, 16), (3, 17), (0, 64), (100, bi.SPLIT_ROWS), (7, 129), (1000, 300)):
+        assert torch.equal(bi.linear(x[first:first + rows], w), full[first:first + rows]), (first, rows)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_cuda_graph_replay_gives_the_eager_tokens(dtype):
     """The decode step captured for batch sizes 1..16 and replayed, padded, gives the tokens of the

@@ -36,9 +36,9 @@ def compile_all(arch: int = 90) -> list[str]:
     from common import batch_invariant as bi
     from common.attention import triton_paged as tp
 
-    def build(fn, types: dict, constexprs: dict):
+    def build(fn, types: dict, constexprs: dict, **options):
         sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
-        triton.compile(ASTSource(fn, sig, constexprs=constexprs), target=GPUTarget("cuda", arch, 32))
+        triton.compile(ASTSource(fn, sig, constexprs=constexprs), target=GPUTarget("cuda", arch, 32), options=options)
 
     done = []
     for dt, ieee in DTYPES.items():
@@ -59,15 +59,29 @@ def compile_all(arch: int = 90) -> list[str]:
                        MAX_SPLITS=8))
             build(tp._store_kv_kernel, {"K": f"*{dt}", "V": f"*{dt}", "KCache": f"*{dt}", "VCache": f"*{dt}",
                                         "Slots": "*i64"}, dict(ROW=kv_heads * head_dim, BLOCK=tp._pow2(kv_heads * head_dim)))
+            build(tp._rope_store_kernel, {"QKV": f"*{dt}", "Cos": f"*{dt}", "Sin": f"*{dt}", "Q": f"*{dt}",
+                                          "KCache": f"*{dt}", "VCache": f"*{dt}", "Slots": "*i64"},
+                  dict(HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_H=tp._pow2(max(heads, kv_heads)),
+                       BLOCK_F=tp._pow2(head_dim // 2)), enable_fp_fusion=False)
             done.append(f"{dt}/h{heads}/kv{kv_heads}/d{head_dim}")
         for n, k in matmuls:
-            bm, bn, bk = bi.tile_config(n, k)
-            build(bi._linear_kernel, {"A": f"*{dt}", "W": f"*{dt}", "Bias": f"*{dt}", "C": f"*{dt}"},
-                  dict(K=k, HAS_BIAS=n == 3072, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, IEEE=ieee))  # Qwen2's qkv bias
+            count, length = bi.segments(n, k)
+            for m in (1, bi.SPLIT_ROWS, 4096):  # each row count's tile, split into segments where they are
+                bm, bn, bk, warps, stages = bi.tile_config(m, n)
+                split = count > 1 and m <= bi.SPLIT_ROWS
+                build(bi._linear_kernel, {"A": f"*{dt}", "W": f"*{dt}", "Bias": f"*{dt}",
+                                          "C": "*fp32" if split else f"*{dt}"},
+                      dict(K=k, SEGMENT=length, SEGMENTS=count, SPLIT=split, HAS_BIAS=n == 3072, BLOCK_M=bm,
+                           BLOCK_N=bn, BLOCK_K=bk, IEEE=ieee), num_warps=warps, num_stages=stages)  # Qwen2's qkv bias
+            if count > 1:
+                build(bi._sum_segments, {"Parts": "*fp32", "Bias": f"*{dt}", "C": f"*{dt}"},
+                      dict(SEGMENTS=count, HAS_BIAS=n == 3072, BLOCK=bi.SUM_BLOCK))
             done.append(f"{dt}/linear/{n}x{k}")
         for c, rms in norms:
-            build(bi._norm_kernel, {"X": f"*{dt}", "Weight": f"*{dt}", "Bias": f"*{dt}", "Y": f"*{dt}", "eps": "fp32"},
-                  dict(C=c, BLOCK=bi._pow2(c), RMS=rms, HAS_BIAS=not rms))
+            for residual in (False, True):
+                build(bi._norm_kernel, {"X": f"*{dt}", "Weight": f"*{dt}", "Bias": f"*{dt}", "Y": f"*{dt}",
+                                        "Delta": f"*{dt}", "Sum": f"*{dt}", "eps": "fp32"},
+                      dict(C=c, BLOCK=bi._pow2(c), RMS=rms, HAS_BIAS=not rms, RESIDUAL=residual))
             done.append(f"{dt}/{'rms' if rms else 'layer'}_norm/{c}")
     return done
 

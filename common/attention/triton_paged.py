@@ -41,6 +41,9 @@ except ImportError:  # an optional dependency: without it, `auto` keeps SDPA
     triton = tl = None
 
 
+_NO_FP_FUSION = {} if os.environ.get("TRITON_INTERPRET") == "1" else {"enable_fp_fusion": False}
+
+
 def _jit(fn=None, **options):
     """triton.jit (bare, or with options), or the plain function where triton is missing.
 
@@ -57,6 +60,7 @@ SPLIT = 256  # keys per split: fixed, so a query's splits never move with its ba
 BLOCK_N = 64  # keys per step of a split (a multiple of the page size and a divisor of SPLIT)
 MIN_ROWS = 16  # tl.dot's smallest tile side: a tile's rows (tokens x grouped heads) are padded to it
 LANES = 16  # programs per (tile, KV head), each taking every LANES-th split
+SPLIT_LAUNCH: dict = {}  # the split kernel's num_warps and num_stages, where not Triton's defaults
 
 
 @_jit(do_not_specialize=["stride_tb"],
@@ -179,6 +183,66 @@ def store_kv(k_TKD: torch.Tensor, v_TKD: torch.Tensor, k_cache_NPKD: torch.Tenso
                            k_cache_NPKD.stride(1), v_cache_NPKD.stride(1), ROW=K * D, BLOCK=_pow2(K * D))
 
 
+@_jit(do_not_specialize_on_alignment=["Slots"])
+def _rope_store_kernel(QKV, Cos, Sin, Q, KCache, VCache, Slots, stride_t, stride_c, stride_qt, stride_cs, stride_ds,
+                       HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+                       BLOCK_F: tl.constexpr):
+    """Token t's row of the qkv product: its query heads rotated into Q, its key heads rotated and
+    its values into the pool at slot Slots[t] (none for a negative slot). Each product, sum and
+    difference is rounded to the model's dtype as torch's ops round them apart (common/model.py's
+    apply_rope), and nothing is fused into a multiply-add: the same bits as the unfused path."""
+    t = tl.program_id(0).to(tl.int64)
+    half = HEAD_DIM // 2
+    f = tl.arange(0, BLOCK_F)
+    f_ok = f < half
+    dt = Q.dtype.element_ty
+    cos = tl.load(Cos + t * stride_c + f, mask=f_ok, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(Sin + t * stride_c + f, mask=f_ok, other=0.0).to(tl.float32)[None, :]
+    h = tl.arange(0, BLOCK_H)
+    slot = tl.load(Slots + t)
+    for part in tl.static_range(3):  # the query heads, the key heads, the values
+        count = HEADS if part == 0 else KV_HEADS
+        first = 0 if part == 0 else (HEADS if part == 1 else HEADS + KV_HEADS)
+        ok = (h < count)[:, None] & f_ok[None, :]
+        src = QKV + t * stride_t + (first + h)[:, None] * HEAD_DIM + f[None, :]
+        x1 = tl.load(src, mask=ok, other=0.0)
+        x2 = tl.load(src + half, mask=ok, other=0.0)
+        if part < 2:
+            a1 = x1.to(tl.float32)
+            a2 = x2.to(tl.float32)
+            y1 = ((a1 * cos).to(dt).to(tl.float32) - (a2 * sin).to(dt).to(tl.float32)).to(dt)
+            y2 = ((a2 * cos).to(dt).to(tl.float32) + (a1 * sin).to(dt).to(tl.float32)).to(dt)
+        else:
+            y1, y2 = x1, x2
+        if part == 0:
+            dst = Q + t * stride_qt + h[:, None] * HEAD_DIM + f[None, :]
+            tl.store(dst, y1, mask=ok)
+            tl.store(dst + half, y2, mask=ok)
+        elif slot >= 0:
+            dst = (KCache + slot * stride_cs if part == 1 else VCache + slot * stride_ds) + h[:, None] * HEAD_DIM \
+                + f[None, :]
+            tl.store(dst, y1, mask=ok)
+            tl.store(dst + half, y2, mask=ok)
+
+
+def rope_store(qkv_TX: torch.Tensor, cos_TF: torch.Tensor, sin_TF: torch.Tensor, k_cache_NPKD: torch.Tensor,
+               v_cache_NPKD: torch.Tensor, slots_T: torch.Tensor, heads: int) -> torch.Tensor:
+    """The rotary embedding of a step's packed qkv rows and the store of its K/V, in one launch in
+    place of some 20 (common/model.py's apply_rope, then store_kv). Returns the rotated queries."""
+    T = qkv_TX.shape[0]
+    _, _, K, D = k_cache_NPKD.shape
+    q_THD = torch.empty(T, heads, D, dtype=qkv_TX.dtype, device=qkv_TX.device)
+    if T:
+        if qkv_TX.stride(-1) != 1:
+            qkv_TX = qkv_TX.contiguous()
+        cos_TF, sin_TF = cos_TF.contiguous(), sin_TF.contiguous()
+        _rope_store_kernel[(T,)](qkv_TX, cos_TF, sin_TF, q_THD, k_cache_NPKD, v_cache_NPKD, slots_T, qkv_TX.stride(0),
+                                 cos_TF.stride(0), q_THD.stride(0), k_cache_NPKD.stride(1), v_cache_NPKD.stride(1),
+                                 HEADS=heads, KV_HEADS=K, HEAD_DIM=D, BLOCK_H=_pow2(max(heads, K)),
+                                 BLOCK_F=_pow2(D // 2), **_NO_FP_FUSION)
+    return q_THD
+
+
 def available() -> bool:
     return triton is not None
 
@@ -217,16 +281,23 @@ def split_rows(positions_T: torch.Tensor, host_positions: list[int] | None, max_
     return counts_T.cumsum(0) - counts_T, sum(p // SPLIT for p in host_positions) + len(host_positions)
 
 
+def max_splits_for(tables_SM: torch.Tensor, page: int) -> int:
+    """The kernels' MAX_SPLITS for tables this wide: a power of two, so few variants compile."""
+    return _pow2(max(1, -(-tables_SM.shape[1] * page // SPLIT)))
+
+
 def paged_attention(q_THD: torch.Tensor, k_cache_NPKD: torch.Tensor, v_cache_NPKD: torch.Tensor,
                     tables_SM: torch.Tensor, tiles_4X: torch.Tensor, positions_T: torch.Tensor, scale: float,
-                    host_positions: list[int] | None = None) -> torch.Tensor:
+                    host_positions: list[int] | None = None,
+                    split_base: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
     """Causal attention of each packed query token to its sequence's keys in the pool.
 
     tables_SM: one block table per sequence of the step. tiles_4X: for each query tile, its
     sequence (row of tables_SM), first packed token, token count (<= BLOCK_Q) and first token's
     position. positions_T: each token's position (it sees keys 0..position), and host_positions
     the same on the host if known (see split_rows). The launch shape depends only on the tile
-    count and the tables' width."""
+    count and the tables' width. split_base: split_rows' answer, where the caller keeps it for every
+    layer of a step."""
     T, H, D = q_THD.shape
     N, P, K, _ = k_cache_NPKD.shape
     out = torch.empty_like(q_THD)
@@ -239,8 +310,8 @@ def paged_attention(q_THD: torch.Tensor, k_cache_NPKD: torch.Tensor, v_cache_NPK
                            f"TRITON_INTERPRET=1); use --attention-backend sdpa")
     group = H // K
     block_q, block_m = tile_shape(group)
-    max_splits = _pow2(max(1, -(-tables_SM.shape[1] * P // SPLIT)))  # few shapes to compile
-    base_T, rows = split_rows(positions_T, host_positions, max_splits)
+    max_splits = max_splits_for(tables_SM, P)
+    base_T, rows = split_base or split_rows(positions_T, host_positions, max_splits)
     out_part = torch.empty(rows, H, D, dtype=torch.float32, device=q_THD.device)
     lse_part = torch.empty(rows, H, dtype=torch.float32, device=q_THD.device)
     q_THD = q_THD.contiguous()
@@ -252,7 +323,7 @@ def paged_attention(q_THD: torch.Tensor, k_cache_NPKD: torch.Tensor, v_cache_NPK
         scale, q_THD.stride(0), q_THD.stride(1), *k_cache_NPKD.stride()[:3], *v_cache_NPKD.stride()[:3],
         tables_SM.stride(0), *out_part.stride()[:2], lse_part.stride(0),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=D, BLOCK_D=block_d, PAGE=P, TILE=BLOCK_N,
-        SPLIT_KEYS=SPLIT, MAX_SPLITS=max_splits, LANES=lanes, IEEE=q_THD.dtype == torch.float32)
+        SPLIT_KEYS=SPLIT, MAX_SPLITS=max_splits, LANES=lanes, IEEE=q_THD.dtype == torch.float32, **SPLIT_LAUNCH)
     _merge_kernel[(T,)](out_part, lse_part, positions_T, base_T, out, *out_part.stride()[:2], lse_part.stride(0),
                         out.stride(0), out.stride(1), HEADS=H, BLOCK_H=_pow2(H), HEAD_DIM=D, BLOCK_D=block_d,
                         SPLIT_KEYS=SPLIT, MAX_SPLITS=max_splits)
@@ -262,7 +333,7 @@ def paged_attention(q_THD: torch.Tensor, k_cache_NPKD: torch.Tensor, v_cache_NPK
 def split_variants(max_blocks: int, page: int) -> list[int]:
     """The MAX_SPLITS values (one compiled variant of each kernel apiece) that steps whose tables
     are 1..max_blocks blocks wide launch with."""
-    return sorted({_pow2(max(1, -(-width * page // SPLIT))) for width in range(1, max_blocks + 1)})
+    return sorted({max_splits_for(torch.empty(0, width), page) for width in range(1, max_blocks + 1)})
 
 
 def warm_up(q_THD: torch.Tensor, k_cache_NPKD: torch.Tensor, v_cache_NPKD: torch.Tensor, max_blocks: int,
@@ -332,8 +403,19 @@ class TritonAttention(SDPAAttention):
 
     def __call__(self, q_THD, k_TKD, v_TKD, k_cache_NBKD, v_cache_NBKD, meta: AttentionMetadata):
         store_kv(k_TKD, v_TKD, k_cache_NBKD, v_cache_NBKD, meta.slot_mapping)
-        if self._layout_meta is not meta:
-            self._layout, self._layout_meta = step_layout(meta, self.group), meta
-        tables_SM, tiles_4X = self._layout
+        return self._attend(q_THD, k_cache_NBKD, v_cache_NBKD, meta)
+
+    def rope_attend(self, qkv_TX, rope, k_cache_NBKD, v_cache_NBKD, meta: AttentionMetadata):
+        """The attention of a step's packed qkv rows, rotated (rope: cos and sin per token) and their K/V
+        stored by one kernel: what __call__ does after apply_rope, in one launch where that takes some 20."""
+        q_THD = rope_store(qkv_TX, *rope, k_cache_NBKD, v_cache_NBKD, meta.slot_mapping, self.num_heads)
+        return self._attend(q_THD, k_cache_NBKD, v_cache_NBKD, meta)
+
+    def _attend(self, q_THD, k_cache_NBKD, v_cache_NBKD, meta: AttentionMetadata):
+        if self._layout_meta is not meta:  # the step's first layer: every layer's layout
+            tables_SM, tiles_4X = step_layout(meta, self.group)
+            base = split_rows(meta.positions, meta.host_positions, max_splits_for(tables_SM, k_cache_NBKD.shape[1]))
+            self._layout, self._layout_meta = (tables_SM, tiles_4X, base), meta
+        tables_SM, tiles_4X, base = self._layout
         return paged_attention(q_THD, k_cache_NBKD, v_cache_NBKD, tables_SM, tiles_4X, meta.positions, self.scale,
-                               meta.host_positions)
+                               meta.host_positions, base)
