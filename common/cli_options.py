@@ -50,10 +50,11 @@ def engine_options(f):
         click.option("--enforce-eager", is_flag=True,
                      help="no CUDA graphs: launch every decode step's kernels from Python (they are captured by "
                           "default on CUDA with the Triton attention)"),
-        click.option("--async-scheduling", is_flag=True,
+        click.option("--async-scheduling/--no-async-scheduling", default=None,
                      help="schedule and launch each step while the device still runs the one before, whose tokens "
                           "the next step takes on the device: on a GPU the host's work hides behind the device's; "
-                          "on a CPU it only delays each token by a step. Same tokens either way"),
+                          "on a CPU it only delays each token by a step. Same tokens either way [default: on on "
+                          "CUDA, off on a CPU]"),
     ]
 
     @functools.wraps(f)
@@ -127,10 +128,11 @@ def engine_argv(engine_kwargs: dict) -> list[str]:
             continue
         if key == "enable_prefix_caching":
             argv += [] if value else ["--no-prefix-caching"]
-        elif key in ("enforce_eager", "async_scheduling"):
-            argv += [f"--{key.replace('_', '-')}"] if value else []
-        elif key == "batch_invariant":
-            argv += ["--batch-invariant" if value else "--no-batch-invariant"]
+        elif key == "enforce_eager":
+            argv += ["--enforce-eager"] if value else []
+        elif key in ("batch_invariant", "async_scheduling"):
+            flag = key.replace("_", "-")
+            argv += [f"--{flag}" if value else f"--no-{flag}"]
         else:
             argv += [f"--{key.replace('_', '-')}", str(value)]
     return argv

@@ -163,7 +163,11 @@ def test_the_flag_reaches_the_workers_launch_starts():
     given = engine_kwargs_from(["--async-scheduling", "--enforce-eager", "--no-batch-invariant", "--max-num-seqs", "8"])
     assert given["async_scheduling"] and given["enforce_eager"] and not given["batch_invariant"]
     assert engine_kwargs_from(engine_argv(given)) == given
-    assert not engine_kwargs_from([])["async_scheduling"]
+    assert engine_kwargs_from([])["async_scheduling"] is None  # the device decides: on on CUDA
+    assert not engine_kwargs_from(engine_argv({"async_scheduling": False}))["async_scheduling"]
+    from common.config import EngineConfig
+
+    assert not EngineConfig().async_scheduling and EngineConfig(device="cpu", async_scheduling=True).async_scheduling
 
 
 def test_logprobs_are_read_when_the_step_is_collected_not_at_launch():
