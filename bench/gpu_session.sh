@@ -14,6 +14,9 @@
 #   bash bench/gpu_session.sh serve    # bench serve: mono vs 1p1d vs 2p2d on dummy:llama-1b, step traces
 #   bash bench/gpu_session.sh prefix   # bench serve shared_prefixes: least_loaded vs prefix_affine, 2p1d (~2 min)
 #   bash bench/gpu_session.sh overlap  # 1p1d served with and without --async-scheduling: loop share, ITL
+#   bash bench/gpu_session.sh profile  # bench step-profile: a step's host and device time, the kernels by time (~1 min)
+#   bash bench/gpu_session.sh tiles    # the invariant matmul's tiles: which give the same bits, how fast each (~2 min)
+#   bash bench/gpu_session.sh verify   # after kernel changes: tests, engine vs transformers, profile, grid (BUDGET s)
 #   bash bench/gpu_session.sh router   # bench router on the GPU host's CPU: SDK, HTTP, 4 API servers  (~2 min, no GPU)
 set -u
 # A machine goes back 30 s after a call and a new one takes a minute or more to start: run `first`;
@@ -22,7 +25,7 @@ set -u
 # Cluster stages serve 4,096-token contexts: sized for llama-1b's whole 131,072, each worker would set
 # GBs aside for one step's attention partials (a GPU test starts a cluster with no flag at all).
 CTX=--worker-arg=--max-model-len=4096
-stage=${1:?usage: bench/gpu_session.sh first|check|engine|cluster|serve|prefix|overlap|router}
+stage=${1:?usage: bench/gpu_session.sh first|check|engine|cluster|serve|prefix|overlap|profile|tiles|verify|router}
 OUT=${OUT:-/tmp/pdserve-gpu}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
@@ -96,16 +99,50 @@ prefix)
     grep -v '^{' "$OUT/prefix.log" | tail -n 8
     ;;
 overlap)
-    # issue 11: does async scheduling hide the decode worker's host work? Same load, each way.
+    # issue 11: does async scheduling hide the decode worker's host work? 64 streams in flight, each way.
     for mode in sync async; do
         flags=()
         [ "$mode" = async ] && flags=(--worker-arg=--async-scheduling)
-        export PDSERVE_STEP_TRACE=$OUT/steps-$mode
+        export PDSERVE_STEP_TRACE=/tmp/steps-$mode  # (not in $OUT: only 8 files come back)
         run "serve-$mode" 270 pdserve bench serve --model dummy:llama-1b --devices cuda:0 --topologies 1p1d \
-            --scenarios realistic "$CTX" "${flags[@]}"
+            --scenarios concurrent_64 "$CTX" "${flags[@]}"
         grep -v '^{' "$OUT/serve-$mode.log" | tail -n 12
-        python3 -m common.step_trace "$OUT/steps-$mode" 48 | tee "$OUT/loop-share-$mode.jsonl"
+        python3 -m common.step_trace "/tmp/steps-$mode" 48 | tee "$OUT/loop-share-$mode.jsonl"
     done
+    ;;
+profile)
+    # issue 11: where the decode step's time goes, both kernel modes, batch 1 and 64
+    run step-profile 240 pdserve bench step-profile --device cuda:0 --model dummy:llama-1b --max-model-len 4096 \
+        --batch-sizes 1,64 --kv-len 512 --steps 32 --top 20
+    grep -v '^{' "$OUT/step-profile.log" | grep -B2 -A4 "where a step's time goes"
+    ;;
+verify)
+    # after kernel changes, in one call of at most $BUDGET seconds (400): the GPU tests, the engine at
+    # batch 1 and 64 beside transformers, the step profile, the attention's variants, then as much of
+    # the whole engine grid as the time left allows (each point is printed as it is taken)
+    end=$((SECONDS + ${BUDGET:-400}))
+    left() { local l=$((end - SECONDS)); echo $((l < $1 ? (l > 5 ? l : 5) : $1)); }
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt"
+    run gpu-tests "$(left 280)" python3 -m pytest -m gpu tests -q --tb=short -p no:cacheprovider --timeout 200 -rf \
+        --durations=5 --continue-on-collection-errors
+    run engine-vs-hf "$(left 130)" pdserve bench engine --device cuda:0 --model dummy:llama-1b --max-model-len 4096 \
+        --vs-transformers --batch-sizes 1,64 --kv-lens 512 --steps 32
+    run step-profile "$(left 60)" pdserve bench step-profile --device cuda:0 --model dummy:llama-1b \
+        --max-model-len 4096 --batch-sizes 1,64 --kv-len 512 --steps 32 --top 12
+    run attention-tiles "$(left 60)" python3 -m bench.attention_tiles
+    run engine-grid "$(left 400)" pdserve bench engine --device cuda:0 --model dummy:llama-1b --max-model-len 4096 \
+        --batch-sizes 1,16,64,256 --kv-lens 64,512,2048 --steps 16 --num-requests 16 --output-len 32
+    tail -n 4 "$OUT/gpu-tests.log"
+    grep -v '^{' "$OUT/engine-vs-hf.log" | tail -n 40
+    grep -A4 "where a step" "$OUT/step-profile.log"
+    grep -v '^{' "$OUT/attention-tiles.log" | tail -n 9
+    grep '^\[' "$OUT/engine-grid.log" | grep -v "profiling\|prefill of"
+    ;;
+tiles)
+    run tiles 200 python3 -m bench.matmul_tiles --model dummy:llama-1b
+    run attention-tiles 120 python3 -m bench.attention_tiles
+    grep -v '^{' "$OUT/tiles.log" | tail -n 75
+    grep -v '^{' "$OUT/attention-tiles.log" | tail -n 12
     ;;
 router)
     # how many GPU decode workers one router feeds, on a server's cores (the CI machine has 2)
@@ -117,7 +154,7 @@ router)
     done
     ;;
 *)
-    echo "unknown stage $stage; allowed: first, check, engine, cluster, serve, prefix, overlap, router" >&2
+    echo "unknown stage $stage; allowed: first, check, engine, cluster, serve, prefix, overlap, profile, tiles, verify, router" >&2
     exit 2
     ;;
 esac
