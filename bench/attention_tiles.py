@@ -1,8 +1,9 @@
 """How fast the paged Triton attention is for each keys-per-step (BLOCK_N) and launch shape.
 
 BLOCK_N sets the order of a row's online softmax, so it is one constant for every call (a row's
-bits must not depend on its batch); the launch's warps and stages change no arithmetic. This
-times, in CUDA graphs (as decode steps run: launched eagerly, a small point times the host), the attention of llama-1b's shapes (32 query heads on 8 KV heads of 64, 16-token pages,
+bits must not depend on its batch); the launch's warps and stages, and a tile's rows, should
+change no arithmetic, which the prefill half checks. This times, in CUDA graphs (as decode steps
+run: launched eagerly, a small point times the host), the attention of llama-1b's shapes (32 query heads on 8 KV heads of 64, 16-token pages,
 tables as wide as a 4,096-token context, as a CUDA graph captures them) for decode batches and a
 prefill chunk, each variant against the KV bytes it must read.
 
@@ -16,8 +17,8 @@ import torch
 from bench.report import print_json, print_table
 from common.attention import triton_paged as tp
 
-VARIANTS = [(64, {}), (64, {"num_warps": 4, "num_stages": 1}), (64, {"num_warps": 8, "num_stages": 2}),
-            (128, {}), (128, {"num_warps": 8, "num_stages": 2}), (256, {}), (256, {"num_warps": 8, "num_stages": 1})]
+DECODE = [(64, {}), (64, {"num_warps": 4, "num_stages": 1}), (128, {}), (128, {"num_warps": 4, "num_stages": 1})]
+PREFILL = [(16, {}), (64, {"num_warps": 4}), (128, {"num_warps": 4}), (128, {"num_warps": 8})]  # (rows, launch)
 POINTS = [(1, 512), (64, 512), (1, 2048), (64, 2048), (256, 512)]  # (decode batch, KV)
 
 
@@ -31,43 +32,60 @@ def main():
     v_cache = torch.randn(blocks, P, K, D, generator=gen, device=device).bfloat16()
     perm = torch.randperm(blocks, generator=gen, device=device)
     read_bps = 2 * k_cache.numel() * 2 / (triton.testing.do_bench(lambda: k_cache.clone(), return_mode="median") / 1e3)
-    rows, results = [], {}
-    for b, kv in POINTS + [("prefill", 2048)]:
-        if b == "prefill":  # one 2,048-token prompt's chunk, its keys in the pool
-            T = kv
-            tables = perm[:kv // P][None, :].contiguous()
-            positions = torch.arange(kv, device=device)
-            block_q, _ = tp.tile_shape(H // K)
-            tiles = torch.tensor([(0, j, min(block_q, kv - j), j) for j in range(0, kv, block_q)],
-                                 device=device).T.contiguous()
-            host = list(range(kv))
-            bytes_ = 2 * kv * K * D * 2
-        else:
-            T = b
-            tables = torch.zeros(b, width, dtype=torch.int64, device=device)
-            tables[:, :kv // P] = perm[:b * kv // P].view(b, kv // P)
-            lens = torch.full((b,), kv, device=device)
-            positions, tiles, host = lens - 1, tp.decode_tiles(lens), None
-            bytes_ = 2 * b * kv * K * D * 2
-        q = torch.randn(T, H, D, generator=gen, device=device).bfloat16()
-        floor = 1e6 * bytes_ / read_bps
-        row = [f"b{b} kv{kv}" if b != "prefill" else f"prefill {kv}", f"{floor:.1f}"]
-        for tile, launch in VARIANTS:
+    results = {}
+
+    def time_us(key, fn):
+        try:
+            fn()  # compiles outside the graph
+            us = triton.testing.do_bench_cudagraph(fn, rep=25, return_mode="median") * 1e3
+        except Exception as e:  # a variant that does not compile: say so, time the others
+            print(f"{key}: {str(e).splitlines()[0][:200]}", flush=True)
+            us = float("nan")
+        results[key] = round(us, 2)
+        return f"{us:.1f}"
+
+    rows = []
+    for b, kv in POINTS:
+        tables = torch.zeros(b, width, dtype=torch.int64, device=device)
+        tables[:, :kv // P] = perm[:b * kv // P].view(b, kv // P)
+        lens = torch.full((b,), kv, device=device)
+        q = torch.randn(b, H, D, generator=gen, device=device).bfloat16()
+        row = [f"b{b} kv{kv}", f"{1e6 * 2 * b * kv * K * D * 2 / read_bps:.1f}"]
+        for tile, launch in DECODE:
             tp.BLOCK_N, tp.SPLIT_LAUNCH = tile, launch
-            fn = lambda: tp.paged_attention(q, k_cache, v_cache, tables, tiles, positions, D ** -0.5, host)  # noqa
-            try:
-                fn()  # compiles outside the graph
-                us = triton.testing.do_bench_cudagraph(fn, rep=25, return_mode="median") * 1e3
-            except Exception as e:  # a variant that does not compile: say so, time the others
-                print(f"N{tile} {launch}: {str(e).splitlines()[0][:200]}", flush=True)
-                us = float("nan")
-            results[f"{row[0]}/{tile}/{launch}"] = round(us, 2)
-            row.append(f"{us:.1f}")
+            row.append(time_us(f"b{b}_kv{kv}/N{tile}/{launch}", lambda: tp.paged_attention(
+                q, k_cache, v_cache, tables, tp.decode_tiles(lens), lens - 1, D ** -0.5)))
         rows.append(row)
         print(row, flush=True)
-    print_table(f"paged attention per layer (llama-1b heads, bf16), µs; floor = K/V bytes / {read_bps / 1e9:,.0f} GB/s",
-                ["point", "floor"] + [f"N{t} {l.get('num_warps', '')}/{l.get('num_stages', '')}" for t, l in VARIANTS],
-                rows)
+    print_table(f"decode attention per layer (llama-1b heads, bf16, CUDA graphs), µs; floor = K/V bytes / "
+                f"{read_bps / 1e9:,.0f} GB/s", ["point", "floor"] + [f"N{t} {l}" for t, l in DECODE], rows)
+
+    # one 2,048-token prompt's chunk, its keys in the pool: each prefill tile shape's time, and
+    # whether its rows have the bits of one-token decode tiles (the batch-invariance promise)
+    T = 2048
+    tables = perm[:T // P][None, :].contiguous()
+    positions = torch.arange(T, device=device)
+    host = list(range(T))
+    q = torch.randn(T, H, D, generator=gen, device=device).bfloat16()
+    singles = torch.stack([torch.zeros_like(positions), positions, torch.ones_like(positions), positions])
+    rows = []
+    for tile in (64, 128):
+        tp.BLOCK_N, tp.SPLIT_LAUNCH = tile, {}
+        alone = tp.paged_attention(q, k_cache, v_cache, tables, singles, positions, D ** -0.5, host)
+        for prefill_rows, launch in PREFILL:
+            block_q, _ = tp.tile_shape(H // K, prefill_rows)
+            tiles = torch.tensor([(0, j, min(block_q, T - j), j) for j in range(0, T, block_q)],
+                                 device=device).T.contiguous()
+            tp.PREFILL_ROWS, tp.PREFILL_LAUNCH = prefill_rows, launch
+            fn = lambda: tp.paged_attention(q, k_cache, v_cache, tables, tiles, positions, D ** -0.5, host,  # noqa
+                                            decode_tiles=0)
+            us = time_us(f"prefill{T}/N{tile}/rows{prefill_rows}/{launch}", fn)
+            same = torch.equal(fn(), alone)
+            results[f"prefill{T}/N{tile}/rows{prefill_rows}/{launch}/same_bits"] = same
+            rows.append([tile, prefill_rows, str(launch), us, "yes" if same else "NO"])
+            print(rows[-1], flush=True)
+    print_table(f"a {T}-token prefill chunk's attention per layer, µs, and whether its rows have a one-token "
+                f"tile's bits", ["keys/step", "rows/tile", "launch", "µs", "same bits"], rows)
     print_json({"bench": "attention_tiles", "read_gb_s": round(read_bps / 1e9, 1), "us": results})
 
 

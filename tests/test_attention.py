@@ -116,13 +116,15 @@ def test_triton_warm_up_launches_every_split_variant_a_context_can_need(monkeypa
 
     launched = []
     launch = tp.paged_attention
-    monkeypatch.setattr(tp, "paged_attention", lambda q, k, v, tables, *rest: (
-        launched.append(tp._pow2(-(-tables.shape[1] * k.shape[1] // tp.SPLIT))), launch(q, k, v, tables, *rest))[1])
+    monkeypatch.setattr(tp, "paged_attention", lambda q, k, v, tables, *rest, decode_tiles: (
+        launched.append((tp._pow2(-(-tables.shape[1] * k.shape[1] // tp.SPLIT)), decode_tiles)),
+        launch(q, k, v, tables, *rest, decode_tiles=decode_tiles))[1])
     k = torch.randn(4, 16, 2, 32)
     for max_blocks in (1, 16, 17, 100, 256):
         launched.clear()
         want = {tp._pow2(-(-width * 16 // tp.SPLIT)) for width in range(1, max_blocks + 1)}  # every width's
-        assert tp.warm_up(torch.randn(1, 8, 32), k, k.clone(), max_blocks, 0.2) == sorted(want) == launched
+        assert tp.warm_up(torch.randn(1, 8, 32), k, k.clone(), max_blocks, 0.2) == sorted(want)
+        assert launched == [(splits, decodes) for splits in sorted(want) for decodes in (1, 0)]  # both tile shapes
 
 
 class _Sequences:

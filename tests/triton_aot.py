@@ -45,14 +45,15 @@ def compile_all(arch: int = 90) -> list[str]:
         shapes, matmuls, norms = variants(dt)
         for heads, kv_heads, head_dim in shapes:
             group = heads // kv_heads
-            block_q, block_m = tp.tile_shape(group)
             block_d = max(16, tp._pow2(head_dim))
-            build(tp._split_kernel,
-                  {"Q": f"*{dt}", "KCache": f"*{dt}", "VCache": f"*{dt}", "Tables": "*i64", "TileSeq": "*i64",
-                   "TileStart": "*i64", "TileLen": "*i64", "TilePos": "*i64", "SplitBase": "*i64", "OutPart": "*fp32",
-                   "LsePart": "*fp32", "scale": "fp32"},
-                  dict(GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=16,
-                       TILE=tp.BLOCK_N, SPLIT_KEYS=tp.SPLIT, MAX_SPLITS=32, LANES=tp.LANES, IEEE=ieee))
+            for rows, launch in ((tp.MIN_ROWS, tp.SPLIT_LAUNCH), (tp.PREFILL_ROWS, tp.PREFILL_LAUNCH)):
+                block_q, block_m = tp.tile_shape(group, rows)
+                build(tp._split_kernel,
+                      {"Q": f"*{dt}", "KCache": f"*{dt}", "VCache": f"*{dt}", "Tables": "*i64", "TileSeq": "*i64",
+                       "TileStart": "*i64", "TileLen": "*i64", "TilePos": "*i64", "SplitBase": "*i64",
+                       "OutPart": "*fp32", "LsePart": "*fp32", "scale": "fp32"},
+                      dict(GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=16,
+                           TILE=tp.BLOCK_N, SPLIT_KEYS=tp.SPLIT, MAX_SPLITS=32, LANES=tp.LANES, IEEE=ieee), **launch)
             build(tp._merge_kernel, {"OutPart": "*fp32", "LsePart": "*fp32", "Positions": "*i64", "SplitBase": "*i64",
                                      "Out": f"*{dt}"},
                   dict(HEADS=heads, BLOCK_H=tp._pow2(heads), HEAD_DIM=head_dim, BLOCK_D=block_d, SPLIT_KEYS=tp.SPLIT,

@@ -59,6 +59,14 @@ def _jit(fn=None, **options):
 SPLIT = 256  # keys per split: fixed, so a query's splits never move with its batch
 BLOCK_N = 64  # keys per step of a split (a multiple of the page size and a divisor of SPLIT)
 MIN_ROWS = 16  # tl.dot's smallest tile side: a tile's rows (tokens x grouped heads) are padded to it
+# A prefill chunk's tiles: as many tokens as fill this many rows, so its keys are read once per that
+# many queries (a decode's tile is one token, MIN_ROWS rows). A 2,048-token chunk of llama-1b takes
+# 350 us a layer on an H100 with 16-row tiles, which re-read its keys 512 times. 128 rows waits for
+# bench/attention_tiles.py to show on a GPU that a 128-row tile gives its rows a 16-row tile's bits
+# (the same tensor-core chain, as the matmul's tiles do; but a row's softmax sum may be laid out
+# across the warps differently).
+PREFILL_ROWS = MIN_ROWS
+PREFILL_LAUNCH: dict = {}
 LANES = 16  # programs per (tile, KV head), each taking every LANES-th split
 SPLIT_LAUNCH: dict = {}  # the split kernel's num_warps and num_stages, where not Triton's defaults
 
@@ -262,9 +270,10 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def tile_shape(group: int) -> tuple[int, int]:
-    """(BLOCK_Q tokens, BLOCK_M rows) of a query tile for `group` query heads per KV head."""
-    rows = max(MIN_ROWS, _pow2(group))
+def tile_shape(group: int, rows: int = MIN_ROWS) -> tuple[int, int]:
+    """(BLOCK_Q tokens, BLOCK_M rows) of a query tile for `group` query heads per KV head: a
+    decode's (at least MIN_ROWS rows), or with rows=PREFILL_ROWS a prefill chunk's."""
+    rows = max(rows, _pow2(group))
     return rows // group, rows
 
 
@@ -289,7 +298,8 @@ def max_splits_for(tables_SM: torch.Tensor, page: int) -> int:
 def paged_attention(q_THD: torch.Tensor, k_cache_NPKD: torch.Tensor, v_cache_NPKD: torch.Tensor,
                     tables_SM: torch.Tensor, tiles_4X: torch.Tensor, positions_T: torch.Tensor, scale: float,
                     host_positions: list[int] | None = None,
-                    split_base: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
+                    split_base: tuple[torch.Tensor, int] | None = None,
+                    decode_tiles: int | None = None) -> torch.Tensor:
     """Causal attention of each packed query token to its sequence's keys in the pool.
 
     tables_SM: one block table per sequence of the step. tiles_4X: for each query tile, its
@@ -297,7 +307,8 @@ def paged_attention(q_THD: torch.Tensor, k_cache_NPKD: torch.Tensor, v_cache_NPK
     position. positions_T: each token's position (it sees keys 0..position), and host_positions
     the same on the host if known (see split_rows). The launch shape depends only on the tile
     count and the tables' width. split_base: split_rows' answer, where the caller keeps it for every
-    layer of a step."""
+    layer of a step. decode_tiles: how many tiles, first, are decode-shaped (tile_shape(group)); the
+    rest are a prefill's (tile_shape(group, PREFILL_ROWS)), each launched apart. None: all."""
     T, H, D = q_THD.shape
     N, P, K, _ = k_cache_NPKD.shape
     out = torch.empty_like(q_THD)
@@ -309,21 +320,26 @@ def paged_attention(q_THD: torch.Tensor, k_cache_NPKD: torch.Tensor, v_cache_NPK
         raise RuntimeError(f"the Triton attention runs on CUDA, not {q_THD.device} (or in Triton's interpreter: "
                            f"TRITON_INTERPRET=1); use --attention-backend sdpa")
     group = H // K
-    block_q, block_m = tile_shape(group)
     max_splits = max_splits_for(tables_SM, P)
     base_T, rows = split_base or split_rows(positions_T, host_positions, max_splits)
     out_part = torch.empty(rows, H, D, dtype=torch.float32, device=q_THD.device)
     lse_part = torch.empty(rows, H, dtype=torch.float32, device=q_THD.device)
     q_THD = q_THD.contiguous()
     block_d = max(16, _pow2(D))
-    seq_X, start_X, count_X, pos_X = tiles_4X
     lanes = min(LANES, max_splits)
-    _split_kernel[(tiles_4X.shape[1], K, lanes)](
-        q_THD, k_cache_NPKD, v_cache_NPKD, tables_SM, seq_X, start_X, count_X, pos_X, base_T, out_part, lse_part,
-        scale, q_THD.stride(0), q_THD.stride(1), *k_cache_NPKD.stride()[:3], *v_cache_NPKD.stride()[:3],
-        tables_SM.stride(0), *out_part.stride()[:2], lse_part.stride(0),
-        GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=D, BLOCK_D=block_d, PAGE=P, TILE=BLOCK_N,
-        SPLIT_KEYS=SPLIT, MAX_SPLITS=max_splits, LANES=lanes, IEEE=q_THD.dtype == torch.float32, **SPLIT_LAUNCH)
+    X = tiles_4X.shape[1]
+    small = X if decode_tiles is None or (PREFILL_ROWS, PREFILL_LAUNCH) == (MIN_ROWS, SPLIT_LAUNCH) else decode_tiles
+    for first, end, rows, launch in ((0, small, MIN_ROWS, SPLIT_LAUNCH), (small, X, PREFILL_ROWS, PREFILL_LAUNCH)):
+        if end <= first:
+            continue
+        block_q, block_m = tile_shape(group, rows)
+        seq_X, start_X, count_X, pos_X = tiles_4X[:, first:end]
+        _split_kernel[(end - first, K, lanes)](
+            q_THD, k_cache_NPKD, v_cache_NPKD, tables_SM, seq_X, start_X, count_X, pos_X, base_T, out_part, lse_part,
+            scale, q_THD.stride(0), q_THD.stride(1), *k_cache_NPKD.stride()[:3], *v_cache_NPKD.stride()[:3],
+            tables_SM.stride(0), *out_part.stride()[:2], lse_part.stride(0),
+            GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=D, BLOCK_D=block_d, PAGE=P, TILE=BLOCK_N,
+            SPLIT_KEYS=SPLIT, MAX_SPLITS=max_splits, LANES=lanes, IEEE=q_THD.dtype == torch.float32, **launch)
     _merge_kernel[(T,)](out_part, lse_part, positions_T, base_T, out, *out_part.stride()[:2], lse_part.stride(0),
                         out.stride(0), out.stride(1), HEADS=H, BLOCK_H=_pow2(H), HEAD_DIM=D, BLOCK_D=block_d,
                         SPLIT_KEYS=SPLIT, MAX_SPLITS=max_splits)
@@ -339,15 +355,18 @@ def split_variants(max_blocks: int, page: int) -> list[int]:
 def warm_up(q_THD: torch.Tensor, k_cache_NPKD: torch.Tensor, v_cache_NPKD: torch.Tensor, max_blocks: int,
             scale: float) -> list[int]:
     """Launch the attention once for each MAX_SPLITS variant a context of max_blocks blocks can
-    need (a decode at position 0 reading block 0; nothing is written), so that each compiles at
-    start and not in the step whose widest table first reaches it. Returns the variants."""
+    need (a decode at position 0 reading block 0; nothing is written), as a decode's tile and as a
+    prefill's, so that each compiles at start and not in the step whose widest table first reaches
+    it. Returns the variants."""
     device, P = q_THD.device, k_cache_NPKD.shape[1]
     variants = split_variants(max_blocks, P)
     zero = torch.zeros(1, dtype=torch.int64, device=device)
     for splits in variants:
         width = min(max_blocks, splits * SPLIT // P)  # a table this wide launches with `splits`
         tables = torch.zeros(1, width, dtype=torch.int64, device=device)
-        paged_attention(q_THD[:1], k_cache_NPKD, v_cache_NPKD, tables, decode_tiles(zero + 1), zero, scale)
+        for decodes in (1, 0):
+            paged_attention(q_THD[:1], k_cache_NPKD, v_cache_NPKD, tables, decode_tiles(zero + 1), zero, scale,
+                            decode_tiles=decodes)
     return variants
 
 
@@ -360,11 +379,11 @@ def decode_tiles(lens_B: torch.Tensor) -> torch.Tensor:
 
 def step_layout(meta: AttentionMetadata, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(tables_SM, tiles_4X) of a packed step: the decodes' tables then each prefill chunk's, and
-    a tile per decode then BLOCK_Q-token tiles of each chunk."""
+    a tile per decode then a prefill's BLOCK_Q-token tiles of each chunk."""
     nd = meta.num_decode
     if not meta.prefills:
         return meta.decode_block_tables, decode_tiles(meta.decode_context_lens)
-    block_q, _ = tile_shape(group)
+    block_q, _ = tile_shape(group, PREFILL_ROWS)
     device = meta.slot_mapping.device
     width = max([c.block_table.shape[0] for c in meta.prefills]
                 + ([meta.decode_block_tables.shape[1]] if nd else []))
@@ -418,4 +437,4 @@ class TritonAttention(SDPAAttention):
             self._layout, self._layout_meta = (tables_SM, tiles_4X, base), meta
         tables_SM, tiles_4X, base = self._layout
         return paged_attention(q_THD, k_cache_NBKD, v_cache_NBKD, tables_SM, tiles_4X, meta.positions, self.scale,
-                               meta.host_positions, base)
+                               meta.host_positions, base, meta.num_decode)
