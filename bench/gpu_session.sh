@@ -19,9 +19,11 @@
 #   bash bench/gpu_session.sh verify   # after kernel changes: tests, engine vs transformers, profile, grid (BUDGET s)
 #   bash bench/gpu_session.sh router   # bench router on the GPU host's CPU: SDK, HTTP, 4 API servers  (~2 min, no GPU)
 set -u
-# A machine goes back 30 s after a call and a new one takes a minute or more to start: run `first`;
-# the other stages are for a later session (or a larger budget), in the order engine, overlap,
-# cluster, serve.
+# A machine goes back 30 s after a call and a new one takes a minute or more to start (on
+# 2026-11-26 three calls of 110, 200 and 383 s held it 797 s in all). Next: `BUDGET=380 ... verify`
+# (the tests, the profile, whether 128-row prefill tiles keep the bits, transformers beside us, the
+# grid), then `cluster` (cuda_ipc's copies now move 8-byte words: common/kv_transport/mapped.py),
+# then `serve`.
 # Cluster stages serve 4,096-token contexts: sized for llama-1b's whole 131,072, each worker would set
 # GBs aside for one step's attention partials (a GPU test starts a cluster with no flag at all).
 CTX=--worker-arg=--max-model-len=4096
@@ -101,7 +103,7 @@ prefix)
 overlap)
     # issue 11: does async scheduling hide the decode worker's host work? 64 streams in flight, each way.
     for mode in sync async; do
-        flags=()
+        flags=(--worker-arg=--no-async-scheduling)  # async is the default on CUDA
         [ "$mode" = async ] && flags=(--worker-arg=--async-scheduling)
         export PDSERVE_STEP_TRACE=/tmp/steps-$mode  # (not in $OUT: only 8 files come back)
         run "serve-$mode" 270 pdserve bench serve --model dummy:llama-1b --devices cuda:0 --topologies 1p1d \
@@ -117,19 +119,21 @@ profile)
     grep -v '^{' "$OUT/step-profile.log" | grep -B2 -A4 "where a step's time goes"
     ;;
 verify)
-    # after kernel changes, in one call of at most $BUDGET seconds (400): the GPU tests, the engine at
-    # batch 1 and 64 beside transformers, the step profile, the attention's variants, then as much of
-    # the whole engine grid as the time left allows (each point is printed as it is taken)
+    # after kernel changes, in one call of at most $BUDGET seconds (400): the GPU tests, the step
+    # profile, the attention's variants (and whether 128-row prefill tiles keep the bits: PREFILL_ROWS),
+    # the engine at batch 1 and 64 beside transformers, then as much of the whole engine grid as the
+    # time left allows (each point is printed as it is taken)
     end=$((SECONDS + ${BUDGET:-400}))
     left() { local l=$((end - SECONDS)); echo $((l < $1 ? (l > 5 ? l : 5) : $1)); }
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt"
     run gpu-tests "$(left 280)" python3 -m pytest -m gpu tests -q --tb=short -p no:cacheprovider --timeout 200 -rf \
         --durations=5 --continue-on-collection-errors
-    run engine-vs-hf "$(left 130)" pdserve bench engine --device cuda:0 --model dummy:llama-1b --max-model-len 4096 \
-        --vs-transformers --batch-sizes 1,64 --kv-lens 512 --steps 32
     run step-profile "$(left 60)" pdserve bench step-profile --device cuda:0 --model dummy:llama-1b \
         --max-model-len 4096 --batch-sizes 1,64 --kv-len 512 --steps 32 --top 12
     run attention-tiles "$(left 60)" python3 -m bench.attention_tiles
+    # (transformers' half compiles its static-cache step per shape: 134 s was not enough on 2026-11-26)
+    run engine-vs-hf "$(left 220)" pdserve bench engine --device cuda:0 --model dummy:llama-1b --max-model-len 4096 \
+        --vs-transformers --batch-sizes 1,64 --kv-lens 512 --steps 32
     run engine-grid "$(left 400)" pdserve bench engine --device cuda:0 --model dummy:llama-1b --max-model-len 4096 \
         --batch-sizes 1,16,64,256 --kv-lens 64,512,2048 --steps 16 --num-requests 16 --output-len 32
     tail -n 4 "$OUT/gpu-tests.log"

@@ -162,15 +162,17 @@ def test_pieces_in_any_layout_and_order_land_in_the_right_blocks(seed, monkeypat
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("layers", [slice(None), slice(2, 3)])
-def test_a_gather_and_scatter_move_the_runs_copies_bits(layers, device):
+@pytest.mark.parametrize("head_dim, word", [(8, torch.int64), (6, torch.int32), (3, torch.bfloat16)])
+def test_a_gather_and_scatter_move_the_runs_copies_bits(layers, device, head_dim, word):
     """What a GPU does with a fragmented grant (common/kv_transport/mapped.py) gives the runs' copies'
-    bits, whole and one layer at a time."""
-    from common.kv_transport.mapped import block_runs, copy_blocks, gather_scatter
+    bits, whole and one layer at a time, moved as the widest words a row divides into."""
+    from common.kv_transport.mapped import block_runs, copy_blocks, gather_scatter, words
 
     rng = random.Random(4)
     src_blocks, dst_blocks = rng.sample(range(40), 23), list(range(5, 15)) + rng.sample(range(20, 40), 13)
     assert len(block_runs(src_blocks, dst_blocks)) > 4
-    src = torch.randn(4, 2, 40, 16, 2, 8, device=device).to(torch.bfloat16)
+    src = torch.randn(4, 2, 40, 16, 2, head_dim, device=device).to(torch.bfloat16)
+    assert {t.dtype for t in words(src[layers], src[layers])} == {word}
     want, got = torch.zeros_like(src), torch.zeros_like(src)
     for s, d, n in block_runs(src_blocks, dst_blocks):
         want[layers, :, d:d + n] = src[layers, :, s:s + n]

@@ -37,6 +37,22 @@ def block_runs(src_blocks: list[int], dst_blocks: list[int]) -> list[tuple[int, 
     return runs
 
 
+def words(src: torch.Tensor, dst: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """src and dst viewed as the widest integers their rows divide into, alike: a block copy is a
+    strided copy, which torch runs an element at a time, so 8-byte words move four times the bytes
+    of bfloat16 elements per step. (On an H100 the cuda_ipc transport, whose copies these are, moved
+    117 GB/s against 1,059 GB/s for a plain copy of the same bytes; how much of that these copies
+    are waits for a GPU run.)"""
+    row = src.shape[-1] * src.element_size()
+    for dtype in (torch.int64, torch.int32):
+        if dtype.itemsize > src.element_size() and row % dtype.itemsize == 0:
+            try:
+                return src.view(dtype), dst.view(dtype)
+            except RuntimeError:  # an offset or stride the wider words do not divide
+                continue
+    return src, dst
+
+
 def copy_blocks(src: torch.Tensor, src_blocks: list[int], dst: torch.Tensor, dst_blocks: list[int],
                 layers: slice = slice(None)) -> None:
     """dst's blocks = src's blocks in these layers, no staging: one strided copy per run of
@@ -46,6 +62,7 @@ def copy_blocks(src: torch.Tensor, src_blocks: list[int], dst: torch.Tensor, dst
     runs = block_runs(src_blocks, dst_blocks)
     if src.is_cuda and len(runs) > GATHER_RUNS:
         return gather_scatter(src, src_blocks, dst, dst_blocks, layers)
+    src, dst = words(src, dst)
     for s, d, n in runs:
         dst[layers, :, d:d + n].copy_(src[layers, :, s:s + n])
 
@@ -54,6 +71,7 @@ def gather_scatter(src: torch.Tensor, src_blocks: list[int], dst: torch.Tensor, 
                    layers: slice = slice(None)) -> None:
     """copy_blocks in two kernels over all its layers, whatever the runs: a gather on the source's
     device into one buffer of the blocks, and a scatter into the destination's."""
+    src, dst = words(src, dst)
     picked = src[layers].index_select(2, torch.tensor(src_blocks, device=src.device))
     dst[layers].index_copy_(2, torch.tensor(dst_blocks, device=dst.device), picked.to(dst.device))
 
