@@ -135,6 +135,14 @@ def decode_speed(engine: Engine, batch: int, kv_len: int, steps: int, rng: rando
     own setting is back in place after."""
     default = engine.config.async_scheduling
     engine.config.async_scheduling = False
+    try:
+        return _decode_speed(engine, batch, kv_len, steps, rng, compare_async)
+    finally:
+        engine.config.async_scheduling = default
+
+
+def _decode_speed(engine: Engine, batch: int, kv_len: int, steps: int, rng: random.Random,
+                  compare_async: bool) -> tuple[float, float | None]:
     ids = decoding_batch(engine, batch, kv_len, 2 * steps + 8, rng)
     blocks = [(False, steps)] if not compare_async else [(on, max(1, steps // 2)) for on in (False, True, True, False)]
     seconds, counted = {False: 0.0, True: 0.0}, {False: 0, True: 0}
@@ -151,7 +159,6 @@ def decode_speed(engine: Engine, batch: int, kv_len: int, steps: int, rng: rando
         counted[on] += n
     engine.config.async_scheduling = False  # the last block's launched step is collected
     release(engine, ids)
-    engine.config.async_scheduling = default
     speed = {on: batch * counted[on] / seconds[on] for on in seconds if counted[on]}
     return speed[False], speed.get(True)
 

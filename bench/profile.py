@@ -254,6 +254,8 @@ def profile_workers(model: str, device: str, threads: int | None, worker_args: l
     """Profile one prefill and one decode worker (a 1P1D cluster) and one monolithic worker: the
     raw points and the fits."""
     cfg = model_config(model)
+    if engine_kwargs_from(worker_args)["async_scheduling"] is None:  # (on by default on CUDA)
+        worker_args = [*worker_args, "--no-async-scheduling"]  # a traced step's row holds its own work alone
     engine = EngineConfig(**{**engine_kwargs_from(worker_args), "model": model, "device": device})  # checks the flags
     context = min(engine.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
     budget, max_seqs = engine.max_num_batched_tokens, engine.max_num_seqs
@@ -265,7 +267,7 @@ def profile_workers(model: str, device: str, threads: int | None, worker_args: l
     attention = make_attention(engine.attention_backend, resolve_device(device), cfg.num_heads, cfg.num_kv_heads,
                                cfg.head_dim)
     padded = attention.name == "sdpa"
-    if engine.async_scheduling:
+    if engine.async_scheduling:  # asked for: unless so, the profile's workers step synchronously
         say("profile: --async-scheduling: a step's trace row holds the wait for the step before it, so the "
             "monolithic worker's fit blurs neighbouring shapes")
     rng = random.Random(0)

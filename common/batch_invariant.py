@@ -61,7 +61,7 @@ def _dot_segment(A, W, rows, cols, row_ok, col_ok, k_start, k_end, stride_am, st
     return acc
 
 
-@_jit(do_not_specialize=["M"])  # a step's row count: one variant for every batch
+@_jit(do_not_specialize=["M", "stride_cs"])  # a step's row count (stride_cs is M * N): one variant for every batch
 def _linear_kernel(A, W, Bias, C, M, N, stride_am, stride_wn, stride_cm, stride_cs, K: tl.constexpr,
                    SEGMENT: tl.constexpr, SEGMENTS: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
@@ -143,16 +143,20 @@ def segments(n: int, k: int) -> tuple[int, int]:
     return -(-k // length), length
 
 
-def tile_config(m: int, n: int) -> tuple[int, int, int, int, int]:
+def tile_config(m: int, n: int, segments: int = 1) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) for m rows. Any of them gives a row the same bits
     (bench/matmul_tiles.py, on an H100: 14 shapes from 16x32x64 to 128x256x128 alike), so the tile
     follows the row count: narrow for a decode step, whose time is reading the weight, wide for a
-    prefill, whose time is the tensor cores'. The fastest of those measured at each size."""
+    prefill, whose time is the tensor cores'. The fastest of those measured at each size (with one
+    segment); a prefill's tile over several segments holds two float32 accumulators (the sum and
+    the segment's), which on 128 x 256 would spill, so it takes 128 x 128."""
     if m <= 16:
         return 16, 64, 128, 4, 4
     if m <= SPLIT_ROWS:
         return 64, 64, 128, 4, 3
-    return (128, 256, 64, 8, 3) if n >= 2048 else (64, 64, 128, 4, 3)
+    if n < 2048:
+        return 64, 64, 128, 4, 3
+    return (128, 256, 64, 8, 3) if segments == 1 else (128, 128, 64, 8, 3)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -168,7 +172,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if m:
         count, length = segments(n, k)
         split = count > 1 and m <= SPLIT_ROWS
-        bm, bn, bk, warps, stages = tile_config(m, n)
+        bm, bn, bk, warps, stages = tile_config(m, n, count)
         if interpreted():  # its dot is one numpy product per BLOCK_K step, rounded by the step's length
             bk = 128
         has_bias = bias is not None
@@ -310,12 +314,15 @@ def installed(model: nn.Module) -> bool:
 
 
 def _start_up_difference(device: torch.device, dtype: torch.dtype) -> float:
-    """Largest relative difference from torch's ops on a small random matmul and norm."""
+    """Largest relative difference from torch's ops on small random products and a norm, at row
+    counts that compile each path a step can take: one row (the 16-row tile, K's two segments run
+    apart and summed), 37 (the 64-row tile, split) and 200 (a prefill's tile summing its segments)."""
     gen = torch.Generator().manual_seed(0)
-    x, w, wide = (torch.randn(shape, generator=gen).to(device, dtype) for shape in ((37, 96), (80, 96), (4100, 96)))
-    scale = torch.randn(96, generator=gen).to(device, dtype)
-    pairs = [(linear(x, w), F.linear(x, w)), (linear(x, wide), F.linear(x, wide)),  # both tile widths
-             (rms_norm(x, scale, 1e-5), scale * F.rms_norm(x.float(), (96,), eps=1e-5).to(dtype))]
+    x = torch.randn(200, 512, generator=gen).to(device, dtype)
+    w = (torch.randn(2100, 512, generator=gen) / 512 ** 0.5).to(device, dtype)
+    scale = torch.randn(512, generator=gen).to(device, dtype)
+    pairs = [(linear(x[:m], w), F.linear(x[:m], w)) for m in (1, 37, 200)]
+    pairs.append((rms_norm(x, scale, 1e-5), scale * F.rms_norm(x.float(), (512,), eps=1e-5).to(dtype)))
     return max(((a.float() - b.float()).abs().max() / b.float().abs().max()).item() for a, b in pairs)
 
 

@@ -68,7 +68,7 @@ def compile_all(arch: int = 90) -> list[str]:
         for n, k in matmuls:
             count, length = bi.segments(n, k)
             for m in (1, bi.SPLIT_ROWS, 4096):  # each row count's tile, split into segments where they are
-                bm, bn, bk, warps, stages = bi.tile_config(m, n)
+                bm, bn, bk, warps, stages = bi.tile_config(m, n, count)
                 split = count > 1 and m <= bi.SPLIT_ROWS
                 build(bi._linear_kernel, {"A": f"*{dt}", "W": f"*{dt}", "Bias": f"*{dt}",
                                           "C": "*fp32" if split else f"*{dt}"},
