@@ -17,6 +17,7 @@
 #   bash bench/gpu_session.sh profile  # bench step-profile: a step's host and device time, the kernels by time (~1 min)
 #   bash bench/gpu_session.sh tiles    # the invariant matmul's tiles: which give the same bits, how fast each (~2 min)
 #   bash bench/gpu_session.sh verify   # after kernel changes: tests, engine vs transformers, profile, grid (BUDGET s)
+#   bash bench/gpu_session.sh scaling  # bench scaling on one GPU: 1mono, 2mono, 1p1d under chat (~8 min)
 #   bash bench/gpu_session.sh router   # bench router on the GPU host's CPU: SDK, HTTP, 4 API servers  (~2 min, no GPU)
 set -u
 # A machine goes back 30 s after a call and a new one takes a minute or more to start (on
@@ -27,7 +28,7 @@ set -u
 # Cluster stages serve 4,096-token contexts: sized for llama-1b's whole 131,072, each worker would set
 # GBs aside for one step's attention partials (a GPU test starts a cluster with no flag at all).
 CTX=--worker-arg=--max-model-len=4096
-stage=${1:?usage: bench/gpu_session.sh first|check|engine|cluster|serve|prefix|overlap|profile|tiles|verify|router}
+stage=${1:?usage: bench/gpu_session.sh first|check|engine|cluster|serve|prefix|overlap|profile|tiles|verify|scaling|router}
 OUT=${OUT:-/tmp/pdserve-gpu}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
@@ -142,6 +143,13 @@ verify)
     grep -v '^{' "$OUT/attention-tiles.log" | tail -n 9
     grep '^\[' "$OUT/engine-grid.log" | grep -v "profiling\|prefill of"
     ;;
+scaling)
+    # how many prefill and decode workers, on one H100: one replica, two sharing it, and 1P1D sharing
+    # it (launch splits the memory between workers of a device), under the chat workload (~8 min)
+    run scaling 540 pdserve bench scaling --model dummy:llama-1b --devices cuda:0 --workers 2 \
+        --topologies 1mono,2mono,1p1d --workload chat --duration 8 --refine 2 --out-dir "$OUT/scaling" "$CTX"
+    grep -v '^{' "$OUT/scaling.log" | tail -n 20
+    ;;
 tiles)
     run tiles 200 python3 -m bench.matmul_tiles --model dummy:llama-1b
     run attention-tiles 120 python3 -m bench.attention_tiles
@@ -158,7 +166,7 @@ router)
     done
     ;;
 *)
-    echo "unknown stage $stage; allowed: first, check, engine, cluster, serve, prefix, overlap, profile, tiles, verify, router" >&2
+    echo "unknown stage $stage; allowed: first, check, engine, cluster, serve, prefix, overlap, profile, tiles, verify, scaling, router" >&2
     exit 2
     ;;
 esac
