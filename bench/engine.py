@@ -21,7 +21,7 @@ import time
 import torch
 
 from bench.report import print_json, print_table
-from common.config import EngineConfig
+from common.config import EngineConfig, resolve_device
 from common.engine import Engine
 from common.errors import InvalidArgument
 from common.sampling_params import SamplingParams
@@ -216,7 +216,7 @@ def run_engine_bench(engine_kwargs: dict, num_requests: int, prompt_len: int, ou
                      vs_transformers: bool = False, prefill_len: int | None = None,
                      transformers_cache: str = "static") -> dict:
     rng = random.Random(seed)
-    device = EngineConfig(**engine_kwargs).torch_device
+    device = resolve_device(engine_kwargs.get("device", "cpu"))
     grid = default_grid(device)
     batch_sizes, kv_lens = batch_sizes or grid[0], kv_lens or grid[1]
     prefill_len = prefill_len or (2048 if device.type == "cuda" else 512)

@@ -351,8 +351,8 @@ def profile_workers(model: str, device: str, threads: int | None, worker_args: l
     mono, pts["mono_steps"] = fit_steps(mono_steps, profilers["mono"].windows, padded, slow)
     mixed_shapes = [m for m in pts["mono_steps"] if m[0] and m[2]]
     if mixed_shapes:
-        alone = replace(mono, prefill_mixed=0.0)
-        ratio = sum(t for *_, t, _ in mixed_shapes) / sum(alone.of_sums(*m[:4]) for m in mixed_shapes)
+        parts = replace(mono, prefill_mixed=0.0)
+        ratio = sum(t for *_, t, _ in mixed_shapes) / sum(parts.of_sums(*m[:4]) for m in mixed_shapes)
         say(f"profile (threads {threads}): mono: steps with a prefill beside decodes ({len(mixed_shapes)} shapes) "
             f"took {ratio:.2f}x what the fit gives their prefill and decodes alone; fitted as "
             f"{mono.prefill_mixed * 1e6:.2f} ms more per 1k prefill tokens beside decodes")

@@ -27,6 +27,7 @@ from torch.autograd import DeviceType
 
 from bench.engine import _sync, decoding_batch, engine_for_bench, release
 from bench.report import print_json, print_table
+from common.sampling import GREEDY
 
 
 def _device_ms(device: torch.device, fn, repeats: int) -> float:
@@ -126,8 +127,8 @@ def profile_point(engine, batch: int, kv_len: int, steps: int, rng: random.Rando
         size = graphs.size_for(batch) if graphs is not None else None
         if graphs is not None and size in graphs.graphs:
             forward_ms = _device_ms(device, graphs.graphs[size][0].replay, steps)
-            samplers = [g for (n, _), (g, _) in graphs.samplers.items() if n == size]
-            sample_ms = _device_ms(device, samplers[-1].replay, steps) if samplers else 0.0  # greedy: captured last
+            greedy = graphs.samplers.get((size, GREEDY))  # the bench's requests are greedy
+            sample_ms = _device_ms(device, greedy[0].replay, steps) if greedy else 0.0
             eager = lambda: graphs._forward(size)  # noqa: E731  the captured shape, eagerly
         else:  # eager steps: the forward of one step's inputs, again
             size, sample_ms, eager = None, 0.0, _eager_forward(engine)

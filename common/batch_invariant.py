@@ -29,6 +29,8 @@ tile alike), attention a token at a time over keys split at fixed positions
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -131,6 +133,7 @@ SPLIT_ROWS = 128  # at most this many rows: K's segments run in programs of thei
 SUM_BLOCK = 1024
 
 
+@functools.lru_cache(maxsize=None)  # a model's few weight shapes, asked every step
 def segments(n: int, k: int) -> tuple[int, int]:
     """(segments, keys per segment) of K for a weight of n outputs and k inputs: a function of the
     weight alone, so every row count gets the same arithmetic. Enough that a few rows' product runs
@@ -143,20 +146,27 @@ def segments(n: int, k: int) -> tuple[int, int]:
     return -(-k // length), length
 
 
-def tile_config(m: int, n: int, segments: int = 1) -> tuple[int, int, int, int, int]:
+def tile_config(m: int, n: int, count: int = 1) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) for m rows. Any of them gives a row the same bits
     (bench/matmul_tiles.py, on an H100: 14 shapes from 16x32x64 to 128x256x128 alike), so the tile
     follows the row count: narrow for a decode step, whose time is reading the weight, wide for a
     prefill, whose time is the tensor cores'. The fastest of those measured at each size (with one
-    segment); a prefill's tile over several segments holds two float32 accumulators (the sum and
-    the segment's), which on 128 x 256 would spill, so it takes 128 x 128."""
+    segment); a prefill's tile over `count` > 1 segments holds two float32 accumulators (the sum
+    and the segment's), which on 128 x 256 would spill, so it takes 128 x 128. Triton's interpreter
+    runs a BLOCK_K step as one numpy product, rounded by the step's length: there BLOCK_K is 128 alike."""
     if m <= 16:
-        return 16, 64, 128, 4, 4
-    if m <= SPLIT_ROWS:
-        return 64, 64, 128, 4, 3
-    if n < 2048:
-        return 64, 64, 128, 4, 3
-    return (128, 256, 64, 8, 3) if segments == 1 else (128, 128, 64, 8, 3)
+        tile = 16, 64, 128, 4, 4
+    elif m <= SPLIT_ROWS or n < 2048:
+        tile = 64, 64, 128, 4, 3
+    else:
+        tile = (128, 256, 64, 8, 3) if count == 1 else (128, 128, 64, 8, 3)
+    return (*tile[:2], 128, *tile[3:]) if interpreted() else tile
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as a matrix of rows, each contiguous (what the kernels index)."""
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -164,17 +174,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if x.device.type != "cuda" and not interpreted():
         return F.linear(x, weight, bias)
     lead, k = x.shape[:-1], x.shape[-1]
-    a = x.reshape(-1, k)
-    if a.stride(-1) != 1:
-        a = a.contiguous()
+    a = _rows(x)
     m, n = a.shape[0], weight.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
         count, length = segments(n, k)
         split = count > 1 and m <= SPLIT_ROWS
         bm, bn, bk, warps, stages = tile_config(m, n, count)
-        if interpreted():  # its dot is one numpy product per BLOCK_K step, rounded by the step's length
-            bk = 128
         has_bias = bias is not None
         bias = bias if has_bias else weight
         parts = torch.empty(count, m, n, dtype=torch.float32, device=x.device) if split else out
@@ -186,11 +192,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             _sum_segments[(triton.cdiv(m * n, SUM_BLOCK),)](parts, bias, out, m * n, n, SEGMENTS=count,
                                                             HAS_BIAS=has_bias, BLOCK=SUM_BLOCK)
     return out.view(*lead, n)
-
-
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    rows = x.reshape(-1, x.shape[-1])
-    return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
 def _norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float, rms: bool,

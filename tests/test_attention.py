@@ -120,11 +120,14 @@ def test_triton_warm_up_launches_every_split_variant_a_context_can_need(monkeypa
         launched.append((tp._pow2(-(-tables.shape[1] * k.shape[1] // tp.SPLIT)), decode_tiles)),
         launch(q, k, v, tables, *rest, decode_tiles=decode_tiles))[1])
     k = torch.randn(4, 16, 2, 32)
-    for max_blocks in (1, 16, 17, 100, 256):
-        launched.clear()
-        want = {tp._pow2(-(-width * 16 // tp.SPLIT)) for width in range(1, max_blocks + 1)}  # every width's
-        assert tp.warm_up(torch.randn(1, 8, 32), k, k.clone(), max_blocks, 0.2) == sorted(want)
-        assert launched == [(splits, decodes) for splits in sorted(want) for decodes in (1, 0)]  # both tile shapes
+    for prefill_rows in (tp.MIN_ROWS, 64):  # a prefill's tiles as a decode's (one launch each), or apart (two)
+        monkeypatch.setattr(tp, "PREFILL_ROWS", prefill_rows)
+        shapes = (1, 0) if prefill_rows != tp.MIN_ROWS else (1,)
+        for max_blocks in (1, 16, 17, 100, 256):
+            launched.clear()
+            want = {tp._pow2(-(-width * 16 // tp.SPLIT)) for width in range(1, max_blocks + 1)}  # every width's
+            assert tp.warm_up(torch.randn(1, 8, 32), k, k.clone(), max_blocks, 0.2) == sorted(want)
+            assert launched == [(splits, decodes) for splits in sorted(want) for decodes in shapes]
 
 
 class _Sequences:

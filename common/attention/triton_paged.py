@@ -41,9 +41,6 @@ except ImportError:  # an optional dependency: without it, `auto` keeps SDPA
     triton = tl = None
 
 
-_NO_FP_FUSION = {} if os.environ.get("TRITON_INTERPRET") == "1" else {"enable_fp_fusion": False}
-
-
 def _jit(fn=None, **options):
     """triton.jit (bare, or with options), or the plain function where triton is missing.
 
@@ -247,7 +244,7 @@ def rope_store(qkv_TX: torch.Tensor, cos_TF: torch.Tensor, sin_TF: torch.Tensor,
         _rope_store_kernel[(T,)](qkv_TX, cos_TF, sin_TF, q_THD, k_cache_NPKD, v_cache_NPKD, slots_T, qkv_TX.stride(0),
                                  cos_TF.stride(0), q_THD.stride(0), k_cache_NPKD.stride(1), v_cache_NPKD.stride(1),
                                  HEADS=heads, KV_HEADS=K, HEAD_DIM=D, BLOCK_H=_pow2(max(heads, K)),
-                                 BLOCK_F=_pow2(D // 2), **_NO_FP_FUSION)
+                                 BLOCK_F=_pow2(D // 2), **({} if interpreted() else {"enable_fp_fusion": False}))
     return q_THD
 
 
@@ -290,9 +287,14 @@ def split_rows(positions_T: torch.Tensor, host_positions: list[int] | None, max_
     return counts_T.cumsum(0) - counts_T, sum(p // SPLIT for p in host_positions) + len(host_positions)
 
 
-def max_splits_for(tables_SM: torch.Tensor, page: int) -> int:
-    """The kernels' MAX_SPLITS for tables this wide: a power of two, so few variants compile."""
-    return _pow2(max(1, -(-tables_SM.shape[1] * page // SPLIT)))
+def max_splits_for(width: int, page: int) -> int:
+    """The kernels' MAX_SPLITS for block tables `width` blocks wide: a power of two, so few variants compile."""
+    return _pow2(max(1, -(-width * page // SPLIT)))
+
+
+def prefill_apart() -> bool:
+    """Whether a prefill's tiles differ from a decode's (PREFILL_ROWS, PREFILL_LAUNCH), and so launch apart."""
+    return (PREFILL_ROWS, PREFILL_LAUNCH) != (MIN_ROWS, SPLIT_LAUNCH)
 
 
 def paged_attention(q_THD: torch.Tensor, k_cache_NPKD: torch.Tensor, v_cache_NPKD: torch.Tensor,
@@ -321,7 +323,7 @@ def paged_attention(q_THD: torch.Tensor, k_cache_NPKD: torch.Tensor, v_cache_NPK
         raise RuntimeError(f"the Triton attention runs on CUDA, not {q_THD.device} (or in Triton's interpreter: "
                            f"TRITON_INTERPRET=1); use --attention-backend sdpa")
     group = H // K
-    max_splits = max_splits_for(tables_SM, P)
+    max_splits = max_splits_for(tables_SM.shape[1], P)
     base_T, rows = split_base or split_rows(positions_T, host_positions, max_splits)
     out_part = torch.empty(rows, H, D, dtype=torch.float32, device=q_THD.device)
     lse_part = torch.empty(rows, H, dtype=torch.float32, device=q_THD.device)
@@ -329,7 +331,7 @@ def paged_attention(q_THD: torch.Tensor, k_cache_NPKD: torch.Tensor, v_cache_NPK
     block_d = max(16, _pow2(D))
     lanes = min(LANES, max_splits)
     X = tiles_4X.shape[1]
-    small = X if decode_tiles is None or (PREFILL_ROWS, PREFILL_LAUNCH) == (MIN_ROWS, SPLIT_LAUNCH) else decode_tiles
+    small = decode_tiles if decode_tiles is not None and prefill_apart() else X
     for first, end, rows, launch in ((0, small, MIN_ROWS, SPLIT_LAUNCH), (small, X, PREFILL_ROWS, PREFILL_LAUNCH)):
         if end <= first:
             continue
@@ -350,22 +352,22 @@ def paged_attention(q_THD: torch.Tensor, k_cache_NPKD: torch.Tensor, v_cache_NPK
 def split_variants(max_blocks: int, page: int) -> list[int]:
     """The MAX_SPLITS values (one compiled variant of each kernel apiece) that steps whose tables
     are 1..max_blocks blocks wide launch with."""
-    return sorted({max_splits_for(torch.empty(0, width), page) for width in range(1, max_blocks + 1)})
+    return sorted({max_splits_for(width, page) for width in range(1, max_blocks + 1)})
 
 
 def warm_up(q_THD: torch.Tensor, k_cache_NPKD: torch.Tensor, v_cache_NPKD: torch.Tensor, max_blocks: int,
             scale: float) -> list[int]:
     """Launch the attention once for each MAX_SPLITS variant a context of max_blocks blocks can
-    need (a decode at position 0 reading block 0; nothing is written), as a decode's tile and as a
-    prefill's, so that each compiles at start and not in the step whose widest table first reaches
-    it. Returns the variants."""
+    need (a decode at position 0 reading block 0; nothing is written), as a decode's tile and, where
+    it differs, a prefill's, so that each compiles at start and not in the step whose widest table
+    first reaches it. Returns the variants."""
     device, P = q_THD.device, k_cache_NPKD.shape[1]
     variants = split_variants(max_blocks, P)
     zero = torch.zeros(1, dtype=torch.int64, device=device)
     for splits in variants:
         width = min(max_blocks, splits * SPLIT // P)  # a table this wide launches with `splits`
         tables = torch.zeros(1, width, dtype=torch.int64, device=device)
-        for decodes in (1, 0):
+        for decodes in (1, 0) if prefill_apart() else (1,):
             paged_attention(q_THD[:1], k_cache_NPKD, v_cache_NPKD, tables, decode_tiles(zero + 1), zero, scale,
                             decode_tiles=decodes)
     return variants
@@ -434,7 +436,8 @@ class TritonAttention(SDPAAttention):
     def _attend(self, q_THD, k_cache_NBKD, v_cache_NBKD, meta: AttentionMetadata):
         if self._layout_meta is not meta:  # the step's first layer: every layer's layout
             tables_SM, tiles_4X = step_layout(meta, self.group)
-            base = split_rows(meta.positions, meta.host_positions, max_splits_for(tables_SM, k_cache_NBKD.shape[1]))
+            base = split_rows(meta.positions, meta.host_positions,
+                              max_splits_for(tables_SM.shape[1], k_cache_NBKD.shape[1]))
             self._layout, self._layout_meta = (tables_SM, tiles_4X, base), meta
         tables_SM, tiles_4X, base = self._layout
         return paged_attention(q_THD, k_cache_NBKD, v_cache_NBKD, tables_SM, tiles_4X, meta.positions, self.scale,
