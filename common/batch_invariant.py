@@ -12,11 +12,13 @@ mode:
 - `linear`: K cut into segments fixed by the weight's shape (`segments`), each summed in order
   from zero by the tensor cores, the segments' sums added in order. Which programs do that work
   follows the row count: for a decode step's few rows each segment runs in programs of its own
-  (split-K, so enough SMs read the weight) and a second kernel adds them; for a prefill one program
+  (split-K, so enough SMs read the weight) and the kernel that reads the product adds them
+  (common/linear_partials.py: the norms, the rotary kernel, `silu_mul`); for a prefill one program
   adds its tile's segments. Every tile shape gives a row the same tensor-core chain (measured on
   an H100: bench/matmul_tiles.py), so the tile follows the row count too (`tile_config`);
 - `rms_norm`, `layer_norm`: a program per row, the whole row reduced in one fixed-width block,
-  optionally after the residual add before it (`add_norm`: the add's rounding kept).
+  optionally after the residual add before it (`add_norm`: the add's rounding kept);
+- `silu_mul`: a gated MLP's SiLU times the gate in one launch (row-local, as every elementwise op).
 
 With the Triton attention (common/attention/triton_paged.py) a request's tokens are then the same
 in any batch. `install(model)` swaps a model's linear layers and norms for these; it is what
@@ -37,12 +39,13 @@ from torch import nn
 
 from common.attention import tiled
 from common.attention.sdpa import SDPAAttention
-from common.attention.triton_paged import _jit, _pow2, available, interpreted, triton, tl
 from common.errors import InvalidArgument, first_line
-from common.model import RMSNorm
+from common.linear_partials import Partials, finished, reading, total
+from common.model import RMSNorm, silu_mul as torch_silu_mul
+from common.triton_support import available, interpreted, jit, pow2, tl, triton
 
 
-@_jit
+@jit
 def _dot_segment(A, W, rows, cols, row_ok, col_ok, k_start, k_end, stride_am, stride_wn,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
     """The rows x cols tile of A @ W.T over k_start <= k < k_end, from zero, BLOCK_K at a time in
@@ -63,13 +66,13 @@ def _dot_segment(A, W, rows, cols, row_ok, col_ok, k_start, k_end, stride_am, st
     return acc
 
 
-@_jit(do_not_specialize=["M", "stride_cs"])  # a step's row count (stride_cs is M * N): one variant for every batch
+@jit(do_not_specialize=["M", "stride_cs"])  # a step's row count (stride_cs is M * N): one variant for every batch
 def _linear_kernel(A, W, Bias, C, M, N, stride_am, stride_wn, stride_cm, stride_cs, K: tl.constexpr,
                    SEGMENT: tl.constexpr, SEGMENTS: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
     """K is cut into SEGMENTS runs of SEGMENT. With SPLIT, program (i, j, s) writes segment s's
-    float32 partial to C[s] (then _sum_segments); else a program sums its tile's segments in order
-    and writes the result: the same additions either way."""
+    float32 partial to C[s], for the reader's `finished` (common/linear_partials.py); else a program
+    sums its tile's segments in order and writes the result: the same additions either way."""
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # rows x stride may pass 2**31
     cols = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     row_ok = rows < M
@@ -90,30 +93,20 @@ def _linear_kernel(A, W, Bias, C, M, N, stride_am, stride_wn, stride_cm, stride_
         tl.store(C + rows[:, None] * stride_cm + cols[None, :], total.to(C.dtype.element_ty), mask=out)
 
 
-@_jit(do_not_specialize=["size"])
-def _sum_segments(Parts, Bias, C, size, N, SEGMENTS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-    """C = the sum of the SEGMENTS partials in order (+ bias), as _linear_kernel sums them unsplit."""
-    i = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
-    ok = i < size
-    total = tl.zeros([BLOCK], tl.float32)
-    for s in range(0, SEGMENTS):
-        total += tl.load(Parts + s * size + i, mask=ok, other=0.0)
-    if HAS_BIAS:
-        total += tl.load(Bias + i % N, mask=ok, other=0.0).to(tl.float32)
-    tl.store(C + i, total.to(C.dtype.element_ty), mask=ok)
-
-
-@_jit
-def _norm_kernel(X, Weight, Bias, Y, Delta, Sum, stride_x, stride_y, stride_d, stride_s, eps, C: tl.constexpr,
-                 BLOCK: tl.constexpr, RMS: tl.constexpr, HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr):
+@jit
+def _norm_kernel(X, Weight, Bias, Y, Delta, DeltaBias, Sum, stride_x, stride_y, stride_d, stride_dseg, stride_s, eps,
+                 C: tl.constexpr, BLOCK: tl.constexpr, RMS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 RESIDUAL: tl.constexpr, SEGMENTS: tl.constexpr, DELTA_BIAS: tl.constexpr):
     """Y = the norm of a row of X; with RESIDUAL, of X + Delta, rounded to the dtype as torch's add
-    rounds it, which is also written to Sum (the residual stream's next value)."""
+    rounds it, which is also written to Sum (the residual stream's next value). Delta may be a
+    linear's partials (SEGMENTS of them: common/linear_partials.py), finished here."""
     row = tl.program_id(0)
     i = tl.arange(0, BLOCK)
     ok = i < C
     x = tl.load(X + row * stride_x + i, mask=ok, other=0.0)
     if RESIDUAL:
-        x = (x.to(tl.float32) + tl.load(Delta + row * stride_d + i, mask=ok, other=0.0).to(tl.float32)).to(x.dtype)
+        delta = finished(Delta, DeltaBias, row * stride_d + i, i, ok, stride_dseg, SEGMENTS, DELTA_BIAS, x.dtype)
+        x = (x.to(tl.float32) + delta.to(tl.float32)).to(x.dtype)
         tl.store(Sum + row * stride_s + i, x, mask=ok)
     x = x.to(tl.float32)
     if RMS:  # Hugging Face's: normalise in float32, round to the model's dtype, then scale
@@ -129,8 +122,22 @@ def _norm_kernel(X, Weight, Bias, Y, Delta, Sum, stride_x, stride_y, stride_d, s
     tl.store(Y + row * stride_y + i, y.to(Y.dtype.element_ty), mask=ok)
 
 
+@jit
+def _silu_mul_kernel(H, Bias, Out, stride_h, stride_hseg, stride_o, I, SEGMENTS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    """Out = silu(gate) * up for a row of H = [gate, up] (or of a linear's partials, finished
+    here), each op rounded to the dtype as torch's two ops round them."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = c < I
+    dt = Out.dtype.element_ty
+    gate = finished(H, Bias, row * stride_h + c, c, ok, stride_hseg, SEGMENTS, HAS_BIAS, dt).to(tl.float32)
+    up = finished(H, Bias, row * stride_h + I + c, I + c, ok, stride_hseg, SEGMENTS, HAS_BIAS, dt).to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
+    tl.store(Out + row * stride_o + c, (silu * up).to(dt), mask=ok)
+
+
 SPLIT_ROWS = 128  # at most this many rows: K's segments run in programs of their own
-SUM_BLOCK = 1024
 
 
 @functools.lru_cache(maxsize=None)  # a model's few weight shapes, asked every step
@@ -169,44 +176,62 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T + bias over x's last dimension, batch-invariantly."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, deferred: bool = False
+           ) -> torch.Tensor | Partials:
+    """x @ weight.T + bias over x's last dimension, batch-invariantly. deferred: where K's segments
+    run apart (a few rows), leave their sums as Partials for the next kernel to add (x a matrix)."""
     if x.device.type != "cuda" and not interpreted():
         return F.linear(x, weight, bias)
     lead, k = x.shape[:-1], x.shape[-1]
     a = _rows(x)
     m, n = a.shape[0], weight.shape[0]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    count, length = segments(n, k)
+    split = count > 1 and 0 < m <= SPLIT_ROWS
+    out = torch.empty(count, m, n, dtype=torch.float32, device=x.device) if split else \
+        torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
-        count, length = segments(n, k)
-        split = count > 1 and m <= SPLIT_ROWS
         bm, bn, bk, warps, stages = tile_config(m, n, count)
-        has_bias = bias is not None
-        bias = bias if has_bias else weight
-        parts = torch.empty(count, m, n, dtype=torch.float32, device=x.device) if split else out
         _linear_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), count if split else 1)](
-            a, weight, bias, parts, m, n, a.stride(0), weight.stride(0), n, m * n, K=k, SEGMENT=length,
-            SEGMENTS=count, SPLIT=split, HAS_BIAS=has_bias, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-            IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=stages)
-        if split:
-            _sum_segments[(triton.cdiv(m * n, SUM_BLOCK),)](parts, bias, out, m * n, n, SEGMENTS=count,
-                                                            HAS_BIAS=has_bias, BLOCK=SUM_BLOCK)
+            a, weight, weight if bias is None else bias, out, m, n, a.stride(0), weight.stride(0), n, m * n, K=k,
+            SEGMENT=length, SEGMENTS=count, SPLIT=split, HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn,
+            BLOCK_K=bk, IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=stages)
+    if split:
+        out = Partials(out, bias, x.dtype)
+        if deferred and len(lead) == 1:
+            return out
+        out = total(out)
     return out.view(*lead, n)
 
 
 def _norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float, rms: bool,
-          delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+          delta: torch.Tensor | Partials | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(the rows normed, and with delta the sum x + delta they were normed from, else x)."""
     c = x.shape[-1]
     rows = _rows(x)
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     total = rows if delta is None else torch.empty_like(rows)
-    deltas = rows if delta is None else _rows(delta)
+    deltas = reading(rows if delta is None else delta if isinstance(delta, Partials) else _rows(delta))
     if rows.shape[0]:
-        _norm_kernel[(rows.shape[0],)](rows, weight, bias if bias is not None else weight, out, deltas, total,
-                                       rows.stride(0), out.stride(0), deltas.stride(0), total.stride(0), eps, C=c,
-                                       BLOCK=_pow2(c), RMS=rms, HAS_BIAS=bias is not None, RESIDUAL=delta is not None)
+        _norm_kernel[(rows.shape[0],)](rows, weight, bias if bias is not None else weight, out, *deltas[:2], total,
+                                       rows.stride(0), out.stride(0), *deltas[2:4], total.stride(0), eps, C=c,
+                                       BLOCK=pow2(c), RMS=rms, HAS_BIAS=bias is not None, RESIDUAL=delta is not None,
+                                       SEGMENTS=deltas[4], DELTA_BIAS=deltas[5])
     return out.view(x.shape), total.view(x.shape)
+
+
+GLU_BLOCK = 1024
+
+
+def silu_mul(h_TX: torch.Tensor | Partials) -> torch.Tensor:
+    """silu(gate) * up of a gated MLP's fused product [gate, up] (T, 2I), in one launch where torch
+    takes two over strided halves: its bits are a row's alone, as every elementwise op's are."""
+    src, bias, stride_h, stride_seg, count, has_bias = reading(h_TX)
+    T, I = h_TX.shape[0], h_TX.shape[1] // 2
+    out = torch.empty(T, I, dtype=h_TX.dtype, device=src.device)
+    if T:
+        _silu_mul_kernel[(T, triton.cdiv(I, GLU_BLOCK))](src, bias, out, stride_h, stride_seg, out.stride(0), I,
+                                                         SEGMENTS=count, HAS_BIAS=has_bias, BLOCK=GLU_BLOCK)
+    return out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -220,6 +245,10 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 class InvariantLinear(nn.Linear):
     def forward(self, x):
         return linear(x, self.weight, self.bias)
+
+    def deferred(self, x):
+        """The product, or for a few rows its K segments' sums left to the next kernel (common/model.py's deferred)."""
+        return linear(x, self.weight, self.bias, deferred=True)
 
 
 class InvariantLayerNorm(nn.LayerNorm):
@@ -246,11 +275,13 @@ _SWAPS = {nn.Linear: InvariantLinear, nn.LayerNorm: InvariantLayerNorm, RMSNorm:
 
 def install(model: nn.Module) -> None:
     """Swap the model's linear layers and norms for the batch-invariant ones, in place (weights
-    untouched), and its output projection (model.project)."""
+    untouched), and its output projection (model.project) and gated MLPs' product (layer.silu_mul)."""
     for module in model.modules():
         if type(module) in _SWAPS:
             module.__class__ = _SWAPS[type(module)]
     model.project = linear
+    for layer in model.layers:
+        layer.silu_mul = silu_mul
 
 
 CPU_ROWS = 16  # rows per product of row_tiled_linear: a decode step's handful costs what one does
@@ -305,6 +336,8 @@ def uninstall(model: nn.Module) -> None:
         if type(module) in back:
             module.__class__ = back[type(module)]
     model.project = F.linear
+    for layer in model.layers:
+        layer.silu_mul = torch_silu_mul
     a = model.attention
     if type(a) is tiled.TiledAttention:
         _set_attention(model, SDPAAttention(a.num_heads, a.num_kv_heads, a.head_dim))

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.attention import AttentionMetadata
+from common.linear_partials import Partials, total
 from common.model_spec import ModelConfig
 
 
@@ -30,15 +31,30 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
-def add_norm(norm: nn.Module, x_TC: torch.Tensor, delta_TC: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def add_norm(norm: nn.Module, x_TC: torch.Tensor, delta_TC: torch.Tensor | Partials | None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + delta, norm(x + delta)): the residual stream's add and the norm after it, in one kernel
     where the norm has one (common/batch_invariant.py), with the same bits as the two ops."""
     if delta_TC is None:
         return x_TC, norm(x_TC)
     if hasattr(norm, "add_norm"):
         return norm.add_norm(x_TC, delta_TC)
-    x_TC = x_TC + delta_TC
+    x_TC = x_TC + total(delta_TC)
     return x_TC, norm(x_TC)
+
+
+def deferred(linear: nn.Module, x_TC: torch.Tensor) -> torch.Tensor | Partials:
+    """linear(x), or where the layer can leave adding its K segments to the kernel that reads its
+    output (the batch-invariant linear, for a few rows: common/linear_partials.py), its partials.
+    Each such output here goes to add_norm, silu_mul or the attention's rope_attend, which take both."""
+    return linear.deferred(x_TC) if hasattr(linear, "deferred") else linear(x_TC)
+
+
+def silu_mul(h_TX: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a gated MLP's fused product [gate, up] (torch's ops; a layer's
+    silu_mul, which common/batch_invariant.py swaps for its kernel)."""
+    gate, up = h_TX.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def make_norm(cfg: ModelConfig, dim: int) -> nn.Module:
@@ -88,6 +104,7 @@ class Layer(nn.Module):
         self.gated = not gpt2
         self.up = nn.Linear(C, 2 * I if self.gated else I, bias=cfg.mlp_bias or gpt2)
         self.down = nn.Linear(I, C, bias=cfg.mlp_bias or gpt2)
+        self.silu_mul = silu_mul
         self.attention = attention
 
     def forward(self, x_TC, delta_TC, rope, k_cache, v_cache, meta: AttentionMetadata):
@@ -95,25 +112,22 @@ class Layer(nn.Module):
         stream after the layer the same way, as (x, delta)."""
         T = x_TC.shape[0]
         x_TC, h_TC = add_norm(self.attn_norm, x_TC, delta_TC)
-        qkv_TX = self.qkv(h_TC)
         if rope is not None and self.q_norm is None and hasattr(self.attention, "rope_attend"):
-            o_THD = self.attention.rope_attend(qkv_TX, rope, k_cache, v_cache, meta)  # the same bits in one kernel
+            o_THD = self.attention.rope_attend(deferred(self.qkv, h_TC), rope, k_cache, v_cache, meta)  # one kernel
         else:
-            q, k, v = qkv_TX.split(self.sizes, dim=-1)
+            q, k, v = self.qkv(h_TC).split(self.sizes, dim=-1)
             q_THD, k_TKD, v_TKD = q.view(T, self.H, self.D), k.view(T, self.K, self.D), v.view(T, self.K, self.D)
             if self.q_norm is not None:
                 q_THD, k_TKD = self.q_norm(q_THD), self.k_norm(k_TKD)
             if rope is not None:
                 q_THD, k_TKD = apply_rope(q_THD, *rope), apply_rope(k_TKD, *rope)
             o_THD = self.attention(q_THD, k_TKD, v_TKD, k_cache, v_cache, meta)
-        x_TC, h_TC = add_norm(self.mlp_norm, x_TC, self.o(o_THD.reshape(T, -1)))
-        h_TI = self.up(h_TC)
+        x_TC, h_TC = add_norm(self.mlp_norm, x_TC, deferred(self.o, o_THD.reshape(T, -1)))
         if self.gated:
-            gate, up = h_TI.chunk(2, dim=-1)
-            h_TI = F.silu(gate) * up
+            h_TI = self.silu_mul(deferred(self.up, h_TC))
         else:
-            h_TI = F.gelu(h_TI, approximate="tanh")
-        return x_TC, self.down(h_TI)
+            h_TI = F.gelu(self.up(h_TC), approximate="tanh")
+        return x_TC, deferred(self.down, h_TI)
 
 
 def _embedding(num: int, dim: int) -> nn.Embedding:
@@ -158,7 +172,7 @@ class Transformer(nn.Module):
             x_TC, delta_TC = layer(x_TC, delta_TC, rope, kv_cache[i, 0], kv_cache[i, 1], meta)
             if on_layer is not None:
                 on_layer(i)
-        return x_TC if delta_TC is None else x_TC + delta_TC
+        return x_TC if delta_TC is None else x_TC + total(delta_TC)
 
     def logits(self, hidden_SC):
         h = self.norm(hidden_SC)

@@ -113,11 +113,12 @@ def test_triton_warm_up_launches_every_split_variant_a_context_can_need(monkeypa
     width rounded up to a power of two of splits), so that no serving step waits on a compile."""
     pytest.importorskip("triton")
     from common.attention import triton_paged as tp
+    from common.triton_support import pow2
 
     launched = []
     launch = tp.paged_attention
     monkeypatch.setattr(tp, "paged_attention", lambda q, k, v, tables, *rest, decode_tiles: (
-        launched.append((tp._pow2(-(-tables.shape[1] * k.shape[1] // tp.SPLIT)), decode_tiles)),
+        launched.append((pow2(-(-tables.shape[1] * k.shape[1] // tp.SPLIT)), decode_tiles)),
         launch(q, k, v, tables, *rest, decode_tiles=decode_tiles))[1])
     k = torch.randn(4, 16, 2, 32)
     for prefill_rows in (tp.MIN_ROWS, 64):  # a prefill's tiles as a decode's (one launch each), or apart (two)
@@ -125,7 +126,7 @@ def test_triton_warm_up_launches_every_split_variant_a_context_can_need(monkeypa
         shapes = (1, 0) if prefill_rows != tp.MIN_ROWS else (1,)
         for max_blocks in (1, 16, 17, 100, 256):
             launched.clear()
-            want = {tp._pow2(-(-width * 16 // tp.SPLIT)) for width in range(1, max_blocks + 1)}  # every width's
+            want = {pow2(-(-width * 16 // tp.SPLIT)) for width in range(1, max_blocks + 1)}  # every width's
             assert tp.warm_up(torch.randn(1, 8, 32), k, k.clone(), max_blocks, 0.2) == sorted(want)
             assert launched == [(splits, decodes) for splits in sorted(want) for decodes in shapes]
 
@@ -277,8 +278,9 @@ def test_triton_kernels_compile_for_an_h100():
                          timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
     assert run.returncode == 0, run.stderr[-3000:]
     compiled = json.loads(run.stdout.splitlines()[-1])["compiled"]
-    assert len(compiled) == (4 + 3 + 3) + (1 + 1 + 1) and {"bf16/h32/kv8/d64", "bf16/linear/2048x8192",
-                                                            "fp32/h32/kv8/d64"} <= set(compiled)
+    # bf16: 4 attention shapes, 3 matmuls, SiLU's product, 3 norms; fp32: one of each kind
+    assert len(compiled) == (4 + 3 + 1 + 3) + (1 + 1 + 1 + 1) and {"bf16/h32/kv8/d64", "bf16/linear/2048x8192",
+                                                                    "bf16/silu_mul", "fp32/h32/kv8/d64"} <= set(compiled)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

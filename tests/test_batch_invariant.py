@@ -76,9 +76,10 @@ def test_install_swaps_every_linear_and_norm_and_uninstall_restores_them():
     before = kinds()
     bi.install(model)
     assert {"InvariantLinear", "InvariantRMSNorm"} <= kinds() and not {"Linear", "RMSNorm"} & kinds()
-    assert bi.installed(model)
+    assert bi.installed(model) and all(layer.silu_mul is bi.silu_mul for layer in model.layers)
     bi.uninstall(model)
     assert kinds() == before and not bi.installed(model)
+    assert all(layer.silu_mul is not bi.silu_mul for layer in model.layers)
 
 
 def test_enable_checks_the_kernels_at_start_and_says_why_it_declines(monkeypatch, caplog):
@@ -109,3 +110,58 @@ def test_a_gpt2_on_the_invariant_kernels_generates_torchs_tokens():
     engine = Engine(model="dummy:nanogpt", attention_backend="triton")
     bi.install(engine.model)
     assert [o.token_ids for o in engine.generate(ps, params)] == [o.token_ids for o in want]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_partials_left_to_the_next_kernel_give_every_reader_the_linears_bits(dtype):
+    """A few rows' product over four K segments left unsummed (common/linear_partials.py): the norm
+    after the residual add, SiLU times the gate and the rotary kernel each add them as the matmul
+    does, so each reads the bits of the plain output, which are a prefill's (its rows summed in one
+    program). Four segments, so an order of adding them other than the matmul's shows."""
+    from common.attention.triton_paged import rope_store
+    from common.linear_partials import Partials, total
+
+    gen = torch.Generator().manual_seed(5)
+    n, k, rows = 128, 1024, 5
+    assert bi.segments(n, k)[0] == 4
+    x = torch.randn(140, k, generator=gen).to(dtype)
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype)
+    partials = bi.linear(x[:rows], w, b, deferred=True)
+    assert isinstance(partials, Partials) and partials.shape == (rows, n)
+    plain = bi.linear(x, w, b)[:rows]
+    assert isinstance(bi.linear(x, w, b, deferred=True), torch.Tensor)  # a prefill's rows: summed in one program
+    assert torch.equal(total(partials), plain)
+
+    residual = torch.randn(rows, n, generator=gen).to(dtype)
+    for norm in (bi.InvariantRMSNorm(n, 1e-5), bi.InvariantLayerNorm(n, eps=1e-5)):
+        norm.weight.data = torch.randn(n, generator=gen)
+        norm = norm.to(dtype)
+        for ours, want in zip(norm.add_norm(residual, partials), norm.add_norm(residual, plain)):
+            assert torch.equal(ours, want), type(norm).__name__
+
+    assert torch.equal(bi.silu_mul(partials), bi.silu_mul(plain))
+
+    heads, kv_heads, head_dim = 4, 2, 16  # (4 + 2 x 2) x 16 = n
+    cos, sin = torch.randn(2, rows, head_dim // 2, generator=gen).to(dtype)
+    caches = [torch.zeros(4, 16, kv_heads, head_dim, dtype=dtype) for _ in range(4)]
+    slots = torch.tensor([3, 17, -1, 40, 5])
+    q = [rope_store(qkv, cos, sin, caches[2 * i], caches[2 * i + 1], slots, heads)
+         for i, qkv in enumerate((partials, plain))]
+    assert torch.equal(q[0], q[1]) and torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert caches[1].flatten(0, 1)[slots[slots >= 0]].abs().sum() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_silu_mul_equals_torchs_two_ops_and_gives_a_row_the_same_bits_alone(dtype):
+    from common.model import silu_mul
+
+    gen = torch.Generator().manual_seed(6)
+    h = (torch.randn(7, 2 * 1100, generator=gen) * 4).to(dtype)  # two column blocks, the second partly masked
+    ours = bi.silu_mul(h)
+    want = silu_mul(h)
+    assert ours.shape == want.shape == (7, 1100) and ours.dtype == dtype
+    tol = 1e-6 if dtype == torch.float32 else 1e-3  # the exponential's last bit, then one rounding
+    assert torch.allclose(ours.float(), want.float(), rtol=tol, atol=tol)
+    assert torch.equal(bi.silu_mul(h[3:4]), ours[3:4])
+    assert bi.silu_mul(h[:0]).shape == (0, 1100)

@@ -28,9 +28,17 @@ def _with_uncaptured_graphs(engine: Engine) -> DecodeGraphs:
 def test_decode_through_the_graph_buffers_gives_the_eager_tokens(monkeypatch):
     """5 then fewer running requests (greedy and seeded, mixed lengths) decode through the padded
     static buffers (sizes 1, 2, 4, 8), on the GPU path's kernels (the Triton attention and the
-    batch-invariant matmuls and norms, interpreted), and give the portable engine's tokens."""
+    batch-invariant matmuls and norms, interpreted), and give the portable engine's tokens. Every
+    matmul cuts K in two, as llama-1b's do, so a few rows' products reach the rotary kernel, the
+    norms and SiLU times the gate as unsummed partials (common/linear_partials.py)."""
     pytest.importorskip("triton")
     from common import batch_invariant
+    from common.attention import triton_paged
+
+    monkeypatch.setattr(batch_invariant, "segments", lambda n, k: (2, -(-k // 2)))
+    read = []
+    rope_store = triton_paged.rope_store
+    monkeypatch.setattr(triton_paged, "rope_store", lambda qkv, *a: read.append(type(qkv).__name__) or rope_store(qkv, *a))
 
     ps, params = prompts(5, 3, 20, seed=21), mixed_params(5, max_tokens=5)
     for p, n in zip(params, (5, 3, 4, 2, 5)):
@@ -38,6 +46,8 @@ def test_decode_through_the_graph_buffers_gives_the_eager_tokens(monkeypatch):
     want = Engine(model="dummy:llama-tiny", attention_backend="sdpa", max_num_seqs=8).generate(ps, params)
     engine = Engine(model="dummy:llama-tiny", attention_backend="triton", max_num_seqs=8)
     batch_invariant.install(engine.model)
+    for layer in engine.model.layers:
+        layer.silu_mul = lambda h, silu_mul=layer.silu_mul: read.append(type(h).__name__) or silu_mul(h)
     graphs = _with_uncaptured_graphs(engine)
     padded = []
     run = graphs.run
@@ -45,6 +55,7 @@ def test_decode_through_the_graph_buffers_gives_the_eager_tokens(monkeypatch):
     got = engine.generate(ps, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert (5, 8) in padded and any(n < size for n, size in padded) and all(size in graphs.sizes for _, size in padded)
+    assert set(read) == {"Partials"}, read
 
 
 def test_the_graphs_sampler_of_each_mode_gives_the_eager_samplers_tokens():

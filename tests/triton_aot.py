@@ -1,5 +1,6 @@
 """Compile every Triton kernel variant pdserve launches for an H100 (sm_90), with no GPU (the paged
-attention, the KV store, and the batch-invariant matmul and norms at llama-1b's shapes): Triton's
+attention, the KV store and rotary kernel, and the batch-invariant matmul, norms and SiLU product at
+llama-1b's shapes, each reading a matmul's partials where it can): Triton's
 ahead-of-time path lowers a kernel to PTX and runs its bundled ptxas for a named target. A kernel
 that would not compile on the GPU machine fails here first.
 
@@ -34,7 +35,9 @@ def compile_all(arch: int = 90) -> list[str]:
     from triton.compiler import ASTSource
 
     from common import batch_invariant as bi
+    from common import linear_partials as lp
     from common.attention import triton_paged as tp
+    from common.triton_support import pow2
 
     def build(fn, types: dict, constexprs: dict, **options):
         sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
@@ -45,7 +48,7 @@ def compile_all(arch: int = 90) -> list[str]:
         shapes, matmuls, norms = variants(dt)
         for heads, kv_heads, head_dim in shapes:
             group = heads // kv_heads
-            block_d = max(16, tp._pow2(head_dim))
+            block_d = max(16, pow2(head_dim))
             for rows, launch in ((tp.MIN_ROWS, tp.SPLIT_LAUNCH), (tp.PREFILL_ROWS, tp.PREFILL_LAUNCH)):
                 block_q, block_m = tp.tile_shape(group, rows)
                 build(tp._split_kernel,
@@ -56,14 +59,17 @@ def compile_all(arch: int = 90) -> list[str]:
                            TILE=tp.BLOCK_N, SPLIT_KEYS=tp.SPLIT, MAX_SPLITS=32, LANES=tp.LANES, IEEE=ieee), **launch)
             build(tp._merge_kernel, {"OutPart": "*fp32", "LsePart": "*fp32", "Positions": "*i64", "SplitBase": "*i64",
                                      "Out": f"*{dt}"},
-                  dict(HEADS=heads, BLOCK_H=tp._pow2(heads), HEAD_DIM=head_dim, BLOCK_D=block_d, SPLIT_KEYS=tp.SPLIT,
+                  dict(HEADS=heads, BLOCK_H=pow2(heads), HEAD_DIM=head_dim, BLOCK_D=block_d, SPLIT_KEYS=tp.SPLIT,
                        MAX_SPLITS=8))
             build(tp._store_kv_kernel, {"K": f"*{dt}", "V": f"*{dt}", "KCache": f"*{dt}", "VCache": f"*{dt}",
-                                        "Slots": "*i64"}, dict(ROW=kv_heads * head_dim, BLOCK=tp._pow2(kv_heads * head_dim)))
-            build(tp._rope_store_kernel, {"QKV": f"*{dt}", "Cos": f"*{dt}", "Sin": f"*{dt}", "Q": f"*{dt}",
-                                          "KCache": f"*{dt}", "VCache": f"*{dt}", "Slots": "*i64"},
-                  dict(HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_H=tp._pow2(max(heads, kv_heads)),
-                       BLOCK_F=tp._pow2(head_dim // 2)), enable_fp_fusion=False)
+                                        "Slots": "*i64"}, dict(ROW=kv_heads * head_dim, BLOCK=pow2(kv_heads * head_dim)))
+            for segments in (0, 2):  # the qkv product itself, or its partials (llama-1b's decode)
+                build(tp._rope_store_kernel, {"QKV": "*fp32" if segments else f"*{dt}", "Bias": f"*{dt}",
+                                              "Cos": f"*{dt}", "Sin": f"*{dt}", "Q": f"*{dt}", "KCache": f"*{dt}",
+                                              "VCache": f"*{dt}", "Slots": "*i64"},
+                      dict(HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_H=pow2(max(heads, kv_heads)),
+                           BLOCK_F=pow2(head_dim // 2), SEGMENTS=segments, HAS_BIAS=bool(segments)),
+                      enable_fp_fusion=False)
             done.append(f"{dt}/h{heads}/kv{kv_heads}/d{head_dim}")
         for n, k in matmuls:
             count, length = bi.segments(n, k)
@@ -75,14 +81,20 @@ def compile_all(arch: int = 90) -> list[str]:
                       dict(K=k, SEGMENT=length, SEGMENTS=count, SPLIT=split, HAS_BIAS=n == 3072, BLOCK_M=bm,
                            BLOCK_N=bn, BLOCK_K=bk, IEEE=ieee), num_warps=warps, num_stages=stages)  # Qwen2's qkv bias
             if count > 1:
-                build(bi._sum_segments, {"Parts": "*fp32", "Bias": f"*{dt}", "C": f"*{dt}"},
-                      dict(SEGMENTS=count, HAS_BIAS=n == 3072, BLOCK=bi.SUM_BLOCK))
+                build(lp._sum_segments, {"Parts": "*fp32", "Bias": f"*{dt}", "C": f"*{dt}"},
+                      dict(SEGMENTS=count, HAS_BIAS=n == 3072, BLOCK=lp.SUM_BLOCK))
             done.append(f"{dt}/linear/{n}x{k}")
+        for segments in (0, 2):  # SiLU times the gate of the up product, or of its partials
+            build(bi._silu_mul_kernel, {"H": "*fp32" if segments else f"*{dt}", "Bias": f"*{dt}", "Out": f"*{dt}"},
+                  dict(SEGMENTS=segments, HAS_BIAS=False, BLOCK=bi.GLU_BLOCK))
+        done.append(f"{dt}/silu_mul")
         for c, rms in norms:
-            for residual in (False, True):
+            for residual, segments in ((False, 0), (True, 0), (True, 2)):  # the residual's delta may be partials
                 build(bi._norm_kernel, {"X": f"*{dt}", "Weight": f"*{dt}", "Bias": f"*{dt}", "Y": f"*{dt}",
-                                        "Delta": f"*{dt}", "Sum": f"*{dt}", "eps": "fp32"},
-                      dict(C=c, BLOCK=bi._pow2(c), RMS=rms, HAS_BIAS=not rms, RESIDUAL=residual))
+                                        "Delta": "*fp32" if segments else f"*{dt}", "DeltaBias": f"*{dt}",
+                                        "Sum": f"*{dt}", "eps": "fp32"},
+                      dict(C=c, BLOCK=pow2(c), RMS=rms, HAS_BIAS=not rms, RESIDUAL=residual, SEGMENTS=segments,
+                           DELTA_BIAS=not rms))
             done.append(f"{dt}/{'rms' if rms else 'layer'}_norm/{c}")
     return done
 

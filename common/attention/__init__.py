@@ -45,18 +45,19 @@ def make_attention(name: str, device: torch.device, num_heads: int, num_kv_heads
         from common.attention.flex import FlexAttention
 
         return FlexAttention(num_heads, num_kv_heads, head_dim)
+    from common import triton_support
     from common.attention import triton_paged
 
-    if name == "triton" and device.type != "cuda" and not triton_paged.interpreted():  # (the tests interpret it)
+    if name == "triton" and device.type != "cuda" and not triton_support.interpreted():  # (the tests interpret it)
         raise InvalidArgument(f"attention backend 'triton' runs on CUDA devices, not {device}; allowed there: "
                               "sdpa, flex or auto")
-    if name == "triton" and not triton_paged.available():
+    if name == "triton" and not triton_support.available():
         raise RuntimeError("attention backend 'triton' needs the triton package (pip install triton); "
                            "or use --attention-backend sdpa")
     fast = triton_paged.TritonAttention(num_heads, num_kv_heads, head_dim)
     if name == "triton":
         return fast
-    if not triton_paged.available():
+    if not triton_support.available():
         log.warning("triton is not installed: decoding with SDPA over gathered blocks (slow on %s)", device)
         return sdpa
     if not triton_paged.tiles(block_size):

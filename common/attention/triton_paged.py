@@ -26,32 +26,13 @@ slowly to serve with: `auto` picks this backend only on CUDA.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from common.attention.batch import AttentionMetadata
 from common.config import upload
+from common.linear_partials import Partials, finished, reading
 from common.attention.sdpa import SDPAAttention
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # an optional dependency: without it, `auto` keeps SDPA
-    triton = tl = None
-
-
-def _jit(fn=None, **options):
-    """triton.jit (bare, or with options), or the plain function where triton is missing.
-
-    Triton compiles a variant of a kernel for each pattern of its integer arguments (1, a multiple
-    of 16, other) and pointer alignments it meets. Arguments that vary from step to step (a row
-    count, a table's width, views into a step's packed metadata) are named in the options, so a
-    server does not compile new variants mid-stream, between the steps of its first requests."""
-    if triton is None:
-        return fn if fn is not None else (lambda f: f)
-    return triton.jit(fn, **options) if fn is not None else triton.jit(**options)
-
+from common.triton_support import interpreted, jit, pow2, tl, triton
 
 SPLIT = 256  # keys per split: fixed, so a query's splits never move with its batch
 BLOCK_N = 64  # keys per step of a split (a multiple of the page size and a divisor of SPLIT)
@@ -68,7 +49,7 @@ LANES = 16  # programs per (tile, KV head), each taking every LANES-th split
 SPLIT_LAUNCH: dict = {}  # the split kernel's num_warps and num_stages, where not Triton's defaults
 
 
-@_jit(do_not_specialize=["stride_tb"],
+@jit(do_not_specialize=["stride_tb"],
       do_not_specialize_on_alignment=["Tables", "TileSeq", "TileStart", "TileLen", "TilePos", "SplitBase"])
 def _split_kernel(Q, KCache, VCache, Tables, TileSeq, TileStart, TileLen, TilePos, SplitBase, OutPart, LsePart, scale,
                   stride_qt, stride_qh, stride_kn, stride_kp, stride_kh, stride_vn, stride_vp, stride_vh,
@@ -136,7 +117,7 @@ def _split_kernel(Q, KCache, VCache, Tables, TileSeq, TileStart, TileLen, TilePo
             tl.store(LsePart + row * stride_lr + heads, m + tl.log(denom), mask=sees)
 
 
-@_jit(do_not_specialize_on_alignment=["Positions", "SplitBase"])
+@jit(do_not_specialize_on_alignment=["Positions", "SplitBase"])
 def _merge_kernel(OutPart, LsePart, Positions, SplitBase, Out, stride_or, stride_oh, stride_lr, stride_t, stride_h, HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
                   BLOCK_D: tl.constexpr, SPLIT_KEYS: tl.constexpr, MAX_SPLITS: tl.constexpr):
     t = tl.program_id(0)
@@ -163,7 +144,7 @@ def _merge_kernel(OutPart, LsePart, Positions, SplitBase, Out, stride_or, stride
              mask=ok)
 
 
-@_jit(do_not_specialize_on_alignment=["Slots"])
+@jit(do_not_specialize_on_alignment=["Slots"])
 def _store_kv_kernel(K, V, KCache, VCache, Slots, stride_kt, stride_vt, stride_cs, stride_ds,
                      ROW: tl.constexpr, BLOCK: tl.constexpr):
     """Token t's K and V rows into the pool at slot Slots[t]; a negative slot (a CUDA graph's
@@ -185,17 +166,18 @@ def store_kv(k_TKD: torch.Tensor, v_TKD: torch.Tensor, k_cache_NPKD: torch.Tenso
         return
     k_TKD, v_TKD = k_TKD.contiguous(), v_TKD.contiguous()
     _store_kv_kernel[(T,)](k_TKD, v_TKD, k_cache_NPKD, v_cache_NPKD, slots_T, k_TKD.stride(0), v_TKD.stride(0),
-                           k_cache_NPKD.stride(1), v_cache_NPKD.stride(1), ROW=K * D, BLOCK=_pow2(K * D))
+                           k_cache_NPKD.stride(1), v_cache_NPKD.stride(1), ROW=K * D, BLOCK=pow2(K * D))
 
 
-@_jit(do_not_specialize_on_alignment=["Slots"])
-def _rope_store_kernel(QKV, Cos, Sin, Q, KCache, VCache, Slots, stride_t, stride_c, stride_qt, stride_cs, stride_ds,
-                       HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
-                       BLOCK_F: tl.constexpr):
-    """Token t's row of the qkv product: its query heads rotated into Q, its key heads rotated and
-    its values into the pool at slot Slots[t] (none for a negative slot). Each product, sum and
-    difference is rounded to the model's dtype as torch's ops round them apart (common/model.py's
-    apply_rope), and nothing is fused into a multiply-add: the same bits as the unfused path."""
+@jit(do_not_specialize_on_alignment=["Slots"])
+def _rope_store_kernel(QKV, Bias, Cos, Sin, Q, KCache, VCache, Slots, stride_t, stride_seg, stride_c, stride_qt,
+                       stride_cs, stride_ds, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                       BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr, SEGMENTS: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Token t's row of the qkv product (or of its partials, finished here: common/linear_partials.py):
+    its query heads rotated into Q, its key heads rotated and its values into the pool at slot
+    Slots[t] (none for a negative slot). Each product, sum and difference is rounded to the model's
+    dtype as torch's ops round them apart (common/model.py's apply_rope), and nothing is fused into a
+    multiply-add: the same bits as the unfused path."""
     t = tl.program_id(0).to(tl.int64)
     half = HEAD_DIM // 2
     f = tl.arange(0, BLOCK_F)
@@ -209,9 +191,9 @@ def _rope_store_kernel(QKV, Cos, Sin, Q, KCache, VCache, Slots, stride_t, stride
         count = HEADS if part == 0 else KV_HEADS
         first = 0 if part == 0 else (HEADS if part == 1 else HEADS + KV_HEADS)
         ok = (h < count)[:, None] & f_ok[None, :]
-        src = QKV + t * stride_t + (first + h)[:, None] * HEAD_DIM + f[None, :]
-        x1 = tl.load(src, mask=ok, other=0.0)
-        x2 = tl.load(src + half, mask=ok, other=0.0)
+        column = (first + h)[:, None] * HEAD_DIM + f[None, :]
+        x1 = finished(QKV, Bias, t * stride_t + column, column, ok, stride_seg, SEGMENTS, HAS_BIAS, dt)
+        x2 = finished(QKV, Bias, t * stride_t + column + half, column + half, ok, stride_seg, SEGMENTS, HAS_BIAS, dt)
         if part < 2:
             a1 = x1.to(tl.float32)
             a2 = x2.to(tl.float32)
@@ -230,26 +212,23 @@ def _rope_store_kernel(QKV, Cos, Sin, Q, KCache, VCache, Slots, stride_t, stride
             tl.store(dst + half, y2, mask=ok)
 
 
-def rope_store(qkv_TX: torch.Tensor, cos_TF: torch.Tensor, sin_TF: torch.Tensor, k_cache_NPKD: torch.Tensor,
-               v_cache_NPKD: torch.Tensor, slots_T: torch.Tensor, heads: int) -> torch.Tensor:
+def rope_store(qkv_TX: torch.Tensor | Partials, cos_TF: torch.Tensor, sin_TF: torch.Tensor,
+               k_cache_NPKD: torch.Tensor, v_cache_NPKD: torch.Tensor, slots_T: torch.Tensor, heads: int) -> torch.Tensor:
     """The rotary embedding of a step's packed qkv rows and the store of its K/V, in one launch in
-    place of some 20 (common/model.py's apply_rope, then store_kv). Returns the rotated queries."""
+    place of some 20 (common/model.py's apply_rope, then store_kv); the rows may be a linear's
+    partials. Returns the rotated queries."""
     T = qkv_TX.shape[0]
     _, _, K, D = k_cache_NPKD.shape
-    q_THD = torch.empty(T, heads, D, dtype=qkv_TX.dtype, device=qkv_TX.device)
+    q_THD = torch.empty(T, heads, D, dtype=qkv_TX.dtype, device=cos_TF.device)
     if T:
-        if qkv_TX.stride(-1) != 1:
-            qkv_TX = qkv_TX.contiguous()
+        src, bias, stride_t, stride_seg, segments, has_bias = reading(qkv_TX)
         cos_TF, sin_TF = cos_TF.contiguous(), sin_TF.contiguous()
-        _rope_store_kernel[(T,)](qkv_TX, cos_TF, sin_TF, q_THD, k_cache_NPKD, v_cache_NPKD, slots_T, qkv_TX.stride(0),
-                                 cos_TF.stride(0), q_THD.stride(0), k_cache_NPKD.stride(1), v_cache_NPKD.stride(1),
-                                 HEADS=heads, KV_HEADS=K, HEAD_DIM=D, BLOCK_H=_pow2(max(heads, K)),
-                                 BLOCK_F=_pow2(D // 2), **({} if interpreted() else {"enable_fp_fusion": False}))
+        _rope_store_kernel[(T,)](src, bias, cos_TF, sin_TF, q_THD, k_cache_NPKD, v_cache_NPKD, slots_T, stride_t,
+                                 stride_seg, cos_TF.stride(0), q_THD.stride(0), k_cache_NPKD.stride(1),
+                                 v_cache_NPKD.stride(1), HEADS=heads, KV_HEADS=K, HEAD_DIM=D,
+                                 BLOCK_H=pow2(max(heads, K)), BLOCK_F=pow2(D // 2), SEGMENTS=segments,
+                                 HAS_BIAS=has_bias, **({} if interpreted() else {"enable_fp_fusion": False}))
     return q_THD
-
-
-def available() -> bool:
-    return triton is not None
 
 
 def tiles(block_size: int) -> bool:
@@ -257,20 +236,10 @@ def tiles(block_size: int) -> bool:
     return BLOCK_N % block_size == 0
 
 
-def interpreted() -> bool:
-    """Triton's interpreter runs kernels on CPU tensors, and only when TRITON_INTERPRET=1 was set
-    before triton was imported (the CPU tests set it in conftest)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def tile_shape(group: int, rows: int = MIN_ROWS) -> tuple[int, int]:
     """(BLOCK_Q tokens, BLOCK_M rows) of a query tile for `group` query heads per KV head: a
     decode's (at least MIN_ROWS rows), or with rows=PREFILL_ROWS a prefill chunk's."""
-    rows = max(rows, _pow2(group))
+    rows = max(rows, pow2(group))
     return rows // group, rows
 
 
@@ -289,7 +258,7 @@ def split_rows(positions_T: torch.Tensor, host_positions: list[int] | None, max_
 
 def max_splits_for(width: int, page: int) -> int:
     """The kernels' MAX_SPLITS for block tables `width` blocks wide: a power of two, so few variants compile."""
-    return _pow2(max(1, -(-width * page // SPLIT)))
+    return pow2(max(1, -(-width * page // SPLIT)))
 
 
 def prefill_apart() -> bool:
@@ -328,7 +297,7 @@ def paged_attention(q_THD: torch.Tensor, k_cache_NPKD: torch.Tensor, v_cache_NPK
     out_part = torch.empty(rows, H, D, dtype=torch.float32, device=q_THD.device)
     lse_part = torch.empty(rows, H, dtype=torch.float32, device=q_THD.device)
     q_THD = q_THD.contiguous()
-    block_d = max(16, _pow2(D))
+    block_d = max(16, pow2(D))
     lanes = min(LANES, max_splits)
     X = tiles_4X.shape[1]
     small = decode_tiles if decode_tiles is not None and prefill_apart() else X
@@ -344,7 +313,7 @@ def paged_attention(q_THD: torch.Tensor, k_cache_NPKD: torch.Tensor, v_cache_NPK
             GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=D, BLOCK_D=block_d, PAGE=P, TILE=BLOCK_N,
             SPLIT_KEYS=SPLIT, MAX_SPLITS=max_splits, LANES=lanes, IEEE=q_THD.dtype == torch.float32, **launch)
     _merge_kernel[(T,)](out_part, lse_part, positions_T, base_T, out, *out_part.stride()[:2], lse_part.stride(0),
-                        out.stride(0), out.stride(1), HEADS=H, BLOCK_H=_pow2(H), HEAD_DIM=D, BLOCK_D=block_d,
+                        out.stride(0), out.stride(1), HEADS=H, BLOCK_H=pow2(H), HEAD_DIM=D, BLOCK_D=block_d,
                         SPLIT_KEYS=SPLIT, MAX_SPLITS=max_splits)
     return out
 
@@ -428,8 +397,9 @@ class TritonAttention(SDPAAttention):
         return self._attend(q_THD, k_cache_NBKD, v_cache_NBKD, meta)
 
     def rope_attend(self, qkv_TX, rope, k_cache_NBKD, v_cache_NBKD, meta: AttentionMetadata):
-        """The attention of a step's packed qkv rows, rotated (rope: cos and sin per token) and their K/V
-        stored by one kernel: what __call__ does after apply_rope, in one launch where that takes some 20."""
+        """The attention of a step's packed qkv rows (or the qkv product's partials), rotated (rope: cos and
+        sin per token) and their K/V stored by one kernel: what __call__ does after apply_rope, in one
+        launch where that takes some 20."""
         q_THD = rope_store(qkv_TX, *rope, k_cache_NBKD, v_cache_NBKD, meta.slot_mapping, self.num_heads)
         return self._attend(q_THD, k_cache_NBKD, v_cache_NBKD, meta)
 
