@@ -162,25 +162,29 @@ def test_pieces_in_any_layout_and_order_land_in_the_right_blocks(seed, monkeypat
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("layers", [slice(None), slice(2, 3)])
-@pytest.mark.parametrize("head_dim, word", [(8, torch.int64), (6, torch.int32), (3, torch.bfloat16)])
-def test_a_gather_and_scatter_move_the_runs_copies_bits(layers, device, head_dim, word):
-    """What a GPU does with a fragmented grant (common/kv_transport/mapped.py) gives the runs' copies'
-    bits, whole and one layer at a time, moved as the widest words a row divides into."""
-    from common.kv_transport.mapped import block_runs, copy_blocks, gather_scatter, words
+@pytest.mark.parametrize("head_dim, word", [(8, torch.int64), (6, torch.int32), (3, torch.int16)])
+def test_every_way_of_copying_blocks_gives_the_runs_copies_bits(layers, device, head_dim, word):
+    """What a GPU does with a grant (common/kv_transport/block_copy.py: one Triton launch on one GPU,
+    interpreted here on a CPU; a gather and a scatter between two) gives the runs' copies' bits,
+    fragmented, whole and one layer at a time, moved as the widest words a row divides into."""
+    from common.kv_transport.block_copy import block_runs, copy_blocks, gather_scatter, launch_copy, words
 
     rng = random.Random(4)
     src_blocks, dst_blocks = rng.sample(range(40), 23), list(range(5, 15)) + rng.sample(range(20, 40), 13)
     assert len(block_runs(src_blocks, dst_blocks)) > 4
     src = torch.randn(4, 2, 40, 16, 2, head_dim, device=device).to(torch.bfloat16)
     assert {t.dtype for t in words(src[layers], src[layers])} == {word}
-    want, got = torch.zeros_like(src), torch.zeros_like(src)
+    want = torch.zeros_like(src)
     for s, d, n in block_runs(src_blocks, dst_blocks):
         want[layers, :, d:d + n] = src[layers, :, s:s + n]
-    gather_scatter(src, src_blocks, got, dst_blocks, layers)
-    assert torch.equal(got, want) and got.count_nonzero() > 0
-    copied = torch.zeros_like(src)  # on a GPU by gather_scatter, on a CPU by the runs
-    copy_blocks(src, src_blocks, copied, dst_blocks, layers)
-    assert torch.equal(copied, want)
+    assert want.count_nonzero() > 0
+    for copy in (gather_scatter, launch_copy, copy_blocks):  # copy_blocks: the kernel on a GPU, the runs on a CPU
+        got = torch.zeros_like(src)
+        copy(src, src_blocks, got, dst_blocks, layers)
+        assert torch.equal(got, want), copy.__name__
+    bigger = torch.zeros(4, 2, 50, 16, 2, head_dim, device=device, dtype=torch.bfloat16)  # pools of other sizes
+    launch_copy(src, src_blocks, bigger, [b + 10 for b in dst_blocks], layers)
+    assert torch.equal(bigger[:, :, 10:], want)
 
 
 @pytest.mark.gpu
@@ -547,9 +551,11 @@ def test_cuda_ipc_closes_a_dead_peers_pool(monkeypatch):
     torch's rebuild of the tensor from its handle is replaced by a record of the handle."""
     import torch.multiprocessing.reductions as reductions
 
+    from common.kv_transport import cuda_ipc
     from common.kv_transport.cuda_ipc import CudaIpcSender
 
     monkeypatch.setattr(reductions, "rebuild_cuda_tensor", lambda *args: ("pool", args[7]))
+    monkeypatch.setattr(cuda_ipc, "warm_up", lambda pool: None)  # (compiles the copy kernel on a GPU)
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
 

@@ -1,6 +1,6 @@
 """Compile every Triton kernel variant pdserve launches for an H100 (sm_90), with no GPU (the paged
 attention, the KV store and rotary kernel, and the batch-invariant matmul, norms and SiLU product at
-llama-1b's shapes, each reading a matmul's partials where it can): Triton's
+llama-1b's shapes, each reading a matmul's partials where it can, and the KV block copy): Triton's
 ahead-of-time path lowers a kernel to PTX and runs its bundled ptxas for a named target. A kernel
 that would not compile on the GPU machine fails here first.
 
@@ -36,6 +36,7 @@ def compile_all(arch: int = 90) -> list[str]:
 
     from common import batch_invariant as bi
     from common import linear_partials as lp
+    from common.kv_transport import block_copy as bc
     from common.attention import triton_paged as tp
     from common.triton_support import pow2
 
@@ -96,6 +97,10 @@ def compile_all(arch: int = 90) -> list[str]:
                       dict(C=c, BLOCK=pow2(c), RMS=rms, HAS_BIAS=not rms, RESIDUAL=residual, SEGMENTS=segments,
                            DELTA_BIAS=not rms))
             done.append(f"{dt}/{'rms' if rms else 'layer'}_norm/{c}")
+    for word in ("i64", "i16"):  # block copies between pools: llama-1b's rows as 8-byte words, odd rows as 2
+        build(bc._copy_blocks_kernel, {"Src": f"*{word}", "Dst": f"*{word}", "SrcBlocks": "*i64", "DstBlocks": "*i64"},
+              dict(BLOCK_WORDS=2048, CHUNK=1024))
+        done.append(f"copy_blocks/{word}")
     return done
 
 

@@ -1,6 +1,7 @@
 """The cuda_ipc transport: shm's shape for CUDA pools (mapped.py). The decode worker's pool is
 shared by its CUDA IPC handle, as torch.multiprocessing shares a tensor; the prefill worker opens
-it once per peer and pool and copies its blocks into the granted ones on a stream of its own.
+it once per peer and pool and copies its blocks into the granted ones on a stream of its own, in
+one launch per piece (block_copy.py).
 Same host, CUDA pools. Not run in CI (no GPU): its tests are marked gpu.
 
 A pool opened in this process stays allocated on the device while it is open, even after its
@@ -18,6 +19,7 @@ import types
 import torch
 
 from common.config import DTYPES
+from common.kv_transport.block_copy import warm_up
 from common.kv_transport.jobs import on_stream
 from common.kv_transport.mapped import MappedReceiver, MappedSender
 
@@ -37,9 +39,10 @@ class CudaIpcSender(MappedSender):
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
         a = advert["ipc"]
-        return types.SimpleNamespace(tensor=rebuild_cuda_tensor(
-            torch.Tensor, torch.Size(a[1]), tuple(a[2]), a[3], torch.storage.TypedStorage, DTYPES[a[5]], *a[6:10],
-            False, *a[11:]), pid=advert.get("pid"))
+        pool = rebuild_cuda_tensor(torch.Tensor, torch.Size(a[1]), tuple(a[2]), a[3], torch.storage.TypedStorage,
+                                   DTYPES[a[5]], *a[6:10], False, *a[11:])
+        warm_up(pool)  # the copy kernel compiles at pairing, not in the first transfer
+        return types.SimpleNamespace(tensor=pool, pid=advert.get("pid"))
 
     def _gone(self, key: str) -> bool:
         pid = getattr(self.maps.get(key), "pid", None)

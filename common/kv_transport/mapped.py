@@ -17,63 +17,10 @@ import time
 import torch
 
 from common.kv_transport.base import Handle, Inbox, Outgoing, Receiver, Sender, TransportError
+from common.kv_transport.block_copy import copy_blocks
 from common.kv_transport.jobs import JobThread, written
 
 HOSTNAME = socket.gethostname()
-
-
-GATHER_RUNS = 4  # on a GPU, blocks in more runs than this move by one gather and one scatter
-
-
-def block_runs(src_blocks: list[int], dst_blocks: list[int]) -> list[tuple[int, int, int]]:
-    """(source block, destination block, count) of each run of ids consecutive on both sides."""
-    runs, i, n = [], 0, len(src_blocks)
-    while i < n:
-        j = i + 1
-        while j < n and src_blocks[j] == src_blocks[j - 1] + 1 and dst_blocks[j] == dst_blocks[j - 1] + 1:
-            j += 1
-        runs.append((src_blocks[i], dst_blocks[i], j - i))
-        i = j
-    return runs
-
-
-def words(src: torch.Tensor, dst: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """src and dst viewed as the widest integers their rows divide into, alike: a block copy is a
-    strided copy, which torch runs an element at a time, so 8-byte words move four times the bytes
-    of bfloat16 elements per step. (On an H100 the cuda_ipc transport, whose copies these are, moved
-    117 GB/s against 1,059 GB/s for a plain copy of the same bytes; how much of that these copies
-    are waits for a GPU run.)"""
-    row = src.shape[-1] * src.element_size()
-    for dtype in (torch.int64, torch.int32):
-        if dtype.itemsize > src.element_size() and row % dtype.itemsize == 0:
-            try:
-                return src.view(dtype), dst.view(dtype)
-            except RuntimeError:  # an offset or stride the wider words do not divide
-                continue
-    return src, dst
-
-
-def copy_blocks(src: torch.Tensor, src_blocks: list[int], dst: torch.Tensor, dst_blocks: list[int],
-                layers: slice = slice(None)) -> None:
-    """dst's blocks = src's blocks in these layers, no staging: one strided copy per run of
-    consecutive ids on both sides (a fresh pool's blocks mostly are). On a GPU, a fragmented grant
-    (a launch per run) goes by gather_scatter instead; on a CPU torch's index ops are several times
-    slower than the runs' memcpys, fragmented or not."""
-    runs = block_runs(src_blocks, dst_blocks)
-    if src.is_cuda and len(runs) > GATHER_RUNS:
-        return gather_scatter(src, src_blocks, dst, dst_blocks, layers)
-    src, dst = words(src, dst)
-    for s, d, n in runs:
-        dst[layers, :, d:d + n].copy_(src[layers, :, s:s + n])
-
-
-def gather_scatter(src: torch.Tensor, src_blocks: list[int], dst: torch.Tensor, dst_blocks: list[int],
-                   layers: slice = slice(None)) -> None:
-    """copy_blocks in two kernels over all its layers, whatever the runs: a gather on the source's
-    device into one buffer of the blocks, and a scatter into the destination's."""
-    src, dst = words(src, dst)
-    picked = src[layers].index_select(2, torch.tensor(src_blocks, device=src.device))
-    dst[layers].index_copy_(2, torch.tensor(dst_blocks, device=dst.device), picked.to(dst.device))
 
 
 class MappedSender(Sender):
