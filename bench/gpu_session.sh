@@ -23,8 +23,14 @@ set -u
 # A machine goes back 30 s after a call and a new one takes a minute or more to start (on
 # 2026-11-26 three calls of 110, 200 and 383 s held it 797 s in all). Next: `BUDGET=380 ... verify`
 # (the tests, the profile, whether 128-row prefill tiles keep the bits, transformers beside us, the
-# grid), then `cluster` (cuda_ipc's copies now move 8-byte words: common/kv_transport/mapped.py),
-# then `serve`.
+# grid), then `cluster`, then `serve`. Waiting for a GPU since 2026-11-26 (all tested in Triton's
+# interpreter and compiled for sm_90 by tests/triton_aot.py, none run on a GPU):
+# - the split matmul's segments are added by the kernels that read its output, and SiLU times the
+#   gate is one kernel (common/linear_partials.py): the profile should show no _sum_segments and
+#   no torch elementwise kernels, some 80 launches fewer a step;
+# - KV block copies on one GPU are one Triton launch (common/kv_transport/block_copy.py):
+#   `cluster`'s transfer-8m prints in_place_over_d2d_ms (issue 12: at most 0.1 ms), transfer-256m
+#   vs_d2d (at least 0.5); the GPU tests check its bits through cuda_ipc, fragmented.
 # Cluster stages serve 4,096-token contexts: sized for llama-1b's whole 131,072, each worker would set
 # GBs aside for one step's attention partials (a GPU test starts a cluster with no flag at all).
 CTX=--worker-arg=--max-model-len=4096
