@@ -40,7 +40,7 @@ from torch import nn
 from common.attention import tiled
 from common.attention.sdpa import SDPAAttention
 from common.errors import InvalidArgument, first_line
-from common.linear_partials import Partials, finished, reading, total
+from common.linear_partials import Partials, finished, reading
 from common.model import RMSNorm, silu_mul as torch_silu_mul
 from common.triton_support import available, interpreted, jit, pow2, tl, triton
 
@@ -93,7 +93,7 @@ def _linear_kernel(A, W, Bias, C, M, N, stride_am, stride_wn, stride_cm, stride_
         tl.store(C + rows[:, None] * stride_cm + cols[None, :], total.to(C.dtype.element_ty), mask=out)
 
 
-@jit
+@jit(do_not_specialize=["stride_dseg"])  # a linear's partials: rows x N, a step's rows
 def _norm_kernel(X, Weight, Bias, Y, Delta, DeltaBias, Sum, stride_x, stride_y, stride_d, stride_dseg, stride_s, eps,
                  C: tl.constexpr, BLOCK: tl.constexpr, RMS: tl.constexpr, HAS_BIAS: tl.constexpr,
                  RESIDUAL: tl.constexpr, SEGMENTS: tl.constexpr, DELTA_BIAS: tl.constexpr):
@@ -122,11 +122,12 @@ def _norm_kernel(X, Weight, Bias, Y, Delta, DeltaBias, Sum, stride_x, stride_y, 
     tl.store(Y + row * stride_y + i, y.to(Y.dtype.element_ty), mask=ok)
 
 
-@jit
+@jit(do_not_specialize=["stride_hseg"])
 def _silu_mul_kernel(H, Bias, Out, stride_h, stride_hseg, stride_o, I, SEGMENTS: tl.constexpr, HAS_BIAS: tl.constexpr,
                      BLOCK: tl.constexpr):
     """Out = silu(gate) * up for a row of H = [gate, up] (or of a linear's partials, finished
-    here), each op rounded to the dtype as torch's two ops round them."""
+    here), rounded to the dtype after each op as torch's two ops round (their float32 may differ
+    in its last bit: Triton's exponential and division are the GPU's fast ones)."""
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = c < I
@@ -199,7 +200,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         out = Partials(out, bias, x.dtype)
         if deferred and len(lead) == 1:
             return out
-        out = total(out)
+        out = out.total()
     return out.view(*lead, n)
 
 
@@ -210,6 +211,8 @@ def _norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps:
     rows = _rows(x)
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     total = rows if delta is None else torch.empty_like(rows)
+    if isinstance(delta, Partials) and delta.dtype != x.dtype:
+        raise ValueError(f"a residual of {x.dtype} and a delta of {delta.dtype}: the sum is rounded to one dtype")
     deltas = reading(rows if delta is None else delta if isinstance(delta, Partials) else _rows(delta))
     if rows.shape[0]:
         _norm_kernel[(rows.shape[0],)](rows, weight, bias if bias is not None else weight, out, *deltas[:2], total,
@@ -350,13 +353,21 @@ def installed(model: nn.Module) -> bool:
 def _start_up_difference(device: torch.device, dtype: torch.dtype) -> float:
     """Largest relative difference from torch's ops on small random products and a norm, at row
     counts that compile each path a step can take: one row (the 16-row tile, K's two segments run
-    apart and summed), 37 (the 64-row tile, split) and 200 (a prefill's tile summing its segments)."""
+    apart and summed), 37 (the 64-row tile, split) and 200 (a prefill's tile summing its segments),
+    and the kernels that read a few rows' partials (the norm after a residual add, SiLU times the gate)."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(200, 512, generator=gen).to(device, dtype)
     w = (torch.randn(2100, 512, generator=gen) / 512 ** 0.5).to(device, dtype)
-    scale = torch.randn(512, generator=gen).to(device, dtype)
-    pairs = [(linear(x[:m], w), F.linear(x[:m], w)) for m in (1, 37, 200)]
+    scale, wide = (torch.randn(n, generator=gen).to(device, dtype) for n in (512, 2100))
+    theirs = F.linear(x, w)
+    pairs = [(linear(x[:m], w), theirs[:m]) for m in (1, 37, 200)]
     pairs.append((rms_norm(x, scale, 1e-5), scale * F.rms_norm(x.float(), (512,), eps=1e-5).to(dtype)))
+    for m in (1, 37):
+        partials, want = linear(x[:m], w, deferred=True), theirs[:m]
+        pairs.append((silu_mul(partials), torch_silu_mul(want)))
+        summed = want + want
+        pairs.append((_norm(want, wide, None, 1e-5, rms=True, delta=partials)[0],
+                      wide * F.rms_norm(summed.float(), (2100,), eps=1e-5).to(dtype)))
     return max(((a.float() - b.float()).abs().max() / b.float().abs().max()).item() for a, b in pairs)
 
 

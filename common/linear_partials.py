@@ -7,7 +7,7 @@ segments in order. A kernel of its own for that costs a launch a matmul (three a
 llama-1b's batch-1 step on an H100). Every reader of a layer's matmuls is one of our kernels (the
 norm after the residual add, the rotary embedding, SiLU times the gate), so each reads the
 partials through `finished`, which adds them exactly as the unsplit matmul does: the same bits,
-one launch fewer. Anything else asks `total` for the plain tensor.
+one launch fewer. Anything else asks `Partials.total` for the plain tensor.
 """
 
 from __future__ import annotations
@@ -33,6 +33,15 @@ class Partials:
     @property
     def shape(self) -> torch.Size:
         return self.parts.shape[1:]
+
+    def total(self) -> torch.Tensor:
+        """The plain output: the partials added (one launch)."""
+        parts, bias, n, size, count, has_bias = self.args()
+        out = torch.empty(self.shape, dtype=self.dtype, device=parts.device)
+        if size:
+            _sum_segments[(triton.cdiv(size, SUM_BLOCK),)](parts, bias, out, size, n, SEGMENTS=count,
+                                                           HAS_BIAS=has_bias, BLOCK=SUM_BLOCK)
+        return out
 
     def args(self) -> tuple[torch.Tensor, torch.Tensor, int, int, int, bool]:
         """(source, bias, row stride, segment stride, segments, has bias): what a kernel reading
@@ -75,15 +84,3 @@ def _sum_segments(Parts, Bias, C, size, N, SEGMENTS: tl.constexpr, HAS_BIAS: tl.
     i = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
     ok = i < size
     tl.store(C + i, finished(Parts, Bias, i, i % N, ok, size, SEGMENTS, HAS_BIAS, C.dtype.element_ty), mask=ok)
-
-
-def total(x: torch.Tensor | Partials) -> torch.Tensor:
-    """The plain output: the partials added (one launch), or x itself when it is a tensor already."""
-    if not isinstance(x, Partials):
-        return x
-    parts, bias, n, size, count, has_bias = x.args()
-    out = torch.empty(x.shape, dtype=x.dtype, device=parts.device)
-    if size:
-        _sum_segments[(triton.cdiv(size, SUM_BLOCK),)](parts, bias, out, size, n, SEGMENTS=count, HAS_BIAS=has_bias,
-                                                       BLOCK=SUM_BLOCK)
-    return out

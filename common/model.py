@@ -10,14 +10,17 @@ no padding, so decode tokens and prefill chunks share every matmul.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from common.attention import AttentionMetadata
-from common.linear_partials import Partials, total
 from common.model_spec import ModelConfig
+
+if TYPE_CHECKING:  # (it imports triton: only the batch-invariant kernels make partials)
+    from common.linear_partials import Partials
 
 
 class RMSNorm(nn.Module):
@@ -48,6 +51,11 @@ def deferred(linear: nn.Module, x_TC: torch.Tensor) -> torch.Tensor | Partials:
     output (the batch-invariant linear, for a few rows: common/linear_partials.py), its partials.
     Each such output here goes to add_norm, silu_mul or the attention's rope_attend, which take both."""
     return linear.deferred(x_TC) if hasattr(linear, "deferred") else linear(x_TC)
+
+
+def total(delta: torch.Tensor | Partials) -> torch.Tensor:
+    """A matmul's output as a tensor, its partials added where deferred left them."""
+    return delta.total() if hasattr(delta, "total") else delta
 
 
 def silu_mul(h_TX: torch.Tensor) -> torch.Tensor:

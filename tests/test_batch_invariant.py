@@ -119,7 +119,7 @@ def test_partials_left_to_the_next_kernel_give_every_reader_the_linears_bits(dty
     does, so each reads the bits of the plain output, which are a prefill's (its rows summed in one
     program). Four segments, so an order of adding them other than the matmul's shows."""
     from common.attention.triton_paged import rope_store
-    from common.linear_partials import Partials, total
+    from common.linear_partials import Partials
 
     gen = torch.Generator().manual_seed(5)
     n, k, rows = 128, 1024, 5
@@ -131,7 +131,7 @@ def test_partials_left_to_the_next_kernel_give_every_reader_the_linears_bits(dty
     assert isinstance(partials, Partials) and partials.shape == (rows, n)
     plain = bi.linear(x, w, b)[:rows]
     assert isinstance(bi.linear(x, w, b, deferred=True), torch.Tensor)  # a prefill's rows: summed in one program
-    assert torch.equal(total(partials), plain)
+    assert torch.equal(partials.total(), plain)
 
     residual = torch.randn(rows, n, generator=gen).to(dtype)
     for norm in (bi.InvariantRMSNorm(n, 1e-5), bi.InvariantLayerNorm(n, eps=1e-5)):

@@ -653,3 +653,23 @@ def test_a_request_no_decode_worker_can_hold_fails_at_once(tmp_path):
     finally:
         c.stop()
     assert "re-dispatching" not in (tmp_path / "logs" / "router.log").read_text()
+
+
+@pytest.mark.gpu
+def test_a_copy_kernel_that_fails_at_pairing_leaves_torchs_copies(monkeypatch, caplog):
+    """The block-copy kernel compiles when cuda_ipc maps a peer's pool; a Triton failure there (not a
+    RuntimeError) is said once, and that device's copies then take torch's way, bits intact."""
+    import logging
+
+    from common.kv_transport import block_copy
+
+    monkeypatch.setattr(block_copy, "_FAILED", set())
+    broken = lambda *a, **k: (_ for _ in ()).throw(Exception("PTX failed"))  # noqa: E731
+    monkeypatch.setattr(block_copy, "launch_copy", broken)
+    src = torch.randn(2, 2, 8, 16, 2, 8, device="cuda:0").to(torch.bfloat16)
+    with caplog.at_level(logging.WARNING, logger=block_copy.__name__):
+        block_copy.warm_up(src)
+    assert src.device in block_copy._FAILED and "PTX failed" in caplog.text
+    dst = torch.zeros_like(src)
+    block_copy.copy_blocks(src, [3, 1, 6], dst, [0, 5, 2])
+    assert torch.equal(dst[:, :, [0, 5, 2]], src[:, :, [3, 1, 6]]) and dst[:, :, 1].count_nonzero() == 0

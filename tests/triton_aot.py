@@ -29,10 +29,21 @@ def variants(dt: str):
     return SHAPES[2:3], LLAMA_1B_MATMULS[:1], NORMS[:1]
 
 
-def compile_all(arch: int = 90) -> list[str]:
+_JOBS: list = []  # (kernel, signature, constexprs, options) of each variant, for the compiling processes
+
+
+def _compile(i: int) -> None:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+
+    fn, sig, constexprs, arch, options = _JOBS[i]
+    triton.compile(ASTSource(fn, sig, constexprs=constexprs), target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def compile_all(arch: int = 90) -> list[str]:
+    """Every variant, compiled by as many processes as there are cores (forked: they inherit the list)."""
+    import multiprocessing
 
     from common import batch_invariant as bi
     from common import linear_partials as lp
@@ -42,7 +53,7 @@ def compile_all(arch: int = 90) -> list[str]:
 
     def build(fn, types: dict, constexprs: dict, **options):
         sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
-        triton.compile(ASTSource(fn, sig, constexprs=constexprs), target=GPUTarget("cuda", arch, 32), options=options)
+        _JOBS.append((fn, sig, constexprs, arch, options))
 
     done = []
     for dt, ieee in DTYPES.items():
@@ -101,6 +112,8 @@ def compile_all(arch: int = 90) -> list[str]:
         build(bc._copy_blocks_kernel, {"Src": f"*{word}", "Dst": f"*{word}", "SrcBlocks": "*i64", "DstBlocks": "*i64"},
               dict(BLOCK_WORDS=2048, CHUNK=1024))
         done.append(f"copy_blocks/{word}")
+    with multiprocessing.get_context("fork").Pool(os.cpu_count() or 1) as pool:
+        pool.map(_compile, range(len(_JOBS)), chunksize=1)  # a failure raises here, naming its kernel
     return done
 
 

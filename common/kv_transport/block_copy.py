@@ -15,14 +15,20 @@ is one contiguous run of bytes, and a transfer is that run for every (block, lay
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from common.config import upload
-from common.triton_support import available, interpreted, jit, tl, triton
+from common.errors import first_line
+from common.triton_support import available, jit, tl, triton
+
+log = logging.getLogger(__name__)
 
 GATHER_RUNS = 4  # between GPUs, blocks in more runs than this move by one gather and one scatter
 CHUNK_BYTES = 8192  # a program's piece of a block (8 KiB: a llama-1b block of one layer's K is 16)
 _INTS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+_FAILED: set[torch.device] = set()  # devices where the copy kernel failed to compile or copy at warm-up
 
 
 def block_runs(src_blocks: list[int], dst_blocks: list[int]) -> list[tuple[int, int, int]]:
@@ -50,7 +56,9 @@ def words(src: torch.Tensor, dst: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return src, dst
 
 
-@jit(do_not_specialize=["src_row", "dst_row"], do_not_specialize_on_alignment=["SrcBlocks", "DstBlocks"])
+# (the row strides stay specialized: a pool pair's never change, and their alignment lets a program
+# move 16-byte vectors)
+@jit(do_not_specialize_on_alignment=["SrcBlocks", "DstBlocks"])
 def _copy_blocks_kernel(Src, Dst, SrcBlocks, DstBlocks, src_row, dst_row, BLOCK_WORDS: tl.constexpr,
                         CHUNK: tl.constexpr):
     """Program (b, r, c): piece c of block SrcBlocks[b] of row r (a layer's K or V) into block
@@ -101,7 +109,7 @@ def gather_scatter(src: torch.Tensor, src_blocks: list[int], dst: torch.Tensor, 
 def copy_blocks(src: torch.Tensor, src_blocks: list[int], dst: torch.Tensor, dst_blocks: list[int],
                 layers: slice = slice(None)) -> None:
     """dst's blocks dst_blocks = src's blocks src_blocks, in these layers, no staging (see above)."""
-    if src.is_cuda and src.device == dst.device and available():
+    if src.is_cuda and src.device == dst.device and available() and src.device not in _FAILED:
         return launch_copy(src, src_blocks, dst, dst_blocks, layers)
     runs = block_runs(src_blocks, dst_blocks)
     if src.is_cuda and len(runs) > GATHER_RUNS:
@@ -113,8 +121,18 @@ def copy_blocks(src: torch.Tensor, src_blocks: list[int], dst: torch.Tensor, dst
 
 def warm_up(like: torch.Tensor) -> None:
     """Compile the copy kernel for pools like `like`, on its device, now (at pairing), not in the
-    first transfer: one block of a scratch pool copied into another."""
-    if like.is_cuda and available() and not interpreted():
+    first transfer: one block of a scratch pool copied into another. If it fails, say so once;
+    copies on that device then take torch's way."""
+    if not (like.is_cuda and available()) or like.device in _FAILED:
+        return
+    try:
         with torch.cuda.device(like.device):
             scratch = torch.zeros(2, *like.shape[1:2], 2, *like.shape[3:], dtype=like.dtype, device=like.device)
+            scratch[:, :, 0].fill_(1)
             launch_copy(scratch, [0], scratch, [1])
+            if not torch.equal(scratch[:, :, 1], scratch[:, :, 0]):
+                raise RuntimeError("the copied block differs from its source")
+    except Exception as e:  # Triton's compile errors are not RuntimeErrors
+        _FAILED.add(like.device)
+        log.warning("KV block copies on %s take torch's copies: the Triton copy kernel failed (%s)", like.device,
+                    first_line(e))
