@@ -16,6 +16,7 @@
 #   bash bench/gpu_session.sh overlap  # 1p1d served with and without --async-scheduling: loop share, ITL
 #   bash bench/gpu_session.sh profile  # bench step-profile: a step's host and device time, the kernels by time (~1 min)
 #   bash bench/gpu_session.sh tiles    # the invariant matmul's tiles: which give the same bits, how fast each (~2 min)
+#   bash bench/gpu_session.sh prefill-rows  # prefill in 16- vs 128-row attention tiles, and invariance with 128 (~8 min)
 #   bash bench/gpu_session.sh verify   # after kernel changes: tests, engine vs transformers, profile, grid (BUDGET s)
 #   bash bench/gpu_session.sh scaling  # bench scaling on one GPU: 1mono, 2mono, 1p1d under chat (~8 min)
 #   bash bench/gpu_session.sh router   # bench router on the GPU host's CPU: SDK, HTTP, 4 API servers  (~2 min, no GPU)
@@ -23,7 +24,8 @@ set -u
 # A machine goes back 30 s after a call and a new one takes a minute or more to start (on
 # 2026-11-26 three calls of 110, 200 and 383 s held it 797 s in all). Next: `BUDGET=380 ... verify`
 # (the tests, the profile, whether 128-row prefill tiles keep the bits, transformers beside us, the
-# grid), then `cluster`, then `serve`. Waiting for a GPU since 2026-11-26 (all tested in Triton's
+# grid), then `prefill-rows` if 128-row prefill tiles kept the bits, then `cluster`, then `serve`.
+# Waiting for a GPU since 2026-11-26 (all tested in Triton's
 # interpreter and compiled for sm_90 by tests/triton_aot.py, none run on a GPU):
 # - the split matmul's segments are added by the kernels that read its output, and SiLU times the
 #   gate is one kernel (common/linear_partials.py): the profile should show no _sum_segments and
@@ -34,7 +36,7 @@ set -u
 # Cluster stages serve 4,096-token contexts: sized for llama-1b's whole 131,072, each worker would set
 # GBs aside for one step's attention partials (a GPU test starts a cluster with no flag at all).
 CTX=--worker-arg=--max-model-len=4096
-stage=${1:?usage: bench/gpu_session.sh first|check|engine|cluster|serve|prefix|overlap|profile|tiles|verify|scaling|router}
+stage=${1:?usage: bench/gpu_session.sh first|check|engine|cluster|serve|prefix|overlap|profile|tiles|prefill-rows|verify|scaling|router}
 OUT=${OUT:-/tmp/pdserve-gpu}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
@@ -156,6 +158,23 @@ scaling)
         --topologies 1mono,2mono,1p1d --workload chat --duration 8 --refine 2 --out-dir "$OUT/scaling" "$CTX"
     grep -v '^{' "$OUT/scaling.log" | tail -n 20
     ;;
+prefill-rows)
+    # issue 11's prefill (29% of matmul peak, its attention 5.6 of 20 ms in 16-row tiles): a prefill
+    # chunk's attention in 128-row tiles (PREFILL_ROWS), if `verify`'s attention-tiles says they keep
+    # the bits: the prefill beside 16-row tiles, then the GPU invariance tests (chunked prompts) with them
+    for rows in 16 128; do
+        run "prefill-$rows" 170 python3 -c "import sys, common.attention.triton_paged as tp; tp.PREFILL_ROWS = $rows
+from common.cli import run
+sys.argv = ['pdserve', 'bench', 'engine', '--device', 'cuda:0', '--model', 'dummy:llama-1b', '--max-model-len',
+            '4096', '--batch-sizes', '1', '--kv-lens', '64', '--steps', '8', '--prefill-len', '2048']
+run()"
+        grep "prefill:" "$OUT/prefill-$rows.log"
+    done
+    run invariance-128 240 python3 -c "import sys, pytest, common.attention.triton_paged as tp; tp.PREFILL_ROWS = 128
+sys.exit(pytest.main(['-m', 'gpu', 'tests/test_gpu.py', '-q', '-p', 'no:cacheprovider', '-k',
+                      'chunking or batch_invariant or graph_replay']))"
+    tail -n 3 "$OUT/invariance-128.log"
+    ;;
 tiles)
     run tiles 200 python3 -m bench.matmul_tiles --model dummy:llama-1b
     run attention-tiles 120 python3 -m bench.attention_tiles
@@ -172,7 +191,7 @@ router)
     done
     ;;
 *)
-    echo "unknown stage $stage; allowed: first, check, engine, cluster, serve, prefix, overlap, profile, tiles, verify, scaling, router" >&2
+    echo "unknown stage $stage; allowed: first, check, engine, cluster, serve, prefix, overlap, profile, tiles, prefill-rows, verify, scaling, router" >&2
     exit 2
     ;;
 esac

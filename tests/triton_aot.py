@@ -61,7 +61,11 @@ def compile_all(arch: int = 90) -> list[str]:
         for heads, kv_heads, head_dim in shapes:
             group = heads // kv_heads
             block_d = max(16, pow2(head_dim))
-            for rows, launch in ((tp.MIN_ROWS, tp.SPLIT_LAUNCH), (tp.PREFILL_ROWS, tp.PREFILL_LAUNCH)):
+            tiles = {(tp.MIN_ROWS, str(tp.SPLIT_LAUNCH)): tp.SPLIT_LAUNCH,
+                     (tp.PREFILL_ROWS, str(tp.PREFILL_LAUNCH)): tp.PREFILL_LAUNCH}
+            if (dt, heads) == ("bf16", 32):  # the 128-row prefill tile a GPU session will try (gpu_session.sh)
+                tiles[(128, "{}")] = {}
+            for (rows, _), launch in tiles.items():
                 block_q, block_m = tp.tile_shape(group, rows)
                 build(tp._split_kernel,
                       {"Q": f"*{dt}", "KCache": f"*{dt}", "VCache": f"*{dt}", "Tables": "*i64", "TileSeq": "*i64",
