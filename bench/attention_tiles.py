@@ -1,4 +1,5 @@
-"""How fast the paged Triton attention is for each keys-per-step (BLOCK_N) and launch shape.
+"""How fast the paged Triton attention is for each keys-per-step (BLOCK_N), keys-per-split (SPLIT)
+and launch shape.
 
 BLOCK_N sets the order of a row's online softmax, so it is one constant for every call (a row's
 bits must not depend on its batch); the launch's warps and stages, and a tile's rows, should
@@ -17,7 +18,10 @@ import torch
 from bench.report import print_json, print_table
 from common.attention import triton_paged as tp
 
-DECODE = [(64, {}), (64, {"num_warps": 4, "num_stages": 1}), (128, {}), (128, {"num_warps": 4, "num_stages": 1})]
+# (BLOCK_N keys a step, SPLIT keys a split, launch): SPLIT also fixes a row's arithmetic (its splits),
+# and sets how many programs share a short context's keys (at batch 1 a split is a chain of steps)
+DECODE = [(64, 256, {}), (64, 256, {"num_warps": 4, "num_stages": 1}), (128, 256, {}), (64, 128, {}),
+          (128, 512, {})]
 PREFILL = [(16, {}), (64, {"num_warps": 4}), (128, {"num_warps": 4}), (128, {"num_warps": 8})]  # (rows, launch)
 POINTS = [(1, 512), (64, 512), (1, 2048), (64, 2048), (256, 512)]  # (decode batch, KV)
 
@@ -33,6 +37,7 @@ def main():
     perm = torch.randperm(blocks, generator=gen, device=device)
     read_bps = 2 * k_cache.numel() * 2 / (triton.testing.do_bench(lambda: k_cache.clone(), return_mode="median") / 1e3)
     results = {}
+    split_keys = tp.SPLIT  # the served one, for the prefill half
 
     def time_us(key, fn):
         try:
@@ -51,14 +56,15 @@ def main():
         lens = torch.full((b,), kv, device=device)
         q = torch.randn(b, H, D, generator=gen, device=device).bfloat16()
         row = [f"b{b} kv{kv}", f"{1e6 * 2 * b * kv * K * D * 2 / read_bps:.1f}"]
-        for tile, launch in DECODE:
-            tp.BLOCK_N, tp.SPLIT_LAUNCH = tile, launch
-            row.append(time_us(f"b{b}_kv{kv}/N{tile}/{launch}", lambda: tp.paged_attention(
+        for tile, split, launch in DECODE:
+            tp.BLOCK_N, tp.SPLIT, tp.SPLIT_LAUNCH = tile, split, launch
+            row.append(time_us(f"b{b}_kv{kv}/N{tile}/S{split}/{launch}", lambda: tp.paged_attention(
                 q, k_cache, v_cache, tables, tp.decode_tiles(lens), lens - 1, D ** -0.5)))
+        tp.SPLIT = split_keys
         rows.append(row)
         print(row, flush=True)
     print_table(f"decode attention per layer (llama-1b heads, bf16, CUDA graphs), µs; floor = K/V bytes / "
-                f"{read_bps / 1e9:,.0f} GB/s", ["point", "floor"] + [f"N{t} {l}" for t, l in DECODE], rows)
+                f"{read_bps / 1e9:,.0f} GB/s", ["point", "floor"] + [f"N{t} S{s} {l}" for t, s, l in DECODE], rows)
 
     # one 2,048-token prompt's chunk, its keys in the pool: each prefill tile shape's time, and
     # whether its rows have the bits of one-token decode tiles (the batch-invariance promise)
