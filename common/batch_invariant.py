@@ -362,12 +362,10 @@ def _start_up_difference(device: torch.device, dtype: torch.dtype) -> float:
     theirs = F.linear(x, w)
     pairs = [(linear(x[:m], w), theirs[:m]) for m in (1, 37, 200)]
     pairs.append((rms_norm(x, scale, 1e-5), scale * F.rms_norm(x.float(), (512,), eps=1e-5).to(dtype)))
-    for m in (1, 37):
-        partials, want = linear(x[:m], w, deferred=True), theirs[:m]
-        pairs.append((silu_mul(partials), torch_silu_mul(want)))
-        summed = want + want
-        pairs.append((_norm(want, wide, None, 1e-5, rms=True, delta=partials)[0],
-                      wide * F.rms_norm(summed.float(), (2100,), eps=1e-5).to(dtype)))
+    partials, want = linear(x[:1], w, deferred=True), theirs[:1]  # (a row count changes no variant of theirs)
+    pairs.append((silu_mul(partials), torch_silu_mul(want)))
+    pairs.append((_norm(want, wide, None, 1e-5, rms=True, delta=partials)[0],
+                  wide * F.rms_norm((want + want).float(), (2100,), eps=1e-5).to(dtype)))
     return max(((a.float() - b.float()).abs().max() / b.float().abs().max()).item() for a, b in pairs)
 
 
