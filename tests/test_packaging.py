@@ -53,3 +53,18 @@ def test_product_imports_only_declared_dependencies():
                 if MODULE_TO_DIST.get(name, name).lower() not in allowed:
                     offenders.setdefault(name, []).append(str(f.relative_to(ROOT)))
     assert offenders == {}, f"imports not declared in pyproject dependencies: {offenders}"
+
+
+def test_a_cpu_worker_and_its_engine_never_import_triton():
+    """Triton (the GPU extra) costs a process 0.2 s to import: a CPU worker, which never launches a
+    Triton kernel, must not pay it (the kernel modules are imported only where a GPU needs them)."""
+    import subprocess
+
+    code = ("import sys, os; os.environ.pop('TRITON_INTERPRET', None)\n"
+            "import common.cli, common.kv_transport, decode_worker.worker, prefill_worker.worker\n"
+            "from common.engine import Engine\n"
+            "Engine(model='dummy:llama-tiny').generate([[1, 2, 3]])\n"
+            "print(sorted(m for m in sys.modules if m == 'triton' or m.startswith('triton.')))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip().splitlines()[-1] == "[]"

@@ -47,7 +47,7 @@ def compile_all(arch: int = 90) -> list[str]:
 
     from common import batch_invariant as bi
     from common import linear_partials as lp
-    from common.kv_transport import block_copy as bc
+    from common.kv_transport import copy_kernel as ck
     from common.attention import triton_paged as tp
     from common.triton_support import pow2
 
@@ -113,7 +113,7 @@ def compile_all(arch: int = 90) -> list[str]:
                            DELTA_BIAS=not rms))
             done.append(f"{dt}/{'rms' if rms else 'layer'}_norm/{c}")
     for word in ("i64", "i16"):  # block copies between pools: llama-1b's rows as 8-byte words, odd rows as 2
-        build(bc._copy_blocks_kernel, {"Src": f"*{word}", "Dst": f"*{word}", "SrcBlocks": "*i64", "DstBlocks": "*i64"},
+        build(ck._copy_blocks_kernel, {"Src": f"*{word}", "Dst": f"*{word}", "SrcBlocks": "*i64", "DstBlocks": "*i64"},
               dict(BLOCK_WORDS=2048, CHUNK=1024))
         done.append(f"copy_blocks/{word}")
     with multiprocessing.get_context("fork").Pool(os.cpu_count() or 1) as pool:

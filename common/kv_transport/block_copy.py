@@ -5,8 +5,8 @@ A pool is (layers, 2, blocks, block_size, kv_heads, head_dim), so a block of one
 is one contiguous run of bytes, and a transfer is that run for every (block, layer, K or V).
 - On a CPU, one strided copy per run of ids consecutive on both sides: torch runs it as memcpys,
   several times faster than its index ops.
-- On one GPU, one Triton launch for the whole transfer, a program per (block, layer's K or V,
-  piece of the block), moving integer words: torch runs a strided copy an element at a time (a
+- On one GPU, one Triton launch for the whole transfer (copy_kernel.py), a program per (block,
+  layer's K or V, piece of the block), moving integer words: torch runs a strided copy an element at a time (a
   cuda_ipc transfer moved 117 GB/s on an H100 where a plain copy of the same bytes moved 1,059),
   and a fragmented grant would be a launch per run.
 - Between two GPUs, a gather on the source and a scatter on the destination (torch's copies, which
@@ -21,7 +21,6 @@ import torch
 
 from common.config import upload
 from common.errors import first_line
-from common.triton_support import available, jit, tl, triton
 
 log = logging.getLogger(__name__)
 
@@ -56,21 +55,11 @@ def words(src: torch.Tensor, dst: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return src, dst
 
 
-# (the row strides stay specialized: a pool pair's never change, and their alignment lets a program
-# move 16-byte vectors)
-@jit(do_not_specialize_on_alignment=["SrcBlocks", "DstBlocks"])
-def _copy_blocks_kernel(Src, Dst, SrcBlocks, DstBlocks, src_row, dst_row, BLOCK_WORDS: tl.constexpr,
-                        CHUNK: tl.constexpr):
-    """Program (b, r, c): piece c of block SrcBlocks[b] of row r (a layer's K or V) into block
-    DstBlocks[b] of the same row of Dst."""
-    b = tl.program_id(0)
-    r = tl.program_id(1).to(tl.int64)
-    i = tl.program_id(2) * CHUNK + tl.arange(0, CHUNK)
-    ok = i < BLOCK_WORDS
-    s = tl.load(SrcBlocks + b)
-    d = tl.load(DstBlocks + b)
-    tl.store(Dst + r * dst_row + d * BLOCK_WORDS + i, tl.load(Src + r * src_row + s * BLOCK_WORDS + i, mask=ok),
-             mask=ok)
+def _triton() -> bool:
+    """Whether Triton is there, asked only for CUDA pools: importing it costs a CPU worker 0.2 s."""
+    from common.triton_support import available
+
+    return available()
 
 
 def _rows(pool: torch.Tensor) -> bool:
@@ -89,6 +78,8 @@ def launch_copy(src: torch.Tensor, src_blocks: list[int], dst: torch.Tensor, dst
         return
     if not (_rows(src) and _rows(dst)):
         raise ValueError(f"pools of strides {src.stride()} and {dst.stride()}: a block copy needs contiguous blocks")
+    from common.kv_transport.copy_kernel import _copy_blocks_kernel, triton
+
     block_words = src[0, 0, 0].numel()
     chunk = max(1, min(block_words, CHUNK_BYTES // src.element_size()))
     chunk = 1 << (chunk.bit_length() - 1)  # Triton's ranges are powers of two
@@ -109,7 +100,7 @@ def gather_scatter(src: torch.Tensor, src_blocks: list[int], dst: torch.Tensor, 
 def copy_blocks(src: torch.Tensor, src_blocks: list[int], dst: torch.Tensor, dst_blocks: list[int],
                 layers: slice = slice(None)) -> None:
     """dst's blocks dst_blocks = src's blocks src_blocks, in these layers, no staging (see above)."""
-    if src.is_cuda and src.device == dst.device and available() and src.device not in _FAILED:
+    if src.is_cuda and src.device == dst.device and src.device not in _FAILED and _triton():
         return launch_copy(src, src_blocks, dst, dst_blocks, layers)
     runs = block_runs(src_blocks, dst_blocks)
     if src.is_cuda and len(runs) > GATHER_RUNS:
@@ -123,7 +114,7 @@ def warm_up(like: torch.Tensor) -> None:
     """Compile the copy kernel for pools like `like`, on its device, now (at pairing), not in the
     first transfer: one block of a scratch pool copied into another. If it fails, say so once;
     copies on that device then take torch's way."""
-    if not (like.is_cuda and available()) or like.device in _FAILED:
+    if not (like.is_cuda and _triton()) or like.device in _FAILED:
         return
     try:
         with torch.cuda.device(like.device):
