@@ -340,7 +340,7 @@ def measure(transport: str, shape, dtype: str, device: torch.device, n: int, rep
             runs["raw zmq"] = RawZmqRun([(f.end - f.first) * ub for f in plan], repeats)
             runs["memcpy"] = MemcpyRun(nbytes)
         one_sided = isinstance(run.sender, MappedSender)
-        times = {transport: [], **({IN_PLACE: []} if one_sided else {}), **{name: [] for name in runs if name != transport}}
+        times = {transport: []} | ({IN_PLACE: []} if one_sided else {}) | {name: [] for name in runs}
         for _ in range(repeats):
             for name, run in runs.items():
                 times[name].append(run.one())

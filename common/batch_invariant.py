@@ -213,7 +213,8 @@ def _norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps:
     total = rows if delta is None else torch.empty_like(rows)
     if isinstance(delta, Partials) and delta.dtype != x.dtype:
         raise ValueError(f"a residual of {x.dtype} and a delta of {delta.dtype}: the sum is rounded to one dtype")
-    deltas = reading(rows if delta is None else delta if isinstance(delta, Partials) else _rows(delta))
+    source = rows if delta is None else delta
+    deltas = reading(source if isinstance(source, Partials) else _rows(source))
     if rows.shape[0]:
         _norm_kernel[(rows.shape[0],)](rows, weight, bias if bias is not None else weight, out, *deltas[:2], total,
                                        rows.stride(0), out.stride(0), *deltas[2:4], total.stride(0), eps, C=c,

@@ -34,6 +34,8 @@ from common.linear_partials import Partials, finished, reading
 from common.attention.sdpa import SDPAAttention
 from common.triton_support import interpreted, jit, pow2, tl, triton
 
+_NO_FP_FUSION = {} if interpreted() else {"enable_fp_fusion": False}  # (the interpreter takes no such option)
+
 SPLIT = 256  # keys per split: fixed, so a query's splits never move with its batch
 BLOCK_N = 64  # keys per step of a split (a multiple of the page size and a divisor of SPLIT)
 MIN_ROWS = 16  # tl.dot's smallest tile side: a tile's rows (tokens x grouped heads) are padded to it
@@ -227,7 +229,7 @@ def rope_store(qkv_TX: torch.Tensor | Partials, cos_TF: torch.Tensor, sin_TF: to
                                  stride_seg, cos_TF.stride(0), q_THD.stride(0), k_cache_NPKD.stride(1),
                                  v_cache_NPKD.stride(1), HEADS=heads, KV_HEADS=K, HEAD_DIM=D,
                                  BLOCK_H=pow2(max(heads, K)), BLOCK_F=pow2(D // 2), SEGMENTS=segments,
-                                 HAS_BIAS=has_bias, **({} if interpreted() else {"enable_fp_fusion": False}))
+                                 HAS_BIAS=has_bias, **_NO_FP_FUSION)
     return q_THD
 
 

@@ -62,7 +62,7 @@ def _triton() -> bool:
     return available()
 
 
-def _rows(pool: torch.Tensor) -> bool:
+def _indexable(pool: torch.Tensor) -> bool:
     """Whether a pool's (layers, 2) are rows of one stride and each block is contiguous: what the
     kernel indexes (a pool and its layer slices are)."""
     block = pool[0, 0, 0]
@@ -76,7 +76,7 @@ def launch_copy(src: torch.Tensor, src_blocks: list[int], dst: torch.Tensor, dst
     src, dst = words(src[layers], dst[layers])
     if not src_blocks or src.shape[0] == 0:
         return
-    if not (_rows(src) and _rows(dst)):
+    if not (_indexable(src) and _indexable(dst)):
         raise ValueError(f"pools of strides {src.stride()} and {dst.stride()}: a block copy needs contiguous blocks")
     from common.kv_transport.copy_kernel import _copy_blocks_kernel, triton
 
