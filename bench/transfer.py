@@ -15,8 +15,9 @@ a prefill worker makes it (in --layer-groups pieces, as layer-wise streaming sen
 sender moves its blocks and sends the KVTransfer header; the receiver (a decode worker's KV
 ingress without the engine) settles the bytes into its granted blocks and answers KVAck.
 Latency is taken at the sender, from start to acknowledgement; for the one-sided transports (shm,
-cuda_ipc) also to the moment its copies are done ("in place", before the header is sent), which is
-what the copy itself costs beside the ceiling. A first, untimed transfer makes
+cuda_ipc) also to the moment its copies are done ("in place": before the header is sent, or on one
+GPU, where the header goes ahead with the copies' event, once the sender's copy stream is done),
+which is what the copy itself costs beside the ceiling. A first, untimed transfer makes
 the gloo pair or maps the shared pool, and checks that the receiver's blocks equal the
 sender's, bit for bit.
 """
@@ -121,7 +122,7 @@ def _receiver(transport: str, shape, dtype: str, device: str, src: list[int], ds
     parent = os.getppid()
     try:
         while os.getppid() == parent:
-            ready = dict(poller.poll(100))
+            ready = dict(poller.poll(0 if arriving and receiver.polled else 100))
             if waker.fd in ready:
                 waker.drain()
             env = chan.recv(0) if chan.sock in ready else None
@@ -230,9 +231,12 @@ class TransportRun:
         for layers, blocks in pieces or self.pieces:
             self.sender.send(out, handle, layers, blocks)
         self.sender.finish(handle)
-        self.in_place = time.perf_counter() - t0
+        self.in_place = time.perf_counter() - t0  # one-sided: every byte is in place, or queued (cuda_ipc)
         self.chan.send(P.KVTransfer(rid, 0, [0] * (tokens + 1), tokens, 0, {}, 0, self.layout, tokens, self.dst,
                                     self.transport, handle.info))
+        if handle.queued_on is not None:  # the header went ahead of the copies: in place once they are done
+            handle.queued_on.synchronize()
+            self.in_place = time.perf_counter() - t0
         env = self.chan.recv(int(TIMEOUT_S * 1000))
         elapsed = time.perf_counter() - t0
         if env is None or not isinstance(env.msg, P.KVAck):
@@ -319,7 +323,7 @@ class MemcpyRun:
 
 
 CEILING_KEYS = {"raw zmq": "raw_zmq", "memcpy": "memcpy", "d2d": "d2d"}  # a ceiling's name -> its JSON keys' stem
-IN_PLACE = "in place"  # a one-sided transport's copies done, before its header is sent
+IN_PLACE = "in place"  # a one-sided transport's copies done (see the docstring)
 ROW_KEYS = CEILING_KEYS | {IN_PLACE: "in_place"}
 
 

@@ -230,7 +230,7 @@ class PrefillWorker(WorkerBase):
         self.work.pop(rid, None)
         t = self.transfers.get(rid)
         if t is not None and t.handle is not None:  # a one-sided writer's KVRelease says it is done writing
-            self.senders[t.transport].finish(t.handle)
+            self.senders[t.transport].finish(t.handle, release=True)
         t = self._release_reservation(rid)
         if t is not None and t.handle is not None and not t.handle.sent():
             self.draining.append(Draining(t.handle, self.engine.detach(rid), t.work.decode_kv_address, t.offer,

@@ -1,7 +1,7 @@
 """Layer-wise KV streaming: the engine calls back after each layer with that layer's KV already in
-the pool; every CPU transport delivers KV sent in pieces, in any order, bit for bit; a prefill
-worker sends a layer's KV before the next layer runs; and clusters streaming long, chunked,
-prefix-sharing prompts give exactly the monolithic engine's tokens."""
+the pool; every CPU transport (and cuda_ipc, on a GPU) delivers KV sent in pieces, in any order,
+bit for bit; a prefill worker sends a layer's KV before the next layer runs; and clusters
+streaming long, chunked, prefix-sharing prompts give exactly the monolithic engine's tokens."""
 
 import random
 import time
@@ -52,8 +52,9 @@ def pieces(layers: int, blocks: int, seed: int) -> list[tuple[range, range]]:
     return out
 
 
-@pytest.mark.parametrize("transport", CPU_TRANSPORTS)
+@pytest.mark.parametrize("transport", CPU_TRANSPORTS + [pytest.param("cuda_ipc", marks=pytest.mark.gpu)])
 def test_kv_sent_in_pieces_in_any_order_arrives_bit_identical(transport):
+    """cuda_ipc: each piece's copy only queued, the header ahead of the copies with their event."""
     shape, dtype, device, n = B.kv_shape("dummy:llama-tiny", 300, 16, None, None, transport)
     run = B.TransportRun(transport, shape, dtype, device, n, fragmented=True, layer_groups=shape[0])
     try:  # the warm-up sent it layer by layer and compared every bit

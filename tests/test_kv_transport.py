@@ -577,6 +577,41 @@ def test_cuda_ipc_closes_a_dead_peers_pool(monkeypatch):
         sender.close()
 
 
+def test_cuda_ipc_decodes_once_the_writers_event_completed_and_fails_when_it_cannot_be_read():
+    """On one GPU the header comes ahead of the copies, with the writer's event: the transfer
+    settles once a poll finds the event complete; an event that cannot be read any more (its
+    writer died) fails the transfer, and neither waits on the device. Without a GPU: the opened
+    event is a stand-in that answers query() in turn."""
+    from common.kv_transport.cuda_ipc import CudaIpcReceiver
+
+    class Event:
+        def __init__(self, *answers):
+            self.answers = list(answers)
+
+        def query(self):
+            answer = self.answers.pop(0)
+            if isinstance(answer, Exception):
+                raise answer
+            return answer
+
+    receiver = CudaIpcReceiver.__new__(CudaIpcReceiver)  # (its pool's IPC handle needs a GPU)
+    receiver.key, receiver._advert = "pool", {}
+    assert receiver.polled  # the decode worker polls without sleeping while this settles
+    pool = torch.zeros(2, 2, 4, 16, 2, 8)
+    for answers, error in (([False, False, True], None), ([False, RuntimeError("invalid resource handle")],
+                                                           "the writer's completion event failed")):
+        receiver.events = {b"ev": Event(*answers)}
+        inbox = Inbox(pool, [1, 2])
+        receiver.begin(inbox, {"key": "pool", "event": b"ev"})
+        settled = [receiver.settle(inbox) for _ in answers]
+        assert settled == [False] * (len(answers) - 1) + [True]
+        assert receiver.settle(inbox)  # and stays settled, without asking again
+        assert inbox.error.startswith(error) if error else inbox.error is None and inbox.complete
+    inbox = Inbox(pool, [1, 2])
+    receiver.begin(inbox, {"key": "pool"})  # a writer on another GPU: in place when the header comes
+    assert receiver.settle(inbox) and inbox.complete and inbox.error is None
+
+
 def _two_decode_cluster(tmp_path, prefill_args=(), decode0_args=()) -> Cluster:
     c = Cluster("dummy:nanogpt", 1, 2, 0, ["cpu"], "127.0.0.1", 0, 0, tmp_path / "logs", "least_loaded", [],
                 threads=1, restart=False)

@@ -22,7 +22,9 @@ module the choice of transport; each transport is a module of its own:
     shm.py       the decode worker's pool lives in a shared-memory segment (common/kv_cache.py);
                  the prefill maps it once and copies its blocks straight into the granted ones,
                  then only the header crosses ZeroMQ. Same host, CPU pools.
-    cuda_ipc.py  shm's shape for CUDA pools (the pool shared by a CUDA IPC handle).
+    cuda_ipc.py  shm's shape for CUDA pools (the pool shared by a CUDA IPC handle). On one GPU
+                 the copies are only queued, and the header carries an IPC event the decode
+                 worker polls before it decodes.
                  (shm and cuda_ipc share mapped.py: writing into a peer's pool mapped here.)
     process_group.py
                  gloo: a two-rank torch.distributed group per prefill/decode pair, made on first

@@ -46,6 +46,7 @@ class Handle:
     trackers: list = field(default_factory=list)  # zmq: one per frame sent in place from the pool
     failed: str | None = None  # a send that failed half way (some bytes may be under way)
     peer: object = None  # what the sends go into: the peer's pool (shm, cuda_ipc), the pair (gloo, nccl)
+    queued_on: object = None  # cuda_ipc to a peer on our GPU: the stream its copies are queued on, unsynchronised
 
     def sent(self) -> bool:
         """Nothing reads our blocks for this transfer any more: they may be reused."""
@@ -67,6 +68,7 @@ class Inbox:
         self.arrived = bytearray(self.num_units)
         self.error: str | None = None
         self.pending: list[tuple[list, concurrent.futures.Future]] = []  # gloo/nccl: (runs, staging's receipt)
+        self.fence = None  # cuda_ipc: the writer's event after its copies; the KV is in place once it completed
         self.pair: str = ""
         self._stretches: list[list[int]] | None = None  # unit_stretches of the whole transfer
         self._starts: list[int] = []  # the unit number each of them begins with
@@ -144,9 +146,11 @@ class Sender:
         out.src_blocks and out.dst_blocks). A failure is the handle's error()."""
         raise NotImplementedError
 
-    def finish(self, handle: Handle) -> None:
+    def finish(self, handle: Handle, release: bool = False) -> None:
         """Return once the header may follow what was sent: for one-sided transports, once every
-        byte is in place (the header says so); for the others at once (the bytes go ahead of it)."""
+        byte is in place or the header carries what says when (cuda_ipc's event); for the others at
+        once (the bytes go ahead of it). release: no header follows but KVRelease, which says that
+        nothing writes the peer's blocks any more: return only once that is so."""
 
     def forget(self, advert: dict) -> None:
         """The peer is gone: drop what we hold for it."""
@@ -162,6 +166,7 @@ class Receiver:
     """Decode side of a transport: one per worker, for all its prefill peers."""
     name = ""
     one_sided = False  # peers write our blocks themselves (see common/kv_transport/__init__.py)
+    polled = False  # settle() turns true with nothing to wake the worker (cuda_ipc's event): poll without sleeping
 
     def advert(self) -> dict:
         return {}

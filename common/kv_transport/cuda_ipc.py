@@ -4,6 +4,18 @@ it once per peer and pool and copies its blocks into the granted ones on a strea
 one launch per piece (block_copy.py).
 Same host, CUDA pools. Not run in CI (no GPU): its tests are marked gpu.
 
+To a peer on the same GPU (the common case: workers sharing one), nothing waits on the host. Each
+piece's copy is queued from the caller's thread on our stream, behind the forward pass that wrote
+its layer (an event, not a synchronisation); the header carries an IPC event recorded after the
+last copy, and the decode worker polls it (settle) before decoding from those blocks. Our own
+forward waits on the same event on the device before it can reuse the blocks the copies read; a
+transfer given up waits for it on the host before KVRelease says the peer's blocks are free. The
+peer polls it, and does not make its stream wait on it: a wait on the event of a writer that died
+before its copies ended may never end, a poll ends with the lease. Events come from a ring per device (RING); one recorded
+again before a peer polled it only makes that peer wait for later copies as well.
+A peer on another GPU, or in this process (an IPC event cannot be opened where it was made), is
+copied to from the transport's thread, which synchronises before the header goes.
+
 A pool opened in this process stays allocated on the device while it is open, even after its
 decode worker died: the advert carries the worker's pid, and a restarted peer's old pool is closed
 within a second by the prefill worker's tick (mapped.py: sweep), or the restarted worker would
@@ -13,15 +25,20 @@ find its memory still taken.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import types
 
 import torch
 
 from common.config import DTYPES
+from common.kv_transport.base import Handle, Inbox, Outgoing
 from common.kv_transport.block_copy import warm_up
 from common.kv_transport.jobs import on_stream
 from common.kv_transport.mapped import MappedReceiver, MappedSender
+
+RING = 64  # completion events per device, recorded in turn
+OPENED = 1024  # a decode worker keeps this many of its writers' events open (a few rings)
 
 
 class CudaIpcSender(MappedSender):
@@ -30,7 +47,8 @@ class CudaIpcSender(MappedSender):
 
     def __init__(self):
         super().__init__()
-        self.streams: dict[torch.device, torch.cuda.Stream] = {}  # used on the copier thread only
+        self.streams: dict[torch.device, torch.cuda.Stream] = {}
+        self.rings: dict[torch.device, itertools.cycle] = {}  # device -> (event, its IPC handle), in turn
 
     def _key(self, advert: dict) -> str:
         return advert["ipc"][7].hex()  # the allocation's IPC handle
@@ -48,28 +66,55 @@ class CudaIpcSender(MappedSender):
         pid = getattr(self.maps.get(key), "pid", None)
         return pid is not None and not os.path.exists(f"/proc/{pid}")
 
+    def _stream(self, device: torch.device) -> torch.cuda.Stream:
+        return self.streams.get(device) or self.streams.setdefault(device, torch.cuda.Stream(device))
+
+    def open(self, out: Outgoing) -> Handle:
+        handle = super().open(out)
+        ours = out.pool.device
+        if handle.peer.device == ours and self.maps[handle.info["key"]].pid not in (None, os.getpid()):
+            handle.queued_on = self._stream(ours)
+        return handle
+
+    def finish(self, handle: Handle, release: bool = False) -> None:
+        super().finish(handle)
+        stream = handle.queued_on
+        if stream is None:
+            return
+        if stream.device not in self.rings:
+            with torch.cuda.device(stream.device):
+                events = [torch.cuda.Event(interprocess=True) for _ in range(RING)]
+                self.rings[stream.device] = itertools.cycle([(e, e.ipc_handle()) for e in events])
+        event, ipc = next(self.rings[stream.device])
+        event.record(stream)
+        torch.cuda.current_stream(stream.device).wait_event(event)  # our forward reuses the blocks after the copies
+        handle.info["event"] = ipc
+        if release:
+            event.synchronize()
+
     @contextlib.contextmanager
-    def _copying(self, ours: torch.device, peers: torch.device, after):
+    def _copying(self, ours: torch.device, peers: torch.device, after, queued_on):
         """On a stream of our own, so that a streamed layer's copy waits for that layer only and the
-        forward's later layers do not wait for it. A copy to another GPU runs on the source's stream,
-        but without peer access ends on the peer device's current stream (torch copies through a
-        temporary there), which nothing else of ours uses: both streams' ends are the copies' end,
-        also when one failed (the blocks are handed back after this)."""
-        if ours not in self.streams:
-            self.streams[ours] = torch.cuda.Stream(ours)
-        stream = self.streams[ours]
+        forward's later layers do not wait for it. Queued there (queued_on), or complete when this
+        exits: a copy to another GPU runs on the source's stream, but without peer access ends on
+        the peer device's current stream (torch copies through a temporary there), which nothing
+        else of ours uses: both streams' ends are the copies' end, also when one failed (the blocks
+        are handed back after this)."""
+        stream = queued_on or self._stream(ours)
         stream.wait_event(after)
         try:
             with on_stream(stream):
                 yield
         finally:
-            stream.synchronize()
-            if peers != ours:
-                torch.cuda.current_stream(peers).synchronize()
+            if queued_on is None:
+                stream.synchronize()
+                if peers != ours:
+                    torch.cuda.current_stream(peers).synchronize()
 
 
 class CudaIpcReceiver(MappedReceiver):
     name = "cuda_ipc"
+    polled = True
 
     def __init__(self, pool: torch.Tensor, dtype: str):
         from torch.multiprocessing.reductions import reduce_tensor
@@ -77,4 +122,30 @@ class CudaIpcReceiver(MappedReceiver):
         _, args = reduce_tensor(pool)
         ipc = [None, list(args[1]), list(args[2]), args[3], None, dtype, *args[6:10], False, *args[11:]]
         self.key = ipc[7].hex()
+        self.device = pool.device
+        self.events: dict[bytes, torch.cuda.Event] = {}  # our writers' completion events, opened once each
         super().__init__({"ipc": ipc, "pid": os.getpid()})
+
+    def begin(self, inbox: Inbox, info: dict) -> None:
+        super().begin(inbox, info)
+        ipc = info.get("event")
+        if ipc is None or inbox.error is not None:
+            return
+        if ipc not in self.events:
+            if len(self.events) >= OPENED:
+                del self.events[next(iter(self.events))]
+            try:
+                self.events[ipc] = torch.cuda.Event.from_ipc_handle(self.device, ipc)
+            except (RuntimeError, TypeError, ValueError) as e:
+                return inbox.fail(f"cannot open the writer's completion event ({type(e).__name__}: {e})")
+        inbox.fence = self.events[ipc]
+
+    def settle(self, inbox: Inbox) -> bool:
+        if inbox.fence is not None:
+            try:
+                if not inbox.fence.query():
+                    return False
+            except RuntimeError as e:  # its writer died with it
+                inbox.fail(f"the writer's completion event failed ({e})")
+            inbox.fence = None
+        return True

@@ -55,6 +55,16 @@ class JobThread:
         self.jobs.put(None)
 
 
+def run_now(fn: Callable) -> concurrent.futures.Future:
+    """fn() run here, as a done future (of its result or its exception), for a job that needs no thread."""
+    future = concurrent.futures.Future()
+    try:
+        future.set_result(fn())
+    except Exception as e:
+        future.set_exception(e)
+    return future
+
+
 def written(t: torch.Tensor):
     """For a CUDA tensor, an event after the work queued so far on this thread's stream (the
     forward that wrote it), for a transport's own stream to wait on; None elsewhere. Waiting on

@@ -1,7 +1,8 @@
 """One-sided transports (shm, cuda_ipc): the prefill worker maps the decode worker's pool into its
 own process once per peer and copies its blocks straight into the granted ones, from a thread of
 its own, so that a streamed transfer's copies overlap the forward pass. Only the KVTransfer
-header then crosses ZeroMQ, and says that every byte is in place.
+header then crosses ZeroMQ, and says that every byte is in place (or, from cuda_ipc to a peer on
+the same GPU, carries the event that says when: cuda_ipc.py).
 
 The decode worker cannot tell when a writer is done (see __init__.py): the writer checks its own
 view of the lease as each copy starts, not when it is queued.
@@ -18,7 +19,7 @@ import torch
 
 from common.kv_transport.base import Handle, Inbox, Outgoing, Receiver, Sender, TransportError
 from common.kv_transport.block_copy import copy_blocks
-from common.kv_transport.jobs import JobThread, written
+from common.kv_transport.jobs import JobThread, run_now, written
 
 HOSTNAME = socket.gethostname()
 
@@ -78,15 +79,16 @@ class MappedSender(Sender):
         def copy():
             if time.monotonic() > out.write_by:  # queued too long: the blocks may be someone else's by now
                 raise TransportError("the grant's lease ended before this copy could start")
-            with torch.inference_mode(), self._copying(out.pool.device, peer.device, after):  # as the forward
+            with torch.inference_mode(), self._copying(out.pool.device, peer.device, after, handle.queued_on):
                 copy_blocks(out.pool, out.src_blocks[b], peer, out.dst_blocks[b], slice(layers.start, layers.stop))
-        handle.futures.append(self.copier.submit(copy))
+        handle.futures.append(run_now(copy) if handle.queued_on is not None else self.copier.submit(copy))
 
-    def finish(self, handle: Handle) -> None:
+    def finish(self, handle: Handle, release: bool = False) -> None:
         concurrent.futures.wait(handle.futures)
 
-    def _copying(self, ours: torch.device, peers: torch.device, after) -> contextlib.AbstractContextManager:
-        """Where the copies run, once `after` (written()) is reached; they are complete when it exits."""
+    def _copying(self, ours: torch.device, peers: torch.device, after, queued_on) -> contextlib.AbstractContextManager:
+        """Where the copies run, once `after` (written()) is reached; they are complete when it exits,
+        or, on a queued_on stream, queued there."""
         return contextlib.nullcontext()
 
     def forget(self, advert: dict) -> None:
