@@ -22,9 +22,10 @@
 #   bash bench/gpu_session.sh router   # bench router on the GPU host's CPU: SDK, HTTP, 4 API servers  (~2 min, no GPU)
 set -u
 # A machine goes back 30 s after a call and a new one takes a minute or more to start (on
-# 2026-11-26 three calls of 110, 200 and 383 s held it 797 s in all). Next: `BUDGET=380 ... verify`
-# (the tests, the profile, whether 128-row prefill tiles keep the bits, transformers beside us, the
-# grid), then `prefill-rows` if 128-row prefill tiles kept the bits, then `cluster`, then `serve`.
+# 2026-11-26 three calls of 110, 200 and 383 s held it 797 s in all). Next: `BUDGET=540 ... verify`
+# with timeout_s 600 (the tests, the profile, whether 128-row prefill tiles keep the bits, cuda_ipc
+# 8 and 256 MiB, transformers beside us, the grid), then, if device time is left for a second call,
+# `prefill-rows` if 128-row prefill tiles kept the bits, else `cluster`; then `serve`.
 # Waiting for a GPU since 2026-11-26 (all tested in Triton's
 # interpreter and compiled for sm_90 by tests/triton_aot.py, none run on a GPU):
 # - the split matmul's segments are added by the kernels that read its output, and SiLU times the
@@ -33,6 +34,10 @@ set -u
 # - KV block copies on one GPU are one Triton launch (common/kv_transport/block_copy.py):
 #   `cluster`'s transfer-8m prints in_place_over_d2d_ms (issue 12: at most 0.1 ms), transfer-256m
 #   vs_d2d (at least 0.5); the GPU tests check its bits through cuda_ipc, fragmented.
+# - cuda_ipc on one GPU queues its copies from the caller's thread and sends the header at once
+#   with an IPC event the decode worker polls (common/kv_transport/cuda_ipc.py): the GPU tests
+#   (test_kv_stream's pieces test, the 1P1D cluster) check the bits; `cluster`'s transfer and
+#   handoff rows show what the host waits no longer cost.
 # Cluster stages serve 4,096-token contexts: sized for llama-1b's whole 131,072, each worker would set
 # GBs aside for one step's attention partials (a GPU test starts a cluster with no flag at all).
 CTX=--worker-arg=--max-model-len=4096
@@ -55,7 +60,7 @@ run() {  # run NAME SECONDS CMD...: its output in $OUT/NAME.log, its last line (
     # SIGINT first: pytest then prints its failures and summary, a bench what it has
     timeout -s INT -k 20 "$limit" "$@" > "$OUT/$name.log" 2>&1
     local rc=$?
-    # a bench's last line is its JSON; only 8 files come back from $OUT, so no others
+    # a bench's last line is its JSON
     tail -n 1 "$OUT/$name.log" | grep '^{' > "$OUT/$name.json" || rm -f "$OUT/$name.json"
     echo "$name: rc=$rc in $((SECONDS - t0)) s" | tee -a "$OUT/summary.txt"
 }
@@ -131,6 +136,7 @@ profile)
 verify)
     # after kernel changes, in one call of at most $BUDGET seconds (400): the GPU tests, the step
     # profile, the attention's variants (and whether 128-row prefill tiles keep the bits: PREFILL_ROWS),
+    # cuda_ipc transfers of 8 and 256 MiB,
     # the engine at batch 1 and 64 beside transformers, then as much of the whole engine grid as the
     # time left allows (each point is printed as it is taken)
     end=$((SECONDS + ${BUDGET:-400}))
@@ -141,6 +147,11 @@ verify)
     run step-profile "$(left 60)" pdserve bench step-profile --device cuda:0 --model dummy:llama-1b \
         --max-model-len 4096 --batch-sizes 1,64 --kv-len 512 --steps 32 --top 12
     run attention-tiles "$(left 60)" python3 -m bench.attention_tiles
+    # issue 12 on one GPU: the one-launch block copy and the IPC event (at most 0.1 ms over the copy; vs_d2d >= 0.5)
+    run transfer-8m "$(left 50)" pdserve bench transfer --transport cuda_ipc --devices cuda:0 --tokens 256 \
+        --model dummy:llama-1b
+    run transfer-256m "$(left 50)" pdserve bench transfer --transport cuda_ipc --devices cuda:0 --tokens 8192 \
+        --model dummy:llama-1b
     # (transformers' half compiles its static-cache step per shape: 134 s was not enough on 2026-11-26)
     run engine-vs-hf "$(left 220)" pdserve bench engine --device cuda:0 --model dummy:llama-1b --max-model-len 4096 \
         --vs-transformers --batch-sizes 1,64 --kv-lens 512 --steps 32
@@ -150,6 +161,7 @@ verify)
     grep -v '^{' "$OUT/engine-vs-hf.log" | tail -n 40
     grep -A4 "where a step" "$OUT/step-profile.log"
     grep -v '^{' "$OUT/attention-tiles.log" | tail -n 9
+    grep -v '^{' "$OUT/transfer-8m.log" "$OUT/transfer-256m.log" | tail -n 14
     grep '^\[' "$OUT/engine-grid.log" | grep -v "profiling\|prefill of"
     ;;
 scaling)
@@ -197,3 +209,6 @@ router)
     ;;
 esac
 cat "$OUT/summary.txt"
+if [ "$(ls "$OUT" | wc -l)" -gt 8 ]; then  # only 8 files come back from $OUT: one archive of them all
+    tar czf /tmp/pdserve-results.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/pdserve-results.tgz "$OUT/results.tgz"
+fi
