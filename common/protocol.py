@@ -285,8 +285,10 @@ class KVTransfer:
     """Prefill -> decode: the KV of one request is (or, for gloo and nccl, is being) put into
     these granted blocks by `transport`; start decoding it once all of it is there. No frames:
     the bytes went in the KVChunks ahead of it (zmq), straight into the decode worker's pool (shm,
-    cuda_ipc), or point to point as those KVChunks announced (gloo, nccl). prefilled_at: the
-    prefill's wall-clock time when it sampled the first token, for the decode worker's handoff_s."""
+    cuda_ipc; on one GPU cuda_ipc's copies may still be under way: transport_info carries the
+    event that says when they end), or point to point as those KVChunks announced (gloo, nccl).
+    prefilled_at: the prefill's wall-clock time when it sampled the first token, for the decode
+    worker's handoff_s."""
     request_id: str
     attempt: int
     token_ids: list[int]

@@ -11,8 +11,9 @@ request was cancelled) come back when the lease expires. A full pool or a full b
 reservation with BUSY and queues it, in order of arrival, granting it as soon as room frees: that
 is the backpressure, and a busy decode worker is a queue, not a failure. A queued reservation its
 prefill worker stops asking about (it asks every REASK_S) is dropped after QUEUE_STALE_S. Where a peer
-may write our blocks itself (shm), a cancelled reservation's blocks are fenced: they come back
-only when that writer says it is done, or at the end of the lease.
+may write our blocks itself (shm, cuda_ipc), a cancelled reservation's blocks are fenced: they
+come back only when that writer says it is done (for cuda_ipc on one GPU, once the event its header
+carries completed), or at the end of the lease.
 
 Role "mono" also takes PrefillWork from the router and runs the whole request itself: the
 monolithic engine behind the same router, the baseline the disaggregated topologies must beat.
@@ -32,9 +33,10 @@ from common.engine import RequestOutput
 from common.errors import InvalidArgument
 from common.kv_transport import Inbox, make_receivers, offered, tune_malloc
 from common.sampling_params import SamplingParams
-from common.worker import WorkerBase
+from common.worker import STALLED_POLL_MS, WorkerBase
 
 log = logging.getLogger("pdserve.decode")
+SPIN_S = 0.005  # after a header whose copies we poll for (cuda_ipc's event), the loop does not sleep this long
 QUEUE_STALE_S = 5.0  # a queued reservation not asked about again this long is dropped (its prefill is gone)
 
 
@@ -81,6 +83,7 @@ class DecodeWorker(WorkerBase):
         self.queued: dict[str, Queued] = {}  # request id -> reservation waiting for room, in arrival order
         self._room_seen: tuple | None = None  # the room the queue was last tried against
         self.fenced: dict[tuple[str, int], Reservation] = {}  # (request id, attempt): dropped, maybe being written
+        self.spin_until = 0.0  # (poll_timeout)
         self.arriving: dict[str, tuple[P.KVTransfer, bytes]] = {}  # header in, the transport still settling
         self.streams: dict[str, tuple[int, dict]] = {}  # request id -> (attempt, timings)
         log.info("KV transports offered: %s", list(self.receivers))
@@ -113,7 +116,8 @@ class DecodeWorker(WorkerBase):
         self.queued.pop(rid, None)
         r = self.reservations.pop(rid, None)
         if r is not None:
-            self._free(rid, r, writer_done=self.arriving.pop(rid, None) is not None)
+            arrived = self.arriving.pop(rid, None) is not None
+            self._free(rid, r, writer_done=arrived and not r.inbox.writing())
         self.streams.pop(rid, None)
         self.engine.abort_request(rid)
 
@@ -124,8 +128,9 @@ class DecodeWorker(WorkerBase):
         else:
             self.engine.unreserve(r.block_ids)
 
-    def _writer_done(self, rid: str, attempt: int) -> bool:
-        """A KVRelease or KVTransfer from this attempt's writer: unreserve what it held."""
+    def _writer_done(self, rid: str, attempt: int, fence=None) -> bool:
+        """A KVRelease or KVTransfer from this attempt's writer: unreserve what it held, or fence it
+        until the copies the header says are still under way end (fence: cuda_ipc's event)."""
         r = self.reservations.get(rid)
         if r is not None and r.attempt == attempt:
             del self.reservations[rid]
@@ -134,8 +139,16 @@ class DecodeWorker(WorkerBase):
             r = self.fenced.pop((rid, attempt), None)
         if r is None:
             return False
-        self.engine.unreserve(r.block_ids)
+        if fence is not None:
+            r.inbox = r.inbox or Inbox(self.engine.kv_cache, r.block_ids)
+            r.inbox.fence = fence
+        self._free(rid, r, writer_done=r.inbox is None or not r.inbox.writing())
         return True
+
+    def _fence(self, msg: P.KVTransfer):
+        """What says when the writer of this (refused) header is done writing, if it may not be yet."""
+        receiver = self.receivers.get(msg.transport)
+        return receiver.fence(msg.transport_info) if receiver is not None else None
 
     # ------------------------------------------------------------------ KV ingress
 
@@ -252,7 +265,7 @@ class DecodeWorker(WorkerBase):
 
         r = self.reservations.get(msg.request_id)
         if r is None or r.attempt != msg.attempt:
-            self._writer_done(msg.request_id, msg.attempt)  # fenced blocks, if any, come back
+            self._writer_done(msg.request_id, msg.attempt, self._fence(msg))  # fenced blocks, if any, come back
             return refuse("no reservation for this request and attempt (expired or cancelled)")
         problem = self._layout_problem(msg.layout)
         n = len(msg.block_ids)
@@ -270,17 +283,19 @@ class DecodeWorker(WorkerBase):
             elif r.inbox.block_ids != msg.block_ids:
                 problem = f"KV chunks were for blocks {r.inbox.block_ids}, the header names {msg.block_ids}"
         if problem:
-            self._writer_done(msg.request_id, msg.attempt)
+            self._writer_done(msg.request_id, msg.attempt, self._fence(msg))
             return refuse(problem)
         receiver.begin(r.inbox, msg.transport_info)
         self.arriving[msg.request_id] = (msg, sender)
+        self.spin_until = time.monotonic() + SPIN_S if receiver.polled else self.spin_until
         self._settle()
 
     def poll_timeout(self) -> int:
-        """As any worker's, but no sleep while KV is arriving by a transport whose arrival nothing
-        wakes us for (cuda_ipc's event): a copy ends within a millisecond."""
+        """As any worker's, but while KV is arriving by a transport whose arrival nothing wakes us
+        for (cuda_ipc's event): no sleep for SPIN_S after its header (a copy ends within a
+        millisecond), then STALLED_POLL_MS (a writer that died leaves its event pending)."""
         if any(self.receivers[msg.transport].polled for msg, _ in self.arriving.values()):
-            return 0
+            return 0 if time.monotonic() < self.spin_until else min(STALLED_POLL_MS, super().poll_timeout())
         return super().poll_timeout()
 
     def _settle(self):
@@ -298,7 +313,7 @@ class DecodeWorker(WorkerBase):
 
     def _start(self, msg: P.KVTransfer, r: Reservation) -> tuple[bool, str]:
         if r.inbox.error is not None:
-            self.engine.unreserve(r.block_ids)
+            self._free(msg.request_id, r, writer_done=not r.inbox.writing())
             return False, r.inbox.error
         try:
             self.engine.add_prefilled(msg.request_id, msg.token_ids, msg.num_prompt_tokens,
@@ -349,7 +364,8 @@ class DecodeWorker(WorkerBase):
                 self.arriving.pop(rid, None)
                 self.engine.unreserve(r.block_ids)
         for key, r in list(self.fenced.items()):
-            if now > r.expires:  # no writer writes past its lease
+            # no writer writes past its lease; a cuda_ipc header's copies end with its event
+            if now > r.expires or (r.inbox is not None and r.inbox.fence is not None and not r.inbox.writing()):
                 del self.fenced[key]
                 self.engine.unreserve(r.block_ids)
         for receiver in self.receivers.values():

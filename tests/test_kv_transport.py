@@ -200,6 +200,33 @@ def test_gpu_transport_delivers_bit_identical_kv(transport):
         run.close()
 
 
+@pytest.mark.gpu
+def test_cuda_ipc_on_one_gpu_decodes_only_once_copies_held_up_on_the_device_are_done(monkeypatch):
+    """The header goes ahead of the copies: with the copy stream held up on the device for about
+    0.1 s, the receiver must poll the event and compare the bits only after it completed (the
+    warm-up transfer checks every bit); it would read zeros if it took the header's word."""
+    from common.kv_transport.cuda_ipc import CudaIpcSender
+
+    stream = CudaIpcSender._stream
+
+    def held_up(self, device):
+        made = device not in self.streams
+        s = stream(self, device)
+        if made:
+            with torch.cuda.stream(s):
+                torch.cuda._sleep(200_000_000)
+        return s
+    monkeypatch.setattr(CudaIpcSender, "_stream", held_up)
+    shape, dtype, device, n = B.kv_shape("dummy:llama-tiny", 300, 16, None, "cuda:0", "cuda_ipc")
+    t0 = time.perf_counter()
+    run = B.TransportRun("cuda_ipc", shape, dtype, device, n, fragmented=True)  # its warm-up compares the bits
+    try:
+        assert run.sender.rings, "the copies were not queued with an event (the host waited for them)"
+        assert time.perf_counter() - t0 > 0.05
+    finally:
+        run.close()
+
+
 def test_a_one_sided_copy_queued_past_the_lease_writes_nothing():
     """shm copies run on a thread: one that starts after the grant's lease (the blocks may have
     gone to another request) must fail its transfer, not write into them."""
@@ -577,39 +604,92 @@ def test_cuda_ipc_closes_a_dead_peers_pool(monkeypatch):
         sender.close()
 
 
+class StandInEvent:
+    """A writer's CUDA event, without a GPU: query() answers in turn (an exception is raised)."""
+
+    def __init__(self, *answers):
+        self.answers = list(answers)
+
+    def query(self):
+        answer = self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+
+def stand_in_cuda_ipc_receiver(events: dict):
+    """A cuda_ipc receiver whose writers' events are these stand-ins (its pool's IPC handle needs a GPU)."""
+    from common.kv_transport.cuda_ipc import CudaIpcReceiver
+
+    receiver = CudaIpcReceiver.__new__(CudaIpcReceiver)
+    receiver.key, receiver._advert, receiver.device, receiver.events = "pool", {}, None, events
+    return receiver
+
+
 def test_cuda_ipc_decodes_once_the_writers_event_completed_and_fails_when_it_cannot_be_read():
     """On one GPU the header comes ahead of the copies, with the writer's event: the transfer
     settles once a poll finds the event complete; an event that cannot be read any more (its
-    writer died) fails the transfer, and neither waits on the device. Without a GPU: the opened
-    event is a stand-in that answers query() in turn."""
-    from common.kv_transport.cuda_ipc import CudaIpcReceiver
-
-    class Event:
-        def __init__(self, *answers):
-            self.answers = list(answers)
-
-        def query(self):
-            answer = self.answers.pop(0)
-            if isinstance(answer, Exception):
-                raise answer
-            return answer
-
-    receiver = CudaIpcReceiver.__new__(CudaIpcReceiver)  # (its pool's IPC handle needs a GPU)
-    receiver.key, receiver._advert = "pool", {}
+    writer died) fails the transfer, and neither waits on the device; one that cannot be opened
+    fails it at once, its blocks still being written as far as we can tell."""
+    receiver = stand_in_cuda_ipc_receiver({})
     assert receiver.polled  # the decode worker polls without sleeping while this settles
     pool = torch.zeros(2, 2, 4, 16, 2, 8)
     for answers, error in (([False, False, True], None), ([False, RuntimeError("invalid resource handle")],
                                                            "the writer's completion event failed")):
-        receiver.events = {b"ev": Event(*answers)}
+        receiver.events[b"ev"] = StandInEvent(*answers)
         inbox = Inbox(pool, [1, 2])
         receiver.begin(inbox, {"key": "pool", "event": b"ev"})
         settled = [receiver.settle(inbox) for _ in answers]
         assert settled == [False] * (len(answers) - 1) + [True]
-        assert receiver.settle(inbox)  # and stays settled, without asking again
+        assert receiver.settle(inbox) and not inbox.writing()  # and stays settled
         assert inbox.error.startswith(error) if error else inbox.error is None and inbox.complete
+    inbox = Inbox(pool, [1, 2])
+    receiver.begin(inbox, {"key": "pool", "event": ["not", "a", "handle"]})
+    assert receiver.settle(inbox) and "is not an IPC event handle" in inbox.error and inbox.writing()
     inbox = Inbox(pool, [1, 2])
     receiver.begin(inbox, {"key": "pool"})  # a writer on another GPU: in place when the header comes
     assert receiver.settle(inbox) and inbox.complete and inbox.error is None
+
+
+def test_a_cuda_ipc_headers_blocks_come_back_only_once_its_event_completed():
+    """The header comes ahead of the copies, so blocks it names may still be being written: a
+    cancel then, or a header refused, fences them until its event completes (another request
+    would get blocks still being written), and a transfer decodes only after it. Without a GPU:
+    a decode worker in this process, its cuda_ipc receiver's events stand-ins."""
+    from decode_worker.worker import DecodeWorker
+
+    events = {}
+    worker = DecodeWorker(WorkerConfig(router="tcp://127.0.0.1:9", engine=EngineConfig(model="dummy:nanogpt",
+                                                                                     kv_transport="shm")))
+    try:
+        worker.receivers["cuda_ipc"] = stand_in_cuda_ipc_receiver(events)
+        layout, free = worker.engine.kv_layout, worker.engine.block_manager.num_free_blocks
+
+        def transfer(rid: str, block_ids=None) -> StandInEvent:
+            worker._reserve(b"peer", P.KVReserve(rid, 1, 40, layout))
+            events[rid.encode()] = event = StandInEvent(False)
+            block_ids = worker.reservations[rid].block_ids if block_ids is None else block_ids
+            worker._on_transfer(P.KVTransfer(rid, 1, list(range(41)), 40, 0, {}, 0, layout, 40, block_ids,
+                                             "cuda_ipc", {"key": "pool", "event": rid.encode()}), b"peer")
+            return event
+
+        cancelled = transfer("cancelled")
+        assert worker.poll_timeout() == 0  # a copy ends within a millisecond: no sleep
+        worker.on_router(P.CancelWork("cancelled", 1))
+        refused = transfer("refused", block_ids=[0])  # not the blocks granted
+        assert "refused" not in worker.reservations
+        decoding = transfer("decoding")
+        for _ in range(3):
+            worker.on_tick(time.monotonic())
+        assert set(worker.fenced) == {("cancelled", 1), ("refused", 1)} and "decoding" in worker.arriving
+        assert worker.engine.block_manager.num_free_blocks == free - 3 * 3  # 40 tokens: 3 blocks each
+        for event in (cancelled, refused, decoding):
+            event.answers = [True]
+        worker.on_tick(time.monotonic())
+        assert not worker.fenced and "decoding" in worker.streams and not worker.arriving
+        assert worker.engine.block_manager.num_free_blocks == free - 3
+    finally:
+        worker.close()
 
 
 def _two_decode_cluster(tmp_path, prefill_args=(), decode0_args=()) -> Cluster:

@@ -37,9 +37,10 @@ module the choice of transport; each transport is a module of its own:
 
 shm and cuda_ipc are one-sided: the decode worker cannot tell when a writer is done, so blocks
 granted by a decode worker that offers them come back only on word from the writer (KVTransfer
-or KVRelease) or at the end of the lease; the prefill never starts writing past its own view of
-the lease (measured from its request, so earlier than the decode worker's), checked as each copy
-starts, not when it is queued.
+or KVRelease; a cuda_ipc header's event, once it completed) or at the end of the lease; the
+prefill never starts writing past its own view of the lease (measured from its request, so
+earlier than the decode worker's), checked as each copy starts, not when it is queued (cuda_ipc
+on one GPU: as it is queued on the device, which runs a step or two behind).
 """
 
 from __future__ import annotations

@@ -47,10 +47,12 @@ class Handle:
     failed: str | None = None  # a send that failed half way (some bytes may be under way)
     peer: object = None  # what the sends go into: the peer's pool (shm, cuda_ipc), the pair (gloo, nccl)
     queued_on: object = None  # cuda_ipc to a peer on our GPU: the stream its copies are queued on, unsynchronised
+    copied: object = None  # and the event finish() recorded after them there
 
     def sent(self) -> bool:
         """Nothing reads our blocks for this transfer any more: they may be reused."""
-        return all(f.done() for f in self.futures) and all(t.done for t in self.trackers)
+        return (all(f.done() for f in self.futures) and all(t.done for t in self.trackers)
+                and (self.copied is None or self.copied.query()))
 
     def error(self) -> str | None:
         if self.failed is None:
@@ -116,6 +118,19 @@ class Inbox:
                 pool[row + skip:row + skip + take].copy_(src[k:k + take])
                 i, u, k = i + 1, u + take, k + take
             self.arrived[first:first + count] = b"\x01" * count
+
+    def writing(self) -> bool:
+        """Whether the writer's copies may still be under way (cuda_ipc: its event has not completed).
+        An event that cannot be read any more fails the transfer: its writer died, its copies with it."""
+        if self.fence is None:
+            return False
+        try:
+            if not self.fence.query():
+                return True
+        except RuntimeError as e:
+            self.fail(f"the writer's completion event failed ({e})")
+        self.fence = None
+        return False
 
     def put_all(self) -> None:
         """The bytes were written straight into the pool by the peer (one-sided transports)."""
@@ -184,6 +199,11 @@ class Receiver:
     def settle(self, inbox: Inbox) -> bool:
         """True once the KV is in the pool, or the inbox failed."""
         return True
+
+    def fence(self, info: dict):
+        """What says when the writer of a header with this transport_info is done writing our blocks,
+        if it may not be yet (cuda_ipc's event, polled by Inbox.writing), else None."""
+        return None
 
     def poll(self, now: float) -> None:
         pass

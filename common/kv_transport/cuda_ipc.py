@@ -7,14 +7,18 @@ Same host, CUDA pools. Not run in CI (no GPU): its tests are marked gpu.
 To a peer on the same GPU (the common case: workers sharing one), nothing waits on the host. Each
 piece's copy is queued from the caller's thread on our stream, behind the forward pass that wrote
 its layer (an event, not a synchronisation); the header carries an IPC event recorded after the
-last copy, and the decode worker polls it (settle) before decoding from those blocks. Our own
-forward waits on the same event on the device before it can reuse the blocks the copies read; a
-transfer given up waits for it on the host before KVRelease says the peer's blocks are free. The
-peer polls it, and does not make its stream wait on it: a wait on the event of a writer that died
-before its copies ended may never end, a poll ends with the lease. Events come from a ring per device (RING); one recorded
-again before a peer polled it only makes that peer wait for later copies as well.
-A peer on another GPU, or in this process (an IPC event cannot be opened where it was made), is
-copied to from the transport's thread, which synchronises before the header goes.
+last copy, and the decode worker polls it (Inbox.writing) before it decodes from those blocks or
+gives them back. It polls, and does not make its stream wait on the event: a wait on the event of
+a writer that died before its copies ended may never end, a poll ends with the lease. Our source
+blocks are reused once the peer acknowledged (it saw the event complete), or, for a transfer
+given up, once finish(release=True) waited for the event on the host before KVRelease. Events come
+from a ring per device (RING); one recorded again before a peer polled it only makes that peer
+wait for later copies as well. A copy queued before the lease's end may run on the GPU after it:
+the GPU runs behind the host by a step or two, well inside the lease's margin
+(prefill_worker/worker.py: LEASE_MARGIN_S).
+A peer on another GPU, in this process (an IPC event cannot be opened where it was made), or that
+does not say in its advert that it polls events, is copied to from the transport's thread, which
+synchronises before the header goes.
 
 A pool opened in this process stays allocated on the device while it is open, even after its
 decode worker died: the advert carries the worker's pid, and a restarted peer's old pool is closed
@@ -26,16 +30,20 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import os
 import types
 
 import torch
 
 from common.config import DTYPES
+from common.errors import first_line
 from common.kv_transport.base import Handle, Inbox, Outgoing
 from common.kv_transport.block_copy import warm_up
 from common.kv_transport.jobs import on_stream
 from common.kv_transport.mapped import MappedReceiver, MappedSender
+
+log = logging.getLogger(__name__)
 
 RING = 64  # completion events per device, recorded in turn
 OPENED = 1024  # a decode worker keeps this many of its writers' events open (a few rings)
@@ -69,10 +77,25 @@ class CudaIpcSender(MappedSender):
     def _stream(self, device: torch.device) -> torch.cuda.Stream:
         return self.streams.get(device) or self.streams.setdefault(device, torch.cuda.Stream(device))
 
+    def _ring(self, device: torch.device):
+        """This device's completion events, made at the first transfer queued on it; None (and the
+        host waits, as to another GPU) where interprocess events cannot be made."""
+        if device not in self.rings:
+            try:
+                with torch.cuda.device(device):
+                    events = [torch.cuda.Event(interprocess=True) for _ in range(RING)]
+                    self.rings[device] = itertools.cycle([(e, e.ipc_handle()) for e in events])
+            except RuntimeError as e:
+                log.warning("cuda_ipc on %s waits for its copies on the host: no interprocess events (%s)",
+                            device, first_line(e))
+                self.rings[device] = None
+        return self.rings[device]
+
     def open(self, out: Outgoing) -> Handle:
         handle = super().open(out)
         ours = out.pool.device
-        if handle.peer.device == ours and self.maps[handle.info["key"]].pid not in (None, os.getpid()):
+        if (handle.peer.device == ours and self.maps[handle.info["key"]].pid not in (None, os.getpid())
+                and out.advert.get("events") and self._ring(ours) is not None):
             handle.queued_on = self._stream(ours)
         return handle
 
@@ -81,14 +104,9 @@ class CudaIpcSender(MappedSender):
         stream = handle.queued_on
         if stream is None:
             return
-        if stream.device not in self.rings:
-            with torch.cuda.device(stream.device):
-                events = [torch.cuda.Event(interprocess=True) for _ in range(RING)]
-                self.rings[stream.device] = itertools.cycle([(e, e.ipc_handle()) for e in events])
         event, ipc = next(self.rings[stream.device])
         event.record(stream)
-        torch.cuda.current_stream(stream.device).wait_event(event)  # our forward reuses the blocks after the copies
-        handle.info["event"] = ipc
+        handle.copied, handle.info["event"] = event, ipc
         if release:
             event.synchronize()
 
@@ -112,6 +130,17 @@ class CudaIpcSender(MappedSender):
                     torch.cuda.current_stream(peers).synchronize()
 
 
+class Unopened:
+    """Stands for a writer's event that could not be opened: as far as we can tell, its copies end
+    with the lease."""
+
+    def __init__(self, why: str):
+        self.why = why
+
+    def query(self) -> bool:
+        return False
+
+
 class CudaIpcReceiver(MappedReceiver):
     name = "cuda_ipc"
     polled = True
@@ -124,28 +153,30 @@ class CudaIpcReceiver(MappedReceiver):
         self.key = ipc[7].hex()
         self.device = pool.device
         self.events: dict[bytes, torch.cuda.Event] = {}  # our writers' completion events, opened once each
-        super().__init__({"ipc": ipc, "pid": os.getpid()})
+        # events: we poll a writer's event (a writer queues its copies only for a decode worker that does)
+        super().__init__({"ipc": ipc, "pid": os.getpid(), "events": True})
 
-    def begin(self, inbox: Inbox, info: dict) -> None:
-        super().begin(inbox, info)
+    def fence(self, info: dict):
         ipc = info.get("event")
-        if ipc is None or inbox.error is not None:
-            return
+        if ipc is None:
+            return None
+        if not isinstance(ipc, bytes):
+            return Unopened(f"the writer's completion event {ipc!r:.40} is not an IPC event handle (bytes)")
         if ipc not in self.events:
             if len(self.events) >= OPENED:
                 del self.events[next(iter(self.events))]
             try:
                 self.events[ipc] = torch.cuda.Event.from_ipc_handle(self.device, ipc)
             except (RuntimeError, TypeError, ValueError) as e:
-                return inbox.fail(f"cannot open the writer's completion event ({type(e).__name__}: {e})")
-        inbox.fence = self.events[ipc]
+                return Unopened(f"cannot open the writer's completion event ({type(e).__name__}: {e})")
+        return self.events[ipc]
+
+    def begin(self, inbox: Inbox, info: dict) -> None:
+        super().begin(inbox, info)
+        if inbox.error is None:
+            inbox.fence = self.fence(info)
+            if isinstance(inbox.fence, Unopened):
+                inbox.fail(inbox.fence.why)
 
     def settle(self, inbox: Inbox) -> bool:
-        if inbox.fence is not None:
-            try:
-                if not inbox.fence.query():
-                    return False
-            except RuntimeError as e:  # its writer died with it
-                inbox.fail(f"the writer's completion event failed ({e})")
-            inbox.fence = None
-        return True
+        return inbox.error is not None or not inbox.writing()

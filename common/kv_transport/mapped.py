@@ -5,7 +5,8 @@ header then crosses ZeroMQ, and says that every byte is in place (or, from cuda_
 the same GPU, carries the event that says when: cuda_ipc.py).
 
 The decode worker cannot tell when a writer is done (see __init__.py): the writer checks its own
-view of the lease as each copy starts, not when it is queued.
+view of the lease as each copy starts, not when it is queued on this thread (cuda_ipc on one GPU:
+as it is queued on the device).
 """
 
 from __future__ import annotations
