@@ -52,15 +52,18 @@ def bench_engine(num_requests, prompt_len, output_len, batch_sizes, kv_lens, pre
 @click.option("--top", default=15, show_default=True, type=int, help="rows of each kernel and function table")
 @click.option("--modes", default="both", show_default=True, type=click.Choice(["both", "invariant", "torch"]),
               help="kernel modes: batch-invariant, torch's ops, or both in turn (a CPU profiles its default only)")
+@click.option("--prefill-len", default=0, show_default=True, type=click.IntRange(min=0),
+              help="also profile one prompt of this many tokens' prefill (0: none)")
 @click.option("--seed", default=0, show_default=True, type=int)
 @engine_options
-def bench_step_profile(batch_sizes, kv_len, steps, top, modes, seed, engine_kwargs):
+def bench_step_profile(batch_sizes, kv_len, steps, top, modes, prefill_len, seed, engine_kwargs):
     """Where a decode step's time goes: the forward's graph and the sampler on the device, the host's
-    rest and its Python functions, and the forward's kernels by device time."""
+    rest and its Python functions, and the forward's kernels by device time; with --prefill-len,
+    a prefill's kernels too."""
     from bench.step_profile import run_step_profile
 
     run_step_profile(engine_kwargs, parse_ints(batch_sizes, "--batch-sizes", "batch sizes"), kv_len, steps, seed,
-                     top, modes)
+                     top, modes, prefill_len)
 
 
 @bench.command("serve")

@@ -12,6 +12,10 @@ kernel mode, on requests decoding with about `kv_len` tokens cached:
 - the forward's kernels, by device time per step (torch.profiler over eager forwards of the captured
   shape, which launch the kernels the graph holds: a graph's replay hides them from the profiler
   on some CUDA versions). Their sum against the graph's replay is what launching costs inside it.
+
+With --prefill-len N, also one N-token prompt's prefill (first token sampled), as `bench engine`
+times it against the matmul peak: its time, its FLOP rate, and its kernels by device time, the
+matmuls' against the attention's and the rest's.
 """
 
 from __future__ import annotations
@@ -25,9 +29,10 @@ import time
 import torch
 from torch.autograd import DeviceType
 
-from bench.engine import _sync, decoding_batch, engine_for_bench, release
+from bench.engine import _random_prompts, _sync, decoding_batch, engine_for_bench, prefill_flops, prefill_seconds, release
 from bench.report import print_json, print_table
 from common.sampling import GREEDY
+from common.sampling_params import SamplingParams
 
 
 def _device_ms(device: torch.device, fn, repeats: int) -> float:
@@ -145,15 +150,29 @@ def profile_point(engine, batch: int, kv_len: int, steps: int, rng: random.Rando
             "kernel_ms": round(kernel_us / 1e3, 4), "kernels": kernels, "host_functions": host}
 
 
+def profile_prefill(engine, tokens: int, repeats: int, rng: random.Random, top: int) -> dict:
+    """One `tokens`-token prompt's prefill: its best time, its FLOP rate, and its kernels by time."""
+    seconds = prefill_seconds(engine, tokens, rng, repeats)
+    prompt = _random_prompts(rng, 1, tokens, engine.model_config.vocab_size)
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    with torch.inference_mode():
+        kernels, launches, kernel_us = kernel_table(engine.config.torch_device, lambda: engine.generate(prompt, params),
+                                                    repeats, top)
+    flops = prefill_flops(engine, tokens)
+    return {"tokens": tokens, "ms": round(1e3 * seconds, 3), "tflop_s": round(flops / seconds / 1e12, 3),
+            "kernels_per_prefill": launches, "kernel_ms": round(kernel_us / 1e3, 4), "kernels": kernels}
+
+
 def run_step_profile(engine_kwargs: dict, batch_sizes: list[int], kv_len: int, steps: int, seed: int,
-                     top: int = 15, modes: str = "both") -> dict:
+                     top: int = 15, modes: str = "both", prefill_len: int = 0) -> dict:
     rng = random.Random(seed)
-    engine = engine_for_bench({**engine_kwargs, "async_scheduling": False}, max(batch_sizes), kv_len + 3 * steps + 8, 0)
+    engine = engine_for_bench({**engine_kwargs, "async_scheduling": False}, max(batch_sizes), kv_len + 3 * steps + 8,
+                              prefill_len)
     device = engine.config.torch_device
     order = {"both": [engine.batch_invariant, not engine.batch_invariant], "invariant": [True], "torch": [False]}[modes]
     if device.type != "cuda" and modes == "both":
         order = [engine.batch_invariant]  # a CPU's invariant mode is a different kernel set, not a cheaper one
-    results = {}
+    results, prefills = {}, {}
     for on in order:
         engine.set_batch_invariant(on)
         name = "batch_invariant" if engine.batch_invariant else "torch_ops"
@@ -167,6 +186,9 @@ def run_step_profile(engine_kwargs: dict, batch_sizes: list[int], kv_len: int, s
             print(f"[{name}] batch {b}: step {p['step_ms']:.3f} ms = forward {p['forward_ms']:.3f} + sample "
                   f"{p['sample_ms']:.3f} + host {p['host_ms']:.3f}; {p['kernels_per_forward']} kernels, "
                   f"{p['kernel_ms']:.3f} ms of them", file=sys.stderr, flush=True)
+        if prefill_len:
+            print(f"[{name}] profiling a {prefill_len}-token prefill", file=sys.stderr, flush=True)
+            prefills[name] = profile_prefill(engine, prefill_len, 3, rng, top)
         results[name] = points
 
     unit = "device" if device.type == "cuda" else "CPU"
@@ -187,7 +209,14 @@ def run_step_profile(engine_kwargs: dict, batch_sizes: list[int], kv_len: int, s
             print_table(f"{name.replace('_', ' ')}, batch {p['batch']}: the step's Python functions by own time per step",
                         ["function", "calls", "µs"],
                         [[r["function"][:90], f"{r['calls']:g}", f"{r['us']:.1f}"] for r in p["host_functions"]])
+    for name, p in prefills.items():
+        print_table(f"prefill of one {p['tokens']}-token prompt, {name.replace('_', ' ')}: {p['ms']:.2f} ms, "
+                    f"{p['tflop_s']:.3g} TFLOP/s; {p['kernels_per_prefill']} kernels, {p['kernel_ms']:.2f} ms of "
+                    f"{unit} time; by {unit} time", ["kernel", "calls", "µs", "share"],
+                    [[r["kernel"][:90], f"{r['calls']:g}", f"{r['us']:.1f}", f"{r['share']:.1%}"] for r in p["kernels"]])
     result = {"bench": "step_profile", "model": engine.config.model, "device": str(device),
               "dtype": engine.config.dtype, "kv_len": kv_len, "steps": steps, "modes": results}
+    if prefills:
+        result["prefill"] = prefills
     print_json(result)
     return result

@@ -130,9 +130,10 @@ def test_bench_engine_prints_table_and_json():
 
 def test_bench_step_profile_splits_a_step_into_device_and_host_and_names_the_kernels():
     """On a CPU: no graphs, so the forward is the eager one of a step's own inputs, timed again;
-    the kernel table is torch's ops by their own time and the host's Python functions by theirs."""
+    the kernel table is torch's ops by their own time and the host's Python functions by theirs;
+    a prefill's ops too, with --prefill-len."""
     r = pdserve("bench", "step-profile", "--batch-sizes", "1,3", "--kv-len", "24", "--steps", "4", "--top", "5",
-                timeout=300)
+                "--prefill-len", "40", timeout=300)
     assert r.returncode == 0, r.stderr
     *table, last = r.stdout.strip().splitlines()
     result = json.loads(last)
@@ -149,6 +150,10 @@ def test_bench_step_profile_splits_a_step_into_device_and_host_and_names_the_ker
         assert any("prepare" in f["function"] for f in p["host_functions"]) or len(p["host_functions"]) == 5
     assert any("where a step's time goes" in line for line in table)
     assert f"batch 3: step {points[1]['step_ms']:.3f} ms" in r.stderr
+    prefill = result["prefill"]["torch_ops"]
+    assert prefill["tokens"] == 40 and prefill["ms"] > 0 and prefill["tflop_s"] > 0
+    assert 0 < len(prefill["kernels"]) <= 5 and any("mm" in k["kernel"] for k in prefill["kernels"])
+    assert any(line.startswith("prefill of one 40-token prompt, torch ops") for line in table)
 
 
 def test_weight_bytes_of_a_step_count_the_output_projection_once():
