@@ -14,7 +14,7 @@
 #   bash bench/gpu_session.sh serve    # bench serve: mono vs 1p1d vs 2p2d on dummy:llama-1b, step traces
 #   bash bench/gpu_session.sh prefix   # bench serve shared_prefixes: least_loaded vs prefix_affine, 2p1d (~2 min)
 #   bash bench/gpu_session.sh overlap  # 1p1d served with and without --async-scheduling: loop share, ITL
-#   bash bench/gpu_session.sh profile  # bench step-profile: a step's host and device time, the kernels by time (~1 min)
+#   bash bench/gpu_session.sh profile  # bench step-profile: a step's host and device time, the kernels by time, a prefill's (~1 min)
 #   bash bench/gpu_session.sh tiles    # the invariant matmul's tiles: which give the same bits, how fast each (~2 min)
 #   bash bench/gpu_session.sh prefill-rows  # prefill in 16- vs 128-row attention tiles, and invariance with 128 (~8 min)
 #   bash bench/gpu_session.sh verify   # after kernel changes: tests, engine vs transformers, profile, grid (BUDGET s)
@@ -130,7 +130,7 @@ overlap)
 profile)
     # issue 11: where the decode step's time goes, both kernel modes, batch 1 and 64
     run step-profile 240 pdserve bench step-profile --device cuda:0 --model dummy:llama-1b --max-model-len 4096 \
-        --batch-sizes 1,64 --kv-len 512 --steps 32 --top 20
+        --batch-sizes 1,64 --kv-len 512 --steps 32 --top 20 --prefill-len 2048
     grep -v '^{' "$OUT/step-profile.log" | grep -B2 -A4 "where a step's time goes"
     ;;
 verify)
@@ -144,8 +144,8 @@ verify)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt"
     run gpu-tests "$(left 280)" python3 -m pytest -m gpu tests -q --tb=short -p no:cacheprovider --timeout 200 -rf \
         --durations=5 --continue-on-collection-errors
-    run step-profile "$(left 60)" pdserve bench step-profile --device cuda:0 --model dummy:llama-1b \
-        --max-model-len 4096 --batch-sizes 1,64 --kv-len 512 --steps 32 --top 12
+    run step-profile "$(left 75)" pdserve bench step-profile --device cuda:0 --model dummy:llama-1b \
+        --max-model-len 4096 --batch-sizes 1,64 --kv-len 512 --steps 32 --top 12 --prefill-len 2048
     run attention-tiles "$(left 60)" python3 -m bench.attention_tiles
     # issue 12 on one GPU: the one-launch block copy and the IPC event (at most 0.1 ms over the copy; vs_d2d >= 0.5)
     run transfer-8m "$(left 50)" pdserve bench transfer --transport cuda_ipc --devices cuda:0 --tokens 256 \
@@ -160,6 +160,7 @@ verify)
     tail -n 4 "$OUT/gpu-tests.log"
     grep -v '^{' "$OUT/engine-vs-hf.log" | tail -n 40
     grep -A4 "where a step" "$OUT/step-profile.log"
+    grep -A14 "^prefill of one" "$OUT/step-profile.log"
     grep -v '^{' "$OUT/attention-tiles.log" | tail -n 9
     grep -v '^{' "$OUT/transfer-8m.log" "$OUT/transfer-256m.log" | tail -n 14
     grep '^\[' "$OUT/engine-grid.log" | grep -v "profiling\|prefill of"
@@ -173,15 +174,17 @@ scaling)
     ;;
 prefill-rows)
     # issue 11's prefill (29% of matmul peak, its attention 5.6 of 20 ms in 16-row tiles): a prefill
-    # chunk's attention in 128-row tiles (PREFILL_ROWS), if `verify`'s attention-tiles says they keep
-    # the bits: the prefill beside 16-row tiles, then the GPU invariance tests (chunked prompts) with them
+    # chunk's attention in 128-row tiles (PREFILL_ROWS; `auto` takes them where they keep a decode
+    # tile's bits, its log says), the prefill's kernels beside 16-row tiles, then the GPU invariance
+    # tests (chunked prompts) with them
     for rows in 16 128; do
         run "prefill-$rows" 170 python3 -c "import sys, common.attention.triton_paged as tp; tp.PREFILL_ROWS = $rows
 from common.cli import run
-sys.argv = ['pdserve', 'bench', 'engine', '--device', 'cuda:0', '--model', 'dummy:llama-1b', '--max-model-len',
-            '4096', '--batch-sizes', '1', '--kv-lens', '64', '--steps', '8', '--prefill-len', '2048']
+sys.argv = ['pdserve', 'bench', 'step-profile', '--device', 'cuda:0', '--model', 'dummy:llama-1b', '--max-model-len',
+            '4096', '--batch-sizes', '1', '--kv-len', '64', '--steps', '4', '--modes', 'invariant', '--prefill-len', '2048',
+            '--attention-backend', 'triton']  # by name: auto would choose the rows itself
 run()"
-        grep "prefill:" "$OUT/prefill-$rows.log"
+        grep -A8 "^prefill of one" "$OUT/prefill-$rows.log"
     done
     run invariance-128 240 python3 -c "import sys, pytest, common.attention.triton_paged as tp; tp.PREFILL_ROWS = 128
 sys.exit(pytest.main(['-m', 'gpu', 'tests/test_gpu.py', '-q', '-p', 'no:cacheprovider', '-k',

@@ -131,6 +131,37 @@ def test_triton_warm_up_launches_every_split_variant_a_context_can_need(monkeypa
             assert launched == [(splits, decodes) for splits in sorted(want) for decodes in shapes]
 
 
+def test_auto_takes_the_largest_prefill_tile_that_keeps_a_decode_tiles_bits(monkeypatch):
+    """A prefill's tiles of more rows read its keys fewer times, but on a GPU may give its rows other
+    bits than a decode's one-token tiles: the chooser takes the largest whose rows come out the same,
+    in the interpreter (where every size does) and, with a stand-in kernel whose tiles of more than
+    32 rows are off by a little, 32; a failure part way leaves the decode's size."""
+    pytest.importorskip("triton")
+    from common.attention import triton_paged as tp
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(tp, "PREFILL_ROWS", tp.MIN_ROWS)
+    assert tp.choose_prefill_rows(4, 1, 16, cpu, torch.float32, 16, tokens=24) == 128 == tp.PREFILL_ROWS
+
+    tried = []
+
+    def stand_in(q, k, v, tables, tiles, positions, scale, host=None, split_base=None, decode_tiles=None):
+        rows = tp.PREFILL_ROWS if decode_tiles == 0 else tp.MIN_ROWS
+        tried.append(rows)
+        assert tiles.shape[0] == 4 and int(tiles[2].sum()) == q.shape[0]  # every token in one tile
+        if rows == 64 and broken:
+            raise RuntimeError("out of shared memory")
+        return q + (1e-3 if rows > 32 else 0.0)
+    monkeypatch.setattr(tp, "paged_attention", stand_in)
+    broken = False
+    assert tp.choose_prefill_rows(8, 2, 16, cpu, torch.bfloat16, 16) == 32 == tp.PREFILL_ROWS
+    assert tried == [tp.MIN_ROWS, 128, 64, 32]
+    broken = True
+    with pytest.raises(RuntimeError, match="shared memory"):
+        tp.choose_prefill_rows(8, 2, 16, cpu, torch.bfloat16, 16)
+    assert tp.PREFILL_ROWS == tp.MIN_ROWS
+
+
 class _Sequences:
     """Sequences with random per-position q/k/v over a shuffled pool, and packed steps over them:
     `step(rows)` runs one backend call where each row is (sequence, first position, tokens), the

@@ -36,8 +36,9 @@ log = logging.getLogger(__name__)
 def make_attention(name: str, device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int,
                    dtype: torch.dtype = torch.float32, block_size: int = 16):
     """'auto' is the Triton kernel on CUDA when Triton is installed, it tiles the block size, and it
-    passes a start-up check against SDPA in the serving dtype and block size; else SDPA. A backend
-    asked for by name is used as it is."""
+    passes a start-up check against SDPA in the serving dtype and block size; else SDPA. Its prefill
+    tiles are then the largest that keep a decode tile's bits (triton_paged.choose_prefill_rows). A
+    backend asked for by name is used as it is."""
     sdpa = SDPAAttention(num_heads, num_kv_heads, head_dim)
     if name == "sdpa" or (name == "auto" and device.type != "cuda"):
         return sdpa
@@ -72,6 +73,13 @@ def make_attention(name: str, device: torch.device, num_heads: int, num_kv_heads
     if err > (2e-2 if dtype == torch.float32 else 6e-2):
         log.warning("Triton attention differs from SDPA by %.3g on %s; using SDPA", err, device)
         return sdpa
+    try:
+        rows = triton_paged.choose_prefill_rows(num_heads, num_kv_heads, head_dim, device, dtype, block_size)
+        log.info("prefill attention in tiles of %d rows (the largest that keep a decode tile's bits on %s)", rows,
+                 device)
+    except Exception as e:  # a tile that fails to compile: the decode's tile size still serves
+        log.warning("prefill attention in tiles of %d rows: larger ones failed (%s)", triton_paged.MIN_ROWS,
+                    first_line(e))
     return fast
 
 

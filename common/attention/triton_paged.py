@@ -41,11 +41,13 @@ BLOCK_N = 64  # keys per step of a split (a multiple of the page size and a divi
 MIN_ROWS = 16  # tl.dot's smallest tile side: a tile's rows (tokens x grouped heads) are padded to it
 # A prefill chunk's tiles: as many tokens as fill this many rows, so its keys are read once per that
 # many queries (a decode's tile is one token, MIN_ROWS rows). A 2,048-token chunk of llama-1b takes
-# 350 us a layer on an H100 with 16-row tiles, which re-read its keys 512 times. 128 rows waits for
-# bench/attention_tiles.py to show on a GPU that a 128-row tile gives its rows a 16-row tile's bits
-# (the same tensor-core chain, as the matmul's tiles do; but a row's softmax sum may be laid out
-# across the warps differently).
+# 350 us a layer on an H100 with 16-row tiles, which re-read its keys 512 times. A tile of more rows
+# may chain the tensor cores' products, or lay a row's softmax sum across the warps, differently,
+# which would give its rows other bits than a decode's tile (the batch-invariance promise): `auto`
+# takes the largest of PREFILL_CANDIDATES whose rows keep a one-token tile's bits on the device at
+# hand (choose_prefill_rows, at start).
 PREFILL_ROWS = MIN_ROWS
+PREFILL_CANDIDATES = (128, 64, 32)
 PREFILL_LAUNCH: dict = {}
 LANES = 16  # programs per (tile, KV head), each taking every LANES-th split
 SPLIT_LAUNCH: dict = {}  # the split kernel's num_warps and num_stages, where not Triton's defaults
@@ -342,6 +344,39 @@ def warm_up(q_THD: torch.Tensor, k_cache_NPKD: torch.Tensor, v_cache_NPKD: torch
             paged_attention(q_THD[:1], k_cache_NPKD, v_cache_NPKD, tables, decode_tiles(zero + 1), zero, scale,
                             decode_tiles=decodes)
     return variants
+
+
+def choose_prefill_rows(num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device,
+                        dtype: torch.dtype, page: int, tokens: int = 2 * SPLIT + 37) -> int:
+    """Set PREFILL_ROWS to the largest of PREFILL_CANDIDATES whose tiles give every row of a prefill
+    chunk the bits one-token tiles give it, here, in this dtype (a chunk over several splits with a
+    ragged last tile, its keys in a shuffled table); MIN_ROWS if none does. Returns it."""
+    global PREFILL_ROWS
+    gen = torch.Generator().manual_seed(0)
+    T, H, K, D = tokens, num_heads, num_kv_heads, head_dim
+    blocks = -(-T // page)
+    k_cache, v_cache = (torch.randn(blocks + 1, page, K, D, generator=gen).to(device, dtype) for _ in range(2))
+    tables = torch.randperm(blocks + 1, generator=gen)[:blocks][None, :].to(device)
+    q = torch.randn(T, H, D, generator=gen).to(device, dtype)
+    positions, host, scale = torch.arange(T, device=device), list(range(T)), D ** -0.5
+    ones = torch.stack([torch.zeros_like(positions), positions, torch.ones_like(positions), positions])
+    chosen = MIN_ROWS
+    try:
+        PREFILL_ROWS = MIN_ROWS
+        want = paged_attention(q, k_cache, v_cache, tables, ones, positions, scale, host)
+        for rows in PREFILL_CANDIDATES:
+            block_q, _ = tile_shape(H // K, rows)
+            if block_q <= 1:  # a decode's tile
+                continue
+            chunk = torch.tensor([(0, j, min(block_q, T - j), j) for j in range(0, T, block_q)], device=device)
+            PREFILL_ROWS = rows
+            if torch.equal(paged_attention(q, k_cache, v_cache, tables, chunk.T.contiguous(), positions, scale, host,
+                                           decode_tiles=0), want):
+                chosen = rows
+                break
+    finally:
+        PREFILL_ROWS = chosen
+    return chosen
 
 
 def decode_tiles(lens_B: torch.Tensor) -> torch.Tensor:
