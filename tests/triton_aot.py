@@ -63,8 +63,9 @@ def compile_all(arch: int = 90) -> list[str]:
             block_d = max(16, pow2(head_dim))
             tiles = {(tp.MIN_ROWS, str(tp.SPLIT_LAUNCH)): tp.SPLIT_LAUNCH,
                      (tp.PREFILL_ROWS, str(tp.PREFILL_LAUNCH)): tp.PREFILL_LAUNCH}
-            if (dt, heads) == ("bf16", 32):  # the 128-row prefill tile a GPU session will try (gpu_session.sh)
-                tiles[(128, "{}")] = {}
+            if (dt, heads) == ("bf16", 32):  # llama-1b's prefill tiles `auto` tries at start (choose_prefill_rows;
+                for rows in tp.PREFILL_CANDIDATES:  # elsewhere a size that fails is passed over, and said)
+                    tiles[(rows, str(tp.PREFILL_LAUNCH))] = tp.PREFILL_LAUNCH
             for (rows, _), launch in tiles.items():
                 block_q, block_m = tp.tile_shape(group, rows)
                 build(tp._split_kernel,

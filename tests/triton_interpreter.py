@@ -20,9 +20,13 @@ def patch_once_per_launch() -> bool:
     """Install the skip; False where this Triton's interpreter is not the one it was written for
     (3.3 to 3.9: GridExecutor.__call__ and InterpretedFunction.__call__ patching through _patch_lang)."""
     try:
+        import triton
         import triton.language as tl
         from triton.runtime import interpreter
     except ImportError:
+        return False
+    version = tuple(int(part) for part in triton.__version__.split(".")[:2] if part.isdigit())
+    if not (3, 3) <= version < (3, 10):  # a later one may undo a device call's patches, which this skips
         return False
     run, call = getattr(interpreter, "GridExecutor", None), getattr(interpreter, "InterpretedFunction", None)
     if run is None or call is None or not hasattr(interpreter, "_patch_lang") or not hasattr(call, "rewrite"):

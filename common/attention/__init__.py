@@ -74,12 +74,12 @@ def make_attention(name: str, device: torch.device, num_heads: int, num_kv_heads
         log.warning("Triton attention differs from SDPA by %.3g on %s; using SDPA", err, device)
         return sdpa
     try:
-        rows = triton_paged.choose_prefill_rows(num_heads, num_kv_heads, head_dim, device, dtype, block_size)
-        log.info("prefill attention in tiles of %d rows (the largest that keep a decode tile's bits on %s)", rows,
-                 device)
-    except Exception as e:  # a tile that fails to compile: the decode's tile size still serves
-        log.warning("prefill attention in tiles of %d rows: larger ones failed (%s)", triton_paged.MIN_ROWS,
-                    first_line(e))
+        fast.prefill_rows, failed = triton_paged.choose_prefill_rows(num_heads, num_kv_heads, head_dim, device, dtype,
+                                                                     block_size)
+    except Exception as e:  # the check itself failed: the decode's tile size still serves
+        fast.prefill_rows, failed = triton_paged.MIN_ROWS, [first_line(e)]
+    log.info("prefill attention in tiles of %d rows on %s: the largest that keep a decode tile's bits%s",
+             fast.prefill_rows, device, f" (failed: {'; '.join(failed)})" if failed else "")
     return fast
 
 

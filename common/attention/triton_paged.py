@@ -30,6 +30,7 @@ import torch
 
 from common.attention.batch import AttentionMetadata
 from common.config import upload
+from common.errors import first_line
 from common.linear_partials import Partials, finished, reading
 from common.attention.sdpa import SDPAAttention
 from common.triton_support import interpreted, jit, pow2, tl, triton
@@ -44,8 +45,9 @@ MIN_ROWS = 16  # tl.dot's smallest tile side: a tile's rows (tokens x grouped he
 # 350 us a layer on an H100 with 16-row tiles, which re-read its keys 512 times. A tile of more rows
 # may chain the tensor cores' products, or lay a row's softmax sum across the warps, differently,
 # which would give its rows other bits than a decode's tile (the batch-invariance promise): `auto`
-# takes the largest of PREFILL_CANDIDATES whose rows keep a one-token tile's bits on the device at
-# hand (choose_prefill_rows, at start).
+# gives its engine the largest of PREFILL_CANDIDATES whose rows keep a one-token tile's bits on the
+# device at hand (choose_prefill_rows, at start; TritonAttention.prefill_rows). PREFILL_ROWS is the
+# size of a backend asked for by name.
 PREFILL_ROWS = MIN_ROWS
 PREFILL_CANDIDATES = (128, 64, 32)
 PREFILL_LAUNCH: dict = {}
@@ -265,16 +267,17 @@ def max_splits_for(width: int, page: int) -> int:
     return pow2(max(1, -(-width * page // SPLIT)))
 
 
-def prefill_apart() -> bool:
-    """Whether a prefill's tiles differ from a decode's (PREFILL_ROWS, PREFILL_LAUNCH), and so launch apart."""
-    return (PREFILL_ROWS, PREFILL_LAUNCH) != (MIN_ROWS, SPLIT_LAUNCH)
+def prefill_apart(prefill_rows: int | None = None) -> bool:
+    """Whether a prefill's tiles (of prefill_rows rows, else PREFILL_ROWS; PREFILL_LAUNCH) differ
+    from a decode's, and so launch apart."""
+    return (prefill_rows or PREFILL_ROWS, PREFILL_LAUNCH) != (MIN_ROWS, SPLIT_LAUNCH)
 
 
 def paged_attention(q_THD: torch.Tensor, k_cache_NPKD: torch.Tensor, v_cache_NPKD: torch.Tensor,
                     tables_SM: torch.Tensor, tiles_4X: torch.Tensor, positions_T: torch.Tensor, scale: float,
                     host_positions: list[int] | None = None,
                     split_base: tuple[torch.Tensor, int] | None = None,
-                    decode_tiles: int | None = None) -> torch.Tensor:
+                    decode_tiles: int | None = None, prefill_rows: int | None = None) -> torch.Tensor:
     """Causal attention of each packed query token to its sequence's keys in the pool.
 
     tables_SM: one block table per sequence of the step. tiles_4X: for each query tile, its
@@ -283,8 +286,8 @@ def paged_attention(q_THD: torch.Tensor, k_cache_NPKD: torch.Tensor, v_cache_NPK
     the same on the host if known (see split_rows). The launch shape depends only on the tile
     count and the tables' width. split_base: split_rows' answer, where the caller keeps it for every
     layer of a step. decode_tiles: how many tiles, first, are decode-shaped (tile_shape(group)); the
-    rest are a prefill's (tile_shape(group, PREFILL_ROWS), as step_layout builds them), each launched
-    apart. None: every tile is decode-shaped (decode_tiles(), or tiles of tile_shape(group))."""
+    rest are a prefill's (tile_shape(group, prefill_rows or PREFILL_ROWS), as step_layout builds
+    them), each launched apart. None: every tile is decode-shaped (decode_tiles(), or tiles of tile_shape(group))."""
     T, H, D = q_THD.shape
     N, P, K, _ = k_cache_NPKD.shape
     out = torch.empty_like(q_THD)
@@ -304,8 +307,9 @@ def paged_attention(q_THD: torch.Tensor, k_cache_NPKD: torch.Tensor, v_cache_NPK
     block_d = max(16, pow2(D))
     lanes = min(LANES, max_splits)
     X = tiles_4X.shape[1]
-    small = decode_tiles if decode_tiles is not None and prefill_apart() else X
-    for first, end, rows, launch in ((0, small, MIN_ROWS, SPLIT_LAUNCH), (small, X, PREFILL_ROWS, PREFILL_LAUNCH)):
+    prefill_rows = prefill_rows or PREFILL_ROWS
+    small = decode_tiles if decode_tiles is not None and prefill_apart(prefill_rows) else X
+    for first, end, rows, launch in ((0, small, MIN_ROWS, SPLIT_LAUNCH), (small, X, prefill_rows, PREFILL_LAUNCH)):
         if end <= first:
             continue
         block_q, block_m = tile_shape(group, rows)
@@ -329,7 +333,7 @@ def split_variants(max_blocks: int, page: int) -> list[int]:
 
 
 def warm_up(q_THD: torch.Tensor, k_cache_NPKD: torch.Tensor, v_cache_NPKD: torch.Tensor, max_blocks: int,
-            scale: float) -> list[int]:
+            scale: float, prefill_rows: int | None = None) -> list[int]:
     """Launch the attention once for each MAX_SPLITS variant a context of max_blocks blocks can
     need (a decode at position 0 reading block 0; nothing is written), as a decode's tile and, where
     it differs, a prefill's, so that each compiles at start and not in the step whose widest table
@@ -340,18 +344,18 @@ def warm_up(q_THD: torch.Tensor, k_cache_NPKD: torch.Tensor, v_cache_NPKD: torch
     for splits in variants:
         width = min(max_blocks, splits * SPLIT // P)  # a table this wide launches with `splits`
         tables = torch.zeros(1, width, dtype=torch.int64, device=device)
-        for decodes in (1, 0) if prefill_apart() else (1,):
+        for decodes in (1, 0) if prefill_apart(prefill_rows) else (1,):
             paged_attention(q_THD[:1], k_cache_NPKD, v_cache_NPKD, tables, decode_tiles(zero + 1), zero, scale,
-                            decode_tiles=decodes)
+                            decode_tiles=decodes, prefill_rows=prefill_rows)
     return variants
 
 
 def choose_prefill_rows(num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device,
-                        dtype: torch.dtype, page: int, tokens: int = 2 * SPLIT + 37) -> int:
-    """Set PREFILL_ROWS to the largest of PREFILL_CANDIDATES whose tiles give every row of a prefill
-    chunk the bits one-token tiles give it, here, in this dtype (a chunk over several splits with a
-    ragged last tile, its keys in a shuffled table); MIN_ROWS if none does. Returns it."""
-    global PREFILL_ROWS
+                        dtype: torch.dtype, page: int, tokens: int = 2 * SPLIT + 37) -> tuple[int, list[str]]:
+    """The largest of PREFILL_CANDIDATES whose tiles give every row of a prefill chunk the bits
+    one-token tiles give it, here, in this dtype (a chunk over several splits with a ragged last
+    tile, its keys in a shuffled table), else MIN_ROWS; and why each larger size was passed over
+    where it failed to run (a tile too big for the device's shared memory)."""
     gen = torch.Generator().manual_seed(0)
     T, H, K, D = tokens, num_heads, num_kv_heads, head_dim
     blocks = -(-T // page)
@@ -360,23 +364,22 @@ def choose_prefill_rows(num_heads: int, num_kv_heads: int, head_dim: int, device
     q = torch.randn(T, H, D, generator=gen).to(device, dtype)
     positions, host, scale = torch.arange(T, device=device), list(range(T)), D ** -0.5
     ones = torch.stack([torch.zeros_like(positions), positions, torch.ones_like(positions), positions])
-    chosen = MIN_ROWS
-    try:
-        PREFILL_ROWS = MIN_ROWS
-        want = paged_attention(q, k_cache, v_cache, tables, ones, positions, scale, host)
-        for rows in PREFILL_CANDIDATES:
-            block_q, _ = tile_shape(H // K, rows)
-            if block_q <= 1:  # a decode's tile
-                continue
-            chunk = torch.tensor([(0, j, min(block_q, T - j), j) for j in range(0, T, block_q)], device=device)
-            PREFILL_ROWS = rows
-            if torch.equal(paged_attention(q, k_cache, v_cache, tables, chunk.T.contiguous(), positions, scale, host,
-                                           decode_tiles=0), want):
-                chosen = rows
-                break
-    finally:
-        PREFILL_ROWS = chosen
-    return chosen
+    want = paged_attention(q, k_cache, v_cache, tables, ones, positions, scale, host)
+    failed = []
+    for rows in PREFILL_CANDIDATES:
+        block_q, _ = tile_shape(H // K, rows)
+        if block_q <= 1:  # a decode's tile
+            continue
+        chunk = torch.tensor([(0, j, min(block_q, T - j), j) for j in range(0, T, block_q)], device=device)
+        try:
+            got = paged_attention(q, k_cache, v_cache, tables, chunk.T.contiguous(), positions, scale, host,
+                                  decode_tiles=0, prefill_rows=rows)
+        except Exception as e:  # Triton's out-of-resources errors are not RuntimeErrors
+            failed.append(f"{rows} rows: {first_line(e)}")
+            continue
+        if torch.equal(got, want):
+            return rows, failed
+    return MIN_ROWS, failed
 
 
 def decode_tiles(lens_B: torch.Tensor) -> torch.Tensor:
@@ -386,13 +389,14 @@ def decode_tiles(lens_B: torch.Tensor) -> torch.Tensor:
     return torch.stack([rows_B, rows_B, torch.ones_like(rows_B), lens_B - 1])
 
 
-def step_layout(meta: AttentionMetadata, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+def step_layout(meta: AttentionMetadata, group: int, prefill_rows: int | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """(tables_SM, tiles_4X) of a packed step: the decodes' tables then each prefill chunk's, and
     a tile per decode then a prefill's BLOCK_Q-token tiles of each chunk."""
     nd = meta.num_decode
     if not meta.prefills:
         return meta.decode_block_tables, decode_tiles(meta.decode_context_lens)
-    block_q, _ = tile_shape(group, PREFILL_ROWS)
+    block_q, _ = tile_shape(group, prefill_rows or PREFILL_ROWS)
     device = meta.slot_mapping.device
     width = max([c.block_table.shape[0] for c in meta.prefills]
                 + ([meta.decode_block_tables.shape[1]] if nd else []))
@@ -418,12 +422,13 @@ class TritonAttention(SDPAAttention):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
         super().__init__(num_heads, num_kv_heads, head_dim)
+        self.prefill_rows: int | None = None  # a prefill tile's rows (choose_prefill_rows); None: PREFILL_ROWS
         self._layout_meta = None  # the step the cached layout was built for (every layer shares it)
         self._layout = None
 
     def warm_up(self, k_cache_NBKD: torch.Tensor, v_cache_NBKD: torch.Tensor, max_blocks: int) -> list[int]:
         q = torch.zeros(1, self.num_heads, self.head_dim, dtype=k_cache_NBKD.dtype, device=k_cache_NBKD.device)
-        return warm_up(q, k_cache_NBKD, v_cache_NBKD, max_blocks, self.scale)
+        return warm_up(q, k_cache_NBKD, v_cache_NBKD, max_blocks, self.scale, self.prefill_rows)
 
     def forget_layout(self) -> None:
         """Drop the cached step layout (it may hold a CUDA graph's static buffers)."""
@@ -442,10 +447,10 @@ class TritonAttention(SDPAAttention):
 
     def _attend(self, q_THD, k_cache_NBKD, v_cache_NBKD, meta: AttentionMetadata):
         if self._layout_meta is not meta:  # the step's first layer: every layer's layout
-            tables_SM, tiles_4X = step_layout(meta, self.group)
+            tables_SM, tiles_4X = step_layout(meta, self.group, self.prefill_rows)
             base = split_rows(meta.positions, meta.host_positions,
                               max_splits_for(tables_SM.shape[1], k_cache_NBKD.shape[1]))
             self._layout, self._layout_meta = (tables_SM, tiles_4X, base), meta
         tables_SM, tiles_4X, base = self._layout
         return paged_attention(q_THD, k_cache_NBKD, v_cache_NBKD, tables_SM, tiles_4X, meta.positions, self.scale,
-                               meta.host_positions, base, meta.num_decode)
+                               meta.host_positions, base, meta.num_decode, self.prefill_rows)
