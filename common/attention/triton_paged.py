@@ -287,7 +287,8 @@ def paged_attention(q_THD: torch.Tensor, k_cache_NPKD: torch.Tensor, v_cache_NPK
     count and the tables' width. split_base: split_rows' answer, where the caller keeps it for every
     layer of a step. decode_tiles: how many tiles, first, are decode-shaped (tile_shape(group)); the
     rest are a prefill's (tile_shape(group, prefill_rows or PREFILL_ROWS), as step_layout builds
-    them), each launched apart. None: every tile is decode-shaped (decode_tiles(), or tiles of tile_shape(group))."""
+    them), each launched apart. None: every tile is decode-shaped (decode_tiles(), or tiles of
+    tile_shape(group))."""
     T, H, D = q_THD.shape
     N, P, K, _ = k_cache_NPKD.shape
     out = torch.empty_like(q_THD)
