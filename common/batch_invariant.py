@@ -42,10 +42,10 @@ from common.attention.sdpa import SDPAAttention
 from common.errors import InvalidArgument, first_line
 from common.linear_partials import Partials, finished, reading
 from common.model import RMSNorm, silu_mul as torch_silu_mul
-from common.triton_support import available, device_function, interpreted, jit, pow2, tl, triton
+from common.triton_support import available, interpreted, jit, pow2, tl, triton
 
 
-@device_function
+@jit
 def _dot_segment(A, W, rows, cols, row_ok, col_ok, k_start, k_end, stride_am, stride_wn,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
     """The rows x cols tile of A @ W.T over k_start <= k < k_end, from zero, BLOCK_K at a time in

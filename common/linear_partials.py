@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.triton_support import device_function, jit, tl, triton
+from common.triton_support import jit, tl, triton
 
 SUM_BLOCK = 1024
 
@@ -60,7 +60,7 @@ def reading(x: torch.Tensor | Partials) -> tuple[torch.Tensor, torch.Tensor, int
     return x, x, x.stride(0), 0, 0, False
 
 
-@device_function
+@jit
 def finished(Src, Bias, offset, column, mask, stride_seg, SEGMENTS: tl.constexpr, HAS_BIAS: tl.constexpr,
              DTYPE: tl.constexpr):
     """A linear's outputs at `offset` (row stride times row, plus column): with SEGMENTS, Src holds

@@ -28,14 +28,6 @@ def jit(fn=None, **options):
     return triton.jit(fn, **options) if fn is not None else triton.jit(**options)
 
 
-def device_function(fn):
-    """jit for a function our kernels call; in Triton's interpreter the plain function, which runs
-    in the calling kernel's patched language: the interpreter patches triton.language anew on
-    every call of a jitted one, some 2 ms, which for a kernel that calls one per row (the norms,
-    the rotary kernel) doubled the CPU tests' time."""
-    return fn if interpreted() or triton is None else triton.jit(fn)
-
-
 def available() -> bool:
     return triton is not None
 

@@ -291,10 +291,10 @@ class DecodeWorker(WorkerBase):
         self._settle()
 
     def poll_timeout(self) -> int:
-        """As any worker's, but while KV is arriving by a transport whose arrival nothing wakes us
-        for (cuda_ipc's event): no sleep for SPIN_S after its header (a copy ends within a
-        millisecond), then STALLED_POLL_MS (a writer that died leaves its event pending)."""
-        if any(self.receivers[msg.transport].polled for msg, _ in self.arriving.values()):
+        """As any worker's, but while KV settles: no sleep for SPIN_S after the header of a transport
+        whose arrival nothing wakes us for (cuda_ipc's event: a copy ends within a millisecond),
+        then at most STALLED_POLL_MS (a writer that died leaves its event pending)."""
+        if self.arriving:
             return 0 if time.monotonic() < self.spin_until else min(STALLED_POLL_MS, super().poll_timeout())
         return super().poll_timeout()
 

@@ -2,7 +2,7 @@
 
 The interpreter swaps triton.language's builtins for numpy versions when a kernel is launched, and
 again whenever the kernel calls a jitted function: tl.zeros, tl.sum and tl.max are such functions
-(the standard library's), and so were ours before common/triton_support.device_function. Each swap
+(the standard library's), and so are ours that kernels call (finished, _dot_segment). Each swap
 walks the language's modules, some 2 ms, and a kernel makes one per row it reduces: the CPU suite
 spent more time swapping than computing in its interpreted whole-model tests. The swaps of one
 launch are all alike (the modules patched are the ones the functions' globals hold, and a device
