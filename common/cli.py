@@ -12,8 +12,9 @@ import sys
 import click
 
 from bench.cli import bench, plan
-from common.cli_options import (ENGINE_PARAMS, PORT, devices_option, engine_argv, engine_options, http_options,
-                                parse_ints, policy_option, router_argv, router_options, sampling_options, setup_logging)
+from common.cli_options import (ENGINE_PARAMS, PORT, POSITIVE, devices_option, engine_argv, engine_options,
+                                http_options, parse_ints, policy_option, router_argv, router_options, sampling_options,
+                                setup_logging)
 from common.errors import PdserveError
 
 
@@ -169,12 +170,15 @@ def worker_command(role: str):
                   help="the router's worker address")
     @click.option("--worker-id", default=None, help="[default: ROLE-PID]")
     @click.option("--host", default="127.0.0.1", show_default=True, help="where the KV ingress binds (decode, mono)")
-    @click.option("--threads", default=None, type=int, help="torch threads")
+    @click.option("--threads", default=None, type=click.IntRange(min=1), help="torch threads")
     @click.option("--no-kv-stream", is_flag=True,
                   help="prefill: send the KV after the forward pass, not layer by layer during it")
+    @click.option("--step-timeout", default=120.0, show_default=True, type=POSITIVE,
+                  help="seconds one step may run before the worker counts as hung: its heartbeat stops and the "
+                       "router recovers its requests (a step may outlast the router's --heartbeat-timeout)")
     @click.option("--log-level", default="INFO", show_default=True)
     @engine_options
-    def command(router_address, worker_id, host, threads, no_kv_stream, log_level, engine_kwargs):
+    def command(router_address, worker_id, host, threads, no_kv_stream, step_timeout, log_level, engine_kwargs):
         signal.signal(signal.SIGTERM, _stop_while_starting)  # until the worker's loop installs its own
         from common.config import EngineConfig
         from common.worker import WorkerConfig
@@ -183,7 +187,7 @@ def worker_command(role: str):
         if role == "prefill":  # its steps are all prefill: no decode step to capture as graphs
             engine_kwargs = dict(engine_kwargs, enforce_eager=True)
         cfg = WorkerConfig(router=router_address, engine=EngineConfig(**engine_kwargs), worker_id=worker_id,
-                           host=host, threads=threads, kv_stream=not no_kv_stream)
+                           host=host, threads=threads, kv_stream=not no_kv_stream, step_timeout_s=step_timeout)
         if role == "prefill":
             from prefill_worker.worker import PrefillWorker
 
@@ -219,7 +223,7 @@ for _role in ("prefill", "decode", "mono"):
 @click.option("--worker-port", default=0, type=PORT, help="[default: any free port]")
 @policy_option
 @click.option("--log-dir", default="pdserve-logs", show_default=True)
-@click.option("--threads", default=None, type=int, help="torch threads per worker [default: (cores - 1) / workers: one core left to the router]")
+@click.option("--threads", default=None, type=click.IntRange(min=1), help="torch threads per worker [default: (cores - 1) / workers: one core left to the router]")
 @click.option("--no-restart", is_flag=True, help="do not restart crashed workers")
 @click.option("--dry-run", is_flag=True, help="print each process's command line and exit")
 @click.option("--worker-arg", "worker_args", multiple=True,

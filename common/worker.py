@@ -7,7 +7,8 @@ loop, which is short on purpose:
         engine.step()                                      ->  handle outputs
         heartbeat, leases, retries                          (on_tick)
 
-One thread, and each socket is used by it alone.
+One thread, and each socket is used by it alone; while one step runs longer than a heartbeat's
+interval, a thread of its own beats for it (common/pulse.py).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from common import protocol as P
 from common.channel import Channel, Envelope, Waker
 from common.config import EngineConfig
 from common.engine import Engine, RequestOutput
+from common.pulse import Pulse
 from common.security import close_context
 from common.step_trace import StepTrace
 
@@ -45,6 +47,7 @@ class WorkerConfig:
     worker_id: str | None = None
     host: str = "127.0.0.1"  # where a decode worker binds its KV ingress
     heartbeat_interval_s: float = 0.2
+    step_timeout_s: float = 120.0  # one step running longer is hung: its pulse stops (common/pulse.py)
     kv_lease_s: float = 30.0  # reserved blocks come back if no KV arrives by then
     transfer_timeout_s: float = 30.0  # a prefill gives up a transfer not acknowledged by then
     kv_stream: bool = True  # a prefill sends KV layer by layer during the forward pass
@@ -73,6 +76,7 @@ class WorkerBase:
         self.kv_address = ""
         self.kv_bytes: dict[str, int] = {}  # KV bytes sent, by transport (prefill), for the router's metrics
         self.stalled = False  # the last step had work but ran nothing
+        self.pulse = Pulse(self.ctx, cfg.router, cfg.heartbeat_interval_s, cfg.step_timeout_s, self.worker_id)
         self._connect_router()
 
     # ------------------------------------------------------------------ sockets
@@ -90,9 +94,11 @@ class WorkerBase:
         if self.router is not None:
             self.unwatch(self.router)
         self.incarnation = uuid.uuid4().hex[:12]
-        self.router = Channel.connect(self.ctx, zmq.DEALER, self.cfg.router,
-                                      identity=f"{self.worker_id}/{self.incarnation}".encode())
+        self.identity = f"{self.worker_id}/{self.incarnation}".encode()
+        self.router = Channel.connect(self.ctx, zmq.DEALER, self.cfg.router, identity=self.identity)
         self.watch(self.router, self._on_router)
+        self.pulse.forget()
+        self._beat = self._held = None  # the last Heartbeat and Holding sent: the pulse repeats them
         self.registered = False
         self._last_register = 0.0
         self._last_heartbeat = 0.0
@@ -158,7 +164,8 @@ class WorkerBase:
                         self.handle(handler, env)
                 if self.engine.has_unfinished():
                     start = time.monotonic()
-                    outputs = self.step()
+                    with self.pulse.stepping():
+                        outputs = self.step()
                     stepped = time.monotonic()
                     self.stalled = not (outputs or self.engine.last_batch or self.engine.inflight)
                     self.on_outputs(outputs)
@@ -184,14 +191,18 @@ class WorkerBase:
         if self.registered and now - self._last_heartbeat > self.cfg.heartbeat_interval_s:
             self._last_heartbeat = now
             s, bm = self.engine.scheduler, self.engine.block_manager
-            self.to_router(P.Heartbeat(self.worker_id, self.incarnation, len(s.waiting), len(s.running),
-                                       bm.num_free_blocks, bm.num_blocks, bm.prefix_queries, bm.prefix_hits,
-                                       self.kv_bytes))
+            beat = P.Heartbeat(self.worker_id, self.incarnation, len(s.waiting), len(s.running), bm.num_free_blocks,
+                               bm.num_blocks, bm.prefix_queries, bm.prefix_hits, dict(self.kv_bytes))
+            self.to_router(beat)
+            self._beat = beat
+            self.pulse.repeat(self.identity, *filter(None, (self._beat, self._held)))
         if self.registered and now - self._last_holding > HOLDING_S:
             self._last_holding = now
             held = self.holding()
+            self._held = P.Holding(self.worker_id, held) if held else None
             if held:
-                self.to_router(P.Holding(self.worker_id, held))
+                self.to_router(self._held)
+            self.pulse.repeat(self.identity, *filter(None, (self._beat, self._held)))
         self.on_tick(now)
 
     @staticmethod
@@ -207,6 +218,7 @@ class WorkerBase:
         self.waker.wake()
 
     def close(self):
+        self.pulse.close()  # its socket first: the context's term() waits for every socket
         for chan, _ in list(self.handlers.values()):
             chan.close()
         close_context(self.ctx)

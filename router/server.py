@@ -30,6 +30,7 @@ import zmq.asyncio
 
 from common import protocol as P
 from common.channel import Channel, Envelope
+from common import pulse
 from common.errors import InvalidArgument, port_free
 from common.sampling_params import SamplingParams, fresh_seed
 from common.security import close_context
@@ -438,7 +439,13 @@ class Router:
             self.register(env.sender, msg)
             return
         w = self.registry.by_identity(env.sender)
-        if w is None or not w.alive:
+        beating_for = pulse.worker_identity(env.sender) if w is None else None
+        if beating_for is not None:
+            # a worker's pulse, beating for it during a long step (common/pulse.py): never answered
+            w = self.registry.by_identity(beating_for)
+            if w is None or not w.alive or not isinstance(msg, (P.Heartbeat, P.Holding)):
+                return
+        elif w is None or not w.alive:
             # A worker we do not know (the router restarted, or it was declared dead): make it
             # register again, under a new incarnation.
             self._send(self.backend, P.Shutdown("re-register"), env.sender)

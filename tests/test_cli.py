@@ -62,6 +62,7 @@ def test_launch_refuses_flags_it_would_silently_ignore():
         (["--api-key", "k"], "--api-key and --api-server-count are for the HTTP API: give --http-port too"),
         (["--heartbeat-timeout", "0"], "'--heartbeat-timeout': 0.0 is not in the range x>=0.5"),
         (["--prefill", "-1"], "'--prefill': -1 is not in the range x>=0"),
+        (["--threads", "0"], "'--threads': 0 is not in the range x>=1"),
     ]
     for args, message in cases:
         r = pdserve("launch", "--dry-run", *args)
