@@ -75,6 +75,10 @@ class Probe:
     cancels its requests (otherwise they would run to their end for nobody)."""
 
 
+# What clients send a router's client port: a worker's port answers them with an Error naming the
+# right port, as a client would otherwise wait for a reply that never comes.
+CLIENT_MESSAGES = (Generate, Cancel, StatusRequest, MetricsRequest, Rejected)
+
 REJECT_CODES = ("INVALID_ARGUMENT", "UNAUTHENTICATED", "NOT_FOUND", "METHOD_NOT_ALLOWED", "TOO_LARGE", "INTERNAL")
 
 

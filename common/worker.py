@@ -121,6 +121,9 @@ class WorkerBase:
             else:
                 log.error("router asked %s to stop: %s", self.worker_id, msg.reason)
                 self.stopping, self.refused = True, msg.reason
+        elif isinstance(msg, P.Error):  # no router's worker port answers so: --router names another port
+            log.error("%s: %s answers %s: %s", self.worker_id, self.cfg.router, msg.code, msg.message)
+            self.stopping, self.refused = True, msg.message
         else:
             self.on_router(msg)
 

@@ -37,6 +37,7 @@ from common.worker import STALLED_POLL_MS, WorkerBase
 
 log = logging.getLogger("pdserve.decode")
 SPIN_S = 0.005  # after a header whose copies we poll for (cuda_ipc's event), the loop does not sleep this long
+KV_INGRESS = "this is a decode worker's KV ingress; clients connect to the router's client port (its --port)"
 QUEUE_STALE_S = 5.0  # a queued reservation not asked about again this long is dropped (its prefill is gone)
 
 
@@ -168,6 +169,9 @@ class DecodeWorker(WorkerBase):
             self._on_chunk(msg, env.frames)
         elif isinstance(msg, P.KVTransfer):
             self._on_transfer(msg, env.sender)
+        elif isinstance(msg, P.CLIENT_MESSAGES):  # a client given this port by mistake: it would wait forever
+            self.ingress.try_send(P.Error(getattr(msg, "request_id", None), "INVALID_ARGUMENT", KV_INGRESS),
+                                  to=env.sender)
         else:
             log.warning("unexpected %s on the KV ingress", type(msg).__name__)
 

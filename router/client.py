@@ -395,7 +395,8 @@ class Client(_Requests):
             if env is None:
                 continue
             if env.error is not None:
-                raise RequestError("INTERNAL", f"undecodable reply from the router: {env.error}")
+                raise RequestError("INTERNAL", f"undecodable reply from {self.address} (a router's client port?): "
+                                               f"{env.error}")
             msgs, bad = replies(env.msg)
             for msg in msgs:
                 if self._wanted(msg):

@@ -4,6 +4,8 @@ process serving, token-exact; a burst far past the queue limit is shed with OVER
 accepted requests complete, and memory does not grow from one burst to the next."""
 
 import asyncio
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -161,3 +163,25 @@ def test_burst_far_past_capacity_is_shed_and_memory_settles(tmp_path):
             assert sizes[2][name] - sizes[0][name] < 16, (name, before[name], [s[name] for s in sizes])
             assert sizes[2][name] - before[name] < 64, (name, before[name], [s[name] for s in sizes])
         serves_exactly(c.address)
+
+
+def test_a_client_or_worker_given_the_wrong_port_is_told_which_at_once(fuzz_cluster):
+    """A client at the router's worker port or a decode worker's KV ingress, or a worker at the
+    router's client port, would otherwise wait for an answer that never comes."""
+    c = fuzz_cluster
+    for address, says in ((f"tcp://127.0.0.1:{c.worker_port}", "this is the router's worker port"),
+                          (c.kv_address, "this is a decode worker's KV ingress")):
+        with Client(address, timeout=30) as client:
+            t0 = time.monotonic()
+            with pytest.raises(RequestError) as e:
+                client.generate([1, 2, 3], max_tokens=2)
+            assert e.value.code == "INVALID_ARGUMENT" and says in e.value.message, e.value
+            assert time.monotonic() - t0 < 10
+            with pytest.raises(RequestError) as e:
+                client.status()
+            assert e.value.code == "INVALID_ARGUMENT" and says in e.value.message
+    r = subprocess.run([sys.executable, "-m", "common.cli", "decode", "--router", c.address, "--threads", "1"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert "Register is not a client message: this is the router's client port" in r.stderr
+    serves_exactly(c.address)
