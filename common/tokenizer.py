@@ -23,6 +23,16 @@ def check_encoded(ids: list[int], vocab_size: int) -> None:
                               f"[0, {vocab_size}): its tokenizer and weights disagree", param="prompt")
 
 
+def utf8(text: str) -> bytes:
+    """text in UTF-8, or InvalidArgument: a Python string (and JSON) may hold a lone surrogate
+    ('\\ud800'), which neither UTF-8 nor any tokenizer takes (`tokenizers` raises a TypeError)."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidArgument("the text holds a lone surrogate such as '\\ud800'; allowed: text that UTF-8 can "
+                              "encode") from None
+
+
 class _ChatMixin:
     chat_template: ChatTemplate | None = None
 
@@ -46,7 +56,7 @@ class ByteTokenizer(_ChatMixin):
         self.chat_template = ChatTemplate(DUMMY_CHAT_TEMPLATE, origin="dummy chat template")
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(text.encode("utf-8"))
+        return list(utf8(text))
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         if skip_special_tokens:
@@ -79,6 +89,7 @@ class HFTokenizer(_ChatMixin):
         return cls(tok, chat_template)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        utf8(text)
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:

@@ -68,8 +68,6 @@ class Prompts:
         except InvalidArgument as e:
             e.param = e.param or param
             raise
-        except UnicodeEncodeError:  # JSON lets a lone surrogate (\ud800) through; UTF-8 does not
-            raise InvalidArgument(f"{param} is not text: it holds a lone surrogate", param=param) from None
 
     def text(self, ids: list[int], skip_special_tokens: bool = True) -> str | None:
         return self.tokenizer.decode(ids, skip_special_tokens) if self.tokenizer is not None else None

@@ -123,3 +123,19 @@ def test_building_a_model_leaves_torch_dynamo_unloaded():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "False"
+
+
+def test_text_with_a_lone_surrogate_is_refused_by_every_tokenizer_and_the_sdk(llama_dir):
+    """JSON and Python strings may hold one; UTF-8 and the `tokenizers` library (a TypeError) may not."""
+    from common import protocol as P
+    from router.client import _generate
+
+    for model in (str(llama_dir), "dummy:nanogpt"):  # a tokenizer.json, and the byte tokenizer
+        engine = Engine(model=model)
+        with pytest.raises(InvalidArgument, match="lone surrogate such as"):
+            engine.add_request("a\ud800")
+        assert engine.generate("ab", SamplingParams(max_tokens=2, ignore_eos=True))[0].token_ids  # serving on
+    with pytest.raises(InvalidArgument, match="lone surrogate such as"):  # a chat template's rendering
+        engine.tokenizer.encode_chat([{"role": "user", "content": "\udfff b"}])
+    with pytest.raises(InvalidArgument, match="a string of this Generate holds a lone surrogate"):
+        P.encode(_generate("r", "a\ud800", None, {}, True))
