@@ -34,11 +34,12 @@ def main(curve_dir):
 
 @main.command()
 @click.option("--dir", "directory", required=True, help="where to write the keys")
-def keys(directory):
+@click.option("--replace", is_flag=True, help="overwrite keys already in --dir (locks out processes using them)")
+def keys(directory, replace):
     """Create CURVE keys: server and client keypairs, and authorized/ with the client's public key."""
     from common.security import create_keys
 
-    d = create_keys(directory)
+    d = create_keys(directory, replace)
     print(f"CURVE keys in {d}: share it (or server.key, client.key_secret and authorized/) with every "
           f"process, then run each with --curve-dir {d} (or PDSERVE_CURVE_DIR={d})")
 
@@ -119,12 +120,15 @@ def chat(router_address, system, sampling, engine_kwargs):
     """Talk to a model, streaming each answer: in-process (--model), or through a cluster (--router).
     Ctrl-C stops an answer, not the session; /clear starts over; Ctrl-D or /bye ends."""
     from common.chat_repl import EngineChat, RouterChat, run_chat
+    from common.sampling_params import SamplingParams
 
+    SamplingParams(**sampling)  # a bad value fails the start, not every turn
     if router_address:
         from router.client import Client
 
         refuse_engine_flags()
         with Client(router_address, timeout=None) as client:
+            client.status()  # as must a router that does not answer
             run_chat(RouterChat(client, router_address), system, sampling)
     else:
         from common.engine import Engine
@@ -161,7 +165,10 @@ def router(model, host, port, worker_port, max_model_len, policy, router_kwargs,
 
 def _stop_while_starting(signum, frame):
     """A SIGTERM while a worker imports torch and builds its model (a launcher stopping what it just
-    restarted): an orderly exit, its finally clauses run, rather than death by the signal (-15)."""
+    restarted): an orderly exit, its finally clauses run, rather than death by the signal (-15). A
+    second SIGTERM (the launcher's death signal) is ignored: raised in the exit's atexit callbacks,
+    it would print a traceback there."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise SystemExit(0)
 
 

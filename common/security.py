@@ -45,8 +45,15 @@ class CurveKeys:
         return cls(server_public, server_secret, client_public, client_secret, d / "authorized")
 
 
-def create_keys(directory: str | Path) -> Path:
+def create_keys(directory: str | Path, replace: bool = False) -> Path:
+    """Keypairs into `directory`; keys already there are refused unless `replace`: every process
+    still using them would be locked out."""
     d = Path(directory)
+    there = [name for name in ("server.key", "server.key_secret", "client.key", "client.key_secret")
+             if (d / name).exists()]
+    if there and not replace:
+        raise InvalidArgument(f"{d} already holds CURVE keys ({', '.join(there)}): new ones would lock out every "
+                              "process using them; allowed: a new directory, or --replace")
     d.mkdir(parents=True, exist_ok=True)
     (d / "authorized").mkdir(exist_ok=True)
     zmq.auth.create_certificates(str(d), "server")

@@ -12,10 +12,10 @@ from common.engine import Engine
 from common.sampling_params import SamplingParams
 
 
-def pdserve(*args, timeout=120, env=None):
+def pdserve(*args, timeout=120, env=None, input=None):
     exe = shutil.which("pdserve")
     cmd = [exe] if exe else [sys.executable, "-m", "common.cli"]
-    return subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=timeout, env=env)
+    return subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=timeout, env=env, input=input)
 
 
 def test_generate_json_matches_engine():
@@ -53,6 +53,8 @@ def test_generate_rejects_bad_values_clearly():
     assert r.returncode == 2 and "comma-separated" in r.stderr
     r = pdserve("generate", "--model", "dummy:nope", "--prompt", "x")
     assert r.returncode == 2 and "dummy:nanogpt" in r.stderr
+    r = pdserve("chat", "--temperature", "-3", input="hi\n")  # at start, not at each turn
+    assert r.returncode == 2 and "temperature=-3.0 is invalid" in r.stderr and ">>>" not in r.stdout
 
 
 def test_launch_refuses_flags_it_would_silently_ignore():

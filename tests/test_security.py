@@ -82,3 +82,17 @@ def test_curve_keeps_unknown_peers_out(tmp_path, monkeypatch):
         runner.join(60)
         assert not runner.is_alive(), f"a keyless client hung after {len(outcomes)} refusals"
         assert outcomes == ["UNAVAILABLE"] * 10
+
+
+def test_keys_already_in_a_directory_are_kept_unless_replace_is_given(tmp_path):
+    from click.testing import CliRunner
+    from common.cli import main
+
+    d = tmp_path / "keys"
+    assert CliRunner().invoke(main, ["keys", "--dir", str(d)]).exit_code == 0
+    first = (d / "server.key").read_bytes()
+    result = CliRunner().invoke(main, ["keys", "--dir", str(d)])
+    assert result.exit_code != 0 and "already holds CURVE keys" in str(result.exception) + result.output
+    assert (d / "server.key").read_bytes() == first
+    assert CliRunner().invoke(main, ["keys", "--dir", str(d), "--replace"]).exit_code == 0
+    assert (d / "server.key").read_bytes() != first
