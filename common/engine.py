@@ -76,7 +76,7 @@ class Engine:
         mc = self.model_config
         if config.max_model_len is not None and config.max_model_len > mc.max_position_embeddings:
             raise InvalidArgument(f"--max-model-len {config.max_model_len}; allowed: 2..{mc.max_position_embeddings} "
-                                  f"(model {config.model!r}'s context: positions past it were never trained)")
+                                  f"(the context of model {config.model!r}: positions past it were never trained)")
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         bs = config.block_size
         if config.num_blocks:

@@ -144,11 +144,13 @@ class SamplingParams:
         return set(self.stop_token_ids) | (set() if self.ignore_eos else set(eos_token_ids))
 
     def check_vocab(self, vocab_size: int) -> None:
-        """The token ids logit_bias names must be the model's; checked where the model is known."""
-        bad = [t for t in self.logit_bias if t >= vocab_size]
-        if bad:
-            raise InvalidArgument(f"logit_bias token ids {bad[:5]} are invalid; allowed: integers in "
-                                  f"[0, {vocab_size})", param="logit_bias")
+        """The token ids logit_bias and stop_token_ids name must be the model's; checked where the
+        model is known (a stop id past the vocabulary could never be sampled: a mistake)."""
+        for name, ids in (("logit_bias", self.logit_bias), ("stop_token_ids", self.stop_token_ids)):
+            bad = [t for t in ids if t >= vocab_size]
+            if bad:
+                raise InvalidArgument(f"{name} token ids {bad[:5]} are invalid; allowed: integers in "
+                                      f"[0, {vocab_size})", param=name)
 
     def to_dict(self) -> dict:
         """The fields as plain data for the wire: logit_bias as [token, bias] pairs, since the

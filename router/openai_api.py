@@ -135,7 +135,9 @@ def _get(body: dict, name: str, rule, default=None):
 def _check_fields(body, allowed: set[str], neutral: dict | None = None):
     """Only allowed fields, and those of `neutral` (as NEUTRAL) at their neutral values."""
     if not isinstance(body, dict):
-        raise InvalidArgument(f"the body is {type(body).__name__}; allowed: a JSON object")
+        kind = {type(None): "null", list: "an array", str: "a string", bool: "a boolean", int: "a number",
+                float: "a number"}.get(type(body), type(body).__name__)
+        raise InvalidArgument(f"the body is {kind}; allowed: a JSON object")
     unknown = sorted(set(body) - allowed)
     if unknown:
         raise InvalidArgument(f"unknown field {unknown[0]!r}; allowed: {', '.join(sorted(allowed))}", param=unknown[0])

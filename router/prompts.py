@@ -20,7 +20,7 @@ class Prompts:
         self.model_config = model_config(model)
         full = self.model_config.max_position_embeddings
         if max_model_len is not None and not 2 <= max_model_len <= full:  # more: positions it never learned
-            raise InvalidArgument(f"--max-model-len {max_model_len}; allowed: 2..{full} (model {model!r}'s context)")
+            raise InvalidArgument(f"--max-model-len {max_model_len}; allowed: 2..{full} (the context of model {model!r})")
         self.context = max_model_len or full
 
     def validate(self, prompt: str | list[int], messages: list[dict] | None, sampling: dict | SamplingParams,

@@ -285,6 +285,7 @@ def test_errors_have_openais_shape_and_the_server_serves_on(served):
         (dict(body=base | {"frobnicate": 1}), 400, "INVALID_ARGUMENT", "frobnicate", "unknown field 'frobnicate'"),
         (dict(body=base | {"presence_penalty": 2.5}), 400, "INVALID_ARGUMENT", "presence_penalty", "[-2, 2]"),
         (dict(body=base | {"logit_bias": {"999": 1}}), 400, "INVALID_ARGUMENT", "logit_bias", "token ids [999]"),
+        (dict(body=base | {"stop_token_ids": [7, 999]}), 400, "INVALID_ARGUMENT", "stop_token_ids", "token ids [999]"),
         (dict(body=base | {"max_tokens": 100000}), 400, "INVALID_ARGUMENT", "max_tokens",
          "max_tokens=100000 is too large: the model's maximum context length is"),
         (dict(body=base | {"tools": [{"type": "function"}]}), 400, "INVALID_ARGUMENT", "tools", "not supported"),
