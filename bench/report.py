@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import math
 
 
 def print_table(title: str, header: list[str], rows: list[list]) -> None:
-    cells = [header] + [[f"{c:,.1f}" if isinstance(c, float) else str(c) for c in r] for r in rows]
+    """An aligned table; a cell with no value (None, or NaN: the latency of a run whose requests all
+    failed) shows "-"."""
+    cells = [header] + [[cell(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
     print(title)
     for j, r in enumerate(cells):
@@ -14,6 +17,12 @@ def print_table(title: str, header: list[str], rows: list[list]) -> None:
         if j == 0:
             print("  ".join("-" * w for w in widths))
     print()
+
+
+def cell(c) -> str:
+    if c is None or (isinstance(c, float) and math.isnan(c)):
+        return "-"
+    return f"{c:,.1f}" if isinstance(c, float) else str(c)
 
 
 def print_json(result: dict) -> None:

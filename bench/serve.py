@@ -30,7 +30,7 @@ import zmq
 from bench.goodput import Latency, percentiles
 from bench.report import pct, print_json, print_table
 from common.model_spec import model_config
-from router.client import AsyncClient, RequestError
+from router.client import AsyncClient, Client, RequestError
 from router.launcher import Cluster
 
 
@@ -203,6 +203,9 @@ def run_serve_bench(model: str, topologies: list[str], scenarios: list[str], rou
     if router and base_url:
         raise ValueError("give --router (a ZeroMQ address) or --base-url (an HTTP server), not both")
     frontends = ("http",) if base_url else ("zmq",) if router else tuple(frontends)
+    if router:  # no router there: UNAVAILABLE now, before any run, as served_model_at says it of --base-url
+        with Client(router) as client:
+            client.status()
     served = served_model_at(base_url, api_key) if base_url else model
     cfg = model_config(model)
     rows = []
@@ -249,9 +252,9 @@ def run_serve_bench(model: str, topologies: list[str], scenarios: list[str], rou
                   r["output_tok_s"], r["ttft_p50_ms"], r["ttft_p99_ms"], r["itl_p50_ms"], r["itl_p99_ms"],
                   r["e2e_p50_ms"], r["e2e_p99_ms"],
                   r["router_p99_ms"] if r["frontend"] == "zmq" else "-",
-                  "-" if r["prompt_cached_pct"] is None else r["prompt_cached_pct"]] for r in rows])
+                  r["prompt_cached_pct"]] for r in rows])
     result = {"bench": "serve", "model": model, "served_model": served, "results": rows, "loopback_rtt_ms": round(rtt, 4)}
-    zmq_rows = [r for r in rows if r["frontend"] == "zmq"]
+    zmq_rows = [r for r in rows if r["frontend"] == "zmq" and r["router_p50_ms"] is not None]  # none: all failed
     if zmq_rows:
         router_p50 = statistics.median([r["router_p50_ms"] for r in zmq_rows])
         print(f"router overhead on TTFT: {router_p50:.3f} ms processing (median over scenarios) + one loopback "
@@ -279,13 +282,18 @@ async def beside_background(driver, reqs, s: Scenario) -> tuple[list, float]:
 def compare_frontends(rows: list[dict]) -> list[dict]:
     """Per topology and scenario: HTTP's TTFT p50 minus the SDK's, and HTTP's output tok/s over
     the SDK's, run by run (the two ran back to back, so each pair saw the same machine), and the
-    median over the runs."""
+    median over the runs; a pair in which either run served nothing (all its requests failed) is
+    left out."""
     out = []
     for topo, policy, name in dict.fromkeys((r["topology"], r["policy"], r["scenario"]) for r in rows):
         zmq_runs, http_runs = ([r for r in rows if (r["topology"], r["policy"], r["scenario"], r["frontend"])
                                 == (topo, policy, name, fe)] for fe in ("zmq", "http"))
-        deltas = [h["ttft_p50_ms"] - z["ttft_p50_ms"] for z, h in zip(zmq_runs, http_runs)]
-        ratios = [h["output_tok_s"] / z["output_tok_s"] for z, h in zip(zmq_runs, http_runs)]
+        pairs = [(z, h) for z, h in zip(zmq_runs, http_runs) if z["output_tok_s"] > 0 and h["output_tok_s"] > 0]
+        if not pairs:
+            print(f"HTTP vs ZeroMQ SDK, {name} on {topo} ({policy}): no pair of runs in which both served a request")
+            continue
+        deltas = [h["ttft_p50_ms"] - z["ttft_p50_ms"] for z, h in pairs]
+        ratios = [h["output_tok_s"] / z["output_tok_s"] for z, h in pairs]
         delta, ratio = statistics.median(deltas), statistics.median(ratios)
         out.append({"topology": topo, "policy": policy, "scenario": name, "runs": len(deltas),
                     "ttft_p50_delta_ms": round(delta, 2),
