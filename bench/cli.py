@@ -9,8 +9,28 @@ from pathlib import Path
 
 import click
 
-from common.cli_options import devices_option, engine_options, parse_ints
+from common.cli_options import POSITIVE, devices_option, engine_options, parse_ints
 from common.protocol import KV_TRANSPORTS
+
+COUNT = click.IntRange(min=1)  # of requests, tokens, steps, workers, repeats: with 0 there is nothing to measure
+
+
+class Counts(click.ParamType):
+    """A comma-separated list of counts (parse_ints), each >= 1; the error names the flag, the
+    value and what is allowed."""
+    name = "N,N,..."
+
+    def __init__(self, what: str):
+        self.what = what
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, list):
+            return value
+        counts = parse_ints(value, param.opts[0], self.what)
+        if not counts or min(counts) < 1:
+            self.fail(f"{value!r} has {min(counts) if counts else 'none'}; allowed: {self.what} >= 1, "
+                      "comma-separated", param, ctx)
+        return counts
 
 
 @click.group()
@@ -19,14 +39,16 @@ def bench():
 
 
 @bench.command("engine")
-@click.option("--num-requests", default=64, show_default=True, type=int)
-@click.option("--prompt-len", default=128, show_default=True, type=int)
-@click.option("--output-len", default=128, show_default=True, type=int)
-@click.option("--batch-sizes", default=None, help="decode grid's batch sizes [default: 1,16,64,256 on a GPU, 1,16,64 on CPU]")
-@click.option("--kv-lens", default=None, help="decode grid's KV lengths [default: 64,512,2048 on a GPU, 64,512 on CPU]")
-@click.option("--prefill-len", default=None, type=int,
+@click.option("--num-requests", default=64, show_default=True, type=COUNT)
+@click.option("--prompt-len", default=128, show_default=True, type=COUNT)
+@click.option("--output-len", default=128, show_default=True, type=COUNT)
+@click.option("--batch-sizes", default=None, type=Counts("batch sizes"),
+              help="decode grid's batch sizes [default: 1,16,64,256 on a GPU, 1,16,64 on CPU]")
+@click.option("--kv-lens", default=None, type=Counts("KV lengths"),
+              help="decode grid's KV lengths [default: 64,512,2048 on a GPU, 64,512 on CPU]")
+@click.option("--prefill-len", default=None, type=COUNT,
               help="tokens of the timed prefill [default: 2048 on a GPU, 512 on CPU]")
-@click.option("--steps", default=32, show_default=True, type=int, help="timed decode steps per sweep point")
+@click.option("--steps", default=32, show_default=True, type=COUNT, help="timed decode steps per sweep point")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--vs-transformers", is_flag=True,
               help="also load the same model file with transformers and generate the same prompts (batch sizes)")
@@ -39,17 +61,15 @@ def bench_engine(num_requests, prompt_len, output_len, batch_sizes, kv_lens, pre
     prefill, each against the floor or peak measured on the device in the same run."""
     from bench.engine import run_engine_bench
 
-    run_engine_bench(engine_kwargs, num_requests, prompt_len, output_len,
-                     batch_sizes and parse_ints(batch_sizes, "--batch-sizes", "batch sizes"),
-                     kv_lens and parse_ints(kv_lens, "--kv-lens", "KV lengths"), steps, seed, vs_transformers,
-                     prefill_len, transformers_cache)
+    run_engine_bench(engine_kwargs, num_requests, prompt_len, output_len, batch_sizes, kv_lens, steps, seed,
+                     vs_transformers, prefill_len, transformers_cache)
 
 
 @bench.command("step-profile")
-@click.option("--batch-sizes", default="1,64", show_default=True)
-@click.option("--kv-len", default=512, show_default=True, type=int, help="tokens cached per request")
-@click.option("--steps", default=32, show_default=True, type=int, help="steps timed and profiled per point")
-@click.option("--top", default=15, show_default=True, type=int, help="rows of each kernel and function table")
+@click.option("--batch-sizes", default="1,64", show_default=True, type=Counts("batch sizes"))
+@click.option("--kv-len", default=512, show_default=True, type=COUNT, help="tokens cached per request")
+@click.option("--steps", default=32, show_default=True, type=COUNT, help="steps timed and profiled per point")
+@click.option("--top", default=15, show_default=True, type=COUNT, help="rows of each kernel and function table")
 @click.option("--modes", default="both", show_default=True, type=click.Choice(["both", "invariant", "torch"]),
               help="kernel modes: batch-invariant, torch's ops, or both in turn (a CPU profiles its default only)")
 @click.option("--prefill-len", default=0, show_default=True, type=click.IntRange(min=0),
@@ -62,8 +82,7 @@ def bench_step_profile(batch_sizes, kv_len, steps, top, modes, prefill_len, seed
     a prefill's kernels too."""
     from bench.step_profile import run_step_profile
 
-    run_step_profile(engine_kwargs, parse_ints(batch_sizes, "--batch-sizes", "batch sizes"), kv_len, steps, seed,
-                     top, modes, prefill_len)
+    run_step_profile(engine_kwargs, batch_sizes, kv_len, steps, seed, top, modes, prefill_len)
 
 
 @bench.command("serve")
@@ -75,7 +94,7 @@ def bench_step_profile(batch_sizes, kv_len, steps, top, modes, prefill_len, seed
 @click.option("--base-url", default=None, help="bench any OpenAI-compatible server (http://HOST:PORT) instead")
 @click.option("--frontends", default="zmq", show_default=True,
               help="zmq (the SDK), http (OpenAI's API) or zmq,http: both on each launched cluster, in turn")
-@click.option("--repeats", default=1, show_default=True, type=int, help="runs of each scenario per frontend")
+@click.option("--repeats", default=1, show_default=True, type=COUNT, help="runs of each scenario per frontend")
 @click.option("--policies", default="least_loaded", show_default=True,
               help="the router's policies, comma-separated: a cluster of each topology per policy, in turn")
 @click.option("--api-key", default=None, envvar="PDSERVE_API_KEY", help="for --base-url or launched clusters' HTTP")
@@ -97,12 +116,13 @@ def bench_serve(model, topologies, scenarios, router_address, base_url, frontend
 
 @bench.command("chaos")
 @click.option("--model", default="dummy:nanogpt", show_default=True)
-@click.option("--prefill", default=2, show_default=True, type=int)
-@click.option("--decode", default=2, show_default=True, type=int)
-@click.option("--requests", default=500, show_default=True, type=int)
-@click.option("--kills", default=10, show_default=True, type=int, help="faults to inject (SIGKILL or SIGSTOP)")
-@click.option("--concurrency", default=24, show_default=True, type=int)
-@click.option("--interval", default=1.5, show_default=True, type=float, help="seconds between faults")
+@click.option("--prefill", default=2, show_default=True, type=COUNT)
+@click.option("--decode", default=2, show_default=True, type=COUNT)
+@click.option("--requests", default=500, show_default=True, type=COUNT)
+@click.option("--kills", default=10, show_default=True, type=click.IntRange(min=0),
+              help="faults to inject (SIGKILL or SIGSTOP)")
+@click.option("--concurrency", default=24, show_default=True, type=COUNT)
+@click.option("--interval", default=1.5, show_default=True, type=click.FloatRange(min=0), help="seconds between faults")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--log-dir", default=None, help="keep the cluster's logs here")
 @devices_option(help="comma-separated, assigned to workers in turn; the reference runs on the first")
@@ -119,8 +139,8 @@ def bench_chaos(model, prefill, decode, requests, kills, concurrency, interval, 
 
 @bench.command("handoff")
 @click.option("--model", default="dummy:nanogpt", show_default=True)
-@click.option("--tokens", default=1000, show_default=True, type=int, help="prompt length")
-@click.option("--requests", default=8, show_default=True, type=int, help="per mode, after one warm-up")
+@click.option("--tokens", default=1000, show_default=True, type=COUNT, help="prompt length")
+@click.option("--requests", default=8, show_default=True, type=COUNT, help="per mode, after one warm-up")
 @click.option("--transport", default="auto", show_default=True, type=click.Choice(KV_TRANSPORTS))
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--worker-arg", "worker_args", multiple=True, help="extra flag for every worker (repeatable)")
@@ -134,40 +154,40 @@ def bench_handoff(model, tokens, requests, transport, seed, worker_args, devices
 
 @bench.command("router")
 @click.option("--model", default="dummy:nanogpt", show_default=True, help="its tokenizer streams the text")
-@click.option("--concurrency", "concurrencies", default="16,64,256", show_default=True,
+@click.option("--concurrency", "concurrencies", default="16,64,256", show_default=True, type=Counts("request counts"),
               help="streaming requests in flight, one level each")
-@click.option("--workers", default=2, show_default=True, type=int, help="synthetic workers")
-@click.option("--step-ms", default=1.0, show_default=True, type=float,
+@click.option("--workers", default=2, show_default=True, type=COUNT, help="synthetic workers")
+@click.option("--step-ms", default=1.0, show_default=True, type=POSITIVE,
               help="each worker's step: one token per running request this often (a GPU decode step)")
-@click.option("--seconds", default=3.0, show_default=True, type=float, help="measured per level")
-@click.option("--prompt-len", default=16, show_default=True, type=int)
-@click.option("--max-tokens", default=256, show_default=True, type=int)
+@click.option("--seconds", default=3.0, show_default=True, type=POSITIVE, help="measured per level")
+@click.option("--prompt-len", default=16, show_default=True, type=COUNT)
+@click.option("--max-tokens", default=256, show_default=True, type=click.IntRange(min=2))  # as run_router_bench
 @click.option("--frontend", default="zmq", show_default=True,
               help="the clients' way in: zmq (the SDK: tokens batched per client and step), zmq-per-token (a "
                    "ZeroMQ client that takes a message per token), or http (OpenAI's streaming API)")
-@click.option("--api-servers", default=1, show_default=True, type=int,
+@click.option("--api-servers", default=1, show_default=True, type=COUNT,
               help="with --frontend http: 1 serves HTTP in the router process, N > 1 from N API server processes")
 @click.option("--seed", default=0, show_default=True, type=int)
 def bench_router(model, concurrencies, workers, step_ms, seconds, prompt_len, max_tokens, frontend, api_servers, seed):
     """Tokens/s one router carries and its CPU per token, fed by synthetic workers at GPU step rates."""
     from bench.router_capacity import run_router_bench
 
-    run_router_bench(model, parse_ints(concurrencies, "--concurrency", "request counts"), workers, step_ms, seconds,
-                     prompt_len, max_tokens, seed, frontend, api_servers)
+    run_router_bench(model, concurrencies, workers, step_ms, seconds, prompt_len, max_tokens, seed, frontend,
+                     api_servers)
 
 
 @bench.command("transfer")
 @click.option("--transport", default="zmq", show_default=True, type=click.Choice(KV_TRANSPORTS[1:]))
 @click.option("--model", default="dummy:llama-1b", show_default=True, help="only its KV layout is used")
-@click.option("--tokens", default=1024, show_default=True, type=int, help="KV of this many tokens per transfer")
-@click.option("--repeats", default=20, show_default=True, type=int)
-@click.option("--block-size", default=16, show_default=True, type=int)
+@click.option("--tokens", default=1024, show_default=True, type=COUNT, help="KV of this many tokens per transfer")
+@click.option("--repeats", default=20, show_default=True, type=COUNT)
+@click.option("--block-size", default=16, show_default=True, type=COUNT)
 @click.option("--dtype", default=None, help="[default: float32 on CPU, bfloat16 on GPU]")
 @devices_option(None, help="the sender's, then the receiver's (one: both's; nccl's receiver then takes the next "
                           "GPU) [default: cpu; cuda:0 for cuda_ipc and nccl]")
 @click.option("--device", default=None, hidden=True, help="the sender's device: --devices with one")
 @click.option("--fragmented", is_flag=True, help="scattered block ids on both sides instead of runs")
-@click.option("--layer-groups", default=1, show_default=True, type=int,
+@click.option("--layer-groups", default=1, show_default=True, type=COUNT,
               help="send each transfer in this many groups of layers, as layer-wise streaming does")
 def bench_transfer(transport, model, tokens, repeats, block_size, dtype, devices, device, fragmented, layer_groups):
     """One KV transport between two processes: GB/s and latency, beside its ceilings: raw ZeroMQ and
@@ -222,7 +242,7 @@ def goodput_options(start_rate: bool = False):
 @bench.command("scaling")
 @click.option("--model", default="dummy:nanogpt", show_default=True)
 @click.option("--devices", default="cpu", show_default=True, help="cpu, or cuda:0,cuda:1,...")
-@click.option("--workers", default=None, type=int,
+@click.option("--workers", default=None, type=COUNT,
               help="most workers per topology [default: one per device; cpu: 1]; on cpu at most the cores")
 @click.option("--topologies", default=None,
               help="comma-separated Nmono / XpYd [default: Nmono and every XpYd with X+Y=N, N=1..workers]")
@@ -243,16 +263,18 @@ def bench_scaling(model, devices, workers, topologies, workload, slo, sweep, out
 @click.option("--reprofile", is_flag=True, help="profile again even if --profile exists")
 @click.option("--model", default="dummy:nanogpt", show_default=True, help="to profile")
 @click.option("--device", default="cpu", show_default=True, help="to profile on: cpu or cuda:N")
-@click.option("--workers", default=2, show_default=True, type=int,
+@click.option("--workers", default=2, show_default=True, type=COUNT,
               help="workers this machine runs at most (cpu: each topology splits the cores between them)")
 @click.option("--worker-arg", "worker_args", multiple=True, help="extra flag for the profiled workers (repeatable)")
-@click.option("--threads", default=None, type=int,
+@click.option("--threads", default=None, type=COUNT,
               help="torch threads of the profiled workers [default: cpu: each topology's share of the cores]")
 @goodput_options()
-@click.option("--plan-devices", default=None, help="device counts to plan for [default: 1..workers,8,16,64]")
-@click.option("--network-gbps", default=25.0, show_default=True, type=float, help="GB/s between hosts")
-@click.option("--network-latency-ms", default=0.05, show_default=True, type=float, help="between hosts")
-@click.option("--devices-per-host", default=8, show_default=True, type=int, help="past this machine (GPUs)")
+@click.option("--plan-devices", default=None, type=Counts("device counts"),
+              help="device counts to plan for [default: 1..workers,8,16,64]")
+@click.option("--network-gbps", default=25.0, show_default=True, type=POSITIVE, help="GB/s between hosts")
+@click.option("--network-latency-ms", default=0.05, show_default=True, type=click.FloatRange(min=0),
+              help="between hosts")
+@click.option("--devices-per-host", default=8, show_default=True, type=COUNT, help="past this machine (GPUs)")
 @click.option("--compare", "compare_path", default=None,
               help="a bench scaling JSON: predict each topology it measured, with its workload, SLO and search")
 def plan(profile_path, reprofile, model, device, workers, worker_args, threads, workload, slo, sweep, plan_devices,
@@ -261,8 +283,7 @@ def plan(profile_path, reprofile, model, device, workers, worker_args, threads, 
     from bench.plan import Profile, run_plan
     from bench.profile import run_profile
 
-    counts = (parse_ints(plan_devices, "--plan-devices", "device counts") if plan_devices
-              else sorted({*range(1, workers + 1), 8, 16, 64}))
+    counts = plan_devices or sorted({*range(1, workers + 1), 8, 16, 64})
     compare_with = None
     if compare_path:
         try:

@@ -4,17 +4,22 @@ not there says UNAVAILABLE before it measures, a run whose requests all failed s
 table, counts of 0 are refused when parsed, and a transfer larger than the memory says so first."""
 
 import math
+import re
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
 import router.client
 from bench.report import print_table
 from bench.serve import compare_frontends, run_serve_bench
-from common.cli import run
+from common.cli import main, run
 from router.launcher import free_port
 
+ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(60)
 
 
@@ -70,3 +75,80 @@ def test_frontends_are_compared_over_the_pairs_that_served():
 def test_a_table_shows_a_missing_value_as_a_dash(capsys):
     print_table("t", ["a", "b", "c", "d"], [[None, math.nan, 1.25, 3]])
     assert capsys.readouterr().out.splitlines()[-2].split() == ["-", "-", "1.2", "3"]
+
+
+# ----------------------------------------------------------------------------- counts, when parsed
+
+BENCH_FUNCTIONS = {"engine": "bench.engine.run_engine_bench", "step-profile": "bench.step_profile.run_step_profile",
+                   "serve": "bench.serve.run_serve_bench", "chaos": "bench.chaos.run_chaos",
+                   "handoff": "bench.handoff.run_handoff_bench", "router": "bench.router_capacity.run_router_bench",
+                   "transfer": "bench.transfer.run_transfer_bench", "scaling": "bench.scaling.run_scaling_bench",
+                   "plan": "bench.plan.run_plan"}
+AT_LEAST_1 = "is not in the range x>=1."
+REFUSED = [  # (command, flag, value as click repeats it, what the error says of it)
+    ("engine", "--num-requests", "0", AT_LEAST_1), ("engine", "--prompt-len", "0", AT_LEAST_1),
+    ("engine", "--output-len", "-1", AT_LEAST_1), ("engine", "--steps", "0", AT_LEAST_1),
+    ("engine", "--prefill-len", "0", AT_LEAST_1),
+    ("engine", "--batch-sizes", "0", "'0' has 0; allowed: batch sizes >= 1, comma-separated"),
+    ("engine", "--batch-sizes", "1,16,-4", "'1,16,-4' has -4; allowed: batch sizes >= 1"),
+    ("engine", "--kv-lens", ",", "',' has none; allowed: KV lengths >= 1"),
+    ("engine", "--kv-lens", "64,x", "'64,x' is not a comma-separated list of KV lengths"),
+    ("step-profile", "--batch-sizes", "0", "'0' has 0; allowed: batch sizes >= 1"),
+    ("step-profile", "--kv-len", "0", AT_LEAST_1), ("step-profile", "--steps", "0", AT_LEAST_1),
+    ("step-profile", "--top", "0", AT_LEAST_1),
+    ("serve", "--repeats", "0", AT_LEAST_1),
+    ("chaos", "--prefill", "0", AT_LEAST_1), ("chaos", "--decode", "0", AT_LEAST_1),
+    ("chaos", "--requests", "0", AT_LEAST_1), ("chaos", "--kills", "-1", "is not in the range x>=0."),
+    ("chaos", "--concurrency", "0", AT_LEAST_1), ("chaos", "--interval", "-1.5", "is not in the range x>=0."),
+    ("handoff", "--tokens", "0", AT_LEAST_1), ("handoff", "--requests", "0", AT_LEAST_1),
+    ("router", "--concurrency", "16,0", "'16,0' has 0; allowed: request counts >= 1"),
+    ("router", "--workers", "0", AT_LEAST_1), ("router", "--step-ms", "0.0", "is not in the range x>0."),
+    ("router", "--seconds", "-1.5", "is not in the range x>0."), ("router", "--prompt-len", "0", AT_LEAST_1),
+    ("router", "--max-tokens", "1", "is not in the range x>=2."), ("router", "--api-servers", "0", AT_LEAST_1),
+    ("transfer", "--tokens", "0", AT_LEAST_1), ("transfer", "--repeats", "0", AT_LEAST_1),
+    ("transfer", "--block-size", "0", AT_LEAST_1), ("transfer", "--layer-groups", "0", AT_LEAST_1),
+    ("scaling", "--workers", "0", AT_LEAST_1),
+    ("plan", "--workers", "0", AT_LEAST_1), ("plan", "--threads", "0", AT_LEAST_1),
+    ("plan", "--plan-devices", "1,0", "'1,0' has 0; allowed: device counts >= 1"),
+    ("plan", "--network-gbps", "0.0", "is not in the range x>0."),
+    ("plan", "--network-latency-ms", "-1.5", "is not in the range x>=0."),
+    ("plan", "--devices-per-host", "0", AT_LEAST_1),
+]
+
+
+def never_reached(monkeypatch):
+    """Every bench replaced by a failure: a value let through would otherwise start measuring."""
+    def reached(*args, **kwargs):
+        raise AssertionError("the bench was reached")
+    for target in BENCH_FUNCTIONS.values():
+        monkeypatch.setattr(target, reached)
+    monkeypatch.setattr("bench.profile.run_profile", reached)
+
+
+@pytest.mark.parametrize("command,flag,value,says", REFUSED, ids=[f"{c} {f} {v}" for c, f, v, _ in REFUSED])
+def test_a_count_out_of_range_is_refused_when_parsed(monkeypatch, command, flag, value, says):
+    never_reached(monkeypatch)
+    args = [command] if command == "plan" else ["bench", command]
+    r = CliRunner().invoke(main, [*args, *(["--profile", "p.json"] if command == "plan" else []), flag, value])
+    assert r.exit_code == 2, r.output
+    assert re.search(rf"Invalid value for '?{flag}'?: ", r.output), r.output
+    assert f"{value} {says}" in r.output if says.startswith("is not") else says in r.output, r.output
+
+
+def test_counts_that_are_allowed_reach_the_bench(monkeypatch):
+    def given(*args) -> tuple:
+        seen = []
+        monkeypatch.setattr(BENCH_FUNCTIONS[args[0]], lambda *a: seen.append(a))
+        r = CliRunner().invoke(main, ["bench", *args])
+        assert r.exit_code == 0, r.output
+        return seen[0]
+    assert given("engine", "--batch-sizes", "1, 16", "--kv-lens", "64")[4:6] == ([1, 16], [64])
+    assert given("engine")[4:6] == (None, None)  # the device's default grid
+    assert given("router", "--concurrency", "4,8")[1] == [4, 8]
+
+
+def test_a_zero_batch_size_is_a_usage_error_not_a_traceback():
+    r = subprocess.run([sys.executable, "-m", "common.cli", "bench", "engine", "--batch-sizes", "0"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "Invalid value for '--batch-sizes': '0' has 0; allowed: batch sizes >= 1" in r.stderr, r.stderr
