@@ -179,7 +179,8 @@ def bench_router(model, concurrencies, workers, step_ms, seconds, prompt_len, ma
 @bench.command("transfer")
 @click.option("--transport", default="zmq", show_default=True, type=click.Choice(KV_TRANSPORTS[1:]))
 @click.option("--model", default="dummy:llama-1b", show_default=True, help="only its KV layout is used")
-@click.option("--tokens", default=1024, show_default=True, type=COUNT, help="KV of this many tokens per transfer")
+@click.option("--tokens", default=1024, show_default=True, type=COUNT,
+              help="KV of this many tokens per transfer; more than the memory holds is refused (with what fits)")
 @click.option("--repeats", default=20, show_default=True, type=COUNT)
 @click.option("--block-size", default=16, show_default=True, type=COUNT)
 @click.option("--dtype", default=None, help="[default: float32 on CPU, bfloat16 on GPU]")

@@ -43,9 +43,14 @@ from common.kv_cache import SharedSegment
 from common.kv_transport import (Inbox, Outgoing, frame_plan, make_receivers, make_senders, tune_malloc, unit_bytes,
                                  unit_stretches)
 from common.kv_transport.mapped import MappedSender
+from common.memory import gib
 
 TIMEOUT_S = 60.0
 SEED = 1234
+# The most copies of one process's KV pool the bench holds at once on a device, about: the sender's
+# pool and the receiver's, the receiver's check of the warm-up (the sender's pool made again, and the
+# blocks it compares) and the ceilings' buffers (raw ZeroMQ's, memcpy's or d2d's two).
+POOL_COPIES = 6
 
 
 def kv_shape(spec: str, tokens: int, block_size: int, dtype: str | None, device: str | None, transport: str):
@@ -63,6 +68,37 @@ def kv_shape(spec: str, tokens: int, block_size: int, dtype: str | None, device:
     n = -(-tokens // block_size)
     shape = (mc.num_layers, 2, n + 1, block_size, mc.num_kv_heads, mc.head_dim)  # one spare block each side
     return shape, dtype, device, n
+
+
+def available_bytes(device: torch.device) -> int:
+    """What new tensors may take on device: a GPU's free memory, else what the host has available
+    (MemAvailable: what is free and the caches it would give back; all of it where that is unknown)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_memory(spec: str, tokens: int, shape, dtype: str, devices: set[torch.device]) -> None:
+    """InvalidArgument naming --tokens, before anything is allocated, if POOL_COPIES of a pool of
+    this shape do not fit in what one of the devices has available."""
+    block = math.prod(shape) // shape[2] * DTYPES[dtype].itemsize
+    pool = block * shape[2]
+    for device in sorted(devices, key=str):
+        available = available_bytes(device)
+        if POOL_COPIES * pool <= available:
+            continue
+        fits = (available // (POOL_COPIES * block) - 1) * shape[3]  # tokens in whole blocks, less the spare one
+        allowed = f"--tokens <= {fits} (or a smaller --model or --dtype)" if fits >= 1 else \
+            "a smaller --block-size, --model or --dtype"
+        raise InvalidArgument(
+            f"--tokens {tokens}: a KV pool of {spec} ({dtype}, {shape[2]} blocks of {shape[3]} tokens) is {gib(pool)}, "
+            f"and the bench holds about {POOL_COPIES} such at once (the sender's and the receiver's, the warm-up's "
+            f"check, the ceilings' buffers): {gib(POOL_COPIES * pool)}, more than the {gib(available)} available on "
+            f"{'this machine' if device.type == 'cpu' else device}; allowed: {allowed}", param="--tokens")
 
 
 def peer_device(transport: str, sender: torch.device, devices: list[str] | None) -> torch.device:
@@ -370,6 +406,7 @@ def run_transfer_bench(transport: str, spec: str, tokens: int, repeats: int, blo
     peer = peer_device(transport, dev, devices)
     if not 1 <= layer_groups <= shape[0]:
         raise InvalidArgument(f"layer_groups={layer_groups}; allowed: 1..{shape[0]} (the model's layers)")
+    check_memory(spec, tokens, shape, dtype, {dev, peer})
     torch.set_num_threads(1)
     tune_malloc()
     nbytes = math.prod(shape) // shape[2] * n * DTYPES[dtype].itemsize

@@ -13,10 +13,12 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+import bench.transfer as B
 import router.client
 from bench.report import print_table
 from bench.serve import compare_frontends, run_serve_bench
 from common.cli import main, run
+from common.errors import InvalidArgument
 from router.launcher import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -152,3 +154,33 @@ def test_a_zero_batch_size_is_a_usage_error_not_a_traceback():
                        capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert "Invalid value for '--batch-sizes': '0' has 0; allowed: batch sizes >= 1" in r.stderr, r.stderr
+
+
+# ----------------------------------------------------------------------------- bench transfer's size
+
+def test_a_transfer_larger_than_the_memory_is_refused_before_it_allocates(monkeypatch):
+    """A pool of 64 blocks of 16 tokens (1,024 tokens and a spare block) fits exactly in what is
+    available; one block more does not, and the error says how many tokens would."""
+    shape, dtype, device, n = B.kv_shape("dummy:llama-1b", 1024, 16, "float32", "cpu", "zmq")
+    pool = math.prod(shape) * 4
+    monkeypatch.setattr(B, "available_bytes", lambda device: B.POOL_COPIES * pool)
+    B.check_memory("dummy:llama-1b", 1024, shape, dtype, {device})
+    bigger, *_ = B.kv_shape("dummy:llama-1b", 1025, 16, "float32", "cpu", "zmq")
+    with pytest.raises(InvalidArgument) as e:
+        B.check_memory("dummy:llama-1b", 1025, bigger, dtype, {device})
+    assert e.value.param == "--tokens"
+    assert str(e.value).startswith("--tokens 1025: a KV pool of dummy:llama-1b (float32, 66 blocks of 16 tokens) is "
+                                   "0.06 GiB"), e.value
+    assert str(e.value).endswith("available on this machine; allowed: --tokens <= 1024 (or a smaller --model or "
+                                 "--dtype)"), e.value
+
+
+def test_ten_million_tokens_is_an_error_that_names_the_flag(monkeypatch, capsys):
+    started = time.monotonic()
+    code, _, err = run_cli(monkeypatch, capsys, "bench", "transfer", "--transport", "shm", "--tokens", "10000000",
+                           "--repeats", "1")
+    assert code == 2, err
+    assert re.fullmatch(r"error \[INVALID_ARGUMENT\]: --tokens 10000000: a KV pool of dummy:llama-1b \(float32, "
+                        r"625001 blocks of 16 tokens\) is 610\.35 GiB, .* more than the [\d.]+ GiB available on this "
+                        r"machine; allowed: --tokens <= \d+ \(or a smaller --model or --dtype\)\n", err), err
+    assert time.monotonic() - started < 10
