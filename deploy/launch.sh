@@ -26,25 +26,49 @@ PREFILL="" DECODE="" MONO=0 MODEL=dummy:nanogpt DEVICES=cpu HOST=127.0.0.1 PORT=
 API_SERVERS=1 POLICY=least_loaded
 LOG_DIR=pdserve-logs DRY_RUN=0 THREADS="" RESTART=1 API_KEY=${PDSERVE_API_KEY:-}
 WORKER_ARGS=() ROUTER_LIMITS=()
+
+# A flag's value, checked as `pdserve launch` checks it; a bad or missing one is a usage error
+# (exit 2) that names the flag, the value and what is allowed. Each takes the loop's "$@". An
+# integer is then read in base 10 (bash would take 010 for octal).
+refuse() { echo "launch.sh: $1 ${2:-''}: allowed: $3" >&2; exit 2; }
+has_value() { (($# >= 2)) || { echo "launch.sh: $1 needs a value (see --help)" >&2; exit 2; }; }
+is_int() { [[ $1 =~ ^[0-9]{1,18}$ ]] && ((10#$1 >= $2 && (${3:-0} == 0 || 10#$1 <= ${3:-0}))); }  # N MIN [MAX]
+int_value() { local min=$1; shift; has_value "$@"; is_int "$2" "$min" || refuse "$1" "$2" "an integer >= $min"; }
+port_value() {
+  has_value "$@"
+  is_int "$2" 1 65535 || refuse "$1" "$2" "a port number 1..65535 (pdserve launch picks free ports for 0)"
+}
+number_value() {  # OP BOUND FLAG VALUE: a number OP (> or >=) BOUND
+  local op=$1 bound=$2; shift 2
+  has_value "$@"
+  [[ $2 =~ ^([0-9]+[.]?[0-9]*|[.][0-9]+)([eE][-+]?[0-9]+)?$ ]] &&
+    awk -v x="$2" -v b="$bound" -v op="$op" 'BEGIN { exit !(op == ">" ? x + 0 > b + 0 : x + 0 >= b + 0) }' ||
+    refuse "$1" "$2" "a number $op $bound"
+}
+
 while (($#)); do
   case "$1" in
-    --prefill) PREFILL=$2; shift 2 ;;
-    --decode) DECODE=$2; shift 2 ;;
-    --mono) MONO=$2; shift 2 ;;
-    --model) MODEL=$2; shift 2 ;;
-    --devices) DEVICES=$2; shift 2 ;;
-    --host) HOST=$2; shift 2 ;;
-    --port) PORT=$2; shift 2 ;;
-    --worker-port) WORKER_PORT=$2; shift 2 ;;
-    --http-port) HTTP_PORT=$2; shift 2 ;;
-    --api-server-count) API_SERVERS=$2; shift 2 ;;
-    --policy) POLICY=$2; shift 2 ;;
-    --log-dir) LOG_DIR=$2; shift 2 ;;
-    --threads) THREADS=$2; shift 2 ;;
-    --api-key) API_KEY=$2; shift 2 ;;
-    --allowed-origins) ROUTER_LIMITS+=("$1" "$2"); shift 2 ;;
-    --max-queue|--heartbeat-timeout|--max-attempts|--prefill-timeout|--decode-stall-timeout|--queue-timeout|\
-    --max-message-bytes) ROUTER_LIMITS+=("$1" "$2"); shift 2 ;;
+    --prefill) int_value 0 "$@"; PREFILL=$((10#$2)); shift 2 ;;
+    --decode) int_value 0 "$@"; DECODE=$((10#$2)); shift 2 ;;
+    --mono) int_value 0 "$@"; MONO=$((10#$2)); shift 2 ;;
+    --model) has_value "$@"; MODEL=$2; shift 2 ;;
+    --devices) has_value "$@"; DEVICES=$2; shift 2 ;;
+    --host) has_value "$@"; HOST=$2; shift 2 ;;
+    --port) port_value "$@"; PORT=$((10#$2)); shift 2 ;;
+    --worker-port) port_value "$@"; WORKER_PORT=$((10#$2)); shift 2 ;;
+    --http-port) port_value "$@"; HTTP_PORT=$((10#$2)); shift 2 ;;
+    --api-server-count) int_value 1 "$@"; API_SERVERS=$((10#$2)); shift 2 ;;
+    --policy) has_value "$@"; POLICY=$2; shift 2 ;;
+    --log-dir) has_value "$@"; LOG_DIR=$2; shift 2 ;;
+    --threads) int_value 1 "$@"; THREADS=$((10#$2)); shift 2 ;;
+    --api-key) has_value "$@"; API_KEY=$2; shift 2 ;;
+    --allowed-origins) has_value "$@"; ROUTER_LIMITS+=("$1" "$2"); shift 2 ;;
+    # the router's limits, as ROUTER_OPTIONS in common/cli_options.py bounds them
+    --max-queue|--max-attempts) int_value 1 "$@"; ROUTER_LIMITS+=("$1" "$2"); shift 2 ;;
+    --max-message-bytes) int_value 4096 "$@"; ROUTER_LIMITS+=("$1" "$2"); shift 2 ;;
+    --heartbeat-timeout) number_value ">=" 0.5 "$@"; ROUTER_LIMITS+=("$1" "$2"); shift 2 ;;
+    --prefill-timeout|--decode-stall-timeout|--queue-timeout)
+      number_value ">" 0 "$@"; ROUTER_LIMITS+=("$1" "$2"); shift 2 ;;
     --no-restart) RESTART=0; shift ;;
     --dry-run) DRY_RUN=1; shift ;;
     --) shift; WORKER_ARGS=("$@"); break ;;
@@ -54,12 +78,14 @@ while (($#)); do
 done
 PREFILL=${PREFILL:-$((MONO > 0 ? 0 : 1))} DECODE=${DECODE:-$((MONO > 0 ? 0 : 1))}  # --mono alone: only mono workers
 WORKER_PORT=${WORKER_PORT:-$((PORT + 1))}
+# Whether something accepts connections at HOST PORT (one that hangs, to a host that drops it, does not).
+listening() { timeout 2 bash -c 'exec 3<>"/dev/tcp/$0/$1"' "$1" "$2" 2>/dev/null; }
 # Another router on these ports would answer the readiness check below, and take our workers.
 for flag_port in "--port $PORT" "--worker-port $WORKER_PORT" ${HTTP_PORT:+"--http-port $HTTP_PORT"}; do
   read -r flag port <<<"$flag_port"
-  ((port > 0)) || { echo "launch.sh: $flag $port is invalid; allowed: a port number (pdserve launch picks free ports for 0)" >&2; exit 2; }
-  # (a connect that hangs, to a host that drops it, counts as free: the router's bind then decides)
-  ((DRY_RUN)) || ! timeout 2 bash -c 'exec 3<>"/dev/tcp/$0/$1"' "$HOST" "$port" 2>/dev/null ||
+  port_value "$flag" "$port"  # the worker port --port 65535 implies, too
+  # (a port that does not answer counts as free: the router's bind then decides)
+  ((DRY_RUN)) || ! listening "$HOST" "$port" ||
     { echo "launch.sh: port $port on $HOST is in use (another pdserve router?); allowed: a free port for $flag" >&2; exit 2; }
 done
 PDSERVE=${PDSERVE:-pdserve}
@@ -91,7 +117,8 @@ else
 fi
 
 # Run "$@" as process NAME, restarting it with exponential backoff (0.5 s doubling to 8 s, reset
-# after 30 s of health) until this supervisor is told to stop.
+# after 30 s of health) until this supervisor is told to stop; but not after a usage error (exit 2:
+# a bad flag or model, which would fail alike again).
 supervise() {
   local name=$1; shift
   local child="" delay=0.5 started
@@ -105,6 +132,10 @@ supervise() {
     local rc=$?
     echo "$name $rc" >>"$EXITS"  # the readiness check below fails the start on any
     ((RESTART)) || { echo "[launch.sh] $name exited with $rc; not restarted (--no-restart)" | tee -a "$LOG_DIR/$name.log" >&2; return; }
+    if ((rc == 2)); then  # (a usage error comes at start, which the readiness check below reports)
+      echo "[launch.sh] $name exited with 2, a usage error; not restarted" >>"$LOG_DIR/$name.log"
+      return
+    fi
     ((SECONDS - started > 30)) && delay=0.5
     echo "[launch.sh] $name exited with $rc; restarting in ${delay}s" | tee -a "$LOG_DIR/$name.log" >&2
     sleep "$delay" & wait $!
@@ -175,8 +206,11 @@ while ((SECONDS < READY_TIMEOUT_S)); do
     grep -v '^\[launch.sh\]' "$LOG_DIR/$name.log" | uniq | tail -n 15 >&2
     exit 1
   fi
-  alive=$(timeout 5 $PDSERVE status --router "tcp://$HOST:$PORT" --json 2>/dev/null |
-          python3 -c 'import json,sys; print(sum(w["alive"] for w in json.load(sys.stdin)["workers"]))' 2>/dev/null)
+  # asked only once the router listens: a status call to no router waits seconds, while a process that
+  # exited would go unseen
+  listening "$HOST" "$PORT" &&
+    alive=$(timeout 5 $PDSERVE status --router "tcp://$HOST:$PORT" --json 2>/dev/null |
+            python3 -c 'import json,sys; print(sum(w["alive"] for w in json.load(sys.stdin)["workers"]))' 2>/dev/null)
   if [[ "${alive:-0}" -ge "$WORKERS" ]]; then
     [[ -n $HTTP_PORT ]] && echo "HTTP API at http://$HOST:$HTTP_PORT"
     echo "ready: router at tcp://$HOST:$PORT"

@@ -4,7 +4,9 @@ not there says UNAVAILABLE before it measures, a run whose requests all failed s
 table, counts of 0 are refused when parsed, and a transfer larger than the memory says so first."""
 
 import math
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -20,8 +22,10 @@ from bench.serve import compare_frontends, run_serve_bench
 from common.cli import main, run
 from common.errors import InvalidArgument
 from router.launcher import free_port
+from tests.test_launch import CHECKOUT_ENV, processes_mentioning
 
 ROOT = Path(__file__).resolve().parents[1]
+LAUNCH_SH = ["bash", str(ROOT / "deploy" / "launch.sh")]
 pytestmark = pytest.mark.timeout(60)
 
 
@@ -184,3 +188,70 @@ def test_ten_million_tokens_is_an_error_that_names_the_flag(monkeypatch, capsys)
                         r"625001 blocks of 16 tokens\) is 610\.35 GiB, .* more than the [\d.]+ GiB available on this "
                         r"machine; allowed: --tokens <= \d+ \(or a smaller --model or --dtype\)\n", err), err
     assert time.monotonic() - started < 10
+
+
+# ----------------------------------------------------------------------------- deploy/launch.sh
+
+PORTS = "a port number 1..65535 (pdserve launch picks free ports for 0)"
+LAUNCH_REFUSED = [  # (args, the error line)
+    (["--prefill", "abc"], "--prefill abc: allowed: an integer >= 0"),
+    (["--decode", "-1"], "--decode -1: allowed: an integer >= 0"),
+    (["--mono", "1.5"], "--mono 1.5: allowed: an integer >= 0"),
+    (["--prefill"], "--prefill needs a value (see --help)"),
+    (["--dry-run", "--model"], "--model needs a value (see --help)"),
+    (["--threads", "0", "--dry-run"], "--threads 0: allowed: an integer >= 1"),
+    (["--api-server-count", "0"], "--api-server-count 0: allowed: an integer >= 1"),
+    (["--port", "abc"], f"--port abc: allowed: {PORTS}"),
+    (["--http-port", "70000"], f"--http-port 70000: allowed: {PORTS}"),
+    (["--port", "65535", "--dry-run"], f"--worker-port 65536: allowed: {PORTS}"),  # the one --port implies
+    (["--max-queue", "0"], "--max-queue 0: allowed: an integer >= 1"),
+    (["--max-message-bytes", "100"], "--max-message-bytes 100: allowed: an integer >= 4096"),
+    (["--heartbeat-timeout", "0.1"], "--heartbeat-timeout 0.1: allowed: a number >= 0.5"),
+    (["--queue-timeout", "0"], "--queue-timeout 0: allowed: a number > 0"),
+    (["--prefill-timeout", "soon"], "--prefill-timeout soon: allowed: a number > 0"),
+    (["--prefill", ""], "--prefill '': allowed: an integer >= 0"),
+]
+
+
+@pytest.mark.parametrize("args,says", LAUNCH_REFUSED, ids=[" ".join(a) for a, _ in LAUNCH_REFUSED])
+def test_launch_sh_refuses_a_bad_flag_value_by_name(tmp_path, args, says):
+    r = subprocess.run([*LAUNCH_SH, "--log-dir", str(tmp_path / "logs"), *args], capture_output=True, text=True,
+                       cwd=tmp_path, env=CHECKOUT_ENV, timeout=30)
+    assert (r.returncode, r.stdout, r.stderr) == (2, "", f"launch.sh: {says}\n")
+    assert not (tmp_path / "logs").exists()
+
+
+def test_launch_sh_takes_good_values_as_given():
+    r = subprocess.run([*LAUNCH_SH, "--prefill", "2", "--decode", "010", "--threads", "3", "--heartbeat-timeout",
+                        "1e3", "--queue-timeout", ".5", "--dry-run"], capture_output=True, text=True, cwd=ROOT,
+                       env=CHECKOUT_ENV, timeout=60)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].endswith("--heartbeat-timeout 1e3 --queue-timeout .5")
+    assert len(lines) == 1 + 2 + 10 and all("--threads 3" in line for line in lines[1:])  # 010: ten, not octal 8
+
+
+def test_launch_sh_does_not_restart_a_process_that_exits_with_a_usage_error(tmp_path):
+    """A model that is not there: each process exits 2, as it would again; the launch stops at once
+    with the error, as `pdserve launch` does, without restarting anything first."""
+    port = free_port()
+    proc = subprocess.Popen([*LAUNCH_SH, "--model", "smollm9", "--port", str(port), "--log-dir", str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=CHECKOUT_ENV,
+                            start_new_session=True)
+    try:
+        started = time.monotonic()
+        _, err = proc.communicate(timeout=45)
+        assert proc.returncode != 0 and time.monotonic() - started < 30, err
+        assert re.search(r"launch.sh: \S+ exited with 2 during start-up", err), err
+        assert "model='smollm9' is not a dummy preset" in err, err
+        assert "restarting" not in err + "".join(p.read_text() for p in tmp_path.glob("*.log")), err
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    def left():  # the script's forks, the router, the workers
+        return [p for text in (str(tmp_path), f"--port {port}", f":{port + 1}") for p in processes_mentioning(text)]
+    deadline = time.monotonic() + 10
+    while left() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert left() == []
