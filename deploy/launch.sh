@@ -124,13 +124,15 @@ supervise() {
   local child="" delay=0.5 started
   trap '[[ -n $child ]] && kill -TERM "$child" 2>/dev/null; wait "$child" 2>/dev/null; exit 0' TERM
   while true; do
+    local offset  # where this run's lines begin in the log, which keeps earlier runs'
+    offset=$(stat -c %s "$LOG_DIR/$name.log" 2>/dev/null || echo 0)
     # shellcheck disable=SC2086
     $PDSERVE "$@" >>"$LOG_DIR/$name.log" 2>&1 &
     child=$!
     started=$SECONDS
     wait "$child"
     local rc=$?
-    echo "$name $rc" >>"$EXITS"  # the readiness check below fails the start on any
+    echo "$name $rc $offset" >>"$EXITS"  # the readiness check below fails the start on any
     ((RESTART)) || { echo "[launch.sh] $name exited with $rc; not restarted (--no-restart)" | tee -a "$LOG_DIR/$name.log" >&2; return; }
     if ((rc == 2)); then  # (a usage error comes at start, which the readiness check below reports)
       echo "[launch.sh] $name exited with 2, a usage error; not restarted" >>"$LOG_DIR/$name.log"
@@ -144,7 +146,7 @@ supervise() {
 }
 
 PIDS=()
-EXITS=$(mktemp)  # "NAME RC" of each process that exited, as supervise saw it
+EXITS=$(mktemp)  # "NAME RC OFFSET" of each process that exited, as supervise saw it
 stop() {
   trap - INT TERM EXIT
   ((${#PIDS[@]})) && kill -TERM "${PIDS[@]}" 2>/dev/null
@@ -201,9 +203,9 @@ PIDS+=($!)
 READY_TIMEOUT_S=${READY_TIMEOUT_S:-180}
 alive=0
 while ((SECONDS < READY_TIMEOUT_S)); do
-  if read -r name rc <"$EXITS"; then
+  if read -r name rc offset <"$EXITS"; then
     echo "launch.sh: $name exited with $rc during start-up; see $LOG_DIR/$name.log:" >&2
-    grep -v '^\[launch.sh\]' "$LOG_DIR/$name.log" | uniq | tail -n 15 >&2
+    tail -c +$((offset + 1)) "$LOG_DIR/$name.log" | grep -v '^\[launch.sh\]' | uniq | tail -n 15 >&2
     exit 1
   fi
   # asked only once the router listens: a status call to no router waits seconds, while a process that

@@ -111,14 +111,22 @@ class Child:
     next_start: float = 0.0
     started_at: float = 0.0
     env: dict = field(default_factory=dict)
+    log_offset: int = 0  # where this run's lines begin in its log (kept across runs)
 
     def start(self):
         log = open(self.log_path, "ab")
+        self.log_offset = log.tell()
         env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
         self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      preexec_fn=die_with_parent, env=env)
         log.close()
         self.started_at = time.monotonic()
+
+    def run_log(self, limit: int = 2000) -> str:
+        """The last `limit` characters this run wrote to the log: an earlier run's error is not its."""
+        with open(self.log_path, "rb") as f:
+            f.seek(self.log_offset)
+            return f.read().decode(errors="replace")[-limit:]
 
 
 class Cluster:
@@ -199,7 +207,7 @@ class Cluster:
                 for c in self.children:
                     if c.proc.poll() is not None:
                         raise StartupError(f"{c.name} exited with {c.proc.returncode} during start-up; "
-                                           f"see {c.log_path}:\n{c.log_path.read_text()[-2000:]}")
+                                           f"see {c.log_path}:\n{c.run_log()}")
                 try:
                     status = client.status(timeout=2.0)
                 except RequestError:  # still starting (a client fails at once once it has waited long)

@@ -148,6 +148,11 @@ def test_a_process_that_fails_to_start_fails_the_launch_with_its_error(tmp_path,
     assert "exited with 2 during start-up" in r.stderr and "nope.gguf' is not a dummy preset" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr, r.stderr
     assert not processes_mentioning(f"--port {port}")
+    # again into the same logs, which keep the first run's lines: the error shown is this run's alone
+    cmd[cmd.index(str(tmp_path / "nope.gguf"))] = "dummy:nope"
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=CHECKOUT_ENV, timeout=120)
+    assert r.returncode != 0 and "'dummy:nope': unknown dummy preset" in r.stderr, r.stderr
+    assert "nope.gguf" not in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 def test_free_ports_are_never_the_kernels_to_hand_out():
