@@ -39,7 +39,7 @@ from common.channel import Channel, Waker
 from common.model_spec import model_config
 from common.config import DTYPES, KV_TRANSPORT_DEVICE, default_dtype, resolve_device
 from common.errors import InvalidArgument
-from common.kv_cache import SharedSegment
+from common.kv_cache import SharedSegment, available_bytes
 from common.kv_transport import (Inbox, Outgoing, frame_plan, make_receivers, make_senders, tune_malloc, unit_bytes,
                                  unit_stretches)
 from common.kv_transport.mapped import MappedSender
@@ -68,18 +68,6 @@ def kv_shape(spec: str, tokens: int, block_size: int, dtype: str | None, device:
     n = -(-tokens // block_size)
     shape = (mc.num_layers, 2, n + 1, block_size, mc.num_kv_heads, mc.head_dim)  # one spare block each side
     return shape, dtype, device, n
-
-
-def available_bytes(device: torch.device) -> int:
-    """What new tensors may take on device: a GPU's free memory, else what the host has available
-    (MemAvailable: what is free and the caches it would give back; all of it where that is unknown)."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration):
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def check_memory(spec: str, tokens: int, shape, dtype: str, devices: set[torch.device]) -> None:

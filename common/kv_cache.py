@@ -23,13 +23,34 @@ import torch
 from common.model_spec import ModelConfig
 from common.prefix_hash import PREFIX_HASH_SEED, block_hash
 from common.errors import InvalidArgument
+from common.memory import gib
 from common.sequence import Sequence
+
+
+def available_bytes(device: torch.device) -> int:
+    """What new tensors may take on device: a GPU's free memory and what torch holds there unused,
+    else what the host has available (MemAvailable: what is free and the caches it would give back;
+    all of it where that is unknown)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - \
+            torch.cuda.memory_allocated(device)
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def allocate_kv_pool(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                      device: torch.device, shared: bool = False) -> tuple[torch.Tensor, SharedSegment | None]:
-    """The pool, and its shared-memory segment when shared (CPU only; close it when done)."""
+    """The pool, and its shared-memory segment when shared (CPU only; close it when done). A pool
+    larger than the device has available is refused by name, not left to the allocator's error."""
     shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    nbytes, available = math.prod(shape) * dtype.itemsize, available_bytes(device)
+    if nbytes > available:
+        fits = available // (nbytes // num_blocks)
+        raise InvalidArgument(f"num_blocks={num_blocks}: a KV pool of {gib(nbytes)} does not fit the {gib(available)} "
+                              f"available on {device}; allowed: at most {fits} blocks (--num-blocks, --kv-cache-gb)")
     if shared:
         segment = SharedSegment.create(shape, dtype)
         return segment.tensor, segment

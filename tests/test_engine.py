@@ -346,3 +346,15 @@ def test_the_block_table_array_follows_its_list():
     assert list(seq.block_table_array()) == [7, 8, 6]
     seq.block_table = [3]
     assert list(seq.block_table_array()) == [3]
+
+
+def test_a_kv_pool_larger_than_the_memory_is_refused_by_name():
+    """Not the allocator's RuntimeError: the flag, the pool's size, what is available and what fits."""
+    with pytest.raises(InvalidArgument) as e:
+        Engine(model="dummy:nanogpt", num_blocks=10**10)
+    message = str(e.value)
+    assert message.startswith("num_blocks=10000000000: a KV pool of ") and "available on cpu" in message
+    fits = int(message.split("allowed: at most ")[1].split()[0])
+    assert 4 < fits < 10**10
+    assert Engine(model="dummy:nanogpt", num_blocks=min(fits // 2, 4096)).generate([1, 2, 3], SamplingParams(
+        max_tokens=2, ignore_eos=True))[0].token_ids  # a pool that fits is made and serves
