@@ -26,7 +26,18 @@ def cell(c) -> str:
 
 
 def print_json(result: dict) -> None:
-    print(json.dumps(result), flush=True)
+    """The bench's last line: strict JSON, a NaN (a percentile of nothing: every request failed) as null."""
+    print(json.dumps(_finite(result), allow_nan=False), flush=True)
+
+
+def _finite(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def pct(values: list[float], q: float) -> float:

@@ -3,6 +3,7 @@ value and what is allowed (exit 2), never a traceback nor bash's own: a bench wh
 not there says UNAVAILABLE before it measures, a run whose requests all failed still prints its
 table, counts of 0 are refused when parsed, and a transfer larger than the memory says so first."""
 
+import json
 import math
 import os
 import re
@@ -255,3 +256,13 @@ def test_launch_sh_does_not_restart_a_process_that_exits_with_a_usage_error(tmp_
     while left() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert left() == []
+
+
+def test_a_bench_json_line_is_strict_json_with_nan_as_null(capsys):
+    """A run whose requests all failed has no percentiles: null, not NaN (which JSON has not)."""
+    from bench.report import pct, print_json
+
+    print_json({"ttft_p50": pct([], 50), "rows": [{"itl": float("inf"), "ok": 1.5}], "n": 0})
+    line = capsys.readouterr().out.strip()
+    assert json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in {line}")) == \
+        {"ttft_p50": None, "rows": [{"itl": None, "ok": 1.5}], "n": 0}
