@@ -188,8 +188,8 @@ def measure_mode(engine: Engine, name: str, batch_sizes: list[int], kv_lens: lis
     flops = prefill_flops(engine, prefill_len)
     print(f"[{name}] prefill: {1e3 * prefill_s:.2f} ms, {flops / prefill_s / peak:.1%} of matmul peak",
           file=sys.stderr, flush=True)
-    prefill = {"tokens": prefill_len, "ms": round(1e3 * prefill_s, 2), "tflop_s": round(flops / prefill_s / 1e12, 3),
-               "matmul_peak_tflop_s": round(peak / 1e12, 3), "of_peak": round(flops / prefill_s / peak, 3)}
+    prefill = {"tokens": prefill_len, "ms": round(1e3 * prefill_s, 2), "tflop_s": sig(flops / prefill_s / 1e12),
+               "matmul_peak_tflop_s": sig(peak / 1e12), "of_peak": sig(flops / prefill_s / peak, 3)}
     return {"decode": decode, "prefill": prefill}
 
 

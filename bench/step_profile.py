@@ -29,7 +29,8 @@ import time
 import torch
 from torch.autograd import DeviceType
 
-from bench.engine import _random_prompts, _sync, decoding_batch, engine_for_bench, prefill_flops, prefill_seconds, release
+from bench.engine import (_random_prompts, _sync, decoding_batch, engine_for_bench, prefill_flops, prefill_seconds,
+                          release, sig)
 from bench.report import print_json, print_table
 from common.sampling import GREEDY
 from common.sampling_params import SamplingParams
@@ -159,7 +160,7 @@ def profile_prefill(engine, tokens: int, repeats: int, rng: random.Random, top: 
         kernels, launches, kernel_us = kernel_table(engine.config.torch_device, lambda: engine.generate(prompt, params),
                                                     repeats, top)
     flops = prefill_flops(engine, tokens)
-    return {"tokens": tokens, "ms": round(1e3 * seconds, 3), "tflop_s": round(flops / seconds / 1e12, 3),
+    return {"tokens": tokens, "ms": round(1e3 * seconds, 3), "tflop_s": sig(flops / seconds / 1e12),
             "kernels_per_prefill": launches, "kernel_ms": round(kernel_us / 1e3, 4), "kernels": kernels}
 
 

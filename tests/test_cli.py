@@ -146,7 +146,7 @@ def test_bench_step_profile_splits_a_step_into_device_and_host_and_names_the_ker
     for p in points:
         assert p["captured_size"] is None and p["sample_ms"] == 0  # eager: no graph, no sampler's
         assert p["host_ms"] == pytest.approx(p["step_ms"] - p["forward_ms"], abs=2e-4)
-        assert 0 < p["forward_ms"] < p["step_ms"] * 3  # the same forward, timed apart (noise aside)
+        assert 0 < p["forward_ms"]  # the same forward, timed apart (how long: a bench's figure, not a test's)
         assert 0 < len(p["kernels"]) <= 5 and p["kernels_per_forward"] >= len(p["kernels"])
         assert any("addmm" in k["kernel"] or "linear" in k["kernel"] or "mm" in k["kernel"] for k in p["kernels"])
         assert sum(k["share"] for k in p["kernels"]) <= 1 + 1e-9
