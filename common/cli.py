@@ -183,9 +183,13 @@ def worker_command(role: str):
     @click.option("--step-timeout", default=120.0, show_default=True, type=POSITIVE,
                   help="seconds one step may run before the worker counts as hung: its heartbeat stops and the "
                        "router recovers its requests (a step may outlast the router's --heartbeat-timeout)")
+    @click.option("--kv-lease", default=30.0, show_default=True, type=POSITIVE,
+                  help="decode: seconds blocks reserved for a transfer are held for it (a live prefill worker "
+                       "renews them every third of that while it prefills)")
     @click.option("--log-level", default="INFO", show_default=True)
     @engine_options
-    def command(router_address, worker_id, host, threads, no_kv_stream, step_timeout, log_level, engine_kwargs):
+    def command(router_address, worker_id, host, threads, no_kv_stream, step_timeout, kv_lease, log_level,
+                engine_kwargs):
         signal.signal(signal.SIGTERM, _stop_while_starting)  # until the worker's loop installs its own
         from common.config import EngineConfig
         from common.worker import WorkerConfig
@@ -194,7 +198,8 @@ def worker_command(role: str):
         if role == "prefill":  # its steps are all prefill: no decode step to capture as graphs
             engine_kwargs = dict(engine_kwargs, enforce_eager=True)
         cfg = WorkerConfig(router=router_address, engine=EngineConfig(**engine_kwargs), worker_id=worker_id,
-                           host=host, threads=threads, kv_stream=not no_kv_stream, step_timeout_s=step_timeout)
+                           host=host, threads=threads, kv_stream=not no_kv_stream, step_timeout_s=step_timeout,
+                           kv_lease_s=kv_lease)
         if role == "prefill":
             from prefill_worker.worker import PrefillWorker
 

@@ -7,7 +7,8 @@ the router:
     [KVChunk...] KVTransfer(header) -> the transport settles -> start decoding -> KVAck
 
 Reservations are leases: blocks granted to a transfer that never arrives (the prefill died, the
-request was cancelled) come back when the lease expires. A full pool or a full batch answers a
+request was cancelled) come back when the lease expires. A live prefill worker renews its lease
+by asking again for the same reservation while its prefill runs. A full pool or a full batch answers a
 reservation with BUSY and queues it, in order of arrival, granting it as soon as room frees: that
 is the backpressure, and a busy decode worker is a queue, not a failure. A queued reservation its
 prefill worker stops asking about (it asks every REASK_S) is dropped after QUEUE_STALE_S. Where a peer
@@ -199,7 +200,8 @@ class DecodeWorker(WorkerBase):
         if held is not None and held > msg.attempt:  # a late ask of an attempt the router has replaced
             return refuse("CANCELLED", f"attempt {msg.attempt} was replaced by attempt {held}, held here")
         old = self.reservations.get(rid)
-        if old is not None and old.attempt == msg.attempt:  # a repeated request: grant the same blocks again
+        if old is not None and old.attempt == msg.attempt:  # asked again (a renewal): the same blocks, a new lease
+            old.expires = max(old.expires, now + self.cfg.kv_lease_s)
             return self._grant(sender, msg, old.block_ids)
         queued = self.queued.get(rid)
         if queued is not None and queued.attempt == msg.attempt:  # asked again: it keeps its place

@@ -11,7 +11,11 @@ The reservation is asked for when the work arrives, so the grant's round trip ov
 prefill instead of following it; a request that ends at its first token sends KVRelease. A busy
 decode worker queues the reservation and grants it when room frees; we ask again every REASK_S
 (a lost message, a restarted peer), and each answer renews our deadline: waiting for room is
-queueing, not a failure. Our Holding messages tell the router the same. Prompts
+queueing, not a failure. Our Holding messages tell the router the same. Once granted, a lease
+is renewed every third of it (the same KVReserve: the decode worker extends its lease and grants
+the same blocks again, which renews our deadline too) until the KV is acknowledged, so a prefill
+longer than one lease (a long prompt on a CPU) keeps its blocks; a grant of other blocks means
+the lease had expired there, and the transfer gives up. Prompts
 still awaiting their grant are admitted only while they leave our pool room for the longest
 request (common/scheduler.py): full of them, it could wait on a decode worker whose room is
 promised to prompts we cannot admit.
@@ -79,6 +83,8 @@ class Transfer:
     block_ids: list[int] | None = None  # set once granted
     offer: dict = field(default_factory=dict)  # the decode worker's transports, from its grant
     lease_end: float = 0.0  # the grant holds until at least then (its lease, counted from our request)
+    lease_s: float = 0.0  # the grant's lease, renewed every third of it (_renew)
+    renew_sent_at: float = 0.0  # when we last asked for the same blocks again
     state: str = "reserving"  # reserving -> (granted) -> [streaming] -> sending -> (acked: removed)
     retry_at: float | None = None
     requested_at: float = 0.0
@@ -213,11 +219,21 @@ class PrefillWorker(WorkerBase):
         t = self.transfers[rid]
         now = time.monotonic()
         t.state, t.retry_at, t.requested_at = "reserving", None, now
+        if not self._ask(rid, t):
+            t.retry_at = now + RESEND_S  # until the transfer's deadline gives up, and says so
+
+    def _renew(self, rid: str, t: Transfer, now: float):
+        """Ask for the granted blocks again: the decode worker extends their lease."""
+        t.renew_sent_at = now
+        self._ask(rid, t)  # one lost goes again a third of a lease later
+
+    def _ask(self, rid: str, t: Transfer) -> bool:
         try:
             self._peer(t.work.decode_kv_address).send(
                 P.KVReserve(rid, t.work.attempt, len(t.work.token_ids), self.engine.kv_layout, t.max_len))
-        except zmq.ZMQError:  # our queue to it is full: again shortly, unlogged (20 a second to a stuck peer)
-            t.retry_at = now + RESEND_S  # until the transfer's deadline gives up, and says so
+            return True
+        except zmq.ZMQError:  # our queue to it is full: unlogged (20 a second to a stuck peer)
+            return False
 
     def _release_reservation(self, rid: str):
         t = self.transfers.pop(rid, None)
@@ -255,11 +271,20 @@ class PrefillWorker(WorkerBase):
         if t is None or msg.attempt != t.work.attempt:
             return
         if isinstance(msg, P.KVGrant):
-            if t.state != "reserving":  # granted already (a re-ask crossed its queued grant): the same blocks
+            if t.state != "reserving":  # granted already: a renewal, or a re-ask that crossed its queued grant
+                if msg.block_ids != t.block_ids:  # our lease had expired there
+                    return self._give_up(msg.request_id, "TIMEOUT", "the decode worker's lease on our blocks "
+                                                                    "expired before the transfer")
+                if t.renew_sent_at:
+                    t.lease_end = max(t.lease_end, t.renew_sent_at + msg.lease_s)
+                    t.deadline = max(t.deadline, time.monotonic() + self.cfg.transfer_timeout_s)
+                    if t.out is not None:  # the transport's copies check it too
+                        t.out.write_by = t.write_by
                 return
             t.block_ids, t.state, t.retry_at = msg.block_ids, "granted", None
             self.engine.kv_granted(msg.request_id)
-            t.offer, t.lease_end = msg.transports, t.requested_at + msg.lease_s
+            t.offer, t.lease_end, t.lease_s = msg.transports, t.requested_at + msg.lease_s, msg.lease_s
+            t.renew_sent_at = t.requested_at
             t.deadline = max(t.deadline, time.monotonic() + self.cfg.transfer_timeout_s)  # as long as the lease
             self.offers[t.work.decode_kv_address] = msg.transports
             if t.first_token is not None:
@@ -388,6 +413,8 @@ class PrefillWorker(WorkerBase):
                 self._give_up(rid, *t.transport_failure())
             elif t.retry_at is not None and now >= t.retry_at:
                 self._reserve(rid)
+            elif t.lease_s and now >= t.renew_sent_at + t.lease_s / 3:
+                self._renew(rid, t, now)
         draining, self.draining = self.draining, []
         for d in draining:
             if d.handle.sent():

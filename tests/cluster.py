@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import zmq
 import zmq.asyncio
@@ -105,3 +109,59 @@ def tokens_of(msg) -> list[P.WorkerTokens]:
     if isinstance(msg, P.WorkerTokens):
         return [msg]
     return P.unbatch_tokens(msg) if isinstance(msg, P.WorkerTokenBatch) else []
+
+
+# A worker process whose steps sleep `delay` s before they run, as long CPU prefill steps take: the
+# first step that admits a request only (first_only), or every step with work.
+SLOWED_STEPS = """
+import sys, time
+import common.engine as engine
+step, slowed = engine.Engine.step, []
+def slow_step(self, *args, **kwargs):
+    if self.scheduler.waiting if {first_only} else self.scheduler.has_unfinished():
+        if not ({first_only} and slowed):
+            slowed.append(True)
+            time.sleep({delay})
+    return step(self, *args, **kwargs)
+engine.Engine.step = slow_step
+from common.cli import run
+sys.argv[0] = "pdserve"
+run()
+"""
+
+
+@contextlib.contextmanager
+def hand_made_cluster(tmp_path: Path, router_args: list[str], workers: list[tuple[str, list[str], str | None]]):
+    """A router and workers as processes, each (role, flags, SLOWED_STEPS code or None), logs in
+    tmp_path/<role>-<i>.log; yields (client, [log paths]) once every worker is alive, and stops
+    (then kills) every process however the test ends."""
+    port, worker_port = free_port(), free_port()
+    procs, logs = [], []
+
+    def start(name: str, argv: list[str]):
+        logs.append(tmp_path / f"{name}.log")
+        with open(logs[-1], "wb") as log:
+            procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT))
+    try:
+        start("router", [sys.executable, "-m", "common.cli", "router", "--port", str(port), "--worker-port",
+                         str(worker_port), *router_args])
+        for i, (role, flags, code) in enumerate(workers):
+            head = [sys.executable, "-c", code] if code else [sys.executable, "-m", "common.cli"]
+            start(f"{role}-{i}", head + [role, "--router", f"tcp://127.0.0.1:{worker_port}", "--threads", "1", *flags])
+        with Client(f"tcp://127.0.0.1:{port}", timeout=60) as client:
+            deadline = time.monotonic() + 60
+            while sum(w["alive"] for w in client.status().workers) < len(workers):
+                exited = [log for proc, log in zip(procs, logs) if proc.poll() is not None]
+                assert time.monotonic() < deadline and not exited, \
+                    "\n".join(log.read_text()[-1000:] for log in exited or logs)
+                time.sleep(0.1)
+            yield client, logs[1:]
+    finally:
+        for proc in reversed(procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
