@@ -117,6 +117,9 @@ class Progress:
         print(f"[scaling {time.monotonic() - self.started:6.1f}s] {text}", file=sys.stderr, flush=True)
 
 
+MAX_POINT_REQUESTS = 1_000_000  # one rate's requests: past this a point would run (or simulate) for hours
+
+
 @dataclass
 class Sweep:
     """How many requests each rate gets and how the search moves."""
@@ -130,8 +133,8 @@ class Sweep:
     seed: int = 0
 
     def __post_init__(self):
-        if not self.duration_s > 0:
-            raise InvalidArgument(f"--duration {self.duration_s}; allowed: > 0 seconds")
+        if not 0 < self.duration_s < math.inf:
+            raise InvalidArgument(f"--duration {self.duration_s}; allowed: a number of seconds > 0")
         if not 1 <= self.min_requests <= self.max_requests:
             raise InvalidArgument(f"--min-requests {self.min_requests}, --max-requests {self.max_requests}; "
                                   "allowed: 1 <= min <= max")
@@ -145,7 +148,13 @@ class Sweep:
         a quarter of the duration or 10 TTFT targets: a burst shorter than that is absorbed by the
         queues and passes at any rate."""
         window = max(self.duration_s / 4, 10 * slo.ttft_ms / 1e3)
-        return max(self.min_requests, min(self.max_requests, round(rate * self.duration_s)), math.ceil(rate * window))
+        n = max(self.min_requests, min(self.max_requests, round(rate * self.duration_s)), math.ceil(rate * window))
+        if n > MAX_POINT_REQUESTS:
+            raise InvalidArgument(f"--ttft-slo-ms {slo.ttft_ms:g}: a point at {rate:.3g} req/s would take {n:,} requests "
+                                  f"(arrivals over 10 TTFT targets, {window:g} s, so that the queues cannot absorb the "
+                                  f"burst); allowed: at most {MAX_POINT_REQUESTS:,}, a TTFT target of at most "
+                                  f"{MAX_POINT_REQUESTS / rate / 10 * 1e3:.3g} ms at this rate")
+        return n
 
 
 def measure_cluster(cluster: Cluster, workload: Workload, rate: float, n: int, slo: SLO, context: int, vocab: int,

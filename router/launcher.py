@@ -10,6 +10,7 @@ OS process each, logs per process, and supervision:
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import random
 import signal
@@ -222,23 +223,29 @@ class Cluster:
         """Restart any child that exited, with exponential backoff."""
         now = time.monotonic()
         for c in self.children:
-            if c.proc is None or c.proc.poll() is None:
+            if c.proc is None or c.proc.poll() is None or c.next_start == math.inf:
                 continue
             if not self.restart:
+                c.next_start = math.inf  # said once
+                self._say(c, f"[launcher] {c.name} exited with {c.proc.returncode}; not restarted (--no-restart)")
                 continue
             if c.next_start == 0.0:
                 if now - c.started_at > HEALTHY_S:
                     c.restarts = 0  # it had been healthy: start the backoff over
                 delay = restart_delay(c.restarts)
                 c.next_start = now + delay
-                line = f"[launcher] {c.name} exited with {c.proc.returncode}; restarting in {delay:.1f}s"
-                with open(c.log_path, "a") as f:
-                    f.write(f"\n{line}\n")
-                print(line, file=sys.stderr, flush=True)
+                self._say(c, f"[launcher] {c.name} exited with {c.proc.returncode}; restarting in {delay:.1f}s")
             elif now >= c.next_start:
                 c.restarts += 1
                 c.next_start = 0.0
                 c.start()
+
+    @staticmethod
+    def _say(c: Child, line: str) -> None:
+        """On the console and in the child's log."""
+        with open(c.log_path, "a") as f:
+            f.write(f"\n{line}\n")
+        print(line, file=sys.stderr, flush=True)
 
     def stop(self, grace_s: float = 5.0):
         """SIGTERM every child; one still running grace_s later is killed, and named in self.killed."""

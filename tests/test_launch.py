@@ -192,3 +192,28 @@ def test_a_worker_the_router_refuses_exits_with_an_error(tmp_path):
         r = subprocess.run([sys.executable, "-m", "common.cli", "mono", "--router", f"tcp://127.0.0.1:{c.worker_port}",
                             "--model", "dummy:llama-tiny", "--threads", "1"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "model mismatch: router serves dummy:nanogpt" in r.stderr, (r.returncode, r.stderr[-2000:])
+
+
+@pytest.mark.parametrize("how", ["launch.sh", "pdserve launch"])
+def test_a_worker_that_dies_under_no_restart_is_reported_once(tmp_path, how):
+    port = free_port()
+    args = ["--mono", "1", "--port", str(port), "--log-dir", str(tmp_path / "logs"), "--no-restart"]
+    cmd = ["bash", str(ROOT / "deploy" / "launch.sh"), *args] if how == "launch.sh" else \
+        [sys.executable, "-m", "common.cli", "launch", *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                            start_new_session=True, env=CHECKOUT_ENV)
+    try:
+        read_until_ready(proc)
+        (worker,) = [line.split() for line in processes_mentioning("--worker-id mono-0")
+                     if line.split()[1] == str(proc.pid)]  # in the launcher's process group
+        os.kill(int(worker[0]), signal.SIGKILL)
+        lines = [proc.stdout.readline()]
+        while "not restarted" not in lines[-1]:
+            lines.append(proc.stdout.readline())
+            assert lines[-1], "".join(lines)
+        assert "mono-0 exited with " in lines[-1] and "(--no-restart)" in lines[-1]
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        output = proc.communicate(timeout=60)[0]
+    assert output.count("not restarted") == 0, output  # said once, before the stop
+    assert not processes_mentioning(f"--port {port}")

@@ -3,6 +3,7 @@ workers (2mono and 1p1d), a small sweep, the JSON and the PNGs written, no proce
 and bad input refused before anything is launched."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -108,3 +109,19 @@ def test_bad_input_is_named_before_anything_starts(tmp_path):
     bad.write_text('{"arrival": 0, "prompt_tokens": 4, "output_tokens": 2}\n{"arrival": 1, "prompt_tokens": 4}\n')
     r = run("bench", "scaling", "--workload", str(bad))
     assert r.returncode == 2 and "bad.jsonl:2: field 'output_tokens' is missing" in r.stderr
+
+
+def test_a_sweep_refuses_points_that_would_never_end():
+    """--duration inf, and a TTFT target so loose that a point's burst (10 targets long, so that
+    queues cannot absorb it) would take billions of requests: named errors, not an overflow or a hang."""
+    from bench.goodput import SLO
+    from bench.scaling import MAX_POINT_REQUESTS, Sweep
+    from common.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument, match="--duration inf; allowed: a number of seconds > 0"):
+        Sweep(duration_s=math.inf)
+    sweep = Sweep()
+    assert sweep.requests_at(4.0, SLO(1000, 100)) == 60  # 4 req/s over 15 s
+    with pytest.raises(InvalidArgument, match="--ttft-slo-ms 1e\\+12: a point at 4 req/s would take"):
+        sweep.requests_at(4.0, SLO(1e12, 1e12))
+    assert sweep.requests_at(4.0, SLO(MAX_POINT_REQUESTS / 4 / 10 * 1e3, 100)) == MAX_POINT_REQUESTS
