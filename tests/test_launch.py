@@ -40,17 +40,26 @@ def read_until_ready(proc, timeout=180.0, lines=None) -> str:
     raise AssertionError(f"no ready line; output: {''.join(lines)}")
 
 
+def launch_cmd(how: str, args: list[str]) -> list[str]:
+    """deploy/launch.sh or `pdserve launch` with these flags."""
+    if how == "launch.sh":
+        return ["bash", str(ROOT / "deploy" / "launch.sh"), *args]
+    return [sys.executable, "-m", "common.cli", "launch", *args]
+
+
+def start_launcher(how: str, args: list[str]) -> subprocess.Popen:
+    """The launcher in a process group of its own (its children join it), its output on stdout."""
+    return subprocess.Popen(launch_cmd(how, args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=ROOT, start_new_session=True, env=CHECKOUT_ENV)
+
+
 @pytest.mark.parametrize("how", ["launch.sh", "pdserve launch"])
 def test_launch_answers_and_stops_cleanly(tmp_path, how):
     port, http_port = free_port(), free_port()
     args = ["--prefill", "1", "--decode", "1", "--port", str(port), "--log-dir", str(tmp_path / "logs"),
             "--http-port", str(http_port)]
-    if how == "launch.sh":
-        cmd = ["bash", str(ROOT / "deploy" / "launch.sh"), *args]
-    else:
-        cmd = [sys.executable, "-m", "common.cli", "launch", *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                            start_new_session=True, env=CHECKOUT_ENV)
+    cmd = launch_cmd(how, args)
+    proc = start_launcher(how, args)
     marker = f"--port {port}"
     try:
         lines = []
@@ -107,10 +116,7 @@ def test_killing_the_launcher_outright_takes_its_cluster_down(tmp_path, how):
     """SIGKILL runs no handler: the workers and the router must notice their launcher is gone."""
     port = free_port()
     args = ["--prefill", "1", "--decode", "1", "--port", str(port), "--log-dir", str(tmp_path / "logs")]
-    cmd = ["bash", str(ROOT / "deploy" / "launch.sh"), *args] if how == "launch.sh" else \
-        [sys.executable, "-m", "common.cli", "launch", *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                            start_new_session=True, env=CHECKOUT_ENV)
+    proc = start_launcher(how, args)
     try:
         read_until_ready(proc)
 
@@ -137,10 +143,7 @@ def test_a_process_that_fails_to_start_fails_the_launch_with_its_error(tmp_path,
     traceback, and leaves nothing running."""
     port = free_port()
     args = ["--model", str(tmp_path / "nope.gguf"), "--port", str(port), "--log-dir", str(tmp_path / "logs")]
-    if how == "launch.sh":
-        cmd = ["bash", str(ROOT / "deploy" / "launch.sh"), *args]
-    else:
-        cmd = [sys.executable, "-m", "common.cli", "launch", *args]
+    cmd = launch_cmd(how, args)
     started = time.monotonic()
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=CHECKOUT_ENV, timeout=120)
     assert r.returncode != 0
@@ -198,10 +201,7 @@ def test_a_worker_the_router_refuses_exits_with_an_error(tmp_path):
 def test_a_worker_that_dies_under_no_restart_is_reported_once(tmp_path, how):
     port = free_port()
     args = ["--mono", "1", "--port", str(port), "--log-dir", str(tmp_path / "logs"), "--no-restart"]
-    cmd = ["bash", str(ROOT / "deploy" / "launch.sh"), *args] if how == "launch.sh" else \
-        [sys.executable, "-m", "common.cli", "launch", *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                            start_new_session=True, env=CHECKOUT_ENV)
+    proc = start_launcher(how, args)
     try:
         read_until_ready(proc)
         (worker,) = [line.split() for line in processes_mentioning("--worker-id mono-0")
