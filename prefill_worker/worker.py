@@ -15,7 +15,9 @@ queueing, not a failure. Our Holding messages tell the router the same. Once gra
 is renewed every third of it (the same KVReserve: the decode worker extends its lease and grants
 the same blocks again, which renews our deadline too) until the KV is acknowledged, so a prefill
 longer than one lease (a long prompt on a CPU) keeps its blocks; a grant of other blocks means
-the lease had expired there, and the transfer gives up. Prompts
+the lease had expired there, and the transfer gives up. A step may be longer than a third of the
+lease: renewals go, and their grants are read, between layers too (with layer-wise streaming).
+Prompts
 still awaiting their grant are admitted only while they leave our pool room for the longest
 request (common/scheduler.py): full of them, it could wait on a decode worker whose room is
 promised to prompts we cannot admit.
@@ -85,6 +87,7 @@ class Transfer:
     lease_end: float = 0.0  # the grant holds until at least then (its lease, counted from our request)
     lease_s: float = 0.0  # the grant's lease, renewed every third of it (_renew)
     renew_sent_at: float = 0.0  # when we last asked for the same blocks again
+    renewing: bool = False  # and its grant has not come yet
     state: str = "reserving"  # reserving -> (granted) -> [streaming] -> sending -> (acked: removed)
     retry_at: float | None = None
     requested_at: float = 0.0
@@ -222,10 +225,11 @@ class PrefillWorker(WorkerBase):
         if not self._ask(rid, t):
             t.retry_at = now + RESEND_S  # until the transfer's deadline gives up, and says so
 
-    def _renew(self, rid: str, t: Transfer, now: float):
-        """Ask for the granted blocks again: the decode worker extends their lease."""
-        t.renew_sent_at = now
-        self._ask(rid, t)  # one lost goes again a third of a lease later
+    def _renew_if_due(self, rid: str, t: Transfer, now: float):
+        """Ask for the granted blocks again every third of their lease: the decode worker extends it."""
+        if t.lease_s and t.state != "reserving" and now >= t.renew_sent_at + t.lease_s / 3:
+            t.renew_sent_at, t.renewing = now, True
+            self._ask(rid, t)  # one lost goes again a third of a lease later
 
     def _ask(self, rid: str, t: Transfer) -> bool:
         try:
@@ -272,9 +276,10 @@ class PrefillWorker(WorkerBase):
             return
         if isinstance(msg, P.KVGrant):
             if t.state != "reserving":  # granted already: a renewal, or a re-ask that crossed its queued grant
-                if msg.block_ids != t.block_ids:  # our lease had expired there
-                    return self._give_up(msg.request_id, "TIMEOUT", "the decode worker's lease on our blocks "
-                                                                    "expired before the transfer")
+                t.renewing = False
+                if msg.block_ids != t.block_ids:  # our lease had expired there (given up after the step, if in one)
+                    t.failure = ("TIMEOUT", "the decode worker's lease on our blocks expired before the transfer")
+                    return
                 if t.renew_sent_at:
                     t.lease_end = max(t.lease_end, t.renew_sent_at + msg.lease_s)
                     t.deadline = max(t.deadline, time.monotonic() + self.cfg.transfer_timeout_s)
@@ -311,15 +316,13 @@ class PrefillWorker(WorkerBase):
         """Stream what layer `layer` finished of each granted request in this step (see the
         module docstring). Failures wait for the end of the step (t.failure): the engine is mid-forward."""
         last = layer == self.engine.model_config.num_layers - 1
-        waiting = {t.work.decode_kv_address for t in map(self.transfers.get, (s.seq.request_id for s in batch))
-                   if t is not None and t.state == "reserving"}
-        for address in waiting:  # a grant that came during the forward lets streaming start now
-            chan = self.peers.get(address)
-            while chan is not None and (env := chan.recv(0)) is not None:
-                if isinstance(env.msg, P.KVGrant):
-                    self.handle(self._on_peer, env)
-                else:
-                    self.deferred.append(env)  # handling it might end a request the forward is running
+        now = time.monotonic()
+        ours = [(s.seq.request_id, t) for s in batch if (t := self.transfers.get(s.seq.request_id)) is not None]
+        for rid, t in ours:  # a step may be longer than a third of the lease
+            self._renew_if_due(rid, t, now)
+        # a grant that came during the forward lets streaming start now, or renews a lease
+        for address in {t.work.decode_kv_address for _, t in ours if t.state == "reserving" or t.renewing}:
+            self._read_peer(address, grants_only=True)
         for s in batch:
             t = self.transfers.get(s.seq.request_id)
             if t is None or t.state not in ("granted", "streaming") or t.failure is not None:
@@ -329,6 +332,16 @@ class PrefillWorker(WorkerBase):
             except Exception as e:
                 log.exception("streaming the KV of %s failed", s.seq.request_id)
                 t.failure = ("TRANSFER_FAILED", f"{type(e).__name__}: {e}")
+
+    def _read_peer(self, address: str, grants_only: bool = False):
+        """Handle what the decode worker at address sent that waits unread; grants_only (mid-forward):
+        keep the rest for after the step, as handling it might end a request the forward is running."""
+        chan = self.peers.get(address)
+        while chan is not None and (env := chan.recv(0)) is not None:
+            if grants_only and not isinstance(env.msg, P.KVGrant):
+                self.deferred.append(env)
+            else:
+                self.handle(self._on_peer, env)
 
     def _stream(self, layer: int, last: bool, s: ScheduledSeq, t: Transfer):
         if layer == 0:
@@ -405,6 +418,12 @@ class PrefillWorker(WorkerBase):
 
     def on_tick(self, now: float):
         for rid, t in list(self.transfers.items()):
+            if self.transfers.get(rid) is not t:  # ended by a message read for another below
+                continue
+            if now > t.deadline:  # what the peer sent during our last step may say otherwise
+                self._read_peer(t.work.decode_kv_address)
+            if self.transfers.get(rid) is not t:
+                continue
             if now > t.deadline:
                 self._give_up(rid, "TIMEOUT", f"no acknowledgement within {self.cfg.transfer_timeout_s}s")
             elif t.failure is not None:
@@ -413,8 +432,8 @@ class PrefillWorker(WorkerBase):
                 self._give_up(rid, *t.transport_failure())
             elif t.retry_at is not None and now >= t.retry_at:
                 self._reserve(rid)
-            elif t.lease_s and now >= t.renew_sent_at + t.lease_s / 3:
-                self._renew(rid, t, now)
+            else:
+                self._renew_if_due(rid, t, now)
         draining, self.draining = self.draining, []
         for d in draining:
             if d.handle.sent():

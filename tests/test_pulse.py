@@ -39,15 +39,17 @@ def test_a_step_past_step_timeout_counts_as_hung_and_its_request_is_recovered(tm
 
 
 def test_a_prefill_longer_than_the_kv_lease_keeps_its_blocks(tmp_path):
-    """19 chunks of 16 tokens at 0.3 s a step: 5.7 s of prefill against a 3 s lease, granted at its
-    start. The decode worker's lease must not expire, nor the transfer be retried."""
+    """6 chunks of 16 tokens at 1.2 s a step: 7 s of prefill against a 3 s lease granted at its
+    start, each step longer than the third of a lease at which it is renewed (so renewals and
+    their answers must be handled during a step, between layers). The decode worker's lease must
+    not expire, nor the transfer be retried."""
     from common.engine import Engine
     from common.sampling_params import SamplingParams
 
-    prompt = [(7 * i) % 250 + 1 for i in range(300)]
+    prompt = [(7 * i) % 250 + 1 for i in range(90)]
     (want,) = Engine(model="dummy:nanogpt").generate([prompt], SamplingParams(temperature=0, max_tokens=5,
                                                                               ignore_eos=True))
-    slow = SLOWED_STEPS.format(delay=0.3, first_only=False)
+    slow = SLOWED_STEPS.format(delay=1.2, first_only=False)
     with hand_made_cluster(tmp_path, [], [("prefill", ["--max-num-batched-tokens", "16", "--max-num-seqs", "16"], slow),
                                           ("decode", ["--kv-lease", "3"], None)]) as (client, (prefill, decode)):
         result = client.generate(prompt, max_tokens=5, temperature=0, ignore_eos=True)
