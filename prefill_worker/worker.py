@@ -85,7 +85,7 @@ class Transfer:
     block_ids: list[int] | None = None  # set once granted
     offer: dict = field(default_factory=dict)  # the decode worker's transports, from its grant
     lease_end: float = 0.0  # the grant holds until at least then (its lease, counted from our request)
-    lease_s: float = 0.0  # the grant's lease, renewed every third of it (_renew)
+    lease_s: float = 0.0  # the grant's lease, renewed every third of it (_renew_if_due)
     renew_sent_at: float = 0.0  # when we last asked for the same blocks again
     renewing: bool = False  # and its grant has not come yet
     state: str = "reserving"  # reserving -> (granted) -> [streaming] -> sending -> (acked: removed)
