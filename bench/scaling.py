@@ -150,10 +150,14 @@ class Sweep:
         window = max(self.duration_s / 4, 10 * slo.ttft_ms / 1e3)
         n = max(self.min_requests, min(self.max_requests, round(rate * self.duration_s)), math.ceil(rate * window))
         if n > MAX_POINT_REQUESTS:
-            raise InvalidArgument(f"--ttft-slo-ms {slo.ttft_ms:g}: a point at {rate:.3g} req/s would take {n:,} requests "
-                                  f"(arrivals over 10 TTFT targets, {window:g} s, so that the queues cannot absorb the "
-                                  f"burst); allowed: at most {MAX_POINT_REQUESTS:,}, a TTFT target of at most "
-                                  f"{MAX_POINT_REQUESTS / rate / 10 * 1e3:.3g} ms at this rate")
+            by_ttft = 10 * slo.ttft_ms / 1e3 > self.duration_s / 4
+            flag = f"--ttft-slo-ms {slo.ttft_ms:g}" if by_ttft else f"--duration {self.duration_s:g}"
+            why = "10 TTFT targets" if by_ttft else "a quarter of the duration"
+            most = (f"{MAX_POINT_REQUESTS / rate / 10 * 1e3:.3g} ms" if by_ttft
+                    else f"{4 * MAX_POINT_REQUESTS / rate:.3g} s")
+            raise InvalidArgument(f"{flag}: a point at {rate:.3g} req/s would take {n:,} requests (arrivals over "
+                                  f"{why}, {window:g} s, so that the queues cannot absorb the burst); allowed: at most "
+                                  f"{MAX_POINT_REQUESTS:,}, {flag.split()[0]} at most {most} at this rate")
         return n
 
 

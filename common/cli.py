@@ -235,7 +235,8 @@ for _role in ("prefill", "decode", "mono"):
 @click.option("--worker-port", default=0, type=PORT, help="[default: any free port]")
 @policy_option
 @click.option("--log-dir", default="pdserve-logs", show_default=True)
-@click.option("--threads", default=None, type=click.IntRange(min=1), help="torch threads per worker [default: (cores - 1) / workers: one core left to the router]")
+@click.option("--threads", default=None, type=click.IntRange(min=1),
+              help="torch threads per worker [default: (cores - 1) / workers: one core left to the router]")
 @click.option("--no-restart", is_flag=True, help="do not restart crashed workers")
 @click.option("--dry-run", is_flag=True, help="print each process's command line and exit")
 @click.option("--worker-arg", "worker_args", multiple=True,

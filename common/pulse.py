@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from contextlib import contextmanager
 
 import zmq
 
@@ -44,7 +43,7 @@ class Pulse:
         self.ctx, self.address, self.interval_s, self.step_timeout_s = ctx, address, interval_s, step_timeout_s
         self.worker_id = worker_id
         self._repeat: tuple[bytes, tuple] | None = None  # (router socket identity, messages): swapped whole
-        self._step_started: float | None = None
+        self.step_started: float | None = None  # set by the loop around each step (time.monotonic())
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"{worker_id}-pulse", daemon=True)
         self._thread.start()
@@ -57,15 +56,6 @@ class Pulse:
         """Send nothing until told again (the worker registers anew)."""
         self._repeat = None
 
-    @contextmanager
-    def stepping(self):
-        """Around one step of the loop: the pulse speaks for it while it runs."""
-        self._step_started = time.monotonic()
-        try:
-            yield
-        finally:
-            self._step_started = None
-
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2 * self.interval_s + 1)
@@ -74,7 +64,7 @@ class Pulse:
         chan, sent_as, hung = None, None, None
         try:
             while not self._stop.wait(self.interval_s):
-                started, repeat = self._step_started, self._repeat
+                started, repeat = self.step_started, self._repeat
                 running = 0.0 if started is None else time.monotonic() - started
                 if running < self.interval_s or repeat is None:
                     continue  # the loop beats between steps itself

@@ -8,6 +8,7 @@ import os
 from dataclasses import asdict, dataclass, field
 
 from common.errors import InvalidArgument, short_repr
+from common.text import utf8
 
 MAX_SEED = 2**63 - 1
 MAX_COUNT = 2**31 - 1  # max_tokens, top_k and token ids: far past any model, and safe on the wire
@@ -16,15 +17,6 @@ MAX_STOP_STRINGS = 16
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI's range)
 MAX_BIAS = 100.0  # a logit bias lies in [-100, 100] (OpenAI's range)
 MAX_LOGIT_BIAS = 1024  # entries in one request's logit_bias
-
-
-def _is_text(s: str) -> bool:
-    """Whether s is encodable text: JSON lets a lone surrogate (\\ud800) through, UTF-8 does not."""
-    try:
-        s.encode("utf-8")
-        return True
-    except UnicodeEncodeError:
-        return False
 
 
 def _is_int(x) -> bool:
@@ -105,8 +97,11 @@ class SamplingParams:
         if (not isinstance(self.stop, (list, tuple)) or len(self.stop) > MAX_STOP_STRINGS
                 or not all(isinstance(s, str) and s for s in self.stop)):
             raise _bad("stop", self.stop, f"a non-empty string or a list of at most {MAX_STOP_STRINGS} of them")
-        if not all(_is_text(s) for s in self.stop):
-            raise _bad("stop", self.stop, "text (a lone surrogate such as '\\ud800' is not)")
+        try:
+            for s in self.stop:
+                utf8(s)
+        except InvalidArgument:
+            raise _bad("stop", self.stop, "text (a lone surrogate such as '\\ud800' is not)") from None
         self.stop = list(self.stop)
         if not isinstance(self.include_stop_str_in_output, bool):
             raise _bad("include_stop_str_in_output", self.include_stop_str_in_output, "true or false")

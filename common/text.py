@@ -15,9 +15,24 @@ first min_tokens tokens (vLLM's rule: the text after them may still complete one
 As in vLLM, a stop token that ends the output (stop_token_ids, or EOS) adds no text unless
 include_stop_str_in_output, and an output that ends inside a multi-byte character ends its text
 before that character: a client never sees a trailing U+FFFD.
+
+utf8() is the other way: the one check of text a request brings (its prompt, through every
+tokenizer, and its stop strings).
 """
 
 from __future__ import annotations
+
+from common.errors import InvalidArgument
+
+
+def utf8(text: str) -> bytes:
+    """text in UTF-8, or InvalidArgument: a Python string (and JSON) may hold a lone surrogate
+    ('\\ud800'), which neither UTF-8 nor any tokenizer takes (`tokenizers` raises a TypeError)."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidArgument("the text holds a lone surrogate such as '\\ud800'; allowed: text that UTF-8 can "
+                              "encode") from None
 
 
 class TextStream:

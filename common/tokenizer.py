@@ -13,6 +13,7 @@ from pathlib import Path
 
 from common.chat import DUMMY_CHAT_TEMPLATE, ChatTemplate
 from common.errors import InvalidArgument, ModelLoadError
+from common.text import utf8
 
 
 def check_encoded(ids: list[int], vocab_size: int) -> None:
@@ -21,16 +22,6 @@ def check_encoded(ids: list[int], vocab_size: int) -> None:
     if ids and max(ids) >= vocab_size:
         raise InvalidArgument(f"the tokenizer gave token id {max(ids)} for this text; the model's vocabulary is "
                               f"[0, {vocab_size}): its tokenizer and weights disagree", param="prompt")
-
-
-def utf8(text: str) -> bytes:
-    """text in UTF-8, or InvalidArgument: a Python string (and JSON) may hold a lone surrogate
-    ('\\ud800'), which neither UTF-8 nor any tokenizer takes (`tokenizers` raises a TypeError)."""
-    try:
-        return text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise InvalidArgument("the text holds a lone surrogate such as '\\ud800'; allowed: text that UTF-8 can "
-                              "encode") from None
 
 
 class _ChatMixin:

@@ -166,10 +166,9 @@ class WorkerBase:
                             break
                         self.handle(handler, env)
                 if self.engine.has_unfinished():
-                    start = time.monotonic()
-                    with self.pulse.stepping():
-                        outputs = self.step()
-                    stepped = time.monotonic()
+                    start = self.pulse.step_started = time.monotonic()  # the pulse speaks for a long step
+                    outputs = self.step()
+                    stepped, self.pulse.step_started = time.monotonic(), None
                     self.stalled = not (outputs or self.engine.last_batch or self.engine.inflight)
                     self.on_outputs(outputs)
                     if trace is not None:
@@ -189,6 +188,7 @@ class WorkerBase:
         return STALLED_POLL_MS if self.stalled else 0
 
     def _tick(self, now: float):
+        said = False
         if not self.registered and now - self._last_register > 0.5:
             self._register(now)
         if self.registered and now - self._last_heartbeat > self.cfg.heartbeat_interval_s:
@@ -197,14 +197,14 @@ class WorkerBase:
             beat = P.Heartbeat(self.worker_id, self.incarnation, len(s.waiting), len(s.running), bm.num_free_blocks,
                                bm.num_blocks, bm.prefix_queries, bm.prefix_hits, dict(self.kv_bytes))
             self.to_router(beat)
-            self._beat = beat
-            self.pulse.repeat(self.identity, *filter(None, (self._beat, self._held)))
+            self._beat, said = beat, True
         if self.registered and now - self._last_holding > HOLDING_S:
             self._last_holding = now
             held = self.holding()
-            self._held = P.Holding(self.worker_id, held) if held else None
+            self._held, said = (P.Holding(self.worker_id, held) if held else None), True
             if held:
                 self.to_router(self._held)
+        if said:
             self.pulse.repeat(self.identity, *filter(None, (self._beat, self._held)))
         self.on_tick(now)
 

@@ -280,11 +280,10 @@ class PrefillWorker(WorkerBase):
                 if msg.block_ids != t.block_ids:  # our lease had expired there (given up after the step, if in one)
                     t.failure = ("TIMEOUT", "the decode worker's lease on our blocks expired before the transfer")
                     return
-                if t.renew_sent_at:
-                    t.lease_end = max(t.lease_end, t.renew_sent_at + msg.lease_s)
-                    t.deadline = max(t.deadline, time.monotonic() + self.cfg.transfer_timeout_s)
-                    if t.out is not None:  # the transport's copies check it too
-                        t.out.write_by = t.write_by
+                t.lease_end = max(t.lease_end, t.renew_sent_at + msg.lease_s)
+                t.deadline = max(t.deadline, time.monotonic() + self.cfg.transfer_timeout_s)
+                if t.out is not None:  # the transport's copies check it too
+                    t.out.write_by = t.write_by
                 return
             t.block_ids, t.state, t.retry_at = msg.block_ids, "granted", None
             self.engine.kv_granted(msg.request_id)
@@ -418,11 +417,9 @@ class PrefillWorker(WorkerBase):
 
     def on_tick(self, now: float):
         for rid, t in list(self.transfers.items()):
-            if self.transfers.get(rid) is not t:  # ended by a message read for another below
-                continue
             if now > t.deadline:  # what the peer sent during our last step may say otherwise
                 self._read_peer(t.work.decode_kv_address)
-            if self.transfers.get(rid) is not t:
+            if self.transfers.get(rid) is not t:  # ended by a message read here, for it or another
                 continue
             if now > t.deadline:
                 self._give_up(rid, "TIMEOUT", f"no acknowledgement within {self.cfg.transfer_timeout_s}s")

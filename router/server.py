@@ -28,9 +28,8 @@ from typing import Callable
 import zmq
 import zmq.asyncio
 
-from common import protocol as P
+from common import protocol as P, pulse
 from common.channel import Channel, Envelope
-from common import pulse
 from common.errors import InvalidArgument, port_free
 from common.sampling_params import SamplingParams, fresh_seed
 from common.security import close_context

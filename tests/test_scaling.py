@@ -125,3 +125,5 @@ def test_a_sweep_refuses_points_that_would_never_end():
     with pytest.raises(InvalidArgument, match="--ttft-slo-ms 1e\\+12: a point at 4 req/s would take"):
         sweep.requests_at(4.0, SLO(1e12, 1e12))
     assert sweep.requests_at(4.0, SLO(MAX_POINT_REQUESTS / 4 / 10 * 1e3, 100)) == MAX_POINT_REQUESTS
+    with pytest.raises(InvalidArgument, match="--duration 1e\\+12: a point at 4 req/s .* over a quarter of the"):
+        Sweep(duration_s=1e12).requests_at(4.0, SLO(1000, 100))
