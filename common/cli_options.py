@@ -195,9 +195,13 @@ def sampling_options(f=None, *, max_tokens: int = 32):
 
 
 def parse_ints(text: str, flag: str = "--prompt-ids", what: str = "token ids") -> list[int]:
-    """A comma-separated list of integers given to flag; the error names both."""
+    """A comma-separated list of integers given to flag (an empty text: none); the error names both.
+    An empty item ('1,,2') is refused: a typo there would silently drop a value."""
+    items = text.replace(" ", "").split(",") if text.strip() else []
     try:
-        return [int(t) for t in text.replace(" ", "").split(",") if t]
+        if "" in items:
+            raise ValueError
+        return [int(t) for t in items]
     except ValueError:
         raise click.BadParameter(f"{text!r} is not a comma-separated list of {what}", param_hint=flag)
 
