@@ -5,12 +5,21 @@ A request meets the SLO when its time to first token is within `ttft_ms` and its
 token after the first (TPOT: (end - first token) / (tokens - 1), what a reader of the stream
 feels) is within `itl_ms`; a request that failed meets nothing. Attainment at a rate is the
 fraction of requests that meet it, and goodput the highest rate whose attainment is at least the
-target (90% by default).
+target (90% by default) and which the system keeps up with.
+
+Keeping up matters where the TPOT target is loose: a worker absorbs a rate it cannot sustain by
+growing its running batch, every request still within both targets, until `max_num_seqs` or its KV
+pool is full; only then do requests queue and miss the TTFT target. On the 2-core CPU machine a
+monolithic nanogpt worker at 17 req/s (capacity about 15.5) met a 1 s TTFT target for its first
+40 s of arrivals, then missed it for good. So a rate also fails when its backlog grew: when
+completions in the steady part (below) fell short of the arrivals there by more than
+`BACKLOG_LIMIT`. The window has to be long enough for that to stand out of the noise of the
+requests in flight (`bench.scaling.Sweep.requests_at`).
 
 The search is the same for a real cluster (`bench scaling`) and for the planner's simulator: it
-only calls `measure(rate)`. It climbs geometrically from a start rate until attainment falls
-*clearly* below the target (by `margin`, or below it twice running: one unlucky point near the
-target is noise, not the knee), then bisects between the highest passing and the lowest failing
+only calls `measure(rate)`. It climbs geometrically from a start rate until a rate fails
+*clearly* (attainment `margin` below the target, or a backlog over twice its limit; or it fails
+twice running: one unlucky point near the knee is noise, not the knee), then bisects between the highest passing and the lowest failing
 rate. A start rate that already fails is halved until one passes.
 
 What a rate delivered (requests and output tokens a second) is counted in the run's steady part:
@@ -93,11 +102,26 @@ class Point:
     cpu: dict[str, float] = field(default_factory=dict)  # cores used meanwhile, by whom (bench/hostload.py)
     offered_rps: float = 0.0  # arrivals per second in that steady part: a Poisson draw's differ from `rate`
 
+    @property
+    def backlog(self) -> float:
+        """How far completions fell short of arrivals in the steady part, over the arrivals: what
+        piled up in the system a second, as a fraction of the load (0 or less: it kept up)."""
+        return 1 - self.requests_s / self.offered_rps if self.offered_rps > 0 else 0.0
+
+    def meets(self, target: float) -> bool:
+        """Attainment at least target, and the system kept up with the rate."""
+        return self.attainment >= target and self.backlog <= BACKLOG_LIMIT
+
+    def clearly_misses(self, target: float, margin: float) -> bool:
+        """Far enough from passing that noise cannot explain it: attainment under target - margin,
+        or a backlog over twice its limit."""
+        return self.attainment < target - margin or self.backlog > 2 * BACKLOG_LIMIT
+
     def latency_summary(self) -> dict:
         return percentiles(self.records, (50, 90, 99))
 
     def to_json(self) -> dict:
-        out = {"rate": round(self.rate, 4), "attainment": round(self.attainment, 4),
+        out = {"rate": round(self.rate, 4), "attainment": round(self.attainment, 4), "backlog": round(self.backlog, 4),
                "offered_rps": round(self.offered_rps, 3), "requests_s": round(self.requests_s, 3),
                "output_tok_s": round(self.output_tok_s, 1),
                **self.latency_summary()}
@@ -106,6 +130,7 @@ class Point:
         return out
 
 
+BACKLOG_LIMIT = 0.1  # completions this far short of arrivals: a backlog grows, the rate is not sustained
 SETTLE = 0.25  # the first quarter of the arrivals' time span fills an empty system: not counted
 
 
@@ -186,26 +211,26 @@ def find_goodput(measure: Callable[[float], Point], target: float, start: float,
         return p
 
     rate, best = start, 0.0
-    while at(rate).attainment < target:  # too fast a start: come down until one passes
+    while not at(rate).meets(target):  # too fast a start: come down until one passes
         rate /= growth
         if rate < min_rate or len(points) >= max_points:
             return Search(points, 0.0)
     best, low_fails = rate, 0
     while len(points) < max_points:
         rate *= growth
-        a = at(rate).attainment
-        if a >= target:
+        p = at(rate)
+        if p.meets(target):
             best, low_fails = rate, 0
-        elif a < target - margin or low_fails:
+        elif p.clearly_misses(target, margin) or low_fails:
             break
         else:
             low_fails += 1
-    fail = min((p.rate for p in points if p.rate > best and p.attainment < target), default=None)
+    fail = min((p.rate for p in points if p.rate > best and not p.meets(target)), default=None)
     for _ in range(refine):
         if fail is None or len(points) >= max_points:
             break
         mid = math.sqrt(best * fail)
-        if at(mid).attainment >= target:
+        if at(mid).meets(target):
             best = mid
         else:
             fail = mid

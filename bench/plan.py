@@ -94,8 +94,11 @@ def start_rate(m: WorkerModel, workload: Workload, t: Topology) -> float:
 
 def predict(m: WorkerModel, placement: Placement, t: Topology, workload: Workload, slo: SLO, sweep: Sweep,
             start: float | None = None) -> Search:
+    context = m.engine.max_model_len
+    mean_output = workload.mean_output_tokens(context)
+
     def measure(rate: float) -> Point:
-        reqs = [fit(r, m.engine.max_model_len) for r in workload.requests(rate, sweep.requests_at(rate, slo), sweep.seed)]
+        reqs = [fit(r, context) for r in workload.requests(rate, sweep.requests_at(rate, slo, mean_output), sweep.seed)]
         return simulate(m, t.prefill, t.decode, t.mono, placement, rate, reqs, slo, slo.attainment - CLEAR_MARGIN)
 
     return find_goodput(measure, slo.attainment, start or sweep.start_rate or start_rate(m, workload, t),
@@ -103,14 +106,19 @@ def predict(m: WorkerModel, placement: Placement, t: Topology, workload: Workloa
 
 
 def bound(s: Search, slo: SLO) -> str:
-    """What fails first just past goodput: 'prefill' (TTFT), 'decode' (TPOT), or '-' (nothing failed)."""
-    fails = [p for p in s.points if p.rate > s.goodput and p.attainment < slo.attainment]
+    """What fails first just past goodput: 'prefill' (TTFT), 'decode' (TPOT), or '-' (nothing failed).
+    Where as many requests miss each target (none, when only the backlog grew), the one whose
+    latencies sit nearer their target."""
+    fails = [p for p in s.points if p.rate > s.goodput and not p.meets(slo.attainment)]
     if not fails:
         return "-"
     p = min(fails, key=lambda p: p.rate)
     served = [r for r in p.records if r.ttft is not None]  # (a stopped simulation: requests not arrived yet)
     ttft = sum(r.ttft > slo.ttft_ms for r in served)
     tpot = sum(r.tpot is not None and r.tpot > slo.itl_ms for r in served)
+    if ttft == tpot:
+        ttft = sum(r.ttft / slo.ttft_ms for r in served)
+        tpot = sum((r.tpot or 0.0) / slo.itl_ms for r in served)
     return "prefill" if ttft >= tpot else "decode"
 
 

@@ -27,7 +27,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench.goodput import SLO, Latency, Point, Search, find_goodput, point_from
+from bench.goodput import BACKLOG_LIMIT, SLO, Latency, Point, Search, find_goodput, point_from
 from bench.hostload import CpuWatch
 from bench.report import print_json, print_table
 from bench.serve import drive, parse_topology, random_prompt
@@ -108,9 +108,10 @@ class Progress:
 
     def point(self, t: Topology, p: Point, n: int, slo: SLO):
         mark = "meets" if p.attainment >= slo.attainment else "misses"
+        backlog = f" (a backlog: {p.backlog:.0%} short, fails)" if p.backlog > BACKLOG_LIMIT else ""
         self.say(f"{t.name} ({self.index}/{self.total}): {p.rate:.3g} req/s x {n} requests -> attainment "
                  f"{p.attainment:.0%} ({mark} {slo.attainment:.0%}), delivered {p.requests_s:.3g} of {p.offered_rps:.3g} "
-                 f"req/s offered in its steady part, {p.output_tok_s:.0f} tok/s; other "
+                 f"req/s offered in its steady part{backlog}, {p.output_tok_s:.0f} tok/s; other "
                  f"processes on the machine kept {p.cpu.get('others', 0):.2f} cores busy")
 
     def say(self, text: str):
@@ -118,6 +119,7 @@ class Progress:
 
 
 MAX_POINT_REQUESTS = 1_000_000  # one rate's requests: past this a point would run (or simulate) for hours
+LIFETIMES = 4  # a point's arrivals span at least this many request lifetimes (Sweep.requests_at)
 
 
 @dataclass
@@ -143,21 +145,24 @@ class Sweep:
         if self.refine < 0:
             raise InvalidArgument(f"--refine {self.refine}; allowed: >= 0")
 
-    def requests_at(self, rate: float, slo: SLO) -> int:
+    def requests_at(self, rate: float, slo: SLO, mean_output_tokens: float) -> int:
         """rate x duration requests, within [min, max]; but never so few that they arrive in less than
-        a quarter of the duration or 10 TTFT targets: a burst shorter than that is absorbed by the
-        queues and passes at any rate."""
-        window = max(self.duration_s / 4, 10 * slo.ttft_ms / 1e3)
+        the longest of: a quarter of the duration; 10 TTFT targets; LIFETIMES request lifetimes at the
+        targets (TTFT + mean output x TPOT). A shorter burst is absorbed, by the queues or by a
+        running batch that grows, and passes at any rate (bench/goodput.py)."""
+        life = (slo.ttft_ms + mean_output_tokens * slo.itl_ms) / 1e3
+        windows = [(self.duration_s / 4, f"--duration {self.duration_s:g}", "a quarter of the duration"),
+                   (10 * slo.ttft_ms / 1e3, f"--ttft-slo-ms {slo.ttft_ms:g}", "10 TTFT targets"),
+                   (LIFETIMES * life, f"--ttft-slo-ms {slo.ttft_ms:g} and --itl-slo-ms {slo.itl_ms:g}",
+                    f"{LIFETIMES} request lifetimes at the targets: TTFT + {mean_output_tokens:.0f} mean output tokens x "
+                    "TPOT")]
+        window, flags, why = max(windows, key=lambda w: w[0])
         n = max(self.min_requests, min(self.max_requests, round(rate * self.duration_s)), math.ceil(rate * window))
         if n > MAX_POINT_REQUESTS:
-            by_ttft = 10 * slo.ttft_ms / 1e3 > self.duration_s / 4
-            flag = f"--ttft-slo-ms {slo.ttft_ms:g}" if by_ttft else f"--duration {self.duration_s:g}"
-            why = "10 TTFT targets" if by_ttft else "a quarter of the duration"
-            most = (f"{MAX_POINT_REQUESTS / rate / 10 * 1e3:.3g} ms" if by_ttft
-                    else f"{4 * MAX_POINT_REQUESTS / rate:.3g} s")
-            raise InvalidArgument(f"{flag}: a point at {rate:.3g} req/s would take {n:,} requests (arrivals over "
-                                  f"{why}, {window:g} s, so that the queues cannot absorb the burst); allowed: at most "
-                                  f"{MAX_POINT_REQUESTS:,}, {flag.split()[0]} at most {most} at this rate")
+            raise InvalidArgument(f"{flags}: a point at {rate:.3g} req/s would take {n:,} requests (arrivals over {why}, "
+                                  f"{window:.3g} s, so that the system cannot absorb the burst); allowed: at most "
+                                  f"{MAX_POINT_REQUESTS:,}, from a window of at most "
+                                  f"{MAX_POINT_REQUESTS / rate:.3g} s at this rate")
         return n
 
 
@@ -197,10 +202,10 @@ def sweep_topology(model: str, t: Topology, devices: list[str], workload: Worklo
         warm = [fit(r, context) for r in workload.requests(1.0, 2 * t.devices, sweep.seed + 1)]
         asyncio.run(drive(cluster.address, [(0.0, [1] * r.prompt_tokens, min(r.output_tokens, 4)) for r in warm]))
         start = sweep.start_rate or start_rate_for(cluster.address, workload, t, context, vocab)
-        points = [0]
+        points, mean_output = [0], workload.mean_output_tokens(context)
 
         def measure(rate: float) -> Point:
-            n = sweep.requests_at(rate, slo)
+            n = sweep.requests_at(rate, slo, mean_output)
             points[0] += 1
             p = measure_cluster(cluster, workload, rate, n, slo, context, vocab, sweep.seed,
                                 f"{sweep.seed}/{t.name}/{points[0]}")

@@ -123,6 +123,11 @@ class Workload:
             out.append(Request(t, r.prompt_tokens, r.output_tokens))
         return out
 
+    def mean_output_tokens(self, context: int, n: int = 1000) -> float:
+        """The mean output length of n requests cut to a model's context (`fit`), as a sweep draws them."""
+        reqs = [fit(r, context) for r in self.requests(1.0, n)]
+        return sum(r.output_tokens for r in reqs) / len(reqs)
+
     def describe(self) -> str:
         if self.trace:
             return f"{self.name}: trace of {len(self.trace)} requests, replayed at each rate"

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from bench.goodput import SLO, Delivery, Latency, Point, attainment, delivered, find_goodput
+from bench.goodput import BACKLOG_LIMIT, SLO, Delivery, Latency, Point, attainment, delivered, find_goodput
 from common.errors import InvalidArgument
 
 
@@ -71,6 +71,31 @@ def test_one_marginal_miss_is_noise_but_a_clear_one_ends_the_climb():
     curve = {1: 1.0, 2: 0.85, 4: 0.88}
     s = find_goodput(lambda r: Point(r, curve.get(r, 0.0)), 0.9, start=1.0, refine=0)
     assert s.goodput == 1.0 and [p.rate for p in s.points] == [1, 2, 4]
+
+
+def saturating(capacity: float, noisy: dict[float, float] | None = None):
+    """Every request within the SLO at any rate (a loose target: the batch absorbs the overload
+    while the run lasts), but no more than `capacity` completes a second; `noisy`: rates whose
+    completions fell short by that fraction anyway."""
+    def measure(rate):
+        done = min(rate, capacity) * (1 - (noisy or {}).get(rate, 0.0))
+        return Point(rate, 1.0, requests_s=done, offered_rps=rate)
+    return measure
+
+
+def test_a_rate_the_system_does_not_keep_up_with_fails_though_every_request_met_the_slo():
+    s = find_goodput(saturating(10.0), 0.9, start=1.0)
+    # 1, 2, 4, 8 keep up; 16 leaves 37.5% behind: a clear miss; bisection finds where 10% is left
+    assert [p.rate for p in s.points][:5] == [1.0, 2.0, 4.0, 8.0, 16.0]
+    assert 10.0 / 2 ** (1 / 16) <= s.goodput <= 10.0 / (1 - BACKLOG_LIMIT)
+    assert s.points[4].backlog == pytest.approx(0.375) and s.points[4].to_json()["backlog"] == 0.375
+
+
+def test_one_short_point_in_the_climb_is_noise():
+    """Completions 15% short at 4 req/s (the requests in flight at the window's two ends differ by
+    chance) do not end the climb; a backlog twice the limit does, at once."""
+    s = find_goodput(saturating(20.0, noisy={4.0: 0.15}), 0.9, start=1.0, refine=0)
+    assert [p.rate for p in s.points] == [1.0, 2.0, 4.0, 8.0, 16.0, 32.0] and s.goodput == 16.0
 
 
 def test_never_meeting_the_slo_is_zero_goodput():

@@ -111,6 +111,19 @@ def test_bad_input_is_named_before_anything_starts(tmp_path):
     assert r.returncode == 2 and "bad.jsonl:2: field 'output_tokens' is missing" in r.stderr
 
 
+def test_a_point_spans_the_duration_10_ttft_targets_and_4_request_lifetimes():
+    """A burst shorter than these is absorbed, by the queues or a growing batch, at any rate."""
+    from bench.goodput import SLO
+    from bench.scaling import Sweep
+
+    sweep = Sweep()  # 15 s, 30 to 400 requests
+    assert sweep.requests_at(4.0, SLO(200, 10), 20) == 60  # 4 req/s over 15 s
+    assert sweep.requests_at(40.0, SLO(200, 10), 20) == 400  # 600 capped: still 10 s of arrivals
+    assert sweep.requests_at(4.0, SLO(3000, 10), 20) == 120  # 10 TTFT targets: 30 s
+    assert sweep.requests_at(4.0, SLO(1000, 100), 100) == 176  # 4 lifetimes of 1 + 100 x 0.1 s: 44 s
+    assert sweep.requests_at(40.0, SLO(1000, 100), 100) == 1760  # past max_requests
+
+
 def test_a_sweep_refuses_points_that_would_never_end():
     """--duration inf, and a TTFT target so loose that a point's burst (10 targets long, so that
     queues cannot absorb it) would take billions of requests: named errors, not an overflow or a hang."""
@@ -121,9 +134,11 @@ def test_a_sweep_refuses_points_that_would_never_end():
     with pytest.raises(InvalidArgument, match="--duration inf; allowed: a number of seconds > 0"):
         Sweep(duration_s=math.inf)
     sweep = Sweep()
-    assert sweep.requests_at(4.0, SLO(1000, 100)) == 60  # 4 req/s over 15 s
     with pytest.raises(InvalidArgument, match="--ttft-slo-ms 1e\\+12: a point at 4 req/s would take"):
-        sweep.requests_at(4.0, SLO(1e12, 1e12))
-    assert sweep.requests_at(4.0, SLO(MAX_POINT_REQUESTS / 4 / 10 * 1e3, 100)) == MAX_POINT_REQUESTS
+        sweep.requests_at(4.0, SLO(1e12, 1), 20)
+    with pytest.raises(InvalidArgument, match="--ttft-slo-ms 1 and --itl-slo-ms 1e\\+12: a point at 4 req/s would "
+                                              "take .* over 4 request lifetimes at the targets: TTFT \\+ 20 mean"):
+        sweep.requests_at(4.0, SLO(1, 1e12), 20)
+    assert sweep.requests_at(4.0, SLO(MAX_POINT_REQUESTS / 4 / 10 * 1e3, 1), 20) == MAX_POINT_REQUESTS
     with pytest.raises(InvalidArgument, match="--duration 1e\\+12: a point at 4 req/s .* over a quarter of the"):
-        Sweep(duration_s=1e12).requests_at(4.0, SLO(1000, 100))
+        Sweep(duration_s=1e12).requests_at(4.0, SLO(1000, 100), 20)
