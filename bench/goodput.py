@@ -13,8 +13,11 @@ pool is full; only then do requests queue and miss the TTFT target. On the 2-cor
 monolithic nanogpt worker at 17 req/s (capacity about 15.5) met a 1 s TTFT target for its first
 40 s of arrivals, then missed it for good. So a rate also fails when its backlog grew: when
 completions in the steady part (below) fell short of the arrivals there by more than
-`BACKLOG_LIMIT`. The window has to be long enough for that to stand out of the noise of the
-requests in flight (`bench.scaling.Sweep.requests_at`).
+`BACKLOG_LIMIT`, and by more than chance explains: the requests in flight at the window's two
+ends differ by about sqrt(2 x their mean) in a system that keeps up (Poisson-like; the mean by
+Little's law, arrivals a second x mean latency), so the shortfall must pass 3 such deviations (a
+12-request run is 11% short by one request still in flight). The window has to be long enough for
+a backlog to stand out (`bench.scaling.Sweep.requests_at`).
 
 The search is the same for a real cluster (`bench scaling`) and for the planner's simulator: it
 only calls `measure(rate)`. It climbs geometrically from a start rate until a rate fails
@@ -101,6 +104,8 @@ class Point:
     records: list[Latency] = field(default_factory=list)
     cpu: dict[str, float] = field(default_factory=dict)  # cores used meanwhile, by whom (bench/hostload.py)
     offered_rps: float = 0.0  # arrivals per second in that steady part: a Poisson draw's differ from `rate`
+    window_s: float = 0.0  # that steady part's length
+    in_flight: float = 0.0  # requests in the system on average (Little: offered_rps x mean end-to-end latency)
 
     @property
     def backlog(self) -> float:
@@ -108,14 +113,20 @@ class Point:
         piled up in the system a second, as a fraction of the load (0 or less: it kept up)."""
         return 1 - self.requests_s / self.offered_rps if self.offered_rps > 0 else 0.0
 
+    def backlog_over(self, limit: float) -> bool:
+        """A backlog over limit of the load, and over what chance explains (3 deviations of the
+        difference between the requests in flight at the window's two ends)."""
+        short = (self.offered_rps - self.requests_s) * self.window_s
+        return self.backlog > limit and short > 3 * math.sqrt(2 * self.in_flight + 1)
+
     def meets(self, target: float) -> bool:
         """Attainment at least target, and the system kept up with the rate."""
-        return self.attainment >= target and self.backlog <= BACKLOG_LIMIT
+        return self.attainment >= target and not self.backlog_over(BACKLOG_LIMIT)
 
     def clearly_misses(self, target: float, margin: float) -> bool:
         """Far enough from passing that noise cannot explain it: attainment under target - margin,
         or a backlog over twice its limit."""
-        return self.attainment < target - margin or self.backlog > 2 * BACKLOG_LIMIT
+        return self.attainment < target - margin or self.backlog_over(2 * BACKLOG_LIMIT)
 
     def latency_summary(self) -> dict:
         return percentiles(self.records, (50, 90, 99))
@@ -141,6 +152,7 @@ class Delivery:
     offered_rps: float  # arrivals
     requests_s: float  # completions
     output_tok_s: float
+    window_s: float = 0.0  # the steady part's length (or the whole run's, where it has none)
 
 
 def delivered(arrivals: list[float], ends: list[float], tokens: list[float], until: float | None = None) -> Delivery:
@@ -162,19 +174,22 @@ def delivered(arrivals: list[float], ends: list[float], tokens: list[float], unt
         if wall <= 0:
             return Delivery(0.0, 0.0, 0.0)
         return Delivery(len(arrivals) / wall, sum(t <= latest for t in ends) / wall,
-                        sum(t <= latest for t in tokens) / wall)
+                        sum(t <= latest for t in tokens) / wall, wall)
 
     def rate(times):
         return sum(start < t <= last for t in times) / window
 
-    return Delivery(rate(arrivals), rate(ends), rate(tokens))
+    return Delivery(rate(arrivals), rate(ends), rate(tokens), window)
 
 
 def point_from(rate: float, records: list[Latency], slo: SLO, arrivals: list[float], ends: list[float],
                tokens: list[float], until: float | None = None) -> Point:
     """A measured (or simulated) rate: attainment over `records`, and what it delivered (`delivered`)."""
     d = delivered(arrivals, ends, tokens, until)
-    return Point(rate, attainment(records, slo), d.requests_s, d.output_tok_s, records, offered_rps=d.offered_rps)
+    e2e = [r.e2e for r in records if r.e2e is not None]
+    in_flight = d.offered_rps * sum(e2e) / len(e2e) / 1e3 if e2e else 0.0
+    return Point(rate, attainment(records, slo), d.requests_s, d.output_tok_s, records, offered_rps=d.offered_rps,
+                 window_s=d.window_s, in_flight=in_flight)
 
 
 @dataclass

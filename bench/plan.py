@@ -126,7 +126,8 @@ def scaled(s: Search, hosts: int) -> Search:
     """A slice's search as the whole cluster's: hosts slices, each taking 1 / hosts of the rate and
     delivering 1 / hosts of the throughput."""
     return Search([replace(p, rate=p.rate * hosts, offered_rps=p.offered_rps * hosts, requests_s=p.requests_s * hosts,
-                           output_tok_s=p.output_tok_s * hosts) for p in s.points], s.goodput * hosts)
+                           output_tok_s=p.output_tok_s * hosts, in_flight=p.in_flight * hosts) for p in s.points],
+                  s.goodput * hosts)
 
 
 class Planner:
