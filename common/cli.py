@@ -148,7 +148,7 @@ def chat(router_address, system, sampling, engine_kwargs):
 @http_options
 @click.option("--log-level", default="INFO", show_default=True)
 def router(model, host, port, worker_port, max_model_len, policy, router_kwargs, http_port, api_key, allowed_origins,
-           api_server_count, log_level):
+           served_model_names, api_server_count, log_level):
     """Run the router: clients connect to --port, workers to --worker-port, HTTP to --http-port."""
     from router.server import RouterConfig, run_router
 
@@ -160,7 +160,7 @@ def router(model, host, port, worker_port, max_model_len, policy, router_kwargs,
                             decode_stall_timeout_s=k["decode_stall_timeout"], queue_timeout_s=k["queue_timeout"],
                             max_message_bytes=k["max_message_bytes"], http_port=http_port, api_key=api_key,
                             api_server_count=api_server_count, max_model_len=max_model_len,
-                            allowed_origins=allowed_origins))
+                            allowed_origins=allowed_origins, served_model_names=served_model_names))
 
 
 def _stop_while_starting(signum, frame):
@@ -245,7 +245,8 @@ for _role in ("prefill", "decode", "mono"):
 @http_options
 @engine_options
 def launch(prefill, decode, mono, devices, host, port, worker_port, policy, log_dir, threads, no_restart, dry_run,
-           worker_args, router_kwargs, http_port, api_key, allowed_origins, api_server_count, engine_kwargs):
+           worker_args, router_kwargs, http_port, api_key, allowed_origins, served_model_names, api_server_count,
+           engine_kwargs):
     """Bring up router + workers on this host; stop them all on Ctrl-C. Workers that share a GPU
     split it (decode workers get the larger shares) unless a memory flag sizes their pools."""
     import shlex
@@ -256,8 +257,9 @@ def launch(prefill, decode, mono, devices, host, port, worker_port, policy, log_
     if engine_kwargs["device"] != "cpu":
         raise click.UsageError(f"--device {engine_kwargs['device']} is a worker's flag; launch places its workers "
                                "with --devices (e.g. --devices cuda:0 or cuda:0,cuda:1)")
-    if http_port is None and (api_key is not None or api_server_count > 1):
-        raise click.UsageError("--api-key and --api-server-count are for the HTTP API: give --http-port too")
+    if http_port is None and (api_key is not None or api_server_count > 1 or served_model_names):
+        raise click.UsageError("--api-key, --api-server-count and --served-model-name are for the HTTP API: give "
+                               "--http-port too")
     prefill = (0 if mono else 1) if prefill is None else prefill
     decode = (0 if mono else 1) if decode is None else decode
     if engine_kwargs["model"] in NAMED_MODELS:
@@ -266,7 +268,8 @@ def launch(prefill, decode, mono, devices, host, port, worker_port, policy, log_
     try:
         cluster = Cluster(engine_kwargs["model"], prefill, decode, mono, devices, host, port, worker_port,
                           log_dir, policy, engine_argv(engine_kwargs) + list(worker_args), threads, restart=not no_restart,
-                          router_args=router_argv(router_kwargs) + ["--allowed-origins", allowed_origins],
+                          router_args=router_argv(router_kwargs) + ["--allowed-origins", allowed_origins]
+                          + [a for name in served_model_names for a in ("--served-model-name", name)],
                           http_port=http_port, api_key=api_key,
                           api_server_count=api_server_count)
     except ValueError as e:

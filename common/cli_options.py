@@ -215,6 +215,9 @@ def http_options(f):
         click.option("--allowed-origins", default="*", show_default=True,
                      help="the web origins whose pages may call the HTTP API (CORS), comma-separated: "
                           "'*' any (vLLM's default), '' none"),
+        click.option("--served-model-name", "served_model_names", multiple=True,
+                     help="the model's name in the HTTP API (vLLM's flag), repeatable: requests may name any, and "
+                          "responses, /v1/models and metrics show the first [default: --model]"),
         click.option("--api-server-count", default=1, show_default=True, type=click.IntRange(min=1),
                      help="1: HTTP served in the router process; N > 1: by N API server processes sharing "
                           "--http-port, for more HTTP tokens a second than one router process carries"),

@@ -225,8 +225,9 @@ class Engine:
         if not ids:
             raise InvalidArgument("prompt is empty; allowed: at least one token")
         if len(ids) >= self.max_model_len:
-            raise InvalidArgument(f"prompt has {len(ids)} tokens; allowed: at most {self.max_model_len - 1} "
-                                  f"(max_model_len={self.max_model_len} leaves room for one generated token)")
+            raise InvalidArgument(f"prompt has {len(ids)} tokens but the model's maximum context length is "
+                                  f"{self.max_model_len} tokens (max_model_len); allowed: at most "
+                                  f"{self.max_model_len - 1}, leaving one for the output")
         return ids
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,

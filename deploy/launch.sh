@@ -9,7 +9,7 @@
 #
 #   deploy/launch.sh [--prefill N] [--decode M] [--mono K] [--model SPEC] [--devices cpu,cuda:0,...]
 #                    [--host ADDR] [--port P] [--worker-port P] [--http-port P] [--api-server-count N]
-#                    [--api-key K] [--allowed-origins O,O] [--threads N]
+#                    [--api-key K] [--allowed-origins O,O] [--served-model-name NAME]... [--threads N]
 #                    [--policy least_loaded|round_robin|prefix_affine]
 #                    [--max-queue N] [--heartbeat-timeout S] [--max-attempts N] [--prefill-timeout S]
 #                    [--decode-stall-timeout S] [--queue-timeout S] [--max-message-bytes N]
@@ -62,7 +62,7 @@ while (($#)); do
     --log-dir) has_value "$@"; LOG_DIR=$2; shift 2 ;;
     --threads) int_value 1 "$@"; THREADS=$((10#$2)); shift 2 ;;
     --api-key) has_value "$@"; API_KEY=$2; shift 2 ;;
-    --allowed-origins) has_value "$@"; ROUTER_LIMITS+=("$1" "$2"); shift 2 ;;
+    --allowed-origins|--served-model-name) has_value "$@"; ROUTER_LIMITS+=("$1" "$2"); shift 2 ;;
     # the router's limits, as ROUTER_OPTIONS in common/cli_options.py bounds them
     --max-queue|--max-attempts) int_value 1 "$@"; ROUTER_LIMITS+=("$1" "$2"); shift 2 ;;
     --max-message-bytes) int_value 4096 "$@"; ROUTER_LIMITS+=("$1" "$2"); shift 2 ;;

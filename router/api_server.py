@@ -185,7 +185,7 @@ async def serve(args):
     sock = socket.socket(fileno=args.fd)
     host, port = sock.getsockname()[:2]
     front = HttpFront(link, host, port, os.environ.get("PDSERVE_API_KEY") or None, args.max_body_bytes, sock=sock,
-                      allowed_origins=args.allowed_origins)
+                      allowed_origins=args.allowed_origins, served_model_names=args.served_model_name or ())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -215,6 +215,7 @@ def main(argv=None):
     parser.add_argument("--max-body-bytes", type=int, required=True)
     parser.add_argument("--max-model-len", type=int, default=None, help="the router's served context")
     parser.add_argument("--allowed-origins", default="*", help="web origins allowed to call it (CORS)")
+    parser.add_argument("--served-model-name", action="append", help="the model's names in the API (repeated)")
     parser.add_argument("--index", type=int, default=0)
     parser.add_argument("--parent", type=int, default=None, help="exit if this process is no longer the parent")
     parser.add_argument("--ready-fd", type=int, default=None, help="a pipe to write a byte to once serving")
@@ -251,7 +252,7 @@ class ApiServers:
 
     def __init__(self, count: int, router_address: str, model: str, host: str, port: int, max_queue: int,
                  max_body_bytes: int, api_key: str | None, max_model_len: int, allowed_origins: str = "*",
-                 on_exit: Callable[[bytes], None] = lambda identity: None):
+                 served_model_names: tuple[str, ...] = (), on_exit: Callable[[bytes], None] = lambda identity: None):
         """on_exit(identity): an API server died; its requests have nobody to go to (Router._client_gone)."""
         self.on_exit = on_exit
         self.sock = socket.create_server((host, port), backlog=4096)
@@ -265,6 +266,7 @@ class ApiServers:
                      "--fd", str(self.sock.fileno()), "--max-queue", str(max_queue), "--max-model-len", str(max_model_len),
                      "--max-body-bytes", str(max_body_bytes), "--allowed-origins", allowed_origins,
                      "--parent", str(os.getpid())]
+        self.argv += [a for name in served_model_names for a in ("--served-model-name", name)]
         self.procs: list[subprocess.Popen | None] = [None] * count
         self.started = [0.0] * count
         self.restarts = [0] * count  # of each server, in a row

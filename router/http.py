@@ -90,12 +90,15 @@ class LocalBackend:
 
 class HttpFront:
     def __init__(self, backend, host: str, port: int, api_key: str | None, max_body_bytes: int,
-                 sock: socket.socket | None = None, allowed_origins: str = "*"):
+                 sock: socket.socket | None = None, allowed_origins: str = "*",
+                 served_model_names: tuple[str, ...] = ()):
         """Serves backend (LocalBackend or RouterLink) on host:port, or on sock, a listening socket
         that API server processes share. allowed_origins: the web origins whose pages may call it
-        (CORS), comma-separated; "*" any, as vLLM's default."""
+        (CORS), comma-separated; "*" any, as vLLM's default. served_model_names: what requests may
+        call the model (vLLM's --served-model-name), the first shown; by default its --model."""
         self.backend, self.host, self.port, self.sock = backend, host, port, sock
-        self.model = backend.prompts.model
+        self.names = tuple(served_model_names) or (backend.prompts.model,)
+        self.model = self.names[0]
         self.api_key = api_key.encode() if api_key else None
         self.max_body_bytes = max_body_bytes
         self.created = int(time.time())
@@ -213,16 +216,17 @@ class HttpFront:
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=await self.backend.metrics(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    def _card(self) -> dict:
-        return {"id": self.model, "object": "model", "created": self.created, "owned_by": "pdserve",
-                "max_model_len": self.backend.prompts.context}
+    def _card(self, name: str) -> dict:
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "pdserve",
+                "root": self.backend.prompts.model, "max_model_len": self.backend.prompts.context}
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [self._card()]})
+        return web.json_response({"object": "list", "data": [self._card(name) for name in self.names]})
 
     async def model_card(self, request: web.Request) -> web.Response:
-        check_model(request.match_info["model"], self.model)
-        return web.json_response(self._card())
+        name = request.match_info["model"]
+        check_model(name, self.names)
+        return web.json_response(self._card(name))
 
     async def version(self, request: web.Request) -> web.Response:
         from importlib.metadata import PackageNotFoundError, version
@@ -234,7 +238,7 @@ class HttpFront:
 
     async def tokenize(self, request: web.Request) -> web.Response:
         """vLLM's /tokenize: a prompt's token ids (messages: through the chat template)."""
-        prompt, messages = parse_tokenize(await _json(request), self.model)
+        prompt, messages = parse_tokenize(await _json(request), self.names)
         prompts = self.backend.prompts
         ids = await asyncio.to_thread(prompts.encode, prompt, messages)
         head = {"count": len(ids), "max_model_len": prompts.context}
@@ -254,18 +258,18 @@ class HttpFront:
 
     async def detokenize(self, request: web.Request) -> web.Response:
         prompts = self.backend.prompts
-        ids = parse_detokenize(await _json(request), self.model, prompts.model_config.vocab_size)
+        ids = parse_detokenize(await _json(request), self.names, prompts.model_config.vocab_size)
         text = prompts.text(ids, skip_special_tokens=False)  # as vLLM's: special tokens shown
         if text is None:
             raise InvalidArgument(f"model {self.model!r} has no tokenizer", param="tokens")
         return web.json_response({"prompt": text})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._serve(request, lambda body: parse_completion(body, self.model))
+        return await self._serve(request, lambda body: parse_completion(body, self.names))
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         context = self.backend.prompts.context
-        return await self._serve(request, lambda body: parse_chat(body, self.model, context))
+        return await self._serve(request, lambda body: parse_chat(body, self.names, context))
 
     # ------------------------------------------------------------------ requests
 

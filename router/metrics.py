@@ -35,11 +35,22 @@ E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15
                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
+def token_buckets(context: int) -> tuple[int, ...]:
+    """vLLM's buckets for token counts: 1, 2, 5, 10, 20, 50, ... up to the served context."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > context:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
+
+
 class RouterMetrics:
     def __init__(self, router):
         self.router = router
         self.registry = CollectorRegistry()
-        model = router.cfg.model
+        model = (router.cfg.served_model_names or (router.cfg.model,))[0]  # as the HTTP API names it
         reg = dict(registry=self.registry)
 
         def histogram(name, doc, buckets):
@@ -54,7 +65,19 @@ class RouterMetrics:
         self.queue = histogram("request_queue_time_seconds", "Waiting for a worker and in its queue", TTFT_BUCKETS)
         self.handoff = histogram("kv_handoff_seconds", "First token sampled by the prefill to decoding started",
                                  TTFT_BUCKETS)
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests")
+        # vLLM's per-request histograms, as the router sees each request
+        tokens = token_buckets(router.prompts.context)
+        self.request_prompt = histogram("request_prompt_tokens", "Prompt tokens of each finished request", tokens)
+        self.request_generation = histogram("request_generation_tokens", "Tokens generated for each finished request",
+                                            tokens)
+        self.tpot = histogram("request_time_per_output_token_seconds",
+                              "Each request's mean time per output token after the first", ITL_BUCKETS)
+        self.prefill_time = histogram("request_prefill_time_seconds", "Out of every queue to the first token",
+                                      E2E_BUCKETS)
+        self.decode_time = histogram("request_decode_time_seconds", "First token to the last", E2E_BUCKETS)
+        self.inference_time = histogram("request_inference_time_seconds", "Out of every queue to the last token",
+                                        E2E_BUCKETS)
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled (counted at the first token)")
         self.generation_tokens = counter("generation_tokens", "Tokens delivered to clients")
         self.migrations = counter("request_migrations", "Decoding requests moved to other workers")
         self.redispatches = counter("request_redispatches", "Attempts given up and dispatched again")
@@ -68,13 +91,14 @@ class RouterMetrics:
         self._kv_bytes = Counter("pdserve:kv_transfer_bytes", "KV bytes sent from prefill to decode workers",
                                  ["model_name", "transport"], **reg)
         self._model = model
-        self.registry.register(_StateCollector(router))
+        self.registry.register(_StateCollector(router, model))
 
     # ------------------------------------------------------------------ events
 
     def on_tokens(self, req, now: float, count: int):
         if req.first_token_at is None:
             self.ttft.observe(now - req.arrival)
+            self.prompt_tokens.inc(len(req.prompt_ids))
         else:
             self.itl.observe(now - req.last_token_at)
         self.generation_tokens.inc(count)
@@ -82,10 +106,20 @@ class RouterMetrics:
     def on_done(self, req, reason: str):
         # vLLM's label values: "abort" where our finish reason says "cancelled"
         self._success.labels(self._model, "abort" if reason == "cancelled" else reason).inc()
-        self.prompt_tokens.inc(len(req.prompt_ids))
         self.e2e.observe(time.monotonic() - req.arrival)
+        self.request_prompt.observe(len(req.prompt_ids))
+        self.request_generation.observe(len(req.tokens))
+        if req.first_token_at is not None:
+            decode = req.last_token_at - req.first_token_at
+            self.decode_time.observe(decode)
+            if len(req.tokens) > 1:
+                self.tpot.observe(decode / (len(req.tokens) - 1))
         if req.dispatched_at is not None:
-            self.queue.observe(req.dispatched_at - req.arrival + req.worker_timings.get("queue_s", 0.0))
+            left_queue = req.dispatched_at + req.worker_timings.get("queue_s", 0.0)
+            self.queue.observe(left_queue - req.arrival)
+            if req.first_token_at is not None:
+                self.prefill_time.observe(max(0.0, req.first_token_at - left_queue))
+                self.inference_time.observe(max(0.0, req.last_token_at - left_queue))
         if "handoff_s" in req.worker_timings:
             self.handoff.observe(req.worker_timings["handoff_s"])
 
@@ -118,14 +152,14 @@ class RouterMetrics:
 class _StateCollector:
     """Gauges read from the router when scraped: its queue, and each worker as last heard from."""
 
-    def __init__(self, router):
-        self.router = router
+    def __init__(self, router, model: str):
+        self.router, self.model = router, model
 
     def collect(self):
         """vLLM's meanings: running, in a batch a worker steps (prefill or decode, as its last
         heartbeat said); waiting, admitted and not in one (queued in the router or in a worker, or
         waiting for decode room or for its KV to arrive)."""
-        router, model = self.router, self.router.cfg.model
+        router, model = self.router, self.model
         running = min(len(router.requests), sum(w.running for w in router.registry.workers.values() if w.alive))
         for name, doc, value in (("num_requests_running", "Requests in a worker's running batch", running),
                                  ("num_requests_waiting", "Requests admitted and not in a running batch",

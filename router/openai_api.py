@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from common import protocol as P
 from common.errors import InvalidArgument, short_repr
 from common.sampling_params import MAX_LOGPROBS, SamplingParams, choice_seed
+from common.text import TextStream
 
 # our codes -> HTTP status, and OpenAI's error type for each status
 STATUS = {"INVALID_ARGUMENT": 400, "UNAUTHENTICATED": 401, "FORBIDDEN": 403, "NOT_FOUND": 404, "METHOD_NOT_ALLOWED": 405,
@@ -113,6 +114,7 @@ class Job:
     logprobs: int | None  # alternatives shown per token, or None: no logprobs
     token_ids_as_text: bool
     max_tokens_field: str | None = None  # the body's max_tokens or max_completion_tokens, if it gave one
+    echo_only: bool = False  # echo with max_tokens 0: the prompt (and its logprobs) alone, as vLLM gives it
 
     def choice_params(self, index: int) -> SamplingParams:
         """Choice index's sampling (choices are prompt-major: prompt index * n + j)."""
@@ -154,16 +156,27 @@ def _sampling(body: dict, max_tokens: int, **extra) -> dict:
     return {"max_tokens": max_tokens, **{k: body[k] for k in SAMPLING if body.get(k) is not None}, **extra}
 
 
-def check_model(model, served_model: str) -> None:
-    if model != served_model:
-        raise ApiError("NOT_FOUND", f"the model {model!r} does not exist; served: {served_model!r}", "model")
+Served = str | tuple[str, ...]  # the names the model is served by (--served-model-name), the first shown
 
 
-def _job(body: dict, served_model: str, chat: bool, prompts: list, messages: list | None, sampling: dict,
+def check_model(model, served: Served) -> None:
+    names = (served,) if isinstance(served, str) else served
+    if model not in names:
+        shown = repr(names[0]) if len(names) == 1 else ", ".join(map(repr, names))
+        raise ApiError("NOT_FOUND", f"the model {model!r} does not exist; served: {shown}", "model")
+
+
+def requested_model(body: dict, served: Served) -> str:
+    """The model a body names, one of those served; by default the first."""
+    model = _get(body, "model", STRING, served if isinstance(served, str) else served[0])
+    check_model(model, served)
+    return model
+
+
+def _job(body: dict, served_model: Served, chat: bool, prompts: list, messages: list | None, sampling: dict,
          echo: bool, logprobs: int | None) -> Job:
     """Check the fields both endpoints share, and make the Job."""
-    model = _get(body, "model", STRING, served_model)
-    check_model(model, served_model)
+    model = requested_model(body, served_model)
     stream = _get(body, "stream", BOOL, False)
     options = _get(body, "stream_options", (lambda v: isinstance(v, dict), "an object"))
     if options is not None:
@@ -193,7 +206,7 @@ def _job(body: dict, served_model: str, chat: bool, prompts: list, messages: lis
 LOGPROBS = (lambda v: _is_int(v) and 0 <= v <= MAX_LOGPROBS, f"an integer in [0, {MAX_LOGPROBS}]")
 
 
-def parse_completion(body, served_model: str) -> Job:
+def parse_completion(body, served_model: Served) -> Job:
     _check_fields(body, COMPLETION_FIELDS, COMPLETION_NEUTRAL)  # a completion's echo is its own
     prompt = body.get("prompt")
     if isinstance(prompt, str) or (_is_token_ids(prompt) and prompt):
@@ -208,10 +221,19 @@ def parse_completion(body, served_model: str) -> Job:
     echo = _get(body, "echo", BOOL, False)
     logprobs = _get(body, "logprobs", LOGPROBS)
     sampling = _sampling(body, 16, logprobs=logprobs, prompt_logprobs=logprobs if echo else None)  # OpenAI's 16
-    return _job(body, served_model, False, prompts, None, sampling, echo, logprobs)
+    # max_tokens 0 with echo scores a prompt (its logprobs, as evaluation harnesses ask): vLLM runs
+    # it with one token and shows none, and so do we
+    echo_only = _is_int(body.get("max_tokens")) and body["max_tokens"] == 0
+    if echo_only and not echo:
+        raise InvalidArgument("max_tokens=0 is invalid without echo; allowed: an integer in [1, 2**31 - 1], or 0 "
+                              "with echo=true (the prompt alone)", param="max_tokens")
+    if echo_only:
+        sampling["max_tokens"] = 1
+    job = _job(body, served_model, False, prompts, None, sampling, echo, logprobs)
+    return dataclasses.replace(job, echo_only=echo_only)
 
 
-def parse_chat(body, served_model: str, context: int) -> Job:
+def parse_chat(body, served_model: Served, context: int) -> Job:
     _check_fields(body, CHAT_FIELDS, CHAT_NEUTRAL)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -261,21 +283,37 @@ class Choice:
         self.prompt_ids, self.prompt_text = prompt_ids, prompt_text  # echo: shown before the completion
         self.started = False  # the first chunk (role, echo) went out
         self.text_len = 0  # characters of the completion streamed
-        self.text_offset = 0  # completions logprobs: where the next token's text starts
+        # completions logprobs: the text before each token, built as it grows, of the prompt (echo)
+        # or of the completion, which are decoded apart; and the characters shown before it
+        self.offsets: TextStream | None = None
+        self.offsets_of_prompt = False
+        self.offset_base = 0
         self.done: P.Done | None = None
+
+    def text_offset(self, token: int, prompt: bool) -> int:
+        """Where token's text starts in the choice's text, in characters: a token inside a
+        multi-byte character starts where that character does (OpenAI's text_offset; counting
+        each token's own decoded length instead drifts past the text at every U+FFFD)."""
+        if self.tokenizer is None:
+            return 0
+        if self.offsets is None or self.offsets_of_prompt != prompt:
+            self.offsets, self.offsets_of_prompt = TextStream(self.tokenizer), prompt
+            self.offset_base = len(self.prompt_text) if self.job.echo and not prompt else 0
+        at = self.offset_base + len(self.offsets.text)
+        self.offsets.add(token)
+        return at
 
     def completion_logprobs(self, token_ids, entries, prompt: tuple | None = None) -> dict:
         """OpenAI's completions logprobs: tokens, token_logprobs, top_logprobs (the top N and the
         sampled token, as vLLM and OpenAI give), text_offset. prompt: (ids, entries) to put first."""
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        pairs = list(zip(*prompt)) if prompt else []
-        pairs += zip(token_ids, entries or [None] * len(token_ids))
+        pairs = [(token, entry, True) for token, entry in zip(*prompt)] if prompt else []
+        pairs += [(token, entry, False) for token, entry in zip(token_ids, entries or [None] * len(token_ids))]
         as_id = self.job.token_ids_as_text
-        for token, entry in pairs:
+        for token, entry, of_prompt in pairs:
             text = token_text(self.tokenizer, token, as_id)
             out["tokens"].append(text)
-            out["text_offset"].append(self.text_offset)
-            self.text_offset += len(self.tokenizer.decode([token])) if self.tokenizer is not None else 0
+            out["text_offset"].append(self.text_offset(token, of_prompt))
             if entry is None:
                 out["token_logprobs"].append(None)
                 out["top_logprobs"].append(None)
@@ -305,6 +343,8 @@ class Choice:
     def logprobs(self, token_ids, entries, prompt_entries=None):
         if self.job.logprobs is None:
             return None
+        if self.job.echo_only:
+            token_ids, entries = [], []
         if self.job.chat:
             return self.chat_logprobs(token_ids, entries)
         prompt = None
@@ -319,13 +359,12 @@ class Choice:
             out.append({"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                         "finish_reason": None})
         if isinstance(msg, P.Token):
-            text, finish = msg.text, None
+            text, finish = "" if self.job.echo_only else msg.text, None
             logprobs = self.logprobs(msg.token_ids, msg.logprobs, msg.prompt_logprobs)
         else:
-            full = msg.text or ""
-            text, finish = full[self.text_len:], msg.finish_reason
+            self.done = msg = self.shown(msg)
+            text, finish = (msg.text or "")[self.text_len:], msg.finish_reason
             logprobs = None
-            self.done = msg
         self.text_len += len(text)
         if self.job.echo and not self.started:
             text = self.prompt_text + text
@@ -341,9 +380,16 @@ class Choice:
             out[-1]["stop_reason"] = msg.stop_reason
         return out
 
+    def shown(self, done: P.Done) -> P.Done:
+        """done as the response shows it: an echo_only choice generated nothing, and stopped at its
+        max_tokens, 0."""
+        if not self.job.echo_only:
+            return done
+        return dataclasses.replace(done, finish_reason="length", token_ids=[], text="", logprobs=[], stop_reason=None)
+
     def final(self, done: P.Done) -> dict:
         """The whole choice of a response that was not streamed."""
-        self.done = done
+        self.done = done = self.shown(done)
         text = done.text or ""
         logprobs = self.logprobs(done.token_ids, done.logprobs, done.prompt_logprobs)
         if self.job.chat:
@@ -375,25 +421,26 @@ class Envelope:
         self.chunk_object = "chat.completion.chunk" if job.chat else "text_completion"
         head = {"id": self.id, "object": self.chunk_object, "created": self.created, "model": job.model}
         self._chunk_head = json.dumps(head)[:-1].encode() + b', "choices": '
+        self._no_usage = b', "usage": null' if job.include_usage else b""  # OpenAI's: every chunk but the last
 
     def response(self, job: Job, choices: list[Choice], entries: list[dict]) -> dict:
         return {"id": self.id, "object": self.object, "created": self.created, "model": job.model,
                 "choices": entries, "usage": usage(job, choices)}
 
     def chunk(self, entries: list[dict], usage_: dict | None = None) -> bytes:
-        tail = b"" if usage_ is None else b', "usage": ' + json.dumps(usage_).encode()
+        tail = self._no_usage if usage_ is None else b', "usage": ' + json.dumps(usage_).encode()
         return b"data: " + self._chunk_head + json.dumps(entries).encode() + tail + b"}\n\n"
 
 
 # ----------------------------------------------------------------------------- vLLM's /tokenize and /detokenize
 
-def parse_tokenize(body, served_model: str) -> tuple[str | None, list | None]:
+def parse_tokenize(body, served_model: Served) -> tuple[str | None, list | None]:
     """(prompt, messages) of a /tokenize body: {"prompt": text} or {"messages": [...]}."""
     messages = body.get("messages") if isinstance(body, dict) else None
     neutral = {**(CHAT_SPECIALS if messages is not None else TEXT_SPECIALS),
                "add_generation_prompt": NEUTRAL["add_generation_prompt"]}
     _check_fields(body, {"model", "prompt", "messages", *neutral}, neutral)
-    check_model(_get(body, "model", STRING, served_model), served_model)
+    requested_model(body, served_model)
     prompt = _get(body, "prompt", STRING)
     if (prompt is None) == (messages is None):
         raise InvalidArgument("give one of prompt (a string) or messages", param="prompt")
@@ -403,10 +450,10 @@ def parse_tokenize(body, served_model: str) -> tuple[str | None, list | None]:
     return prompt, messages
 
 
-def parse_detokenize(body, served_model: str, vocab_size: int) -> list[int]:
+def parse_detokenize(body, served_model: Served, vocab_size: int) -> list[int]:
     """The token ids of a /detokenize body: {"tokens": [ids]}."""
     _check_fields(body, {"model", "tokens"})
-    check_model(_get(body, "model", STRING, served_model), served_model)
+    requested_model(body, served_model)
     tokens = body.get("tokens")
     if not _is_token_ids(tokens) or not all(0 <= t < vocab_size for t in tokens):
         raise InvalidArgument(f"tokens={short_repr(tokens)} is invalid; allowed: a list of token ids in "

@@ -41,8 +41,9 @@ class Prompts:
         if not ids:
             raise InvalidArgument("prompt is empty; allowed: at least one token", param="prompt")
         if len(ids) >= limit:  # before reading ids one by one: a client may send millions
-            raise InvalidArgument(f"prompt has {len(ids)} tokens; allowed: at most {limit - 1} "
-                                  f"(the context served is {limit})", param="prompt")
+            raise InvalidArgument(f"prompt has {len(ids)} tokens but the model's maximum context length is {limit} "
+                                  f"tokens; allowed: at most {limit - 1}, leaving one for the output",
+                                  param="prompt")  # OpenAI's and vLLM's words, which clients look for
         if ids is prompt:
             V = self.model_config.vocab_size
             bad = [t for t in ids if not 0 <= t < V]

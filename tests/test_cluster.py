@@ -105,7 +105,8 @@ def test_bad_requests_get_coded_errors_and_cluster_serves_on(tmp_path):
             (dict(prompt="hi", top_p=0), "top_p=0"),
             (dict(prompt="hi", max_tokens=0), "max_tokens=0"),
             (dict(prompt=[1, 999]), "[999]"),
-            (dict(prompt=[1] * 1024), "prompt has 1024 tokens; allowed: at most 1023"),
+            (dict(prompt=[1] * 1024), "prompt has 1024 tokens but the model's maximum context length is 1024 tokens; "
+                                      "allowed: at most 1023"),
             (dict(prompt=""), "prompt is empty"),
             (dict(prompt="hi", logit_bias={"1" * 5000: 1}), "logit_bias entry '111"),
         ]

@@ -27,6 +27,7 @@ from tests.cluster import cluster, router_children, wait_blocks_free
 pytestmark = pytest.mark.timeout(600)
 MODEL = "dummy:nanogpt"
 KEY = "sk-test-key"
+ALIAS = "gpt-4o-mini"  # --served-model-name: a name an existing client is hard-wired to
 PROMPT_IDS = [72, 101, 108, 108, 111, 44, 32]
 
 
@@ -39,8 +40,8 @@ def engine():
 def served(request, tmp_path_factory):
     """Every test below runs against HTTP served in the router process and by two API server
     processes beside it (--api-server-count 2): they must not differ."""
-    with cluster(tmp_path_factory.mktemp("http"), http=True, api_key=KEY, router_args=["--max-queue", "16"],
-                 api_servers=request.param) as c:
+    with cluster(tmp_path_factory.mktemp("http"), http=True, api_key=KEY, api_servers=request.param,
+                 router_args=["--max-queue", "16", "--served-model-name", ALIAS, "--served-model-name", MODEL]) as c:
         yield c
 
 
@@ -105,6 +106,7 @@ def test_completions_give_the_engines_tokens(served, engine, stream):
             finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
             usage = chunks[-1].usage
             assert not chunks[-1].choices and all(c.usage is None for c in chunks[:-1])
+            assert all("usage" in c.model_fields_set for c in chunks)  # "usage": null before the last, as OpenAI's
         else:
             r = client.completions.create(**args)
             text, tokens, finish, usage = r.choices[0].text, r.choices[0].logprobs.tokens, [r.choices[0].finish_reason], r.usage
@@ -226,6 +228,32 @@ def test_chat_stream_sends_no_empty_deltas_while_text_is_held_back(served, engin
     assert "".join(d.content or "" for d in deltas) == want.text[:want.text.index(stop)]
     assert chunks[-1].choices[0].finish_reason == "stop"
     assert all(d.content for d in deltas[1:-1]), [d.content for d in deltas]  # as vLLM: a chunk says something
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(served, stream):
+    """vLLM's: the prompt and its logprobs, no completion (what evaluation harnesses score with)."""
+    client = api(served)
+    args = dict(model=MODEL, prompt="The cat sat", echo=True, logprobs=1, temperature=0)
+    scored = client.completions.create(**args, max_tokens=1)  # the prompt's logprobs, then one token's
+    if stream:
+        chunks = list(client.completions.create(**args, max_tokens=0, stream=True,
+                                                stream_options={"include_usage": True}))
+        choices = [c.choices[0] for c in chunks if c.choices]
+        text = "".join(c.text for c in choices)
+        tokens = [t for c in choices if c.logprobs for t in c.logprobs.tokens]
+        logprobs = [v for c in choices if c.logprobs for v in c.logprobs.token_logprobs]
+        finish, usage = choices[-1].finish_reason, chunks[-1].usage
+    else:
+        r = client.completions.create(**args, max_tokens=0)
+        text, tokens, logprobs = r.choices[0].text, r.choices[0].logprobs.tokens, r.choices[0].logprobs.token_logprobs
+        finish, usage = r.choices[0].finish_reason, r.usage
+    P = scored.usage.prompt_tokens
+    assert text == "The cat sat" and tokens == scored.choices[0].logprobs.tokens[:P]
+    assert logprobs == scored.choices[0].logprobs.token_logprobs[:P] and finish == "length"
+    assert (usage.prompt_tokens, usage.completion_tokens) == (P, 0)
+    with pytest.raises(openai.BadRequestError, match="max_tokens=0 is invalid without echo"):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=0)
 
 
 def test_logprobs_are_log_softmax_of_the_engines_logits(served, engine):
@@ -370,7 +398,7 @@ def test_api_key_guards_v1_but_not_health_and_metrics(served):
         assert status == 401 and body["error"]["code"] == "UNAUTHENTICATED"
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=served.http_url + "/v1", api_key="wrong", max_retries=0).models.list()
-    assert [m.id for m in api(served).models.list().data] == [MODEL]
+    assert [m.id for m in api(served).models.list().data] == [ALIAS, MODEL]
     status, _, body = http(served, "GET", "/health", key=None)
     assert (status, body) == (200, {"status": "ok", "workers": 2})
     assert http(served, "GET", "/metrics", key=None)[0] == 200
@@ -417,6 +445,11 @@ def test_vllms_model_card_version_tokenize_and_detokenize_routes(served, engine)
     assert card.id == MODEL and card.model_extra["max_model_len"] == 1024
     status, _, body = http(served, "GET", "/v1/models/gpt-4")
     assert status == 404 and body["error"]["code"] == "NOT_FOUND" and "'gpt-4'" in body["error"]["message"]
+    assert f"served: '{ALIAS}', '{MODEL}'" in body["error"]["message"]
+    alias = api(served).models.retrieve(ALIAS)  # --served-model-name: vLLM's
+    assert alias.id == ALIAS and alias.model_extra["root"] == MODEL
+    r = api(served).completions.create(model=ALIAS, prompt="Hello", max_tokens=4, temperature=0)
+    assert r.model == ALIAS and r.choices[0].text == reference(engine, "Hello", max_tokens=4, temperature=0).text
     status, _, body = http(served, "GET", "/version", key=None)
     assert status == 200 and isinstance(body["version"], str)
     status, _, body = http(served, "POST", "/tokenize", {"model": MODEL, "prompt": "Hello, world"}, key=None)
@@ -467,8 +500,10 @@ def scrape(c) -> dict:
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
-def value(samples, name, **labels) -> float:
-    want = dict(model_name=MODEL, **labels)
+def value(samples, name, model_name=ALIAS, **labels) -> float:
+    """The sum of name's samples with these labels; model_name: the first --served-model-name of
+    the `served` fixture's cluster, or --model of one started without it."""
+    want = dict(model_name=model_name, **labels)
     return sum(v for (n, ls), v in samples.items() if n == name and want.items() <= dict(ls).items())
 
 
@@ -505,8 +540,13 @@ def test_metrics_parse_and_count_known_requests(served):
     assert grew("pdserve:request_errors_total", code="INVALID_ARGUMENT") == 1
     assert grew("pdserve:prompt_tokens_total") == 2 * 99 + 3
     assert grew("pdserve:generation_tokens_total") == 5 + 5 + 7
+    assert grew("pdserve:request_prompt_tokens_sum") == 2 * 99 + 3  # vLLM's per-request histograms
+    assert grew("pdserve:request_generation_tokens_sum") == 5 + 5 + 7
+    assert grew("pdserve:request_prompt_tokens_bucket", le="100.0") == 3  # 1, 2, 5, ... 1000: the context's
+    assert grew("pdserve:request_prompt_tokens_bucket", le="50.0") == 1
     for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
-                 "kv_handoff_seconds"):
+                 "kv_handoff_seconds", "request_time_per_output_token_seconds", "request_prefill_time_seconds",
+                 "request_decode_time_seconds", "request_inference_time_seconds"):
         assert grew(f"pdserve:{name}_count") == 3, name
     assert grew("pdserve:inter_token_latency_seconds_count") == 4 + 4 + 6
     assert grew("pdserve:prefix_cache_hits_total") >= 96  # six full 16-token blocks of the repeated prompt
@@ -534,7 +574,8 @@ def test_request_gauges_count_what_workers_run_and_the_rest_as_waiting():
         free_blocks=8)
     router = SimpleNamespace(cfg=SimpleNamespace(model=MODEL), requests=dict.fromkeys(range(536)),
                              registry=SimpleNamespace(workers={"a": worker(64), "b": worker(3), "c": worker(9, False)}))
-    gauges = {m.name: m.samples[0].value for m in _StateCollector(router).collect() if m.name.startswith("pdserve:num")}
+    gauges = {m.name: m.samples[0].value for m in _StateCollector(router, MODEL).collect()
+              if m.name.startswith("pdserve:num")}
     assert gauges == {"pdserve:num_requests_running": 67, "pdserve:num_requests_waiting": 536 - 67}
 
 
@@ -616,8 +657,8 @@ def test_migration_after_a_worker_death_keeps_tokens_and_logprobs_exact(tmp_path
         with Client(c.address) as sdk:
             assert any(not w["alive"] for w in sdk.status().workers)
         metrics = scrape(c)
-        assert value(metrics, "pdserve:request_migrations_total") >= 1
-        assert value(metrics, "pdserve:worker_deaths_total") == 1
+        assert value(metrics, "pdserve:request_migrations_total", MODEL) >= 1
+        assert value(metrics, "pdserve:worker_deaths_total", MODEL) == 1
 
 
 def test_a_restarted_worker_is_one_death_and_a_stalled_router_loses_no_worker(tmp_path):
@@ -636,11 +677,11 @@ def test_a_restarted_worker_is_one_death_and_a_stalled_router_loses_no_worker(tm
                 break
             assert time.monotonic() < deadline, w
             time.sleep(0.2)
-        assert value(scrape(c), "pdserve:worker_deaths_total") == 1
+        assert value(scrape(c), "pdserve:worker_deaths_total", MODEL) == 1
         c.router.proc.send_signal(signal.SIGSTOP)
         time.sleep(2.5)
         c.router.proc.send_signal(signal.SIGCONT)
         time.sleep(1.5)
-        assert sdk.status().workers[0]["alive"] and value(scrape(c), "pdserve:worker_deaths_total") == 1
+        assert sdk.status().workers[0]["alive"] and value(scrape(c), "pdserve:worker_deaths_total", MODEL) == 1
         assert len(sdk.generate([1, 2, 3], max_tokens=3).token_ids) == 3
     assert "event loop was held up" in (tmp_path / "logs" / "router.log").read_text()

@@ -211,7 +211,35 @@ def test_logprobs_show_each_tokens_own_bytes_even_inside_a_character(which, bpe)
     assert token_text(tok, tok.encode("h", add_special_tokens=False)[0], False) == "h"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_text_offsets_index_the_text_across_multibyte_characters(stream):
+    """Each token's text_offset is where its text starts in the choice's text (echoed prompt
+    included): a byte inside a character starts where the character does. Counting each token's
+    own decoded length (1 for a lone byte's U+FFFD) ran past the end of the text."""
+    from common import protocol as P
+    from router.openai_api import Choice
+
+    tok = ByteTokenizer()
+    prompt, completion = "Café 日本", "語 ok"
+    job = parse_completion({"model": MODEL, "prompt": prompt, "echo": True, "logprobs": 0}, MODEL)
+    choice = Choice(0, job, tok, tok.encode(prompt), prompt)
+    ids = tok.encode(completion)
+    entries = [(-1.0, [], []) for _ in ids]
+    if stream:
+        offsets = []
+        for i, t in enumerate(ids):  # one token a message, the prompt with the first
+            token = P.Token("r", i, [t], "", logprobs=[entries[i]], prompt_logprobs=[None] * len(tok.encode(prompt)))
+            (chunk,) = choice.chunks(token)
+            offsets += chunk["logprobs"]["text_offset"]
+    else:
+        offsets = choice.final(P.Done("r", "length", ids, completion, logprobs=entries))["logprobs"]["text_offset"]
+    text = prompt + completion
+    starts = [i for i, ch in enumerate(text) for _ in ch.encode()]  # each byte's character
+    assert offsets == starts, offsets  # e.g. 日's three bytes all at 5; 語 at 7; max below len(text)
+
+
 def stream_all(tokenizer, ids, stop=(), include=False):
+
     """(streamed deltas joined, final text, tokens taken) of one TextStream."""
     ts, streamed, taken = TextStream(tokenizer, stop, include), [], 0
     for t in ids:
