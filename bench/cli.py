@@ -227,7 +227,8 @@ def goodput_options(start_rate: bool = False):
             click.option("--duration", default=15.0, show_default=True, type=float, help="seconds of arrivals per rate"),
             click.option("--min-requests", default=30, show_default=True, type=int),
             click.option("--max-requests", default=400, show_default=True, type=int,
-                         help="per rate, unless a quarter of --duration (or 10 TTFT targets) of arrivals needs more"),
+                         help="per rate, unless a quarter of --duration, 10 TTFT targets or 4 request "
+                              "lifetimes of arrivals need more"),
             click.option("--refine", default=4, show_default=True, type=int, help="bisection steps at the knee"),
             click.option("--seed", default=0, show_default=True, type=int),
         ]
