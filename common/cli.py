@@ -257,9 +257,11 @@ def launch(prefill, decode, mono, devices, host, port, worker_port, policy, log_
     if engine_kwargs["device"] != "cpu":
         raise click.UsageError(f"--device {engine_kwargs['device']} is a worker's flag; launch places its workers "
                                "with --devices (e.g. --devices cuda:0 or cuda:0,cuda:1)")
-    if http_port is None and (api_key is not None or api_server_count > 1 or served_model_names):
-        raise click.UsageError("--api-key, --api-server-count and --served-model-name are for the HTTP API: give "
-                               "--http-port too")
+    http_only = [flag for flag, given in (("--api-key", api_key is not None), ("--api-server-count", api_server_count > 1),
+                                          ("--served-model-name", bool(served_model_names))) if given]
+    if http_port is None and http_only:
+        raise click.UsageError(f"{' and '.join(http_only)} {'is' if len(http_only) == 1 else 'are'} for the HTTP "
+                               "API: give --http-port too")
     prefill = (0 if mono else 1) if prefill is None else prefill
     decode = (0 if mono else 1) if decode is None else decode
     if engine_kwargs["model"] in NAMED_MODELS:

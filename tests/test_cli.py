@@ -61,7 +61,9 @@ def test_launch_refuses_flags_it_would_silently_ignore():
     """Each names the value and what to do instead; nothing starts."""
     cases = [
         (["--device", "cuda:0"], "--device cuda:0 is a worker's flag; launch places its workers with --devices"),
-        (["--api-key", "k"], "--api-key and --api-server-count are for the HTTP API: give --http-port too"),
+        (["--api-key", "k"], "--api-key is for the HTTP API: give --http-port too"),
+        (["--api-server-count", "2", "--served-model-name", "m"],
+         "--api-server-count and --served-model-name are for the HTTP API: give --http-port too"),
         (["--heartbeat-timeout", "0"], "'--heartbeat-timeout': 0.0 is not in the range x>=0.5"),
         (["--prefill", "-1"], "'--prefill': -1 is not in the range x>=0"),
         (["--threads", "0"], "'--threads': 0 is not in the range x>=1"),
