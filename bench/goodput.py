@@ -22,8 +22,9 @@ a backlog to stand out (`bench.scaling.Sweep.requests_at`).
 The search is the same for a real cluster (`bench scaling`) and for the planner's simulator: it
 only calls `measure(rate)`. It climbs geometrically from a start rate until a rate fails
 *clearly* (attainment `margin` below the target, or a backlog over twice its limit; or it fails
-twice running: one unlucky point near the knee is noise, not the knee), then bisects between the highest passing and the lowest failing
-rate. A start rate that already fails is halved until one passes.
+twice running: one unlucky point near the knee is noise, not the knee), then bisects between the
+highest passing and the lowest failing rate. A start rate that already fails is halved until one
+passes.
 
 What a rate delivered (requests and output tokens a second) is counted in the run's steady part:
 the completions and tokens from a quarter of the way through the arrivals' time span to the last

@@ -108,7 +108,7 @@ class Progress:
 
     def point(self, t: Topology, p: Point, n: int, slo: SLO):
         mark = "meets" if p.attainment >= slo.attainment else "misses"
-        backlog = f" (a backlog: {p.backlog:.0%} short, fails)" if p.backlog > BACKLOG_LIMIT else ""
+        backlog = f" (a backlog: {p.backlog:.0%} short, fails)" if p.backlog_over(BACKLOG_LIMIT) else ""
         self.say(f"{t.name} ({self.index}/{self.total}): {p.rate:.3g} req/s x {n} requests -> attainment "
                  f"{p.attainment:.0%} ({mark} {slo.attainment:.0%}), delivered {p.requests_s:.3g} of {p.offered_rps:.3g} "
                  f"req/s offered in its steady part{backlog}, {p.output_tok_s:.0f} tok/s; other "
@@ -154,14 +154,14 @@ class Sweep:
         windows = [(self.duration_s / 4, f"--duration {self.duration_s:g}", "a quarter of the duration"),
                    (10 * slo.ttft_ms / 1e3, f"--ttft-slo-ms {slo.ttft_ms:g}", "10 TTFT targets"),
                    (LIFETIMES * life, f"--ttft-slo-ms {slo.ttft_ms:g} and --itl-slo-ms {slo.itl_ms:g}",
-                    f"{LIFETIMES} request lifetimes at the targets: TTFT + {mean_output_tokens:.0f} mean output tokens x "
-                    "TPOT")]
+                    f"{LIFETIMES} request lifetimes at the targets: TTFT + {mean_output_tokens:.0f} mean output "
+                    "tokens x TPOT")]
         window, flags, why = max(windows, key=lambda w: w[0])
         n = max(self.min_requests, min(self.max_requests, round(rate * self.duration_s)), math.ceil(rate * window))
         if n > MAX_POINT_REQUESTS:
-            raise InvalidArgument(f"{flags}: a point at {rate:.3g} req/s would take {n:,} requests (arrivals over {why}, "
-                                  f"{window:.3g} s, so that the system cannot absorb the burst); allowed: at most "
-                                  f"{MAX_POINT_REQUESTS:,}, from a window of at most "
+            raise InvalidArgument(f"{flags}: a point at {rate:.3g} req/s would take {n:,} requests (arrivals "
+                                  f"over {why}, {window:.3g} s, so that the system cannot absorb the burst); "
+                                  f"allowed: at most {MAX_POINT_REQUESTS:,}, from a window of at most "
                                   f"{MAX_POINT_REQUESTS / rate:.3g} s at this rate")
         return n
 

@@ -257,7 +257,8 @@ def launch(prefill, decode, mono, devices, host, port, worker_port, policy, log_
     if engine_kwargs["device"] != "cpu":
         raise click.UsageError(f"--device {engine_kwargs['device']} is a worker's flag; launch places its workers "
                                "with --devices (e.g. --devices cuda:0 or cuda:0,cuda:1)")
-    http_only = [flag for flag, given in (("--api-key", api_key is not None), ("--api-server-count", api_server_count > 1),
+    http_only = [flag for flag, given in (("--api-key", api_key is not None),
+                                          ("--api-server-count", api_server_count > 1),
                                           ("--served-model-name", bool(served_model_names))) if given]
     if http_port is None and http_only:
         raise click.UsageError(f"{' and '.join(http_only)} {'is' if len(http_only) == 1 else 'are'} for the HTTP "

@@ -306,7 +306,8 @@ def test_the_workers_max_model_len_is_what_the_router_and_its_api_servers_admit(
     refuses past it over ZeroMQ and HTTP alike, and reports it in the model card."""
     with cluster(tmp_path, http=True, api_servers=2, worker_args=["--max-model-len", "128"]) as c, \
             Client(c.address, timeout=60) as client:
-        with pytest.raises(RequestError, match="prompt has 130 tokens but the model.s maximum context length is 128 tokens; allowed: at most 127"):
+        with pytest.raises(RequestError, match="prompt has 130 tokens but the model.s maximum context length is 128 "
+                                                    "tokens; allowed: at most 127"):
             client.generate([1] * 130, max_tokens=2)
         assert len(client.generate([1] * 60, max_tokens=500, ignore_eos=True).token_ids) == 68  # cut to fit
 
@@ -333,7 +334,8 @@ def test_a_router_told_more_than_a_worker_serves_admits_what_it_serves(tmp_path)
     the router admits: a longer prompt is refused by the router itself, and the log names the worker."""
     with cluster(tmp_path, prefill=0, decode=0, mono=1, worker_args=["--max-model-len", "128"],
                  router_args=["--max-model-len", "512"]) as c, Client(c.address, timeout=60) as client:
-        with pytest.raises(RequestError, match=r"prompt has 130 tokens but the model's maximum context length is 128 tokens; allowed: at most 127"):
+        with pytest.raises(RequestError, match=r"prompt has 130 tokens but the model's maximum context length is 128 "
+                                                    "tokens; allowed: at most 127"):
             client.generate([1] * 130, max_tokens=2)
         assert len(client.generate([1] * 60, max_tokens=500, ignore_eos=True).token_ids) == 68
         assert [w["max_model_len"] for w in client.status().workers] == [128]
