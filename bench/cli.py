@@ -9,29 +9,8 @@ from pathlib import Path
 
 import click
 
-from common.cli_options import POSITIVE, devices_option, engine_options, parse_ints
+from common.cli_options import COUNT, POSITIVE, Counts, devices_option, engine_options
 from common.protocol import KV_TRANSPORTS
-
-COUNT = click.IntRange(min=1)  # of requests, tokens, steps, workers, repeats: with 0 there is nothing to measure
-
-
-class Counts(click.ParamType):
-    """A comma-separated list of counts (parse_ints), each >= 1; the error names the flag, the
-    value and what is allowed."""
-    name = "N,N,..."
-
-    def __init__(self, what: str):
-        self.what = what
-
-    def convert(self, value, param, ctx):
-        if isinstance(value, list):
-            return value
-        counts = parse_ints(value, param.opts[0], self.what)
-        if not counts or min(counts) < 1:
-            self.fail(f"{value!r} has {min(counts) if counts else 'none'}; allowed: {self.what} >= 1, "
-                      "comma-separated", param, ctx)
-        return counts
-
 
 @click.group()
 def bench():

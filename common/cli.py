@@ -12,7 +12,7 @@ import sys
 import click
 
 from bench.cli import bench, plan
-from common.cli_options import (ENGINE_PARAMS, PORT, POSITIVE, devices_option, engine_argv, engine_options,
+from common.cli_options import (COUNT, ENGINE_PARAMS, PORT, POSITIVE, devices_option, engine_argv, engine_options,
                                 http_options, parse_ints, policy_option, router_argv, router_options, sampling_options,
                                 setup_logging)
 from common.errors import PdserveError
@@ -177,7 +177,7 @@ def worker_command(role: str):
                   help="the router's worker address")
     @click.option("--worker-id", default=None, help="[default: ROLE-PID]")
     @click.option("--host", default="127.0.0.1", show_default=True, help="where the KV ingress binds (decode, mono)")
-    @click.option("--threads", default=None, type=click.IntRange(min=1), help="torch threads")
+    @click.option("--threads", default=None, type=COUNT, help="torch threads")
     @click.option("--no-kv-stream", is_flag=True,
                   help="prefill: send the KV after the forward pass, not layer by layer during it")
     @click.option("--step-timeout", default=120.0, show_default=True, type=POSITIVE,
@@ -235,7 +235,7 @@ for _role in ("prefill", "decode", "mono"):
 @click.option("--worker-port", default=0, type=PORT, help="[default: any free port]")
 @policy_option
 @click.option("--log-dir", default="pdserve-logs", show_default=True)
-@click.option("--threads", default=None, type=click.IntRange(min=1),
+@click.option("--threads", default=None, type=COUNT,
               help="torch threads per worker [default: (cores - 1) / workers: one core left to the router]")
 @click.option("--no-restart", is_flag=True, help="do not restart crashed workers")
 @click.option("--dry-run", is_flag=True, help="print each process's command line and exit")

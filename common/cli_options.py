@@ -70,6 +70,7 @@ def engine_options(f):
 
 
 POSITIVE = click.FloatRange(min=0, min_open=True)
+COUNT = click.IntRange(min=1)  # of requests, tokens, steps, workers, threads: with 0 there is nothing to run
 PORT = click.IntRange(0, 65535)
 ROUTER_OPTIONS = [  # (flag, default, type, help): the router's limits, on `router` and `launch` alike
     ("--max-queue", 1024, click.IntRange(min=1), "requests held at once; more are OVERLOADED"),
@@ -206,6 +207,24 @@ def parse_ints(text: str, flag: str = "--prompt-ids", what: str = "token ids") -
         raise click.BadParameter(f"{text!r} is not a comma-separated list of {what}", param_hint=flag)
 
 
+class Counts(click.ParamType):
+    """A comma-separated list of counts (parse_ints), each >= 1; the error names the flag, the
+    value and what is allowed."""
+    name = "N,N,..."
+
+    def __init__(self, what: str):
+        self.what = what
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, list):
+            return value
+        counts = parse_ints(value, param.opts[0], self.what)
+        if not counts or min(counts) < 1:
+            self.fail(f"{value!r} has {min(counts) if counts else 'none'}; allowed: {self.what} >= 1, "
+                      "comma-separated", param, ctx)
+        return counts
+
+
 def http_options(f):
     for opt in reversed([
         click.option("--http-port", default=None, type=PORT,
@@ -218,7 +237,7 @@ def http_options(f):
         click.option("--served-model-name", "served_model_names", multiple=True,
                      help="the model's name in the HTTP API (vLLM's flag), repeatable: requests may name any, and "
                           "responses, /v1/models and metrics show the first [default: --model]"),
-        click.option("--api-server-count", default=1, show_default=True, type=click.IntRange(min=1),
+        click.option("--api-server-count", default=1, show_default=True, type=COUNT,
                      help="1: HTTP served in the router process; N > 1: by N API server processes sharing "
                           "--http-port, for more HTTP tokens a second than one router process carries"),
     ]):

@@ -32,7 +32,7 @@ from common.model_runner import LaunchedStep, LayerHook, ModelRunner
 from common.sampling_params import SamplingParams, fresh_seed
 from common.scheduler import ScheduledSeq, Scheduler
 from common.text import TextStream, output_text
-from common.tokenizer import check_encoded
+from common.tokenizer import check_encoded, check_prompt_length
 from common.sequence import PENDING, PREFILLED, Sequence, Status
 
 _CPU_KV_CACHE_GB = 1.0
@@ -222,12 +222,7 @@ class Engine:
                 raise InvalidArgument(f"prompt token ids {bad[:5]} are invalid; allowed: integers in [0, {V})")
         else:
             raise InvalidArgument(f"prompt of type {type(prompt).__name__} is invalid; allowed: text or a list of token ids")
-        if not ids:
-            raise InvalidArgument("prompt is empty; allowed: at least one token")
-        if len(ids) >= self.max_model_len:
-            raise InvalidArgument(f"prompt has {len(ids)} tokens but the model's maximum context length is "
-                                  f"{self.max_model_len} tokens (max_model_len); allowed: at most "
-                                  f"{self.max_model_len - 1}, leaving one for the output")
+        check_prompt_length(ids, self.max_model_len)
         return ids
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,

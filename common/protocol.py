@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import msgpack
 
 from common.errors import InvalidArgument, PdserveError, short_repr as _short
+from common.text import LONE_SURROGATE
 
 PROTOCOL_VERSION = 1
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 2**20  # header frames; KV frames are capped separately
@@ -338,8 +339,7 @@ def encode(msg) -> bytes:
     try:
         return msgpack.packb(body, use_bin_type=True)
     except UnicodeEncodeError:  # Python strings may hold a lone surrogate ('\ud800'); UTF-8 may not
-        raise InvalidArgument(f"a string of this {type(msg).__name__} holds a lone surrogate such as '\\ud800'; "
-                              "allowed: text that UTF-8 can encode") from None
+        raise InvalidArgument(f"a string of this {type(msg).__name__} holds {LONE_SURROGATE}") from None
 
 
 def decode(buf: bytes | memoryview, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from common.errors import InvalidArgument
 
+LONE_SURROGATE = "a lone surrogate such as '\\ud800'; allowed: text that UTF-8 can encode"
+
 
 def utf8(text: str) -> bytes:
     """text in UTF-8, or InvalidArgument: a Python string (and JSON) may hold a lone surrogate
@@ -31,8 +33,7 @@ def utf8(text: str) -> bytes:
     try:
         return text.encode("utf-8")
     except UnicodeEncodeError:
-        raise InvalidArgument("the text holds a lone surrogate such as '\\ud800'; allowed: text that UTF-8 can "
-                              "encode") from None
+        raise InvalidArgument(f"the text holds {LONE_SURROGATE}") from None
 
 
 class TextStream:

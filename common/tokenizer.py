@@ -24,6 +24,17 @@ def check_encoded(ids: list[int], vocab_size: int) -> None:
                               f"[0, {vocab_size}): its tokenizer and weights disagree", param="prompt")
 
 
+def check_prompt_length(ids: list[int], max_model_len: int) -> None:
+    """A prompt must have a token, and leave one of the context for the output. The words are
+    OpenAI's and vLLM's, which clients look for."""
+    if not ids:
+        raise InvalidArgument("prompt is empty; allowed: at least one token", param="prompt")
+    if len(ids) >= max_model_len:
+        raise InvalidArgument(f"prompt has {len(ids)} tokens but the model's maximum context length is "
+                              f"{max_model_len} tokens; allowed: at most {max_model_len - 1}, leaving one for the "
+                              "output", param="prompt")
+
+
 class _ChatMixin:
     chat_template: ChatTemplate | None = None
 

@@ -8,7 +8,7 @@ from common.errors import InvalidArgument
 from common.model_spec import load_tokenizer, model_config
 from common.sampling_params import SamplingParams
 from common.text import output_text
-from common.tokenizer import check_encoded
+from common.tokenizer import check_encoded, check_prompt_length
 
 
 class Prompts:
@@ -38,12 +38,7 @@ class Prompts:
         else:
             ids = prompt
         limit = self.context
-        if not ids:
-            raise InvalidArgument("prompt is empty; allowed: at least one token", param="prompt")
-        if len(ids) >= limit:  # before reading ids one by one: a client may send millions
-            raise InvalidArgument(f"prompt has {len(ids)} tokens but the model's maximum context length is {limit} "
-                                  f"tokens; allowed: at most {limit - 1}, leaving one for the output",
-                                  param="prompt")  # OpenAI's and vLLM's words, which clients look for
+        check_prompt_length(ids, limit)  # before reading ids one by one: a client may send millions
         if ids is prompt:
             V = self.model_config.vocab_size
             bad = [t for t in ids if not 0 <= t < V]

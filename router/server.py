@@ -42,8 +42,11 @@ from common.text import TextStream
 log = logging.getLogger("pdserve.router")
 DEAD_WORKER_MEMORY_S = 300.0  # how long `pdserve status` still lists a dead worker
 CLIENT_PROBE_S = 1.0  # how often a ZeroMQ client is probed while its requests send it nothing
+# What a client at the worker port, or a worker at the client port, is told: it would otherwise wait
 WORKER_PORT = ("this is the router's worker port; clients connect to its client port (--port; the worker port is "
                "--worker-port, by default --port + 1)")
+CLIENT_PORT = ("this is the router's client port; workers connect to its worker port (--worker-port, by default "
+               "--port + 1)")
 TICK_S = 0.05  # how often the router checks deadlines and heartbeats
 LOOP_LAG_S = 0.5  # a tick this late: the event loop was held up (a huge request), not the workers
 
@@ -268,9 +271,9 @@ class Router:
             if msg.code in P.REJECT_CODES:  # a label per code: not one per string a client can make up
                 self.metrics.on_error(msg.code)
         else:
-            self._send(self.frontend, P.Error(None, "INVALID_ARGUMENT", f"{type(msg).__name__} is not a client "
-                                              "message: this is the router's client port; workers connect to its "
-                                              "worker port (--worker-port, by default --port + 1)"), env.sender)
+            self._send(self.frontend, P.Error(None, "INVALID_ARGUMENT",
+                                              f"{type(msg).__name__} is not a client message: {CLIENT_PORT}"),
+                       env.sender)
 
     def admit(self, client: bytes, msg: P.Generate):
         """A Generate from a ZeroMQ client."""
