@@ -44,6 +44,20 @@ def bench_engine(num_requests, prompt_len, output_len, batch_sizes, kv_lens, pre
                      vs_transformers, prefill_len, transformers_cache)
 
 
+@bench.command("structured")
+@click.option("--batch", default=16, show_default=True, type=COUNT, help="requests decoded together")
+@click.option("--max-tokens", default=64, show_default=True, type=COUNT)
+@click.option("--rounds", default=3, show_default=True, type=COUNT, help="alternating rounds of every kind")
+@click.option("--seed", default=0, show_default=True, type=int)
+@engine_options
+def bench_structured(batch, max_tokens, rounds, seed, engine_kwargs):
+    """What structured outputs (regex, JSON schema, any JSON object) cost a decode against free
+    output, the same prompts side by side."""
+    from bench.structured import run_structured_bench
+
+    run_structured_bench(engine_kwargs, batch, max_tokens, rounds, seed)
+
+
 @bench.command("step-profile")
 @click.option("--batch-sizes", default="1,64", show_default=True, type=Counts("batch sizes"))
 @click.option("--kv-len", default=512, show_default=True, type=COUNT, help="tokens cached per request")

@@ -45,6 +45,8 @@ stage=${1:?usage: bench/gpu_session.sh first|check|engine|cluster|serve|prefix|o
 OUT=${OUT:-/tmp/pdserve-gpu}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/optional/*.whl 2>/dev/null ||
+    echo "llguidance did not install: structured outputs are off here, and the tests leave them out" >&2
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 python3 -c "import zmq, msgpack, prometheus_client" || {
     echo "a module pdserve needs is missing: run bench/gpu_wheels.sh on the CPU machine and carry .whl" >&2

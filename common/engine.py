@@ -9,7 +9,8 @@ outputs of the step before it: it schedules and launches step N while the device
 N - 1, feeding N - 1's tokens to N's decodes on the device, and only then waits for N - 1's
 tokens. On a GPU the host's work then runs beside the device's instead of between its steps; the
 tokens are the same. A request that N - 1 finishes by a stop token has one wasted row in N, and
-blocks are freed only once no launched step can still write them.
+blocks are freed only once no launched step can still write them. A request held to a structured
+output needs N - 1's token for N's mask, so a step after one that sampled for it waits first.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from common.errors import InvalidArgument, first_line
 from common.kv_cache import BlockManager, allocate_kv_pool
 from common.model_runner import LaunchedStep, LayerHook, ModelRunner
 from common.sampling_params import SamplingParams, fresh_seed
+from common.structured_output import Grammars
 from common.scheduler import ScheduledSeq, Scheduler
 from common.text import TextStream, output_text
 from common.tokenizer import check_encoded, check_prompt_length
@@ -74,6 +76,7 @@ class Engine:
                             config.block_size)
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         mc = self.model_config
+        self.grammars = Grammars(self.tokenizer, mc.vocab_size, mc.eos_token_ids)
         if config.max_model_len is not None and config.max_model_len > mc.max_position_embeddings:
             raise InvalidArgument(f"--max-model-len {config.max_model_len}; allowed: 2..{mc.max_position_embeddings} "
                                   f"(the context of model {config.model!r}: positions past it were never trained)")
@@ -246,6 +249,8 @@ class Engine:
             seq.text = TextStream.for_params(self.tokenizer, params, self.model_config.eos_token_ids)
             for token in output_ids:
                 seq.text.add(token)
+        if params.structured_outputs is not None:
+            seq.matcher = self.grammars.matcher(params.structured_outputs, output_ids)
         need = self.block_manager.blocks_needed(seq.max_len)
         if need > self.num_blocks:
             raise InvalidArgument(f"request needs {need} KV blocks for {seq.max_len} tokens; the pool has "
@@ -381,10 +386,14 @@ class Engine:
         (layer-wise KV streaming); the batch's num_computed_tokens still count the tokens before
         this step. With config.async_scheduling (and no on_layer), the outputs are those of the
         step launched by the call before."""
-        prev = self.inflight
+        prev, outputs = self.inflight, []
+        if prev is not None and any(q.matcher is not None for q in prev.sampled):
+            # a structured output's next mask needs the token still being sampled: wait for it
+            self.inflight, prev, outputs = None, None, self._collect(prev)
         batch = self.last_batch = self.scheduler.schedule()
         self.inflight = self.runner.launch(batch, on_layer, prev) if batch else None
-        outputs = self._collect(prev) if prev is not None else []
+        if prev is not None:
+            outputs = self._collect(prev)
         step = self.inflight
         if step is not None:
             self._advance(step)

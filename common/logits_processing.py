@@ -1,6 +1,6 @@
-"""The logit adjustments a request may ask for (SamplingParams: logit_bias, min_tokens,
-repetition, frequency and presence penalties, min_p), applied to its row of logits before the
-sampler, in vLLM's order.
+"""The logit adjustments a request may ask for (SamplingParams: a structured output's mask,
+logit_bias, min_tokens, repetition, frequency and presence penalties, min_p), applied to its row
+of logits before the sampler, in vLLM's order.
 
 Each depends on the request's own tokens alone, never on the rest of its batch, so a request
 adjusted this way still samples the same tokens alone or batched, on a prefill or decode worker,
@@ -25,6 +25,7 @@ import torch
 
 from common.config import upload
 from common.sequence import Sequence
+from common.structured_output import fill_masks
 
 
 def adjusted_rows(seqs: list[Sequence]) -> list[int]:
@@ -42,6 +43,7 @@ def adjust(logits_SV: torch.Tensor, seqs: list[Sequence], rows: list[int], num_d
     R = len(rows)
     out_n, prompt_n, last_src = array.array("q"), array.array("q"), array.array("q")
     bias_r, bias_t, bias_v, stop_r, stop_t = array.array("q"), array.array("q"), [], array.array("q"), array.array("q")
+    grammar_r, matchers = array.array("q"), []  # rows held to a structured output, and their matchers
     tokens = array.array("q")  # each row's output tokens, then each row's prompt tokens
     prompts = []
     rep, freq, pres, temp, log_min_p = [], [], [], [], []  # per row
@@ -62,7 +64,10 @@ def adjust(logits_SV: torch.Tensor, seqs: list[Sequence], rows: list[int], num_d
         bias_t.extend(p.logit_bias)
         bias_r.extend([j] * len(p.logit_bias))
         bias_v.extend(p.logit_bias.values())
-        if len(q) - q.num_prompt_tokens < p.min_tokens:  # the token sampled now is output number len - prompt
+        if q.matcher is not None:  # its grammar, not min_tokens, says where it may end
+            grammar_r.append(j)
+            matchers.append(q.matcher)
+        elif len(q) - q.num_prompt_tokens < p.min_tokens:  # the token sampled now is output number len - prompt
             stops = [t for t in q.stop_ids if t < V]
             stop_t.extend(stops)
             stop_r.extend([j] * len(stops))
@@ -73,16 +78,21 @@ def adjust(logits_SV: torch.Tensor, seqs: list[Sequence], rows: list[int], num_d
         log_min_p.append(math.log(p.min_p) if p.min_p > 0 and not p.greedy else -math.inf)
     for prompt in prompts:
         tokens += prompt
-    parts = (array.array("q", rows), out_n, prompt_n, last_src, bias_r, bias_t, stop_r, stop_t, tokens)
+    parts = (array.array("q", rows), out_n, prompt_n, last_src, bias_r, bias_t, stop_r, stop_t, grammar_r, tokens)
     buf = array.array("q")
     for part in parts:
         buf += part
     dev = logits_SV.device
     ints = upload(torch.frombuffer(buf, dtype=torch.int64).clone(), dev)
-    rows_R, out_n_R, prompt_n_R, last_src, bias_r, bias_t, stop_r, stop_t, tokens = ints.split(list(map(len, parts)))
+    rows_R, out_n_R, prompt_n_R, last_src, bias_r, bias_t, stop_r, stop_t, grammar_r, tokens = ints.split(
+        list(map(len, parts)))
     floats = upload(torch.tensor(rep + freq + pres + temp + log_min_p + bias_v, dtype=torch.float32), dev)
     rep_R, freq_R, pres_R, temp_R, log_min_p_R = floats[:5 * R].view(5, R).unbind(0)
     x_RV = logits_SV[rows_R].float()  # a copy: the graph's logits stay the raw ones, for logprobs
+    if matchers:
+        masks_CW = torch.empty(len(matchers), -(-V // 32), dtype=torch.int32)
+        fill_masks(matchers, masks_CW)
+        x_RV[grammar_r] = _allowed_only(x_RV[grammar_r], upload(masks_CW, dev))
     if bias_v:
         x_RV.index_put_((bias_r, bias_t), floats[5 * R:], accumulate=True)
     if len(stop_t):
@@ -104,6 +114,13 @@ def adjust(logits_SV: torch.Tensor, seqs: list[Sequence], rows: list[int], num_d
         out_SV = out_SV.clone()
     out_SV[rows_R] = x_RV
     return out_SV
+
+
+def _allowed_only(x_CV: torch.Tensor, masks_CW: torch.Tensor) -> torch.Tensor:
+    """x_CV with the tokens its row's bitmask leaves out at -inf (token t: bit t % 32 of word t // 32)."""
+    C, V = x_CV.shape
+    bits_CW32 = (masks_CW[:, :, None] >> torch.arange(32, device=x_CV.device, dtype=torch.int32)) & 1
+    return x_CV.masked_fill(bits_CW32.view(C, -1)[:, :V] == 0, -math.inf)
 
 
 def _penalize(x_RV: torch.Tensor, rep_R: torch.Tensor, freq_R: torch.Tensor, pres_R: torch.Tensor,

@@ -7,6 +7,7 @@ import math
 import os
 from dataclasses import asdict, dataclass, field
 
+from common import structured_output
 from common.errors import InvalidArgument, short_repr
 from common.text import utf8
 
@@ -51,7 +52,11 @@ class SamplingParams:
     frequency_penalty and presence_penalty (in [-2, 2]; subtracted once per occurrence in the
     output, and once if it occurs at all); then, after temperature, min_p (in [0, 1]: tokens less
     likely than min_p times the likeliest are dropped). Each is off at its default. Logprobs stay
-    those of the raw logits."""
+    those of the raw logits.
+
+    structured_outputs: None, or {kind: value} holding the output to a JSON schema, any JSON
+    object, a regex, a choice of strings or a grammar (common/structured_output.py); its mask
+    comes before the adjustments above."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -70,6 +75,7 @@ class SamplingParams:
     min_p: float = 0.0
     min_tokens: int = 0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    structured_outputs: dict | None = None
 
     def __post_init__(self):
         if not _is_number(self.temperature) or self.temperature < 0:
@@ -120,6 +126,8 @@ class SamplingParams:
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise _bad("min_tokens", self.min_tokens, f"an integer in [0, max_tokens={self.max_tokens}]")
         self.logit_bias = _logit_bias(self.logit_bias)
+        if self.structured_outputs is not None:
+            self.structured_outputs = structured_output.check(self.structured_outputs)
         for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
             setattr(self, name, float(getattr(self, name)))
 
@@ -132,7 +140,7 @@ class SamplingParams:
         """Whether a logit adjustment is on for every token (common/logits_processing.py applies
         them; min_tokens only until it is met, which its sequence knows)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or (self.min_p and not self.greedy) or self.logit_bias)
+                    or (self.min_p and not self.greedy) or self.logit_bias or self.structured_outputs)
 
     def stop_ids(self, eos_token_ids) -> set[int]:
         """The token ids that end the output: stop_token_ids, and the model's EOS unless ignore_eos."""

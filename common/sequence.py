@@ -56,6 +56,7 @@ class Sequence:
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.text: TextStream | None = None  # the output's text, while stop strings are to be found in it
+        self.matcher = None  # params.structured_outputs' state, set by the engine (common/structured_output.py)
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -116,7 +117,9 @@ class Sequence:
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
         ends_text = self.text is not None and self.text.add(token)  # the text sees every token
-        if token in self.stop_ids or ends_text:
+        if self.matcher is not None and not self.matcher.consume_token(token):
+            self.finish_reason = "abort"  # not expected: its mask allowed only tokens it consumes
+        elif token in self.stop_ids or ends_text or (self.matcher is not None and self.matcher.is_stopped()):
             self.finish_reason = "stop"
         elif len(self.token_ids) >= self.max_len:
             self.finish_reason = "length"

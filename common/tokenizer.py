@@ -90,6 +90,11 @@ class HFTokenizer(_ChatMixin):
             raise ModelLoadError(f"{path}: not a readable tokenizer.json ({e})") from e
         return cls(tok, chat_template)
 
+    @property
+    def backend(self):
+        """The `tokenizers.Tokenizer` itself (structured outputs hand its JSON to llguidance)."""
+        return self._tok
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         utf8(text)
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids

@@ -5,12 +5,14 @@ No HTTP here: router/http.py serves these.
 
 Checking is strict, as the rest of pdserve: a field of the wrong type, out of range, or unknown
 gets a 400 naming it and what is allowed. Fields of OpenAI's API that we do not implement
-(tools, response_format, ...) are accepted at their neutral value, which is what client
-libraries send by default, and refused otherwise: silently ignoring them would change results.
+(tools, ...) are accepted at their neutral value, which is what client libraries send by default,
+and refused otherwise: silently ignoring them would change results.
+
+response_format json_object and json_schema hold the output to JSON (common/structured_output.py).
 
 Extensions, as vLLM has them: top_k, min_p, repetition_penalty, min_tokens, stop_token_ids,
-ignore_eos, include_stop_str_in_output and return_tokens_as_token_ids ("token_id:N" in logprobs,
-where token texts could collide).
+ignore_eos, include_stop_str_in_output, structured_outputs (json, json_object, regex, choice,
+grammar) and return_tokens_as_token_ids ("token_id:N" in logprobs, where token texts could collide).
 
 n > 1 makes n requests whose seeds are seed + i (vLLM's rule; common/sampling.py choice_seed): our
 noise is keyed by (seed, position), so n copies under one seed would be n equal answers. Without a
@@ -26,6 +28,7 @@ import uuid
 from dataclasses import dataclass
 
 from common import protocol as P
+from common import structured_output
 from common.errors import InvalidArgument, short_repr
 from common.sampling_params import MAX_LOGPROBS, SamplingParams, choice_seed
 from common.text import TextStream
@@ -72,7 +75,6 @@ NEUTRAL = {
     "tool_choice": ((None, "none", "auto"), '"none" (no tool calling)'),
     "function_call": ((None, "none", "auto"), '"none"'),
     "parallel_tool_calls": ((None, True, False), "true or false"),
-    "response_format": ((None, {"type": "text"}), '{"type": "text"}'),
     "store": ((None, False), "false"), "service_tier": ((None, "auto", "default"), '"auto"'),
     "modalities": ((None, ["text"]), '["text"]'),
     "reasoning_effort": ((None,), "null (not a reasoning model)"), "verbosity": ((None,), "null"),
@@ -94,7 +96,7 @@ STREAM_NEUTRAL = {"include_obfuscation": ((None, True, False), "true or false"),
                   "continuous_usage_stats": ((None, False), "false")}
 IGNORED = ("user", "prompt_cache_key", "safety_identifier")  # strings that ask nothing of the output
 COMMON_FIELDS = {"model", "n", "stream", "stream_options", "return_tokens_as_token_ids", "metadata", *IGNORED,
-                 *SAMPLING}
+                 *SAMPLING, "response_format", "structured_outputs"}
 COMPLETION_FIELDS = COMMON_FIELDS | set(COMPLETION_NEUTRAL) | {"prompt", "logprobs", "echo", "best_of"}
 CHAT_FIELDS = COMMON_FIELDS | set(CHAT_NEUTRAL) | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
 
@@ -153,7 +155,35 @@ def _check_fields(body, allowed: set[str], neutral: dict | None = None):
 
 def _sampling(body: dict, max_tokens: int, **extra) -> dict:
     """The SamplingParams fields of a body (SamplingParams checks them), max_tokens by default."""
-    return {"max_tokens": max_tokens, **{k: body[k] for k in SAMPLING if body.get(k) is not None}, **extra}
+    return {"max_tokens": max_tokens, **{k: body[k] for k in SAMPLING if body.get(k) is not None},
+            "structured_outputs": _structured(body), **extra}
+
+
+RESPONSE_FORMATS = ('{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": '
+                    '{"name": ..., "schema": {...}}}')
+
+
+def _structured(body: dict) -> dict | None:
+    """The structured output a body asks for: vLLM's structured_outputs as given, or OpenAI's
+    response_format in its terms (json_schema's `strict` asks for what we always do)."""
+    fmt, spec = body.get("response_format"), body.get("structured_outputs")
+    if fmt is not None and spec is not None and fmt != {"type": "text"}:
+        raise InvalidArgument("response_format and structured_outputs are both given; allowed: one of them",
+                              param="structured_outputs")
+    if spec is not None or fmt is None:
+        return spec
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text" and set(fmt) == {"type"}:
+        return None
+    if kind == "json_object" and set(fmt) == {"type"}:
+        return structured_output.check({"json_object": True}, "response_format")
+    inner = fmt.get("json_schema") if kind == "json_schema" and set(fmt) == {"type", "json_schema"} else None
+    if not (isinstance(inner, dict) and isinstance(inner.get("schema"), dict) and isinstance(inner.get("name", ""), str)
+            and isinstance(inner.get("strict", False), (bool, type(None)))
+            and set(inner) <= {"name", "schema", "strict", "description"}):
+        raise InvalidArgument(f"response_format={short_repr(fmt)} is invalid; allowed: {RESPONSE_FORMATS}",
+                              param="response_format")
+    return structured_output.check({"json": inner["schema"]}, "response_format", "response_format.json_schema.schema")
 
 
 Served = str | tuple[str, ...]  # the names the model is served by (--served-model-name), the first shown

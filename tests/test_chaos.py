@@ -12,6 +12,7 @@ from common.engine import Engine
 from common.sampling_params import SamplingParams
 from router.client import Client, RequestError
 from tests.cluster import cluster
+from tests.test_cluster import HAVE_LLGUIDANCE
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 FAST_FAILOVER = ["--heartbeat-timeout", "0.6", "--decode-stall-timeout", "10", "--max-attempts", "10"]
@@ -50,6 +51,9 @@ def workload(n, max_tokens=120):
                 for i in range(n)]
     for s in sampling[::3]:  # penalties count a migrated request's output as its first worker did
         s.update(repetition_penalty=1.2, frequency_penalty=0.4, presence_penalty=0.2)
+    # a structured output's grammar replays the output a migrated request had
+    for s in sampling[1::3] if HAVE_LLGUIDANCE else []:
+        s.update(structured_outputs={"regex": "[a-z]+( [a-z]+)*"})
     return prompts, sampling
 
 

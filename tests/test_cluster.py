@@ -3,6 +3,7 @@ stream them in order, refuse bad requests with coded errors while serving on, sh
 OVERLOADED, and return every KV block on cancellation."""
 
 import asyncio
+import importlib.util
 import random
 import time
 
@@ -21,10 +22,17 @@ from tests.cluster import cluster, scripted_worker, serving_router, wait_blocks_
 pytestmark = pytest.mark.timeout(600)
 
 
+HAVE_LLGUIDANCE = importlib.util.find_spec("llguidance") is not None
+STRUCTURED = [{"regex": "[a-z]{2,8}( [a-z]{2,8}){1,3}"}, {"choice": ["yes", "no", "maybe"]},
+              {"json": {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+                        "required": ["n"], "additionalProperties": False}}]
+
+
 def workload(n=50, seed=0, vocab=256):
     """Mixed prompt lengths and sampling: greedy and seeded with filters, some with penalties,
-    logit bias and min_p (their counts cross from the prefill to the decode worker), and some
-    held off a favoured stop token by min_tokens (the prefill worker samples the first token)."""
+    logit bias and min_p (their counts cross from the prefill to the decode worker), some held off
+    a favoured stop token by min_tokens (the prefill worker samples the first token), and some held
+    to a structured output (the decode worker replays the prefill's token into its grammar)."""
     rng = random.Random(seed)
     prompts = [[rng.randrange(vocab) for _ in range(rng.choice([1, 5, 20, 60, 150]))] for _ in range(n)]
     sampling = []
@@ -41,6 +49,8 @@ def workload(n=50, seed=0, vocab=256):
         elif i % 6 == 2:
             stop = rng.randrange(vocab)
             s.update(logit_bias={stop: 100.0}, stop_token_ids=[stop], min_tokens=min(3, s["max_tokens"]))
+        elif i % 6 == 5 and HAVE_LLGUIDANCE:  # a dependency; the GPU machine's image may not take its wheel
+            s.update(structured_outputs=STRUCTURED[i // 6 % len(STRUCTURED)])
         sampling.append(s)
     return prompts, sampling
 

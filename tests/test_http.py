@@ -147,6 +147,32 @@ def test_chat_gives_the_engines_tokens_sync_and_async(served, engine):
         assert [c.choices[0].finish_reason for c in chunks][-1] == "length"
 
 
+def test_response_format_and_structured_outputs_give_the_engines_json(served, engine):
+    """The SDK's response_format (chat) and vLLM's structured_outputs (a streamed completion) reach
+    the workers, whose tokens are the engine's; a schema that does not compile is a 400 naming it."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999},
+                                               "ok": {"type": "boolean"}}, "required": ["n", "ok"],
+              "additionalProperties": False}
+    messages = [{"role": "user", "content": "Give me JSON"}]
+    want = reference(engine, engine.tokenizer.encode_chat(messages), max_tokens=40, temperature=0.7, seed=3,
+                     structured_outputs={"json": schema})
+    assert want.finish_reason == "stop" and set(json.loads(want.text)) == {"n", "ok"}
+    fmt = {"type": "json_schema", "json_schema": {"name": "reply", "schema": schema, "strict": True}}
+    r = api(served).chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=40, temperature=0.7,
+                                            seed=3, response_format=fmt)
+    assert (r.choices[0].message.content, r.choices[0].finish_reason) == (want.text, "stop")
+    spec = {"regex": "[a-z]{2,6}( [a-z]{2,6})*"}
+    want = reference(engine, "Words:", max_tokens=12, temperature=0.9, seed=5, structured_outputs=spec)
+    chunks = list(api(served).completions.create(model=MODEL, prompt="Words:", max_tokens=12, temperature=0.9, seed=5,
+                                                 stream=True, extra_body={"structured_outputs": spec}))
+    assert "".join(c.choices[0].text for c in chunks) == want.text and re.fullmatch(spec["regex"], want.text)
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}
+    got, _, body = http(served, "POST", "/v1/chat/completions", dict(model=MODEL, messages=messages,
+                                                                     response_format=bad))
+    assert got == 400 and body["error"]["param"] == "response_format", body
+    assert "response_format.json_schema.schema does not compile" in body["error"]["message"]
+
+
 def test_usage_says_how_much_of_the_prompt_was_found_cached(served):
     """OpenAI's usage.prompt_tokens_details.cached_tokens: none the first time, every full block
     but the one holding the last token the second."""

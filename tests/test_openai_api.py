@@ -84,6 +84,19 @@ def test_chat_body_becomes_a_job():
     assert parse_chat({"messages": messages, "logprobs": True}, MODEL, 1024).params.logprobs == 0
 
 
+def test_response_formats_become_structured_outputs():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "A", "schema": schema, "strict": True}}
+    messages = [{"role": "user", "content": "hi"}]
+    assert parse_chat({"messages": messages, "response_format": fmt}, MODEL, 64).params.structured_outputs == {"json": schema}
+    job = parse_completion({"prompt": "x", "response_format": {"type": "json_object"}}, MODEL)
+    assert job.params.structured_outputs == {"json_object": True} and job.params.adjusts_logits
+    assert parse_completion({"prompt": "x", "response_format": {"type": "text"}}, MODEL).params.structured_outputs is None
+    job = parse_completion({"prompt": "x", "structured_outputs": {"json": '{"type": "string"}'}}, MODEL)
+    assert job.params.structured_outputs == {"json": {"type": "string"}}  # a schema's text, parsed
+    assert SamplingParams.from_dict(job.params.to_dict()) == job.params  # as the wire carries it
+
+
 @pytest.mark.parametrize("body, param, text", [
     ({"prompt": "x", "max_tokens": -1}, "max_tokens", "max_tokens=-1 is invalid; allowed: an integer in [1, 2**31 - 1]"),
     ({"prompt": "x", "max_tokens": True}, "max_tokens", "max_tokens=True"),
@@ -105,7 +118,17 @@ def test_chat_body_becomes_a_job():
     ({"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias", "logit_bias entry 'a': 1 is invalid"),
     ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias", "biases in [-100, 100]"),
     ({"prompt": "x", "logit_bias": [5]}, "logit_bias", "logit_bias=[5] is invalid"),
-    ({"prompt": "x", "response_format": {"type": "json_object"}}, "response_format", "not supported"),
+    ({"prompt": "x", "response_format": {"type": "xml"}}, "response_format", "response_format={'type': 'xml'} is invalid"),
+    ({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"name": "a"}}}, "response_format",
+     '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}'),
+    ({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "bogus"}}}},
+     "response_format", "response_format.json_schema.schema does not compile: Invalid type: bogus"),
+    ({"prompt": "x", "response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+     "structured_outputs", "both given"),
+    ({"prompt": "x", "structured_outputs": {"regex": "a("}}, "structured_outputs",
+     "structured_outputs.regex does not compile"),
+    ({"prompt": "x", "structured_outputs": {"choice": ["a"], "regex": "b"}}, "structured_outputs", "2 kinds given"),
+    ({"prompt": "x", "structured_outputs": {"guided_json": {}}}, "structured_outputs", "unknown key 'guided_json'"),
     ({"prompt": "x", "suffix": "end"}, "suffix", "not supported"),
     ({"prompt": "x", "nonsense": 1}, "nonsense", "unknown field 'nonsense'"),
     ({"prompt": []}, "prompt", "a string, a list of token ids"),

@@ -1,0 +1,160 @@
+"""Structured outputs: a request's output held to a JSON schema, any JSON object, a regular
+expression, a choice of strings or a grammar (vLLM's `structured_outputs`; OpenAI's
+`response_format` maps onto the first two in router/openai_api.py).
+
+Each step, the tokens that would take the text out of the language are masked from the request's
+logits before sampling. llguidance (the library vLLM and SGLang offer for this) computes that
+mask from the grammar and the tokens so far, in about a millisecond for a 49k vocabulary.
+
+A request's matcher state is a function of its output tokens alone, so it is rebuilt anywhere by
+replaying them: on the decode worker from the token the prefill sampled, after a migration, on
+another topology. The mask depends on nothing else in the batch, so a request's tokens stay the
+same alone or batched, as every other logit adjustment keeps them (common/logits_processing.py).
+
+The grammar decides where the output ends: once it can go no further the request finishes with
+"stop" (EOS is allowed wherever the text is complete), and min_tokens does not hold it open.
+
+Torch-free: the router checks a request's spec where it enters.
+"""
+
+from __future__ import annotations
+
+import json
+
+from common.errors import InvalidArgument, short_repr
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+ALLOWED = ("a map with exactly one of: json (a JSON schema, as an object or its text), json_object (true: any "
+           "JSON object), regex (a regular expression), choice (a non-empty list of strings), grammar (a Lark "
+           "or GBNF grammar)")
+# Python's separators (", " and ": ") rather than any whitespace: a small model given free rein
+# over whitespace may emit it until max_tokens, and the JSON means the same either way (vLLM's
+# disable_any_whitespace, on by default here).
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def _llguidance():
+    try:
+        import llguidance
+    except ImportError:  # a declared dependency; only a hand-made environment lacks it
+        raise InvalidArgument("structured outputs need the llguidance package on this server "
+                              "(pip install llguidance)", param="structured_outputs") from None
+    return llguidance
+
+
+def check(spec, name: str = "structured_outputs", field: str | None = None) -> dict:
+    """The spec as plain data ({kind: value}, a JSON schema given as text parsed), its grammar
+    compiled once to find any error: InvalidArgument naming the parameter `name`, the value's
+    `field` (by default name.kind) and what is allowed."""
+    if not isinstance(spec, dict):
+        raise InvalidArgument(f"{name}={short_repr(spec)} is invalid; allowed: {ALLOWED}", param=name)
+    given = {k: v for k, v in spec.items() if v is not None and v is not False}
+    unknown = sorted(set(given) - set(KINDS))
+    if unknown or len(given) != 1:
+        what = f"unknown key {unknown[0]!r}" if unknown else f"{len(given)} kinds given"
+        raise InvalidArgument(f"{name}={short_repr(spec)} is invalid ({what}); allowed: {ALLOWED}", param=name)
+    (kind, value), = given.items()
+    field = field or f"{name}.{kind}"
+    if kind == "json" and isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise InvalidArgument(f"{field} is not JSON ({e}); allowed: a JSON schema", param=name) from None
+    rules = {"json": (lambda v: isinstance(v, dict), "a JSON schema (an object, or its text)"),
+             "json_object": (lambda v: v is True, "true"),
+             "regex": (lambda v: isinstance(v, str) and v, "a non-empty regular expression"),
+             "choice": (lambda v: isinstance(v, list) and v and all(isinstance(c, str) and c for c in v),
+                        "a non-empty list of non-empty strings"),
+             "grammar": (lambda v: isinstance(v, str) and v.strip(), "a Lark or GBNF grammar")}
+    ok, allowed = rules[kind]
+    if not ok(value):
+        raise InvalidArgument(f"{field}={short_repr(value)} is invalid; allowed: {allowed}", param=name)
+    spec = {kind: value}
+    error = _llguidance().LLMatcher.validate_grammar(grammar(spec, name, field))
+    if error:
+        raise InvalidArgument(f"{field} does not compile: {_first_lines(error)}; allowed: {allowed}", param=name)
+    return spec
+
+
+def grammar(spec: dict, name: str = "structured_outputs", field: str = "structured_outputs.grammar") -> str:
+    """llguidance's grammar for a spec `check` passed."""
+    llg = _llguidance()
+    (kind, value), = spec.items()
+    if kind == "json":
+        return llg.LLMatcher.grammar_from_json_schema(value, overrides=JSON_OPTIONS)
+    if kind == "json_object":
+        return llg.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=JSON_OPTIONS)
+    if kind == "regex":
+        return llg.LLMatcher.grammar_from_regex(value)
+    if kind == "choice":
+        return llg.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in value))
+    try:
+        return llg.grammar_from("grammar", value)  # Lark, or GBNF converted to it
+    except ValueError as e:
+        raise InvalidArgument(f"{field} does not compile: {_first_lines(str(e))}", param=name) from None
+
+
+def _first_lines(error: str, n: int = 3) -> str:
+    return " ".join(line.strip() for line in error.strip().splitlines()[:n])
+
+
+class Grammars:
+    """A model's side of structured outputs: its vocabulary as llguidance sees it (built once, on
+    first use: about 0.3 s for 49k tokens) and a matcher per request."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids):
+        self.tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, list(eos_token_ids)
+        self._lltokenizer = None
+
+    def _vocabulary(self):
+        if self._lltokenizer is None:
+            llg = _llguidance()
+            backend = getattr(self.tokenizer, "backend", None)
+            if backend is not None:  # a tokenizers.Tokenizer: llguidance reads its JSON
+                self._lltokenizer = llg.LLTokenizer(backend.to_str(), n_vocab=self.vocab_size,
+                                                    eos_token=self.eos_token_ids)
+            else:
+                self._lltokenizer = llg.LLTokenizer(llg.TokenizerWrapper(_Spelled(self.tokenizer, self.vocab_size)),
+                                                    n_vocab=self.vocab_size, eos_token=self.eos_token_ids)
+        return self._lltokenizer
+
+    def matcher(self, spec: dict, output_ids=()):
+        """A matcher for the spec that has consumed output_ids (a resumed request's tokens): those
+        must be a prefix of its language, or InvalidArgument."""
+        if self.tokenizer is None:
+            raise InvalidArgument("structured outputs need the model's tokenizer, and this model has none",
+                                  param="structured_outputs")
+        llg = _llguidance()
+        m = llg.LLMatcher(self._vocabulary(), grammar(spec), log_level=0)
+        if m.is_error():
+            raise InvalidArgument(f"structured_outputs does not compile: {_first_lines(m.get_error())}",
+                                  param="structured_outputs")
+        if output_ids and not m.consume_tokens(list(output_ids)):
+            raise InvalidArgument(f"the request's output so far does not match its structured_outputs "
+                                  f"({_first_lines(m.get_error(), 1)})", param="structured_outputs")
+        return m
+
+
+def fill_masks(matchers: list, masks_CW) -> None:
+    """Row c of masks_CW (an int32 CPU tensor of C rows of ceil(vocabulary / 32) words) gets the
+    tokens matchers[c] allows next, a bit each (token t: bit t % 32 of word t // 32)."""
+    row_bytes = 4 * masks_CW.shape[1]
+    base = masks_CW.data_ptr()
+    for c, m in enumerate(matchers):
+        m.unsafe_compute_mask_ptr(base + c * row_bytes, row_bytes)
+
+
+class _Spelled:
+    """A tokenizer without a tokenizers.Tokenizer (the dummy models' bytes) as llguidance's
+    TokenizerWrapper reads one: each token's bytes, special ones marked by a leading 0xFF."""
+
+    def __init__(self, tokenizer, vocab_size: int):
+        self._tok = tokenizer
+        self.eos_token_id = tokenizer.eos_token_id
+        self.bos_token_id = getattr(tokenizer, "bos_token_id", None)
+        specials = getattr(tokenizer, "SPECIALS", {})
+        self.special_token_ids = sorted(specials)
+        self.tokens = [b"\xff" + specials[t] if t in specials else tokenizer.token_bytes(t) for t in range(vocab_size)]
+
+    def __call__(self, text: bytes) -> list[int]:
+        return self._tok.encode(text.decode("utf-8", errors="replace"), add_special_tokens=False)

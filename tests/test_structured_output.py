@@ -1,0 +1,112 @@
+"""Structured outputs (common/structured_output.py): every kind holds the output to its language,
+a request's tokens are the same alone, batched, chunked and under async scheduling, a request
+resumed from its output so far continues as it would have, and bad specs are refused by name
+without harming the engine. Clusters (test_cluster, test_chaos: prefill to decode, migration) and
+HTTP (test_http) run them too."""
+
+import json
+import re
+
+import pytest
+
+from common.engine import Engine
+from common.errors import InvalidArgument
+from common.sampling_params import SamplingParams
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
+          "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer", "minimum": 0,
+                                                                              "maximum": 150},
+                         "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}}}
+REGEX = r"[a-z]{3,6}@[a-z]{2,5}\.(com|org)"
+CHOICES = ["red", "green", "blue"]
+GRAMMAR = 'root ::= ("yes" | "no") "!"'  # GBNF, converted to Lark
+SPECS = [{"json": SCHEMA}, {"regex": REGEX}, {"choice": CHOICES}, {"grammar": GRAMMAR}, {"json_object": True}]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine(model="dummy:nanogpt")
+
+
+def params(spec, i=0, **kw):
+    return SamplingParams(max_tokens=80, temperature=0.0 if i % 2 else 0.9, seed=i, structured_outputs=spec, **kw)
+
+
+def test_each_kind_holds_the_output_to_its_language(engine):
+    prompts = [f"Prompt {i}:" for i in range(2 * len(SPECS))]
+    outs = engine.generate(prompts, [params(SPECS[i // 2], i) for i in range(len(prompts))])
+    for i, out in enumerate(outs):
+        kind, text = next(iter(SPECS[i // 2])), out.text
+        if kind == "json_object" and out.finish_reason == "length":  # a random model's object may not close
+            continue
+        assert out.finish_reason == "stop", (kind, text)
+        if kind == "json":
+            value = json.loads(text)
+            assert set(value) == {"name", "age", "tags"} and len(value["name"]) <= 8 and 0 <= value["age"] <= 150
+            assert set(value["tags"]) <= {"a", "b"} and len(value["tags"]) <= 3
+        elif kind == "regex":
+            assert re.fullmatch(REGEX, text), text
+        elif kind == "choice":
+            assert text in CHOICES
+        elif kind == "grammar":
+            assert text in ("yes!", "no!")
+        else:
+            assert isinstance(json.loads(text), dict)
+    assert any(o.finish_reason == "stop" for o in outs[-2:]), "no JSON object closed: the test checks nothing"
+    free = engine.generate(prompts[:2], [params(None, i) for i in range(2)])  # unconstrained: none of that
+    assert not any(re.fullmatch(REGEX, o.text) for o in free)
+
+
+def test_the_same_tokens_alone_batched_chunked_and_async(engine):
+    specs = SPECS + [None]
+    prompts = [[(5 * i + j) % 250 for j in range(3 + 9 * i)] for i in range(2 * len(specs))]
+    sampling = [params(specs[i // 2], i) for i in range(len(prompts))]
+    alone = [engine.generate(p, s)[0].token_ids for p, s in zip(prompts, sampling)]
+    assert [o.token_ids for o in engine.generate(prompts, sampling)] == alone
+    for kw in ({"max_num_batched_tokens": 7, "max_num_seqs": 4}, {"max_num_batched_tokens": 1, "max_num_seqs": 1},
+               {"async_scheduling": True}, {"async_scheduling": True, "max_num_batched_tokens": 7, "max_num_seqs": 4}):
+        other = Engine(model="dummy:nanogpt", **kw)
+        assert [o.token_ids for o in other.generate(prompts, sampling)] == alone, kw
+
+
+def test_a_request_resumed_from_its_output_continues_as_it_would_have(engine):
+    """What a decode worker does with the prefill's token, and a migration with a stream's tokens."""
+    prompt = list(b"Resume me:")
+    for i, spec in enumerate(SPECS[:2]):
+        want = engine.generate(prompt, params(spec, i))[0].token_ids
+        k = len(want) // 2
+        engine.add_sequence(f"resumed-{i}", prompt + want[:k], len(prompt), params(spec, i), seed=i)
+        out = []
+        while engine.has_unfinished():
+            out += [o for o in engine.step() if o.finished]
+        assert out[0].token_ids == want
+
+
+def test_bad_specs_are_refused_by_name_and_the_engine_serves_on(engine):
+    for spec, text in [({"regex": "a("}, "structured_outputs.regex does not compile"),
+                       ({"json": "{"}, "structured_outputs.json is not JSON"),
+                       ({"choice": []}, "a non-empty list of non-empty strings"),
+                       ({"json": {"type": "bogus"}}, "Invalid type: bogus"),
+                       ({"regex": "a", "choice": ["b"]}, "2 kinds given"),
+                       ({"json_schema": {}}, "unknown key 'json_schema'"),
+                       ("{}", "allowed: a map with exactly one of")]:
+        with pytest.raises(InvalidArgument, match=re.escape(text)) as e:
+            SamplingParams.from_dict({"structured_outputs": spec})
+        assert e.value.param == "structured_outputs"
+    # output that its grammar cannot have produced (a resumed request's, from the network)
+    with pytest.raises(InvalidArgument, match="output so far does not match its structured_outputs"):
+        engine.add_sequence("bad", list(b"x: ") + list(b"[1"), 3, params({"json": SCHEMA}), seed=0)
+    assert "bad" not in engine.requests
+    assert engine.generate("ok", params({"choice": CHOICES}))[0].text in CHOICES
+
+
+def test_bench_structured_prints_a_table_and_json(capsys):
+    from bench.structured import KINDS, run_structured_bench
+
+    result = run_structured_bench({"model": "dummy:nanogpt"}, batch=3, max_tokens=6, rounds=1, seed=0)
+    out = capsys.readouterr().out.strip().splitlines()
+    assert json.loads(out[-1]) == json.loads(json.dumps(result)) and "mask % of free step" in "\n".join(out)
+    assert set(result["kinds"]) == set(KINDS) and result["kinds"]["free"]["vs_free"] == 1.0
+    for kind, k in result["kinds"].items():
+        assert 0 < k["tokens"] <= 3 * 6 and k["full_steps"] >= 1
+        assert (k["mask_ms_per_step"] is None) == (kind == "free")
