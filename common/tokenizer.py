@@ -38,10 +38,13 @@ def check_prompt_length(ids: list[int], max_model_len: int) -> None:
 class _ChatMixin:
     chat_template: ChatTemplate | None = None
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> list[int]:
+        """tools: OpenAI's function tools, for a template that shows them to the model."""
         if self.chat_template is None:
             raise InvalidArgument("this model has no chat template; send a prompt instead of messages")
-        return self.encode(self.chat_template.render(messages, add_generation_prompt), add_special_tokens=False)
+        return self.encode(self.chat_template.render(messages, add_generation_prompt, tools=tools),
+                           add_special_tokens=False)
 
 
 class ByteTokenizer(_ChatMixin):

@@ -279,8 +279,10 @@ class HttpFront:
             job: Job = parse(await _json(request))
             # off the event loop: tokenizing megabytes of text would stall every stream (and, in the
             # router's own process, its reading of workers' heartbeats)
+            tools = job.tools.tools if job.tools else None
             prepared = await asyncio.to_thread(lambda: [prompts.validate(prompt, job.messages, job.params,
-                                                                         job.max_tokens_field) for prompt in job.prompts])
+                                                                         job.max_tokens_field, tools)
+                                                        for prompt in job.prompts])
             total = len(prepared) * job.n
             if total > backend.max_queue:
                 raise ApiError("INVALID_ARGUMENT", f"{len(prepared)} prompts x n={job.n} make {total} choices; "

@@ -5,10 +5,11 @@ No HTTP here: router/http.py serves these.
 
 Checking is strict, as the rest of pdserve: a field of the wrong type, out of range, or unknown
 gets a 400 naming it and what is allowed. Fields of OpenAI's API that we do not implement
-(tools, ...) are accepted at their neutral value, which is what client libraries send by default,
-and refused otherwise: silently ignoring them would change results.
+(suffix, audio, ...) are accepted at their neutral value, which is what client libraries send by
+default, and refused otherwise: silently ignoring them would change results.
 
-response_format json_object and json_schema hold the output to JSON (common/structured_output.py).
+response_format json_object and json_schema hold the output to JSON (common/structured_output.py);
+so does a chat's tool_choice "required" or naming a function, shown as tool_calls (router/tool_calls.py).
 
 Extensions, as vLLM has them: top_k, min_p, repetition_penalty, min_tokens, stop_token_ids,
 ignore_eos, include_stop_str_in_output, structured_outputs (json, json_object, regex, choice,
@@ -29,6 +30,8 @@ from dataclasses import dataclass
 
 from common import protocol as P
 from common import structured_output
+from router import tool_calls
+from router.tool_calls import CallStream, Tools
 from common.errors import InvalidArgument, short_repr
 from common.sampling_params import MAX_LOGPROBS, SamplingParams, choice_seed
 from common.text import TextStream
@@ -85,12 +88,13 @@ NEUTRAL = {
     "chat_template_kwargs": ((None, {}), "null or {}"), "echo": ((None, False), "false (in chat)"),
 }
 CHAT_ONLY_NEUTRAL = {"add_generation_prompt", "continue_final_message", "chat_template_kwargs", "echo"}
+TOOL_FIELDS = {"tools", "tool_choice", "parallel_tool_calls"}  # a completion's are neutral; a chat's: tool_calls.parse
 # vLLM's add_special_tokens, at what each endpoint does: a prompt's text gets them, a chat's
 # template writes its own.
 TEXT_SPECIALS = {"add_special_tokens": ((None, True), "true")}
 CHAT_SPECIALS = {"add_special_tokens": ((None, False), "false (the chat template writes them)")}
 COMPLETION_NEUTRAL = {k: v for k, v in NEUTRAL.items() if k not in CHAT_ONLY_NEUTRAL} | TEXT_SPECIALS
-CHAT_NEUTRAL = NEUTRAL | CHAT_SPECIALS
+CHAT_NEUTRAL = {k: v for k, v in NEUTRAL.items() if k not in TOOL_FIELDS} | CHAT_SPECIALS
 # OpenAI's obfuscation pads chunks against side channels: ours are not padded, asked or not
 STREAM_NEUTRAL = {"include_obfuscation": ((None, True, False), "true or false"),
                   "continuous_usage_stats": ((None, False), "false")}
@@ -98,7 +102,8 @@ IGNORED = ("user", "prompt_cache_key", "safety_identifier")  # strings that ask 
 COMMON_FIELDS = {"model", "n", "stream", "stream_options", "return_tokens_as_token_ids", "metadata", *IGNORED,
                  *SAMPLING, "response_format", "structured_outputs"}
 COMPLETION_FIELDS = COMMON_FIELDS | set(COMPLETION_NEUTRAL) | {"prompt", "logprobs", "echo", "best_of"}
-CHAT_FIELDS = COMMON_FIELDS | set(CHAT_NEUTRAL) | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
+CHAT_FIELDS = (COMMON_FIELDS | set(CHAT_NEUTRAL) | TOOL_FIELDS
+               | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"})
 
 
 @dataclass
@@ -117,6 +122,7 @@ class Job:
     token_ids_as_text: bool
     max_tokens_field: str | None = None  # the body's max_tokens or max_completion_tokens, if it gave one
     echo_only: bool = False  # echo with max_tokens 0: the prompt (and its logprobs) alone, as vLLM gives it
+    tools: Tools | None = None  # a chat's tools; tools.calls: its output is shown as tool calls
 
     def choice_params(self, index: int) -> SamplingParams:
         """Choice index's sampling (choices are prompt-major: prompt index * n + j)."""
@@ -277,7 +283,15 @@ def parse_chat(body, served_model: Served, context: int) -> Job:
     sampling = _sampling(body, context, logprobs=logprobs)  # by default up to the context's end, as vLLM
     if body.get("max_completion_tokens") is not None:
         sampling["max_tokens"] = body["max_completion_tokens"]
-    return _job(body, served_model, True, [""], messages, sampling, False, logprobs)
+    tools = tool_calls.parse(body)
+    if tools is not None and tools.calls:
+        if sampling["structured_outputs"] is not None:
+            given = "response_format" if body.get("response_format") is not None else "structured_outputs"
+            raise InvalidArgument(f"tool_choice={short_repr(body['tool_choice'])} and {given} both say what the output "
+                                  "is; allowed: one of them", param="tool_choice")
+        sampling["structured_outputs"] = tools.structured_outputs()
+    job = _job(body, served_model, True, [""], messages, sampling, False, logprobs)
+    return dataclasses.replace(job, tools=tools)
 
 
 # ----------------------------------------------------------------------------- responses
@@ -319,6 +333,7 @@ class Choice:
         self.offsets_of_prompt = False
         self.offset_base = 0
         self.done: P.Done | None = None
+        self.calls = CallStream(job.tools) if job.tools is not None and job.tools.calls else None
 
     def text_offset(self, token: int, prompt: bool) -> int:
         """Where token's text starts in the choice's text, in characters: a token inside a
@@ -400,15 +415,23 @@ class Choice:
             text = self.prompt_text + text
         self.started = True
         if self.job.chat:
-            if not text and finish is None and not (logprobs and logprobs["content"]):
+            delta = {"content": text} if text else {}
+            if self.calls is not None:
+                delta = self.calls.delta(text, finish is not None)
+                finish = self.calls_finish(finish, delta)
+            if not delta and finish is None and not (logprobs and logprobs["content"]):
                 return out  # nothing to say yet (text held back for a stop string, a partial character)
-            out.append({"index": self.index, "delta": {"content": text} if text else {},
-                        "logprobs": logprobs, "finish_reason": finish})
+            out.append({"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
         else:
             out.append({"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": finish})
         if finish is not None:
             out[-1]["stop_reason"] = msg.stop_reason
         return out
+
+    def calls_finish(self, finish: str | None, shown: dict) -> str | None:
+        """OpenAI's finish_reason for an output shown as tool calls: a whole one's is "tool_calls"
+        (or "stop" for a function it was told to call)."""
+        return self.job.tools.finish_reason if finish == "stop" and "tool_calls" in shown else finish
 
     def shown(self, done: P.Done) -> P.Done:
         """done as the response shows it: an echo_only choice generated nothing, and stopped at its
@@ -423,8 +446,14 @@ class Choice:
         text = done.text or ""
         logprobs = self.logprobs(done.token_ids, done.logprobs, done.prompt_logprobs)
         if self.job.chat:
-            return {"index": self.index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                    "finish_reason": done.finish_reason, "stop_reason": done.stop_reason}
+            message, finish = {"role": "assistant", "content": text}, done.finish_reason
+            if self.calls is not None:
+                calls = self.job.tools.tool_calls(text)
+                if calls is not None:
+                    message = {"role": "assistant", "content": None, "tool_calls": calls}
+                finish = self.calls_finish(finish, message)
+            return {"index": self.index, "message": message, "logprobs": logprobs, "finish_reason": finish,
+                    "stop_reason": done.stop_reason}
         return {"index": self.index, "text": (self.prompt_text if self.job.echo else "") + text,
                 "logprobs": logprobs, "finish_reason": done.finish_reason, "stop_reason": done.stop_reason}
 

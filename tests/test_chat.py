@@ -2,6 +2,7 @@
 through a real cluster."""
 
 import json
+import shutil
 
 import pytest
 
@@ -11,6 +12,7 @@ from common.errors import InvalidArgument, ModelLoadError
 from common.tokenizer import ByteTokenizer
 from tests.checkpoints import write_checkpoint
 from router.client import Client, RequestError
+from router.prompts import Prompts
 from tests.cluster import cluster
 
 # Llama-3-style: bos in the text, a system default, an error for a bad role order.
@@ -95,6 +97,32 @@ def test_other_message_keys_and_variables_reach_the_template_as_in_transformers(
     assert render_both(source, [messages[0], {**messages[1], "tool_calls": [as_sent]}, messages[2]])[0] == ours
     with pytest.raises(InvalidArgument, match=r"messages\[1\].tool_calls\[0\].function.arguments='{a' is invalid"):
         check_messages([messages[0], {**messages[1], "tool_calls": [{"function": {"name": "f", "arguments": "{a"}}]}])
+
+
+TOOLS_TEMPLATE = ("{% if tools %}Tools:{% for t in tools %} {{ t.function.name }}{{ t.function.parameters | tojson }}"
+                  "{% endfor %}\n{% endif %}{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}")
+
+
+def test_a_chats_tools_reach_the_template_as_transformers_passes_them(render_both, checkpoint, tmp_path):
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "d",
+                                               "parameters": {"type": "object", "properties": {"city": {}}}}}]
+    messages = [{"role": "user", "content": "Weather?"}]
+    from transformers import AutoTokenizer
+
+    ref = AutoTokenizer.from_pretrained(str(checkpoint))
+    ours = ChatTemplate(TOOLS_TEMPLATE, **load_tokenizer(str(checkpoint)).chat_template.tokens).render(messages,
+                                                                                                     tools=tools)
+    assert ours == ref.apply_chat_template(messages, tools=tools, chat_template=TOOLS_TEMPLATE, tokenize=False,
+                                           add_generation_prompt=True)
+    assert ours.startswith('Tools: get_weather{"type": "object", "properties": {"city": {}}}')
+    # and through the router's path: a checkpoint with such a template, its prompt ids as the HTTP front makes them
+    shutil.copytree(checkpoint, tmp_path / "tools")
+    config = json.loads((tmp_path / "tools" / "tokenizer_config.json").read_text())
+    (tmp_path / "tools" / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TOOLS_TEMPLATE}))
+    prompts = Prompts(str(tmp_path / "tools"))
+    ids, _ = prompts.validate("", messages, {"max_tokens": 1}, tools=tools)
+    assert "get_weather" in prompts.text(ids) and "get_weather" not in prompts.text(
+        prompts.validate("", messages, {"max_tokens": 1})[0])
 
 
 def test_jinja_environment_is_transformers(render_both):

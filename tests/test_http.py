@@ -173,6 +173,61 @@ def test_response_format_and_structured_outputs_give_the_engines_json(served, en
     assert "response_format.json_schema.schema does not compile" in body["error"]["message"]
 
 
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The forecast", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                     "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "days"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "get_time"}}
+
+
+def test_tool_choice_gives_tool_calls_of_the_engines_json(served, engine):
+    """A named function's arguments and "required" calls are the engine's tokens under the same
+    schema, shown as tool_calls (streamed: the named call's arguments as they come, required
+    calls once whole); the tools' results go back as messages, and "none" answers in text."""
+    from router.tool_calls import parse
+
+    tools, client = [WEATHER, CLOCK], api(served)
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    ids = engine.tokenizer.encode_chat(messages, tools=tools)
+    args = dict(model=MODEL, messages=messages, tools=tools, max_completion_tokens=60, temperature=0.8, seed=4)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    want = reference(engine, ids, max_tokens=60, temperature=0.8, seed=4,
+                     structured_outputs={"json": WEATHER["function"]["parameters"]})
+    assert want.finish_reason == "stop" and set(json.loads(want.text)) == {"city", "days"}
+    r = client.chat.completions.create(tool_choice=named, **args)
+    (call,) = r.choices[0].message.tool_calls
+    assert (call.function.name, call.function.arguments, r.choices[0].message.content) == ("get_weather", want.text, None)
+    assert r.choices[0].finish_reason == "stop" and call.id.startswith("call_")
+    deltas = [c.choices[0].delta for c in client.chat.completions.create(tool_choice=named, stream=True, **args)]
+    pieces = [d.tool_calls[0] for d in deltas if d.tool_calls]
+    assert pieces[0].id and pieces[0].function.name == "get_weather" and all(p.id is None for p in pieces[1:])
+    assert "".join(p.function.arguments for p in pieces) == want.text
+
+    spec = parse({"tools": tools, "tool_choice": "required", "parallel_tool_calls": False}).structured_outputs()
+    want = reference(engine, ids, max_tokens=60, temperature=0.8, seed=4, structured_outputs=spec)
+    assert want.finish_reason == "stop"
+    expected = [(c["name"], c["parameters"]) for c in json.loads(want.text)]
+    args["parallel_tool_calls"] = False  # one call: a random model's list of calls may run on to max_tokens
+    r = client.chat.completions.create(tool_choice="required", **args)
+    calls = r.choices[0].message.tool_calls
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == expected
+    assert r.choices[0].finish_reason == "tool_calls"
+    chunks = list(client.chat.completions.create(tool_choice="required", stream=True, **args))
+    streamed = [t for c in chunks if c.choices and c.choices[0].delta.tool_calls for t in c.choices[0].delta.tool_calls]
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in streamed] == expected
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+    messages += [{"role": "assistant", "content": None, "tool_calls": [c.model_dump() for c in calls]},
+                 {"role": "tool", "tool_call_id": calls[0].id, "content": "Sunny, 21 C"}]
+    want = reference(engine, engine.tokenizer.encode_chat(messages, tools=tools), max_tokens=8, temperature=0)
+    r = client.chat.completions.create(model=MODEL, messages=messages, tools=tools, tool_choice="none",
+                                       max_completion_tokens=8, temperature=0)
+    assert (r.choices[0].message.content, r.choices[0].message.tool_calls) == (want.text, None)
+    with pytest.raises(openai.BadRequestError) as e:  # auto, the default with tools: no parser for free text
+        client.chat.completions.create(model=MODEL, messages=messages, tools=tools)
+    assert e.value.body["param"] == "tool_choice"
+
+
 def test_usage_says_how_much_of_the_prompt_was_found_cached(served):
     """OpenAI's usage.prompt_tokens_details.cached_tokens: none the first time, every full block
     but the one holding the last token the second."""

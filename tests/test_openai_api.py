@@ -84,6 +84,30 @@ def test_chat_body_becomes_a_job():
     assert parse_chat({"messages": messages, "logprobs": True}, MODEL, 1024).params.logprobs == 0
 
 
+TOOL = {"type": "function", "function": {"name": "f", "description": "d", "parameters": {
+    "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}}
+
+
+def test_tool_choices_hold_the_output_to_calls():
+    messages = [{"role": "user", "content": "hi"}]
+    g = {"type": "function", "function": {"name": "g"}}  # no parameters: an empty object
+    named = parse_chat({"messages": messages, "tools": [TOOL, g], "tool_choice": {"type": "function", "function":
+                                                                                    {"name": "f"}}}, MODEL, 64)
+    assert named.params.structured_outputs == {"json": TOOL["function"]["parameters"]}
+    assert named.tools.tool_calls('{"x": 3}')[0]["function"] == {"name": "f", "arguments": '{"x": 3}'}
+    required = parse_chat({"messages": messages, "tools": [TOOL, g], "tool_choice": "required",
+                           "parallel_tool_calls": False}, MODEL, 64)
+    schema = required.params.structured_outputs["json"]
+    assert schema["maxItems"] == 1 and [s["properties"]["name"] for s in schema["items"]["anyOf"]] == [
+        {"const": "f"}, {"const": "g"}]
+    calls = required.tools.tool_calls('[{"name": "g", "parameters": {}}]')
+    assert [c["function"] for c in calls] == [{"name": "g", "arguments": "{}"}] and calls[0]["id"].startswith("call_")
+    assert required.tools.tool_calls('[{"name": "g", "param') is None  # cut by max_tokens: shown as text
+    none = parse_chat({"messages": messages, "tools": [TOOL], "tool_choice": "none"}, MODEL, 64)
+    assert none.tools.tools == [TOOL] and not none.tools.calls and none.params.structured_outputs is None
+    assert parse_chat({"messages": messages, "tools": [], "tool_choice": "auto"}, MODEL, 64).tools is None
+
+
 def test_response_formats_become_structured_outputs():
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     fmt = {"type": "json_schema", "json_schema": {"name": "A", "schema": schema, "strict": True}}
@@ -149,7 +173,20 @@ def test_bad_completion_fields_are_named(body, param, text):
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs", "needs logprobs=true"),
     ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, "max_completion_tokens",
      "max_completion_tokens=0"),
-    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools", "no tool calling"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools",
+     "tools[0]={'type': 'function'} is invalid; allowed: {\"type\": \"function\", \"function\""),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [TOOL]}, "tool_choice", 'tool_choice "auto"'),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [TOOL], "tool_choice": "auto"}, "tool_choice",
+     'allowed: "none", "required" or {"type": "function", "function": {"name": ...}}'),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [TOOL, TOOL], "tool_choice": "none"}, "tools",
+     "unique among the tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [TOOL],
+      "tool_choice": {"type": "function", "function": {"name": "other"}}}, "tool_choice", "naming one of the tools (f)"),
+    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [TOOL], "tool_choice": "required",
+      "response_format": {"type": "json_object"}}, "tool_choice", "and response_format both say what the output is"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [TOOL], "tool_choice": "none",
+      "parallel_tool_calls": 1}, "parallel_tool_calls", "true or false"),
     ({"messages": [{"role": "user", "content": "x"}], "echo": True}, "echo", "echo=True is not supported; allowed: false (in chat)"),
 ])
 def test_bad_chat_fields_are_named(body, param, text):
