@@ -171,6 +171,12 @@ def test_response_format_and_structured_outputs_give_the_engines_json(served, en
                                                                      response_format=bad))
     assert got == 400 and body["error"]["param"] == "response_format", body
     assert "response_format.json_schema.schema does not compile" in body["error"]["message"]
+    # a grammar that compiles until it meets the model's vocabulary: refused by the prefill worker
+    got, _, body = http(served, "POST", "/v1/completions", dict(model=MODEL, prompt="x", structured_outputs={
+        "grammar": 'start: <[99999]> "a"'}))
+    assert got == 400 and "Token range end too large: 99999" in body["error"]["message"], body
+    served_on = api(served).completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={"ignore_eos": True})
+    assert served_on.usage.completion_tokens == 2
 
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The forecast", "parameters": {
