@@ -4,6 +4,8 @@ serving commands (common/cli.py) and the benchmarks (bench/cli.py) take them ali
 from __future__ import annotations
 
 import functools
+import json
+from pathlib import Path
 
 import click
 
@@ -159,6 +161,28 @@ class LogitBias(click.ParamType):
             self.fail(f"{value!r} is not a comma-separated list of TOKEN_ID:BIAS (e.g. 42:-100,7:2.5)", param, ctx)
 
 
+class JsonSpec(click.ParamType):
+    """A JSON map given inline, or @FILE holding one (SamplingParams checks what it says)."""
+    name = "JSON|@FILE"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, dict):
+            return value
+        text = value
+        if value.startswith("@"):
+            try:
+                text = Path(value[1:]).read_text()
+            except OSError as e:
+                self.fail(f"{value!r}: cannot read {value[1:]!r} ({e.strerror})", param, ctx)
+        try:
+            spec = json.loads(text)
+        except ValueError as e:
+            self.fail(f"{value!r} is not JSON ({e})", param, ctx)
+        if not isinstance(spec, dict):
+            self.fail(f"{value!r} is not a JSON map", param, ctx)
+        return spec
+
+
 SAMPLING_OPTIONS = [  # (flag, default, type, help): SamplingParams' fields on the command line
     ("--temperature", 0.0, float, "0 is greedy"),
     ("--top-p", 1.0, float, None),
@@ -170,6 +194,8 @@ SAMPLING_OPTIONS = [  # (flag, default, type, help): SamplingParams' fields on t
     ("--min-tokens", 0, int, "end-of-sequence and stop ids are barred before this many tokens"),
     ("--logit-bias", None, LogitBias(), "added to those tokens' logits: ID:BIAS,... (e.g. 42:-100,7:2.5)"),
     ("--seed", None, int, None),
+    ("--structured-outputs", None, JsonSpec(), 'hold the output to a language, one of: {"json": SCHEMA}, {"json_object": '
+     'true}, {"regex": "..."}, {"choice": [...]}, {"grammar": "..."} (Lark or GBNF); inline or @FILE'),
 ]
 
 

@@ -45,6 +45,25 @@ def test_generate_takes_every_logit_adjustment():
     assert r.returncode == 2 and "'7=5' is not a comma-separated list of TOKEN_ID:BIAS" in r.stderr
 
 
+def test_generate_holds_the_output_to_a_structured_output(tmp_path):
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"],
+              "additionalProperties": False}
+    (tmp_path / "spec.json").write_text(json.dumps({"json": schema}))
+    r = pdserve("generate", "--prompt", "JSON:", "--max-tokens", "30", "--temperature", "0.8", "--seed", "2",
+                "--structured-outputs", f"@{tmp_path / 'spec.json'}", "--json")
+    assert r.returncode == 0, r.stderr
+    params = SamplingParams(max_tokens=30, temperature=0.8, seed=2, structured_outputs={"json": schema})
+    (expected,) = Engine(model="dummy:nanogpt").generate(["JSON:"], params)
+    line = json.loads(r.stdout)
+    assert line["token_ids"] == expected.token_ids and 0 <= json.loads(line["text"])["n"] <= 9
+    r = pdserve("generate", "--prompt", "x", "--structured-outputs", '{"choice": ["yes", "no"]}', "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["text"] in ("yes", "no"), r.stderr
+    for value, words in [("{not json", "is not JSON"), ("@/no/such/file", "cannot read '/no/such/file'"),
+                         ('{"regex": "a("}', "structured_outputs.regex does not compile")]:
+        r = pdserve("generate", "--prompt", "x", "--structured-outputs", value)
+        assert r.returncode == 2 and words in r.stderr, r.stderr
+
+
 def test_generate_rejects_bad_values_clearly():
     r = pdserve("generate", "--prompt", "x", "--temperature", "-1")
     assert r.returncode == 2
