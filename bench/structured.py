@@ -1,10 +1,12 @@
 """`pdserve bench structured`: what holding outputs to a grammar costs the engine, side by side in
 one run. The same chat prompts are decoded free and under each kind of structured output, in
 alternating rounds, and the median step in which every request decoded is compared with the free
-one's (a grammar ends some outputs early: time per token would count a shrinking batch). The
-masks' own time is measured apart, the outputs replayed, as the share of a free step it adds. The cost is the host's: a mask per request and step (llguidance, about a millisecond
-for a 49k vocabulary), its upload, an eager sampler over it, and steps that wait for their tokens
-instead of overlapping the next (async scheduling)."""
+one's (a grammar ends some outputs early: time per token would count a shrinking batch).
+
+The cost is the host's: a mask per request and step (llguidance), its upload, an eager sampler
+over it, and steps that wait for their tokens instead of overlapping the next (async scheduling).
+The masks' own time is measured apart, the outputs replayed through fresh matchers, as the share
+of a free step it adds."""
 
 from __future__ import annotations
 

@@ -194,8 +194,8 @@ SAMPLING_OPTIONS = [  # (flag, default, type, help): SamplingParams' fields on t
     ("--min-tokens", 0, int, "end-of-sequence and stop ids are barred before this many tokens"),
     ("--logit-bias", None, LogitBias(), "added to those tokens' logits: ID:BIAS,... (e.g. 42:-100,7:2.5)"),
     ("--seed", None, int, None),
-    ("--structured-outputs", None, JsonSpec(), 'hold the output to a language, one of: {"json": SCHEMA}, {"json_object": '
-     'true}, {"regex": "..."}, {"choice": [...]}, {"grammar": "..."} (Lark or GBNF); inline or @FILE'),
+    ("--structured-outputs", None, JsonSpec(), 'hold the output to a language, one of: {"json": SCHEMA}, '
+     '{"json_object": true}, {"regex": "..."}, {"choice": [...]}, {"grammar": "..."} (Lark or GBNF); inline or @FILE'),
 ]
 
 

@@ -77,6 +77,7 @@ class Engine:
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         mc = self.model_config
         self.grammars = Grammars(self.tokenizer, mc.vocab_size, mc.eos_token_ids)
+        self.grammars.warm_up()
         if config.max_model_len is not None and config.max_model_len > mc.max_position_embeddings:
             raise InvalidArgument(f"--max-model-len {config.max_model_len}; allowed: 2..{mc.max_position_embeddings} "
                                   f"(the context of model {config.model!r}: positions past it were never trained)")

@@ -69,7 +69,8 @@ class Tools:
 
 
 def call(name: str, arguments: str, index: int | None = None) -> dict:
-    out = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": arguments}}
+    out = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+           "function": {"name": name, "arguments": arguments}}
     return out if index is None else {"index": index, **out}
 
 

@@ -110,3 +110,18 @@ def test_bench_structured_prints_a_table_and_json(capsys):
     for kind, k in result["kinds"].items():
         assert 0 < k["tokens"] <= 3 * 6 and k["full_steps"] >= 1
         assert (k["mask_ms_per_step"] is None) == (kind == "free")
+
+
+def test_a_tokenizer_llguidance_cannot_read_refuses_structured_requests_only():
+    from common.structured_output import Grammars
+    from common.tokenizer import ByteTokenizer
+
+    class Unreadable(ByteTokenizer):
+        def token_bytes(self, token):
+            raise RuntimeError("no bytes for you")
+
+    grammars = Grammars(Unreadable(), 258, [257])
+    grammars.warm_up()  # fails in its thread; the reason is kept for each request
+    for _ in range(2):
+        with pytest.raises(InvalidArgument, match="llguidance cannot read its tokenizer .*no bytes for you"):
+            grammars.matcher({"choice": ["a"]})
