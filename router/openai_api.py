@@ -30,11 +30,11 @@ from dataclasses import dataclass
 
 from common import protocol as P
 from common import structured_output
-from router import tool_calls
-from router.tool_calls import CallStream, Tools
 from common.errors import InvalidArgument, short_repr
 from common.sampling_params import MAX_LOGPROBS, SamplingParams, choice_seed
 from common.text import TextStream
+from router import tool_calls
+from router.tool_calls import CallStream, Tools
 
 # our codes -> HTTP status, and OpenAI's error type for each status
 STATUS = {"INVALID_ARGUMENT": 400, "UNAUTHENTICATED": 401, "FORBIDDEN": 403, "NOT_FOUND": 404, "METHOD_NOT_ALLOWED": 405,
