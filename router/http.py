@@ -276,13 +276,11 @@ class HttpFront:
     async def _serve(self, request: web.Request, parse) -> web.StreamResponse:
         backend, prompts = self.backend, self.backend.prompts
         try:
-            job: Job = parse(await _json(request))
-            # off the event loop: tokenizing megabytes of text would stall every stream (and, in the
-            # router's own process, its reading of workers' heartbeats)
-            tools = job.tools.tools if job.tools else None
-            prepared = await asyncio.to_thread(lambda: [prompts.validate(prompt, job.messages, job.params,
-                                                                         job.max_tokens_field, tools)
-                                                        for prompt in job.prompts])
+            body = await _json(request)
+            # off the event loop: tokenizing megabytes of text, or compiling a structured output's
+            # grammar, would stall every stream (and, in the router's own process, its reading of
+            # workers' heartbeats)
+            job, prepared = await asyncio.to_thread(_prepare, parse, body, prompts)
             total = len(prepared) * job.n
             if total > backend.max_queue:
                 raise ApiError("INVALID_ARGUMENT", f"{len(prepared)} prompts x n={job.n} make {total} choices; "
@@ -370,6 +368,14 @@ async def _json(request: web.Request):
         raise ApiError("INVALID_ARGUMENT", f"the body is not valid JSON ({e})") from None
     except RecursionError:
         raise ApiError("INVALID_ARGUMENT", "the body nests too deeply to be a request") from None
+
+
+def _prepare(parse, body, prompts) -> tuple[Job, list]:
+    """A body checked into a Job, and each of its prompts' ids and sampling."""
+    job: Job = parse(body)
+    tools = job.tools.tools if job.tools else None
+    return job, [prompts.validate(prompt, job.messages, job.params, job.max_tokens_field, tools)
+                 for prompt in job.prompts]
 
 
 def error_response(e: ApiError) -> web.Response:
