@@ -90,7 +90,8 @@ def test_bad_specs_are_refused_by_name_and_the_engine_serves_on(engine):
                        ({"regex": "a", "choice": ["b"]}, "2 kinds given"),
                        ({"json_schema": {}}, "unknown key 'json_schema'"),
                        ("{}", "allowed: a map with exactly one of"),
-                       ({"choice": [f"option {i}" for i in range(8000)]}, "is 118890 bytes as JSON; allowed: at most 65536")]:
+                       ({"choice": [f"option {i}" for i in range(8000)]},
+                        "is 118890 bytes as JSON; allowed: at most 65536")]:
         with pytest.raises(InvalidArgument, match=re.escape(text)) as e:
             SamplingParams.from_dict({"structured_outputs": spec})
         assert e.value.param == "structured_outputs"
