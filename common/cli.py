@@ -152,6 +152,7 @@ def router(model, host, port, worker_port, max_model_len, policy, router_kwargs,
     """Run the router: clients connect to --port, workers to --worker-port, HTTP to --http-port."""
     from router.server import RouterConfig, run_router
 
+    refuse_http_flags_without_port(http_port, api_key, api_server_count, served_model_names)
     setup_logging(log_level)
     k = router_kwargs
     run_router(RouterConfig(model=model, host=host, port=port, worker_port=worker_port or port + 1, policy=policy,
@@ -161,6 +162,16 @@ def router(model, host, port, worker_port, max_model_len, policy, router_kwargs,
                             max_message_bytes=k["max_message_bytes"], http_port=http_port, api_key=api_key,
                             api_server_count=api_server_count, max_model_len=max_model_len,
                             allowed_origins=allowed_origins, served_model_names=served_model_names))
+
+
+def refuse_http_flags_without_port(http_port, api_key, api_server_count, served_model_names) -> None:
+    """The HTTP API's flags without --http-port would be taken and do nothing."""
+    http_only = [flag for flag, given in (("--api-key", api_key is not None),
+                                          ("--api-server-count", api_server_count > 1),
+                                          ("--served-model-name", bool(served_model_names))) if given]
+    if http_port is None and http_only:
+        raise click.UsageError(f"{' and '.join(http_only)} {'is' if len(http_only) == 1 else 'are'} for the HTTP "
+                               "API: give --http-port too")
 
 
 def _stop_while_starting(signum, frame):
@@ -257,12 +268,7 @@ def launch(prefill, decode, mono, devices, host, port, worker_port, policy, log_
     if engine_kwargs["device"] != "cpu":
         raise click.UsageError(f"--device {engine_kwargs['device']} is a worker's flag; launch places its workers "
                                "with --devices (e.g. --devices cuda:0 or cuda:0,cuda:1)")
-    http_only = [flag for flag, given in (("--api-key", api_key is not None),
-                                          ("--api-server-count", api_server_count > 1),
-                                          ("--served-model-name", bool(served_model_names))) if given]
-    if http_port is None and http_only:
-        raise click.UsageError(f"{' and '.join(http_only)} {'is' if len(http_only) == 1 else 'are'} for the HTTP "
-                               "API: give --http-port too")
+    refuse_http_flags_without_port(http_port, api_key, api_server_count, served_model_names)
     prefill = (0 if mono else 1) if prefill is None else prefill
     decode = (0 if mono else 1) if decode is None else decode
     if engine_kwargs["model"] in NAMED_MODELS:

@@ -90,6 +90,9 @@ def test_launch_refuses_flags_it_would_silently_ignore():
     for args, message in cases:
         r = pdserve("launch", "--dry-run", *args)
         assert r.returncode == 2 and message in r.stderr, (args, r.stderr)
+    # the router alone too (it would start, and the flags do nothing)
+    r = pdserve("router", "--port", "1", "--served-model-name", "m", timeout=30)
+    assert r.returncode == 2 and "--served-model-name is for the HTTP API: give --http-port too" in r.stderr
     r = pdserve("generate", "--prompt", "x", "--max-model-len", "5000")  # dummy:nanogpt's context is 1,024
     assert r.returncode == 2 and "--max-model-len 5000; allowed: 2..1024" in r.stderr, r.stderr
 
