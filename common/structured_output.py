@@ -109,8 +109,10 @@ def grammar(spec: dict, name: str = "structured_outputs", field: str = "structur
         raise InvalidArgument(f"{field} does not compile: {_first_lines(str(e))}", param=name) from None
 
 
-def _first_lines(error: str, n: int = 3) -> str:
-    return " ".join(line.strip() for line in error.strip().splitlines()[:n])
+def _first_lines(error: str, n: int = 3, limit: int = 300) -> str:
+    """The compiler's first lines, cut to `limit` characters: they may quote the whole spec."""
+    text = " ".join(line.strip() for line in error.strip().splitlines()[:n])
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 class Grammars:
