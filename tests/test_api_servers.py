@@ -22,8 +22,9 @@ from click.testing import CliRunner
 
 from common import protocol as P
 from common.cli import main
+from common.errors import InvalidArgument
 from router.client import Client, RequestError
-from router.server import DEAD_WORKER_MEMORY_S
+from router.server import DEAD_WORKER_MEMORY_S, Router, RouterConfig
 from tests.cluster import cluster, router_children, running, scripted_worker, serving_router, wait_blocks_free
 
 pytestmark = pytest.mark.timeout(300)
@@ -248,7 +249,9 @@ def test_api_server_count_must_be_positive_and_serve_a_port():
     r = subprocess.run([sys.executable, "-m", "common.cli", "router", "--port", "0", "--worker-port", "0",
                         "--api-server-count", "2"],
                        capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and "api_server_count=2 is invalid" in r.stderr and "http_port" in r.stderr, r.stderr
+    assert r.returncode == 2 and "--api-server-count is for the HTTP API: give --http-port too" in r.stderr, r.stderr
+    with pytest.raises(InvalidArgument, match="api_server_count=2 is invalid.* with an http_port"):  # a router made in code
+        Router(RouterConfig(port=0, worker_port=0, api_server_count=2))
 
 
 def test_a_router_whose_api_servers_cannot_start_says_so_and_exits(tmp_path):
