@@ -250,8 +250,8 @@ def test_api_server_count_must_be_positive_and_serve_a_port():
                         "--api-server-count", "2"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--api-server-count is for the HTTP API: give --http-port too" in r.stderr, r.stderr
-    with pytest.raises(InvalidArgument, match="api_server_count=2 is invalid.* with an http_port"):  # a router made in code
-        Router(RouterConfig(port=0, worker_port=0, api_server_count=2))
+    with pytest.raises(InvalidArgument, match="api_server_count=2 is invalid.* with an http_port"):
+        Router(RouterConfig(port=0, worker_port=0, api_server_count=2))  # a router made in code checks it too
 
 
 def test_a_router_whose_api_servers_cannot_start_says_so_and_exits(tmp_path):
