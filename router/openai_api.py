@@ -289,7 +289,9 @@ def parse_chat(body, served_model: Served, context: int) -> Job:
             given = "response_format" if body.get("response_format") is not None else "structured_outputs"
             raise InvalidArgument(f"tool_choice={short_repr(body['tool_choice'])} and {given} both say what the output "
                                   "is; allowed: one of them", param="tool_choice")
-        sampling["structured_outputs"] = tools.structured_outputs()
+        # checked here, so that a parameters schema that does not compile is named as the tools'
+        sampling["structured_outputs"] = structured_output.check(tools.structured_outputs(), "tools",
+                                                                  "the tools' parameters (as one schema)")
     job = _job(body, served_model, True, [""], messages, sampling, False, logprobs)
     return dataclasses.replace(job, tools=tools)
 

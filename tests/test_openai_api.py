@@ -183,6 +183,9 @@ def test_bad_completion_fields_are_named(body, param, text):
     ({"messages": [{"role": "user", "content": "x"}], "tools": [TOOL],
       "tool_choice": {"type": "function", "function": {"name": "other"}}}, "tool_choice", "naming one of the tools (f)"),
     ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required", "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "bogus"}}}]}, "tools",
+     "the tools' parameters (as one schema) does not compile: Invalid type: bogus"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [TOOL], "tool_choice": "required",
       "response_format": {"type": "json_object"}}, "tool_choice", "and response_format both say what the output is"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [TOOL], "tool_choice": "none",
