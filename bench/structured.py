@@ -4,7 +4,7 @@ alternating rounds, and the median step in which every request decoded is compar
 one's (a grammar ends some outputs early: time per token would count a shrinking batch).
 
 The cost is the host's: a mask per request and step (llguidance), its upload, an eager sampler
-over it, and steps that wait for their tokens instead of overlapping the next (async scheduling).
+over it, and under async scheduling a sampling that waits for the step before's tokens.
 The masks' own time is measured apart, the outputs replayed through fresh matchers, as the share
 of a free step it adds."""
 

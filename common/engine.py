@@ -10,7 +10,8 @@ N - 1, feeding N - 1's tokens to N's decodes on the device, and only then waits 
 tokens. On a GPU the host's work then runs beside the device's instead of between its steps; the
 tokens are the same. A request that N - 1 finishes by a stop token has one wasted row in N, and
 blocks are freed only once no launched step can still write them. A request held to a structured
-output needs N - 1's token for N's mask, so a step after one that sampled for it waits first.
+output needs N - 1's token for N's mask: N's forward is queued first, N - 1's tokens are read, and
+N's sampling is queued after them, so the device runs the forward while the host computes masks.
 """
 
 from __future__ import annotations
@@ -387,15 +388,16 @@ class Engine:
         (layer-wise KV streaming); the batch's num_computed_tokens still count the tokens before
         this step. With config.async_scheduling (and no on_layer), the outputs are those of the
         step launched by the call before."""
-        prev, outputs = self.inflight, []
-        if prev is not None and any(q.matcher is not None for q in prev.sampled):
-            # a structured output's next mask needs the token still being sampled: wait for it
-            self.inflight, prev, outputs = None, None, self._collect(prev)
+        prev = self.inflight
         batch = self.last_batch = self.scheduler.schedule()
-        self.inflight = self.runner.launch(batch, on_layer, prev) if batch else None
-        if prev is not None:
-            outputs = self._collect(prev)
+        # a structured output's mask needs its newest token, which prev may still be sampling: the
+        # forward is queued now, and the sampling once prev's tokens are read (vLLM's way)
+        defer = prev is not None and any(s.seq.matcher is not None and s.seq.pending for s in batch)
+        self.inflight = self.runner.launch(batch, on_layer, prev, defer) if batch else None
+        outputs = self._collect(prev) if prev is not None else []
         step = self.inflight
+        if step is not None and step.deferred is not None:
+            self.runner.sample_step(step)
         if step is not None:
             self._advance(step)
             if on_layer is not None or not self.config.async_scheduling:

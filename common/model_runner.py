@@ -39,6 +39,8 @@ class LaunchedStep:
     prompt_logprobs: tuple | None = None  # (prompt_logprob_rows, the same, top counts)
     timing: list | None = None  # CUDA events around the device work
     free_after: list[Sequence] = field(default_factory=list)  # ended while in this step: their blocks wait for it
+    # launched with its sampling deferred (ModelRunner.sample_step): (logits, graphed, input ids, decodes)
+    deferred: tuple | None = None
 
 
 class ModelRunner:
@@ -143,9 +145,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, batch: list[ScheduledSeq], on_layer: LayerHook | None = None,
-               prev: LaunchedStep | None = None) -> LaunchedStep:
+               prev: LaunchedStep | None = None, defer_sampling: bool = False) -> LaunchedStep:
         """Queue the step's forward, sampling and any logprobs; on a GPU the host goes on while
-        they run, and collect() reads them."""
+        they run, and collect() reads them. With defer_sampling, the forward alone: sample_step() queues
+        the rest once the host knows what it needs (a structured output's mask wants the token
+        `prev` is still sampling), while the device runs the forward."""
         ordered, input_ids, positions, meta, sample_rows = self.prepare(batch, prev)
         sampled = [s.seq for s in ordered if s.samples]
         step = LaunchedStep(ordered, sampled, {q: i for i, q in enumerate(sampled)}, {s.seq for s in ordered})
@@ -174,6 +178,15 @@ class ModelRunner:
                     step.timing[1].record()
                 return self._ready(step)
             logits_SV = self.model.logits(hidden_TC[sample_rows])
+        step.deferred = (logits_SV, graphed, input_ids, n)
+        return step if defer_sampling else self.sample_step(step)
+
+    @torch.inference_mode()
+    def sample_step(self, step: LaunchedStep) -> LaunchedStep:
+        """Queue a launched step's sampling and logprobs over its logits, and the tokens' copy to
+        the host."""
+        (logits_SV, graphed, input_ids, n), step.deferred = step.deferred, None
+        sampled = step.sampled
         rows = [q.params for q in sampled], [q.seed for q in sampled], [len(q) for q in sampled]
         adjusted = adjusted_rows(sampled)
         if adjusted:  # penalties and the like: eagerly, over a float copy (logprobs stay the raw logits')
