@@ -18,6 +18,7 @@ import torch
 
 from bench.report import print_json, print_table
 from common.engine import Engine
+from common.errors import InvalidArgument
 from common.sampling_params import SamplingParams
 from common.structured_output import fill_masks
 
@@ -30,6 +31,8 @@ KINDS = {"free": None, "regex": {"regex": "[a-z]+( [a-z]+)*"}, "json": {"json": 
 
 def _prompts(engine: Engine, n: int) -> list[list[int]]:
     tok = engine.tokenizer
+    if tok is None:
+        raise InvalidArgument(f"--model {engine.config.model}: structured outputs need a model with a tokenizer")
     texts = [f"Describe product number {i} in JSON, with its name, colour and sizes." for i in range(n)]
     if tok.chat_template is not None:
         return [tok.encode_chat([{"role": "user", "content": t}]) for t in texts]

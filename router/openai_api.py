@@ -283,7 +283,7 @@ def parse_chat(body, served_model: Served, context: int) -> Job:
     sampling = _sampling(body, context, logprobs=logprobs)  # by default up to the context's end, as vLLM
     if body.get("max_completion_tokens") is not None:
         sampling["max_tokens"] = body["max_completion_tokens"]
-    tools = tool_calls.parse(body)
+    tools = tool_calls.parse(body, _get(body, "parallel_tool_calls", BOOL, True))
     if tools is not None and tools.calls:
         if sampling["structured_outputs"] is not None:
             given = "response_format" if body.get("response_format") is not None else "structured_outputs"

@@ -68,19 +68,15 @@ class Tools:
         return "stop" if self.choice == "named" else "tool_calls"
 
 
-def call(name: str, arguments: str, index: int | None = None) -> dict:
-    out = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-           "function": {"name": name, "arguments": arguments}}
-    return out if index is None else {"index": index, **out}
+def call(name: str, arguments: str) -> dict:
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}
 
 
-def parse(body: dict) -> Tools | None:
-    """The tools of a chat body, checked: InvalidArgument naming the field and what is allowed."""
+def parse(body: dict, parallel: bool = True) -> Tools | None:
+    """The tools of a chat body, checked: InvalidArgument naming the field and what is allowed.
+    parallel: its parallel_tool_calls (checked by the caller)."""
     tools, choice = body.get("tools"), body.get("tool_choice")
-    parallel = body.get("parallel_tool_calls")
-    if parallel is not None and not isinstance(parallel, bool):
-        raise InvalidArgument(f"parallel_tool_calls={short_repr(parallel)} is invalid; allowed: true or false",
-                              param="parallel_tool_calls")
     if tools is None or tools == []:
         if choice not in (None, "none", "auto"):
             raise InvalidArgument(f"tool_choice={short_repr(choice)} needs tools; allowed without tools: \"none\"",
@@ -107,7 +103,7 @@ def parse(body: dict) -> Tools | None:
                               "calls, which needs a parser for its call format that pdserve does not have; "
                               f"allowed: {CHOICES}", param="tool_choice")
     if choice in ("none", "required"):
-        return Tools(tools, choice, parallel=parallel is not False, parameters=parameters)
+        return Tools(tools, choice, parallel=parallel, parameters=parameters)
     fn = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
     name = fn.get("name") if isinstance(fn, dict) else None
     if name not in parameters:
@@ -122,22 +118,16 @@ class CallStream:
     JSON, since a call's name comes before its arguments end, then sent each whole."""
 
     def __init__(self, tools: Tools):
-        self.tools = tools
-        self.id = call(tools.name or "", "")["id"]
-        self.started = False
-        self.held = ""
+        self.tools, self.started, self.held = tools, False, ""
 
     def delta(self, text: str, finished: bool) -> dict:
         """The delta for the choice's next text (the last when finished); {} when nothing shows."""
         if self.tools.choice == "named":
             if not text:
                 return {}
-            piece = {"index": 0, "function": {"arguments": text}}
-            if not self.started:
-                piece = {"index": 0, "id": self.id, "type": "function",
-                         "function": {"name": self.tools.name, "arguments": text}}
-                self.started = True
-            return {"tool_calls": [piece]}
+            piece = {"function": {"arguments": text}} if self.started else call(self.tools.name, text)
+            self.started = True
+            return {"tool_calls": [{"index": 0, **piece}]}
         self.held += text
         if not finished:
             return {}

@@ -210,7 +210,7 @@ def test_tool_choice_gives_tool_calls_of_the_engines_json(served, engine):
     assert pieces[0].id and pieces[0].function.name == "get_weather" and all(p.id is None for p in pieces[1:])
     assert "".join(p.function.arguments for p in pieces) == want.text
 
-    spec = parse({"tools": tools, "tool_choice": "required", "parallel_tool_calls": False}).structured_outputs()
+    spec = parse({"tools": tools, "tool_choice": "required"}, parallel=False).structured_outputs()
     want = reference(engine, ids, max_tokens=60, temperature=0.8, seed=4, structured_outputs=spec)
     assert want.finish_reason == "stop"
     expected = [(c["name"], c["parameters"]) for c in json.loads(want.text)]
