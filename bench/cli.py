@@ -58,6 +58,21 @@ def bench_structured(batch, max_tokens, rounds, seed, engine_kwargs):
     run_structured_bench(engine_kwargs, batch, max_tokens, rounds, seed)
 
 
+@bench.command("speculative")
+@click.option("--batch-sizes", default="1,8", show_default=True, type=Counts("batch sizes"))
+@click.option("--max-tokens", default=96, show_default=True, type=COUNT)
+@click.option("--rounds", default=3, show_default=True, type=COUNT, help="alternating rounds, off then on")
+@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0))
+@click.option("--seed", default=0, show_default=True, type=int)
+@engine_options
+def bench_speculative(batch_sizes, max_tokens, rounds, temperature, seed, engine_kwargs):
+    """What n-gram speculative decoding (--speculative-config; default: 4 tokens from 3- or 2-grams)
+    gains against plain decoding, on answers that repeat their prompt and answers that do not."""
+    from bench.speculative import run_speculative_bench
+
+    run_speculative_bench(engine_kwargs, batch_sizes, max_tokens, rounds, temperature, seed)
+
+
 @bench.command("step-profile")
 @click.option("--batch-sizes", default="1,64", show_default=True, type=Counts("batch sizes"))
 @click.option("--kv-len", default=512, show_default=True, type=COUNT, help="tokens cached per request")

@@ -19,7 +19,8 @@ MODEL_HELP = ("dummy:<preset>, a named model (smollm2: `pdserve pull smollm2` fi
 
 ENGINE_PARAMS = ("model", "device", "dtype", "block_size", "num_blocks", "kv_cache_gb", "gpu_memory_utilization",
                  "max_num_seqs", "max_num_batched_tokens", "max_model_len", "no_prefix_caching", "attention_backend",
-                 "kv_transport", "batch_invariant", "enforce_eager", "async_scheduling")  # engine_options' own
+                 "kv_transport", "batch_invariant", "enforce_eager", "async_scheduling",
+                 "speculative_config")  # engine_options' own
 
 
 def engine_options(f):
@@ -57,6 +58,12 @@ def engine_options(f):
                           "the next step takes on the device: on a GPU the host's work hides behind the device's; "
                           "on a CPU it only delays each token by a step. Same tokens either way [default: on on "
                           "CUDA, off on a CPU]"),
+        click.option("--speculative-config", default=None, metavar="JSON",
+                     help='speculative decoding by n-gram lookup, as vLLM\'s: {"method": "ngram", '
+                          '"num_speculative_tokens": K, "prompt_lookup_max": N, "prompt_lookup_min": M}. A decode '
+                          "whose last N..M tokens occurred before feeds the K that followed them and keeps those the "
+                          "model would have sampled: the same tokens, up to K + 1 a step (with --batch-invariant; "
+                          "turns async scheduling off)"),
     ]
 
     @functools.wraps(f)

@@ -10,6 +10,7 @@ import torch
 
 from common.errors import InvalidArgument
 from common.protocol import ATTENTION_BACKENDS, KV_TRANSPORTS
+from common.speculative import SpeculativeConfig
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 KV_TRANSPORT_DEVICE = {"shm": "cpu", "cuda_ipc": "cuda", "nccl": "cuda"}  # the others work with any pool
@@ -73,6 +74,9 @@ class EngineConfig:
     batch_invariant: bool | None = None
     kv_transport: str = "auto"  # how KV crosses between workers; auto: the fastest both ends support
     kv_shared: bool = False  # the KV pool in a named shared-memory segment (CPU): what shm writes into
+    # n-gram speculative decoding, vLLM's speculative_config (a dict or its JSON; common/speculative.py)
+    speculative_config: str | dict | None = None
+    speculative: SpeculativeConfig | None = field(init=False)
     torch_dtype: torch.dtype = field(init=False)
     torch_device: torch.device = field(init=False)
 
@@ -80,8 +84,12 @@ class EngineConfig:
         self.torch_device = resolve_device(self.device)
         if self.dtype is None:
             self.dtype = default_dtype(self.torch_device.type)
+        self.speculative = SpeculativeConfig.parse(self.speculative_config)
+        if self.speculative is not None and self.async_scheduling:
+            raise InvalidArgument("async_scheduling=True with speculative_config: a draft is looked up from the "
+                                  "newest token, which async scheduling has not read yet; allowed: one of them")
         if self.async_scheduling is None:
-            self.async_scheduling = self.torch_device.type == "cuda"
+            self.async_scheduling = self.torch_device.type == "cuda" and self.speculative is None
         if self.dtype not in DTYPES:
             raise InvalidArgument(f"dtype={self.dtype!r} is not supported; allowed: {sorted(DTYPES)}")
         self.torch_dtype = DTYPES[self.dtype]

@@ -32,6 +32,7 @@ from common.errors import InvalidArgument, first_line
 from common.kv_cache import BlockManager, allocate_kv_pool
 from common.model_runner import LaunchedStep, LayerHook, ModelRunner
 from common.sampling_params import SamplingParams, fresh_seed
+from common.speculative import Drafter
 from common.structured_output import Grammars
 from common.scheduler import ScheduledSeq, Scheduler
 from common.text import TextStream, output_text
@@ -91,8 +92,9 @@ class Engine:
         self.kv_cache, self.kv_segment = allocate_kv_pool(mc, self.num_blocks, bs, config.torch_dtype,
                                                           config.torch_device, shared=config.kv_shared)
         self.block_manager = BlockManager(self.num_blocks, bs, config.enable_prefix_caching)
+        self.drafter = Drafter(config.speculative) if config.speculative is not None else None
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.max_model_len)
+                                   self.max_model_len, self.drafter)
         self._warm_up_attention()
         self.batch_invariant = False  # set_batch_invariant below
         self.runner = ModelRunner(self.model, self.kv_cache, bs, config.torch_device)
@@ -183,9 +185,11 @@ class Engine:
         free, total = torch.cuda.mem_get_info(dev)
         mem = memory.DeviceMemory(str(dev), total, free, torch.cuda.memory_reserved(dev) + memory.CONTEXT_BYTES)
         triton, graphs = self.model.layers[0].attention.name == "triton", self._graphs_wanted()
+        drafted = cfg.speculative.num_speculative_tokens if cfg.speculative else 0
+        sampled_rows = min(cfg.max_num_batched_tokens, cfg.max_num_seqs * (1 + drafted))  # a draft's rows sample too
 
         def activations_at(context: int) -> int:
-            bytes_ = memory.step_activation_bytes(mc, cfg.max_num_batched_tokens, cfg.max_num_seqs, context,
+            bytes_ = memory.step_activation_bytes(mc, cfg.max_num_batched_tokens, sampled_rows, context,
                                                   dtype_bytes)
             if triton:
                 bytes_ += memory.triton_prefill_bytes(mc, cfg.max_num_batched_tokens, context)
@@ -400,7 +404,7 @@ class Engine:
             self.runner.sample_step(step)
         if step is not None:
             self._advance(step)
-            if on_layer is not None or not self.config.async_scheduling:
+            if on_layer is not None or not self.config.async_scheduling or step.drafts:
                 self.inflight = None
                 outputs += self._collect(step)
         return outputs
@@ -412,7 +416,7 @@ class Engine:
             seq = s.seq
             if seq.status is not Status.RUNNING:  # ended by the step before: its row here is dropped
                 continue
-            seq.num_computed_tokens += s.num_tokens
+            seq.num_computed_tokens += s.num_tokens - len(s.draft)  # a draft's KV counts once its tokens are kept
             self.block_manager.cache_computed_blocks(seq)
             if s.samples:
                 seq.token_ids.append(PENDING)
@@ -422,12 +426,26 @@ class Engine:
         sequences they finish."""
         tokens = self.runner.collect(step)
         outputs = []
-        for seq, token, logprob in zip(step.sampled, tokens, step.logprobs):
+        row = 0
+        while row < len(tokens):
+            seq, draft = step.sampled[row], step.drafts.get(step.sampled[row], ())
+            end = row + 1 + len(draft)
             if seq.status is Status.FINISHED:  # aborted, or finished by the step before
+                row = end
                 continue
             first = seq.first_token_time is None
             seq.token_ids.pop()
-            seq.append_token(token, logprob)
+            new = []
+            for j in range(row, end):  # a draft's token is kept while it is the one sampled before it
+                new.append(tokens[j])
+                seq.append_token(tokens[j], step.logprobs[j])
+                if seq.finish_reason is not None or j + 1 == end or draft[j - row] != tokens[j]:
+                    break
+            row = end
+            if draft:
+                self.drafter.counted(len(draft), len(new) - 1)
+                seq.num_computed_tokens += len(new) - 1
+                self.block_manager.cache_computed_blocks(seq)
             if seq.finish_reason is not None:
                 held = seq.finish_reason == PREFILLED
                 self._end(seq, seq.finish_reason, keep_blocks=held)
@@ -435,7 +453,7 @@ class Engine:
                 del self.requests[seq.request_id]
                 if held:
                     self.held[seq.request_id] = seq
-            outputs.append(self._output(seq, [token], first))
+            outputs.append(self._output(seq, new, first))
         for seq in step.free_after:
             self.block_manager.free_seq(seq)
         return outputs

@@ -75,18 +75,19 @@ def launch_plan(prefill: int, decode: int, mono: int, devices: list[str], worker
     return list(zip(roles, placed, shares))
 
 
-def step_activation_bytes(mc, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
+def step_activation_bytes(mc, max_num_batched_tokens: int, sampled_rows: int, max_model_len: int,
                           dtype_bytes: int) -> int:
     """An upper estimate of what one step's forward and sampling hold at their peak, beside the
     weights and the pool: one layer's activations for a full token budget (residual, norms in
     float32, q/k/v and their rotated copies, attention output, the MLP's up and gated halves), the
-    logits of every sampled row in float32 with the sampler's copies, and a prefill chunk's
-    attention over a full context (its gathered K and V, and the query-by-context mask)."""
+    logits of every sampled row (a request's, or each of a speculative decode's) in float32 with
+    the sampler's copies, and a prefill chunk's attention over a full context (its gathered K and
+    V, and the query-by-context mask)."""
     T, C, I = max_num_batched_tokens, mc.hidden_size, mc.intermediate_size
     H, K, D = mc.num_heads, mc.num_kv_heads, mc.head_dim
     per_token = 8 * C + 4 * (H + 2 * K) * D + 4 * I
     layer = T * per_token * dtype_bytes
-    logits = max_num_seqs * mc.vocab_size * (dtype_bytes + 3 * 4)
+    logits = sampled_rows * mc.vocab_size * (dtype_bytes + 3 * 4)
     context = 2 * max_model_len * K * D * dtype_bytes + T * max_model_len * (1 + dtype_bytes)
     return layer + logits + context
 

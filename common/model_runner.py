@@ -27,9 +27,11 @@ class LaunchedStep:
     Until then the next step may be scheduled and launched (async scheduling): its decodes of these
     sequences feed these tokens on the device (`rows`), and the host sees PENDING in their place."""
     ordered: list[ScheduledSeq]  # the batch in packed order
-    sampled: list[Sequence]  # those that sample, in the order of their tokens
-    rows: dict[Sequence, int]  # each sampling sequence's row in tokens_S
+    sampled: list[Sequence]  # those that sample, in the order of their tokens (a speculative decode's at each row)
+    rows: dict[Sequence, int]  # each sampling sequence's (last) row in tokens_S
     members: set[Sequence]  # every sequence whose KV the step writes
+    positions: list[int] = field(default_factory=list)  # of the tokens sampled, in their order (the noise's key)
+    drafts: dict[Sequence, list[int]] = field(default_factory=dict)  # speculative decodes' drafts
     tokens_S: torch.Tensor | None = None  # on the device
     host_S: torch.Tensor | None = None  # their copy on the host, complete once `ready` is (tokens_S on CPU)
     ready: torch.cuda.Event | None = None
@@ -78,6 +80,7 @@ class ModelRunner:
             seq, start = s.seq, s.start
             end = start + s.num_tokens
             input_ids += seq.token_ids[start:end]
+            input_ids += s.draft  # a speculative decode's: past its tokens
             positions += range(start, end)
             table = seq.block_table
             slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
@@ -86,8 +89,8 @@ class ModelRunner:
         sample_rows, row = [], 0
         for s in ordered:
             row += s.num_tokens
-            if s.samples:
-                sample_rows.append(row - 1)
+            if s.samples:  # the last row, or a speculative decode's every row
+                sample_rows += range(row - 1 - len(s.draft), row)
         feed_rows, feed_src = [], []
         if prev is not None:
             for i, s in enumerate(decodes):
@@ -151,8 +154,10 @@ class ModelRunner:
         the rest once the host knows what it needs (a structured output's mask wants the token
         `prev` is still sampling), while the device runs the forward."""
         ordered, input_ids, positions, meta, sample_rows = self.prepare(batch, prev)
-        sampled = [s.seq for s in ordered if s.samples]
+        sampled = [s.seq for s in ordered if s.samples for _ in range(1 + len(s.draft))]
         step = LaunchedStep(ordered, sampled, {q: i for i, q in enumerate(sampled)}, {s.seq for s in ordered})
+        step.positions = [len(s.seq) + j for s in ordered if s.samples for j in range(1 + len(s.draft))]
+        step.drafts = {s.seq: s.draft for s in ordered if s.draft}
         if self.timing and self.device.type == "cuda":  # from the forward's first launch, past the input copy
             step.timing = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
             step.timing[0].record()
@@ -187,7 +192,7 @@ class ModelRunner:
         the host."""
         (logits_SV, graphed, input_ids, n), step.deferred = step.deferred, None
         sampled = step.sampled
-        rows = [q.params for q in sampled], [q.seed for q in sampled], [len(q) for q in sampled]
+        rows = [q.params for q in sampled], [q.seed for q in sampled], step.positions
         adjusted = adjusted_rows(sampled)
         if adjusted:  # penalties and the like: eagerly, over a float copy (logprobs stay the raw logits')
             step.tokens_S = sample(adjust(logits_SV, sampled, adjusted, n, input_ids), *rows)

@@ -174,6 +174,7 @@ class Heartbeat:
     prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_hits: int = 0  # ... and found there
     kv_bytes: dict = field(default_factory=dict)  # KV transport -> bytes sent by it
+    spec_decode: list = field(default_factory=list)  # speculative decoding's [drafts, draft tokens, accepted tokens]
 
 
 @dataclass

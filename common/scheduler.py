@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from common.kv_cache import BlockManager
 from common.sequence import Sequence, Status
+from common.speculative import Drafter
 
 
 @dataclass
@@ -33,6 +34,8 @@ class ScheduledSeq:
     samples: bool = field(init=False)  # the step computes seq's last token: sample the next one
     start: int = field(init=False)  # seq's tokens already computed when scheduled (its KV the step reads)
     is_decode: bool = field(init=False)  # feeds its last sampled token; else a prefill (or recompute) chunk
+    # a speculative decode's draft (common/speculative.py): fed after its newest token, a token sampled at every row
+    draft: list[int] = field(default=(), init=False)
 
     def __post_init__(self):
         self.start = self.seq.num_computed_tokens
@@ -45,6 +48,14 @@ class ScheduledSeq:
         scheduler's per-step loop over every running request)."""
         s = cls.__new__(cls)
         s.seq, s.num_tokens, s.start, s.samples, s.is_decode = seq, 1, seq.num_computed_tokens, True, True
+        return s
+
+    @classmethod
+    def speculative(cls, seq: Sequence, draft: list[int]) -> "ScheduledSeq":
+        """A decode that feeds its newest token and then draft, as a chunk sampled at every row."""
+        s = cls.__new__(cls)
+        s.seq, s.num_tokens, s.start, s.samples, s.is_decode = seq, 1 + len(draft), seq.num_computed_tokens, True, False
+        s.draft = draft
         return s
 
 
@@ -65,8 +76,9 @@ REFUSED_STALE_S = 0.5  # a refused reservation not asked again this long is give
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int):
+                 max_model_len: int, drafter: Drafter | None = None):
         self.bm = block_manager
+        self.drafter = drafter
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.watermark = max(1, block_manager.num_blocks // 100)
@@ -106,6 +118,8 @@ class Scheduler:
                 self.bm.append_block(seq)
             batch.append(ScheduledSeq.decode(seq))
             budget -= 1
+        if self.drafter is not None and batch:
+            budget = self._add_drafts(batch, budget)
         for seq in prefilling:
             if budget == 0:
                 break
@@ -144,6 +158,29 @@ class Scheduler:
             for seq in admitted:
                 self.waiting.remove(seq)
         return batch
+
+    def _add_drafts(self, batch: list[ScheduledSeq], budget: int) -> int:
+        """Give the batch's decodes their drafts from the budget left after every decode, before any
+        prefill, and blocks for the drafts' KV while the pool keeps its watermark; returns the budget
+        left. A draft leaves room for its tokens and one more within max_len."""
+        bm, drafter, bs = self.bm, self.drafter, self.bm.block_size
+        for i, s in enumerate(batch):
+            if budget == 0:
+                break
+            seq = s.seq
+            room = min(budget, seq.max_len - len(seq) - 1)
+            if room <= 0 or seq.pending or not drafter.eligible(seq):
+                continue
+            draft = drafter.propose(seq, room)
+            while draft and bm.blocks_needed(len(seq) + len(draft)) > len(seq.block_table):
+                if bm.num_free_blocks <= self.watermark:
+                    draft = draft[:len(seq.block_table) * bs - len(seq)]
+                    break
+                bm.append_block(seq)
+            if draft:
+                batch[i] = ScheduledSeq.speculative(seq, draft)
+                budget -= len(draft)
+        return budget
 
     def reservable(self, request_id: str, num_tokens: int, reserved_seqs: int, now: float) -> int | None:
         """The blocks a sequence whose KV for num_tokens arrives from elsewhere needs (with its next

@@ -84,6 +84,10 @@ class RouterMetrics:
         self.worker_deaths = counter("worker_deaths", "Workers declared dead or replaced by a new incarnation")
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in workers' prefix caches")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in workers' prefix caches")
+        # vLLM's spec_decode counters, summed over the workers that speculate
+        self.spec_decode = [counter("spec_decode_num_drafts", "Speculative decodes that had a draft"),
+                            counter("spec_decode_num_draft_tokens", "Draft tokens fed to speculative decodes"),
+                            counter("spec_decode_num_accepted_tokens", "Draft tokens kept (the model sampled them)")]
         self._success = Counter("pdserve:request_success", "Finished requests by finish reason",
                                 ["model_name", "finished_reason"], **reg)
         self._errors = Counter("pdserve:request_errors", "Requests ended by an error, by code",
@@ -147,6 +151,10 @@ class RouterMetrics:
                     self._kv_bytes.labels(self._model, str(transport)).inc(grew)
                 last[("kv_bytes", transport)] = sent
         last["prefix_queries"], last["prefix_hits"] = msg.prefix_queries, msg.prefix_hits
+        for i, (metric, value) in enumerate(zip(self.spec_decode, msg.spec_decode)):
+            if isinstance(value, int):
+                metric.inc(max(0, value - last.get(("spec_decode", i), 0)))
+                last[("spec_decode", i)] = value
 
 
 class _StateCollector:

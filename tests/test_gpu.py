@@ -114,6 +114,20 @@ def test_bfloat16_llama_1b_gives_each_request_its_tokens_in_any_batch_and_chunki
     assert run(7, 7, together=True) == alone
 
 
+def test_speculative_decoding_on_the_gpu_gives_the_tokens_and_logprobs_of_plain_decoding():
+    """bfloat16 llama-1b, batch-invariant: a draft's rows, computed as a chunk by the prefill
+    kernel, give the bits of the decode graphs' rows."""
+    from tests.test_speculative import NGRAM, run, workload
+
+    ps, params = workload()
+    base = dict(model="dummy:llama-1b", device="cuda:0", max_model_len=512)
+    plain = run(Engine(**base), ps, params)
+    engine = Engine(**base, speculative_config=NGRAM)
+    assert engine.batch_invariant and engine.runner.graphs is not None
+    assert run(engine, ps, params) == plain
+    assert engine.drafter.num_drafts > 10
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_async_scheduling_on_the_gpu_gives_the_synchronous_tokens(dtype):
     """Through the captured graphs, stop tokens, logprobs and a preempting pool: each step's
