@@ -20,6 +20,7 @@
 #   bash bench/gpu_session.sh verify   # after kernel changes: tests, engine vs transformers, profile, grid (BUDGET s)
 #   bash bench/gpu_session.sh scaling  # bench scaling on one GPU: 1mono, 2mono, 1p1d under chat (~8 min)
 #   bash bench/gpu_session.sh router   # bench router on the GPU host's CPU: SDK, HTTP, 4 API servers  (~2 min, no GPU)
+#   bash bench/gpu_session.sh speculative  # bench speculative on dummy:llama-1b: drafts' eager chunks vs the graphs (~3 min)
 set -u
 # A machine goes back 30 s after a call and a new one takes a minute or more to start (on
 # 2026-11-26 three calls of 110, 200 and 383 s held it 797 s in all). Next: `BUDGET=540 ... verify`
@@ -41,7 +42,7 @@ set -u
 # Cluster stages serve 4,096-token contexts: sized for llama-1b's whole 131,072, each worker would set
 # GBs aside for one step's attention partials (a GPU test starts a cluster with no flag at all).
 CTX=--worker-arg=--max-model-len=4096
-stage=${1:?usage: bench/gpu_session.sh first|check|engine|cluster|serve|prefix|overlap|profile|tiles|prefill-rows|verify|scaling|router}
+stage=${1:?usage: bench/gpu_session.sh first|check|engine|cluster|serve|prefix|overlap|profile|tiles|prefill-rows|verify|scaling|router|speculative}
 OUT=${OUT:-/tmp/pdserve-gpu}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
@@ -209,8 +210,14 @@ router)
         grep -v '^{' "$OUT/router-$frontend.log" | tail -n 8
     done
     ;;
+speculative)
+    # a random model's drafts are rarely kept: this shows what a draft's eager chunk costs beside the graphs
+    run speculative 240 pdserve bench speculative --device cuda:0 --model dummy:llama-1b --max-model-len 4096 \
+        --batch-sizes 1,16 --max-tokens 64
+    grep -v '^{' "$OUT/speculative.log" | tail -n 8
+    ;;
 *)
-    echo "unknown stage $stage; allowed: first, check, engine, cluster, serve, prefix, overlap, profile, tiles, prefill-rows, verify, scaling, router" >&2
+    echo "unknown stage $stage; allowed: first, check, engine, cluster, serve, prefix, overlap, profile, tiles, prefill-rows, verify, scaling, router, speculative" >&2
     exit 2
     ;;
 esac

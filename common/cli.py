@@ -206,8 +206,8 @@ def worker_command(role: str):
         from common.worker import WorkerConfig
 
         setup_logging(log_level)
-        if role == "prefill":  # its steps are all prefill: no decode step to capture as graphs
-            engine_kwargs = dict(engine_kwargs, enforce_eager=True)
+        if role == "prefill":  # its steps are all prefill: no decode step to capture as graphs, or to draft for
+            engine_kwargs = dict(engine_kwargs, enforce_eager=True, speculative_config=None)
         cfg = WorkerConfig(router=router_address, engine=EngineConfig(**engine_kwargs), worker_id=worker_id,
                            host=host, threads=threads, kv_stream=not no_kv_stream, step_timeout_s=step_timeout,
                            kv_lease_s=kv_lease)

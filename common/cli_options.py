@@ -63,7 +63,7 @@ def engine_options(f):
                           '"num_speculative_tokens": K, "prompt_lookup_max": N, "prompt_lookup_min": M}. A decode '
                           "whose last N..M tokens occurred before feeds the K that followed them and keeps those the "
                           "model would have sampled: the same tokens, up to K + 1 a step (with --batch-invariant; "
-                          "turns async scheduling off)"),
+                          "turns async scheduling off; a prefill worker ignores it)"),
     ]
 
     @functools.wraps(f)

@@ -442,8 +442,9 @@ class Engine:
                 if seq.finish_reason is not None or j + 1 == end or draft[j - row] != tokens[j]:
                     break
             row = end
-            if draft:
-                self.drafter.counted(len(draft), len(new) - 1)
+            if draft:  # every token but the newest has its KV; the draft's kept are those matched
+                kept = next((k for k, (t, d) in enumerate(zip(new, draft)) if t != d), min(len(new), len(draft)))
+                self.drafter.counted(len(draft), kept)
                 seq.num_computed_tokens += len(new) - 1
                 self.block_manager.cache_computed_blocks(seq)
             if seq.finish_reason is not None:

@@ -26,20 +26,21 @@ from tests.test_cluster import run_concurrently
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
 
-def tokens(*ids):
-    return array.array("q", ids)
+def draft(ids, k, lo, hi):
+    return ngram_draft(array.array("q", ids), k, lo, hi)
 
 
 def test_ngram_draft_takes_what_followed_the_latest_longest_match():
-    assert ngram_draft(tokens(1, 2, 3, 4, 5, 1, 2, 3), 4, 1, 3) == [4, 5, 1, 2]
-    assert ngram_draft(tokens(1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3), 2, 1, 3) == [7, 1]  # the latest of two
-    assert ngram_draft(tokens(7, 2, 3, 8, 2, 3, 1, 7, 3), 2, 1, 2) == [1, 7]  # 7 3 never occurred; 3 did, last at 5
-    assert ngram_draft(tokens(4, 5, 6, 1, 2, 9, 5, 6), 3, 2, 2) == [1, 2, 9]
-    assert ngram_draft(tokens(4, 5, 6, 1, 2, 9, 5, 7), 3, 2, 3) == []  # 5 7 never occurred, 7 is below min
-    assert ngram_draft(tokens(5, 6, 7), 3, 1, 2) == []
-    assert ngram_draft(tokens(3), 3, 1, 2) == []
+    assert draft([1, 2, 3, 4, 5, 1, 2, 3], 4, 1, 3) == [4, 5, 1, 2]
+    assert draft([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 2, 1, 3) == [7, 1]  # the latest of two
+    assert draft([7, 2, 3, 8, 2, 3, 1, 7, 3], 2, 1, 2) == [1, 7]  # 7 3 never occurred; 3 did, last at 5
+    assert draft([4, 5, 6, 1, 2, 9, 5, 6], 3, 2, 2) == [1, 2, 9]
+    assert draft([4, 5, 6, 1, 2, 9, 5, 7], 3, 2, 3) == []  # 5 7 never occurred, 7 is below min
+    assert draft([5, 6, 7], 3, 1, 2) == [] and draft([3], 3, 1, 2) == []
+    assert draft([1, 1, 1], 3, 2, 2) == [1]  # an occurrence overlapping the suffix, followed by its last token
+    assert draft([2, 1, 1], 3, 1, 1) == [1]
     # 256 and 1 are the bytes 00 01 00 ..., 01 00 ...: a byte match across two tokens is no match
-    assert ngram_draft(tokens(256, 1, 0, 0, 1), 3, 1, 2) == [0, 0, 1]
+    assert draft([256, 1, 0, 0, 1], 3, 1, 2) == [0, 0, 1]
 
 
 @pytest.mark.parametrize("spec, message", [
