@@ -148,11 +148,12 @@ def chat(router_address, system, sampling, engine_kwargs):
 @http_options
 @click.option("--log-level", default="INFO", show_default=True)
 def router(model, host, port, worker_port, max_model_len, policy, router_kwargs, http_port, api_key, allowed_origins,
-           served_model_names, api_server_count, log_level):
+           served_model_names, tool_call_parser, enable_auto_tool_choice, api_server_count, log_level):
     """Run the router: clients connect to --port, workers to --worker-port, HTTP to --http-port."""
     from router.server import RouterConfig, run_router
 
-    refuse_http_flags_without_port(http_port, api_key, api_server_count, served_model_names)
+    refuse_http_flags_without_port(http_port, api_key, api_server_count, served_model_names, tool_call_parser,
+                                   enable_auto_tool_choice)
     setup_logging(log_level)
     k = router_kwargs
     run_router(RouterConfig(model=model, host=host, port=port, worker_port=worker_port or port + 1, policy=policy,
@@ -161,14 +162,21 @@ def router(model, host, port, worker_port, max_model_len, policy, router_kwargs,
                             decode_stall_timeout_s=k["decode_stall_timeout"], queue_timeout_s=k["queue_timeout"],
                             max_message_bytes=k["max_message_bytes"], http_port=http_port, api_key=api_key,
                             api_server_count=api_server_count, max_model_len=max_model_len,
-                            allowed_origins=allowed_origins, served_model_names=served_model_names))
+                            allowed_origins=allowed_origins, served_model_names=served_model_names,
+                            tool_call_parser=tool_call_parser))
 
 
-def refuse_http_flags_without_port(http_port, api_key, api_server_count, served_model_names) -> None:
-    """The HTTP API's flags without --http-port would be taken and do nothing."""
+def refuse_http_flags_without_port(http_port, api_key, api_server_count, served_model_names, tool_call_parser,
+                                   enable_auto_tool_choice) -> None:
+    """The HTTP API's flags without --http-port would be taken and do nothing; so would vLLM's
+    --enable-auto-tool-choice without a parser."""
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise click.UsageError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json): how the "
+                               "model writes its calls")
     http_only = [flag for flag, given in (("--api-key", api_key is not None),
                                           ("--api-server-count", api_server_count > 1),
-                                          ("--served-model-name", bool(served_model_names))) if given]
+                                          ("--served-model-name", bool(served_model_names)),
+                                          ("--tool-call-parser", tool_call_parser is not None)) if given]
     if http_port is None and http_only:
         raise click.UsageError(f"{' and '.join(http_only)} {'is' if len(http_only) == 1 else 'are'} for the HTTP "
                                "API: give --http-port too")
@@ -256,8 +264,8 @@ for _role in ("prefill", "decode", "mono"):
 @http_options
 @engine_options
 def launch(prefill, decode, mono, devices, host, port, worker_port, policy, log_dir, threads, no_restart, dry_run,
-           worker_args, router_kwargs, http_port, api_key, allowed_origins, served_model_names, api_server_count,
-           engine_kwargs):
+           worker_args, router_kwargs, http_port, api_key, allowed_origins, served_model_names, tool_call_parser,
+           enable_auto_tool_choice, api_server_count, engine_kwargs):
     """Bring up router + workers on this host; stop them all on Ctrl-C. Workers that share a GPU
     split it (decode workers get the larger shares) unless a memory flag sizes their pools."""
     import shlex
@@ -268,7 +276,8 @@ def launch(prefill, decode, mono, devices, host, port, worker_port, policy, log_
     if engine_kwargs["device"] != "cpu":
         raise click.UsageError(f"--device {engine_kwargs['device']} is a worker's flag; launch places its workers "
                                "with --devices (e.g. --devices cuda:0 or cuda:0,cuda:1)")
-    refuse_http_flags_without_port(http_port, api_key, api_server_count, served_model_names)
+    refuse_http_flags_without_port(http_port, api_key, api_server_count, served_model_names, tool_call_parser,
+                                   enable_auto_tool_choice)
     prefill = (0 if mono else 1) if prefill is None else prefill
     decode = (0 if mono else 1) if decode is None else decode
     if engine_kwargs["model"] in NAMED_MODELS:
@@ -278,7 +287,8 @@ def launch(prefill, decode, mono, devices, host, port, worker_port, policy, log_
         cluster = Cluster(engine_kwargs["model"], prefill, decode, mono, devices, host, port, worker_port,
                           log_dir, policy, engine_argv(engine_kwargs) + list(worker_args), threads, restart=not no_restart,
                           router_args=router_argv(router_kwargs) + ["--allowed-origins", allowed_origins]
-                          + [a for name in served_model_names for a in ("--served-model-name", name)],
+                          + [a for name in served_model_names for a in ("--served-model-name", name)]
+                          + (["--tool-call-parser", tool_call_parser] if tool_call_parser else []),
                           http_port=http_port, api_key=api_key,
                           api_server_count=api_server_count)
     except ValueError as e:

@@ -11,6 +11,7 @@ import click
 
 from common.protocol import ATTENTION_BACKENDS, KV_TRANSPORTS  # no torch here: the CLI starts light
 from router.registry import POLICIES  # torch-free too
+from router.tool_parsers import PARSERS as TOOL_PARSERS
 
 
 MODEL_HELP = ("dummy:<preset>, a named model (smollm2: `pdserve pull smollm2` first), a GGUF file or a Hugging Face "
@@ -270,6 +271,13 @@ def http_options(f):
         click.option("--served-model-name", "served_model_names", multiple=True,
                      help="the model's name in the HTTP API (vLLM's flag), repeatable: requests may name any, and "
                           "responses, /v1/models and metrics show the first [default: --model]"),
+        click.option("--tool-call-parser", default=None, type=click.Choice(list(TOOL_PARSERS)),
+                     help="how the model writes tool calls (vLLM's flag and names): hermes (Qwen2.5, Qwen3, "
+                          "Hermes), llama3_json (Llama 3.1-3.3). Turns on tool_choice \"auto\", OpenAI's default "
+                          "with tools: the calls are found in the model's text"),
+        click.option("--enable-auto-tool-choice", is_flag=True,
+                     help="vLLM's flag, taken for its command lines: --tool-call-parser, which it needs, is what "
+                          "turns tool_choice \"auto\" on"),
         click.option("--api-server-count", default=1, show_default=True, type=COUNT,
                      help="1: HTTP served in the router process; N > 1: by N API server processes sharing "
                           "--http-port, for more HTTP tokens a second than one router process carries"),

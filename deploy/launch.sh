@@ -10,6 +10,7 @@
 #   deploy/launch.sh [--prefill N] [--decode M] [--mono K] [--model SPEC] [--devices cpu,cuda:0,...]
 #                    [--host ADDR] [--port P] [--worker-port P] [--http-port P] [--api-server-count N]
 #                    [--api-key K] [--allowed-origins O,O] [--served-model-name NAME]... [--threads N]
+#                    [--tool-call-parser hermes|llama3_json] [--enable-auto-tool-choice]
 #                    [--policy least_loaded|round_robin|prefix_affine]
 #                    [--max-queue N] [--heartbeat-timeout S] [--max-attempts N] [--prefill-timeout S]
 #                    [--decode-stall-timeout S] [--queue-timeout S] [--max-message-bytes N]
@@ -62,7 +63,8 @@ while (($#)); do
     --log-dir) has_value "$@"; LOG_DIR=$2; shift 2 ;;
     --threads) int_value 1 "$@"; THREADS=$((10#$2)); shift 2 ;;
     --api-key) has_value "$@"; API_KEY=$2; shift 2 ;;
-    --allowed-origins|--served-model-name) has_value "$@"; ROUTER_LIMITS+=("$1" "$2"); shift 2 ;;
+    --allowed-origins|--served-model-name|--tool-call-parser) has_value "$@"; ROUTER_LIMITS+=("$1" "$2"); shift 2 ;;
+    --enable-auto-tool-choice) ROUTER_LIMITS+=("$1"); shift ;;
     # the router's limits, as ROUTER_OPTIONS in common/cli_options.py bounds them
     --max-queue|--max-attempts) int_value 1 "$@"; ROUTER_LIMITS+=("$1" "$2"); shift 2 ;;
     --max-message-bytes) int_value 4096 "$@"; ROUTER_LIMITS+=("$1" "$2"); shift 2 ;;
@@ -72,7 +74,7 @@ while (($#)); do
     --no-restart) RESTART=0; shift ;;
     --dry-run) DRY_RUN=1; shift ;;
     --) shift; WORKER_ARGS=("$@"); break ;;
-    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
     *) echo "launch.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done

@@ -91,14 +91,16 @@ class LocalBackend:
 class HttpFront:
     def __init__(self, backend, host: str, port: int, api_key: str | None, max_body_bytes: int,
                  sock: socket.socket | None = None, allowed_origins: str = "*",
-                 served_model_names: tuple[str, ...] = ()):
+                 served_model_names: tuple[str, ...] = (), tool_call_parser: str | None = None):
         """Serves backend (LocalBackend or RouterLink) on host:port, or on sock, a listening socket
         that API server processes share. allowed_origins: the web origins whose pages may call it
         (CORS), comma-separated; "*" any, as vLLM's default. served_model_names: what requests may
-        call the model (vLLM's --served-model-name), the first shown; by default its --model."""
+        call the model (vLLM's --served-model-name), the first shown; by default its --model.
+        tool_call_parser: how the model writes tool calls (router/tool_parsers.py), for "auto"."""
         self.backend, self.host, self.port, self.sock = backend, host, port, sock
         self.names = tuple(served_model_names) or (backend.prompts.model,)
         self.model = self.names[0]
+        self.tool_call_parser = tool_call_parser
         self.api_key = api_key.encode() if api_key else None
         self.max_body_bytes = max_body_bytes
         self.created = int(time.time())
@@ -269,7 +271,7 @@ class HttpFront:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         context = self.backend.prompts.context
-        return await self._serve(request, lambda body: parse_chat(body, self.names, context))
+        return await self._serve(request, lambda body: parse_chat(body, self.names, context, self.tool_call_parser))
 
     # ------------------------------------------------------------------ requests
 

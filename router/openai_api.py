@@ -9,7 +9,8 @@ gets a 400 naming it and what is allowed. Fields of OpenAI's API that we do not 
 default, and refused otherwise: silently ignoring them would change results.
 
 response_format json_object and json_schema hold the output to JSON (common/structured_output.py);
-so does a chat's tool_choice "required" or naming a function, shown as tool_calls (router/tool_calls.py).
+so does a chat's tool_choice "required" or naming a function, shown as tool_calls (router/tool_calls.py);
+under "auto" the calls are found in the text by the server's --tool-call-parser (router/tool_parsers.py).
 
 Extensions, as vLLM has them: top_k, min_p, repetition_penalty, min_tokens, stop_token_ids,
 ignore_eos, include_stop_str_in_output, structured_outputs (json, json_object, regex, choice,
@@ -34,7 +35,7 @@ from common.errors import InvalidArgument, short_repr
 from common.sampling_params import MAX_LOGPROBS, SamplingParams, choice_seed
 from common.text import TextStream
 from router import tool_calls
-from router.tool_calls import CallStream, Tools
+from router.tool_calls import Tools
 
 # our codes -> HTTP status, and OpenAI's error type for each status
 STATUS = {"INVALID_ARGUMENT": 400, "UNAUTHENTICATED": 401, "FORBIDDEN": 403, "NOT_FOUND": 404, "METHOD_NOT_ALLOWED": 405,
@@ -122,7 +123,7 @@ class Job:
     token_ids_as_text: bool
     max_tokens_field: str | None = None  # the body's max_tokens or max_completion_tokens, if it gave one
     echo_only: bool = False  # echo with max_tokens 0: the prompt (and its logprobs) alone, as vLLM gives it
-    tools: Tools | None = None  # a chat's tools; tools.calls: its output is shown as tool calls
+    tools: Tools | None = None  # a chat's tools: how its output is shown (Tools.message, Tools.stream)
 
     def choice_params(self, index: int) -> SamplingParams:
         """Choice index's sampling (choices are prompt-major: prompt index * n + j)."""
@@ -269,7 +270,8 @@ def parse_completion(body, served_model: Served) -> Job:
     return dataclasses.replace(job, echo_only=echo_only)
 
 
-def parse_chat(body, served_model: Served, context: int) -> Job:
+def parse_chat(body, served_model: Served, context: int, tool_parser: str | None = None) -> Job:
+    """tool_parser: the server's --tool-call-parser, for tool_choice "auto"."""
     _check_fields(body, CHAT_FIELDS, CHAT_NEUTRAL)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -283,7 +285,7 @@ def parse_chat(body, served_model: Served, context: int) -> Job:
     sampling = _sampling(body, context, logprobs=logprobs)  # by default up to the context's end, as vLLM
     if body.get("max_completion_tokens") is not None:
         sampling["max_tokens"] = body["max_completion_tokens"]
-    tools = tool_calls.parse(body, _get(body, "parallel_tool_calls", BOOL, True))
+    tools = tool_calls.parse(body, _get(body, "parallel_tool_calls", BOOL, True), tool_parser)
     if tools is not None and tools.calls:
         if sampling["structured_outputs"] is not None:
             given = "response_format" if body.get("response_format") is not None else "structured_outputs"
@@ -335,7 +337,7 @@ class Choice:
         self.offsets_of_prompt = False
         self.offset_base = 0
         self.done: P.Done | None = None
-        self.calls = CallStream(job.tools) if job.tools is not None and job.tools.calls else None
+        self.calls = job.tools.stream() if job.tools is not None else None
 
     def text_offset(self, token: int, prompt: bool) -> int:
         """Where token's text starts in the choice's text, in characters: a token inside a
@@ -449,10 +451,8 @@ class Choice:
         logprobs = self.logprobs(done.token_ids, done.logprobs, done.prompt_logprobs)
         if self.job.chat:
             message, finish = {"role": "assistant", "content": text}, done.finish_reason
-            if self.calls is not None:
-                calls = self.job.tools.tool_calls(text)
-                if calls is not None:
-                    message = {"role": "assistant", "content": None, "tool_calls": calls}
+            if self.job.tools is not None:
+                message = self.job.tools.message(text)
                 finish = self.calls_finish(finish, message)
             return {"index": self.index, "message": message, "logprobs": logprobs, "finish_reason": finish,
                     "stop_reason": done.stop_reason}

@@ -72,6 +72,7 @@ class RouterConfig:
     max_model_len: int | None = None  # the served context, prompt and output (None: the model's)
     allowed_origins: str = "*"  # HTTP: web origins allowed to call it (CORS), comma-separated; "*" any
     served_model_names: tuple[str, ...] = ()  # HTTP: the model's names (the first shown); () is (model,)
+    tool_call_parser: str | None = None  # HTTP: how the model writes tool calls, for tool_choice "auto"
 
 
 @dataclass
@@ -148,12 +149,13 @@ class Router:
                 self.api_servers = ApiServers(cfg.api_server_count, address, cfg.model, cfg.host,
                                               cfg.http_port, cfg.max_queue, cfg.max_message_bytes, cfg.api_key,
                                               self.prompts.context, cfg.allowed_origins, cfg.served_model_names,
-                                              on_exit=self._client_gone)
+                                              cfg.tool_call_parser, on_exit=self._client_gone)
         elif cfg.http_port is not None:
             from router.http import HttpFront, LocalBackend  # aiohttp is imported only where HTTP is served
 
             self.http = HttpFront(LocalBackend(self), cfg.host, cfg.http_port, cfg.api_key, cfg.max_message_bytes,
-                                  allowed_origins=cfg.allowed_origins, served_model_names=cfg.served_model_names)
+                                  allowed_origins=cfg.allowed_origins, served_model_names=cfg.served_model_names,
+                                  tool_call_parser=cfg.tool_call_parser)
 
     # ------------------------------------------------------------------ plumbing
 

@@ -4,7 +4,8 @@
 parser has to find calls in free text, and every call parses. vLLM serves these two the same way.
 
 "auto" (OpenAI's default when tools are given) lets the model choose between text and calls, which
-takes a parser for the model family's call format: refused, as vLLM refuses it without
+takes a parser for the model family's call format (router/tool_parsers.py): the server's
+--tool-call-parser, without which "auto" is refused, as vLLM refuses it without
 --enable-auto-tool-choice. "none" shows the tools to the template and generates text.
 """
 
@@ -12,10 +13,10 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass, field
 
 from common.errors import InvalidArgument, short_repr
+from router.tool_parsers import PARSERS, AutoCallStream, ToolParser, call
 
 MAX_TOOLS = 128  # OpenAI's limit
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -28,21 +29,39 @@ TOOL = '{"type": "function", "function": {"name": ..., "description": ..., "para
 class Tools:
     """A chat request's tools and what it asks of them."""
     tools: list[dict]  # as given: the chat template's `tools`
-    choice: str  # "none", "required" or "named"
+    choice: str  # "none", "auto", "required" or "named"
     name: str | None = None  # the function a named choice calls
-    parallel: bool = True  # "required" may make several calls
+    parallel: bool = True  # "required" or "auto" may make several calls
     parameters: dict[str, dict] = field(default_factory=dict)  # each function's parameters schema
+    parser: ToolParser | None = None  # "auto": the calls in the model's text
 
     @property
     def calls(self) -> bool:
-        """The output is tool calls, not text."""
-        return self.choice != "none"
+        """The output is held to tool calls, not text."""
+        return self.choice in ("named", "required")
+
+    def stream(self):
+        """What shows a streamed choice's text: None for text alone."""
+        if self.choice == "auto":
+            return AutoCallStream(self.parser, self.parallel)
+        return CallStream(self) if self.calls else None
+
+    def message(self, text: str) -> dict:
+        """A whole output as the assistant's message: content, tool_calls, or both ("auto")."""
+        if self.choice == "auto":
+            content, calls = self.parser.parse(text)
+            calls = calls if self.parallel else calls[:1]
+            return {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+        calls = self.tool_calls(text) if self.calls else None
+        if calls is None:
+            return {"role": "assistant", "content": text}
+        return {"role": "assistant", "content": None, "tool_calls": calls}
 
     def structured_outputs(self) -> dict | None:
         """The JSON the output is held to: a named function's arguments, or a list of calls."""
         if self.choice == "named":
             return {"json": self.parameters[self.name]}
-        if self.choice == "none":
+        if self.choice in ("none", "auto"):
             return None
         one_of = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
                    "properties": {"name": {"const": name}, "parameters": params}}
@@ -68,14 +87,10 @@ class Tools:
         return "stop" if self.choice == "named" else "tool_calls"
 
 
-def call(name: str, arguments: str) -> dict:
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": name, "arguments": arguments}}
-
-
-def parse(body: dict, parallel: bool = True) -> Tools | None:
+def parse(body: dict, parallel: bool = True, parser: str | None = None) -> Tools | None:
     """The tools of a chat body, checked: InvalidArgument naming the field and what is allowed.
-    parallel: its parallel_tool_calls (checked by the caller)."""
+    parallel: its parallel_tool_calls (checked by the caller); parser: the server's
+    --tool-call-parser, which "auto" needs."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     if tools is None or tools == []:
         if choice not in (None, "none", "auto"):
@@ -99,9 +114,12 @@ def parse(body: dict, parallel: bool = True) -> Tools | None:
                                   "description and a JSON schema of the parameters", param="tools")
         parameters[name] = params or NO_PARAMETERS
     if choice in (None, "auto"):
-        raise InvalidArgument('tool_choice "auto" (the default with tools) lets the model choose between text and '
-                              "calls, which needs a parser for its call format that pdserve does not have; "
-                              f"allowed: {CHOICES}", param="tool_choice")
+        if parser is None:
+            raise InvalidArgument('tool_choice "auto" (the default with tools) lets the model choose between text '
+                                  "and calls, which needs a parser for its call format: start the server with "
+                                  f"--tool-call-parser ({', '.join(PARSERS)}); allowed without one: {CHOICES}",
+                                  param="tool_choice")
+        return Tools(tools, "auto", parallel=parallel, parameters=parameters, parser=PARSERS[parser])
     if choice in ("none", "required"):
         return Tools(tools, choice, parallel=parallel, parameters=parameters)
     fn = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None

@@ -86,6 +86,9 @@ def test_launch_refuses_flags_it_would_silently_ignore():
         (["--heartbeat-timeout", "0"], "'--heartbeat-timeout': 0.0 is not in the range x>=0.5"),
         (["--prefill", "-1"], "'--prefill': -1 is not in the range x>=0"),
         (["--threads", "0"], "'--threads': 0 is not in the range x>=1"),
+        (["--tool-call-parser", "hermes"], "--tool-call-parser is for the HTTP API: give --http-port too"),
+        (["--http-port", "0", "--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
+        (["--http-port", "0", "--tool-call-parser", "mistral"], "'mistral' is not one of 'hermes', 'llama3_json'"),
     ]
     for args, message in cases:
         r = pdserve("launch", "--dry-run", *args)

@@ -41,7 +41,8 @@ def served(request, tmp_path_factory):
     """Every test below runs against HTTP served in the router process and by two API server
     processes beside it (--api-server-count 2): they must not differ."""
     with cluster(tmp_path_factory.mktemp("http"), http=True, api_key=KEY, api_servers=request.param,
-                 router_args=["--max-queue", "16", "--served-model-name", ALIAS, "--served-model-name", MODEL]) as c:
+                 router_args=["--max-queue", "16", "--served-model-name", ALIAS, "--served-model-name", MODEL,
+                              "--tool-call-parser", "hermes"]) as c:
         yield c
 
 
@@ -230,9 +231,37 @@ def test_tool_choice_gives_tool_calls_of_the_engines_json(served, engine):
     r = client.chat.completions.create(model=MODEL, messages=messages, tools=tools, tool_choice="none",
                                        max_completion_tokens=8, temperature=0)
     assert (r.choices[0].message.content, r.choices[0].message.tool_calls) == (want.text, None)
-    with pytest.raises(openai.BadRequestError) as e:  # auto, the default with tools: no parser for free text
-        client.chat.completions.create(model=MODEL, messages=messages, tools=tools)
-    assert e.value.body["param"] == "tool_choice"
+
+
+def test_auto_tool_choice_finds_the_calls_in_the_models_text(served):
+    """tool_choice "auto" (the default with tools) under --tool-call-parser hermes: calls written
+    in Hermes' format are shown as tool_calls, the text before them as content, and an answer
+    without calls as text; streamed, the content as it comes and the calls at the end. A random
+    model is made to write them by a regex only they match."""
+    client, tools = api(served), [WEATHER, CLOCK]
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
+    two = call + '\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    cases = [("", call, [("get_weather", {"city": "Paris", "days": 2})]),
+             ("Let me look. ", two, [("get_weather", {"city": "Paris", "days": 2}), ("get_time", {})]),
+             ("It is sunny.", "", [])]
+    for content, calls_text, want in cases:
+        body = dict(model=MODEL, messages=messages, tools=tools, max_completion_tokens=400, temperature=0.8, seed=1,
+                    extra_body={"structured_outputs": {"regex": re.escape(content + calls_text)}})
+        r = client.chat.completions.create(**body)
+        message = r.choices[0].message
+        assert message.content == (content or None)
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []] == want
+        assert r.choices[0].finish_reason == ("tool_calls" if want else "stop")
+        chunks = [c.choices[0] for c in client.chat.completions.create(stream=True, **body) if c.choices]
+        streamed = [t for c in chunks if c.delta.tool_calls for t in c.delta.tool_calls]
+        assert "".join(c.delta.content or "" for c in chunks) == content
+        assert [(t.function.name, json.loads(t.function.arguments)) for t in streamed] == want
+        assert chunks[-1].finish_reason == ("tool_calls" if want else "stop")
+    body["parallel_tool_calls"] = False  # the first call alone
+    body["extra_body"] = {"structured_outputs": {"regex": re.escape(two)}}
+    assert [c.function.name for c in client.chat.completions.create(**body).choices[0].message.tool_calls] == \
+        ["get_weather"]
 
 
 def test_usage_says_how_much_of_the_prompt_was_found_cached(served):

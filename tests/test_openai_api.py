@@ -175,9 +175,11 @@ def test_bad_completion_fields_are_named(body, param, text):
      "max_completion_tokens=0"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools",
      "tools[0]={'type': 'function'} is invalid; allowed: {\"type\": \"function\", \"function\""),
-    ({"messages": [{"role": "user", "content": "x"}], "tools": [TOOL]}, "tool_choice", 'tool_choice "auto"'),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [TOOL]}, "tool_choice",
+     'tool_choice "auto" (the default with tools) lets the model choose between text and calls, which needs a '
+     "parser for its call format: start the server with --tool-call-parser (hermes, llama3_json)"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [TOOL], "tool_choice": "auto"}, "tool_choice",
-     'allowed: "none", "required" or {"type": "function", "function": {"name": ...}}'),
+     'allowed without one: "none", "required" or {"type": "function", "function": {"name": ...}}'),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [TOOL, TOOL], "tool_choice": "none"}, "tools",
      "unique among the tools"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [TOOL],

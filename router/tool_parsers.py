@@ -1,0 +1,148 @@
+"""Tool calls found in a model's free text: what tool_choice "auto" needs, where the model chooses
+between answering and calling. Each model family writes calls its own way, so the server is told
+which (`--tool-call-parser`, vLLM's flag and names):
+
+- hermes (Qwen2.5, Qwen3, Hermes, and most models trained on Hermes' format):
+  `<tool_call>{"name": "f", "arguments": {...}}</tool_call>`, one block per call;
+- llama3_json (Llama 3.1 to 3.3): the message is `{"name": "f", "parameters": {...}}`, optionally
+  after `<|python_tag|>`, several separated by `;`.
+
+Text before the first call is the message's content. Calls that do not parse leave the whole
+text as content, as vLLM does. A stream sends the content as it comes, holding back what could
+begin a call, and the calls once the output is whole.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+
+
+def call(name: str, arguments: str) -> dict:
+    """A tool call as OpenAI shows it; arguments: a JSON string."""
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+class ToolParser:
+    name = ""
+
+    def start(self, text: str) -> int | None:
+        """Where the calls begin in text, or None while they have not."""
+        raise NotImplementedError
+
+    def held_from(self, text: str) -> int:
+        """Where text stops being surely content: from there on it may be the beginning of a call."""
+        raise NotImplementedError
+
+    def calls(self, section: str) -> list[dict] | None:
+        """The calls of the text from start() on, as OpenAI shows them; None if they do not parse."""
+        raise NotImplementedError
+
+    def parse(self, text: str) -> tuple[str | None, list[dict]]:
+        """(content, calls) of a whole output: content None where only calls were written."""
+        at = self.start(text)
+        calls = None if at is None else self.calls(text[at:])
+        if not calls:
+            return text, []
+        return (text[:at] if text[:at].strip() else None), calls
+
+
+def _arguments(obj, key: str) -> list[dict] | None:
+    """A call from {"name": ..., key: {...}}, or None."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    arguments = obj.get(key, obj.get("arguments", {}))
+    if not isinstance(arguments, dict):
+        return None
+    return call(obj["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+class Hermes(ToolParser):
+    name = "hermes"
+    START = "<tool_call>"
+    BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|\Z)", re.S)
+
+    def start(self, text):
+        at = text.find(self.START)
+        return None if at < 0 else at
+
+    def held_from(self, text):
+        for k in range(min(len(self.START) - 1, len(text)), 0, -1):
+            if self.START.startswith(text[-k:]):
+                return len(text) - k
+        return len(text)
+
+    def calls(self, section):
+        out = []
+        for block in self.BLOCK.findall(section):
+            try:
+                made = _arguments(json.loads(block), "arguments")
+            except ValueError:
+                return None
+            if made is None:
+                return None
+            out.append(made)
+        return out or None
+
+
+class Llama3Json(ToolParser):
+    name = "llama3_json"
+    TAG = "<|python_tag|>"
+
+    def start(self, text):
+        body = text.lstrip()
+        if body.startswith(self.TAG) or body.startswith("{"):
+            return len(text) - len(body)
+        return None
+
+    def held_from(self, text):
+        body = text.lstrip()
+        return len(text) - len(body) if self.TAG.startswith(body) else len(text)  # "" (all blank) included
+
+    def calls(self, section):
+        rest, out = section.strip().removeprefix(self.TAG).strip(), []
+        decoder = json.JSONDecoder()
+        while rest:
+            try:
+                obj, end = decoder.raw_decode(rest)
+            except ValueError:
+                return None
+            made = _arguments(obj, "parameters")
+            if made is None:
+                return None
+            out.append(made)
+            rest = rest[end:].strip().removeprefix(";").strip()
+        return out or None
+
+
+PARSERS = {p.name: p for p in (Hermes(), Llama3Json())}
+
+
+class AutoCallStream:
+    """A streamed choice under tool_choice "auto": content deltas while the text is surely content,
+    then, once the output is whole, its calls (or, if they do not parse, the rest as content)."""
+
+    def __init__(self, parser: ToolParser, parallel: bool = True):
+        self.parser, self.parallel, self.text, self.sent, self.calls_at = parser, parallel, "", 0, None
+
+    def delta(self, text: str, finished: bool) -> dict:
+        self.text += text
+        if self.calls_at is None:
+            self.calls_at = self.parser.start(self.text)
+        calls = None
+        if finished:
+            calls = None if self.calls_at is None else self.parser.calls(self.text[self.calls_at:])
+            upto = self.calls_at if calls else len(self.text)
+        else:
+            upto = self.calls_at if self.calls_at is not None else self.parser.held_from(self.text)
+        if (calls or not finished) and not self.text[:upto].strip():
+            upto = 0  # blank so far: content only if something else follows (parse's None)
+        delta = {}
+        if upto > self.sent:
+            delta["content"] = self.text[self.sent:upto]
+            self.sent = upto
+        if calls:
+            delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls if self.parallel else calls[:1])]
+        return delta
