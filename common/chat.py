@@ -62,6 +62,25 @@ class ChatTemplate:
                                   f"{type(e).__name__}: {e}") from e
 
 
+TEMPLATE_OWN = ("messages", "tools", "documents", "add_generation_prompt")  # set by the request's own fields
+
+
+def check_template_kwargs(kwargs) -> dict | None:
+    """vLLM's chat_template_kwargs: more variables for the chat template (enable_thinking, ...),
+    JSON data under names the request's own fields do not set; InvalidArgument otherwise."""
+    if kwargs is None:
+        return None
+    if not isinstance(kwargs, dict):
+        raise InvalidArgument(f"chat_template_kwargs={_short(kwargs)} is invalid; allowed: an object of template "
+                              'variables, e.g. {"enable_thinking": false}')
+    taken = sorted(k for k in kwargs if k in TEMPLATE_OWN or k in SPECIAL_TOKENS)
+    if taken:
+        raise InvalidArgument(f"chat_template_kwargs sets {taken}; allowed: other names ({', '.join(TEMPLATE_OWN)} "
+                              "and the special tokens come from the request and the model)")
+    _check_data(kwargs, "chat_template_kwargs")
+    return kwargs
+
+
 def check_messages(messages) -> list[dict]:
     """OpenAI-style messages: a non-empty list of objects with a role (any non-empty string) and a
     content, a string or a list of {"type": "text", "text"} parts (joined by newlines, as vLLM

@@ -148,12 +148,13 @@ def chat(router_address, system, sampling, engine_kwargs):
 @http_options
 @click.option("--log-level", default="INFO", show_default=True)
 def router(model, host, port, worker_port, max_model_len, policy, router_kwargs, http_port, api_key, allowed_origins,
-           served_model_names, tool_call_parser, enable_auto_tool_choice, api_server_count, log_level):
+           served_model_names, tool_call_parser, reasoning_parser, enable_auto_tool_choice, api_server_count, log_level):
     """Run the router: clients connect to --port, workers to --worker-port, HTTP to --http-port."""
+    from router.openai_api import OutputParsers
     from router.server import RouterConfig, run_router
 
     refuse_http_flags_without_port(http_port, api_key, api_server_count, served_model_names, tool_call_parser,
-                                   enable_auto_tool_choice)
+                                   reasoning_parser, enable_auto_tool_choice)
     setup_logging(log_level)
     k = router_kwargs
     run_router(RouterConfig(model=model, host=host, port=port, worker_port=worker_port or port + 1, policy=policy,
@@ -163,11 +164,11 @@ def router(model, host, port, worker_port, max_model_len, policy, router_kwargs,
                             max_message_bytes=k["max_message_bytes"], http_port=http_port, api_key=api_key,
                             api_server_count=api_server_count, max_model_len=max_model_len,
                             allowed_origins=allowed_origins, served_model_names=served_model_names,
-                            tool_call_parser=tool_call_parser))
+                            parsers=OutputParsers(tool_call_parser, reasoning_parser)))
 
 
 def refuse_http_flags_without_port(http_port, api_key, api_server_count, served_model_names, tool_call_parser,
-                                   enable_auto_tool_choice) -> None:
+                                   reasoning_parser, enable_auto_tool_choice) -> None:
     """The HTTP API's flags without --http-port would be taken and do nothing; so would vLLM's
     --enable-auto-tool-choice without a parser."""
     if enable_auto_tool_choice and tool_call_parser is None:
@@ -176,7 +177,8 @@ def refuse_http_flags_without_port(http_port, api_key, api_server_count, served_
     http_only = [flag for flag, given in (("--api-key", api_key is not None),
                                           ("--api-server-count", api_server_count > 1),
                                           ("--served-model-name", bool(served_model_names)),
-                                          ("--tool-call-parser", tool_call_parser is not None)) if given]
+                                          ("--tool-call-parser", tool_call_parser is not None),
+                                          ("--reasoning-parser", reasoning_parser is not None)) if given]
     if http_port is None and http_only:
         raise click.UsageError(f"{' and '.join(http_only)} {'is' if len(http_only) == 1 else 'are'} for the HTTP "
                                "API: give --http-port too")
@@ -265,19 +267,20 @@ for _role in ("prefill", "decode", "mono"):
 @engine_options
 def launch(prefill, decode, mono, devices, host, port, worker_port, policy, log_dir, threads, no_restart, dry_run,
            worker_args, router_kwargs, http_port, api_key, allowed_origins, served_model_names, tool_call_parser,
-           enable_auto_tool_choice, api_server_count, engine_kwargs):
+           reasoning_parser, enable_auto_tool_choice, api_server_count, engine_kwargs):
     """Bring up router + workers on this host; stop them all on Ctrl-C. Workers that share a GPU
     split it (decode workers get the larger shares) unless a memory flag sizes their pools."""
     import shlex
 
     from common.model_hub import NAMED_MODELS, named_model_path
     from router.launcher import Cluster, run_launch
+    from router.openai_api import OutputParsers
 
     if engine_kwargs["device"] != "cpu":
         raise click.UsageError(f"--device {engine_kwargs['device']} is a worker's flag; launch places its workers "
                                "with --devices (e.g. --devices cuda:0 or cuda:0,cuda:1)")
     refuse_http_flags_without_port(http_port, api_key, api_server_count, served_model_names, tool_call_parser,
-                                   enable_auto_tool_choice)
+                                   reasoning_parser, enable_auto_tool_choice)
     prefill = (0 if mono else 1) if prefill is None else prefill
     decode = (0 if mono else 1) if decode is None else decode
     if engine_kwargs["model"] in NAMED_MODELS:
@@ -288,7 +291,7 @@ def launch(prefill, decode, mono, devices, host, port, worker_port, policy, log_
                           log_dir, policy, engine_argv(engine_kwargs) + list(worker_args), threads, restart=not no_restart,
                           router_args=router_argv(router_kwargs) + ["--allowed-origins", allowed_origins]
                           + [a for name in served_model_names for a in ("--served-model-name", name)]
-                          + (["--tool-call-parser", tool_call_parser] if tool_call_parser else []),
+                          + OutputParsers(tool_call_parser, reasoning_parser).argv(),
                           http_port=http_port, api_key=api_key,
                           api_server_count=api_server_count)
     except ValueError as e:

@@ -11,6 +11,7 @@ import click
 
 from common.protocol import ATTENTION_BACKENDS, KV_TRANSPORTS  # no torch here: the CLI starts light
 from router.registry import POLICIES  # torch-free too
+from router.reasoning import PARSERS as REASONING_PARSERS
 from router.tool_parsers import PARSERS as TOOL_PARSERS
 
 
@@ -275,6 +276,10 @@ def http_options(f):
                      help="how the model writes tool calls (vLLM's flag and names): hermes (Qwen2.5, Qwen3, "
                           "Hermes), llama3_json (Llama 3.1-3.3). Turns on tool_choice \"auto\", OpenAI's default "
                           "with tools: the calls are found in the model's text"),
+        click.option("--reasoning-parser", default=None, type=click.Choice(list(REASONING_PARSERS)),
+                     help="how the model writes its reasoning (vLLM's flag and names): qwen3 (Qwen3, QwQ: "
+                          "<think>...</think>), deepseek_r1 (DeepSeek-R1 and its distills). A chat's response shows "
+                          "it as reasoning_content, apart from the answer's content"),
         click.option("--enable-auto-tool-choice", is_flag=True,
                      help="vLLM's flag, taken for its command lines: --tool-call-parser, which it needs, is what "
                           "turns tool_choice \"auto\" on"),

@@ -39,12 +39,13 @@ class _ChatMixin:
     chat_template: ChatTemplate | None = None
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None) -> list[int]:
-        """tools: OpenAI's function tools, for a template that shows them to the model."""
+                    tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
+        """tools: OpenAI's function tools, for a template that shows them to the model;
+        template_kwargs: more of its variables (vLLM's chat_template_kwargs: enable_thinking...)."""
         if self.chat_template is None:
             raise InvalidArgument("this model has no chat template; send a prompt instead of messages")
-        return self.encode(self.chat_template.render(messages, add_generation_prompt, tools=tools),
-                           add_special_tokens=False)
+        text = self.chat_template.render(messages, add_generation_prompt, **(template_kwargs or {}), tools=tools)
+        return self.encode(text, add_special_tokens=False)
 
 
 class ByteTokenizer(_ChatMixin):

@@ -46,7 +46,7 @@ from common.errors import PdserveError
 from common.sampling_params import SamplingParams
 from router.client import LOST, Connection, replies
 from router.launcher import HEALTHY_S, die_with_parent, restart_delay
-from router.openai_api import ApiError
+from router.openai_api import ApiError, OutputParsers
 from router.prompts import Prompts
 
 log = logging.getLogger("pdserve.api_server")
@@ -186,7 +186,7 @@ async def serve(args):
     host, port = sock.getsockname()[:2]
     front = HttpFront(link, host, port, os.environ.get("PDSERVE_API_KEY") or None, args.max_body_bytes, sock=sock,
                       allowed_origins=args.allowed_origins, served_model_names=args.served_model_name or (),
-                      tool_call_parser=args.tool_call_parser)
+                      parsers=OutputParsers(args.tool_call_parser, args.reasoning_parser))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -218,6 +218,7 @@ def main(argv=None):
     parser.add_argument("--allowed-origins", default="*", help="web origins allowed to call it (CORS)")
     parser.add_argument("--served-model-name", action="append", help="the model's names in the API (repeated)")
     parser.add_argument("--tool-call-parser", default=None, help="how the model writes tool calls (auto tool choice)")
+    parser.add_argument("--reasoning-parser", default=None, help="how the model writes its reasoning")
     parser.add_argument("--index", type=int, default=0)
     parser.add_argument("--parent", type=int, default=None, help="exit if this process is no longer the parent")
     parser.add_argument("--ready-fd", type=int, default=None, help="a pipe to write a byte to once serving")
@@ -254,7 +255,7 @@ class ApiServers:
 
     def __init__(self, count: int, router_address: str, model: str, host: str, port: int, max_queue: int,
                  max_body_bytes: int, api_key: str | None, max_model_len: int, allowed_origins: str = "*",
-                 served_model_names: tuple[str, ...] = (), tool_call_parser: str | None = None,
+                 served_model_names: tuple[str, ...] = (), parsers: OutputParsers = OutputParsers(),
                  on_exit: Callable[[bytes], None] = lambda identity: None):
         """on_exit(identity): an API server died; its requests have nobody to go to (Router._client_gone)."""
         self.on_exit = on_exit
@@ -270,7 +271,7 @@ class ApiServers:
                      "--max-body-bytes", str(max_body_bytes), "--allowed-origins", allowed_origins,
                      "--parent", str(os.getpid())]
         self.argv += [a for name in served_model_names for a in ("--served-model-name", name)]
-        self.argv += ["--tool-call-parser", tool_call_parser] if tool_call_parser else []
+        self.argv += parsers.argv()
         self.procs: list[subprocess.Popen | None] = [None] * count
         self.started = [0.0] * count
         self.restarts = [0] * count  # of each server, in a row

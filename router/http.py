@@ -46,7 +46,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from common import protocol as P
 from common.errors import InvalidArgument
 from common.sampling_params import SamplingParams
-from router.openai_api import (RETRY_AFTER_S, ApiError, Choice, Envelope, Job, check_model, parse_chat,
+from router.openai_api import (RETRY_AFTER_S, ApiError, Choice, Envelope, Job, OutputParsers, check_model, parse_chat,
                                parse_completion, parse_detokenize, parse_tokenize, usage)
 from router.prompts import Prompts
 from router.registry import DECODE_ROLES, PREFILL_ROLES, missing_roles
@@ -91,16 +91,16 @@ class LocalBackend:
 class HttpFront:
     def __init__(self, backend, host: str, port: int, api_key: str | None, max_body_bytes: int,
                  sock: socket.socket | None = None, allowed_origins: str = "*",
-                 served_model_names: tuple[str, ...] = (), tool_call_parser: str | None = None):
+                 served_model_names: tuple[str, ...] = (), parsers: OutputParsers = OutputParsers()):
         """Serves backend (LocalBackend or RouterLink) on host:port, or on sock, a listening socket
         that API server processes share. allowed_origins: the web origins whose pages may call it
         (CORS), comma-separated; "*" any, as vLLM's default. served_model_names: what requests may
         call the model (vLLM's --served-model-name), the first shown; by default its --model.
-        tool_call_parser: how the model writes tool calls (router/tool_parsers.py), for "auto"."""
+        parsers: how the model writes tool calls and reasoning (--tool-call-parser, --reasoning-parser)."""
         self.backend, self.host, self.port, self.sock = backend, host, port, sock
         self.names = tuple(served_model_names) or (backend.prompts.model,)
         self.model = self.names[0]
-        self.tool_call_parser = tool_call_parser
+        self.parsers = parsers
         self.api_key = api_key.encode() if api_key else None
         self.max_body_bytes = max_body_bytes
         self.created = int(time.time())
@@ -271,7 +271,7 @@ class HttpFront:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         context = self.backend.prompts.context
-        return await self._serve(request, lambda body: parse_chat(body, self.names, context, self.tool_call_parser))
+        return await self._serve(request, lambda body: parse_chat(body, self.names, context, self.parsers))
 
     # ------------------------------------------------------------------ requests
 
@@ -376,7 +376,7 @@ def _prepare(parse, body, prompts) -> tuple[Job, list]:
     """A body checked into a Job, and each of its prompts' ids and sampling."""
     job: Job = parse(body)
     tools = job.tools.tools if job.tools else None
-    return job, [prompts.validate(prompt, job.messages, job.params, job.max_tokens_field, tools)
+    return job, [prompts.validate(prompt, job.messages, job.params, job.max_tokens_field, tools, job.template_kwargs)
                  for prompt in job.prompts]
 
 

@@ -31,10 +31,12 @@ from dataclasses import dataclass
 
 from common import protocol as P
 from common import structured_output
+from common.chat import check_template_kwargs
 from common.errors import InvalidArgument, short_repr
 from common.sampling_params import MAX_LOGPROBS, SamplingParams, choice_seed
 from common.text import TextStream
 from router import tool_calls
+from router.reasoning import PARSERS as REASONING_PARSERS, ReasoningParser
 from router.tool_calls import Tools
 
 # our codes -> HTTP status, and OpenAI's error type for each status
@@ -86,9 +88,9 @@ NEUTRAL = {
     # vLLM's extensions, at what we do
     "skip_special_tokens": ((None, True), "true"), "spaces_between_special_tokens": ((None, True), "true"),
     "add_generation_prompt": ((None, True), "true"), "continue_final_message": ((None, False), "false"),
-    "chat_template_kwargs": ((None, {}), "null or {}"), "echo": ((None, False), "false (in chat)"),
+    "echo": ((None, False), "false (in chat)"),
 }
-CHAT_ONLY_NEUTRAL = {"add_generation_prompt", "continue_final_message", "chat_template_kwargs", "echo"}
+CHAT_ONLY_NEUTRAL = {"add_generation_prompt", "continue_final_message", "echo"}
 TOOL_FIELDS = {"tools", "tool_choice", "parallel_tool_calls"}  # a completion's are neutral; a chat's: tool_calls.parse
 # vLLM's add_special_tokens, at what each endpoint does: a prompt's text gets them, a chat's
 # template writes its own.
@@ -104,7 +106,7 @@ COMMON_FIELDS = {"model", "n", "stream", "stream_options", "return_tokens_as_tok
                  *SAMPLING, "response_format", "structured_outputs"}
 COMPLETION_FIELDS = COMMON_FIELDS | set(COMPLETION_NEUTRAL) | {"prompt", "logprobs", "echo", "best_of"}
 CHAT_FIELDS = (COMMON_FIELDS | set(CHAT_NEUTRAL) | TOOL_FIELDS
-               | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"})
+               | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "chat_template_kwargs"})
 
 
 @dataclass
@@ -124,6 +126,8 @@ class Job:
     max_tokens_field: str | None = None  # the body's max_tokens or max_completion_tokens, if it gave one
     echo_only: bool = False  # echo with max_tokens 0: the prompt (and its logprobs) alone, as vLLM gives it
     tools: Tools | None = None  # a chat's tools: how its output is shown (Tools.message, Tools.stream)
+    template_kwargs: dict | None = None  # a chat's chat_template_kwargs: its template's own variables
+    reasoning: ReasoningParser | None = None  # a chat's output split into reasoning_content and content
 
     def choice_params(self, index: int) -> SamplingParams:
         """Choice index's sampling (choices are prompt-major: prompt index * n + j)."""
@@ -270,8 +274,21 @@ def parse_completion(body, served_model: Served) -> Job:
     return dataclasses.replace(job, echo_only=echo_only)
 
 
-def parse_chat(body, served_model: Served, context: int, tool_parser: str | None = None) -> Job:
-    """tool_parser: the server's --tool-call-parser, for tool_choice "auto"."""
+@dataclass(frozen=True)
+class OutputParsers:
+    """How the served model writes what a chat's response shows apart from its text: the server's
+    --tool-call-parser (router/tool_parsers.py: tool_choice "auto") and --reasoning-parser
+    (router/reasoning.py: reasoning_content)."""
+    tool_call: str | None = None
+    reasoning: str | None = None
+
+    def argv(self) -> list[str]:
+        """Their flags, for another process that serves the same API."""
+        return ((["--tool-call-parser", self.tool_call] if self.tool_call else [])
+                + (["--reasoning-parser", self.reasoning] if self.reasoning else []))
+
+
+def parse_chat(body, served_model: Served, context: int, parsers: OutputParsers = OutputParsers()) -> Job:
     _check_fields(body, CHAT_FIELDS, CHAT_NEUTRAL)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -285,7 +302,7 @@ def parse_chat(body, served_model: Served, context: int, tool_parser: str | None
     sampling = _sampling(body, context, logprobs=logprobs)  # by default up to the context's end, as vLLM
     if body.get("max_completion_tokens") is not None:
         sampling["max_tokens"] = body["max_completion_tokens"]
-    tools = tool_calls.parse(body, _get(body, "parallel_tool_calls", BOOL, True), tool_parser)
+    tools = tool_calls.parse(body, _get(body, "parallel_tool_calls", BOOL, True), parsers.tool_call)
     if tools is not None and tools.calls:
         if sampling["structured_outputs"] is not None:
             given = "response_format" if body.get("response_format") is not None else "structured_outputs"
@@ -295,7 +312,13 @@ def parse_chat(body, served_model: Served, context: int, tool_parser: str | None
         sampling["structured_outputs"] = structured_output.check(tools.structured_outputs(), "tools",
                                                                   "the tools' parameters (as one schema)")
     job = _job(body, served_model, True, [""], messages, sampling, False, logprobs)
-    return dataclasses.replace(job, tools=tools)
+    try:
+        template_kwargs = check_template_kwargs(body.get("chat_template_kwargs"))
+    except InvalidArgument as e:
+        e.param = "chat_template_kwargs"
+        raise
+    reasoning = None if parsers.reasoning is None else REASONING_PARSERS[parsers.reasoning]
+    return dataclasses.replace(job, tools=tools, template_kwargs=template_kwargs, reasoning=reasoning)
 
 
 # ----------------------------------------------------------------------------- responses
@@ -338,6 +361,7 @@ class Choice:
         self.offset_base = 0
         self.done: P.Done | None = None
         self.calls = job.tools.stream() if job.tools is not None else None
+        self.thinking = job.reasoning.stream() if job.reasoning is not None else None
 
     def text_offset(self, token: int, prompt: bool) -> int:
         """Where token's text starts in the choice's text, in characters: a token inside a
@@ -419,10 +443,15 @@ class Choice:
             text = self.prompt_text + text
         self.started = True
         if self.job.chat:
+            reasoning = ""
+            if self.thinking is not None:  # the reasoning, then the answer: calls are the answer's
+                reasoning, text = self.thinking.feed(text, finish is not None)
             delta = {"content": text} if text else {}
             if self.calls is not None:
                 delta = self.calls.delta(text, finish is not None)
                 finish = self.calls_finish(finish, delta)
+            if reasoning:
+                delta = {"reasoning_content": reasoning, **delta}
             if not delta and finish is None and not (logprobs and logprobs["content"]):
                 return out  # nothing to say yet (text held back for a stop string, a partial character)
             out.append({"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
@@ -450,10 +479,15 @@ class Choice:
         text = done.text or ""
         logprobs = self.logprobs(done.token_ids, done.logprobs, done.prompt_logprobs)
         if self.job.chat:
+            reasoning = None
+            if self.job.reasoning is not None:
+                reasoning, text = self.job.reasoning.split(text)
             message, finish = {"role": "assistant", "content": text}, done.finish_reason
-            if self.job.tools is not None:
+            if self.job.tools is not None and text is not None:  # (None: all reasoning, cut before the answer)
                 message = self.job.tools.message(text)
                 finish = self.calls_finish(finish, message)
+            if self.job.reasoning is not None:
+                message["reasoning_content"] = reasoning
             return {"index": self.index, "message": message, "logprobs": logprobs, "finish_reason": finish,
                     "stop_reason": done.stop_reason}
         return {"index": self.index, "text": (self.prompt_text if self.job.echo else "") + text,

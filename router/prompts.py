@@ -24,18 +24,19 @@ class Prompts:
         self.context = max_model_len or full
 
     def validate(self, prompt: str | list[int], messages: list[dict] | None, sampling: dict | SamplingParams,
-                 max_tokens_field: str | None = None, tools: list[dict] | None = None) -> tuple[list[int], SamplingParams]:
+                 max_tokens_field: str | None = None, tools: list[dict] | None = None,
+                 template_kwargs: dict | None = None) -> tuple[list[int], SamplingParams]:
         """A request's prompt ids and sampling, or InvalidArgument naming what is wrong. Over HTTP
         a max_tokens the body gave (its field: max_tokens_field) must fit in the context with the
         prompt, as vLLM has it; otherwise (a default, an SDK client's) the engine cuts it to fit.
-        tools: a chat's, for its template."""
+        tools and template_kwargs: a chat's, for its template."""
         params = sampling if isinstance(sampling, SamplingParams) else SamplingParams.from_dict(sampling)
         params.check_vocab(self.model_config.vocab_size)
         if messages is not None or isinstance(prompt, str):
             if messages is not None and prompt:
                 raise InvalidArgument("a request with messages must have an empty prompt; send one or the other",
                                       param="prompt")
-            ids = self.encode(prompt, messages, tools)
+            ids = self.encode(prompt, messages, tools, template_kwargs)
         else:
             ids = prompt
         limit = self.context
@@ -54,14 +55,17 @@ class Prompts:
                                   f"{limit - len(ids)}", param=max_tokens_field)
         return ids, params
 
-    def encode(self, text: str | None, messages: list[dict] | None, tools: list[dict] | None = None) -> list[int]:
+    def encode(self, text: str | None, messages: list[dict] | None, tools: list[dict] | None = None,
+               template_kwargs: dict | None = None) -> list[int]:
         """The token ids of text, or of messages through the chat template."""
         if self.tokenizer is None:
             raise InvalidArgument(f"model {self.model!r} has no tokenizer; send token ids",
                                   param="prompt" if messages is None else "messages")
         param = "prompt" if messages is None else "messages"
         try:
-            return self.tokenizer.encode(text) if messages is None else self.tokenizer.encode_chat(messages, tools=tools)
+            if messages is None:
+                return self.tokenizer.encode(text)
+            return self.tokenizer.encode_chat(messages, tools=tools, template_kwargs=template_kwargs)
         except InvalidArgument as e:
             e.param = e.param or param
             raise

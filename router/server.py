@@ -34,6 +34,7 @@ from common.errors import InvalidArgument, port_free
 from common.sampling_params import SamplingParams, fresh_seed
 from common.security import close_context
 from router.metrics import RouterMetrics
+from router.openai_api import OutputParsers
 from router.prefix_affinity import PromptChain, remember
 from router.prompts import Prompts
 from router.registry import DECODE_ROLES, PREFILL_ROLES, Registry, Worker, invariance_split, missing_roles
@@ -72,7 +73,7 @@ class RouterConfig:
     max_model_len: int | None = None  # the served context, prompt and output (None: the model's)
     allowed_origins: str = "*"  # HTTP: web origins allowed to call it (CORS), comma-separated; "*" any
     served_model_names: tuple[str, ...] = ()  # HTTP: the model's names (the first shown); () is (model,)
-    tool_call_parser: str | None = None  # HTTP: how the model writes tool calls, for tool_choice "auto"
+    parsers: OutputParsers = OutputParsers()  # HTTP: how the model writes tool calls and reasoning
 
 
 @dataclass
@@ -149,13 +150,13 @@ class Router:
                 self.api_servers = ApiServers(cfg.api_server_count, address, cfg.model, cfg.host,
                                               cfg.http_port, cfg.max_queue, cfg.max_message_bytes, cfg.api_key,
                                               self.prompts.context, cfg.allowed_origins, cfg.served_model_names,
-                                              cfg.tool_call_parser, on_exit=self._client_gone)
+                                              cfg.parsers, on_exit=self._client_gone)
         elif cfg.http_port is not None:
             from router.http import HttpFront, LocalBackend  # aiohttp is imported only where HTTP is served
 
             self.http = HttpFront(LocalBackend(self), cfg.host, cfg.http_port, cfg.api_key, cfg.max_message_bytes,
                                   allowed_origins=cfg.allowed_origins, served_model_names=cfg.served_model_names,
-                                  tool_call_parser=cfg.tool_call_parser)
+                                  parsers=cfg.parsers)
 
     # ------------------------------------------------------------------ plumbing
 

@@ -264,6 +264,37 @@ def test_auto_tool_choice_finds_the_calls_in_the_models_text(served):
         ["get_weather"]
 
 
+def test_reasoning_is_shown_apart_from_the_answer_and_its_calls(tmp_path):
+    """--reasoning-parser qwen3 beside --tool-call-parser hermes: what the model writes in
+    <think> is reasoning_content, streamed and not; the calls after it are found as without
+    reasoning; chat_template_kwargs reach the template (checked by name)."""
+    weather = '{"name": "get_weather", "arguments": {"city": "Paris", "days": 1}}'
+    output = f"<think>\nThe user wants weather.\n</think>\n\n<tool_call>\n{weather}\n</tool_call>"
+    with cluster(tmp_path, http=True, api_key=KEY, router_args=["--reasoning-parser", "qwen3",
+                                                                 "--tool-call-parser", "hermes"]) as c:
+        client = api(c)
+        body = dict(model=MODEL, messages=[{"role": "user", "content": "Weather?"}], tools=[WEATHER],
+                    max_completion_tokens=400, extra_body={"structured_outputs": {"regex": re.escape(output)},
+                                                           "chat_template_kwargs": {"enable_thinking": True}})
+        r = client.chat.completions.create(**body)
+        message = r.choices[0].message
+        assert (message.reasoning_content, message.content) == ("The user wants weather.", None)
+        assert [(t.function.name, json.loads(t.function.arguments)) for t in message.tool_calls] == [
+            ("get_weather", {"city": "Paris", "days": 1})]
+        assert r.choices[0].finish_reason == "tool_calls"
+        chunks = [ch.choices[0] for ch in client.chat.completions.create(stream=True, **body) if ch.choices]
+        assert "".join(getattr(ch.delta, "reasoning_content", None) or "" for ch in chunks) == "The user wants weather."
+        assert not any(ch.delta.content for ch in chunks)
+        assert [t.function.name for ch in chunks for t in ch.delta.tool_calls or []] == ["get_weather"]
+        body["extra_body"] = {"structured_outputs": {"regex": "Plain answer"}}  # no <think>: all content
+        message = client.chat.completions.create(**body).choices[0].message
+        assert (message.reasoning_content, message.content, message.tool_calls) == (None, "Plain answer", None)
+        body["extra_body"] = {"chat_template_kwargs": {"messages": []}}
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(**body)
+        assert e.value.body["param"] == "chat_template_kwargs" and "sets ['messages']" in e.value.body["message"]
+
+
 def test_usage_says_how_much_of_the_prompt_was_found_cached(served):
     """OpenAI's usage.prompt_tokens_details.cached_tokens: none the first time, every full block
     but the one holding the last token the second."""

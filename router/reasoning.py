@@ -1,0 +1,92 @@
+"""A reasoning model's thinking split from its answer (`--reasoning-parser`, vLLM's flag and
+names), shown as the message's `reasoning_content` (DeepSeek's and vLLM's field) beside `content`:
+
+- qwen3 (Qwen3, QwQ): the output opens `<think>` itself when it thinks (a chat template given
+  `enable_thinking: false` writes an empty `<think></think>` into the prompt instead), and what
+  follows up to `</think>` is the reasoning; an output that does not open it is all answer;
+- deepseek_r1 (DeepSeek-R1 and its distills): the template opens `<think>` in the prompt, so the
+  output is reasoning from its first token up to `</think>` (a `<think>` it writes anyway is left
+  out).
+
+An output cut before `</think>` is all reasoning, with no answer. The newlines around the tags are
+left out; an output without them is shown as it is. A stream sends each part as it comes, holding back what could begin a tag.
+"""
+
+from __future__ import annotations
+
+START, END = "<think>", "</think>"
+
+
+def _held_from(text: str, tag: str) -> int:
+    """Where a suffix of text that could begin tag starts (len(text) if none)."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-k:]):
+            return len(text) - k
+    return len(text)
+
+
+class ReasoningParser:
+    def __init__(self, name: str, opens_in_prompt: bool):
+        self.name, self.opens_in_prompt = name, opens_in_prompt
+
+    def stream(self) -> "ReasoningStream":
+        return ReasoningStream(self)
+
+    def split(self, text: str) -> tuple[str | None, str | None]:
+        """(reasoning, content) of a whole output, each None if empty."""
+        reasoning, content = self.stream().feed(text, True)
+        return reasoning or None, content or None
+
+
+class ReasoningStream:
+    """Text in, (reasoning, content) pieces out, as the output comes."""
+
+    def __init__(self, parser: ReasoningParser):
+        self.state = "opening"  # then "reasoning" and/or "content"
+        self.opened = parser.opens_in_prompt  # the prompt opened <think>: the output need not
+        self.held = ""  # text not yet shown: a tag may begin in it, or leading newlines
+        self.started = False  # the current part has shown something (newlines before it are dropped)
+
+    def feed(self, text: str, finished: bool) -> tuple[str, str]:
+        self.held += text
+        reasoning = content = ""
+        if self.state == "opening":  # does the output open <think>?
+            body = self.held.lstrip()
+            if body.startswith(START):
+                self.state, self.held = "reasoning", body[len(START):]
+            elif START.startswith(body) and not finished:
+                return "", ""
+            else:  # an answer alone is shown as it is written
+                self.state = "reasoning" if self.opened else "content"
+                self.started = not self.opened
+        if self.state == "reasoning":
+            end = self.held.find(END)
+            if end >= 0:
+                reasoning, _ = self._part(self.held[:end], True)
+                self.held = self.held[end + len(END):]
+                self.state, self.started = "content", False
+            else:
+                upto = len(self.held) if finished else _held_from(self.held, END)
+                reasoning, back = self._part(self.held[:upto], True)
+                self.held = back + self.held[upto:]
+                if finished:
+                    return reasoning, ""
+        if self.state == "content":
+            content, _ = self._part(self.held, False)
+            self.held = ""
+        return reasoning, content
+
+    def _part(self, piece: str, hold_trailing: bool) -> tuple[str, str]:
+        """(what of piece shows, the newlines held back): the newlines that open a part are left
+        out, and the reasoning's trailing ones wait for what follows them (left out before END)."""
+        if not self.started:
+            piece = piece.lstrip("\n")
+        back = ""
+        if hold_trailing:
+            kept = piece.rstrip("\n")
+            piece, back = kept, piece[len(kept):]
+        self.started = self.started or bool(piece)
+        return piece, back
+
+
+PARSERS = {p.name: p for p in (ReasoningParser("qwen3", False), ReasoningParser("deepseek_r1", True))}

@@ -1,0 +1,67 @@
+"""A reasoning model's thinking split from its answer (router/reasoning.py): each parser's
+outputs, whole and streamed cut anywhere, and chat_template_kwargs reaching the chat template
+(Qwen3's enable_thinking). Over HTTP, with tool calls: test_http."""
+
+import pytest
+
+from common.chat import ChatTemplate, check_template_kwargs
+from common.errors import InvalidArgument
+from common.tokenizer import ByteTokenizer
+from router.reasoning import PARSERS
+
+CASES = {  # parser: [(output, reasoning, content)]
+    "qwen3": [
+        ("<think>\nI think.\n\nMore.\n</think>\n\nThe answer.\n", "I think.\n\nMore.", "The answer.\n"),
+        ("\n\nNo thinking here.", None, "\n\nNo thinking here."),  # an answer alone, as written
+        ("<think>\nCut off", "Cut off", None),
+        ("<think></think>\n\nA", None, "A"),
+        ("<thin", None, "<thin"),
+        ("Use <think> tags.", None, "Use <think> tags."),
+        ("", None, None),
+    ],
+    "deepseek_r1": [
+        ("Reason.\n</think>\n\nAnswer", "Reason.", "Answer"),
+        ("<think>\nR\n</think>A", "R", "A"),
+        ("Still thinking\n", "Still thinking", None),
+        ("</think>Answer", None, "Answer"),
+    ],
+}
+
+
+@pytest.mark.parametrize("parser", list(CASES))
+def test_an_output_is_split_into_reasoning_and_content(parser):
+    for text, reasoning, content in CASES[parser]:
+        assert PARSERS[parser].split(text) == (reasoning, content), text
+
+
+@pytest.mark.parametrize("parser", list(CASES))
+def test_a_stream_cut_anywhere_shows_what_the_whole_output_shows(parser):
+    for text, reasoning, content in CASES[parser]:
+        for cuts in [[i] for i in range(len(text) + 1)] + [list(range(len(text) + 1))]:
+            stream, bounds = PARSERS[parser].stream(), [0, *cuts, len(text)]
+            pieces = [stream.feed(text[a:b], False) for a, b in zip(bounds, bounds[1:])] + [stream.feed("", True)]
+            assert "".join(r for r, _ in pieces) == (reasoning or ""), (text, cuts)
+            assert "".join(c for _, c in pieces) == (content or ""), (text, cuts)
+
+
+def test_reasoning_is_sent_as_it_comes_and_a_possible_end_tag_held_back():
+    stream = PARSERS["qwen3"].stream()
+    assert stream.feed("<thi", False) == ("", "")
+    assert stream.feed("nk>\nStep one.\n", False) == ("Step one.", "")
+    assert stream.feed("Step two. </th", False) == ("\nStep two. ", "")
+    assert stream.feed("ink>\n\nDone", False) == ("", "Done")
+
+
+def test_chat_template_kwargs_reach_the_template_by_name():
+    template = ChatTemplate("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                            "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>{% endif %}")
+    tok = ByteTokenizer()
+    tok.chat_template = template
+    messages = [{"role": "user", "content": "Hi"}]
+    assert bytes(tok.encode_chat(messages)) == b"Hi"
+    off = tok.encode_chat(messages, template_kwargs=check_template_kwargs({"enable_thinking": False}))
+    assert bytes(off) == b"Hi<think>\n\n</think>"
+    for bad, message in [([1], "allowed: an object"), ({"tools": []}, "sets ['tools']"),
+                         ({"bos_token": "x"}, "sets ['bos_token']"), ({"x": {1, 2}}, "chat_template_kwargs")]:
+        with pytest.raises(InvalidArgument, match=message.replace("[", r"\[")):
+            check_template_kwargs(bad)
