@@ -106,6 +106,15 @@ class TextStream:
         return self.text
 
 
+def partial_tag_at(text: str, tag: str) -> int:
+    """Where text's longest suffix that could begin tag starts (len(text) if none): what a stream
+    holds back while it cannot yet tell whether tag follows (router/tool_parsers.py, router/reasoning.py)."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-k:]):
+            return len(text) - k
+    return len(text)
+
+
 def textless_ids(params, eos_token_ids) -> frozenset[int]:
     """The stop tokens whose text an output leaves out: all, unless include_stop_str_in_output."""
     return frozenset() if params.include_stop_str_in_output else frozenset(params.stop_ids(eos_token_ids))

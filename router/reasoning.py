@@ -14,15 +14,9 @@ left out; an output without them is shown as it is. A stream sends each part as 
 
 from __future__ import annotations
 
+from common.text import partial_tag_at
+
 START, END = "<think>", "</think>"
-
-
-def _held_from(text: str, tag: str) -> int:
-    """Where a suffix of text that could begin tag starts (len(text) if none)."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-k:]):
-            return len(text) - k
-    return len(text)
 
 
 class ReasoningParser:
@@ -66,7 +60,7 @@ class ReasoningStream:
                 self.held = self.held[end + len(END):]
                 self.state, self.started = "content", False
             else:
-                upto = len(self.held) if finished else _held_from(self.held, END)
+                upto = len(self.held) if finished else partial_tag_at(self.held, END)
                 reasoning, back = self._part(self.held[:upto], True)
                 self.held = back + self.held[upto:]
                 if finished:

@@ -18,6 +18,8 @@ import json
 import re
 import uuid
 
+from common.text import partial_tag_at
+
 
 def call(name: str, arguments: str) -> dict:
     """A tool call as OpenAI shows it; arguments: a JSON string."""
@@ -49,7 +51,7 @@ class ToolParser:
         return (text[:at] if text[:at].strip() else None), calls
 
 
-def _arguments(obj, key: str) -> list[dict] | None:
+def _call_of(obj, key: str) -> dict | None:
     """A call from {"name": ..., key: {...}}, or None."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
@@ -69,16 +71,13 @@ class Hermes(ToolParser):
         return None if at < 0 else at
 
     def held_from(self, text):
-        for k in range(min(len(self.START) - 1, len(text)), 0, -1):
-            if self.START.startswith(text[-k:]):
-                return len(text) - k
-        return len(text)
+        return partial_tag_at(text, self.START)
 
     def calls(self, section):
         out = []
         for block in self.BLOCK.findall(section):
             try:
-                made = _arguments(json.loads(block), "arguments")
+                made = _call_of(json.loads(block), "arguments")
             except ValueError:
                 return None
             if made is None:
@@ -109,7 +108,7 @@ class Llama3Json(ToolParser):
                 obj, end = decoder.raw_decode(rest)
             except ValueError:
                 return None
-            made = _arguments(obj, "parameters")
+            made = _call_of(obj, "parameters")
             if made is None:
                 return None
             out.append(made)
