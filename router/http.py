@@ -47,7 +47,7 @@ from common import protocol as P
 from common.errors import InvalidArgument
 from common.sampling_params import SamplingParams
 from router.openai_api import (RETRY_AFTER_S, ApiError, Choice, Envelope, Job, OutputParsers, check_model, parse_chat,
-                               parse_completion, parse_detokenize, parse_tokenize, usage)
+                               parse_completion, parse_detokenize, parse_tokenize, served_names, usage)
 from router.prompts import Prompts
 from router.registry import DECODE_ROLES, PREFILL_ROLES, missing_roles
 
@@ -98,7 +98,7 @@ class HttpFront:
         call the model (vLLM's --served-model-name), the first shown; by default its --model.
         parsers: how the model writes tool calls and reasoning (--tool-call-parser, --reasoning-parser)."""
         self.backend, self.host, self.port, self.sock = backend, host, port, sock
-        self.names = tuple(served_model_names) or (backend.prompts.model,)
+        self.names = served_names(served_model_names, backend.prompts.model)
         self.model = self.names[0]
         self.parsers = parsers
         self.api_key = api_key.encode() if api_key else None

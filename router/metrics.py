@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily
 
 from common import protocol as P
+from router.openai_api import served_names
 
 prometheus_client.disable_created_metrics()  # no *_created series: noise for dashboards (vLLM does the same)
 
@@ -50,7 +51,7 @@ class RouterMetrics:
     def __init__(self, router):
         self.router = router
         self.registry = CollectorRegistry()
-        model = (router.cfg.served_model_names or (router.cfg.model,))[0]  # as the HTTP API names it
+        model = served_names(router.cfg.served_model_names, router.cfg.model)[0]  # as the HTTP API names it
         reg = dict(registry=self.registry)
 
         def histogram(name, doc, buckets):

@@ -200,6 +200,12 @@ def _structured(body: dict) -> dict | None:
 Served = str | tuple[str, ...]  # the names the model is served by (--served-model-name), the first shown
 
 
+def served_names(served_model_names: tuple[str, ...], model: str) -> tuple[str, ...]:
+    """What requests may call the model: each --served-model-name (the first is shown in
+    responses and metrics), else its --model."""
+    return tuple(served_model_names) or (model,)
+
+
 def check_model(model, served: Served) -> None:
     names = (served,) if isinstance(served, str) else served
     if model not in names:
