@@ -277,9 +277,10 @@ def http_options(f):
                           "Hermes), llama3_json (Llama 3.1-3.3). Turns on tool_choice \"auto\", OpenAI's default "
                           "with tools: the calls are found in the model's text"),
         click.option("--reasoning-parser", default=None, type=click.Choice(list(REASONING_PARSERS)),
-                     help="how the model writes its reasoning (vLLM's flag and names): qwen3 (Qwen3, QwQ: "
-                          "<think>...</think>), deepseek_r1 (DeepSeek-R1 and its distills). A chat's response shows "
-                          "it as reasoning_content, apart from the answer's content"),
+                     help="how the model writes its reasoning (vLLM's flag and names): qwen3 (Qwen3's hybrid models: "
+                          "<think>...</think>), deepseek_r1 (DeepSeek-R1, its distills, QwQ, Qwen3 Thinking-2507: "
+                          "the template opens <think>). A chat's response shows it as reasoning_content, apart from "
+                          "the answer's content"),
         click.option("--enable-auto-tool-choice", is_flag=True,
                      help="vLLM's flag, taken for its command lines: --tool-call-parser, which it needs, is what "
                           "turns tool_choice \"auto\" on"),

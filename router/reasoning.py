@@ -1,12 +1,16 @@
 """A reasoning model's thinking split from its answer (`--reasoning-parser`, vLLM's flag and
 names), shown as the message's `reasoning_content` (DeepSeek's and vLLM's field) beside `content`:
 
-- qwen3 (Qwen3, QwQ): the output opens `<think>` itself when it thinks (a chat template given
-  `enable_thinking: false` writes an empty `<think></think>` into the prompt instead), and what
-  follows up to `</think>` is the reasoning; an output that does not open it is all answer;
-- deepseek_r1 (DeepSeek-R1 and its distills): the template opens `<think>` in the prompt, so the
-  output is reasoning from its first token up to `</think>` (a `<think>` it writes anyway is left
-  out).
+- qwen3 (Qwen3's hybrid models): the output opens `<think>` itself when it thinks (a chat
+  template given `enable_thinking: false` writes an empty `<think></think>` into the prompt
+  instead), and what follows up to `</think>` is the reasoning; an output that does not open it is
+  all answer;
+- deepseek_r1 (DeepSeek-R1 and its distills, QwQ-32B, Qwen3's Thinking-2507 models): the template
+  opens `<think>` in the prompt, so the output is reasoning from its first token up to `</think>`
+  (a `<think>` it writes anyway is left out).
+
+A response held to JSON from its first token (response_format, a named or required tool call)
+cannot think first, and is shown as all answer.
 
 An output cut before `</think>` is all reasoning, with no answer. The newlines around the tags are
 left out; an output without them is shown as it is. A stream sends each part as it comes, holding back what could begin a tag.

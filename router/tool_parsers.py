@@ -52,10 +52,16 @@ class ToolParser:
 
 
 def _call_of(obj, key: str) -> dict | None:
-    """A call from {"name": ..., key: {...}}, or None."""
+    """A call from {"name": ..., key: {...}} (the object also as a JSON string, or null), or None."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
-    arguments = obj.get(key, obj.get("arguments", {}))
+    arguments = obj.get(key, obj.get("arguments"))
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return None
+    arguments = {} if arguments is None else arguments
     if not isinstance(arguments, dict):
         return None
     return call(obj["name"], json.dumps(arguments, ensure_ascii=False))

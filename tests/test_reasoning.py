@@ -52,6 +52,21 @@ def test_reasoning_is_sent_as_it_comes_and_a_possible_end_tag_held_back():
     assert stream.feed("ink>\n\nDone", False) == ("", "Done")
 
 
+def test_a_response_held_to_json_from_its_first_token_is_all_answer():
+    """response_format and forced tool calls hold the output to JSON from its first token: it
+    cannot open <think>, and deepseek_r1 would otherwise take the JSON for reasoning."""
+    from router.openai_api import OutputParsers, parse_chat
+
+    parsers, base = OutputParsers(reasoning="deepseek_r1"), {"messages": [{"role": "user", "content": "x"}]}
+    tool = {"type": "function", "function": {"name": "f"}}
+    assert parse_chat(base, "m", 64, parsers).reasoning is PARSERS["deepseek_r1"]
+    for free in ({"structured_outputs": {"regex": "a"}}, {"response_format": {"type": "text"}}):
+        assert parse_chat({**base, **free}, "m", 64, parsers).reasoning is not None, free
+    for held in ({"response_format": {"type": "json_object"}}, {"tools": [tool], "tool_choice": "required"},
+                 {"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "f"}}}):
+        assert parse_chat({**base, **held}, "m", 64, parsers).reasoning is None, held
+
+
 def test_chat_template_kwargs_reach_the_template_by_name():
     template = ChatTemplate("{% for m in messages %}{{ m['content'] }}{% endfor %}"
                             "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>{% endif %}")

@@ -22,6 +22,9 @@ CASES = {  # parser: [(text, content, [(name, arguments)])]
         ('<tool_call>{"name": "a", "argu', '<tool_call>{"name": "a", "argu', []),  # cut by max_tokens: text
         ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),  # no name
         ("<tool_call>", "<tool_call>", []),
+        ('<tool_call>{"name": "a", "arguments": "{\\"x\\": 1}"}</tool_call>', None, [("a", {"x": 1})]),  # as a string
+        ('<tool_call>{"name": "a", "arguments": [1]}</tool_call>', '<tool_call>{"name": "a", "arguments": [1]}</tool_call>',
+         []),
     ],
     "llama3_json": [
         ('{"name": "get_weather", "parameters": {"city": "Paris"}}', None, [("get_weather", {"city": "Paris"})]),
@@ -32,6 +35,7 @@ CASES = {  # parser: [(text, content, [(name, arguments)])]
         ('{"name": "a", "parameters": {"x": 1', '{"name": "a", "parameters": {"x": 1', []),
         ('{"city": "Paris"}', '{"city": "Paris"}', []),  # JSON, but no call
         ("<|python", "<|python", []),
+        ('{"name": "a", "parameters": null}', None, [("a", {})]),
     ],
 }
 
