@@ -23,8 +23,8 @@ CASES = {  # parser: [(text, content, [(name, arguments)])]
         ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),  # no name
         ("<tool_call>", "<tool_call>", []),
         ('<tool_call>{"name": "a", "arguments": "{\\"x\\": 1}"}</tool_call>', None, [("a", {"x": 1})]),  # as a string
-        ('<tool_call>{"name": "a", "arguments": [1]}</tool_call>', '<tool_call>{"name": "a", "arguments": [1]}</tool_call>',
-         []),
+        ('<tool_call>{"name": "a", "arguments": [1]}</tool_call>',
+         '<tool_call>{"name": "a", "arguments": [1]}</tool_call>', []),
     ],
     "llama3_json": [
         ('{"name": "get_weather", "parameters": {"city": "Paris"}}', None, [("get_weather", {"city": "Paris"})]),
