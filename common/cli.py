@@ -15,7 +15,8 @@ from bench.cli import bench, plan
 from common.cli_options import (COUNT, ENGINE_PARAMS, PORT, POSITIVE, devices_option, engine_argv, engine_options,
                                 http_options, parse_ints, policy_option, router_argv, router_options, sampling_options,
                                 setup_logging)
-from common.errors import PdserveError
+from common.errors import InvalidArgument, PdserveError
+from common.speculative import SpeculativeConfig
 
 
 @click.group()
@@ -281,6 +282,10 @@ def launch(prefill, decode, mono, devices, host, port, worker_port, policy, log_
                                "with --devices (e.g. --devices cuda:0 or cuda:0,cuda:1)")
     refuse_http_flags_without_port(http_port, api_key, api_server_count, served_model_names, tool_call_parser,
                                    reasoning_parser, enable_auto_tool_choice)
+    try:  # JSON a user typed: said here once, not in each worker's log as it fails to start
+        SpeculativeConfig.parse(engine_kwargs["speculative_config"])
+    except InvalidArgument as e:
+        raise click.UsageError(str(e))
     prefill = (0 if mono else 1) if prefill is None else prefill
     decode = (0 if mono else 1) if decode is None else decode
     if engine_kwargs["model"] in NAMED_MODELS:

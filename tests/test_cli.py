@@ -89,6 +89,7 @@ def test_launch_refuses_flags_it_would_silently_ignore():
         (["--tool-call-parser", "hermes"], "--tool-call-parser is for the HTTP API: give --http-port too"),
         (["--http-port", "0", "--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
         (["--http-port", "0", "--tool-call-parser", "mistral"], "'mistral' is not one of 'hermes', 'llama3_json'"),
+        (["--speculative-config", '{"method": "x"}'], "speculative_config method='x'; allowed: 'ngram'"),
     ]
     for args, message in cases:
         r = pdserve("launch", "--dry-run", *args)
