@@ -119,8 +119,8 @@ def test_speculative_decoding_on_the_gpu_gives_the_tokens_and_logprobs_of_plain_
     kernel, give the bits of the decode graphs' rows."""
     from tests.test_speculative import NGRAM, run, workload
 
-    ps, params = workload()
-    base = dict(model="dummy:llama-1b", device="cuda:0", max_model_len=512)
+    ps, params = workload()  # 12 requests: graphs up to 16 rows are captured, not up to 64 (start-up time)
+    base = dict(model="dummy:llama-1b", device="cuda:0", max_model_len=512, max_num_seqs=16)
     plain = run(Engine(**base), ps, params)
     engine = Engine(**base, speculative_config=NGRAM)
     assert engine.batch_invariant and engine.runner.graphs is not None
