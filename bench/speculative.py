@@ -42,11 +42,8 @@ def _prompts(engine: Engine, task: str, n: int) -> list[list[int]]:
         if task == "copy":
             return [[(7 * i + j) % (V - 1) + 1 for j in range(5)] * 12 for i in range(n)]
         return [[(97 * i + 13 * j * j) % (V - 1) + 1 for j in range(60)] for i in range(n)]
-    texts = [f"Repeat this text exactly: {PASSAGES[i % len(PASSAGES)]}" if task == "copy"
-             else QUESTIONS[i % len(QUESTIONS)] for i in range(n)]
-    if tok.chat_template is not None:
-        return [tok.encode_chat([{"role": "user", "content": t}]) for t in texts]
-    return [tok.encode(t) for t in texts]
+    texts = PASSAGES if task == "copy" else QUESTIONS
+    return [tok.encode_turn(texts[i % len(texts)]) for i in range(n)]
 
 
 def _timed(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> tuple[float, list[list[int]], int]:

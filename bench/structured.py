@@ -34,9 +34,7 @@ def _prompts(engine: Engine, n: int) -> list[list[int]]:
     if tok is None:
         raise InvalidArgument(f"--model {engine.config.model}: structured outputs need a model with a tokenizer")
     texts = [f"Describe product number {i} in JSON, with its name, colour and sizes." for i in range(n)]
-    if tok.chat_template is not None:
-        return [tok.encode_chat([{"role": "user", "content": t}]) for t in texts]
-    return [tok.encode(t) for t in texts]
+    return [tok.encode_turn(t) for t in texts]
 
 
 def _decode_steps(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> tuple[list[float], list]:

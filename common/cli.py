@@ -13,8 +13,8 @@ import click
 
 from bench.cli import bench, plan
 from common.cli_options import (COUNT, ENGINE_PARAMS, PORT, POSITIVE, devices_option, engine_argv, engine_options,
-                                http_options, parse_ints, policy_option, router_argv, router_options, sampling_options,
-                                setup_logging)
+                                http_options, http_router_argv, parse_ints, policy_option, router_argv, router_options,
+                                sampling_options, setup_logging)
 from common.errors import InvalidArgument, PdserveError
 from common.speculative import SpeculativeConfig
 
@@ -148,41 +148,22 @@ def chat(router_address, system, sampling, engine_kwargs):
 @router_options
 @http_options
 @click.option("--log-level", default="INFO", show_default=True)
-def router(model, host, port, worker_port, max_model_len, policy, router_kwargs, http_port, api_key, allowed_origins,
-           served_model_names, tool_call_parser, reasoning_parser, enable_auto_tool_choice, api_server_count, log_level):
+def router(model, host, port, worker_port, max_model_len, policy, router_kwargs, http, log_level):
     """Run the router: clients connect to --port, workers to --worker-port, HTTP to --http-port."""
     from router.openai_api import OutputParsers
     from router.server import RouterConfig, run_router
 
-    refuse_http_flags_without_port(http_port, api_key, api_server_count, served_model_names, tool_call_parser,
-                                   reasoning_parser, enable_auto_tool_choice)
     setup_logging(log_level)
     k = router_kwargs
     run_router(RouterConfig(model=model, host=host, port=port, worker_port=worker_port or port + 1, policy=policy,
                             max_queue=k["max_queue"], heartbeat_timeout_s=k["heartbeat_timeout"],
                             max_attempts=k["max_attempts"], prefill_timeout_s=k["prefill_timeout"],
                             decode_stall_timeout_s=k["decode_stall_timeout"], queue_timeout_s=k["queue_timeout"],
-                            max_message_bytes=k["max_message_bytes"], http_port=http_port, api_key=api_key,
-                            api_server_count=api_server_count, max_model_len=max_model_len,
-                            allowed_origins=allowed_origins, served_model_names=served_model_names,
-                            parsers=OutputParsers(tool_call_parser, reasoning_parser)))
-
-
-def refuse_http_flags_without_port(http_port, api_key, api_server_count, served_model_names, tool_call_parser,
-                                   reasoning_parser, enable_auto_tool_choice) -> None:
-    """The HTTP API's flags without --http-port would be taken and do nothing; so would vLLM's
-    --enable-auto-tool-choice without a parser."""
-    if enable_auto_tool_choice and tool_call_parser is None:
-        raise click.UsageError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json): how the "
-                               "model writes its calls")
-    http_only = [flag for flag, given in (("--api-key", api_key is not None),
-                                          ("--api-server-count", api_server_count > 1),
-                                          ("--served-model-name", bool(served_model_names)),
-                                          ("--tool-call-parser", tool_call_parser is not None),
-                                          ("--reasoning-parser", reasoning_parser is not None)) if given]
-    if http_port is None and http_only:
-        raise click.UsageError(f"{' and '.join(http_only)} {'is' if len(http_only) == 1 else 'are'} for the HTTP "
-                               "API: give --http-port too")
+                            max_message_bytes=k["max_message_bytes"], http_port=http["http_port"],
+                            api_key=http["api_key"], api_server_count=http["api_server_count"],
+                            max_model_len=max_model_len, allowed_origins=http["allowed_origins"],
+                            served_model_names=http["served_model_names"],
+                            parsers=OutputParsers(http["tool_call_parser"], http["reasoning_parser"])))
 
 
 def _stop_while_starting(signum, frame):
@@ -267,21 +248,17 @@ for _role in ("prefill", "decode", "mono"):
 @http_options
 @engine_options
 def launch(prefill, decode, mono, devices, host, port, worker_port, policy, log_dir, threads, no_restart, dry_run,
-           worker_args, router_kwargs, http_port, api_key, allowed_origins, served_model_names, tool_call_parser,
-           reasoning_parser, enable_auto_tool_choice, api_server_count, engine_kwargs):
+           worker_args, router_kwargs, http, engine_kwargs):
     """Bring up router + workers on this host; stop them all on Ctrl-C. Workers that share a GPU
     split it (decode workers get the larger shares) unless a memory flag sizes their pools."""
     import shlex
 
     from common.model_hub import NAMED_MODELS, named_model_path
     from router.launcher import Cluster, run_launch
-    from router.openai_api import OutputParsers
 
     if engine_kwargs["device"] != "cpu":
         raise click.UsageError(f"--device {engine_kwargs['device']} is a worker's flag; launch places its workers "
                                "with --devices (e.g. --devices cuda:0 or cuda:0,cuda:1)")
-    refuse_http_flags_without_port(http_port, api_key, api_server_count, served_model_names, tool_call_parser,
-                                   reasoning_parser, enable_auto_tool_choice)
     try:  # JSON a user typed: said here once, not in each worker's log as it fails to start
         SpeculativeConfig.parse(engine_kwargs["speculative_config"])
     except InvalidArgument as e:
@@ -294,11 +271,9 @@ def launch(prefill, decode, mono, devices, host, port, worker_port, policy, log_
     try:
         cluster = Cluster(engine_kwargs["model"], prefill, decode, mono, devices, host, port, worker_port,
                           log_dir, policy, engine_argv(engine_kwargs) + list(worker_args), threads, restart=not no_restart,
-                          router_args=router_argv(router_kwargs) + ["--allowed-origins", allowed_origins]
-                          + [a for name in served_model_names for a in ("--served-model-name", name)]
-                          + OutputParsers(tool_call_parser, reasoning_parser).argv(),
-                          http_port=http_port, api_key=api_key,
-                          api_server_count=api_server_count)
+                          router_args=router_argv(router_kwargs) + http_router_argv(http),
+                          http_port=http["http_port"], api_key=http["api_key"],
+                          api_server_count=http["api_server_count"])
     except ValueError as e:
         raise click.UsageError(str(e))
     if dry_run:

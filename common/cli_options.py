@@ -260,7 +260,19 @@ class Counts(click.ParamType):
         return counts
 
 
+HTTP_PARAMS = ("http_port", "api_key", "allowed_origins", "served_model_names", "tool_call_parser", "reasoning_parser",
+               "enable_auto_tool_choice", "api_server_count")  # http_options' own
+
+
 def http_options(f):
+    """The HTTP API's options; the command receives them as `http` (their names, snake_case), once
+    checked: those that mean nothing without --http-port are refused without it."""
+    @functools.wraps(f)
+    def wrapper(*args, **kwargs):
+        http = {name: kwargs.pop(name) for name in HTTP_PARAMS}
+        refuse_http_flags_without_port(http)
+        return f(*args, http=http, **kwargs)
+
     for opt in reversed([
         click.option("--http-port", default=None, type=PORT,
                      help="serve OpenAI's API and /metrics on this port (0: any free port) [default: no HTTP]"),
@@ -288,8 +300,34 @@ def http_options(f):
                      help="1: HTTP served in the router process; N > 1: by N API server processes sharing "
                           "--http-port, for more HTTP tokens a second than one router process carries"),
     ]):
-        f = opt(f)
-    return f
+        wrapper = opt(wrapper)
+    return wrapper
+
+
+def refuse_http_flags_without_port(http: dict) -> None:
+    """The HTTP API's flags without --http-port would be taken and do nothing; so would vLLM's
+    --enable-auto-tool-choice without a parser."""
+    if http["enable_auto_tool_choice"] and http["tool_call_parser"] is None:
+        raise click.UsageError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json): how the "
+                               "model writes its calls")
+    given = {"--api-key": http["api_key"] is not None, "--api-server-count": http["api_server_count"] > 1,
+             "--served-model-name": bool(http["served_model_names"]),
+             "--tool-call-parser": http["tool_call_parser"] is not None,
+             "--reasoning-parser": http["reasoning_parser"] is not None}
+    http_only = [flag for flag, on in given.items() if on]
+    if http["http_port"] is None and http_only:
+        raise click.UsageError(f"{' and '.join(http_only)} {'is' if len(http_only) == 1 else 'are'} for the HTTP "
+                               "API: give --http-port too")
+
+
+def http_router_argv(http: dict) -> list[str]:
+    """The router's flags for what `http` says of the API's answers (the launcher sets the port,
+    the key and the API server count itself)."""
+    from router.openai_api import OutputParsers
+
+    argv = ["--allowed-origins", http["allowed_origins"]]
+    argv += [a for name in http["served_model_names"] for a in ("--served-model-name", name)]
+    return argv + OutputParsers(http["tool_call_parser"], http["reasoning_parser"]).argv()
 
 
 def devices_option(default: str | None = "cpu", help: str = "comma-separated, assigned to workers in turn"):

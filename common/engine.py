@@ -443,8 +443,7 @@ class Engine:
                     break
             row = end
             if draft:  # every token but the newest has its KV; the draft's kept are those matched
-                kept = next((k for k, (t, d) in enumerate(zip(new, draft)) if t != d), min(len(new), len(draft)))
-                self.drafter.counted(len(draft), kept)
+                self.drafter.counted(len(draft), sum(t == d for t, d in zip(new, draft)))
                 seq.num_computed_tokens += len(new) - 1
                 self.block_manager.cache_computed_blocks(seq)
             if seq.finish_reason is not None:

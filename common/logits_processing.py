@@ -31,8 +31,7 @@ from common.structured_output import fill_masks
 def adjusted_rows(seqs: list[Sequence]) -> list[int]:
     """The rows whose requests adjust their logits this step (min_tokens only until it is met).
     Every step asks, so a batch with none costs a flag read per sequence."""
-    return [i for i, q in enumerate(seqs) if q.adjusts_logits and
-            (q.params.adjusts_logits or len(q) - q.num_prompt_tokens < q.params.min_tokens)]
+    return [i for i, q in enumerate(seqs) if q.adjusts_logits and q.adjusted_now]
 
 
 def adjust(logits_SV: torch.Tensor, seqs: list[Sequence], rows: list[int], num_decode: int,

@@ -154,10 +154,20 @@ class ModelRunner:
         the rest once the host knows what it needs (a structured output's mask wants the token
         `prev` is still sampling), while the device runs the forward."""
         ordered, input_ids, positions, meta, sample_rows = self.prepare(batch, prev)
-        sampled = [s.seq for s in ordered if s.samples for _ in range(1 + len(s.draft))]
-        step = LaunchedStep(ordered, sampled, {q: i for i, q in enumerate(sampled)}, {s.seq for s in ordered})
-        step.positions = [len(s.seq) + j for s in ordered if s.samples for j in range(1 + len(s.draft))]
-        step.drafts = {s.seq: s.draft for s in ordered if s.draft}
+        sampled, keys, drafts = [], [], {}  # a row each (a speculative decode's every row), in one pass
+        for s in ordered:  # (comprehensions with a range per sequence cost 5x this at batch 64)
+            if not s.samples:
+                continue
+            at = len(s.seq)  # the position of its next token: its noise key
+            if s.draft:
+                drafts[s.seq] = s.draft
+                sampled += [s.seq] * (1 + len(s.draft))
+                keys += range(at, at + 1 + len(s.draft))
+            else:
+                sampled.append(s.seq)
+                keys.append(at)
+        step = LaunchedStep(ordered, sampled, {q: i for i, q in enumerate(sampled)}, {s.seq for s in ordered},
+                            keys, drafts)
         if self.timing and self.device.type == "cuda":  # from the forward's first launch, past the input copy
             step.timing = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
             step.timing[0].record()

@@ -98,6 +98,13 @@ class Sequence:
         return settled
 
     @property
+    def adjusted_now(self) -> bool:
+        """Its next token's logits are adjusted on the host (common/logits_processing.py): always
+        for penalties, bias, min_p and structured outputs; min_tokens only until it is met."""
+        return self.adjusts_logits and (self.params.adjusts_logits or
+                                        len(self.token_ids) - self.num_prompt_tokens < self.params.min_tokens)
+
+    @property
     def pending(self) -> bool:
         """Its newest token is still being sampled on the device (async scheduling)."""
         return self.token_ids[-1] == PENDING

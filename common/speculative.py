@@ -98,12 +98,9 @@ class Drafter:
 
     @staticmethod
     def eligible(seq) -> bool:
-        """Its logits reach the sampler as the model gives them, whatever tokens came before."""
-        if seq.matcher is not None or seq.prefill_only:
-            return False
-        if not seq.adjusts_logits:
-            return True
-        return not seq.params.adjusts_logits and len(seq) - seq.num_prompt_tokens >= seq.params.min_tokens
+        """Its logits reach the sampler as the model gives them (none adjusted or masked: a draft's
+        later rows would need the drafted tokens counted), and it decodes here."""
+        return not seq.prefill_only and not seq.adjusted_now
 
     def propose(self, seq, max_tokens: int) -> list[int]:
         cfg = self.config

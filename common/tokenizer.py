@@ -47,6 +47,12 @@ class _ChatMixin:
         text = self.chat_template.render(messages, add_generation_prompt, **(template_kwargs or {}), tools=tools)
         return self.encode(text, add_special_tokens=False)
 
+    def encode_turn(self, text: str) -> list[int]:
+        """text as a user's message through the chat template, or as plain text where the model has none."""
+        if self.chat_template is None:
+            return self.encode(text)
+        return self.encode_chat([{"role": "user", "content": text}])
+
 
 class ByteTokenizer(_ChatMixin):
     """Ids 0..255 are the UTF-8 bytes of the text; 256 is BOS and 257 EOS, shown as <s> and </s>

@@ -323,8 +323,9 @@ def parse_chat(body, served_model: Served, context: int, parsers: OutputParsers 
     except InvalidArgument as e:
         e.param = "chat_template_kwargs"
         raise
-    # held to JSON from its first token (response_format, a forced call), the output thinks not at all
-    json_only = (body.get("response_format") or {}).get("type", "text") != "text" or (tools is not None and tools.calls)
+    # held to JSON from its first token by response_format or a forced call (not by a grammar of its
+    # own, which may hold <think>), the output thinks not at all
+    json_only = sampling["structured_outputs"] is not None and body.get("structured_outputs") is None
     reasoning = None if parsers.reasoning is None or json_only else REASONING_PARSERS[parsers.reasoning]
     return dataclasses.replace(job, tools=tools, template_kwargs=template_kwargs, reasoning=reasoning)
 

@@ -43,7 +43,7 @@ class Tools:
     def stream(self):
         """What shows a streamed choice's text: None for text alone."""
         if self.choice == "auto":
-            return AutoCallStream(self.parser, self.parallel)
+            return AutoCallStream(self.parser, self.message)
         return CallStream(self) if self.calls else None
 
     def message(self, text: str) -> dict:

@@ -126,28 +126,26 @@ PARSERS = {p.name: p for p in (Hermes(), Llama3Json())}
 
 
 class AutoCallStream:
-    """A streamed choice under tool_choice "auto": content deltas while the text is surely content,
-    then, once the output is whole, its calls (or, if they do not parse, the rest as content)."""
+    """A streamed choice under tool_choice "auto": content deltas while the text is surely content;
+    once the output is whole, what its whole message (`message`: Tools.message) adds, the calls
+    among it, so a stream shows what a response would."""
 
-    def __init__(self, parser: ToolParser, parallel: bool = True):
-        self.parser, self.parallel, self.text, self.sent, self.calls_at = parser, parallel, "", 0, None
+    def __init__(self, parser: ToolParser, message):
+        self.parser, self.message, self.text, self.sent, self.calls_at = parser, message, "", 0, None
 
     def delta(self, text: str, finished: bool) -> dict:
         self.text += text
+        if finished:
+            whole = self.message(self.text)
+            delta = {"content": rest} if (rest := (whole["content"] or "")[self.sent:]) else {}
+            if "tool_calls" in whole:
+                delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(whole["tool_calls"])]
+            return delta
         if self.calls_at is None:
             self.calls_at = self.parser.start(self.text)
-        calls = None
-        if finished:
-            calls = None if self.calls_at is None else self.parser.calls(self.text[self.calls_at:])
-            upto = self.calls_at if calls else len(self.text)
-        else:
-            upto = self.calls_at if self.calls_at is not None else self.parser.held_from(self.text)
-        if (calls or not finished) and not self.text[:upto].strip():
-            upto = 0  # blank so far: content only if something else follows (parse's None)
-        delta = {}
-        if upto > self.sent:
-            delta["content"] = self.text[self.sent:upto]
-            self.sent = upto
-        if calls:
-            delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls if self.parallel else calls[:1])]
+        upto = self.calls_at if self.calls_at is not None else self.parser.held_from(self.text)
+        if not self.text[:upto].strip():
+            return {}  # blank so far: content only if something else follows (parse's None)
+        delta = {"content": self.text[self.sent:upto]} if upto > self.sent else {}
+        self.sent = max(self.sent, upto)
         return delta

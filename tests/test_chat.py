@@ -209,3 +209,10 @@ def test_chat_answers_slash_commands_itself_and_sends_the_rest(monkeypatch, caps
     out = capsys.readouterr().out
     assert sent == [[{"role": "user", "content": "/usr/bin is a path?"}]]
     assert out.count("commands: /clear starts over") == 2 and "unknown command /nope" in out
+
+
+def test_a_users_turn_goes_through_the_template_where_the_model_has_one():
+    plain, templated = ByteTokenizer(), ByteTokenizer()
+    plain.chat_template, templated.chat_template = None, ChatTemplate(DUMMY_CHAT_TEMPLATE)
+    assert plain.encode_turn("Hi") == plain.encode("Hi")
+    assert bytes(templated.encode_turn("Hi")) == b"<|user|>\nHi\n<|assistant|>\n"

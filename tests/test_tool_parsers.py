@@ -7,7 +7,7 @@ import json
 import pytest
 
 from router.tool_calls import parse
-from router.tool_parsers import PARSERS, AutoCallStream
+from router.tool_parsers import PARSERS
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
 
@@ -40,6 +40,10 @@ CASES = {  # parser: [(text, content, [(name, arguments)])]
 }
 
 
+def auto(parser, parallel=True):
+    return parse({"tools": [WEATHER], "tool_choice": "auto"}, parallel, parser)
+
+
 def shown(calls):
     return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
 
@@ -56,7 +60,7 @@ def test_a_whole_output_is_split_into_content_and_calls(parser):
 def test_a_stream_cut_anywhere_shows_what_the_whole_output_shows(parser):
     for text, content, calls in CASES[parser]:
         for cuts in [[i] for i in range(len(text) + 1)] + [list(range(len(text) + 1))]:  # one cut, or every character
-            stream, bounds = AutoCallStream(PARSERS[parser]), [0, *cuts, len(text)]
+            stream, bounds = auto(parser).stream(), [0, *cuts, len(text)]
             deltas = [stream.delta(text[a:b], False) for a, b in zip(bounds, bounds[1:])]
             deltas.append(stream.delta("", True))  # a stream's last chunk: the output is whole
             streamed = "".join(d.get("content", "") for d in deltas)
@@ -66,7 +70,7 @@ def test_a_stream_cut_anywhere_shows_what_the_whole_output_shows(parser):
 
 
 def test_content_is_sent_as_it_comes_and_a_possible_call_is_held_back():
-    stream = AutoCallStream(PARSERS["hermes"])
+    stream = auto("hermes").stream()
     assert stream.delta("Sure, <", False) == {"content": "Sure, "}
     assert stream.delta("b> ok <tool", False) == {"content": "<b> ok "}
     assert stream.delta('_call>{"name": "f", "arguments": {}}', False) == {}
@@ -80,5 +84,7 @@ def test_auto_needs_a_parser_and_keeps_one_call_without_parallel_calls():
     assert tools.choice == "auto" and not tools.calls and tools.structured_outputs() is None
     text = '<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b", "arguments": {}}</tool_call>'
     assert [c["function"]["name"] for c in tools.message(text)["tool_calls"]] == ["a"]
+    assert [c["function"]["name"] for c in auto("hermes", parallel=False).stream().delta(text, True)["tool_calls"]] \
+        == ["a"]  # streamed alike
     assert tools.message("plain") == {"role": "assistant", "content": "plain"}
     assert parse({"tools": [WEATHER]}, parser="llama3_json").choice == "auto"  # auto: the default with tools
