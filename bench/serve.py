@@ -3,7 +3,8 @@
 latency and end-to-end latency (p50/p99), and the router's own share of TTFT.
 
 Topologies: `mono` (one monolithic worker behind the router: the baseline), `XpYd` (X prefill
-and Y decode workers, e.g. 1p1d, 2p2d). Each topology gets the whole machine: the launcher
+and Y decode workers, e.g. 1p1d, 2p2d), `XpYd+localN` (the same, prompts up to N tokens prefilled
+by their decode workers: the router's --max-local-prefill-length). Each topology gets the whole machine: the launcher
 splits the cores between its workers, assigns them --devices in turn, and splits each GPU
 between the workers on it.
 
@@ -67,16 +68,19 @@ SCENARIOS = {s.name: s for s in [
 ]}
 
 
-def parse_topology(name: str) -> tuple[int, int, int]:
-    """-> (prefill, decode, mono) workers: "mono" or "Nmono" (N monolithic replicas), "XpYd"."""
+def parse_topology(name: str) -> tuple[int, int, int, int]:
+    """-> (prefill, decode, mono workers, the router's --max-local-prefill-length): "mono" or
+    "Nmono" (N monolithic replicas), "XpYd", or "XpYd+localN" (prompts up to N tokens prefilled
+    by their decode workers)."""
     mono = re.fullmatch(r"(\d*)mono", name)
     if mono and int(mono[1] or 1) >= 1:
-        return 0, 0, int(mono[1] or 1)
-    m = re.fullmatch(r"(\d+)p(\d+)d", name)
-    if not m or int(m[1]) < 1 or int(m[2]) < 1:
-        raise ValueError(f"topology {name!r} is not supported; allowed: mono, Nmono (N monolithic replicas) "
-                         "or XpYd with X, Y >= 1 (e.g. 2mono, 1p1d)")
-    return int(m[1]), int(m[2]), 0
+        return 0, 0, int(mono[1] or 1), 0
+    m = re.fullmatch(r"(\d+)p(\d+)d(?:\+local(\d+))?", name)
+    if not m or int(m[1]) < 1 or int(m[2]) < 1 or (m[3] is not None and int(m[3]) < 1):
+        raise ValueError(f"topology {name!r} is not supported; allowed: mono, Nmono (N monolithic replicas), "
+                         "XpYd with X, Y >= 1, or XpYd+localN with N >= 1: prompts up to N tokens prefilled by "
+                         "decode workers (e.g. 2mono, 1p1d, 1p1d+local256)")
+    return int(m[1]), int(m[2]), 0, int(m[3] or 0)
 
 
 def make_requests(s: Scenario, vocab: int, context: int, seed: int):
@@ -219,9 +223,10 @@ def run_serve_bench(model: str, topologies: list[str], scenarios: list[str], rou
             with tempfile.TemporaryDirectory() as logs:
                 cluster = None
                 if not external:
-                    p, d, m = parse_topology(topo)
+                    p, d, m, local = parse_topology(topo)
                     cluster = Cluster(model, p, d, m, list(devices), "127.0.0.1", 0, 0, Path(logs), policy,
                                       worker_args + list(extra), threads=None, restart=False,
+                                      router_args=["--max-local-prefill-length", str(local)] if local else [],
                                       http_port=0 if "http" in frontends else None, api_key=api_key)
                     cluster.start()
                 try:

@@ -83,7 +83,7 @@ def engine_options(f):
 POSITIVE = click.FloatRange(min=0, min_open=True)
 COUNT = click.IntRange(min=1)  # of requests, tokens, steps, workers, threads: with 0 there is nothing to run
 PORT = click.IntRange(0, 65535)
-ROUTER_OPTIONS = [  # (flag, default, type, help): the router's limits, on `router` and `launch` alike
+ROUTER_OPTIONS = [  # (flag, default, type, help): the router's limits and placement, on `router` and `launch` alike
     ("--max-queue", 1024, click.IntRange(min=1), "requests held at once; more are OVERLOADED"),
     # workers heartbeat every 0.2 s (common/worker.py): less than 0.5 s of silence is no death
     ("--heartbeat-timeout", 2.0, click.FloatRange(min=0.5), "seconds of silence before a worker is dead"),
@@ -92,6 +92,11 @@ ROUTER_OPTIONS = [  # (flag, default, type, help): the router's limits, on `rout
     ("--decode-stall-timeout", 30.0, POSITIVE, "longest gap between tokens, unless a worker holds the request"),
     ("--queue-timeout", 30.0, POSITIVE, "longest wait for a live worker"),
     ("--max-message-bytes", 4 * 2**20, click.IntRange(min=4096), "also the HTTP body limit"),
+    ("--max-local-prefill-length", 0, click.IntRange(min=0),
+     "a prompt with at most this many tokens to compute (past what its decode worker's prefix cache likely holds) "
+     "is prefilled by its decode worker, with no KV handoff (Dynamo's conditional disaggregation)"),
+    ("--enforce-disagg", False, bool, "never prefill on a decode worker; without it, decode workers prefill what no "
+                                      "prefill worker can take (none alive), as Dynamo's router does"),
 ]
 
 
@@ -109,17 +114,25 @@ def table_defaults(table: list[tuple]) -> dict:
 def table_options(f, table: list[tuple]):
     """f with an option table's flags, in the table's order in --help."""
     for flag, default, kind, text in reversed(table):
-        f = click.option(flag, default=default, show_default=default is not None, type=kind, help=text)(f)
+        if kind is bool:
+            f = click.option(flag, is_flag=True, help=text)(f)
+        else:
+            f = click.option(flag, default=default, show_default=default is not None, type=kind, help=text)(f)
     return f
 
 
 def router_options(f):
-    """The router's limits; the command receives them as `router_kwargs` (flag names, snake_case)."""
+    """The router's limits and placement; the command receives them as `router_kwargs` (flag
+    names, snake_case)."""
     names = list(table_defaults(ROUTER_OPTIONS))
 
     @functools.wraps(f)
     def wrapper(*args, **kwargs):
         router_kwargs = {name: kwargs.pop(name) for name in names}
+        if router_kwargs["enforce_disagg"] and router_kwargs["max_local_prefill_length"]:
+            raise click.UsageError(f"--max-local-prefill-length {router_kwargs['max_local_prefill_length']} with "
+                                   "--enforce-disagg: the one prefills short prompts on decode workers, the other "
+                                   "nothing; allowed: one of them")
         return f(*args, router_kwargs=router_kwargs, **kwargs)
 
     return table_options(wrapper, ROUTER_OPTIONS)
@@ -128,8 +141,12 @@ def router_options(f):
 def router_argv(router_kwargs: dict) -> list[str]:
     """router_kwargs back to the router's flags, those left at their defaults left out."""
     defaults = table_defaults(ROUTER_OPTIONS)
-    return [arg for name, value in router_kwargs.items() if value != defaults[name]
-            for arg in (f"--{name.replace('_', '-')}", str(value))]
+    argv = []
+    for name, value in router_kwargs.items():
+        if value != defaults[name]:
+            flag = f"--{name.replace('_', '-')}"
+            argv += [flag] if value is True else [flag, str(value)]
+    return argv
 
 
 def engine_argv(engine_kwargs: dict) -> list[str]:

@@ -130,6 +130,7 @@ class StatusReply:
     queued: int
     in_flight: int
     context: int = 0  # what the router admits, prompt and output (its API servers follow it)
+    missing: list[str] = field(default_factory=list)  # roles the live workers lack to serve ("prefill", "decode")
 
 
 @dataclass
@@ -190,7 +191,8 @@ class Holding:
 @dataclass
 class PrefillWork:
     """Router -> prefill (or mono) worker: compute the KV of token_ids and sample the next token.
-    token_ids may extend the prompt with tokens already generated (a migrated request)."""
+    token_ids may extend the prompt with tokens already generated (a migrated request). To a decode
+    worker naming itself as decode_worker_id: prefill it there and decode on (a local prefill)."""
     request_id: str
     attempt: int
     token_ids: list[int]

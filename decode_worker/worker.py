@@ -16,8 +16,11 @@ may write our blocks itself (shm, cuda_ipc), a cancelled reservation's blocks ar
 come back only when that writer says it is done (for cuda_ipc on one GPU, once the event its header
 carries completed), or at the end of the lease.
 
-Role "mono" also takes PrefillWork from the router and runs the whole request itself: the
-monolithic engine behind the same router, the baseline the disaggregated topologies must beat.
+A decode worker also takes PrefillWork that names it as its decode worker, and runs the whole
+request itself: a local prefill, where the router judges the handoff not worth its cost (a short
+prompt, or one its prefix cache mostly holds) or no prefill worker can take the request. Role
+"mono" takes all its work that way: the monolithic engine behind the same router, the baseline the
+disaggregated topologies must beat.
 """
 
 from __future__ import annotations
@@ -88,6 +91,7 @@ class DecodeWorker(WorkerBase):
         self.spin_until = 0.0  # (poll_timeout)
         self.arriving: dict[str, tuple[P.KVTransfer, bytes]] = {}  # header in, the transport still settling
         self.streams: dict[str, tuple[int, dict]] = {}  # request id -> (attempt, timings)
+        self.prefilling: set[str] = set()  # request ids prefilled here, before their first token
         log.info("KV transports offered: %s", list(self.receivers))
 
     def kv_transports(self) -> list[str]:
@@ -99,15 +103,29 @@ class DecodeWorker(WorkerBase):
         if isinstance(msg, P.CancelWork):
             if self._attempt(msg.request_id) == msg.attempt:  # an older attempt's cancel: not this one
                 self._drop(msg.request_id)
-        elif isinstance(msg, P.PrefillWork) and self.role == "mono":
-            self._drop(msg.request_id)
-            try:
-                self.engine.add_sequence(msg.request_id, msg.token_ids, msg.num_prompt_tokens,
-                                         SamplingParams.from_dict(msg.sampling), msg.seed)
-            except InvalidArgument as e:
-                self.to_router(P.WorkerError(msg.request_id, msg.attempt, e.code, str(e)))
+        elif isinstance(msg, P.PrefillWork) and (self.role == "mono" or msg.decode_worker_id == self.worker_id):
+            self._prefill_here(msg)
+        elif isinstance(msg, P.PrefillWork):
+            log.warning("PrefillWork for %s names decode worker %r, not this one (%s): refused", msg.request_id,
+                        msg.decode_worker_id, self.worker_id)
+            self.to_router(P.WorkerError(msg.request_id, msg.attempt, "NO_ROOM",
+                                         f"{self.worker_id} is a decode worker; it prefills only work naming it"))
+
+    def _prefill_here(self, msg: P.PrefillWork):
+        """Run the whole request here: prefill it, then decode it with the rest of the batch."""
+        self._drop(msg.request_id)
+        try:
+            params = SamplingParams.from_dict(msg.sampling)
+            problem = self.engine.scheduler.no_room(len(msg.token_ids), msg.num_prompt_tokens + params.max_tokens)
+            if problem:  # as it refuses a reservation: the router tries another worker
+                self.to_router(P.WorkerError(msg.request_id, msg.attempt, "NO_ROOM", problem))
                 return
-            self.streams[msg.request_id] = (msg.attempt, {})
+            self.engine.add_sequence(msg.request_id, msg.token_ids, msg.num_prompt_tokens, params, msg.seed)
+        except InvalidArgument as e:
+            self.to_router(P.WorkerError(msg.request_id, msg.attempt, e.code, str(e)))
+            return
+        self.streams[msg.request_id] = (msg.attempt, {})
+        self.prefilling.add(msg.request_id)
 
     def _attempt(self, rid: str) -> int | None:
         """The attempt of rid this worker holds: queued for room, reserved for, or decoding."""
@@ -121,6 +139,7 @@ class DecodeWorker(WorkerBase):
             arrived = self.arriving.pop(rid, None) is not None
             self._free(rid, r, writer_done=arrived and not r.inbox.writing())
         self.streams.pop(rid, None)
+        self.prefilling.discard(rid)
         self.engine.abort_request(rid)
 
     def _free(self, rid: str, r: Reservation, writer_done: bool):
@@ -345,15 +364,17 @@ class DecodeWorker(WorkerBase):
             index = out.num_tokens - len(out.new_token_ids)
             reason = out.finish_reason if out.finished else None
             new = len(out.new_token_ids)
-            prefilled = self.role == "mono" and "prefill_s" not in timings  # its first output, even after a migration
+            prefilled = out.request_id in self.prefilling  # its first output here, even after a migration
             if prefilled:  # work received -> first token, the prefill time a prefill worker reports too
+                self.prefilling.discard(out.request_id)
                 timings.update(prefill_s=out.metrics["ttft_s"], cached_tokens=out.metrics["num_cached_tokens"])
             sends.append(P.WorkerTokens(out.request_id, attempt, index, out.new_token_ids, reason,
                                         timings if out.finished or prefilled else {},
                                         out.logprobs and out.logprobs[-new:],
-                                        out.prompt_logprobs if index == 0 else None))  # mono: with the first token
+                                        out.prompt_logprobs if index == 0 else None))  # prefilled here: with the first
             if out.finished:
                 del self.streams[out.request_id]
+                self.prefilling.discard(out.request_id)
         if sends:
             self.to_router(P.batch_tokens(sends))
 
@@ -382,6 +403,7 @@ class DecodeWorker(WorkerBase):
         for rid in list(self.reservations):
             self._drop(rid)
         self.streams.clear()
+        self.prefilling.clear()
         super().drop_all_work()
 
     def close(self):

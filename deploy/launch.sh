@@ -15,6 +15,7 @@
 #                    [--policy least_loaded|round_robin|prefix_affine]
 #                    [--max-queue N] [--heartbeat-timeout S] [--max-attempts N] [--prefill-timeout S]
 #                    [--decode-stall-timeout S] [--queue-timeout S] [--max-message-bytes N]
+#                    [--max-local-prefill-length N] [--enforce-disagg]
 #                    [--log-dir DIR] [--no-restart] [--dry-run] [-- WORKER_ARGS...]
 #
 # The flags are `pdserve launch`'s; engine flags (--kv-transport, --max-num-seqs, ...) go to the
@@ -65,17 +66,18 @@ while (($#)); do
     --threads) int_value 1 "$@"; THREADS=$((10#$2)); shift 2 ;;
     --api-key) has_value "$@"; API_KEY=$2; shift 2 ;;
     --allowed-origins|--served-model-name|--tool-call-parser|--reasoning-parser) has_value "$@"; ROUTER_LIMITS+=("$1" "$2"); shift 2 ;;
-    --enable-auto-tool-choice) ROUTER_LIMITS+=("$1"); shift ;;
+    --enable-auto-tool-choice|--enforce-disagg) ROUTER_LIMITS+=("$1"); shift ;;
     # the router's limits, as ROUTER_OPTIONS in common/cli_options.py bounds them
     --max-queue|--max-attempts) int_value 1 "$@"; ROUTER_LIMITS+=("$1" "$2"); shift 2 ;;
     --max-message-bytes) int_value 4096 "$@"; ROUTER_LIMITS+=("$1" "$2"); shift 2 ;;
+    --max-local-prefill-length) int_value 0 "$@"; ROUTER_LIMITS+=("$1" "$2"); shift 2 ;;
     --heartbeat-timeout) number_value ">=" 0.5 "$@"; ROUTER_LIMITS+=("$1" "$2"); shift 2 ;;
     --prefill-timeout|--decode-stall-timeout|--queue-timeout)
       number_value ">" 0 "$@"; ROUTER_LIMITS+=("$1" "$2"); shift 2 ;;
     --no-restart) RESTART=0; shift ;;
     --dry-run) DRY_RUN=1; shift ;;
     --) shift; WORKER_ARGS=("$@"); break ;;
-    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
     *) echo "launch.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done

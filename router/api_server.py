@@ -124,9 +124,9 @@ class RouterLink:
     def rejected(self, code: str):
         self.chan.post(P.Rejected(code))
 
-    async def live_roles(self) -> list[str]:
+    async def health(self) -> tuple[int, list[str]]:
         reply = await self._ask(P.StatusRequest(), P.StatusReply)
-        return [w.get("role") for w in reply.workers if w.get("alive")]
+        return sum(bool(w.get("alive")) for w in reply.workers), list(reply.missing)
 
     async def metrics(self) -> bytes:
         return (await self._ask(P.MetricsRequest(), P.MetricsReply)).text

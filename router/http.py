@@ -49,7 +49,7 @@ from common.sampling_params import SamplingParams
 from router.openai_api import (RETRY_AFTER_S, ApiError, Choice, Envelope, Job, OutputParsers, check_model, parse_chat,
                                parse_completion, parse_detokenize, parse_tokenize, served_names, usage)
 from router.prompts import Prompts
-from router.registry import DECODE_ROLES, PREFILL_ROLES, missing_roles
+from router.registry import DECODE_ROLES, PREFILL_ROLES
 
 log = logging.getLogger("pdserve.http")
 HTTP_CLIENT = "http"  # the Router.submit client of every HTTP request (their request ids are unique)
@@ -81,8 +81,9 @@ class LocalBackend:
     def rejected(self, code: str):
         self.router.metrics.on_error(code)
 
-    async def live_roles(self) -> list[str]:
-        return [w.role for w in self.router.registry.alive(PREFILL_ROLES + DECODE_ROLES)]
+    async def health(self) -> tuple[int, list[str]]:
+        alive = self.router.registry.alive(PREFILL_ROLES + DECODE_ROLES)
+        return len(alive), self.router.missing(alive)
 
     async def metrics(self) -> bytes:
         return self.router.metrics.render()
@@ -208,12 +209,12 @@ class HttpFront:
     # ------------------------------------------------------------------ routes
 
     async def health(self, request: web.Request) -> web.Response:
-        """200 while at least one worker of each needed role (prefill or mono, decode or mono) is alive."""
-        roles = await self.backend.live_roles()
-        missing = missing_roles(roles)
+        """200 while the live workers serve: one of each role (prefill or mono, decode or mono), or
+        decode workers alone where they prefill too (not --enforce-disagg)."""
+        workers, missing = await self.backend.health()
         if missing:
             raise ApiError("UNAVAILABLE", f"no live {' or '.join(missing)} worker")
-        return web.json_response({"status": "ok", "workers": len(roles)})
+        return web.json_response({"status": "ok", "workers": workers})
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=await self.backend.metrics(), headers={"Content-Type": CONTENT_TYPE_LATEST})

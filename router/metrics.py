@@ -82,6 +82,7 @@ class RouterMetrics:
         self.generation_tokens = counter("generation_tokens", "Tokens delivered to clients")
         self.migrations = counter("request_migrations", "Decoding requests moved to other workers")
         self.redispatches = counter("request_redispatches", "Attempts given up and dispatched again")
+        self.local_prefills = counter("local_prefills", "Prompts prefilled by their decode worker (no KV handoff)")
         self.worker_deaths = counter("worker_deaths", "Workers declared dead or replaced by a new incarnation")
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in workers' prefix caches")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in workers' prefix caches")

@@ -95,6 +95,13 @@ def pick_affine(candidates: list, chain: PromptChain, load: Callable[[object], f
     return max(candidates, key=score)  # the first of equals: the lowest id
 
 
+def cached_tokens(w, chain: PromptChain | None) -> int:
+    """How many of the prompt's leading tokens w's prefix cache likely holds."""
+    if chain is None or not w.prefix_caching:
+        return 0
+    return index(w).matched(chain.hashes(w.block_size)) * w.block_size
+
+
 def remember(w, chain: PromptChain) -> None:
     """The prompt went to w: its cache will hold it (if it keeps one)."""
     if w.prefix_caching:

@@ -65,10 +65,13 @@ def load(w: Worker) -> float:
     return len(w.assigned) + w.queued / 2
 
 
-def missing_roles(alive_roles) -> list[str]:
-    """What a cluster lacks to serve, by the roles of its live workers: "prefill", "decode", both or none."""
+def missing_roles(alive_roles, decode_prefills: bool = False) -> list[str]:
+    """What a cluster lacks to serve, by the roles of its live workers: "prefill", "decode", both or
+    none. decode_prefills: a decode worker prefills what no prefill worker can take (the router
+    runs without --enforce-disagg), so decode workers alone serve."""
     alive = set(alive_roles)
-    return [what for roles, what in ((PREFILL_ROLES, "prefill"), (DECODE_ROLES, "decode")) if not alive & set(roles)]
+    prefill = PREFILL_ROLES + ("decode",) if decode_prefills else PREFILL_ROLES
+    return [what for roles, what in ((prefill, "prefill"), (DECODE_ROLES, "decode")) if not alive & set(roles)]
 
 
 def invariance_split(workers: list[Worker]) -> tuple[list[str], list[str]] | None:

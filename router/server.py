@@ -35,7 +35,7 @@ from common.sampling_params import SamplingParams, fresh_seed
 from common.security import close_context
 from router.metrics import RouterMetrics
 from router.openai_api import OutputParsers
-from router.prefix_affinity import PromptChain, remember
+from router.prefix_affinity import PromptChain, cached_tokens, remember
 from router.prompts import Prompts
 from router.registry import DECODE_ROLES, PREFILL_ROLES, Registry, Worker, invariance_split, missing_roles
 from common.text import TextStream
@@ -74,6 +74,10 @@ class RouterConfig:
     allowed_origins: str = "*"  # HTTP: web origins allowed to call it (CORS), comma-separated; "*" any
     served_model_names: tuple[str, ...] = ()  # HTTP: the model's names (the first shown); () is (model,)
     parsers: OutputParsers = OutputParsers()  # HTTP: how the model writes tool calls and reasoning
+    # a prompt with at most this many tokens to compute (past what its decode worker's prefix cache
+    # likely holds) is prefilled by the decode worker itself, with no KV handoff (0: none)
+    max_local_prefill_length: int = 0
+    enforce_disagg: bool = False  # never prefill on a decode worker, not even while no prefill worker can
 
 
 @dataclass
@@ -113,6 +117,10 @@ class Router:
         if cfg.api_server_count < 1 or (cfg.api_server_count > 1 and cfg.http_port is None):
             raise InvalidArgument(f"api_server_count={cfg.api_server_count} is invalid; allowed: 1 (HTTP in the "
                                   f"router process) or more (that many API server processes) with an http_port")
+        if cfg.enforce_disagg and cfg.max_local_prefill_length:
+            raise InvalidArgument(f"max_local_prefill_length={cfg.max_local_prefill_length} with enforce_disagg: "
+                                  "enforce_disagg prefills nothing on decode workers; allowed: one of them",
+                                  param="--enforce-disagg")
         taken: dict[int, str] = {}
         for flag, port in (("--port", cfg.port), ("--worker-port", cfg.worker_port), ("--http-port", cfg.http_port)):
             if port and port in taken:
@@ -203,6 +211,10 @@ class Router:
         self.reply(req, P.Done(req.client_request_id, reason, req.tokens, text, req.prompt_ids, self._timings(req),
                                req.logprobs, req.prompt_logprobs, stop_reason))
         self.metrics.on_done(req, reason)
+        if req.chain is not None and req.tokens and self.cfg.max_local_prefill_length:
+            d = self.registry.workers.get(req.decode_worker)
+            if d is not None and d.alive:  # its prefix cache holds the output too: a next turn's prompt begins so
+                remember(d, PromptChain(req.prompt_ids + req.tokens))
         self._finish(req)
 
     def _finish(self, req: Request):
@@ -266,8 +278,9 @@ class Router:
             now = time.monotonic()
             workers = [w.describe(now) for w in sorted(self.registry.workers.values(), key=lambda w: w.worker_id)]
             queued = sum(r.state == "queued" for r in self.requests.values())
-            self._send(self.frontend, P.StatusReply(workers, queued, len(self.requests) - queued, self.prompts.context),
-                       env.sender)
+            missing = self.missing(self.registry.alive(PREFILL_ROLES + DECODE_ROLES))
+            self._send(self.frontend, P.StatusReply(workers, queued, len(self.requests) - queued, self.prompts.context,
+                                                    missing), env.sender)
         elif isinstance(msg, P.MetricsRequest):
             self._send(self.frontend, P.MetricsReply(self.metrics.render()), env.sender)
         elif isinstance(msg, P.Rejected):
@@ -309,7 +322,7 @@ class Router:
                                         f"(max_queue={self.cfg.max_queue}); retry later")
         # None ever registered: say so now. Some did but are down: they may be restarting, so the
         # request waits (dispatch queues it) up to queue_timeout_s.
-        never = missing_roles(w.role for w in self.registry.workers.values())
+        never = self.missing(self.registry.workers.values())
         if never:
             return refuse("UNAVAILABLE", f"no {never[0]} worker has registered")
         req = Request(str(next(self._ids)), client, client_request_id, ids, params,
@@ -377,22 +390,33 @@ class Router:
             return "length"
         return None
 
+    def missing(self, workers) -> list[str]:
+        """The roles these workers lack to serve a request ("prefill", "decode"; none: they serve)."""
+        return missing_roles((w.role for w in workers), decode_prefills=not self.cfg.enforce_disagg)
+
     def dispatch(self, req: Request):
-        """Send req (prompt + tokens delivered so far) to a prefill worker, naming its decode worker."""
+        """Send req (prompt + tokens delivered so far) to a prefill worker, naming its decode worker,
+        or to a decode worker to prefill itself (_local_prefill)."""
         reason = self._already_finished(req)
         if reason is not None:
             return self.done(req, reason)
         decoders = self.registry.alive(("decode",))
         chain = self._prompt_chain(req)
-        p = self.registry.pick(PREFILL_ROLES,
-                               lambda p: any(pairs(req, p, d) for d in ([p] if p.role == "mono" else decoders)),
-                               prompt=chain)
-        d = p if p is None or p.role == "mono" else self.registry.pick(("decode",), lambda d: pairs(req, p, d))
+        p = d = self._local_prefill(req, decoders, chain)
+        if p is None:
+            p = self.registry.pick(PREFILL_ROLES,
+                                   lambda p: any(pairs(req, p, d) for d in ([p] if p.role == "mono" else decoders)),
+                                   prompt=chain)
+            d = p if p is None or p.role == "mono" else self.registry.pick(("decode",), lambda d: pairs(req, p, d))
         if p is None or d is None:
             req.state, req.deadline = "queued", req.arrival + self.cfg.queue_timeout_s
             return
         if chain is not None:
             remember(p, chain)
+            if d is not p and self.cfg.max_local_prefill_length:  # the KV it receives joins its prefix cache
+                remember(d, chain)
+        if p is d and p.role == "decode":
+            self.metrics.local_prefills.inc()
         req.attempt += 1
         req.state = "prefill"
         req.prefill_worker, req.decode_worker = p.worker_id, d.worker_id
@@ -406,6 +430,28 @@ class Router:
             sampling["prompt_logprobs"] = None
         self._send(self.backend, P.PrefillWork(req.rid, req.attempt, req.prompt_ids + req.tokens, len(req.prompt_ids),
                                                sampling, req.seed, d.worker_id, d.kv_address), p.identity)
+
+    def _local_prefill(self, req: Request, decoders: list[Worker], chain: PromptChain | None) -> Worker | None:
+        """The decode worker to prefill req itself, or None: Dynamo's conditional disaggregation.
+        A short prompt costs a decode worker little to compute, and its KV handoff (a reservation's
+        round trip, the transfer) costs about as much as the prefill; so does a prompt whose
+        beginning the decode worker's prefix cache holds (a conversation's next turn, on the worker
+        that decoded the last). Unless the router enforces disaggregation, a decode worker also
+        prefills what no prefill worker can take: none is alive (all restarting), or every pair
+        failed the request."""
+        if self.cfg.enforce_disagg or not decoders:
+            return None
+        limit = self.cfg.max_local_prefill_length
+        remote = any(pairs(req, p, d) for p in self.registry.alive(PREFILL_ROLES)
+                     for d in ([p] if p.role == "mono" else decoders))
+        length = len(req.prompt_ids) + len(req.tokens)
+        if remote and (not limit or (length > limit and chain is None)):
+            return None
+        d = self.registry.pick(("decode",), lambda d: not {(d.worker_id, d.worker_id), ("*", d.worker_id)}
+                               & req.failed_pairs, prompt=chain)
+        if remote and length > limit and length - cached_tokens(d, chain) > limit:
+            return None
+        return d
 
     def _prompt_chain(self, req: Request) -> PromptChain | None:
         """What prefix_affine routes req by: the tokens its prefill computes, unless the prefix cache
@@ -675,7 +721,7 @@ class Router:
             if now < req.deadline:
                 continue
             if req.state == "queued":
-                missing = missing_roles(w.role for w in self.registry.alive(PREFILL_ROLES + DECODE_ROLES))
+                missing = self.missing(self.registry.alive(PREFILL_ROLES + DECODE_ROLES))
                 self.error(req, "UNAVAILABLE", f"no live {' or '.join(missing) or 'worker'} worker "
                                                f"for {self.cfg.queue_timeout_s}s")
             else:

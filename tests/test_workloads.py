@@ -7,6 +7,7 @@ import statistics
 import pytest
 
 from bench.scaling import Topology, all_topologies, check_topologies, resolve_devices
+from bench.serve import parse_topology
 from bench.workloads import WORKLOADS, Request, fit, get_workload, load_trace
 from common.errors import InvalidArgument
 
@@ -92,6 +93,11 @@ def test_topologies_and_what_the_devices_allow(monkeypatch):
     assert Topology.parse("mono") == Topology(0, 0, 1) and Topology.parse("2p3d").devices == 5
     with pytest.raises(InvalidArgument, match="topology '0p1d' is not supported"):
         Topology.parse("0p1d")
+    with pytest.raises(InvalidArgument, match=r"topology '1p1d\+local64': bench scaling measures XpYd without"):
+        Topology.parse("1p1d+local64")
+    assert parse_topology("2p1d+local256") == (2, 1, 0, 256) and parse_topology("3mono") == (0, 0, 3, 0)
+    with pytest.raises(ValueError, match=r"topology '1p1d\+local0' is not supported; allowed: .*XpYd\+localN"):
+        parse_topology("1p1d+local0")
     monkeypatch.setattr("os.cpu_count", lambda: 2)
     assert resolve_devices("cpu", 2) == (["cpu"], 2)
     with pytest.raises(InvalidArgument, match=r"--workers 3 on cpu; allowed: 1\.\.2"):
