@@ -47,6 +47,9 @@ class Scenario:
     concurrency: int = 0  # at most this many requests in flight (0: no limit)
     background: tuple[int, int] = (0, 0)  # (streams, tokens each) decoding throughout, not measured
     prefixes: tuple[int, int] = (0, 0)  # (count, tokens each): every prompt is one of them + its own `prompt` tokens
+    # (turns, (lo, hi) new tokens a turn): each request a conversation, whose next turn's prompt is the
+    # last one, its output and new tokens, sent once the output is in (the SDK only: it gets the ids)
+    turns: tuple[int, tuple[int, int]] = (1, (0, 0))
 
 
 SCENARIOS = {s.name: s for s in [
@@ -65,6 +68,9 @@ SCENARIOS = {s.name: s for s in [
     # 8 in flight, every worker's pool 512 blocks: the documents fill one and a half (prefix_affine)
     Scenario("shared_prefixes", 512, (16, 48), (4, 4), concurrency=8, prefixes=(16, 768),
              worker_args=["--num-blocks", "512"]),
+    # 32 conversations of 4 turns, 8 at a time: a 128-384-token first prompt, then 16-48 new tokens a
+    # turn, 16-48 answered each time (up to 720 tokens in all)
+    Scenario("multi_turn", 32, (128, 384), (16, 48), concurrency=8, turns=(4, (16, 48))),
 ]}
 
 
@@ -84,19 +90,23 @@ def parse_topology(name: str) -> tuple[int, int, int, int]:
 
 
 def make_requests(s: Scenario, vocab: int, context: int, seed: int):
-    """(arrival offset s, prompt ids, max_tokens) per request, from a fixed seed."""
+    """(arrival offset s, prompt ids, max_tokens[, the next turns' (new ids, max_tokens)]) per
+    request, from a fixed seed."""
     rng = random.Random(f"{s.name}/{seed}")
     prefixes = [random_prompt(rng, s.prefixes[1], vocab) for _ in range(s.prefixes[0])]
+    turns, more = s.turns
     out, t = [], 0.0
     for i in range(s.requests):
         new = rng.randint(*s.new)
+        later = [(random_prompt(rng, rng.randint(*more), vocab), rng.randint(*s.new)) for _ in range(turns - 1)]
         prefix = rng.choice(prefixes) if prefixes else []
-        plen = min(rng.randint(*s.prompt), context - new - 1 - len(prefix))  # fit the model's context
+        grows = sum(len(ids) + n for ids, n in later)
+        plen = min(rng.randint(*s.prompt), context - new - 1 - len(prefix) - grows)  # fit the model's context
         if s.arrival == "rate":
             t = i / s.rate
         elif s.arrival == "poisson" and i:
             t += rng.expovariate(s.rate)
-        out.append((t, prefix + random_prompt(rng, plen, vocab), new))
+        out.append((t, prefix + random_prompt(rng, plen, vocab), new, *([later] if later else [])))
     return out
 
 
@@ -123,10 +133,9 @@ async def drive(address: str, requests, concurrency: int = 0) -> tuple[list[Samp
         start = time.perf_counter()
         gate = asyncio.Semaphore(concurrency or len(requests) or 1)
 
-        async def one(offset, prompt, max_tokens) -> Sample:
-            await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
+        async def one(prompt, max_tokens) -> tuple[Sample, list[int]]:
             await gate.acquire()  # at most `concurrency` in flight
-            s = Sample(time.perf_counter(), len(prompt))
+            s, output = Sample(time.perf_counter(), len(prompt)), []
             try:
                 stream = client.stream(prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True)
                 async for chunk in stream:
@@ -135,14 +144,26 @@ async def drive(address: str, requests, concurrency: int = 0) -> tuple[list[Samp
                     s.token_times += [now] * len(chunk.token_ids)
                 s.end, s.tokens, s.timings = time.perf_counter(), len(stream.result.token_ids), stream.result.timings
                 s.router_s = stream.result.timings.get("router_s", 0.0)
+                output = stream.result.token_ids
             except RequestError as e:  # counted as failed, not fatal to the run
                 s.error, s.end = e.code, None
             finally:
                 gate.release()
-            return s
+            return s, output
 
-        samples = await asyncio.gather(*(one(*r) for r in requests))
-        return list(samples), time.perf_counter() - start
+        async def conversation(offset, prompt, max_tokens, later=()) -> list[Sample]:
+            await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
+            samples = []
+            for new, n in [([], max_tokens), *later]:  # a turn that failed ends its conversation
+                s, output = await one(prompt + new, n)
+                samples.append(s)
+                if s.error is not None:
+                    break
+                prompt = prompt + new + output
+            return samples
+
+        conversations = await asyncio.gather(*(conversation(*r) for r in requests))
+        return [s for samples in conversations for s in samples], time.perf_counter() - start
 
 
 def summarize(samples: list[Sample], wall: float) -> dict:
@@ -207,6 +228,10 @@ def run_serve_bench(model: str, topologies: list[str], scenarios: list[str], rou
     if router and base_url:
         raise ValueError("give --router (a ZeroMQ address) or --base-url (an HTTP server), not both")
     frontends = ("http",) if base_url else ("zmq",) if router else tuple(frontends)
+    talks = [name for name in scenarios if SCENARIOS[name].turns[0] > 1]
+    if talks and "http" in frontends:
+        raise ValueError(f"scenario {talks[0]!r} sends each turn's output back as token ids, which only the SDK "
+                         "gets; allowed with it: --frontends zmq (and --router, not --base-url)")
     if router:  # no router there: UNAVAILABLE now, before any run, as served_model_at says it of --base-url
         with Client(router) as client:
             client.status()

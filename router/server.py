@@ -438,17 +438,18 @@ class Router:
         beginning the decode worker's prefix cache holds (a conversation's next turn, on the worker
         that decoded the last). Unless the router enforces disaggregation, a decode worker also
         prefills what no prefill worker can take: none is alive (all restarting), or every pair
-        failed the request."""
+        failed the request. A live prefill worker that cannot send a decode worker KV (another
+        dtype, no transport in common) still gets the request, and says why it fails: that is a
+        misconfiguration to see, not to serve around."""
         if self.cfg.enforce_disagg or not decoders:
             return None
         limit = self.cfg.max_local_prefill_length
-        remote = any(pairs(req, p, d) for p in self.registry.alive(PREFILL_ROLES)
+        remote = any(untried(req, p, d) for p in self.registry.alive(PREFILL_ROLES)
                      for d in ([p] if p.role == "mono" else decoders))
         length = len(req.prompt_ids) + len(req.tokens)
         if remote and (not limit or (length > limit and chain is None)):
             return None
-        d = self.registry.pick(("decode",), lambda d: not {(d.worker_id, d.worker_id), ("*", d.worker_id)}
-                               & req.failed_pairs, prompt=chain)
+        d = self.registry.pick(("decode",), lambda d: untried(req, d, d), prompt=chain)
         if remote and length > limit and length - cached_tokens(d, chain) > limit:
             return None
         return d
@@ -771,8 +772,12 @@ def pairs(req: Request, p: Worker, d: Worker) -> bool:
     transport (by name: whether it works between their hosts only p can tell), and req has not
     failed between them already."""
     shared = not p.kv_transports or not d.kv_transports or set(p.kv_transports) & set(d.kv_transports)
-    return (bool(shared) and p.kv_fits(d)
-            and not {(p.worker_id, d.worker_id), ("*", d.worker_id)} & req.failed_pairs)
+    return bool(shared) and p.kv_fits(d) and untried(req, p, d)
+
+
+def untried(req: Request, p: Worker, d: Worker) -> bool:
+    """Whether req has not failed between p and d (and d has not refused it whoever prefilled)."""
+    return not {(p.worker_id, d.worker_id), ("*", d.worker_id)} & req.failed_pairs
 
 
 def run_router(cfg: RouterConfig):

@@ -281,19 +281,28 @@ def test_cluster_on_each_transport_matches_monolithic(tmp_path, transport):
     assert [w.proc.returncode for w in c.workers] == [0, 0]
 
 
-def test_forced_transport_the_peer_lacks_is_refused_naming_both(tmp_path):
+@pytest.mark.parametrize("enforce", [True, False], ids=["enforce-disagg", "fallback"])
+def test_forced_transport_the_peer_lacks_is_refused_naming_both(tmp_path, enforce):
+    """The error names both sides; without --enforce-disagg the decode worker then prefills the
+    request itself (every prefill/decode pair failed it), and the router's log says why."""
     c = Cluster("dummy:nanogpt", 1, 1, 0, ["cpu"], "127.0.0.1", 0, 0, tmp_path / "logs", "least_loaded", [],
-                threads=1, restart=False)
+                threads=1, restart=False, router_args=["--enforce-disagg"] if enforce else [])
     c.workers[0].argv += ["--kv-transport", "shm"]  # prefill-0
     c.workers[1].argv += ["--kv-transport", "zmq"]  # decode-0
     try:
         c.start()
-        with Client(c.address, timeout=60) as client, pytest.raises(RequestError) as e:
-            client.generate([1, 2, 3], max_tokens=4, temperature=0)
+        with Client(c.address, timeout=60) as client:
+            if enforce:
+                with pytest.raises(RequestError) as e:
+                    client.generate([1, 2, 3], max_tokens=4, temperature=0)
+                message = e.value.message
+            else:
+                assert len(client.generate([1, 2, 3], max_tokens=4, temperature=0, ignore_eos=True).token_ids) == 4
+                message = (tmp_path / "logs" / "router.log").read_text()
     finally:
         c.stop()
-    assert "no KV transport in common with decode worker 'decode-0'" in e.value.message
-    assert "kv_transport='shm' is forced on this prefill worker, it offers ['zmq']" in e.value.message
+    assert "no KV transport in common with decode worker 'decode-0'" in message
+    assert "kv_transport='shm' is forced on this prefill worker, it offers ['zmq']" in message
 
 
 # ----------------------------------------------------------------------------- one decode worker, by hand

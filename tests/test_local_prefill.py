@@ -194,3 +194,22 @@ def test_with_its_prefill_worker_dead_a_cluster_serves_on_its_decode_worker_unle
             assert health == 200 and metric(c, "local_prefills_total") == 1
             status = json.loads(urllib.request.urlopen(c.http_url + "/health", timeout=10).read())
             assert status == {"status": "ok", "workers": 1}
+
+
+def test_bench_serve_compares_local_prefill_on_conversations():
+    """multi_turn: each turn's prompt is the conversation so far; prefilled where its decode worker
+    holds it, more of each prompt is found cached (the outputs too, not the prompts alone)."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "common.cli", "bench", "serve", "--topologies", "1p1d,1p1d+local128",
+                        "--policies", "prefix_affine", "--scenarios", "multi_turn"],
+                       capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = {row["topology"]: row for row in json.loads(r.stdout.strip().splitlines()[-1])["results"]}
+    assert set(rows) == {"1p1d", "1p1d+local128"}
+    assert all((row["requests"], row["failed"]) == (128, 0) for row in rows.values()), rows  # 32 talks of 4 turns
+    assert rows["1p1d+local128"]["prompt_cached_pct"] > rows["1p1d"]["prompt_cached_pct"], rows
+    bad = subprocess.run([sys.executable, "-m", "common.cli", "bench", "serve", "--scenarios", "multi_turn",
+                          "--frontends", "zmq,http"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "scenario 'multi_turn' sends each turn's output back as token ids" in bad.stderr
