@@ -83,7 +83,7 @@ class LocalBackend:
 
     async def health(self) -> tuple[int, list[str]]:
         alive = self.router.registry.alive(PREFILL_ROLES + DECODE_ROLES)
-        return len(alive), self.router.missing(alive)
+        return len(alive), self.router.placement.missing(alive)
 
     async def metrics(self) -> bytes:
         return self.router.metrics.render()

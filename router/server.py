@@ -35,9 +35,10 @@ from common.sampling_params import SamplingParams, fresh_seed
 from common.security import close_context
 from router.metrics import RouterMetrics
 from router.openai_api import OutputParsers
-from router.prefix_affinity import PromptChain, cached_tokens, remember
+from router.placement import Placement, asks_prompt_logprobs
+from router.prefix_affinity import PromptChain
 from router.prompts import Prompts
-from router.registry import DECODE_ROLES, PREFILL_ROLES, Registry, Worker, invariance_split, missing_roles
+from router.registry import DECODE_ROLES, PREFILL_ROLES, Registry, Worker, invariance_split
 from common.text import TextStream
 
 log = logging.getLogger("pdserve.router")
@@ -131,6 +132,7 @@ class Router:
         self.prompts = Prompts(cfg.model, cfg.max_model_len)  # its tokenizer and model_config are the router's
         self.configured_context = self.prompts.context  # prompts.context: the least of it and the workers' (_fit_context)
         self.registry = Registry(cfg.policy)
+        self.placement = Placement(self.registry, cfg.max_local_prefill_length, cfg.enforce_disagg)
         self.requests: dict[str, Request] = {}
         self.by_client: dict[tuple[bytes, str], str] = {}
         self._ids = itertools.count()
@@ -211,10 +213,7 @@ class Router:
         self.reply(req, P.Done(req.client_request_id, reason, req.tokens, text, req.prompt_ids, self._timings(req),
                                req.logprobs, req.prompt_logprobs, stop_reason))
         self.metrics.on_done(req, reason)
-        if req.chain is not None and req.tokens and self.cfg.max_local_prefill_length:
-            d = self.registry.workers.get(req.decode_worker)
-            if d is not None and d.alive:  # its prefix cache holds the output too: a next turn's prompt begins so
-                remember(d, PromptChain(req.prompt_ids + req.tokens))
+        self.placement.finished(req)
         self._finish(req)
 
     def _finish(self, req: Request):
@@ -278,7 +277,7 @@ class Router:
             now = time.monotonic()
             workers = [w.describe(now) for w in sorted(self.registry.workers.values(), key=lambda w: w.worker_id)]
             queued = sum(r.state == "queued" for r in self.requests.values())
-            missing = self.missing(self.registry.alive(PREFILL_ROLES + DECODE_ROLES))
+            missing = self.placement.missing(self.registry.alive(PREFILL_ROLES + DECODE_ROLES))
             self._send(self.frontend, P.StatusReply(workers, queued, len(self.requests) - queued, self.prompts.context,
                                                     missing), env.sender)
         elif isinstance(msg, P.MetricsRequest):
@@ -322,7 +321,7 @@ class Router:
                                         f"(max_queue={self.cfg.max_queue}); retry later")
         # None ever registered: say so now. Some did but are down: they may be restarting, so the
         # request waits (dispatch queues it) up to queue_timeout_s.
-        never = self.missing(self.registry.workers.values())
+        never = self.placement.missing(self.registry.workers.values())
         if never:
             return refuse("UNAVAILABLE", f"no {never[0]} worker has registered")
         req = Request(str(next(self._ids)), client, client_request_id, ids, params,
@@ -390,31 +389,17 @@ class Router:
             return "length"
         return None
 
-    def missing(self, workers) -> list[str]:
-        """The roles these workers lack to serve a request ("prefill", "decode"; none: they serve)."""
-        return missing_roles((w.role for w in workers), decode_prefills=not self.cfg.enforce_disagg)
-
     def dispatch(self, req: Request):
         """Send req (prompt + tokens delivered so far) to a prefill worker, naming its decode worker,
-        or to a decode worker to prefill itself (_local_prefill)."""
+        or to a decode worker to prefill itself (router/placement.py)."""
         reason = self._already_finished(req)
         if reason is not None:
             return self.done(req, reason)
-        decoders = self.registry.alive(("decode",))
-        chain = self._prompt_chain(req)
-        p = d = self._local_prefill(req, decoders, chain)
-        if p is None:
-            p = self.registry.pick(PREFILL_ROLES,
-                                   lambda p: any(pairs(req, p, d) for d in ([p] if p.role == "mono" else decoders)),
-                                   prompt=chain)
-            d = p if p is None or p.role == "mono" else self.registry.pick(("decode",), lambda d: pairs(req, p, d))
-        if p is None or d is None:
+        placed = self.placement.place(req)
+        if placed is None:
             req.state, req.deadline = "queued", req.arrival + self.cfg.queue_timeout_s
             return
-        if chain is not None:
-            remember(p, chain)
-            if d is not p and self.cfg.max_local_prefill_length:  # the KV it receives joins its prefix cache
-                remember(d, chain)
+        p, d = placed
         if p is d and p.role == "decode":
             self.metrics.local_prefills.inc()
         req.attempt += 1
@@ -430,39 +415,6 @@ class Router:
             sampling["prompt_logprobs"] = None
         self._send(self.backend, P.PrefillWork(req.rid, req.attempt, req.prompt_ids + req.tokens, len(req.prompt_ids),
                                                sampling, req.seed, d.worker_id, d.kv_address), p.identity)
-
-    def _local_prefill(self, req: Request, decoders: list[Worker], chain: PromptChain | None) -> Worker | None:
-        """The decode worker to prefill req itself, or None: Dynamo's conditional disaggregation.
-        A short prompt costs a decode worker little to compute, and its KV handoff (a reservation's
-        round trip, the transfer) costs about as much as the prefill; so does a prompt whose
-        beginning the decode worker's prefix cache holds (a conversation's next turn, on the worker
-        that decoded the last). Unless the router enforces disaggregation, a decode worker also
-        prefills what no prefill worker can take: none is alive (all restarting), or every pair
-        failed the request. A live prefill worker that cannot send a decode worker KV (another
-        dtype, no transport in common) still gets the request, and says why it fails: that is a
-        misconfiguration to see, not to serve around."""
-        if self.cfg.enforce_disagg or not decoders:
-            return None
-        limit = self.cfg.max_local_prefill_length
-        remote = any(untried(req, p, d) for p in self.registry.alive(PREFILL_ROLES)
-                     for d in ([p] if p.role == "mono" else decoders))
-        length = len(req.prompt_ids) + len(req.tokens)
-        if remote and (not limit or (length > limit and chain is None)):
-            return None
-        d = self.registry.pick(("decode",), lambda d: untried(req, d, d), prompt=chain)
-        if remote and length > limit and length - cached_tokens(d, chain) > limit:
-            return None
-        return d
-
-    def _prompt_chain(self, req: Request) -> PromptChain | None:
-        """What prefix_affine routes req by: the tokens its prefill computes, unless the prefix cache
-        cannot serve it (prompt logprobs need every position's logits; a re-prefill asks for none)."""
-        if self.registry.policy != "prefix_affine" or asks_prompt_logprobs(req):
-            return None
-        length = len(req.prompt_ids) + len(req.tokens)
-        if req.chain is None or len(req.chain.token_ids) != length:  # new, or migrating with more tokens
-            req.chain = PromptChain(req.prompt_ids + req.tokens)
-        return req.chain
 
     def retry(self, req: Request, why: str):
         self._cancel_work(req)
@@ -572,7 +524,7 @@ class Router:
 
     def _warn_kv_orphans(self):
         """Name, once, each prefill or decode worker whose KV (dtype, block size) no live worker of
-        the other role holds alike: pairs() never sends it work."""
+        the other role holds alike: placement.pairs() never sends it work."""
         prefill, decode = self.registry.alive(("prefill",)), self.registry.alive(("decode",))
         for w, others in [(p, decode) for p in prefill] + [(d, prefill) for d in decode]:
             if others and not w.kv_warned and not any(w.kv_fits(o) for o in others):
@@ -722,7 +674,7 @@ class Router:
             if now < req.deadline:
                 continue
             if req.state == "queued":
-                missing = self.missing(self.registry.alive(PREFILL_ROLES + DECODE_ROLES))
+                missing = self.placement.missing(self.registry.alive(PREFILL_ROLES + DECODE_ROLES))
                 self.error(req, "UNAVAILABLE", f"no live {' or '.join(missing) or 'worker'} worker "
                                                f"for {self.cfg.queue_timeout_s}s")
             else:
@@ -758,26 +710,7 @@ class Router:
         return t
 
 
-def asks_prompt_logprobs(req: Request) -> bool:
-    """Whether req's next prefill computes its prompt's logprobs: asked for, and not yet received
-    (a re-prefill after a migration does not compute them again)."""
-    return req.params.prompt_logprobs is not None and req.prompt_logprobs is None
-
-
 DECODE_FAULTS = ("NO_ROOM", "LAYOUT_MISMATCH")  # WorkerError codes that say the decode worker cannot take it
-
-
-def pairs(req: Request, p: Worker, d: Worker) -> bool:
-    """Whether to send req's KV from p to d: they hold KV alike (dtype, block size), share a KV
-    transport (by name: whether it works between their hosts only p can tell), and req has not
-    failed between them already."""
-    shared = not p.kv_transports or not d.kv_transports or set(p.kv_transports) & set(d.kv_transports)
-    return bool(shared) and p.kv_fits(d) and untried(req, p, d)
-
-
-def untried(req: Request, p: Worker, d: Worker) -> bool:
-    """Whether req has not failed between p and d (and d has not refused it whoever prefilled)."""
-    return not {(p.worker_id, d.worker_id), ("*", d.worker_id)} & req.failed_pairs
 
 
 def run_router(cfg: RouterConfig):

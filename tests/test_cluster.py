@@ -402,7 +402,8 @@ def test_round_robin_takes_turns_within_each_role():
 
 def test_pairs_skips_failed_pairs_and_a_decode_worker_that_cannot_take_the_request():
     from router.registry import Worker
-    from router.server import Request, pairs
+    from router.placement import pairs
+    from router.server import Request
 
     def worker(name, transports):
         return Worker(name, name.split("-")[0], "x", b"", "cpu", 8, 16, "", transports)
@@ -428,7 +429,8 @@ def test_workers_report_their_prefill_time(tmp_path, shape):
 
 def test_pairs_needs_the_same_kv_dtype_and_block_size():
     from router.registry import Worker
-    from router.server import Request, pairs
+    from router.placement import pairs
+    from router.server import Request
 
     def worker(name, dtype, block_size=16):
         return Worker(name, name.split("-")[0], "x", b"", "cpu", 8, block_size, "", [], kv_dtype=dtype)

@@ -1,0 +1,107 @@
+"""Where a request's next attempt goes: a prefill worker and the decode worker it sends the KV to,
+or a decode worker that prefills the request itself (a local prefill).
+
+Pairs are picked by the router's policy (router/registry.py) among those that can hand KV over:
+the same KV dtype and block size, a transport in common, and not failed for this request before.
+
+A local prefill is NVIDIA Dynamo's conditional disaggregation. A short prompt costs a decode worker
+little to compute, while its handoff (a reservation's round trip, the transfer, a second worker's
+queue) costs about as much as the prefill; and a decode worker's prefix cache holds the prompts
+it was sent and the outputs it decoded, so a conversation's next turn is mostly cached on the
+worker that decoded the last. Up to max_local_prefill_length tokens to compute (past what the
+decode worker likely holds, as prefix_affine mirrors it) go to a decode worker. Unless
+disaggregation is enforced, a decode worker also prefills what no prefill worker can take: none
+is alive (all restarting), or every one has failed the request. A live prefill worker that cannot
+hand a decode worker KV (another dtype, no transport in common) is still sent the request, and says
+why it fails: a misconfiguration to see, not to serve around in silence.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from router.prefix_affinity import PromptChain, cached_tokens, remember
+from router.registry import PREFILL_ROLES, Registry, Worker, missing_roles
+
+if TYPE_CHECKING:
+    from router.server import Request
+
+
+class Placement:
+    def __init__(self, registry: Registry, max_local_prefill_length: int = 0, enforce_disagg: bool = False):
+        self.registry = registry
+        self.local_limit = max_local_prefill_length
+        self.enforce_disagg = enforce_disagg
+
+    def missing(self, workers) -> list[str]:
+        """The roles these workers lack to serve a request ("prefill", "decode"; none: they serve)."""
+        return missing_roles((w.role for w in workers), decode_prefills=not self.enforce_disagg)
+
+    def place(self, req: Request) -> tuple[Worker, Worker] | None:
+        """(prefill worker, decode worker) for req's next attempt, the same worker twice where it
+        runs the whole request (mono, or a local prefill); None while no live worker can."""
+        decoders = self.registry.alive(("decode",))
+        chain = self._chain(req)
+        p = d = self._local(req, decoders, chain)
+        if p is None:
+            p = self.registry.pick(PREFILL_ROLES,
+                                   lambda p: any(pairs(req, p, d) for d in ([p] if p.role == "mono" else decoders)),
+                                   prompt=chain)
+            d = p if p is None or p.role == "mono" else self.registry.pick(("decode",), lambda d: pairs(req, p, d))
+        if p is None or d is None:
+            return None
+        if chain is not None:
+            remember(p, chain)
+            if d is not p and self.local_limit:  # the KV it receives joins its prefix cache
+                remember(d, chain)
+        return p, d
+
+    def finished(self, req: Request) -> None:
+        """req ended on its decode worker, whose prefix cache now holds its output too: the
+        beginning of a conversation's next turn."""
+        d = self.registry.workers.get(req.decode_worker)
+        if req.chain is not None and req.tokens and self.local_limit and d is not None and d.alive:
+            remember(d, PromptChain(req.prompt_ids + req.tokens))
+
+    def _local(self, req: Request, decoders: list[Worker], chain: PromptChain | None) -> Worker | None:
+        """The decode worker to prefill req itself, or None."""
+        if self.enforce_disagg or not decoders:
+            return None
+        remote = any(untried(req, p, d) for p in self.registry.alive(PREFILL_ROLES)
+                     for d in ([p] if p.role == "mono" else decoders))
+        length, limit = len(req.prompt_ids) + len(req.tokens), self.local_limit
+        if remote and (not limit or (length > limit and chain is None)):
+            return None
+        d = self.registry.pick(("decode",), lambda d: untried(req, d, d), prompt=chain)
+        if remote and length > limit and length - cached_tokens(d, chain) > limit:
+            return None
+        return d
+
+    def _chain(self, req: Request) -> PromptChain | None:
+        """What prefix_affine routes req by: the tokens its prefill computes, unless the prefix cache
+        cannot serve it (prompt logprobs need every position's logits; a re-prefill asks for none)."""
+        if self.registry.policy != "prefix_affine" or asks_prompt_logprobs(req):
+            return None
+        length = len(req.prompt_ids) + len(req.tokens)
+        if req.chain is None or len(req.chain.token_ids) != length:  # new, or migrating with more tokens
+            req.chain = PromptChain(req.prompt_ids + req.tokens)
+        return req.chain
+
+
+def asks_prompt_logprobs(req: Request) -> bool:
+    """Whether req's next prefill computes its prompt's logprobs: asked for, and not yet received
+    (a re-prefill after a migration does not compute them again)."""
+    return req.params.prompt_logprobs is not None and req.prompt_logprobs is None
+
+
+def pairs(req: Request, p: Worker, d: Worker) -> bool:
+    """Whether to send req's KV from p to d: they hold KV alike (dtype, block size), share a KV
+    transport (by name: whether it works between their hosts only p can tell), and req has not
+    failed between them already."""
+    shared = not p.kv_transports or not d.kv_transports or set(p.kv_transports) & set(d.kv_transports)
+    return bool(shared) and p.kv_fits(d) and untried(req, p, d)
+
+
+def untried(req: Request, p: Worker, d: Worker) -> bool:
+    """Whether req has not failed between p and d (and d has not refused it whoever prefilled)."""
+    return not {(p.worker_id, d.worker_id), ("*", d.worker_id)} & req.failed_pairs
