@@ -96,7 +96,8 @@ def bench_step_profile(batch_sizes, kv_len, steps, top, modes, prefill_len, seed
 @bench.command("serve")
 @click.option("--model", default="dummy:nanogpt", show_default=True)
 @click.option("--topologies", default="mono,1p1d,2p2d", show_default=True,
-              help="mono, Nmono, XpYd, XpYd+localN (prompts up to N tokens prefilled by decode workers)")
+              help="mono, Nmono, XpYd; XpYd+localN: prompts up to N tokens prefilled by decode workers; "
+                   "XpYd+queueN: decode workers prefill while every prefill worker holds N")
 @click.option("--scenarios", default="smoke_test,staggered_arrivals,batch_pressure,long_prompts,long_decode,"
               "stress_test,realistic", show_default=True)
 @click.option("--router", "router_address", default=None, help="bench a running cluster instead of launching")

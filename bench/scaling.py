@@ -54,12 +54,12 @@ class Topology:
     @classmethod
     def parse(cls, name: str) -> "Topology":
         try:
-            p, d, m, local = parse_topology(name)
+            p, d, m, placing = parse_topology(name)
         except ValueError as e:
             raise InvalidArgument(str(e)) from None
-        if local:
-            raise InvalidArgument(f"topology {name!r}: bench scaling measures XpYd without +local; allowed: mono, "
-                                  "Nmono or XpYd (bench serve compares +local)")
+        if placing:
+            raise InvalidArgument(f"topology {name!r}: bench scaling measures XpYd without +local or +queue; "
+                                  "allowed: mono, Nmono or XpYd (bench serve compares them)")
         return cls(p, d, m)
 
 

@@ -3,8 +3,9 @@
 latency and end-to-end latency (p50/p99), and the router's own share of TTFT.
 
 Topologies: `mono` (one monolithic worker behind the router: the baseline), `XpYd` (X prefill
-and Y decode workers, e.g. 1p1d, 2p2d), `XpYd+localN` (the same, prompts up to N tokens prefilled
-by their decode workers: the router's --max-local-prefill-length). Each topology gets the whole machine: the launcher
+and Y decode workers, e.g. 1p1d, 2p2d), and XpYd with `+localN` (prompts up to N tokens prefilled by
+their decode workers: the router's --max-local-prefill-length) and/or `+queueN` (decode workers
+prefill while every prefill worker holds N requests: --max-prefill-queue). Each topology gets the whole machine: the launcher
 splits the cores between its workers, assigns them --devices in turn, and splits each GPU
 between the workers on it.
 
@@ -74,19 +75,24 @@ SCENARIOS = {s.name: s for s in [
 ]}
 
 
-def parse_topology(name: str) -> tuple[int, int, int, int]:
-    """-> (prefill, decode, mono workers, the router's --max-local-prefill-length): "mono" or
-    "Nmono" (N monolithic replicas), "XpYd", or "XpYd+localN" (prompts up to N tokens prefilled
-    by their decode workers)."""
+PLACEMENT_FLAGS = {"local": "--max-local-prefill-length", "queue": "--max-prefill-queue"}  # XpYd's suffixes
+
+
+def parse_topology(name: str) -> tuple[int, int, int, list[str]]:
+    """-> (prefill, decode, mono workers, the router's placement flags): "mono" or "Nmono" (N
+    monolithic replicas), "XpYd", with "+localN" (prompts up to N tokens prefilled by their decode
+    workers) and/or "+queueN" (decode workers prefill while every prefill worker holds N)."""
     mono = re.fullmatch(r"(\d*)mono", name)
     if mono and int(mono[1] or 1) >= 1:
-        return 0, 0, int(mono[1] or 1), 0
-    m = re.fullmatch(r"(\d+)p(\d+)d(?:\+local(\d+))?", name)
-    if not m or int(m[1]) < 1 or int(m[2]) < 1 or (m[3] is not None and int(m[3]) < 1):
+        return 0, 0, int(mono[1] or 1), []
+    m = re.fullmatch(r"(\d+)p(\d+)d((?:\+(?:local|queue)[1-9]\d*)*)", name)
+    suffixes = re.findall(r"\+(local|queue)(\d+)", m[3]) if m else []
+    if not m or int(m[1]) < 1 or int(m[2]) < 1 or len({k for k, _ in suffixes}) < len(suffixes):
         raise ValueError(f"topology {name!r} is not supported; allowed: mono, Nmono (N monolithic replicas), "
-                         "XpYd with X, Y >= 1, or XpYd+localN with N >= 1: prompts up to N tokens prefilled by "
-                         "decode workers (e.g. 2mono, 1p1d, 1p1d+local256)")
-    return int(m[1]), int(m[2]), 0, int(m[3] or 0)
+                         "XpYd with X, Y >= 1, each optionally with +localN (prompts up to N tokens prefilled by "
+                         "decode workers) and +queueN (decode workers prefill while every prefill worker holds N), "
+                         "N >= 1 (e.g. 2mono, 1p1d, 1p1d+local256, 1p2d+local64+queue2)")
+    return int(m[1]), int(m[2]), 0, [arg for k, n in suffixes for arg in (PLACEMENT_FLAGS[k], n)]
 
 
 def make_requests(s: Scenario, vocab: int, context: int, seed: int):
@@ -248,10 +254,9 @@ def run_serve_bench(model: str, topologies: list[str], scenarios: list[str], rou
             with tempfile.TemporaryDirectory() as logs:
                 cluster = None
                 if not external:
-                    p, d, m, local = parse_topology(topo)
+                    p, d, m, placing = parse_topology(topo)
                     cluster = Cluster(model, p, d, m, list(devices), "127.0.0.1", 0, 0, Path(logs), policy,
-                                      worker_args + list(extra), threads=None, restart=False,
-                                      router_args=["--max-local-prefill-length", str(local)] if local else [],
+                                      worker_args + list(extra), threads=None, restart=False, router_args=placing,
                                       http_port=0 if "http" in frontends else None, api_key=api_key)
                     cluster.start()
                 try:

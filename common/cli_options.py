@@ -95,6 +95,9 @@ ROUTER_OPTIONS = [  # (flag, default, type, help): the router's limits and place
     ("--max-local-prefill-length", 0, click.IntRange(min=0),
      "a prompt with at most this many tokens to compute (past what its decode worker's prefix cache likely holds) "
      "is prefilled by its decode worker, with no KV handoff (Dynamo's conditional disaggregation)"),
+    ("--max-prefill-queue", 0, click.IntRange(min=0),
+     "while every prefill worker holds this many requests not yet decoding, decode workers prefill new ones "
+     "themselves, whatever their length (0: never)"),
     ("--enforce-disagg", False, bool, "never prefill on a decode worker; without it, decode workers prefill what no "
                                       "prefill worker can take (none alive), as Dynamo's router does"),
 ]
@@ -129,10 +132,11 @@ def router_options(f):
     @functools.wraps(f)
     def wrapper(*args, **kwargs):
         router_kwargs = {name: kwargs.pop(name) for name in names}
-        if router_kwargs["enforce_disagg"] and router_kwargs["max_local_prefill_length"]:
-            raise click.UsageError(f"--max-local-prefill-length {router_kwargs['max_local_prefill_length']} with "
-                                   "--enforce-disagg: the one prefills short prompts on decode workers, the other "
-                                   "nothing; allowed: one of them")
+        local = [f"--{name.replace('_', '-')} {router_kwargs[name]}"
+                 for name in ("max_local_prefill_length", "max_prefill_queue") if router_kwargs[name]]
+        if router_kwargs["enforce_disagg"] and local:
+            raise click.UsageError(f"{local[0]} with --enforce-disagg: the one has decode workers prefill, the other "
+                                   "never; allowed: one of them")
         return f(*args, router_kwargs=router_kwargs, **kwargs)
 
     return table_options(wrapper, ROUTER_OPTIONS)

@@ -15,7 +15,7 @@
 #                    [--policy least_loaded|round_robin|prefix_affine]
 #                    [--max-queue N] [--heartbeat-timeout S] [--max-attempts N] [--prefill-timeout S]
 #                    [--decode-stall-timeout S] [--queue-timeout S] [--max-message-bytes N]
-#                    [--max-local-prefill-length N] [--enforce-disagg]
+#                    [--max-local-prefill-length N] [--max-prefill-queue N] [--enforce-disagg]
 #                    [--log-dir DIR] [--no-restart] [--dry-run] [-- WORKER_ARGS...]
 #
 # The flags are `pdserve launch`'s; engine flags (--kv-transport, --max-num-seqs, ...) go to the
@@ -70,7 +70,7 @@ while (($#)); do
     # the router's limits, as ROUTER_OPTIONS in common/cli_options.py bounds them
     --max-queue|--max-attempts) int_value 1 "$@"; ROUTER_LIMITS+=("$1" "$2"); shift 2 ;;
     --max-message-bytes) int_value 4096 "$@"; ROUTER_LIMITS+=("$1" "$2"); shift 2 ;;
-    --max-local-prefill-length) int_value 0 "$@"; ROUTER_LIMITS+=("$1" "$2"); shift 2 ;;
+    --max-local-prefill-length|--max-prefill-queue) int_value 0 "$@"; ROUTER_LIMITS+=("$1" "$2"); shift 2 ;;
     --heartbeat-timeout) number_value ">=" 0.5 "$@"; ROUTER_LIMITS+=("$1" "$2"); shift 2 ;;
     --prefill-timeout|--decode-stall-timeout|--queue-timeout)
       number_value ">" 0 "$@"; ROUTER_LIMITS+=("$1" "$2"); shift 2 ;;

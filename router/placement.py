@@ -9,7 +9,9 @@ little to compute, while its handoff (a reservation's round trip, the transfer, 
 queue) costs about as much as the prefill; and a decode worker's prefix cache holds the prompts
 it was sent and the outputs it decoded, so a conversation's next turn is mostly cached on the
 worker that decoded the last. Up to max_local_prefill_length tokens to compute (past what the
-decode worker likely holds, as prefix_affine mirrors it) go to a decode worker. Unless
+decode worker likely holds, as prefix_affine mirrors it) go to a decode worker, and so does
+every request while each prefill worker holds max_prefill_queue or more (a burst starts on every
+worker at once instead of queueing behind the prefill workers). Unless
 disaggregation is enforced, a decode worker also prefills what no prefill worker can take: none
 is alive (all restarting), or every one has failed the request. A live prefill worker that cannot
 hand a decode worker KV (another dtype, no transport in common) is still sent the request, and says
@@ -21,17 +23,19 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from router.prefix_affinity import PromptChain, cached_tokens, remember
-from router.registry import PREFILL_ROLES, Registry, Worker, missing_roles
+from router.registry import PREFILL_ROLES, Registry, Worker, load, missing_roles
 
 if TYPE_CHECKING:
     from router.server import Request
 
 
 class Placement:
-    def __init__(self, registry: Registry, max_local_prefill_length: int = 0, enforce_disagg: bool = False):
+    def __init__(self, registry: Registry, max_local_prefill_length: int = 0, enforce_disagg: bool = False,
+                 max_prefill_queue: int = 0):
         self.registry = registry
         self.local_limit = max_local_prefill_length
         self.enforce_disagg = enforce_disagg
+        self.queue_limit = max_prefill_queue
 
     def missing(self, workers) -> list[str]:
         """The roles these workers lack to serve a request ("prefill", "decode"; none: they serve)."""
@@ -67,8 +71,10 @@ class Placement:
         """The decode worker to prefill req itself, or None."""
         if self.enforce_disagg or not decoders:
             return None
-        remote = any(untried(req, p, d) for p in self.registry.alive(PREFILL_ROLES)
-                     for d in ([p] if p.role == "mono" else decoders))
+        prefillers = self.registry.alive(PREFILL_ROLES)
+        remote = any(untried(req, p, d) for p in prefillers for d in ([p] if p.role == "mono" else decoders))
+        if remote and self.queue_limit and all(load(p) >= self.queue_limit for p in prefillers):
+            remote = False  # every prefill worker has a queue: a decode worker starts it now instead
         length, limit = len(req.prompt_ids) + len(req.tokens), self.local_limit
         if remote and (not limit or (length > limit and chain is None)):
             return None

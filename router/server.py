@@ -79,6 +79,7 @@ class RouterConfig:
     # likely holds) is prefilled by the decode worker itself, with no KV handoff (0: none)
     max_local_prefill_length: int = 0
     enforce_disagg: bool = False  # never prefill on a decode worker, not even while no prefill worker can
+    max_prefill_queue: int = 0  # while every prefill worker holds this many, decode workers prefill (0: never)
 
 
 @dataclass
@@ -118,10 +119,10 @@ class Router:
         if cfg.api_server_count < 1 or (cfg.api_server_count > 1 and cfg.http_port is None):
             raise InvalidArgument(f"api_server_count={cfg.api_server_count} is invalid; allowed: 1 (HTTP in the "
                                   f"router process) or more (that many API server processes) with an http_port")
-        if cfg.enforce_disagg and cfg.max_local_prefill_length:
-            raise InvalidArgument(f"max_local_prefill_length={cfg.max_local_prefill_length} with enforce_disagg: "
-                                  "enforce_disagg prefills nothing on decode workers; allowed: one of them",
-                                  param="--enforce-disagg")
+        if cfg.enforce_disagg and (cfg.max_local_prefill_length or cfg.max_prefill_queue):
+            raise InvalidArgument(f"max_local_prefill_length={cfg.max_local_prefill_length}, max_prefill_queue="
+                                  f"{cfg.max_prefill_queue} with enforce_disagg, which prefills nothing on decode "
+                                  "workers; allowed: enforce_disagg with both 0", param="--enforce-disagg")
         taken: dict[int, str] = {}
         for flag, port in (("--port", cfg.port), ("--worker-port", cfg.worker_port), ("--http-port", cfg.http_port)):
             if port and port in taken:
@@ -132,7 +133,8 @@ class Router:
         self.prompts = Prompts(cfg.model, cfg.max_model_len)  # its tokenizer and model_config are the router's
         self.configured_context = self.prompts.context  # prompts.context: the least of it and the workers' (_fit_context)
         self.registry = Registry(cfg.policy)
-        self.placement = Placement(self.registry, cfg.max_local_prefill_length, cfg.enforce_disagg)
+        self.placement = Placement(self.registry, cfg.max_local_prefill_length, cfg.enforce_disagg,
+                                   cfg.max_prefill_queue)
         self.requests: dict[str, Request] = {}
         self.by_client: dict[tuple[bytes, str], str] = {}
         self._ids = itertools.count()

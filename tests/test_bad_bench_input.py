@@ -213,6 +213,7 @@ LAUNCH_REFUSED = [  # (args, the error line)
     (["--queue-timeout", "0"], "--queue-timeout 0: allowed: a number > 0"),
     (["--prefill-timeout", "soon"], "--prefill-timeout soon: allowed: a number > 0"),
     (["--prefill", ""], "--prefill '': allowed: an integer >= 0"),
+    (["--max-local-prefill-length", "-5"], "--max-local-prefill-length -5: allowed: an integer >= 0"),
 ]
 
 
@@ -226,11 +227,11 @@ def test_launch_sh_refuses_a_bad_flag_value_by_name(tmp_path, args, says):
 
 def test_launch_sh_takes_good_values_as_given():
     r = subprocess.run([*LAUNCH_SH, "--prefill", "2", "--decode", "010", "--threads", "3", "--heartbeat-timeout",
-                        "1e3", "--queue-timeout", ".5", "--dry-run"], capture_output=True, text=True, cwd=ROOT,
-                       env=CHECKOUT_ENV, timeout=60)
+                        "1e3", "--queue-timeout", ".5", "--max-prefill-queue", "2", "--enforce-disagg", "--dry-run"],
+                       capture_output=True, text=True, cwd=ROOT, env=CHECKOUT_ENV, timeout=60)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
-    assert lines[0].endswith("--heartbeat-timeout 1e3 --queue-timeout .5")
+    assert lines[0].endswith("--heartbeat-timeout 1e3 --queue-timeout .5 --max-prefill-queue 2 --enforce-disagg")
     assert len(lines) == 1 + 2 + 10 and all("--threads 3" in line for line in lines[1:])  # 010: ten, not octal 8
 
 

@@ -90,6 +90,8 @@ def test_launch_refuses_flags_it_would_silently_ignore():
         (["--http-port", "0", "--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
         (["--http-port", "0", "--tool-call-parser", "mistral"], "'mistral' is not one of 'hermes', 'llama3_json'"),
         (["--speculative-config", '{"method": "x"}'], "speculative_config method='x'; allowed: 'ngram'"),
+        (["--max-prefill-queue", "2", "--enforce-disagg"],
+         "--max-prefill-queue 2 with --enforce-disagg: the one has decode workers prefill, the other never"),
     ]
     for args, message in cases:
         r = pdserve("launch", "--dry-run", *args)

@@ -77,6 +77,28 @@ def test_a_prompt_short_enough_is_prefilled_by_its_decode_worker():
     assert 'pdserve:local_prefills_total{model_name="dummy:nanogpt"} 1.0' in metrics
 
 
+def test_while_every_prefill_worker_holds_its_queue_limit_a_decode_worker_prefills():
+    """--max-prefill-queue 2: the third of three long prompts at once goes to the decode worker;
+    once the first has reached its decode worker (its first decode token), the prefill worker
+    takes prompts again."""
+    async def scenario():
+        async with serving_router(max_prefill_queue=2, heartbeat_timeout_s=60) as (router, connect):
+            workers = {name: await scripted_worker(router, connect, name, role)
+                       for name, role in (("prefill-0", "prefill"), ("decode-0", "decode"))}
+            client = connect(router.frontend.address)
+            got = []
+            for rid in ("a", "b", "c"):
+                await client.send(P.Generate(rid, list(range(1, 200)), GREEDY, False))
+                got.append(await next_work(workers))
+            assert [name for name, _ in got] == ["prefill-0", "prefill-0", "decode-0"]
+            first = got[0][1]  # its KV reached decode-0, which streams it: prefill-0 holds one request now
+            await workers["decode-0"].send(P.WorkerTokens(first.request_id, first.attempt, 0, [5, 6], None))
+            await client.send(P.Generate("d", list(range(1, 200)), GREEDY, False))
+            assert (await next_work(workers))[0] == "prefill-0"
+
+    asyncio.run(scenario())
+
+
 @pytest.mark.parametrize("enforce", [False, True], ids=["fallback", "enforce-disagg"])
 def test_with_no_prefill_worker_alive_a_decode_worker_prefills_unless_disaggregation_is_enforced(enforce):
     async def scenario():

@@ -2,6 +2,7 @@
 named in its error."""
 
 import json
+import re
 import statistics
 
 import pytest
@@ -95,9 +96,13 @@ def test_topologies_and_what_the_devices_allow(monkeypatch):
         Topology.parse("0p1d")
     with pytest.raises(InvalidArgument, match=r"topology '1p1d\+local64': bench scaling measures XpYd without"):
         Topology.parse("1p1d+local64")
-    assert parse_topology("2p1d+local256") == (2, 1, 0, 256) and parse_topology("3mono") == (0, 0, 3, 0)
-    with pytest.raises(ValueError, match=r"topology '1p1d\+local0' is not supported; allowed: .*XpYd\+localN"):
-        parse_topology("1p1d+local0")
+    assert parse_topology("2p1d+local256") == (2, 1, 0, ["--max-local-prefill-length", "256"])
+    assert parse_topology("1p2d+queue2+local64") == (1, 2, 0, ["--max-prefill-queue", "2",
+                                                               "--max-local-prefill-length", "64"])
+    assert parse_topology("3mono") == (0, 0, 3, [])
+    for bad in ("1p1d+local0", "1p1d+local8+local9", "1p1d+queue", "2mono+local8"):
+        with pytest.raises(ValueError, match=rf"topology '{re.escape(bad)}' is not supported; allowed: .*\+localN"):
+            parse_topology(bad)
     monkeypatch.setattr("os.cpu_count", lambda: 2)
     assert resolve_devices("cpu", 2) == (["cpu"], 2)
     with pytest.raises(InvalidArgument, match=r"--workers 3 on cpu; allowed: 1\.\.2"):
