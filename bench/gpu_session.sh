@@ -21,6 +21,7 @@
 #   bash bench/gpu_session.sh scaling  # bench scaling on one GPU: 1mono, 2mono, 1p1d under chat (~8 min)
 #   bash bench/gpu_session.sh router   # bench router on the GPU host's CPU: SDK, HTTP, 4 API servers  (~2 min, no GPU)
 #   bash bench/gpu_session.sh speculative  # bench speculative on dummy:llama-1b: drafts' eager chunks vs the graphs (~3 min)
+#   bash bench/gpu_session.sh placement    # bench serve: 1p1d vs +local256 vs +queue2 vs mono (local prefill, ~6 min)
 set -u
 # A machine goes back 30 s after a call and a new one takes a minute or more to start (on
 # 2026-11-26 three calls of 110, 200 and 383 s held it 797 s in all). Next: `BUDGET=540 ... verify`
@@ -111,6 +112,13 @@ serve)
         --scenarios realistic,long_prompts "$CTX"
     grep -v '^{' "$OUT/serve.log" | tail -n 40
     python3 -m common.step_trace "$OUT/steps" 48 | tee "$OUT/loop-share.jsonl"
+    ;;
+placement)
+    # local prefill on a GPU: what short prompts and bursts gain without a handoff, and what the
+    # decodes beside a local prefill lose (ITL), against 1p1d and mono
+    run placement 420 pdserve bench serve --model dummy:llama-1b --devices cuda:0 \
+        --topologies 1p1d,1p1d+local256,1p1d+queue2,mono --scenarios concurrent_64,stress_test,realistic "$CTX"
+    grep -v '^{' "$OUT/placement.log" | tail -n 16
     ;;
 prefix)
     # routing by prefix on a GPU: 16 documents of 768 tokens over 1.5 prefill pools, least_loaded vs prefix_affine
