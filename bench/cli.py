@@ -257,7 +257,8 @@ def goodput_options(start_rate: bool = False):
 @click.option("--workers", default=None, type=COUNT,
               help="most workers per topology [default: one per device; cpu: 1]; on cpu at most the cores")
 @click.option("--topologies", default=None,
-              help="comma-separated Nmono / XpYd [default: Nmono and every XpYd with X+Y=N, N=1..workers]")
+              help="comma-separated Nmono / XpYd, XpYd+localN / +queueN as bench serve's [default: Nmono and every "
+                   "XpYd with X+Y=N, N=1..workers]")
 @goodput_options(start_rate=True)
 @click.option("--out-dir", default="pdserve-scaling", show_default=True, help="scaling.json and the PNG plots")
 @click.option("--worker-arg", "worker_args", multiple=True, help="extra flag for every worker (repeatable)")

@@ -219,6 +219,10 @@ def compare(planner: Planner, scaling: dict) -> list[dict]:
     rows = []
     for r in scaling["results"]:
         t = Topology.parse(r["topology"])
+        if t.placing:
+            print(f"plan --compare: {t.name} left out: the simulation does not prefill on decode workers "
+                  "(--max-local-prefill-length, --max-prefill-queue)", file=sys.stderr)
+            continue
         measured, others = r["goodput_rps"], r.get("others_cores", 0.0)
         quiet = planner.search(t, start=r.get("start_rate") or None).goodput
         loaded = planner.search(t, start=r.get("start_rate") or None, background_cores=others).goodput

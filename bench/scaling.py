@@ -42,10 +42,15 @@ class Topology:
     prefill: int
     decode: int
     mono: int
+    placing: str = ""  # XpYd's "+localN" / "+queueN": the router's placement flags (bench/serve.py)
 
     @property
     def name(self) -> str:
-        return f"{self.mono}mono" if self.mono else f"{self.prefill}p{self.decode}d"
+        return f"{self.mono}mono" if self.mono else f"{self.prefill}p{self.decode}d{self.placing}"
+
+    @property
+    def router_args(self) -> list[str]:
+        return parse_topology(self.name)[3]
 
     @property
     def devices(self) -> int:
@@ -57,10 +62,7 @@ class Topology:
             p, d, m, placing = parse_topology(name)
         except ValueError as e:
             raise InvalidArgument(str(e)) from None
-        if placing:
-            raise InvalidArgument(f"topology {name!r}: bench scaling measures XpYd without +local or +queue; "
-                                  "allowed: mono, Nmono or XpYd (bench serve compares them)")
-        return cls(p, d, m)
+        return cls(p, d, m, name[name.index("+"):] if placing else "")
 
 
 def all_topologies(n: int) -> list[Topology]:
@@ -199,7 +201,7 @@ def sweep_topology(model: str, t: Topology, devices: list[str], workload: Worklo
     cfg = model_config(model)
     context, vocab = cfg.max_position_embeddings, cfg.vocab_size
     cluster = Cluster(model, t.prefill, t.decode, t.mono, devices, "127.0.0.1", 0, 0, log_dir / t.name,
-                      "least_loaded", worker_args, threads=None, restart=False)
+                      "least_loaded", worker_args, threads=None, restart=False, router_args=t.router_args)
     try:
         cluster.start()
         warm = [fit(r, context) for r in workload.requests(1.0, 2 * t.devices, sweep.seed + 1)]

@@ -86,6 +86,9 @@ def test_compare_replays_a_measurement():
     assert replayed.points[0].rate == 5.0 and rows[0]["predicted_rps"] == round(replayed.goodput, 4)
     assert p.search(Topology.parse("1p1d")).points[0].rate == SWEEP.start_rate  # the plan's own search
     assert rows[0]["profile_after_min"] is None  # neither says when it was measured
+    # the simulation does not prefill on decode workers: a measurement of a placement is left out
+    rows = compare(p, {"results": [{"topology": "1p1d+local64", "goodput_rps": 20.0, "start_rate": 5.0}]})
+    assert rows == []
 
 
 def test_compare_says_how_long_after_each_topologys_sweep_the_profile_was_taken():

@@ -142,3 +142,23 @@ def test_a_sweep_refuses_points_that_would_never_end():
     assert sweep.requests_at(4.0, SLO(MAX_POINT_REQUESTS / 4 / 10 * 1e3, 1), 20) == MAX_POINT_REQUESTS
     with pytest.raises(InvalidArgument, match="--duration 1e\\+12: a point at 4 req/s .* over a quarter of the"):
         Sweep(duration_s=1e12).requests_at(4.0, SLO(1000, 100), 20)
+
+
+def test_a_topology_s_placement_flags_reach_its_router(monkeypatch, tmp_path):
+    """1p1d+queue2+local64: the cluster bench scaling launches runs the router with those flags."""
+    import bench.scaling
+    from bench.goodput import SLO
+    from bench.scaling import Progress, Sweep, Topology, sweep_topology
+    from bench.workloads import get_workload
+
+    class Launched(Exception):
+        pass
+
+    def cluster(*args, router_args=(), **kwargs):
+        raise Launched(router_args)
+
+    monkeypatch.setattr(bench.scaling, "Cluster", cluster)
+    with pytest.raises(Launched) as e:
+        sweep_topology("dummy:nanogpt", Topology.parse("1p1d+queue2+local64"), ["cpu"], get_workload("chat"),
+                       SLO(1000, 100), Sweep(), [], Progress(1), tmp_path)
+    assert e.value.args[0] == ["--max-prefill-queue", "2", "--max-local-prefill-length", "64"]

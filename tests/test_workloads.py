@@ -94,8 +94,10 @@ def test_topologies_and_what_the_devices_allow(monkeypatch):
     assert Topology.parse("mono") == Topology(0, 0, 1) and Topology.parse("2p3d").devices == 5
     with pytest.raises(InvalidArgument, match="topology '0p1d' is not supported"):
         Topology.parse("0p1d")
-    with pytest.raises(InvalidArgument, match=r"topology '1p1d\+local64': bench scaling measures XpYd without"):
-        Topology.parse("1p1d+local64")
+    queued = Topology.parse("1p1d+queue2+local64")
+    assert (queued.name, queued.devices, queued.router_args) == \
+        ("1p1d+queue2+local64", 2, ["--max-prefill-queue", "2", "--max-local-prefill-length", "64"])
+    assert Topology.parse("1p1d").router_args == []
     assert parse_topology("2p1d+local256") == (2, 1, 0, ["--max-local-prefill-length", "256"])
     assert parse_topology("1p2d+queue2+local64") == (1, 2, 0, ["--max-prefill-queue", "2",
                                                                "--max-local-prefill-length", "64"])
