@@ -290,8 +290,11 @@ def bench_scaling(model, devices, workers, topologies, workload, slo, sweep, out
 @click.option("--devices-per-host", default=8, show_default=True, type=COUNT, help="past this machine (GPUs)")
 @click.option("--compare", "compare_path", default=None,
               help="a bench scaling JSON: predict each topology it measured, with its workload, SLO and search")
+@click.option("--placements", default="",
+              help="comma-separated +localN / +queueN (e.g. +local256,+queue2): each xPyD split is also planned with "
+                   "decode workers that prefill so (the router's --max-local-prefill-length, --max-prefill-queue)")
 def plan(profile_path, reprofile, model, device, workers, worker_args, threads, workload, slo, sweep, plan_devices,
-         network_gbps, network_latency_ms, devices_per_host, compare_path):
+         network_gbps, network_latency_ms, devices_per_host, compare_path, placements):
     """Predict goodput per topology by simulation from a measured worker profile; plan past this machine."""
     from bench.plan import Profile, run_plan
     from bench.profile import run_profile
@@ -306,4 +309,4 @@ def plan(profile_path, reprofile, model, device, workers, worker_args, threads, 
     if reprofile or not Path(profile_path).exists():
         run_profile(model, device, workers, list(worker_args), Path(profile_path), threads=threads)
     run_plan(Profile.load(profile_path), workload, slo, sweep, counts, workers, network_gbps, network_latency_ms,
-             devices_per_host, compare_with)
+             devices_per_host, compare_with, tuple(p for p in placements.split(",") if p))

@@ -5,7 +5,8 @@ counts, each topology is simulated (`bench/simulate.py`) at the rates the goodpu
 (`bench/goodput.py`) asks for, with the same request counts and seeds `bench scaling` uses, so a
 prediction and a measurement see the very same requests. It reports per device count:
 
-- the predicted goodput of N monolithic replicas and of every xPyD split, and the best;
+- the predicted goodput of N monolithic replicas and of every xPyD split (with `--placements`,
+  each split also with decode workers that prefill: +localN, +queueN), and the best;
 - what breaks first just past each topology's goodput (TTFT: prefill-bound, TPOT: decode-bound);
 - a ladder for growing load: from 1P1D, the rate at which to add a prefill or a decode worker
   (whichever raises goodput more), up to one host (or this machine) full;
@@ -99,7 +100,8 @@ def predict(m: WorkerModel, placement: Placement, t: Topology, workload: Workloa
 
     def measure(rate: float) -> Point:
         reqs = [fit(r, context) for r in workload.requests(rate, sweep.requests_at(rate, slo, mean_output), sweep.seed)]
-        return simulate(m, t.prefill, t.decode, t.mono, placement, rate, reqs, slo, slo.attainment - CLEAR_MARGIN)
+        return simulate(m, t.prefill, t.decode, t.mono, placement, rate, reqs, slo, slo.attainment - CLEAR_MARGIN,
+                        t.local_prefill)
 
     return find_goodput(measure, slo.attainment, start or sweep.start_rate or start_rate(m, workload, t),
                         sweep.growth, sweep.refine)
@@ -135,8 +137,10 @@ class Planner:
     machine as it is, past it as one host's slice of the cluster."""
 
     def __init__(self, profile: Profile, workload: Workload, slo: SLO, sweep: Sweep, local_workers: int,
-                 network_gbps: float, network_latency_ms: float, devices_per_host: int, say=print):
+                 network_gbps: float, network_latency_ms: float, devices_per_host: int, say=print,
+                 placements: tuple[str, ...] = ()):
         self.profile, self.workload, self.slo, self.sweep = profile, workload, slo, sweep
+        self.placements = placements  # "+localN", "+queueN": each xPyD split tried with each too
         self.local_workers, self.devices_per_host = local_workers, devices_per_host
         self.network = network_gbps, network_latency_ms / 1e3
         self.say = say
@@ -160,7 +164,7 @@ class Planner:
                 s = predict(m, placement, t, self.workload, self.slo, self.sweep, start)
             else:  # every host runs the same slice; a load-blind router sends KV off-host (h - 1) / h of the time
                 h = self.hosts(t.devices)
-                part = Topology(t.prefill // h, t.decode // h, t.mono // h)
+                part = Topology(t.prefill // h, t.decode // h, t.mono // h, t.placing)
                 gbps, latency_s = self.network
                 placement = Placement(cross_host=(h - 1) / h, network_gbps=gbps, network_latency_s=latency_s)
                 s = scaled(predict(self.profile.device_model, placement, part, self.workload, self.slo, self.sweep,
@@ -177,7 +181,7 @@ class Planner:
         """The xPyD splits of n devices: all of them on one host; past it, the same split on every host."""
         h = self.hosts(n)
         k = n // h
-        return [Topology(h * a, h * (k - a), 0) for a in range(1, k)]
+        return [Topology(h * a, h * (k - a), 0, placing) for a in range(1, k) for placing in ("", *self.placements)]
 
     def plan(self, n: int) -> dict:
         mono = Topology(0, 0, n)
@@ -219,10 +223,6 @@ def compare(planner: Planner, scaling: dict) -> list[dict]:
     rows = []
     for r in scaling["results"]:
         t = Topology.parse(r["topology"])
-        if t.placing:
-            print(f"plan --compare: {t.name} left out: the simulation does not prefill on decode workers "
-                  "(--max-local-prefill-length, --max-prefill-queue)", file=sys.stderr)
-            continue
         measured, others = r["goodput_rps"], r.get("others_cores", 0.0)
         quiet = planner.search(t, start=r.get("start_rate") or None).goodput
         loaded = planner.search(t, start=r.get("start_rate") or None, background_cores=others).goodput
@@ -241,7 +241,7 @@ def relative(predicted: float, measured: float) -> float:
 
 def run_plan(profile: Profile, workload_spec: str, slo: SLO, sweep: Sweep, device_counts: list[int],
              local_workers: int, network_gbps: float, network_latency_ms: float, devices_per_host: int,
-             compare_with: dict | None = None) -> dict:
+             compare_with: dict | None = None, placements: tuple[str, ...] = ()) -> dict:
     if compare_with is not None:  # replay the measured sweep: its workload, SLO and search
         workload_spec = compare_with["workload"]
         slo = SLO(**compare_with["slo"])
@@ -254,12 +254,18 @@ def run_plan(profile: Profile, workload_spec: str, slo: SLO, sweep: Sweep, devic
     bad = [n for n in device_counts if n < 1]
     if bad:
         raise InvalidArgument(f"--plan-devices {bad[0]}; allowed: device counts >= 1")
+    for placing in placements:
+        try:
+            Topology.parse(f"1p1d{placing}")
+        except InvalidArgument:
+            raise InvalidArgument(f"--placements {placing!r}; allowed: +localN and/or +queueN with N >= 1 "
+                                  "(e.g. +local256, +queue2, +local64+queue2)") from None
 
     def say(text):
         print(f"[plan] {text}", file=sys.stderr, flush=True)
 
     planner = Planner(profile, workload, slo, sweep, local_workers, network_gbps, network_latency_ms,
-                      devices_per_host, say)
+                      devices_per_host, say, tuple(placements))
     for n in device_counts:
         planner.hosts(n)  # whole hosts past this machine: say so before simulating anything
     result = {"bench": "plan", "model": profile.model, "profiled_on": profile.device, "workload": workload_spec,

@@ -53,6 +53,13 @@ class Topology:
         return parse_topology(self.name)[3]
 
     @property
+    def local_prefill(self) -> tuple[int, int]:
+        """(--max-local-prefill-length, --max-prefill-queue) of its router: 0 where not given."""
+        args = self.router_args
+        given = dict(zip(args[::2], map(int, args[1::2])))
+        return given.get("--max-local-prefill-length", 0), given.get("--max-prefill-queue", 0)
+
+    @property
     def devices(self) -> int:
         return self.prefill + self.decode + self.mono
 

@@ -36,6 +36,11 @@ What is modelled, and how faithfully:
 The simulated workers share one host. A cluster of many hosts is planned as one host's slice of it
 (`bench/plan.py`), whose handoffs cross to other hosts as often as a load-blind router makes them.
 
+- **Local prefill** (the router's --max-local-prefill-length and --max-prefill-queue): a prompt
+  that short, or any while every prefill worker holds the queue limit, goes to the least loaded
+  decode worker, which prefills it beside its decodes (a step that mixes them costs what a
+  monolithic worker's does) with no handoff.
+
 Not modelled: failures and retries, prefix-cache hits, stop tokens (outputs run to their length).
 """
 
@@ -253,10 +258,13 @@ class SimWorker:
 
 class Simulation:
     def __init__(self, model: WorkerModel, prefill: int, decode: int, mono: int, placement: Placement,
-                 rate: float, requests: list[Request], slo: SLO | None = None, stop_below: float | None = None):
+                 rate: float, requests: list[Request], slo: SLO | None = None, stop_below: float | None = None,
+                 local_prefill: tuple[int, int] = (0, 0)):
         if (prefill == 0) != (decode == 0) or prefill + decode + mono == 0 or (mono and prefill):
             raise ValueError(f"topology {prefill}p{decode}d + {mono} mono is not one pdserve runs")
         self.model, self.placement = model, placement
+        # the router's --max-local-prefill-length and --max-prefill-queue (router/placement.py)
+        self.local_limit, self.queue_limit = local_prefill
         roles = [("prefill", prefill), ("decode", decode), ("mono", mono)]
         self.workers = [SimWorker(f"{role}-{i}", role, SimEngine(model.engine)) for role, n in roles for i in range(n)]
         self.crossing = random.Random(len(requests))  # which handoffs cross hosts: the same every run
@@ -323,8 +331,8 @@ class Simulation:
         return min((w for w in self.workers if w.role in roles), key=SimWorker.load)
 
     def dispatch(self, r: SimRequest) -> None:
-        p = self.pick(("prefill", "mono"))
-        d = p if p.role == "mono" else self.pick(("decode",))
+        p = self.local(r) or self.pick(("prefill", "mono"))
+        d = p if p.role != "prefill" else self.pick(("decode",))
         r.prefill, r.decode = p, d
         p.assigned.add(r.index)
         d.assigned.add(r.index)
@@ -339,6 +347,16 @@ class Simulation:
             self.reserve(r)
         self.kick(p)
 
+    def local(self, r: SimRequest) -> SimWorker | None:
+        """The decode worker to prefill r itself (router/placement.py; no prefix cache here, and no
+        failures: the whole prompt counts, and a prefill worker is always there), or None."""
+        prefillers = [w for w in self.workers if w.role == "prefill"]
+        if not prefillers:
+            return None
+        short = r.req.prompt_tokens <= self.local_limit
+        queued = self.queue_limit and all(w.load()[0] >= self.queue_limit for w in prefillers)
+        return self.pick(("decode",)) if short or queued else None
+
     # ------------------------------------------------------------------ workers
 
     def kick(self, w: SimWorker) -> None:
@@ -348,7 +366,8 @@ class Simulation:
         if not batch:
             return
         chunks, lengths = step_shape(batch)
-        cost = self.model.mono_step if w.role == "mono" and self.model.mono_step else self.model.step
+        mixed = w.role == "mono" or (w.role == "decode" and chunks)  # a decode worker's local prefill, too
+        cost = self.model.mono_step if mixed and self.model.mono_step else self.model.step
         w.step = Step(batch, cost(chunks, len(lengths), self.model.kv_read(lengths)), self.now)
         if self.placement.host_cores:
             self.share()
@@ -381,7 +400,7 @@ class Simulation:
                 if r.granted is not None:
                     self.handoff(r)
                 continue
-            if w.role == "decode":  # the router hears from the decode worker: the prefill is done with it
+            if w.role == "decode" and r.prefill is not w:  # the router hears from the decode worker: the prefill is done
                 r.prefill.assigned.discard(r.index)
             if seq.status is Status.FINISHED:
                 if w.role == "prefill":  # ended at its first token: KVRelease
@@ -463,12 +482,13 @@ def latency(r: SimRequest, front_latency_s: float, now: float) -> Latency:
 
 
 def simulate(model: WorkerModel, prefill: int, decode: int, mono: int, placement: Placement, rate: float,
-             requests: list[Request], slo: SLO, stop_below: float | None = None) -> Point:
+             requests: list[Request], slo: SLO, stop_below: float | None = None,
+             local_prefill: tuple[int, int] = (0, 0)) -> Point:
     """One rate: every request served to its length; the SLO attainment and what was delivered.
     With stop_below, a run whose attainment is sure to end below it stops there: the search only
     needs to know it failed clearly. The requests not finished then count by their latencies so
     far (what they were missing, for `plan.bound`), so such a point's attainment is an upper bound."""
-    sim = Simulation(model, prefill, decode, mono, placement, rate, requests, slo, stop_below)
+    sim = Simulation(model, prefill, decode, mono, placement, rate, requests, slo, stop_below, local_prefill)
     done = sim.run()
     records = [latency(r, model.front_latency_s, sim.now) for r in done]
     half = model.front_latency_s / 2  # a client sees a worker's token this much later

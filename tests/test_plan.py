@@ -86,9 +86,19 @@ def test_compare_replays_a_measurement():
     assert replayed.points[0].rate == 5.0 and rows[0]["predicted_rps"] == round(replayed.goodput, 4)
     assert p.search(Topology.parse("1p1d")).points[0].rate == SWEEP.start_rate  # the plan's own search
     assert rows[0]["profile_after_min"] is None  # neither says when it was measured
-    # the simulation does not prefill on decode workers: a measurement of a placement is left out
-    rows = compare(p, {"results": [{"topology": "1p1d+local64", "goodput_rps": 20.0, "start_rate": 5.0}]})
-    assert rows == []
+
+
+def test_placements_are_planned_beside_each_split_and_compared():
+    """Prefill-bound at 20 requests/s a prefill worker: with +queue1 the decode worker, whose
+    decodes cost little, prefills what the prefill worker has no room for, and 1P1D serves more;
+    +local100 moves every prompt to the decode worker, which is then as prefill-bound alone."""
+    p = planner(PREFILL_BOUND, 100, 10, SLO(200, 20))
+    p.placements = ("+queue1", "+local100")
+    rows = {r["topology"]: r["goodput_rps"] for r in p.plan(2)["topologies"]}
+    assert set(rows) == {"2mono", "1p1d", "1p1d+queue1", "1p1d+local100"}
+    assert rows["1p1d+queue1"] > 1.2 * rows["1p1d"] and rows["1p1d+local100"] == pytest.approx(rows["1p1d"], rel=0.15)
+    row, = compare(p, {"results": [{"topology": "1p1d+queue1", "goodput_rps": 30.0, "start_rate": 5.0}]})
+    assert row["topology"] == "1p1d+queue1" and row["predicted_rps"] > 1.2 * rows["1p1d"]
 
 
 def test_compare_says_how_long_after_each_topologys_sweep_the_profile_was_taken():

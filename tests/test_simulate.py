@@ -171,3 +171,25 @@ def test_a_rate_delivers_itself_below_saturation_and_the_service_rate_above():
     poisson = [Request(r.arrival, 16, 41) for r in get_workload("chat").requests(10.0, 200)]
     p = simulate(DECODE_BOUND, 1, 1, 0, Placement(), 10.0, poisson, slo)
     assert p.requests_s == pytest.approx(p.offered_rps, rel=0.1) and p.offered_rps != pytest.approx(10.0, rel=0.01)
+
+
+def test_a_local_prefill_has_no_handoff_and_a_queue_limit_spreads_a_burst():
+    """+local: a prompt up to the limit is prefilled by its decode worker, so its second token does
+    not wait for the 50 ms handoff; +queue2: of 8 prompts at once, the prefill worker takes 2 and
+    the decode worker the other 6. Each worker's first step starts with the one prompt it had (50
+    ms), the rest wait for the next: 1p1d's last first token comes at 50 + 7 x 50 ms, +queue2's at
+    50 + 5 x 50 (+ the 1 ms decode step batched with it)."""
+    model = replace(PREFILL_BOUND, handoff_base_s=0.05)
+    slo = SLO(10_000, 10_000)
+    reqs = [Request(0.0, 100, 10)]
+    remote = simulate(model, 1, 1, 0, Placement(), 1.0, reqs, slo)
+    local = simulate(model, 1, 1, 0, Placement(), 1.0, reqs, slo, local_prefill=(100, 0))
+    assert remote.records[0].itl[0] == pytest.approx(51.0)  # the handoff, then a 1 ms decode step
+    assert local.records[0].itl[0] == pytest.approx(1.0) and local.records[0].ttft == remote.records[0].ttft
+    assert simulate(model, 1, 1, 0, Placement(), 1.0, reqs, slo, local_prefill=(99, 0)).records[0].itl[0] == \
+        pytest.approx(51.0)  # one token past the limit: handed off
+    burst = [Request(0.0, 100, 10) for _ in range(8)]
+    together = simulate(model, 1, 1, 0, Placement(), 1.0, burst, slo)
+    spread = simulate(model, 1, 1, 0, Placement(), 1.0, burst, slo, local_prefill=(0, 2))
+    assert max(r.ttft for r in together.records) == pytest.approx(400.0)
+    assert sorted(round(r.ttft) for r in spread.records) == [50, 50, 100] + [301] * 5
