@@ -296,8 +296,11 @@ def bench_scaling(model, devices, workers, topologies, workload, slo, sweep, out
 def plan(profile_path, reprofile, model, device, workers, worker_args, threads, workload, slo, sweep, plan_devices,
          network_gbps, network_latency_ms, devices_per_host, compare_path, placements):
     """Predict goodput per topology by simulation from a measured worker profile; plan past this machine."""
-    from bench.plan import Profile, run_plan
+    from bench.plan import Profile, check_placements, run_plan
     from bench.profile import run_profile
+
+    placements = tuple(p for p in placements.split(",") if p)
+    check_placements(placements)  # before a profile takes minutes
 
     counts = plan_devices or sorted({*range(1, workers + 1), 8, 16, 64})
     compare_with = None
@@ -309,4 +312,4 @@ def plan(profile_path, reprofile, model, device, workers, worker_args, threads, 
     if reprofile or not Path(profile_path).exists():
         run_profile(model, device, workers, list(worker_args), Path(profile_path), threads=threads)
     run_plan(Profile.load(profile_path), workload, slo, sweep, counts, workers, network_gbps, network_latency_ms,
-             devices_per_host, compare_with, tuple(p for p in placements.split(",") if p))
+             devices_per_host, compare_with, placements)

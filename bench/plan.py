@@ -235,6 +235,16 @@ def compare(planner: Planner, scaling: dict) -> list[dict]:
     return rows
 
 
+def check_placements(placements) -> None:
+    """Each a suffix XpYd takes (+localN, +queueN), or InvalidArgument naming it."""
+    for placing in placements:
+        try:
+            Topology.parse(f"1p1d{placing}")
+        except InvalidArgument:
+            raise InvalidArgument(f"--placements {placing!r}; allowed: +localN and/or +queueN with N >= 1 "
+                                  "(e.g. +local256, +queue2, +local64+queue2)") from None
+
+
 def relative(predicted: float, measured: float) -> float:
     return (predicted - measured) / measured if measured else math.nan
 
@@ -254,12 +264,7 @@ def run_plan(profile: Profile, workload_spec: str, slo: SLO, sweep: Sweep, devic
     bad = [n for n in device_counts if n < 1]
     if bad:
         raise InvalidArgument(f"--plan-devices {bad[0]}; allowed: device counts >= 1")
-    for placing in placements:
-        try:
-            Topology.parse(f"1p1d{placing}")
-        except InvalidArgument:
-            raise InvalidArgument(f"--placements {placing!r}; allowed: +localN and/or +queueN with N >= 1 "
-                                  "(e.g. +local256, +queue2, +local64+queue2)") from None
+    check_placements(placements)
 
     def say(text):
         print(f"[plan] {text}", file=sys.stderr, flush=True)

@@ -32,14 +32,13 @@ What is modelled, and how faithfully:
   each step also takes `co_run` times the CPU work (caches and memory shared; profiled).
   Measured on the 2-core machine: two monolithic workers beside a router and a client using 0.63
   cores got 1.35 cores between them, not the 1.5 that sharing all cores alike gives.
-
-The simulated workers share one host. A cluster of many hosts is planned as one host's slice of it
-(`bench/plan.py`), whose handoffs cross to other hosts as often as a load-blind router makes them.
-
 - **Local prefill** (the router's --max-local-prefill-length and --max-prefill-queue): a prompt
   that short, or any while every prefill worker holds the queue limit, goes to the least loaded
   decode worker, which prefills it beside its decodes (a step that mixes them costs what a
   monolithic worker's does) with no handoff.
+
+The simulated workers share one host. A cluster of many hosts is planned as one host's slice of it
+(`bench/plan.py`), whose handoffs cross to other hosts as often as a load-blind router makes them.
 
 Not modelled: failures and retries, prefix-cache hits, stop tokens (outputs run to their length).
 """

@@ -167,3 +167,10 @@ def test_a_slice_scaled_to_the_cluster_offers_and_delivers_hosts_times_as_much()
     (p,) = s.points
     assert s.goodput == 16.0 and (p.rate, p.offered_rps, p.requests_s, p.output_tok_s) == pytest.approx(
         (16.0, 16.8, 15.2, 1520.0)) and p.attainment == 1.0
+
+
+def test_a_bad_placement_is_named_before_any_profile_is_taken(tmp_path):
+    r = subprocess.run(pdserve_cmd() + ["plan", "--profile", str(tmp_path / "p.json"), "--placements", "+local256,+fast"],
+                       capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert r.returncode == 2 and "--placements '+fast'; allowed: +localN and/or +queueN" in r.stderr, r.stderr
+    assert not (tmp_path / "p.json").exists()  # no profile was taken
