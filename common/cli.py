@@ -313,10 +313,11 @@ def status(router_address, as_json):
         reply = client.status()
     if as_json:
         print(json.dumps({"workers": reply.workers, "queued": reply.queued, "in_flight": reply.in_flight,
-                          "context": reply.context}))
+                          "context": reply.context, "missing": reply.missing}))
         return
-    print_table(f"router {router_address}: {reply.queued} queued, {reply.in_flight} in flight; admits a context of "
-                f"{reply.context} tokens",
+    serves = f"cannot serve: no live {' or '.join(reply.missing)} worker" if reply.missing else "serving"
+    print_table(f"router {router_address}: {serves}; {reply.queued} queued, {reply.in_flight} in flight; admits a "
+                f"context of {reply.context} tokens",
                 ["worker", "role", "device", "alive", "queued", "running", "free blocks", "total blocks", "context",
                  "KV by", "heartbeat age s"],
                 [[w["worker_id"], w["role"], w["device"], w["alive"], w["queued"], w["running"], w["free_blocks"],
