@@ -145,7 +145,8 @@ def leaked_blocks(address: str, workers: int, timeout: float = 60.0) -> dict[str
 def run_chaos(model: str = "dummy:nanogpt", prefill: int = 2, decode: int = 2, requests: int = 500, kills: int = 10,
               concurrency: int = 24, seed: int = 0, interval_s: float = 1.5, stop_s: float = 1.5,
               heartbeat_timeout_s: float = 0.6, log_dir: Path | None = None, verbose: bool = True,
-              devices: list[str] = ("cpu",), dtype: str | None = None, worker_args: list[str] = ()) -> dict:
+              devices: list[str] = ("cpu",), dtype: str | None = None, worker_args: list[str] = (),
+              router_args: list[str] = ()) -> dict:
     """The reference runs on the first of `devices` in `dtype`, as the workers do (token-exact on a
     GPU needs a batch-invariant dtype there: float32)."""
     work = chaos_workload(requests, seed)
@@ -162,7 +163,7 @@ def run_chaos(model: str = "dummy:nanogpt", prefill: int = 2, decode: int = 2, r
     worker_args = ["--dtype", dtype, *worker_args]
     tmp = tempfile.TemporaryDirectory() if log_dir is None else None
     router_args = ["--heartbeat-timeout", str(heartbeat_timeout_s), "--max-attempts", "20",
-                   "--decode-stall-timeout", "10", "--prefill-timeout", "20", "--queue-timeout", "60"]
+                   "--decode-stall-timeout", "10", "--prefill-timeout", "20", "--queue-timeout", "60", *router_args]
     cluster = Cluster(model, prefill, decode, 0, list(devices), "127.0.0.1", 0, 0, Path(log_dir or tmp.name),
                       "least_loaded", worker_args, threads=None if on_gpu else 1, restart=True, router_args=router_args)
     try:

@@ -138,13 +138,16 @@ def bench_serve(model, topologies, scenarios, router_address, base_url, frontend
 @devices_option(help="comma-separated, assigned to workers in turn; the reference runs on the first")
 @click.option("--dtype", default=None, help="of the workers and the reference [default: float32 on CPU, bfloat16 on GPU]")
 @click.option("--worker-arg", "worker_args", multiple=True, help="extra flag for every worker (repeatable)")
+@click.option("--router-arg", "router_args", multiple=True,
+              help="extra flag for the router (repeatable; e.g. --router-arg=--max-prefill-queue=2)")
 def bench_chaos(model, prefill, decode, requests, kills, concurrency, interval, seed, log_dir, devices, dtype,
-                worker_args):
+                worker_args, router_args):
     """Kill and stop random workers under load; check every request completes token-exact."""
     from bench.chaos import run_chaos
 
     run_chaos(model, prefill, decode, requests, kills, concurrency, seed, interval_s=interval,
-              log_dir=Path(log_dir) if log_dir else None, devices=devices, dtype=dtype, worker_args=list(worker_args))
+              log_dir=Path(log_dir) if log_dir else None, devices=devices, dtype=dtype, worker_args=list(worker_args),
+              router_args=list(router_args))
 
 
 @bench.command("handoff")

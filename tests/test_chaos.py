@@ -144,8 +144,10 @@ def test_router_restart_fails_inflight_clearly_and_workers_rejoin(tmp_path):
 
 
 def test_chaos_small(tmp_path):
+    """Prompts of up to 16 tokens are prefilled by their decode workers (--max-local-prefill-length),
+    the others handed off: both kinds survive the faults token-exact."""
     result = run_chaos(requests=60, kills=3, concurrency=12, seed=1, interval_s=1.0, stop_s=1.0,
-                       log_dir=tmp_path / "logs", verbose=False)
+                       log_dir=tmp_path / "logs", verbose=False, router_args=["--max-local-prefill-length", "16"])
     assert result["kills"] == 3
     assert result["completed"] == result["total"] == 60, result
     assert result["token_exact"] == 60, result
