@@ -82,6 +82,14 @@ while (($#)); do
   esac
 done
 PREFILL=${PREFILL:-$((MONO > 0 ? 0 : 1))} DECODE=${DECODE:-$((MONO > 0 ? 0 : 1))}  # --mono alone: only mono workers
+if ((PREFILL > 0 && DECODE == 0)); then
+  echo "launch.sh: --prefill $PREFILL --decode 0: prefill workers need a decode worker to hand KV to; allowed: --decode >= 1, or --mono" >&2
+  exit 2
+fi
+if ((PREFILL == 0 && DECODE > 0)) && [[ " ${ROUTER_LIMITS[*]} " == *" --enforce-disagg "* ]]; then
+  echo "launch.sh: --prefill 0 --decode $DECODE with --enforce-disagg: no worker may prefill; allowed: --prefill >= 1, or decode workers alone without --enforce-disagg (they prefill)" >&2
+  exit 2
+fi
 WORKER_PORT=${WORKER_PORT:-$((PORT + 1))}
 # Whether something accepts connections at HOST PORT (one that hangs, to a host that drops it, does not).
 listening() { timeout 2 bash -c 'exec 3<>"/dev/tcp/$0/$1"' "$1" "$2" 2>/dev/null; }

@@ -155,8 +155,12 @@ class Cluster:
         self.expected = prefill + decode + mono
         if self.expected == 0:
             raise ValueError("a cluster needs at least one worker: --prefill/--decode, or --mono")
-        if (prefill == 0) != (decode == 0):
-            raise ValueError(f"--prefill {prefill} --decode {decode}: disaggregation needs both roles, or use --mono")
+        if prefill and not decode:
+            raise ValueError(f"--prefill {prefill} --decode 0: prefill workers need a decode worker to hand KV to; "
+                             "allowed: --decode >= 1, or --mono")
+        if decode and not prefill and "--enforce-disagg" in router_args:
+            raise ValueError(f"--prefill 0 --decode {decode} with --enforce-disagg: no worker may prefill; allowed: "
+                             "--prefill >= 1, or decode workers alone without --enforce-disagg (they prefill)")
         threads = threads or threads_per_worker(self.expected)
         cli = [sys.executable, "-m", "common.cli"]
         self.router = Child("router", cli + ["router", "--model", model, "--host", host, "--port", str(self.port),

@@ -92,6 +92,8 @@ def test_launch_refuses_flags_it_would_silently_ignore():
         (["--speculative-config", '{"method": "x"}'], "speculative_config method='x'; allowed: 'ngram'"),
         (["--max-prefill-queue", "2", "--enforce-disagg"],
          "--max-prefill-queue 2 with --enforce-disagg: the one has decode workers prefill, the other never"),
+        (["--decode", "0"], "--prefill 1 --decode 0: prefill workers need a decode worker to hand KV to"),
+        (["--prefill", "0", "--enforce-disagg"], "--prefill 0 --decode 1 with --enforce-disagg: no worker may prefill"),
     ]
     for args, message in cases:
         r = pdserve("launch", "--dry-run", *args)

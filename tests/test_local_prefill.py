@@ -223,6 +223,18 @@ def test_with_its_prefill_worker_dead_a_cluster_serves_on_its_decode_worker_unle
             assert status == {"status": "ok", "workers": 1}
 
 
+def test_a_cluster_of_decode_workers_alone_serves(tmp_path):
+    """launch --prefill 0 --decode 2: each decode worker prefills its own requests (until prefill
+    workers join: from other hosts, say), with the monolithic engine's tokens."""
+    prompts, sampling = [[(3 * i + j) % 250 + 1 for j in range(10 + 20 * i)] for i in range(4)], \
+        [dict(max_tokens=16, ignore_eos=True, temperature=0.8, seed=i) for i in range(4)]
+    with cluster(tmp_path, prefill=0, decode=2) as c:
+        results = asyncio.run(run_concurrently(c.address, prompts, sampling))
+        assert [r.token_ids for r, _ in results] == monolithic("dummy:nanogpt", prompts, sampling)
+        with Client(c.address) as client:
+            assert sorted(w["role"] for w in client.status().workers) == ["decode", "decode"]
+
+
 def test_bench_serve_compares_local_prefill_on_conversations():
     """multi_turn: each turn's prompt is the conversation so far; prefilled where its decode worker
     holds it, more of each prompt is found cached (the outputs too, not the prompts alone)."""
