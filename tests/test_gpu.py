@@ -170,9 +170,12 @@ def test_bfloat16_default_on_gpu_runs_llama_1b_shapes():
 
 
 def test_1p1d_on_one_gpu_without_a_memory_flag_splits_it_and_serves_token_exact(tmp_path):
+    """Prompts of up to 16 tokens are prefilled by the decode worker itself (its mixed steps eager
+    beside its decode graphs), the longer ones handed off by cuda_ipc: both token-exact."""
     gc.collect()
     torch.cuda.empty_cache()  # what this process's earlier engines cached is not the workers'
-    with cluster(tmp_path, model="dummy:llama-tiny", worker_args=["--dtype", "float32"], devices=["cuda:0"]) as c:
+    with cluster(tmp_path, model="dummy:llama-tiny", worker_args=["--dtype", "float32"], devices=["cuda:0"],
+                 router_args=["--max-local-prefill-length", "16"]) as c:
         with Client(c.address) as client:
             blocks = {w["role"]: w["total_blocks"] for w in client.status().workers}
         share = {w.name.split("-")[0]: float(w.argv[w.argv.index("--gpu-memory-utilization") + 1]) for w in c.workers}
