@@ -192,8 +192,10 @@ def test_a_cluster_prefilling_short_prompts_on_its_decode_workers_serves_the_mon
 
 @pytest.mark.parametrize("enforce", [False, True], ids=["fallback", "enforce-disagg"])
 def test_with_its_prefill_worker_dead_a_cluster_serves_on_its_decode_worker_unless_told_not_to(tmp_path, enforce):
+    """/health: from the router's own HTTP front (enforce-disagg), from API servers, which ask the
+    router what the cluster lacks (fallback)."""
     args = ["--heartbeat-timeout", "0.6", "--queue-timeout", "1"] + (["--enforce-disagg"] if enforce else [])
-    with cluster(tmp_path, prefill=1, decode=1, router_args=args, http=True) as c, \
+    with cluster(tmp_path, prefill=1, decode=1, router_args=args, http=True, api_servers=1 if enforce else 2) as c, \
             Client(c.address, timeout=60) as client:
         c.workers[0].proc.kill()  # prefill-0, not restarted
         c.workers[0].proc.wait()
