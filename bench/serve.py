@@ -269,9 +269,14 @@ def run_serve_bench(model: str, topologies: list[str], scenarios: list[str], rou
                             asyncio.run(drivers[frontend](reqs[:2], 0))  # warm-up
                         for rep in range(repeats):  # in turn, first one then the other first: drift hits both alike
                             for frontend in (frontends if rep % 2 == 0 else frontends[::-1]):
+                                before = local_prefills(router or cluster.address) if not base_url else None
                                 samples, wall = asyncio.run(beside_background(drivers[frontend], reqs, s))
+                                after = local_prefills(router or cluster.address) if before is not None else None
+                                local = None if after is None else after - before
                                 rows.append({"topology": topo, "policy": policy, "scenario": name,
-                                             "frontend": frontend, **summarize(samples, wall)})
+                                             "frontend": frontend, **summarize(samples, wall),
+                                             "local_prefill_pct": None if local is None else
+                                             round(100 * local / (len(samples) + s.background[0]), 1)})
                 finally:
                     if cluster is not None:
                         cluster.stop()
@@ -280,14 +285,14 @@ def run_serve_bench(model: str, topologies: list[str], scenarios: list[str], rou
     rows.sort(key=lambda r: (order[r["scenario"]], r["topology"]))  # stable: policies in the order given
     shown = model if served == model else f"{served!r} at {base_url} (prompts from {model}'s vocabulary)"
     print_table(f"pdserve bench serve: {shown}, greedy, ignore_eos (latencies in ms; cached: the share of prompt "
-                "tokens found in the workers' prefix caches)",
+                "tokens found in the workers' prefix caches; local: of requests prefilled by their decode worker)",
                 ["scenario", "topology", "policy", "frontend", "reqs", "failed", "out tok/s", "TTFT p50", "TTFT p99",
-                 "ITL p50", "ITL p99", "E2E p50", "E2E p99", "router p99", "cached %"],
+                 "ITL p50", "ITL p99", "E2E p50", "E2E p99", "router p99", "cached %", "local %"],
                 [[r["scenario"], r["topology"], r["policy"], r["frontend"], r["requests"], r["failed"],
                   r["output_tok_s"], r["ttft_p50_ms"], r["ttft_p99_ms"], r["itl_p50_ms"], r["itl_p99_ms"],
                   r["e2e_p50_ms"], r["e2e_p99_ms"],
                   r["router_p99_ms"] if r["frontend"] == "zmq" else "-",
-                  r["prompt_cached_pct"]] for r in rows])
+                  r["prompt_cached_pct"], r["local_prefill_pct"]] for r in rows])
     result = {"bench": "serve", "model": model, "served_model": served, "results": rows, "loopback_rtt_ms": round(rtt, 4)}
     zmq_rows = [r for r in rows if r["frontend"] == "zmq" and r["router_p50_ms"] is not None]  # none: all failed
     if zmq_rows:
@@ -299,6 +304,18 @@ def run_serve_bench(model: str, topologies: list[str], scenarios: list[str], rou
         result["http_vs_zmq"] = compare_frontends(rows)
     print_json(result)
     return result
+
+
+def local_prefills(address: str) -> float | None:
+    """How many prompts the router at address has had its decode workers prefill (its metrics);
+    None where it does not answer."""
+    try:
+        with Client(address, timeout=10) as client:
+            text = client.metrics().decode()
+    except RequestError:
+        return None
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("pdserve:local_prefills_total{"))
 
 
 async def beside_background(driver, reqs, s: Scenario) -> tuple[list, float]:

@@ -447,6 +447,11 @@ class Client(_Requests):
         self.chan.send(P.StatusRequest())
         return self._next(None, self._deadline(timeout))
 
+    def metrics(self, timeout: float | None = 10.0) -> bytes:
+        """The router's Prometheus metrics, as its HTTP /metrics serves them."""
+        self.chan.send(P.MetricsRequest())
+        return self._next(None, self._deadline(timeout)).text
+
 
 class AsyncClient(_Requests):
     def __init__(self, address: str, timeout: float | None = 120.0):

@@ -64,7 +64,7 @@ def test_a_run_whose_requests_all_failed_prints_its_table(monkeypatch, capsys):
     assert math.isnan(row["ttft_p50_ms"]) and "router_overhead_ms" not in result
     out = capsys.readouterr().out
     table_row = next(line for line in out.splitlines() if line.lstrip().startswith("smoke_test"))
-    assert table_row.split()[5:] == ["4", "4", "0.0"] + ["-"] * 8, table_row  # after "external ADDRESS - zmq"
+    assert table_row.split()[5:] == ["4", "4", "0.0"] + ["-"] * 9, table_row  # after "external ADDRESS - zmq"
     assert "router overhead" not in out
 
 

@@ -251,6 +251,9 @@ def test_bench_serve_compares_local_prefill_on_conversations():
     assert set(rows) == {"1p1d", "1p1d+local128"}
     assert all((row["requests"], row["failed"]) == (128, 0) for row in rows.values()), rows  # 32 talks of 4 turns
     assert rows["1p1d+local128"]["prompt_cached_pct"] > rows["1p1d"]["prompt_cached_pct"], rows
+    # a later turn leaves at most 15 + 48 + 48 tokens uncached: all of them are local (75% of the
+    # requests), and first turns (128-384 tokens, nothing cached) only where 128 tokens long
+    assert rows["1p1d"]["local_prefill_pct"] == 0 and 75 <= rows["1p1d+local128"]["local_prefill_pct"] < 90, rows
     bad = subprocess.run([sys.executable, "-m", "common.cli", "bench", "serve", "--scenarios", "multi_turn",
                           "--frontends", "zmq,http"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "scenario 'multi_turn' sends each turn's output back as token ids" in bad.stderr
