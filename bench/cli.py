@@ -299,11 +299,10 @@ def bench_scaling(model, devices, workers, topologies, workload, slo, sweep, out
 def plan(profile_path, reprofile, model, device, workers, worker_args, threads, workload, slo, sweep, plan_devices,
          network_gbps, network_latency_ms, devices_per_host, compare_path, placements):
     """Predict goodput per topology by simulation from a measured worker profile; plan past this machine."""
-    from bench.plan import Profile, check_placements, run_plan
+    from bench.plan import Profile, parse_placements, run_plan
     from bench.profile import run_profile
 
-    placements = tuple(p for p in placements.split(",") if p)
-    check_placements(placements)  # before a profile takes minutes
+    placements = parse_placements(p for p in placements.split(",") if p)  # before a profile takes minutes
 
     counts = plan_devices or sorted({*range(1, workers + 1), 8, 16, 64})
     compare_with = None

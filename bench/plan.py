@@ -101,7 +101,7 @@ def predict(m: WorkerModel, placement: Placement, t: Topology, workload: Workloa
     def measure(rate: float) -> Point:
         reqs = [fit(r, context) for r in workload.requests(rate, sweep.requests_at(rate, slo, mean_output), sweep.seed)]
         return simulate(m, t.prefill, t.decode, t.mono, placement, rate, reqs, slo, slo.attainment - CLEAR_MARGIN,
-                        t.local_prefill)
+                        (t.local, t.queue))
 
     return find_goodput(measure, slo.attainment, start or sweep.start_rate or start_rate(m, workload, t),
                         sweep.growth, sweep.refine)
@@ -138,9 +138,9 @@ class Planner:
 
     def __init__(self, profile: Profile, workload: Workload, slo: SLO, sweep: Sweep, local_workers: int,
                  network_gbps: float, network_latency_ms: float, devices_per_host: int, say=print,
-                 placements: tuple[str, ...] = ()):
+                 placements: tuple[tuple[int, int], ...] = ()):
         self.profile, self.workload, self.slo, self.sweep = profile, workload, slo, sweep
-        self.placements = placements  # "+localN", "+queueN": each xPyD split tried with each too
+        self.placements = placements  # (local, queue) of each --placements: each xPyD split tried with each too
         self.local_workers, self.devices_per_host = local_workers, devices_per_host
         self.network = network_gbps, network_latency_ms / 1e3
         self.say = say
@@ -164,7 +164,7 @@ class Planner:
                 s = predict(m, placement, t, self.workload, self.slo, self.sweep, start)
             else:  # every host runs the same slice; a load-blind router sends KV off-host (h - 1) / h of the time
                 h = self.hosts(t.devices)
-                part = Topology(t.prefill // h, t.decode // h, t.mono // h, t.placing)
+                part = Topology(t.prefill // h, t.decode // h, t.mono // h, t.local, t.queue)
                 gbps, latency_s = self.network
                 placement = Placement(cross_host=(h - 1) / h, network_gbps=gbps, network_latency_s=latency_s)
                 s = scaled(predict(self.profile.device_model, placement, part, self.workload, self.slo, self.sweep,
@@ -181,7 +181,8 @@ class Planner:
         """The xPyD splits of n devices: all of them on one host; past it, the same split on every host."""
         h = self.hosts(n)
         k = n // h
-        return [Topology(h * a, h * (k - a), 0, placing) for a in range(1, k) for placing in ("", *self.placements)]
+        return [Topology(h * a, h * (k - a), 0, local, queue) for a in range(1, k)
+                for local, queue in ((0, 0), *self.placements)]
 
     def plan(self, n: int) -> dict:
         mono = Topology(0, 0, n)
@@ -235,14 +236,18 @@ def compare(planner: Planner, scaling: dict) -> list[dict]:
     return rows
 
 
-def check_placements(placements) -> None:
-    """Each a suffix XpYd takes (+localN, +queueN), or InvalidArgument naming it."""
+def parse_placements(placements) -> tuple[tuple[int, int], ...]:
+    """(--max-local-prefill-length, --max-prefill-queue) of each suffix XpYd takes (+localN,
+    +queueN), or InvalidArgument naming the one that is not."""
+    out = []
     for placing in placements:
         try:
-            Topology.parse(f"1p1d{placing}")
+            t = Topology.parse(f"1p1d{placing}")
         except InvalidArgument:
             raise InvalidArgument(f"--placements {placing!r}; allowed: +localN and/or +queueN with N >= 1 "
                                   "(e.g. +local256, +queue2, +local64+queue2)") from None
+        out.append((t.local, t.queue))
+    return tuple(out)
 
 
 def relative(predicted: float, measured: float) -> float:
@@ -251,7 +256,7 @@ def relative(predicted: float, measured: float) -> float:
 
 def run_plan(profile: Profile, workload_spec: str, slo: SLO, sweep: Sweep, device_counts: list[int],
              local_workers: int, network_gbps: float, network_latency_ms: float, devices_per_host: int,
-             compare_with: dict | None = None, placements: tuple[str, ...] = ()) -> dict:
+             compare_with: dict | None = None, placements: tuple[tuple[int, int], ...] = ()) -> dict:
     if compare_with is not None:  # replay the measured sweep: its workload, SLO and search
         workload_spec = compare_with["workload"]
         slo = SLO(**compare_with["slo"])
@@ -264,13 +269,12 @@ def run_plan(profile: Profile, workload_spec: str, slo: SLO, sweep: Sweep, devic
     bad = [n for n in device_counts if n < 1]
     if bad:
         raise InvalidArgument(f"--plan-devices {bad[0]}; allowed: device counts >= 1")
-    check_placements(placements)
 
     def say(text):
         print(f"[plan] {text}", file=sys.stderr, flush=True)
 
     planner = Planner(profile, workload, slo, sweep, local_workers, network_gbps, network_latency_ms,
-                      devices_per_host, say, tuple(placements))
+                      devices_per_host, say, placements)
     for n in device_counts:
         planner.hosts(n)  # whole hosts past this machine: say so before simulating anything
     result = {"bench": "plan", "model": profile.model, "profiled_on": profile.device, "workload": workload_spec,

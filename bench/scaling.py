@@ -30,7 +30,7 @@ from pathlib import Path
 from bench.goodput import BACKLOG_LIMIT, SLO, Latency, Point, Search, find_goodput, point_from
 from bench.hostload import CpuWatch
 from bench.report import print_json, print_table
-from bench.serve import drive, parse_topology, random_prompt
+from bench.serve import drive, parse_topology, placement_argv, random_prompt
 from bench.workloads import Workload, fit, get_workload
 from common.model_spec import model_config
 from common.errors import InvalidArgument
@@ -42,22 +42,19 @@ class Topology:
     prefill: int
     decode: int
     mono: int
-    placing: str = ""  # XpYd's "+localN" / "+queueN": the router's placement flags (bench/serve.py)
+    local: int = 0  # the router's --max-local-prefill-length (XpYd+localN)
+    queue: int = 0  # ... and --max-prefill-queue (XpYd+queueN)
 
     @property
     def name(self) -> str:
-        return f"{self.mono}mono" if self.mono else f"{self.prefill}p{self.decode}d{self.placing}"
+        if self.mono:
+            return f"{self.mono}mono"
+        return (f"{self.prefill}p{self.decode}d" + (f"+local{self.local}" if self.local else "")
+                + (f"+queue{self.queue}" if self.queue else ""))
 
     @property
     def router_args(self) -> list[str]:
-        return parse_topology(self.name)[3]
-
-    @property
-    def local_prefill(self) -> tuple[int, int]:
-        """(--max-local-prefill-length, --max-prefill-queue) of its router: 0 where not given."""
-        args = self.router_args
-        given = dict(zip(args[::2], map(int, args[1::2])))
-        return given.get("--max-local-prefill-length", 0), given.get("--max-prefill-queue", 0)
+        return placement_argv(self.local, self.queue)
 
     @property
     def devices(self) -> int:
@@ -66,10 +63,9 @@ class Topology:
     @classmethod
     def parse(cls, name: str) -> "Topology":
         try:
-            p, d, m, placing = parse_topology(name)
+            return cls(*parse_topology(name))
         except ValueError as e:
             raise InvalidArgument(str(e)) from None
-        return cls(p, d, m, name[name.index("+"):] if placing else "")
 
 
 def all_topologies(n: int) -> list[Topology]:

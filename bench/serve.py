@@ -75,24 +75,29 @@ SCENARIOS = {s.name: s for s in [
 ]}
 
 
-PLACEMENT_FLAGS = {"local": "--max-local-prefill-length", "queue": "--max-prefill-queue"}  # XpYd's suffixes
-
-
-def parse_topology(name: str) -> tuple[int, int, int, list[str]]:
-    """-> (prefill, decode, mono workers, the router's placement flags): "mono" or "Nmono" (N
-    monolithic replicas), "XpYd", with "+localN" (prompts up to N tokens prefilled by their decode
-    workers) and/or "+queueN" (decode workers prefill while every prefill worker holds N)."""
+def parse_topology(name: str) -> tuple[int, int, int, int, int]:
+    """-> (prefill, decode, mono workers, the router's --max-local-prefill-length and
+    --max-prefill-queue): "mono" or "Nmono" (N monolithic replicas), "XpYd", with "+localN"
+    (prompts up to N tokens prefilled by their decode workers) and/or "+queueN" (decode workers
+    prefill while every prefill worker holds N); 0 where not given."""
     mono = re.fullmatch(r"(\d*)mono", name)
     if mono and int(mono[1] or 1) >= 1:
-        return 0, 0, int(mono[1] or 1), []
+        return 0, 0, int(mono[1] or 1), 0, 0
     m = re.fullmatch(r"(\d+)p(\d+)d((?:\+(?:local|queue)[1-9]\d*)*)", name)
-    suffixes = re.findall(r"\+(local|queue)(\d+)", m[3]) if m else []
-    if not m or int(m[1]) < 1 or int(m[2]) < 1 or len({k for k, _ in suffixes}) < len(suffixes):
+    given = re.findall(r"\+(local|queue)(\d+)", m[3]) if m else []
+    placing = dict(given)
+    if not m or int(m[1]) < 1 or int(m[2]) < 1 or len(placing) < len(given):
         raise ValueError(f"topology {name!r} is not supported; allowed: mono, Nmono (N monolithic replicas), "
                          "XpYd with X, Y >= 1, each optionally with +localN (prompts up to N tokens prefilled by "
                          "decode workers) and +queueN (decode workers prefill while every prefill worker holds N), "
                          "N >= 1 (e.g. 2mono, 1p1d, 1p1d+local256, 1p2d+local64+queue2)")
-    return int(m[1]), int(m[2]), 0, [arg for k, n in suffixes for arg in (PLACEMENT_FLAGS[k], n)]
+    return int(m[1]), int(m[2]), 0, int(placing.get("local", 0)), int(placing.get("queue", 0))
+
+
+def placement_argv(local: int, queue: int) -> list[str]:
+    """The router's flags for a topology's +localN and +queueN (0: not given)."""
+    return ((["--max-local-prefill-length", str(local)] if local else [])
+            + (["--max-prefill-queue", str(queue)] if queue else []))
 
 
 def make_requests(s: Scenario, vocab: int, context: int, seed: int):
@@ -254,9 +259,10 @@ def run_serve_bench(model: str, topologies: list[str], scenarios: list[str], rou
             with tempfile.TemporaryDirectory() as logs:
                 cluster = None
                 if not external:
-                    p, d, m, placing = parse_topology(topo)
+                    p, d, m, local, queue = parse_topology(topo)
                     cluster = Cluster(model, p, d, m, list(devices), "127.0.0.1", 0, 0, Path(logs), policy,
-                                      worker_args + list(extra), threads=None, restart=False, router_args=placing,
+                                      worker_args + list(extra), threads=None, restart=False,
+                                      router_args=placement_argv(local, queue),
                                       http_port=0 if "http" in frontends else None, api_key=api_key)
                     cluster.start()
                 try:

@@ -9,8 +9,10 @@ from pathlib import Path
 
 import click
 
+from common.errors import InvalidArgument
 from common.protocol import ATTENTION_BACKENDS, KV_TRANSPORTS  # no torch here: the CLI starts light
-from router.registry import POLICIES  # torch-free too
+from router.placement import check_flags  # torch-free too
+from router.registry import POLICIES
 from router.reasoning import PARSERS as REASONING_PARSERS
 from router.tool_parsers import PARSERS as TOOL_PARSERS
 
@@ -132,11 +134,11 @@ def router_options(f):
     @functools.wraps(f)
     def wrapper(*args, **kwargs):
         router_kwargs = {name: kwargs.pop(name) for name in names}
-        local = [f"--{name.replace('_', '-')} {router_kwargs[name]}"
-                 for name in ("max_local_prefill_length", "max_prefill_queue") if router_kwargs[name]]
-        if router_kwargs["enforce_disagg"] and local:
-            raise click.UsageError(f"{local[0]} with --enforce-disagg: the one has decode workers prefill, the other "
-                                   "never; allowed: one of them")
+        try:  # before any process starts (launch), not in the router's log
+            check_flags(router_kwargs["max_local_prefill_length"], router_kwargs["max_prefill_queue"],
+                        router_kwargs["enforce_disagg"])
+        except InvalidArgument as e:
+            raise click.UsageError(str(e))
         return f(*args, router_kwargs=router_kwargs, **kwargs)
 
     return table_options(wrapper, ROUTER_OPTIONS)

@@ -16,11 +16,13 @@ def block_hash(prev: bytes, token_ids) -> bytes:
     return hashlib.blake2b(prev + array("q", token_ids).tobytes(), digest_size=16).digest()
 
 
-def prefix_hashes(token_ids: list[int], block_size: int) -> list[bytes]:
+def prefix_hashes(token_ids: list[int], block_size: int, known: list[bytes] = ()) -> list[bytes]:
     """The chain of the full blocks a prefix cache can serve of these tokens: all but the last
-    token, whose logits are needed to sample."""
-    out, prev = [], PREFIX_HASH_SEED
-    for i in range((len(token_ids) - 1) // block_size):
+    token, whose logits are needed to sample. known: the chain of a prefix of token_ids, already
+    computed (it is continued, not hashed again)."""
+    out = list(known)
+    prev = out[-1] if out else PREFIX_HASH_SEED
+    for i in range(len(out), (len(token_ids) - 1) // block_size):
         prev = block_hash(prev, token_ids[i * block_size:(i + 1) * block_size])
         out.append(prev)
     return out

@@ -372,9 +372,8 @@ class DecodeWorker(WorkerBase):
                                         timings if out.finished or prefilled else {},
                                         out.logprobs and out.logprobs[-new:],
                                         out.prompt_logprobs if index == 0 else None))  # prefilled here: with the first
-            if out.finished:
+            if out.finished:  # (past its first output: no longer in prefilling)
                 del self.streams[out.request_id]
-                self.prefilling.discard(out.request_id)
         if sends:
             self.to_router(P.batch_tokens(sends))
 

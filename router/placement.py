@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from common.errors import InvalidArgument
 from router.prefix_affinity import PromptChain, cached_tokens, remember
 from router.registry import PREFILL_ROLES, Registry, Worker, load, missing_roles
 
@@ -29,9 +30,19 @@ if TYPE_CHECKING:
     from router.server import Request
 
 
+def check_flags(max_local_prefill_length: int, max_prefill_queue: int, enforce_disagg: bool) -> None:
+    """InvalidArgument where the router's placement flags contradict each other."""
+    local = [f"{flag} {n}" for flag, n in (("--max-local-prefill-length", max_local_prefill_length),
+                                           ("--max-prefill-queue", max_prefill_queue)) if n]
+    if enforce_disagg and local:
+        raise InvalidArgument(f"{local[0]} with --enforce-disagg: the one has decode workers prefill, the other "
+                              "never; allowed: one of them", param="--enforce-disagg")
+
+
 class Placement:
     def __init__(self, registry: Registry, max_local_prefill_length: int = 0, enforce_disagg: bool = False,
                  max_prefill_queue: int = 0):
+        check_flags(max_local_prefill_length, max_prefill_queue, enforce_disagg)
         self.registry = registry
         self.local_limit = max_local_prefill_length
         self.enforce_disagg = enforce_disagg
@@ -65,7 +76,8 @@ class Placement:
         beginning of a conversation's next turn."""
         d = self.registry.workers.get(req.decode_worker)
         if req.chain is not None and req.tokens and self.local_limit and d is not None and d.alive:
-            remember(d, PromptChain(req.prompt_ids + req.tokens))
+            done = len(req.chain.token_ids) - len(req.prompt_ids)  # tokens its chain holds already
+            remember(d, req.chain.extended(req.tokens[done:]))
 
     def _local(self, req: Request, decoders: list[Worker], chain: PromptChain | None) -> Worker | None:
         """The decode worker to prefill req itself, or None."""
@@ -88,9 +100,10 @@ class Placement:
         cannot serve it (prompt logprobs need every position's logits; a re-prefill asks for none)."""
         if self.registry.policy != "prefix_affine" or asks_prompt_logprobs(req):
             return None
-        length = len(req.prompt_ids) + len(req.tokens)
-        if req.chain is None or len(req.chain.token_ids) != length:  # new, or migrating with more tokens
+        if req.chain is None:
             req.chain = PromptChain(req.prompt_ids + req.tokens)
+        elif len(req.chain.token_ids) != len(req.prompt_ids) + len(req.tokens):  # migrating with more tokens
+            req.chain = req.chain.extended(req.tokens[len(req.chain.token_ids) - len(req.prompt_ids):])
         return req.chain
 
 

@@ -39,14 +39,20 @@ class PromptChain:
     """A prompt's block hashes, per block size, computed once per prompt (a request waiting for a
     worker is dispatched again and again)."""
 
-    def __init__(self, token_ids: list[int]):
+    def __init__(self, token_ids: list[int], known: dict[int, list[bytes]] | None = None):
         self.token_ids = token_ids
         self.by_size: dict[int, list[bytes]] = {}
+        self.known = known or {}  # a prefix's chain per block size, continued rather than hashed again
 
     def hashes(self, block_size: int) -> list[bytes]:
         if block_size not in self.by_size:
-            self.by_size[block_size] = prefix_hashes(self.token_ids[:MAX_BLOCKS * block_size + 1], block_size)
+            self.by_size[block_size] = prefix_hashes(self.token_ids[:MAX_BLOCKS * block_size + 1], block_size,
+                                                     self.known.get(block_size, ()))
         return self.by_size[block_size]
+
+    def extended(self, token_ids: list[int]) -> "PromptChain":
+        """The chain of these tokens followed by token_ids (an output, a migrated request's tokens)."""
+        return PromptChain(self.token_ids + token_ids, self.by_size)
 
     def blocks(self, block_size: int) -> int:
         """Blocks the prompt takes in a pool."""

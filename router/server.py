@@ -119,10 +119,6 @@ class Router:
         if cfg.api_server_count < 1 or (cfg.api_server_count > 1 and cfg.http_port is None):
             raise InvalidArgument(f"api_server_count={cfg.api_server_count} is invalid; allowed: 1 (HTTP in the "
                                   f"router process) or more (that many API server processes) with an http_port")
-        if cfg.enforce_disagg and (cfg.max_local_prefill_length or cfg.max_prefill_queue):
-            raise InvalidArgument(f"max_local_prefill_length={cfg.max_local_prefill_length}, max_prefill_queue="
-                                  f"{cfg.max_prefill_queue} with enforce_disagg, which prefills nothing on decode "
-                                  "workers; allowed: enforce_disagg with both 0", param="--enforce-disagg")
         taken: dict[int, str] = {}
         for flag, port in (("--port", cfg.port), ("--worker-port", cfg.worker_port), ("--http-port", cfg.http_port)):
             if port and port in taken:

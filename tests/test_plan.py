@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from bench.plan import Planner, Profile, compare
+from bench.plan import Planner, Profile, compare, parse_placements
 from bench.scaling import Sweep, Topology
 from bench.workloads import Lengths, Workload, get_workload
 from bench.goodput import SLO
@@ -93,7 +93,7 @@ def test_placements_are_planned_beside_each_split_and_compared():
     decodes cost little, prefills what the prefill worker has no room for, and 1P1D serves more;
     +local100 moves every prompt to the decode worker, which is then as prefill-bound alone."""
     p = planner(PREFILL_BOUND, 100, 10, SLO(200, 20))
-    p.placements = ("+queue1", "+local100")
+    p.placements = parse_placements(["+queue1", "+local100"])
     rows = {r["topology"]: r["goodput_rps"] for r in p.plan(2)["topologies"]}
     assert set(rows) == {"2mono", "1p1d", "1p1d+queue1", "1p1d+local100"}
     assert rows["1p1d+queue1"] > 1.2 * rows["1p1d"] and rows["1p1d+local100"] == pytest.approx(rows["1p1d"], rel=0.15)

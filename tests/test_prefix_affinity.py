@@ -126,6 +126,11 @@ def test_the_chain_is_the_block_managers():
     assert len(prefix_hashes(ids + [1], 16)) == 3
     long = prompt(9, 16 * MAX_BLOCKS + 100)
     assert PromptChain(long).hashes(16) == prefix_hashes(long, 16)[:MAX_BLOCKS]  # its beginning, bounded
+    # a chain extended by more tokens (an output, a migration's) continues the one it had: the same hashes
+    for head, tail in ((ids, prompt(10, 40)), (ids[:17], [5]), (ids, []), (long[:16 * MAX_BLOCKS - 7], long[:30])):
+        chain = PromptChain(head)
+        chain.hashes(16)
+        assert chain.extended(tail).hashes(16) == PromptChain(head + tail).hashes(16), (len(head), len(tail))
 
 
 def settled(client: Client):

@@ -161,4 +161,4 @@ def test_a_topology_s_placement_flags_reach_its_router(monkeypatch, tmp_path):
     with pytest.raises(Launched) as e:
         sweep_topology("dummy:nanogpt", Topology.parse("1p1d+queue2+local64"), ["cpu"], get_workload("chat"),
                        SLO(1000, 100), Sweep(), [], Progress(1), tmp_path)
-    assert e.value.args[0] == ["--max-prefill-queue", "2", "--max-local-prefill-length", "64"]
+    assert e.value.args[0] == ["--max-local-prefill-length", "64", "--max-prefill-queue", "2"]

@@ -94,14 +94,13 @@ def test_topologies_and_what_the_devices_allow(monkeypatch):
     assert Topology.parse("mono") == Topology(0, 0, 1) and Topology.parse("2p3d").devices == 5
     with pytest.raises(InvalidArgument, match="topology '0p1d' is not supported"):
         Topology.parse("0p1d")
-    queued = Topology.parse("1p1d+queue2+local64")
+    queued = Topology.parse("1p1d+queue2+local64")  # named in one order whatever order it was given in
     assert (queued.name, queued.devices, queued.router_args) == \
-        ("1p1d+queue2+local64", 2, ["--max-prefill-queue", "2", "--max-local-prefill-length", "64"])
-    assert Topology.parse("1p1d").router_args == []
-    assert parse_topology("2p1d+local256") == (2, 1, 0, ["--max-local-prefill-length", "256"])
-    assert parse_topology("1p2d+queue2+local64") == (1, 2, 0, ["--max-prefill-queue", "2",
-                                                               "--max-local-prefill-length", "64"])
-    assert parse_topology("3mono") == (0, 0, 3, [])
+        ("1p1d+local64+queue2", 2, ["--max-local-prefill-length", "64", "--max-prefill-queue", "2"])
+    assert Topology.parse(queued.name) == queued and Topology.parse("1p1d").router_args == []
+    assert parse_topology("2p1d+local256") == (2, 1, 0, 256, 0)
+    assert parse_topology("1p2d+queue2+local64") == (1, 2, 0, 64, 2)
+    assert parse_topology("3mono") == (0, 0, 3, 0, 0)
     for bad in ("1p1d+local0", "1p1d+local8+local9", "1p1d+queue", "2mono+local8"):
         with pytest.raises(ValueError, match=rf"topology '{re.escape(bad)}' is not supported; allowed: .*\+localN"):
             parse_topology(bad)
