@@ -107,19 +107,23 @@ def bench_step_profile(batch_sizes, kv_len, steps, top, modes, prefill_len, seed
 @click.option("--repeats", default=1, show_default=True, type=COUNT, help="runs of each scenario per frontend")
 @click.option("--policies", default="least_loaded", show_default=True,
               help="the router's policies, comma-separated: a cluster of each topology per policy, in turn")
+@click.option("--kv-events", default="on", show_default=True,
+              help="prefix_affine told the workers' caches (on), guessing them (off: the router's --no-kv-events), "
+                   "or on,off / off,on: a cluster of each, in that order")
 @click.option("--api-key", default=None, envvar="PDSERVE_API_KEY", help="for --base-url or launched clusters' HTTP")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--worker-arg", "worker_args", multiple=True, help="extra flag for every worker (repeatable)")
 @devices_option()
-def bench_serve(model, topologies, scenarios, router_address, base_url, frontends, repeats, policies, api_key, seed,
-                worker_args, devices):
+def bench_serve(model, topologies, scenarios, router_address, base_url, frontends, repeats, policies, kv_events,
+                api_key, seed, worker_args, devices):
     """Serving load: TTFT, inter-token and end-to-end latency, throughput, per topology and frontend."""
     from bench.serve import run_serve_bench
 
     try:
         run_serve_bench(model, topologies.split(","), scenarios.split(","), router_address, seed, list(worker_args),
                         tuple(frontends.split(",")), base_url, repeats, api_key, devices=devices,
-                        policies=policies.split(","))
+                        policies=policies.split(","),
+                        kv_events=kv_events.split(","))
     except ValueError as e:
         raise click.UsageError(str(e))
 

@@ -223,7 +223,7 @@ def loopback_rtt_ms(n: int = 2000) -> float:
 def run_serve_bench(model: str, topologies: list[str], scenarios: list[str], router: str | None, seed: int,
                     worker_args: list[str], frontends: tuple[str, ...] = ("zmq",), base_url: str | None = None,
                     repeats: int = 1, api_key: str | None = None, devices: list[str] = ("cpu",),
-                    policies: list[str] = ("least_loaded",)) -> dict:
+                    policies: list[str] = ("least_loaded",), kv_events: list[str] = ("on",)) -> dict:
     from bench.openai_load import drive_http, served_model_at  # it imports Sample from here
     from router.registry import POLICIES
 
@@ -231,6 +231,9 @@ def run_serve_bench(model: str, topologies: list[str], scenarios: list[str], rou
         if policy not in POLICIES:
             raise ValueError(f"policy {policy!r} is unknown; allowed: {', '.join(POLICIES)}")
 
+    if set(kv_events) - {"on", "off"} or len(set(kv_events)) != len(kv_events) or not kv_events:
+        raise ValueError(f"kv events {','.join(kv_events)!r} are not supported; allowed: on, off, on,off or off,on")
+    kv_events = [e == "on" for e in kv_events]
     for name in scenarios:
         if name not in SCENARIOS:
             raise ValueError(f"scenario {name!r} is unknown; allowed: {', '.join(SCENARIOS)}")
@@ -253,8 +256,10 @@ def run_serve_bench(model: str, topologies: list[str], scenarios: list[str], rou
     for name in scenarios:
         groups.setdefault(tuple(SCENARIOS[name].worker_args), []).append(name)
     external = router or base_url
-    launches = [(f"external {external}", "-")] if external else [(t, p) for t in topologies for p in policies]
-    for topo, policy in launches:
+    # KV events matter to prefix_affine alone: another policy runs once
+    launches = [(f"external {external}", "-", True)] if external else [
+        (t, p, e) for t in topologies for p in policies for e in (kv_events if p == "prefix_affine" else (True,))]
+    for topo, policy, events in launches:
         for extra, names in groups.items():
             with tempfile.TemporaryDirectory() as logs:
                 cluster = None
@@ -262,7 +267,7 @@ def run_serve_bench(model: str, topologies: list[str], scenarios: list[str], rou
                     p, d, m, local, queue = parse_topology(topo)
                     cluster = Cluster(model, p, d, m, list(devices), "127.0.0.1", 0, 0, Path(logs), policy,
                                       worker_args + list(extra), threads=None, restart=False,
-                                      router_args=placement_argv(local, queue),
+                                      router_args=placement_argv(local, queue) + ([] if events else ["--no-kv-events"]),
                                       http_port=0 if "http" in frontends else None, api_key=api_key)
                     cluster.start()
                 try:
@@ -275,14 +280,12 @@ def run_serve_bench(model: str, topologies: list[str], scenarios: list[str], rou
                             asyncio.run(drivers[frontend](reqs[:2], 0))  # warm-up
                         for rep in range(repeats):  # in turn, first one then the other first: drift hits both alike
                             for frontend in (frontends if rep % 2 == 0 else frontends[::-1]):
-                                before = local_prefills(router or cluster.address) if not base_url else None
+                                before = router_counters(router or cluster.address) if not base_url else None
                                 samples, wall = asyncio.run(beside_background(drivers[frontend], reqs, s))
-                                after = local_prefills(router or cluster.address) if before is not None else None
-                                local = None if after is None else after - before
-                                rows.append({"topology": topo, "policy": policy, "scenario": name,
+                                after = router_counters(router or cluster.address) if before is not None else None
+                                rows.append({"topology": topo, "policy": policy, "kv_events": events, "scenario": name,
                                              "frontend": frontend, **summarize(samples, wall),
-                                             "local_prefill_pct": None if local is None else
-                                             round(100 * local / (len(samples) + s.background[0]), 1)})
+                                             **counted(before, after, samples, s, policy)})
                 finally:
                     if cluster is not None:
                         cluster.stop()
@@ -291,14 +294,17 @@ def run_serve_bench(model: str, topologies: list[str], scenarios: list[str], rou
     rows.sort(key=lambda r: (order[r["scenario"]], r["topology"]))  # stable: policies in the order given
     shown = model if served == model else f"{served!r} at {base_url} (prompts from {model}'s vocabulary)"
     print_table(f"pdserve bench serve: {shown}, greedy, ignore_eos (latencies in ms; cached: the share of prompt "
-                "tokens found in the workers' prefix caches; local: of requests prefilled by their decode worker)",
+                "tokens found in the workers' prefix caches; local: of requests prefilled by their decode worker; "
+                "(approx): prefix_affine guessing the caches, --no-kv-events; mispredicted: of prompt tokens, "
+                "taken for cached by prefix_affine and not found, or the other way round)",
                 ["scenario", "topology", "policy", "frontend", "reqs", "failed", "out tok/s", "TTFT p50", "TTFT p99",
-                 "ITL p50", "ITL p99", "E2E p50", "E2E p99", "router p99", "cached %", "local %"],
-                [[r["scenario"], r["topology"], r["policy"], r["frontend"], r["requests"], r["failed"],
+                 "ITL p50", "ITL p99", "E2E p50", "E2E p99", "router p99", "cached %", "mispredicted %", "local %"],
+                [[r["scenario"], r["topology"], r["policy"] + ("" if r["kv_events"] else " (approx)"), r["frontend"],
+                  r["requests"], r["failed"],
                   r["output_tok_s"], r["ttft_p50_ms"], r["ttft_p99_ms"], r["itl_p50_ms"], r["itl_p99_ms"],
                   r["e2e_p50_ms"], r["e2e_p99_ms"],
                   r["router_p99_ms"] if r["frontend"] == "zmq" else "-",
-                  r["prompt_cached_pct"], r["local_prefill_pct"]] for r in rows])
+                  r["prompt_cached_pct"], r["prefix_mispredicted_pct"], r["local_prefill_pct"]] for r in rows])
     result = {"bench": "serve", "model": model, "served_model": served, "results": rows, "loopback_rtt_ms": round(rtt, 4)}
     zmq_rows = [r for r in rows if r["frontend"] == "zmq" and r["router_p50_ms"] is not None]  # none: all failed
     if zmq_rows:
@@ -312,16 +318,31 @@ def run_serve_bench(model: str, topologies: list[str], scenarios: list[str], rou
     return result
 
 
-def local_prefills(address: str) -> float | None:
-    """How many prompts the router at address has had its decode workers prefill (its metrics);
-    None where it does not answer."""
+COUNTERS = ("local_prefills", "prefix_cache_mispredicted_tokens")
+
+
+def router_counters(address: str) -> dict[str, float] | None:
+    """The router at address's COUNTERS (its metrics); None where it does not answer."""
     try:
         with Client(address, timeout=10) as client:
             text = client.metrics().decode()
     except RequestError:
         return None
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("pdserve:local_prefills_total{"))
+    return {name: sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                      if line.startswith(f"pdserve:{name}_total{{")) for name in COUNTERS}
+
+
+def counted(before: dict | None, after: dict | None, samples: list[Sample], s: Scenario, policy: str) -> dict:
+    """What the router counted over a run: the share of requests its decode workers prefilled, and
+    (prefix_affine) of prompt tokens it took for cached where it sent them and the worker did not
+    find, or the other way round."""
+    if before is None or after is None:
+        return {"local_prefill_pct": None, "prefix_mispredicted_pct": None}
+    grew = {name: after[name] - before[name] for name in COUNTERS}
+    prompts = sum(x.prompt_tokens for x in samples)
+    return {"local_prefill_pct": round(100 * grew["local_prefills"] / (len(samples) + s.background[0]), 1),
+            "prefix_mispredicted_pct": round(100 * grew["prefix_cache_mispredicted_tokens"] / max(1, prompts), 1)
+            if policy == "prefix_affine" else None}
 
 
 async def beside_background(driver, reqs, s: Scenario) -> tuple[list, float]:

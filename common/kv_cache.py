@@ -161,6 +161,18 @@ class BlockManager:
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[bytes, int] = {}  # hash -> block id
         self.prefix_queries = self.prefix_hits = 0  # tokens looked up in the prefix cache, and found
+        self.changes: dict[bytes, bool] | None = None  # watched: hash -> whether `cached` holds it now
+
+    def watch(self) -> list[bytes]:
+        """The hashes the prefix cache holds now; from here on take_changes() says how they change
+        (the KV events a worker tells the router, router/prefix_affinity.py)."""
+        self.changes = {}
+        return list(self.cached)
+
+    def take_changes(self) -> tuple[list[bytes], list[bytes]]:
+        """(hashes stored, hashes removed) since watch() or the last call, each by its last change."""
+        changes, self.changes = self.changes or {}, {} if self.changes is not None else None
+        return [h for h, held in changes.items() if held], [h for h, held in changes.items() if not held]
 
     @property
     def num_blocks(self) -> int:
@@ -196,6 +208,8 @@ class BlockManager:
             block = self.blocks[block_id]
             if block.hash is not None and self.cached.get(block.hash) == block_id:
                 del self.cached[block.hash]
+                if self.changes is not None:
+                    self.changes[block.hash] = False
             block.hash, block.token_ids = None, ()
         else:
             del self.free[block_id]
@@ -245,7 +259,10 @@ class BlockManager:
             block = self.blocks[seq.block_table[i]]
             if block.hash is None:
                 block.hash, block.token_ids = prev, tokens
-                self.cached.setdefault(prev, block.id)
+                if prev not in self.cached:
+                    self.cached[prev] = block.id
+                    if self.changes is not None:
+                        self.changes[prev] = True
 
     def take_blocks(self, n: int) -> list[int]:
         """n blocks outside any sequence (a reservation for KV arriving from another worker)."""

@@ -161,6 +161,7 @@ class Register:
 class Registered:
     worker_id: str
     incarnation: str
+    kv_events: bool = False  # the router routes by prefix caches: tell it theirs (KVEvents)
 
 
 @dataclass
@@ -186,6 +187,26 @@ class Holding:
     says so, so a busy cluster queues requests instead of re-prefilling them on a timeout."""
     worker_id: str
     requests: list
+
+
+@dataclass
+class KVEvents:
+    """Worker -> router, where Registered asked for them (NVIDIA Dynamo's KV events, vLLM's
+    BlockStored / BlockRemoved): the block hashes (common/prefix_hash.py) its prefix cache gained
+    and lost since the last KVEvents, sent before the tokens of the step that made them. seq counts
+    an incarnation's KVEvents from 0. reset: stored is the whole cache (after Registered, or when
+    asked by KVEventsResync), possibly continued by more KVEvents; a router that sees a seq missing
+    asks for one."""
+    worker_id: str
+    seq: int
+    stored: list[bytes] = field(default_factory=list)
+    removed: list[bytes] = field(default_factory=list)
+    reset: bool = False
+
+
+@dataclass
+class KVEventsResync:
+    """Router -> worker: a KVEvents went missing; send the whole cache again (reset)."""
 
 
 @dataclass
@@ -331,7 +352,8 @@ class KVAck:
 MESSAGES: dict[str, type] = {cls.__name__: cls for cls in (
     Generate, Cancel, StatusRequest, MetricsRequest, Rejected, Probe, Token, TokenBatch, Done, Error, StatusReply,
     MetricsReply,
-    Register, Registered, Heartbeat, Holding, PrefillWork, WorkerTokens, WorkerTokenBatch, WorkerError, CancelWork, Shutdown,
+    Register, Registered, Heartbeat, Holding, KVEvents, KVEventsResync, PrefillWork, WorkerTokens, WorkerTokenBatch,
+    WorkerError, CancelWork, Shutdown,
     KVReserve, KVGrant, KVRefuse, KVRelease, KVChunk, KVTransfer, KVAck)}
 
 

@@ -38,6 +38,7 @@ IDLE_POLL_MS = 10  # no work: wait this long for a message before the next tick
 # what frees them comes as a message, a wake, or by on_tick's polls. Not 0: that spins a core.
 STALLED_POLL_MS = 1
 HOLDING_S = 1.0  # how often a worker tells the router which attempts it holds (P.Holding)
+KV_EVENTS_MAX = 65536  # block hashes in one KVEvents (about 1.2 MB): a whole cache may take several
 
 
 @dataclass
@@ -100,6 +101,8 @@ class WorkerBase:
         self.pulse.forget()
         self._beat = self._held = None  # the last Heartbeat and Holding sent: the pulse repeats them
         self.registered = False
+        self.kv_events_seq: int | None = None  # the next KVEvents' seq; None: the router asked for none
+        self.engine.block_manager.changes = None
         self._last_register = 0.0
         self._last_heartbeat = 0.0
         self._last_holding = 0.0
@@ -113,6 +116,12 @@ class WorkerBase:
             self.registered = msg.incarnation == self.incarnation
             if self.registered:
                 log.info("%s registered (incarnation %s)", self.worker_id, self.incarnation)
+                if msg.kv_events:
+                    self._send_kv_events(reset=True)
+        elif isinstance(msg, P.KVEventsResync):
+            if self.kv_events_seq is not None:
+                log.warning("the router missed KV events from %s; sending its whole prefix cache", self.worker_id)
+                self._send_kv_events(reset=True)
         elif isinstance(msg, P.Shutdown):
             if msg.reason == "re-register":
                 log.warning("the router does not know %s; dropping its work and registering anew", self.worker_id)
@@ -129,6 +138,22 @@ class WorkerBase:
 
     def to_router(self, msg):
         self.router.try_send(msg)
+
+    def _send_kv_events(self, reset: bool = False):
+        """Tell the router how the prefix cache changed (reset: all it holds), if it asked."""
+        if reset:
+            self.kv_events_seq = self.kv_events_seq or 0
+            stored, removed = self.engine.block_manager.watch(), []
+        elif self.kv_events_seq is None:
+            return
+        else:
+            stored, removed = self.engine.block_manager.take_changes()
+            if not stored and not removed:
+                return
+        for i in range(0, max(1, len(stored)), KV_EVENTS_MAX):
+            self.to_router(P.KVEvents(self.worker_id, self.kv_events_seq, stored[i:i + KV_EVENTS_MAX],
+                                      removed if i == 0 else [], reset and i == 0))
+            self.kv_events_seq += 1
 
     def kv_transports(self) -> list[str]:
         """What this worker moves KV by, fastest first, for the router to pair workers that share one."""
@@ -170,6 +195,7 @@ class WorkerBase:
                     outputs = self.step()
                     stepped, self.pulse.step_started = time.monotonic(), None
                     self.stalled = not (outputs or self.engine.last_batch or self.engine.inflight)
+                    self._send_kv_events()  # before the tokens: the router sees a prefill's blocks when it ends
                     self.on_outputs(outputs)
                     if trace is not None:
                         trace.record(start, stepped, time.monotonic(), self.engine.last_batch,
@@ -189,6 +215,7 @@ class WorkerBase:
 
     def _tick(self, now: float):
         said = False
+        self._send_kv_events()  # the changes made outside a step (KV received, blocks freed)
         if not self.registered and now - self._last_register > 0.5:
             self._register(now)
         if self.registered and now - self._last_heartbeat > self.cfg.heartbeat_interval_s:

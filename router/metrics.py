@@ -86,6 +86,11 @@ class RouterMetrics:
         self.worker_deaths = counter("worker_deaths", "Workers declared dead or replaced by a new incarnation")
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in workers' prefix caches")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in workers' prefix caches")
+        self.prefix_mispredicted = counter("prefix_cache_mispredicted_tokens",
+                                           "prefix_affine: prompt tokens the router took for cached where it sent "
+                                           "them and the worker did not find, or the other way round")
+        self.kv_event_resyncs = counter("kv_event_resyncs", "Workers asked for their whole prefix cache, a KV event "
+                                                            "having gone missing")
         # vLLM's spec_decode counters, summed over the workers that speculate
         self.spec_decode = [counter("spec_decode_num_drafts", "Speculative decodes that had a draft"),
                             counter("spec_decode_num_draft_tokens", "Draft tokens fed to speculative decodes"),

@@ -65,7 +65,10 @@ class Placement:
             d = p if p is None or p.role == "mono" else self.registry.pick(("decode",), lambda d: pairs(req, p, d))
         if p is None or d is None:
             return None
+        req.expected_cached = None
         if chain is not None:
+            most = min(len(chain.hashes(p.block_size)) * p.block_size, len(req.prompt_ids))
+            req.expected_cached = min(cached_tokens(p, chain), most), most
             remember(p, chain)
             if d is not p and self.local_limit:  # the KV it receives joins its prefix cache
                 remember(d, chain)

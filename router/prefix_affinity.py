@@ -9,13 +9,21 @@ cache holds, they evict each other and few hit. Sent to the worker that has it, 
 computed once, and the workers' caches add up instead of repeating each other. This is SGLang's
 cache-aware routing and NVIDIA Dynamo's KV-aware routing, in their simplest form.
 
-The router cannot see the workers' caches, so it mirrors them from what it sent each one: the
-hash chain of every prompt's full blocks (common/prefix_hash.py, the hashes the workers' caches
-use), in the order a worker's pool reuses them (a prompt's partial last block first, then its
-full blocks from the last to the first, so its beginning stays longest), at most as many blocks
-as the pool holds. Each candidate scores the cached share of the prompt minus how far its load is
-above the mean, relative to the mean but to no less than LOAD_FLOOR requests (the vLLM production
-stack's load-aware score, with a floor so that one request in flight does not outweigh a cached
+Each worker tells the router what its cache gains and loses (P.KVEvents, NVIDIA Dynamo's KV
+events): the hash chain of each full block (common/prefix_hash.py). A chain names a block and every
+token before it, so a set of them is the worker's cache, and a prompt's leading hashes found in it
+are what the worker holds of the prompt (CacheMirror). Beside what was reported, the prompts sent
+to a worker count as held for PREDICTED_S, until its events say so: two requests for one document
+sent back to back go to the same worker. Until a worker's first events come (or with the router's
+--no-kv-events), the router guesses (PrefixIndex) from what it sent each one: the hash chain of
+every prompt's full blocks, in the order a worker's pool reuses them (a prompt's partial last
+block first, then its full blocks from the last to the first, so its beginning stays longest), at
+most as many blocks as the pool holds. The guess drifts where running requests hold blocks while
+others come and go, and begins empty when the router restarts; the events do not.
+
+Each candidate scores the cached share of the prompt minus how far its load is above the mean,
+relative to the mean but to no less than LOAD_FLOOR requests (the vLLM production stack's
+load-aware score, with a floor so that one request in flight does not outweigh a cached
 document). Ties go to the worker with more of the prompt cached (a hit saves work, a queue only
 waits), then the less loaded, then the one whose cache holds less (a new prefix goes where there
 is room), then the first by id.
@@ -24,14 +32,19 @@ is room), then the first by id.
 from __future__ import annotations
 
 import itertools
+import math
+import time
 from collections import OrderedDict
 from typing import Callable
 
+from common import protocol as P
 from common.prefix_hash import prefix_hashes
 
 LOAD_WEIGHT = 1.0  # a load this many (relative) means above the others' outweighs a wholly cached prompt
 LOAD_FLOOR = 4.0  # below a mean load of this many requests, load differences count against it
 MAX_BLOCKS = 256  # of a prompt's beginning, hashed and matched: enough to tell prefixes apart, bounded in cost
+PREDICTED_S = 10.0  # a prompt sent counts as held this long, unless the worker's events say so sooner
+RESYNC_S = 5.0  # a worker asked for its whole cache is asked again after this long without it
 _placeholders = itertools.count()  # keys for blocks without a hash (ints: never equal to a hash's bytes)
 
 
@@ -88,6 +101,67 @@ class PrefixIndex:
             self.blocks.popitem(last=False)
 
 
+class CacheMirror:
+    """A worker's prefix cache as its KV events tell it, and the prompts sent to it since."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
+        self.held: set[bytes] = set()  # as reported
+        self.predicted: OrderedDict[bytes, float] = OrderedDict()  # sent, not yet reported: hash -> when
+        self.next_seq: int | None = None  # of the next KVEvents; None: none yet, or one went missing
+        self.asked_at = -math.inf  # when a resync was last asked for
+
+    @property
+    def blocks(self):
+        return self.held
+
+    def matched(self, hashes: list[bytes]) -> int:
+        self._expire()
+        n = 0
+        for h in hashes:
+            if h not in self.held and h not in self.predicted:
+                break
+            n += 1
+        return n
+
+    def add(self, hashes: list[bytes], blocks: int) -> None:
+        """A prompt sent to the worker: its blocks count as held until its events tell."""
+        now = self.clock()
+        for h in hashes:
+            if h not in self.held:
+                self.predicted[h] = now
+                self.predicted.move_to_end(h)
+
+    def apply(self, msg: P.KVEvents) -> bool:
+        """Take a KVEvents in. True: ask the worker for its whole cache, one having gone missing
+        before this (asked again every RESYNC_S while no reset comes; deltas wait for it)."""
+        if msg.reset:
+            self.held = set()
+        elif msg.seq != self.next_seq:
+            now = self.clock()
+            ask = self.next_seq is not None or now - self.asked_at >= RESYNC_S
+            self.next_seq, self.asked_at = None, now if ask else self.asked_at
+            return ask
+        self.next_seq = msg.seq + 1
+        self.held.difference_update(msg.removed)
+        self.held.update(msg.stored)
+        for h in msg.stored:  # a removal leaves a prediction be: the prompt sent may be computed again
+            self.predicted.pop(h, None)
+        return False
+
+    def _expire(self) -> None:
+        horizon = self.clock() - PREDICTED_S
+        while self.predicted and next(iter(self.predicted.values())) < horizon:
+            self.predicted.popitem(last=False)
+
+
+def take_events(w, msg: P.KVEvents) -> bool:
+    """A KVEvents from w, whose cache is mirrored from now on. True: ask w for its whole cache."""
+    if not isinstance(w.prefix_index, CacheMirror):
+        w.prefix_index = CacheMirror()
+    return w.prefix_index.apply(msg)
+
+
 def pick_affine(candidates: list, chain: PromptChain, load: Callable[[object], float]):
     """The candidate (a registry Worker, sorted by id) to prefill the prompt."""
     mean = sum(map(load, candidates)) / len(candidates)
@@ -114,7 +188,7 @@ def remember(w, chain: PromptChain) -> None:
         index(w).add(chain.hashes(w.block_size), chain.blocks(w.block_size))
 
 
-def index(w) -> PrefixIndex:
+def index(w) -> PrefixIndex | CacheMirror:
     if w.prefix_index is None:
         w.prefix_index = PrefixIndex(w.total_blocks)
     return w.prefix_index

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from router.prefix_affinity import PrefixIndex, PromptChain, pick_affine
+from router.prefix_affinity import CacheMirror, PrefixIndex, PromptChain, pick_affine
 
 PREFILL_ROLES = ("prefill", "mono")
 DECODE_ROLES = ("decode", "mono")
@@ -38,7 +38,7 @@ class Worker:
     alive: bool = True
     counters: dict = field(default_factory=dict)  # its heartbeat's counters, last seen (router/metrics.py)
     prefix_caching: bool = True  # it keeps a prefix cache (started without --no-prefix-caching)
-    prefix_index: PrefixIndex | None = None  # prefix_affine: what its prefix cache likely holds
+    prefix_index: PrefixIndex | CacheMirror | None = None  # prefix_affine: what its prefix cache holds
     max_model_len: int = 0  # the context it serves, prompt and output (0: not said)
 
     def describe(self, now: float) -> dict:

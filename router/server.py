@@ -36,7 +36,7 @@ from common.security import close_context
 from router.metrics import RouterMetrics
 from router.openai_api import OutputParsers
 from router.placement import Placement, asks_prompt_logprobs
-from router.prefix_affinity import PromptChain
+from router.prefix_affinity import PromptChain, take_events
 from router.prompts import Prompts
 from router.registry import DECODE_ROLES, PREFILL_ROLES, Registry, Worker, invariance_split
 from common.text import TextStream
@@ -80,6 +80,7 @@ class RouterConfig:
     max_local_prefill_length: int = 0
     enforce_disagg: bool = False  # never prefill on a decode worker, not even while no prefill worker can
     max_prefill_queue: int = 0  # while every prefill worker holds this many, decode workers prefill (0: never)
+    kv_events: bool = True  # prefix_affine: workers tell what their prefix caches hold (else it is guessed)
 
 
 @dataclass
@@ -112,6 +113,9 @@ class Request:
     failed_pairs: set[tuple[str, str]] = field(default_factory=set)  # (prefill, decode) that failed it
     router_s: float = 0.0  # the router's own time on the first-token path: admit + forward
     chain: PromptChain | None = None  # prefix_affine: its prompt's block hashes, made once
+    # prefix_affine: (prompt tokens the router took to be cached where it sent the attempt, the most
+    # it could tell) until the worker says what it found
+    expected_cached: tuple[int, int] | None = None
 
 
 class Router:
@@ -131,6 +135,7 @@ class Router:
         self.registry = Registry(cfg.policy)
         self.placement = Placement(self.registry, cfg.max_local_prefill_length, cfg.enforce_disagg,
                                    cfg.max_prefill_queue)
+        self.kv_events = cfg.kv_events and cfg.policy == "prefix_affine"  # workers tell their prefix caches
         self.requests: dict[str, Request] = {}
         self.by_client: dict[tuple[bytes, str], str] = {}
         self._ids = itertools.count()
@@ -483,6 +488,10 @@ class Router:
             self.on_worker_error(w, msg)
         elif isinstance(msg, P.Holding):
             self.on_holding(w, msg)
+        elif isinstance(msg, P.KVEvents) and self.kv_events:
+            if take_events(w, msg):
+                self.metrics.kv_event_resyncs.inc()
+                self._send(self.backend, P.KVEventsResync(), w.identity)
 
     def register(self, identity: bytes, msg: P.Register):
         problem = None
@@ -518,7 +527,8 @@ class Router:
             log.warning("workers disagree on batch invariance (on: %s; off: %s): a request's tokens then depend on "
                         "the workers it meets. Start every worker with the same --batch-invariant or --no-batch-invariant",
                         ", ".join(split[0]), ", ".join(split[1]))
-        self._send(self.backend, P.Registered(msg.worker_id, msg.incarnation), identity)
+        self._send(self.backend, P.Registered(msg.worker_id, msg.incarnation, self.kv_events and msg.prefix_caching),
+                   identity)
 
     def _warn_kv_orphans(self):
         """Name, once, each prefill or decode worker whose KV (dtype, block size) no live worker of
@@ -567,6 +577,9 @@ class Router:
             return  # a finished, cancelled or abandoned attempt
         now = time.monotonic()
         req.worker_timings.update(msg.timings)
+        if req.expected_cached is not None and type(msg.timings.get("cached_tokens")) is int:
+            (expected, most), req.expected_cached = req.expected_cached, None
+            self.metrics.prefix_mispredicted.inc(abs(expected - min(msg.timings["cached_tokens"], most)))
         if req.state == "prefill":
             req.state = "decode"
         if w.worker_id == req.decode_worker and w.worker_id != req.prefill_worker:

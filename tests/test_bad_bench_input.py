@@ -64,8 +64,14 @@ def test_a_run_whose_requests_all_failed_prints_its_table(monkeypatch, capsys):
     assert math.isnan(row["ttft_p50_ms"]) and "router_overhead_ms" not in result
     out = capsys.readouterr().out
     table_row = next(line for line in out.splitlines() if line.lstrip().startswith("smoke_test"))
-    assert table_row.split()[5:] == ["4", "4", "0.0"] + ["-"] * 9, table_row  # after "external ADDRESS - zmq"
+    assert table_row.split()[5:] == ["4", "4", "0.0"] + ["-"] * 10, table_row  # after "external ADDRESS - zmq"
     assert "router overhead" not in out
+
+
+@pytest.mark.parametrize("value", ["both", "on,on", ""])
+def test_serve_refuses_kv_events_it_does_not_know(monkeypatch, capsys, value):
+    code, out, err = run_cli(monkeypatch, capsys, "bench", "serve", "--kv-events", value)
+    assert code == 2 and f"kv events {value!r} are not supported; allowed: on, off, on,off or off,on" in err, err
 
 
 def test_frontends_are_compared_over_the_pairs_that_served():
@@ -232,11 +238,13 @@ def test_launch_sh_refuses_a_bad_flag_value_by_name(tmp_path, args, says):
 
 def test_launch_sh_takes_good_values_as_given():
     r = subprocess.run([*LAUNCH_SH, "--prefill", "2", "--decode", "010", "--threads", "3", "--heartbeat-timeout",
-                        "1e3", "--queue-timeout", ".5", "--max-prefill-queue", "2", "--enforce-disagg", "--dry-run"],
+                        "1e3", "--queue-timeout", ".5", "--max-prefill-queue", "2", "--enforce-disagg", "--no-kv-events",
+                        "--dry-run"],
                        capture_output=True, text=True, cwd=ROOT, env=CHECKOUT_ENV, timeout=60)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
-    assert lines[0].endswith("--heartbeat-timeout 1e3 --queue-timeout .5 --max-prefill-queue 2 --enforce-disagg")
+    assert lines[0].endswith("--heartbeat-timeout 1e3 --queue-timeout .5 --max-prefill-queue 2 --enforce-disagg "
+                             "--no-kv-events")
     assert len(lines) == 1 + 2 + 10 and all("--threads 3" in line for line in lines[1:])  # 010: ten, not octal 8
 
 

@@ -29,6 +29,17 @@ def wait_for(predicate, timeout=20.0, what="condition"):
         time.sleep(0.1)
 
 
+def wait_rejoined(c, client, workers: int):
+    """Until the launcher has restarted c's router and `workers` workers have registered with it."""
+    def rejoined():
+        c.supervise_once()
+        try:
+            return sum(w["alive"] for w in client.status(timeout=1).workers) == workers
+        except RequestError:
+            return False
+    wait_for(rejoined, timeout=60, what="the router to restart and the workers to re-register")
+
+
 def stream_all(client, prompts, sampling):
     return [client.stream(p, **s) for p, s in zip(prompts, sampling)]
 
@@ -121,14 +132,7 @@ def test_router_restart_fails_inflight_clearly_and_workers_rejoin(tmp_path):
             for _ in stream:
                 pass
         assert e.value.code == "UNAVAILABLE" and "lost the connection" in e.value.message
-
-        def restarted_and_rejoined():
-            c.supervise_once()
-            try:
-                return sum(w["alive"] for w in client.status(timeout=1).workers) == 2
-            except RequestError:
-                return False
-        wait_for(restarted_and_rejoined, timeout=60, what="the router to restart and the workers to re-register")
+        wait_rejoined(c, client, 2)
         r = client.generate([5, 6, 7], max_tokens=4, temperature=0, ignore_eos=True)
         assert r.token_ids == reference([[5, 6, 7]], [dict(max_tokens=4, temperature=0, ignore_eos=True)])[0]
         # A crashed worker is restarted too, and rejoins.

@@ -169,6 +169,9 @@ def test_bench_serve_compares_policies_side_by_side_on_shared_prefixes():
     assert set(rows) == {"least_loaded", "prefix_affine"} and all(row["failed"] == 0 for row in rows.values())
     # the documents fill one and a half pools: each computed once where it stays, more of every prompt is a hit
     assert rows["prefix_affine"]["prompt_cached_pct"] > rows["least_loaded"]["prompt_cached_pct"] + 10, rows
+    # the workers told the router their caches: what it expected to be cached was, give or take a race
+    assert rows["prefix_affine"]["kv_events"] and rows["prefix_affine"]["prefix_mispredicted_pct"] < 10, rows
+    assert rows["least_loaded"]["prefix_mispredicted_pct"] is None
     assert "cached %" in r.stdout
     bad = subprocess.run([sys.executable, "-m", "common.cli", "bench", "serve", "--policies", "nearest"],
                          capture_output=True, text=True, timeout=60)
