@@ -39,6 +39,7 @@ IDLE_POLL_MS = 10  # no work: wait this long for a message before the next tick
 STALLED_POLL_MS = 1
 HOLDING_S = 1.0  # how often a worker tells the router which attempts it holds (P.Holding)
 KV_EVENTS_MAX = 65536  # block hashes in one KVEvents (about 1.2 MB): a whole cache may take several
+KV_EVENTS_S = 0.05  # a cache's changes wait up to this long to go together, unless a prefill just ended
 
 
 @dataclass
@@ -102,6 +103,7 @@ class WorkerBase:
         self._beat = self._held = None  # the last Heartbeat and Holding sent: the pulse repeats them
         self.registered = False
         self.kv_events_seq: int | None = None  # the next KVEvents' seq; None: the router asked for none
+        self._kv_events_at = 0.0  # when the last KVEvents went
         self.engine.block_manager.changes = None
         self._last_register = 0.0
         self._last_heartbeat = 0.0
@@ -139,12 +141,14 @@ class WorkerBase:
     def to_router(self, msg):
         self.router.try_send(msg)
 
-    def _send_kv_events(self, reset: bool = False):
-        """Tell the router how the prefix cache changed (reset: all it holds), if it asked."""
+    def _send_kv_events(self, reset: bool = False, wait: bool = False):
+        """Tell the router how the prefix cache changed (reset: all it holds), if it asked. wait:
+        not within KV_EVENTS_S of the last (a decode step's output blocks need not go one by one)."""
+        now = time.monotonic()
         if reset:
             self.kv_events_seq = self.kv_events_seq or 0
             stored, removed = self.engine.block_manager.watch(), []
-        elif self.kv_events_seq is None:
+        elif self.kv_events_seq is None or (wait and now - self._kv_events_at < KV_EVENTS_S):
             return
         else:
             stored, removed = self.engine.block_manager.take_changes()
@@ -154,6 +158,7 @@ class WorkerBase:
             self.to_router(P.KVEvents(self.worker_id, self.kv_events_seq, stored[i:i + KV_EVENTS_MAX],
                                       removed if i == 0 else [], reset and i == 0))
             self.kv_events_seq += 1
+        self._kv_events_at = now
 
     def kv_transports(self) -> list[str]:
         """What this worker moves KV by, fastest first, for the router to pair workers that share one."""
@@ -195,7 +200,8 @@ class WorkerBase:
                     outputs = self.step()
                     stepped, self.pulse.step_started = time.monotonic(), None
                     self.stalled = not (outputs or self.engine.last_batch or self.engine.inflight)
-                    self._send_kv_events()  # before the tokens: the router sees a prefill's blocks when it ends
+                    if self.kv_events_seq is not None:  # before the tokens: a prefill's blocks, by its end
+                        self._send_kv_events(wait=not any("ttft_s" in out.metrics for out in outputs))
                     self.on_outputs(outputs)
                     if trace is not None:
                         trace.record(start, stepped, time.monotonic(), self.engine.last_batch,
@@ -215,7 +221,7 @@ class WorkerBase:
 
     def _tick(self, now: float):
         said = False
-        self._send_kv_events()  # the changes made outside a step (KV received, blocks freed)
+        self._send_kv_events(wait=True)  # what the last steps changed, and what changed outside a step
         if not self.registered and now - self._last_register > 0.5:
             self._register(now)
         if self.registered and now - self._last_heartbeat > self.cfg.heartbeat_interval_s:
