@@ -1,5 +1,6 @@
-"""Chaos: a cluster under a stream of requests while a driver SIGKILLs and SIGSTOPs random
-workers (the launcher restarts the killed ones; stopped ones resume and must rejoin). Every
+"""Chaos: a cluster under a stream of requests while a driver SIGKILLs, SIGTERMs and SIGSTOPs
+random workers (the launcher restarts the killed ones and those that left; stopped ones resume and
+must rejoin). Every
 request's streamed tokens are checked against a fault-free reference run of the monolithic
 engine: completed, token-exact, no duplicated or missing token, no KV block leaked.
 
@@ -78,9 +79,13 @@ class ChaosDriver:
             if not self._all_registered(client):
                 continue  # let the last victim come back first
             victim = rng.choice(self.cluster.workers)
-            if rng.random() < 0.7:
+            fault = rng.random()
+            if fault < 0.6:
                 victim.proc.send_signal(signal.SIGKILL)
                 self.log.append(f"SIGKILL {victim.name}")
+            elif fault < 0.8:  # it leaves gracefully (--drain-timeout), and the launcher starts it again
+                victim.proc.send_signal(signal.SIGTERM)
+                self.log.append(f"SIGTERM {victim.name}")
             else:
                 victim.proc.send_signal(signal.SIGSTOP)
                 stopped.append((victim, time.monotonic() + self.stop_s))

@@ -189,8 +189,9 @@ class Channel:
     async def arecv(self) -> Envelope:
         return self._parse(await self.sock.recv_multipart(copy=False))
 
-    def close(self):
-        self.sock.close(linger=0)
+    def close(self, linger_ms: int = 0):
+        """linger_ms: how long what is still queued may take to go (0: dropped)."""
+        self.sock.close(linger=linger_ms)
 
 
 class Released:

@@ -192,10 +192,14 @@ def worker_command(role: str):
     @click.option("--kv-lease", default=30.0, show_default=True, type=POSITIVE,
                   help="decode: seconds blocks reserved for a transfer are held for it (a live prefill worker "
                        "renews them every third of that while it prefills)")
+    @click.option("--drain-timeout", default=5.0, show_default=True, type=click.FloatRange(min=0),
+                  help="told to stop (SIGTERM, SIGINT), seconds it finishes what it holds before its requests move "
+                       "to other workers; it gets no new work meanwhile (0: they move at once; a second signal "
+                       "stops it at once)")
     @click.option("--log-level", default="INFO", show_default=True)
     @engine_options
-    def command(router_address, worker_id, host, threads, no_kv_stream, step_timeout, kv_lease, log_level,
-                engine_kwargs):
+    def command(router_address, worker_id, host, threads, no_kv_stream, step_timeout, kv_lease, drain_timeout,
+                log_level, engine_kwargs):
         signal.signal(signal.SIGTERM, _stop_while_starting)  # until the worker's loop installs its own
         from common.config import EngineConfig
         from common.worker import WorkerConfig
@@ -205,7 +209,7 @@ def worker_command(role: str):
             engine_kwargs = dict(engine_kwargs, enforce_eager=True, speculative_config=None)
         cfg = WorkerConfig(router=router_address, engine=EngineConfig(**engine_kwargs), worker_id=worker_id,
                            host=host, threads=threads, kv_stream=not no_kv_stream, step_timeout_s=step_timeout,
-                           kv_lease_s=kv_lease)
+                           kv_lease_s=kv_lease, drain_timeout_s=drain_timeout)
         if role == "prefill":
             from prefill_worker.worker import PrefillWorker
 
@@ -320,8 +324,8 @@ def status(router_address, as_json):
                 f"context of {reply.context} tokens",
                 ["worker", "role", "device", "alive", "queued", "running", "free blocks", "total blocks", "context",
                  "KV by", "heartbeat age s"],
-                [[w["worker_id"], w["role"], w["device"], w["alive"], w["queued"], w["running"], w["free_blocks"],
-                  w["total_blocks"], w.get("max_model_len") or "-", ",".join(w.get("kv_transports", [])) or "-",
+                [[w["worker_id"], w["role"], w["device"], "leaving" if w.get("leaving") and w["alive"] else w["alive"],
+                  w["queued"], w["running"], w["free_blocks"], w["total_blocks"], w.get("max_model_len") or "-", ",".join(w.get("kv_transports", [])) or "-",
                   w["heartbeat_age_s"]]
                  for w in reply.workers])
 

@@ -190,6 +190,17 @@ class Holding:
 
 
 @dataclass
+class Leaving:
+    """Worker -> router when told to stop (SIGTERM, SIGINT): it takes no new work and finishes what it
+    holds, for up to its --drain-timeout (NVIDIA Dynamo's graceful shutdown). gone: it stops now;
+    what it still holds, the router re-dispatches at once rather than at its heartbeat timeout. The
+    router answers the first with the same message: a worker it does not answer within a second
+    stops at once (no router is there to take its requests' tokens)."""
+    worker_id: str
+    gone: bool = False
+
+
+@dataclass
 class KVEvents:
     """Worker -> router, where Registered asked for them (NVIDIA Dynamo's KV events, vLLM's
     BlockStored / BlockRemoved): the block hashes (common/prefix_hash.py) its prefix cache gained
@@ -352,7 +363,7 @@ class KVAck:
 MESSAGES: dict[str, type] = {cls.__name__: cls for cls in (
     Generate, Cancel, StatusRequest, MetricsRequest, Rejected, Probe, Token, TokenBatch, Done, Error, StatusReply,
     MetricsReply,
-    Register, Registered, Heartbeat, Holding, KVEvents, KVEventsResync, PrefillWork, WorkerTokens, WorkerTokenBatch,
+    Register, Registered, Heartbeat, Holding, Leaving, KVEvents, KVEventsResync, PrefillWork, WorkerTokens, WorkerTokenBatch,
     WorkerError, CancelWork, Shutdown,
     KVReserve, KVGrant, KVRefuse, KVRelease, KVChunk, KVTransfer, KVAck)}
 

@@ -9,11 +9,17 @@ loop, which is short on purpose:
 
 One thread, and each socket is used by it alone; while one step runs longer than a heartbeat's
 interval, a thread of its own beats for it (common/pulse.py).
+
+Told to stop (SIGTERM, as Kubernetes does, or SIGINT), a worker leaves gracefully: it tells the
+router (P.Leaving), which sends it no new work, finishes what it holds for up to --drain-timeout,
+and says it is gone; what it still holds is then re-dispatched at once. A second signal, or a
+router that does not answer, stops it at once.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import time
@@ -40,6 +46,7 @@ STALLED_POLL_MS = 1
 HOLDING_S = 1.0  # how often a worker tells the router which attempts it holds (P.Holding)
 KV_EVENTS_MAX = 65536  # block hashes in one KVEvents (about 1.2 MB): a whole cache may take several
 KV_EVENTS_S = 0.05  # a cache's changes wait up to this long to go together, unless a prefill just ended
+LEAVING_ACK_S = 1  # seconds: a leaving worker the router has not answered by then stops at once
 
 
 @dataclass
@@ -53,6 +60,7 @@ class WorkerConfig:
     kv_lease_s: float = 30.0  # reserved blocks come back if no KV arrives by then
     transfer_timeout_s: float = 30.0  # a prefill gives up a transfer not acknowledged by then
     kv_stream: bool = True  # a prefill sends KV layer by layer during the forward pass
+    drain_timeout_s: float = 5.0  # told to stop, finish what it holds for up to this long (0: stop at once)
     max_kv_frame_bytes: int = 2**31
     threads: int | None = None  # torch intra-op threads
 
@@ -74,6 +82,8 @@ class WorkerBase:
         self.handlers: dict[zmq.Socket, tuple[Channel, callable]] = {}
         self.router: Channel | None = None
         self.stopping = False
+        self.signalled = 0  # SIGTERM / SIGINT received: the first leaves gracefully, a second at once
+        self.leaving: tuple[float, float] | None = None  # (drain deadline, answer deadline): leaving
         self.refused: str | None = None  # why the router sent us away (run() then exits 1)
         self.kv_address = ""
         self.kv_bytes: dict[str, int] = {}  # KV bytes sent, by transport (prefill), for the router's metrics
@@ -132,6 +142,9 @@ class WorkerBase:
             else:
                 log.error("router asked %s to stop: %s", self.worker_id, msg.reason)
                 self.stopping, self.refused = True, msg.reason
+        elif isinstance(msg, P.Leaving):
+            if self.leaving is not None:
+                self.leaving = (self.leaving[0], math.inf)  # answered: it sends us nothing new
         elif isinstance(msg, P.Error):  # no router's worker port answers so: --router names another port
             log.error("%s: %s answers %s: %s", self.worker_id, self.cfg.router, msg.code, msg.message)
             self.stopping, self.refused = True, msg.message
@@ -177,7 +190,7 @@ class WorkerBase:
     def run(self) -> int:
         """Serve until SIGTERM, SIGINT or the router refuses us; the process's exit status."""
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: setattr(self, "stopping", True))
+            signal.signal(sig, self._on_signal)
         log.info("%s %s on %s: %s, %d KV blocks%s", self.role, self.worker_id, self.engine.config.torch_device,
                  self.engine.config.model, self.engine.num_blocks,
                  ", async scheduling" if self.engine.config.async_scheduling else "")
@@ -213,6 +226,32 @@ class WorkerBase:
             self.close()
         return 1 if self.refused else 0
 
+    def _on_signal(self, *_):
+        self.signalled += 1
+        self.wake()
+
+    def _leave(self, now: float):
+        """Told to stop: leave the router's rotation, finish what it holds, then go (see above)."""
+        if self.leaving is None:
+            if self.signalled > 1 or not self.registered or self.cfg.drain_timeout_s <= 0 or self.idle():
+                self.stopping = True
+            else:
+                log.info("%s leaving: no new work; finishing what it holds, for up to %g s (--drain-timeout)",
+                         self.worker_id, self.cfg.drain_timeout_s)
+                self.to_router(P.Leaving(self.worker_id))
+                self.leaving = (now + self.cfg.drain_timeout_s, now + LEAVING_ACK_S)
+        elif self.signalled > 1 or self.idle() or now > min(self.leaving):
+            why = ("a second signal" if self.signalled > 1 else "done" if self.idle() else
+                   "no answer from the router" if now > self.leaving[1] else "--drain-timeout")
+            log.info("%s leaving now (%s)", self.worker_id, why)
+            self.stopping = True
+        if self.stopping and self.registered:
+            self.to_router(P.Leaving(self.worker_id, gone=True))  # what it holds is re-dispatched at once
+
+    def idle(self) -> bool:
+        """Whether it holds no request (nothing a graceful stop waits for)."""
+        return not self.engine.has_unfinished() and not self.holding()
+
     def poll_timeout(self) -> int:
         """Milliseconds the loop waits for a message: none while the engine has work to step."""
         if not self.engine.has_unfinished():
@@ -221,6 +260,8 @@ class WorkerBase:
 
     def _tick(self, now: float):
         said = False
+        if self.signalled:
+            self._leave(now)
         self._send_kv_events(wait=True)  # what the last steps changed, and what changed outside a step
         if not self.registered and now - self._last_register > 0.5:
             self._register(now)
@@ -257,7 +298,7 @@ class WorkerBase:
     def close(self):
         self.pulse.close()  # its socket first: the context's term() waits for every socket
         for chan, _ in list(self.handlers.values()):
-            chan.close()
+            chan.close(LEAVING_ACK_S * 1000 if chan is self.router and self.signalled else 0)  # its P.Leaving
         close_context(self.ctx)
         self.waker.close()
 

@@ -97,6 +97,9 @@ class DecodeWorker(WorkerBase):
     def kv_transports(self) -> list[str]:
         return list(self.receivers)
 
+    def idle(self) -> bool:
+        return super().idle() and not (self.reservations or self.queued or self.arriving)
+
     # ------------------------------------------------------------------ router
 
     def on_router(self, msg):

@@ -452,6 +452,9 @@ class PrefillWorker(WorkerBase):
     def holding(self) -> list[list]:
         return [[rid, t.work.attempt] for rid, t in self.transfers.items()]
 
+    def idle(self) -> bool:
+        return super().idle() and not (self.work or self.draining)
+
     def drop_all_work(self):
         for rid in list(self.transfers):
             self._drop(rid)

@@ -82,8 +82,8 @@ class LocalBackend:
         self.router.metrics.on_error(code)
 
     async def health(self) -> tuple[int, list[str]]:
-        alive = self.router.registry.alive(PREFILL_ROLES + DECODE_ROLES)
-        return len(alive), self.router.placement.missing(alive)
+        serving = self.router.registry.serving(PREFILL_ROLES + DECODE_ROLES)
+        return len(serving), self.router.placement.missing(serving)
 
     async def metrics(self) -> bytes:
         return self.router.metrics.render()

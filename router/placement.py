@@ -55,7 +55,7 @@ class Placement:
     def place(self, req: Request) -> tuple[Worker, Worker] | None:
         """(prefill worker, decode worker) for req's next attempt, the same worker twice where it
         runs the whole request (mono, or a local prefill); None while no live worker can."""
-        decoders = self.registry.alive(("decode",))
+        decoders = self.registry.serving(("decode",))
         chain = self._chain(req)
         p = d = self._local(req, decoders, chain)
         if p is None:
@@ -86,7 +86,7 @@ class Placement:
         """The decode worker to prefill req itself, or None."""
         if self.enforce_disagg or not decoders:
             return None
-        prefillers = self.registry.alive(PREFILL_ROLES)
+        prefillers = self.registry.serving(PREFILL_ROLES)
         remote = any(untried(req, p, d) for p in prefillers for d in ([p] if p.role == "mono" else decoders))
         if remote and self.queue_limit and all(load(p) >= self.queue_limit for p in prefillers):
             remote = False  # every prefill worker has a queue: a decode worker starts it now instead

@@ -36,6 +36,7 @@ class Worker:
     free_blocks: int = 0
     assigned: set[str] = field(default_factory=set)  # router request ids in this worker's hands
     alive: bool = True
+    leaving: bool = False  # told to stop, it finishes what it holds and takes no new work (P.Leaving)
     counters: dict = field(default_factory=dict)  # its heartbeat's counters, last seen (router/metrics.py)
     prefix_caching: bool = True  # it keeps a prefix cache (started without --no-prefix-caching)
     prefix_index: PrefixIndex | CacheMirror | None = None  # prefix_affine: what its prefix cache holds
@@ -43,8 +44,8 @@ class Worker:
 
     def describe(self, now: float) -> dict:
         return {"worker_id": self.worker_id, "role": self.role, "incarnation": self.incarnation,
-                "device": self.device, "alive": self.alive, "queued": self.queued, "running": self.running,
-                "assigned": len(self.assigned), "free_blocks": self.free_blocks,
+                "device": self.device, "alive": self.alive, "leaving": self.leaving, "queued": self.queued,
+                "running": self.running, "assigned": len(self.assigned), "free_blocks": self.free_blocks,
                 "total_blocks": self.total_blocks, "kv_address": self.kv_address, "kv_transports": self.kv_transports,
                 "kv_dtype": self.kv_dtype, "block_size": self.block_size, "batch_invariant": self.batch_invariant,
                 "prefix_caching": self.prefix_caching, "max_model_len": self.max_model_len,
@@ -94,13 +95,17 @@ class Registry:
     def alive(self, roles) -> list[Worker]:
         return [w for w in self.workers.values() if w.alive and w.role in roles]
 
+    def serving(self, roles) -> list[Worker]:
+        """The live workers of these roles that take new work (not leaving)."""
+        return [w for w in self.alive(roles) if not w.leaving]
+
     def pick(self, roles, fits: Callable[[Worker], bool] | None = None,
              prompt: PromptChain | None = None) -> Worker | None:
-        """A live worker of these roles, by the policy among those that fit if any do (if none does,
+        """A live worker of these roles taking new work, by the policy among those that fit if any do (if none does,
         among all: the worker then says why it cannot, which the caller passes on). prompt: what the
         worker will prefill, for prefix_affine (without it, that policy is least_loaded); the caller
         tells prefix_affinity.remember where it went."""
-        candidates = sorted(self.alive(roles), key=lambda w: w.worker_id)
+        candidates = sorted(self.serving(roles), key=lambda w: w.worker_id)
         if fits is not None:
             candidates = [w for w in candidates if fits(w)] or candidates
         if not candidates:

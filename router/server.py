@@ -51,6 +51,7 @@ CLIENT_PORT = ("this is the router's client port; workers connect to its worker 
                "--port + 1)")
 TICK_S = 0.05  # how often the router checks deadlines and heartbeats
 LOOP_LAG_S = 0.5  # a tick this late: the event loop was held up (a huge request), not the workers
+STOP_LINGER_MS = 500  # a stopping router's last messages (its cancels) may take this long to go
 
 
 @dataclass
@@ -252,8 +253,10 @@ class Router:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            for req in list(self.requests.values()):  # no one is left to take their tokens: workers free them
+                self._cancel_work(req)
             self.frontend.close()
-            self.backend.close()
+            self.backend.close(STOP_LINGER_MS)
             close_context(self.ctx)
 
     # ------------------------------------------------------------------ clients
@@ -280,7 +283,7 @@ class Router:
             now = time.monotonic()
             workers = [w.describe(now) for w in sorted(self.registry.workers.values(), key=lambda w: w.worker_id)]
             queued = sum(r.state == "queued" for r in self.requests.values())
-            missing = self.placement.missing(self.registry.alive(PREFILL_ROLES + DECODE_ROLES))
+            missing = self.placement.missing(self.registry.serving(PREFILL_ROLES + DECODE_ROLES))
             self._send(self.frontend, P.StatusReply(workers, queued, len(self.requests) - queued, self.prompts.context,
                                                     missing), env.sender)
         elif isinstance(msg, P.MetricsRequest):
@@ -488,6 +491,8 @@ class Router:
             self.on_worker_error(w, msg)
         elif isinstance(msg, P.Holding):
             self.on_holding(w, msg)
+        elif isinstance(msg, P.Leaving):
+            self.on_leaving(w, msg)
         elif isinstance(msg, P.KVEvents) and self.kv_events:
             if take_events(w, msg):
                 self.metrics.kv_event_resyncs.inc()
@@ -561,10 +566,13 @@ class Router:
             log.info("no worker known serves less than %d tokens now: the router admits %d again", context, context)
         self.prompts.context = context
 
-    def worker_lost(self, w: Worker, why: str):
+    def worker_lost(self, w: Worker, why: str, died: bool = True):
+        """w is gone (died: not by leaving gracefully): what it held is re-dispatched."""
         w.alive = False
-        self.metrics.worker_deaths.inc()
-        log.warning("worker %s lost (%s); %d requests to recover", w.worker_id, why, len(w.assigned))
+        if died:
+            self.metrics.worker_deaths.inc()
+        (log.warning if died else log.info)("worker %s %s (%s); %d requests to recover", w.worker_id,
+                                             "lost" if died else "left", why, len(w.assigned))
         for rid in sorted(w.assigned):
             req = self.requests.get(rid)
             if req is not None:
@@ -638,6 +646,16 @@ class Router:
                 wait = self.cfg.prefill_timeout_s if req.state == "prefill" else self.cfg.decode_stall_timeout_s
                 req.deadline = max(req.deadline, now + wait)
 
+    def on_leaving(self, w: Worker, msg: P.Leaving):
+        """w was told to stop: no new work for it; once gone, what it held is re-dispatched now."""
+        if msg.gone:
+            return self.worker_lost(w, "told to stop", died=False)
+        if not w.leaving:
+            w.leaving = True
+            log.info("worker %s is leaving: it finishes its %d requests and gets no new work", w.worker_id,
+                     len(w.assigned))
+        self._send(self.backend, P.Leaving(w.worker_id), w.identity)
+
     def on_worker_error(self, w: Worker, msg: P.WorkerError):
         req = self.requests.get(msg.request_id)
         if req is None or msg.attempt != req.attempt:
@@ -685,7 +703,7 @@ class Router:
             if now < req.deadline:
                 continue
             if req.state == "queued":
-                missing = self.placement.missing(self.registry.alive(PREFILL_ROLES + DECODE_ROLES))
+                missing = self.placement.missing(self.registry.serving(PREFILL_ROLES + DECODE_ROLES))
                 self.error(req, "UNAVAILABLE", f"no live {' or '.join(missing) or 'worker'} worker "
                                                f"for {self.cfg.queue_timeout_s}s")
             else:

@@ -62,23 +62,33 @@ def router_children(c: Cluster) -> list[int]:
 async def serving_router(**config):
     """A Router serving in this event loop on free ports, and connect(address, identity=None) for
     the test's DEALER sockets: they are closed and the router stopped however the test ends."""
+    async with stoppable_router(**config) as (router, connect, _):
+        yield router, connect
+
+
+@contextlib.asynccontextmanager
+async def stoppable_router(**config):
+    """serving_router's, and stop(): the router stops serving, the test's sockets stay open."""
     router = Router(RouterConfig(port=free_port(), worker_port=free_port(), **config))
-    stop = asyncio.Event()
-    serving = asyncio.ensure_future(router.serve(stop))
+    stopped = asyncio.Event()
+    serving = asyncio.ensure_future(router.serve(stopped))
     ctx = zmq.asyncio.Context()
     chans: list[Channel] = []
 
     def connect(address: str, identity: bytes | None = None) -> Channel:
         chans.append(Channel.connect(ctx, zmq.DEALER, address, identity=identity))
         return chans[-1]
+
+    async def stop():
+        stopped.set()
+        await serving
     try:
-        yield router, connect
+        yield router, connect, stop
     finally:
         for chan in chans:
             chan.close()
         ctx.term()
-        stop.set()
-        await serving
+        await stop()
 
 
 async def scripted_worker(router: Router, connect, name: str, role: str = "mono", device: str = "cpu",
