@@ -46,7 +46,9 @@ STALLED_POLL_MS = 1
 HOLDING_S = 1.0  # how often a worker tells the router which attempts it holds (P.Holding)
 KV_EVENTS_MAX = 65536  # block hashes in one KVEvents (about 1.2 MB): a whole cache may take several
 KV_EVENTS_S = 0.05  # a cache's changes wait up to this long to go together, unless a prefill just ended
-LEAVING_ACK_S = 1  # seconds: a leaving worker the router has not answered by then stops at once
+LEAVING_ACK_S = 1.0  # a leaving worker the router has not answered by then stops at once
+# its last P.Leaving goes at once to a live router; to one that has gone too, it would wait for good
+GOODBYE_LINGER_MS = 100
 
 
 @dataclass
@@ -298,7 +300,7 @@ class WorkerBase:
     def close(self):
         self.pulse.close()  # its socket first: the context's term() waits for every socket
         for chan, _ in list(self.handlers.values()):
-            chan.close(LEAVING_ACK_S * 1000 if chan is self.router and self.signalled else 0)  # its P.Leaving
+            chan.close(GOODBYE_LINGER_MS if chan is self.router and self.signalled else 0)
         close_context(self.ctx)
         self.waker.close()
 

@@ -51,7 +51,7 @@ CLIENT_PORT = ("this is the router's client port; workers connect to its worker 
                "--port + 1)")
 TICK_S = 0.05  # how often the router checks deadlines and heartbeats
 LOOP_LAG_S = 0.5  # a tick this late: the event loop was held up (a huge request), not the workers
-STOP_LINGER_MS = 500  # a stopping router's last messages (its cancels) may take this long to go
+STOP_LINGER_MS = 100  # a stopping router's cancels go at once to live workers; not to wait on gone ones
 
 
 @dataclass
