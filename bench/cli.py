@@ -105,6 +105,8 @@ def bench_step_profile(batch_sizes, kv_len, steps, top, modes, prefill_len, seed
 @click.option("--frontends", default="zmq", show_default=True,
               help="zmq (the SDK), http (OpenAI's API) or zmq,http: both on each launched cluster, in turn")
 @click.option("--repeats", default=1, show_default=True, type=COUNT, help="runs of each scenario per frontend")
+@click.option("--num-requests", default=None, type=COUNT,
+              help="requests in each scenario (conversations, for multi_turn) [default: the scenario's own]")
 @click.option("--policies", default="least_loaded", show_default=True,
               help="the router's policies, comma-separated: a cluster of each topology per policy, in turn")
 @click.option("--kv-events", default="on", show_default=True,
@@ -114,8 +116,8 @@ def bench_step_profile(batch_sizes, kv_len, steps, top, modes, prefill_len, seed
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--worker-arg", "worker_args", multiple=True, help="extra flag for every worker (repeatable)")
 @devices_option()
-def bench_serve(model, topologies, scenarios, router_address, base_url, frontends, repeats, policies, kv_events,
-                api_key, seed, worker_args, devices):
+def bench_serve(model, topologies, scenarios, router_address, base_url, frontends, repeats, num_requests, policies,
+                kv_events, api_key, seed, worker_args, devices):
     """Serving load: TTFT, inter-token and end-to-end latency, throughput, per topology and frontend."""
     from bench.serve import run_serve_bench
 
@@ -123,7 +125,7 @@ def bench_serve(model, topologies, scenarios, router_address, base_url, frontend
         run_serve_bench(model, topologies.split(","), scenarios.split(","), router_address, seed, list(worker_args),
                         tuple(frontends.split(",")), base_url, repeats, api_key, devices=devices,
                         policies=policies.split(","),
-                        kv_events=kv_events.split(","))
+                        kv_events=kv_events.split(","), num_requests=num_requests)
     except ValueError as e:
         raise click.UsageError(str(e))
 

@@ -24,7 +24,7 @@ import statistics
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import zmq
@@ -223,7 +223,9 @@ def loopback_rtt_ms(n: int = 2000) -> float:
 def run_serve_bench(model: str, topologies: list[str], scenarios: list[str], router: str | None, seed: int,
                     worker_args: list[str], frontends: tuple[str, ...] = ("zmq",), base_url: str | None = None,
                     repeats: int = 1, api_key: str | None = None, devices: list[str] = ("cpu",),
-                    policies: list[str] = ("least_loaded",), kv_events: list[str] = ("on",)) -> dict:
+                    policies: list[str] = ("least_loaded",), kv_events: list[str] = ("on",),
+                    num_requests: int | None = None) -> dict:
+    """num_requests: each scenario's requests (conversations, for multi_turn) instead of its own count."""
     from bench.openai_load import drive_http, served_model_at  # it imports Sample from here
     from router.registry import POLICIES
 
@@ -274,7 +276,7 @@ def run_serve_bench(model: str, topologies: list[str], scenarios: list[str], rou
                     drivers = {"zmq": lambda reqs, n: drive(router or cluster.address, reqs, n),
                                "http": lambda reqs, n: drive_http(base_url or cluster.http_url, reqs, n, api_key)}
                     for name in names:
-                        s = SCENARIOS[name]
+                        s = SCENARIOS[name] if num_requests is None else replace(SCENARIOS[name], requests=num_requests)
                         reqs = make_requests(s, cfg.vocab_size, cfg.max_position_embeddings, seed)
                         for frontend in frontends:
                             asyncio.run(drivers[frontend](reqs[:2], 0))  # warm-up

@@ -110,7 +110,7 @@ REFUSED = [  # (command, flag, value as click repeats it, what the error says of
     ("step-profile", "--batch-sizes", "0", "'0' has 0; allowed: batch sizes >= 1"),
     ("step-profile", "--kv-len", "0", AT_LEAST_1), ("step-profile", "--steps", "0", AT_LEAST_1),
     ("step-profile", "--top", "0", AT_LEAST_1),
-    ("serve", "--repeats", "0", AT_LEAST_1),
+    ("serve", "--repeats", "0", AT_LEAST_1), ("serve", "--num-requests", "0", AT_LEAST_1),
     ("chaos", "--prefill", "0", AT_LEAST_1), ("chaos", "--decode", "0", AT_LEAST_1),
     ("chaos", "--requests", "0", AT_LEAST_1), ("chaos", "--kills", "-1", "is not in the range x>=0."),
     ("chaos", "--concurrency", "0", AT_LEAST_1), ("chaos", "--interval", "-1.5", "is not in the range x>=0."),

@@ -66,27 +66,37 @@ def test_a_stopping_router_cancels_what_its_workers_hold():
     assert cancel == P.CancelWork(work.request_id, work.attempt)
 
 
-@pytest.mark.parametrize("drain, attempts", [(60.0, 1), (0.0, 2)], ids=["finished-there", "moved-at-once"])
-def test_a_decode_worker_told_to_stop_mid_stream(tmp_path, drain, attempts):
-    """SIGTERM to the decode worker streaming a request: with time to drain, it finishes the
-    request itself and exits 0 (no migration); with --drain-timeout 0 the request moves at once,
-    though the router would take 60 s to find a silent worker dead. The tokens are the monolithic
-    engine's either way, and a request sent while it leaves goes to the other decode worker."""
-    prompt = [5, 6, 7, 8]
-    want = reference([prompt, [9, 10]], [LONG, GREEDY])
-    with cluster(tmp_path, prefill=1, decode=2, worker_args=["--drain-timeout", str(drain)],
+def test_a_decode_worker_told_to_stop_mid_stream_finishes_it_or_at_a_second_signal_hands_it_on(tmp_path):
+    """SIGTERM to the decode worker streaming a request: it finishes the request itself and exits
+    0 (no migration), while a request sent meanwhile goes to another. SIGTERM twice to the next
+    one: it stops at once, and its request moves at once, though the router would take 60 s to
+    find a silent worker dead. The tokens are the monolithic engine's either way."""
+    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
+    want = reference(prompts, [LONG, GREEDY, LONG])
+    with cluster(tmp_path, prefill=1, decode=3, worker_args=["--drain-timeout", "60"],
                  router_args=["--heartbeat-timeout", "60"]) as c, Client(c.address, timeout=30) as client:
-        stream = client.stream(prompt, **LONG)
-        tokens = list(next(stream).token_ids)
-        holder = next(w["worker_id"] for w in client.status().workers if w["role"] == "decode" and w["assigned"])
-        proc = next(w.proc for w in c.workers if w.name == holder)
-        proc.send_signal(signal.SIGTERM)
-        wait_for(lambda: any(w["leaving"] or not w["alive"] for w in client.status().workers
-                             if w["worker_id"] == holder), what=f"{holder} to leave")
-        other = client.generate([9, 10], **GREEDY)
+        def stop_the_holder(stream, signals: int):
+            tokens = list(next(stream).token_ids)
+            holder = next(w["worker_id"] for w in client.status().workers
+                          if w["role"] == "decode" and w["alive"] and w["assigned"])
+            proc = next(w.proc for w in c.workers if w.name == holder)
+            proc.send_signal(signal.SIGTERM)
+            wait_for(lambda: any(w["leaving"] or not w["alive"] for w in client.status().workers
+                                 if w["worker_id"] == holder), what=f"{holder} to leave")
+            if signals == 2:  # once the first is taken: the kernel merges a signal sent while one is pending
+                proc.send_signal(signal.SIGTERM)
+            return tokens, proc
+
+        stream = client.stream(prompts[0], **LONG)
+        tokens, proc = stop_the_holder(stream, 1)
+        other = client.generate(prompts[1], **GREEDY)
         assert other.token_ids == want[1] and other.timings["attempts"] == 1
-        for chunk in stream:
-            tokens += chunk.token_ids
-        assert tokens == want[0]
-        assert stream.result.timings["attempts"] == attempts
+        tokens += [t for chunk in stream for t in chunk.token_ids]
+        assert (tokens, stream.result.timings["attempts"]) == (want[0], 1)  # finished where it was
+        assert proc.wait(timeout=30) == 0
+
+        stream = client.stream(prompts[2], **LONG)
+        tokens, proc = stop_the_holder(stream, 2)
+        tokens += [t for chunk in stream for t in chunk.token_ids]
+        assert (tokens, stream.result.timings["attempts"]) == (want[2], 2)  # moved at once
         assert proc.wait(timeout=30) == 0
