@@ -171,7 +171,9 @@ class BlockManager:
 
     def take_changes(self) -> tuple[list[bytes], list[bytes]]:
         """(hashes stored, hashes removed) since watch() or the last call, each by its last change."""
-        changes, self.changes = self.changes or {}, {} if self.changes is not None else None
+        if not self.changes:
+            return [], []
+        changes, self.changes = self.changes, {}
         return [h for h, held in changes.items() if held], [h for h, held in changes.items() if not held]
 
     @property

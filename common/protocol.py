@@ -204,7 +204,8 @@ class Leaving:
 class KVEvents:
     """Worker -> router, where Registered asked for them (NVIDIA Dynamo's KV events, vLLM's
     BlockStored / BlockRemoved): the block hashes (common/prefix_hash.py) its prefix cache gained
-    and lost since the last KVEvents, sent before the tokens of the step that made them. seq counts
+    and lost since the last KVEvents, sent at most every 50 ms, and before the first token of a
+    prefill that stored some (the router then sees them by the time it sees the prefill end). seq counts
     an incarnation's KVEvents from 0. reset: stored is the whole cache (after Registered, or when
     asked by KVEventsResync), possibly continued by more KVEvents; a router that sees a seq missing
     asks for one."""
@@ -363,8 +364,8 @@ class KVAck:
 MESSAGES: dict[str, type] = {cls.__name__: cls for cls in (
     Generate, Cancel, StatusRequest, MetricsRequest, Rejected, Probe, Token, TokenBatch, Done, Error, StatusReply,
     MetricsReply,
-    Register, Registered, Heartbeat, Holding, Leaving, KVEvents, KVEventsResync, PrefillWork, WorkerTokens, WorkerTokenBatch,
-    WorkerError, CancelWork, Shutdown,
+    Register, Registered, Heartbeat, Holding, Leaving, KVEvents, KVEventsResync, PrefillWork, WorkerTokens,
+    WorkerTokenBatch, WorkerError, CancelWork, Shutdown,
     KVReserve, KVGrant, KVRefuse, KVRelease, KVChunk, KVTransfer, KVAck)}
 
 
