@@ -159,11 +159,13 @@ class WorkerBase:
     def _send_kv_events(self, reset: bool = False, wait: bool = False):
         """Tell the router how the prefix cache changed (reset: all it holds), if it asked. wait:
         not within KV_EVENTS_S of the last (a decode step's output blocks need not go one by one)."""
+        if self.kv_events_seq is None and not reset:
+            return
         now = time.monotonic()
         if reset:
             self.kv_events_seq = self.kv_events_seq or 0
             stored, removed = self.engine.block_manager.watch(), []
-        elif self.kv_events_seq is None or (wait and now - self._kv_events_at < KV_EVENTS_S):
+        elif wait and now - self._kv_events_at < KV_EVENTS_S:
             return
         else:
             stored, removed = self.engine.block_manager.take_changes()
@@ -216,7 +218,7 @@ class WorkerBase:
                     stepped, self.pulse.step_started = time.monotonic(), None
                     self.stalled = not (outputs or self.engine.last_batch or self.engine.inflight)
                     if self.kv_events_seq is not None:  # before the tokens: a prefill's blocks, by its end
-                        self._send_kv_events(wait=not any("ttft_s" in out.metrics for out in outputs))
+                        self._send_kv_events(wait=not self.prefill_ended(outputs))
                     self.on_outputs(outputs)
                     if trace is not None:
                         trace.record(start, stepped, time.monotonic(), self.engine.last_batch,
@@ -317,6 +319,10 @@ class WorkerBase:
 
     def on_tick(self, now: float):
         pass
+
+    def prefill_ended(self, outputs: list[RequestOutput]) -> bool:
+        """Whether a step's outputs hold a prefill's first token (a prefill worker's all do)."""
+        return bool(outputs)
 
     def holding(self) -> list[list]:
         """[request_id, attempt] of every attempt this worker holds, for P.Holding."""

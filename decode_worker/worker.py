@@ -100,6 +100,10 @@ class DecodeWorker(WorkerBase):
     def idle(self) -> bool:
         return super().idle() and not (self.reservations or self.queued or self.arriving)
 
+    def prefill_ended(self, outputs) -> bool:
+        """Only a local prefill ends here: the outputs are looked through while one runs, not per step."""
+        return bool(self.prefilling) and any(out.request_id in self.prefilling for out in outputs)
+
     # ------------------------------------------------------------------ router
 
     def on_router(self, msg):

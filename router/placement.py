@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from common.errors import InvalidArgument
-from router.prefix_affinity import PromptChain, cached_tokens, remember
+from router.prefix_affinity import PromptChain, cached_tokens, remember, told
 from router.registry import PREFILL_ROLES, Registry, Worker, load, missing_roles
 
 if TYPE_CHECKING:
@@ -76,9 +76,9 @@ class Placement:
 
     def finished(self, req: Request) -> None:
         """req ended on its decode worker, whose prefix cache now holds its output too: the
-        beginning of a conversation's next turn."""
+        beginning of a conversation's next turn (guessed; a worker that sends KV events told it)."""
         d = self.registry.workers.get(req.decode_worker)
-        if req.chain is not None and req.tokens and self.local_limit and d is not None and d.alive:
+        if req.chain is not None and req.tokens and self.local_limit and d is not None and d.alive and not told(d):
             done = len(req.chain.token_ids) - len(req.prompt_ids)  # tokens its chain holds already
             remember(d, req.chain.extended(req.tokens[done:]))
 

@@ -155,9 +155,14 @@ class CacheMirror:
             self.predicted.popitem(last=False)
 
 
+def told(w) -> bool:
+    """Whether w's KV events tell the router what its cache holds (else it is guessed)."""
+    return isinstance(w.prefix_index, CacheMirror)
+
+
 def take_events(w, msg: P.KVEvents) -> bool:
     """A KVEvents from w, whose cache is mirrored from now on. True: ask w for its whole cache."""
-    if not isinstance(w.prefix_index, CacheMirror):
+    if not told(w):
         w.prefix_index = CacheMirror()
     return w.prefix_index.apply(msg)
 
