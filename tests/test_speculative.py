@@ -7,6 +7,7 @@ speculates gives the monolithic engine's tokens and counts its drafts in /metric
 import array
 import asyncio
 import importlib.util
+import itertools
 import json
 import subprocess
 import sys
@@ -93,6 +94,23 @@ def run(engine, prompts, sampling):
     return [(o.token_ids, o.finish_reason, o.logprobs) for o in outs]
 
 
+def oracle_drafts(engine, prompts, plain):
+    """Make engine's drafter propose what plain decoding went on to sample, every third draft with
+    its last token wrong: drafts kept whole, in part and not at all, whatever the model (a random
+    model of a large vocabulary repeats too little for n-grams to find drafts)."""
+    going_on = {tuple(p): list(p) + out for p, (out, _, _) in zip(prompts, plain)}
+    proposed = itertools.count()
+
+    def propose(seq, max_tokens):
+        at = len(seq.token_ids)
+        draft = going_on[tuple(seq.prompt_token_ids)][at:at + min(max_tokens, NGRAM["num_speculative_tokens"])]
+        if draft and next(proposed) % 3 == 2:
+            draft[-1] = (draft[-1] + 1) % engine.model_config.vocab_size
+        return draft
+
+    engine.drafter.propose = propose
+
+
 @pytest.fixture(scope="module")
 def plain():
     prompts, sampling = workload()
@@ -110,6 +128,17 @@ def test_speculating_gives_the_tokens_and_logprobs_of_plain_decoding(plain, kw):
     assert run(engine, prompts, sampling) == plain
     drafts, drafted, accepted = engine.drafter.counters()
     assert drafts > 10 and 0 < accepted <= drafted  # it did speculate, and some drafts were kept
+
+
+def test_drafts_kept_whole_in_part_or_not_at_all_give_the_tokens_of_plain_decoding(plain):
+    """Drafts of what plain decoding sampled (a third with a wrong last token): long runs of kept
+    drafts advance a request several tokens a step, and still give plain decoding's tokens."""
+    prompts, sampling = workload()
+    engine = Engine(model="dummy:nanogpt", batch_invariant=True, speculative_config=NGRAM)
+    oracle_drafts(engine, prompts, plain)
+    assert run(engine, prompts, sampling) == plain
+    drafts, drafted, accepted = engine.drafter.counters()
+    assert drafts > 10 and drafted // 2 < accepted < drafted
 
 
 def test_requests_whose_logits_are_adjusted_or_masked_are_not_drafted():
