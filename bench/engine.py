@@ -193,6 +193,17 @@ def measure_mode(engine: Engine, name: str, batch_sizes: list[int], kv_lens: lis
     return {"decode": decode, "prefill": prefill}
 
 
+def attention_label(engine: Engine) -> str:
+    """The attention backend, and for the Triton one the rows of a prefill's tiles (`auto` picks
+    the largest that keep a decode tile's bits on the device, at start)."""
+    attention = engine.model.layers[0].attention
+    if attention.name != "triton":
+        return attention.name
+    from common.attention.triton_paged import PREFILL_ROWS
+
+    return f"triton (prefill tiles of {attention.prefill_rows or PREFILL_ROWS} rows)"
+
+
 def engine_for_bench(engine_kwargs: dict, max_batch: int, seq_len: int, prefill_len: int) -> Engine:
     """An engine for a bench whose batches reach `max_batch` sequences of up to `seq_len` tokens,
     and whose prefill takes `prefill_len`, with no prefix caching (random prompts: hits would only
@@ -254,7 +265,7 @@ def run_engine_bench(engine_kwargs: dict, num_requests: int, prompt_len: int, ou
                                   weights, kv_token, compare_async=not runs)
 
     print_table(f"pdserve bench engine: {cfg.model} on {device} ({cfg.dtype}), {torch.get_num_threads()} threads, "
-                f"attention {engine.model.layers[0].attention.name}",
+                f"attention {attention_label(engine)}",
                 ["workload", "requests", "prompt", "output", "seconds", "output tok/s", "total tok/s"],
                 [["offline", num_requests, prompt_len, output_len, round(elapsed, 2), output_tok_s, total_tok_s]])
     for name, run in runs.items():
@@ -280,7 +291,7 @@ def run_engine_bench(engine_kwargs: dict, num_requests: int, prompt_len: int, ou
                     [[*k[1:].split("_kv"), f"{inv['decode'][k]['step_ms']:.3f}", f"{fast['decode'][k]['step_ms']:.3f}",
                       f"{inv['decode'][k]['step_ms'] / fast['decode'][k]['step_ms'] - 1:+.0%}"] for k in inv["decode"]])
     result = {"bench": "engine", "model": cfg.model, "device": str(device), "dtype": cfg.dtype,
-              "attention": engine.model.layers[0].attention.name,
+              "attention": attention_label(engine),
               "num_requests": num_requests, "prompt_len": prompt_len, "output_len": output_len,
               "output_tok_s": round(output_tok_s, 1), "total_tok_s": round(total_tok_s, 1),
               "read_gb_s": round(bandwidth / 1e9, 1), "weight_bytes": weights, "kv_bytes_per_token": kv_token,

@@ -85,12 +85,12 @@ def kernel_table(device: torch.device, fn, repeats: int, top: int) -> tuple[list
     return rows[:top], count, total
 
 
-def host_functions(engine, steps: int, top: int) -> list[dict]:
-    """The Python functions of `steps` engine steps by their own time per step (cProfile)."""
+def host_functions(fn, steps: int, top: int) -> list[dict]:
+    """The Python functions of `steps` calls of fn by their own time per call (cProfile)."""
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(steps):
-        engine.step()
+        fn()
     profiler.disable()
     stats = pstats.Stats(profiler).stats
     rows = [{"function": f"{fn} ({path.rsplit('/', 2)[-1] if '/' in path else path}:{line})",
@@ -142,7 +142,7 @@ def profile_point(engine, batch: int, kv_len: int, steps: int, rng: random.Rando
                 forward_ms = _device_ms(device, eager, steps)
         with torch.inference_mode():
             kernels, launches, kernel_us = kernel_table(device, eager, max(2, steps // 4), top)
-        host = host_functions(engine, steps, top)
+        host = host_functions(engine.step, steps, top)
     finally:
         release(engine, ids)
     return {"batch": batch, "kv": kv_len, "captured_size": size, "step_ms": round(step_ms, 4),
@@ -159,9 +159,11 @@ def profile_prefill(engine, tokens: int, repeats: int, rng: random.Random, top: 
     with torch.inference_mode():
         kernels, launches, kernel_us = kernel_table(engine.config.torch_device, lambda: engine.generate(prompt, params),
                                                     repeats, top)
+        host = host_functions(lambda: engine.generate(prompt, params), repeats, top)
     flops = prefill_flops(engine, tokens)
     return {"tokens": tokens, "ms": round(1e3 * seconds, 3), "tflop_s": sig(flops / seconds / 1e12),
-            "kernels_per_prefill": launches, "kernel_ms": round(kernel_us / 1e3, 4), "kernels": kernels}
+            "kernels_per_prefill": launches, "kernel_ms": round(kernel_us / 1e3, 4), "kernels": kernels,
+            "host_functions": host}
 
 
 def run_step_profile(engine_kwargs: dict, batch_sizes: list[int], kv_len: int, steps: int, seed: int,
@@ -213,8 +215,12 @@ def run_step_profile(engine_kwargs: dict, batch_sizes: list[int], kv_len: int, s
     for name, p in prefills.items():
         print_table(f"prefill of one {p['tokens']}-token prompt, {name.replace('_', ' ')}: {p['ms']:.2f} ms, "
                     f"{p['tflop_s']:.3g} TFLOP/s; {p['kernels_per_prefill']} kernels, {p['kernel_ms']:.2f} ms of "
-                    f"{unit} time; by {unit} time", ["kernel", "calls", "µs", "share"],
+                    f"{unit} time ({p['kernel_ms'] / p['ms']:.0%} of the prefill's); by {unit} time", ["kernel", "calls", "µs", "share"],
                     [[r["kernel"][:90], f"{r['calls']:g}", f"{r['us']:.1f}", f"{r['share']:.1%}"] for r in p["kernels"]])
+        print_table(f"prefill of one {p['tokens']}-token prompt, {name.replace('_', ' ')}: the Python functions by "
+                    f"own time per prefill (a wait for the device shows as a synchronize)",
+                    ["function", "calls", "µs"],
+                    [[r["function"][:90], f"{r['calls']:g}", f"{r['us']:.1f}"] for r in p["host_functions"]])
     result = {"bench": "step_profile", "model": engine.config.model, "device": str(device),
               "dtype": engine.config.dtype, "kv_len": kv_len, "steps": steps, "modes": results}
     if prefills:
