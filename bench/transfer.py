@@ -17,7 +17,8 @@ ingress without the engine) settles the bytes into its granted blocks and answer
 Latency is taken at the sender, from start to acknowledgement; for the one-sided transports (shm,
 cuda_ipc) also to the moment its copies are done ("in place": before the header is sent, or on one
 GPU, where the header goes ahead with the copies' event, once the sender's copy stream is done),
-which is what the copy itself costs beside the ceiling. A first, untimed transfer makes
+which is what the copy itself costs beside the ceiling, and to the moment the header was sent
+("header sent": the host's own part, its copies done or queued). A first, untimed transfer makes
 the gloo pair or maps the shared pool, and checks that the receiver's blocks equal the
 sender's, bit for bit.
 """
@@ -258,6 +259,7 @@ class TransportRun:
         self.in_place = time.perf_counter() - t0  # one-sided: every byte is in place, or queued (cuda_ipc)
         self.chan.send(P.KVTransfer(rid, 0, [0] * (tokens + 1), tokens, 0, {}, 0, self.layout, tokens, self.dst,
                                     self.transport, handle.info))
+        self.header_sent = time.perf_counter() - t0  # the host's part: its copies queued or done, the header gone
         if handle.queued_on is not None:  # the header went ahead of the copies: in place once they are done
             handle.queued_on.synchronize()
             self.in_place = time.perf_counter() - t0
@@ -348,7 +350,8 @@ class MemcpyRun:
 
 CEILING_KEYS = {"raw zmq": "raw_zmq", "memcpy": "memcpy", "d2d": "d2d"}  # a ceiling's name -> its JSON keys' stem
 IN_PLACE = "in place"  # a one-sided transport's copies done (see the docstring)
-ROW_KEYS = CEILING_KEYS | {IN_PLACE: "in_place"}
+HEADER_SENT = "header sent"  # and the host's part of it: copies done or queued, header sent
+ROW_KEYS = CEILING_KEYS | {IN_PLACE: "in_place", HEADER_SENT: "header_sent"}
 
 
 def measure(transport: str, shape, dtype: str, device: torch.device, n: int, repeats: int,
@@ -368,11 +371,12 @@ def measure(transport: str, shape, dtype: str, device: torch.device, n: int, rep
             runs["raw zmq"] = RawZmqRun([(f.end - f.first) * ub for f in plan], repeats)
             runs["memcpy"] = MemcpyRun(nbytes)
         one_sided = isinstance(run.sender, MappedSender)
-        times = {transport: []} | ({IN_PLACE: []} if one_sided else {}) | {name: [] for name in runs}
+        times = {transport: []} | ({HEADER_SENT: [], IN_PLACE: []} if one_sided else {}) | {name: [] for name in runs}
         for _ in range(repeats):
             for name, run in runs.items():
                 times[name].append(run.one())
                 if name == transport and one_sided:
+                    times[HEADER_SENT].append(run.header_sent)
                     times[IN_PLACE].append(run.in_place)
         return times
     finally:
@@ -407,7 +411,7 @@ def run_transfer_bench(transport: str, spec: str, tokens: int, repeats: int, blo
         key = ROW_KEYS[name] + "_" if name in ROW_KEYS else ""
         result.update({f"{key}gbps": round(nbytes / p50 / 1e9, 3), f"{key}p50_ms": round(p50 * 1e3, 3),
                        f"{key}p99_ms": round(p99 * 1e3, 3)})
-        rows.append([f"{transport}, {name}" if name == IN_PLACE else name, f"{nbytes / p50 / 1e9:.2f}",
+        rows.append([f"{transport}, {name}" if name in (IN_PLACE, HEADER_SENT) else name, f"{nbytes / p50 / 1e9:.2f}",
                      f"{p50 * 1e3:.2f}", f"{p99 * 1e3:.2f}", f"{result['gbps'] * p50 / nbytes * 1e9:.2f}x"])
         if name in CEILING_KEYS:
             result[f"vs_{CEILING_KEYS[name]}"] = round(result["gbps"] / result[f"{key}gbps"], 3)
