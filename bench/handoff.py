@@ -6,7 +6,9 @@ requests go to each in turn, one at a time, so that the machine's drift hits bot
 fresh prompt of --tokens tokens (no prefix-cache hit) with max_tokens=2. The workers report, per
 request, prefill_s (the prefill worker, from receiving the work to sampling the first token) and
 handoff_s (from then until the decode worker starts the request: the KV left to move, the header,
-the acknowledgement of nothing). The figure that matters is prefill start to decode start over the
+the acknowledgement of nothing), and kv_stream_host_s (the host time the prefill worker's layer hooks
+spent sending the streamed layers: on a GPU, where the host queues the forward ahead of the device,
+what of the streamed prefill's extra time is the host's). The figure that matters is prefill start to decode start over the
 prefill alone: (prefill_s + handoff_s) / prefill_s of the non-streaming cluster, whose prefill runs
 with no transfer beside it. Both clusters are given --devices alike; on a GPU they split it, half each.
 """
@@ -40,7 +42,7 @@ def run_handoff_bench(model: str, tokens: int, requests: int, transport: str, se
     engine = EngineConfig(**{**engine_kwargs_from(worker_args), "model": model, "device": devices[0]})
     rng = random.Random(seed)
     prompts = [[rng.randrange(cfg.vocab_size) for _ in range(tokens)] for _ in range(2 * requests + 2)]
-    samples: dict[str, list[tuple[float, float]]] = {mode: [] for mode in MODES}
+    samples: dict[str, list[tuple[float, float, float]]] = {mode: [] for mode in MODES}
     with tempfile.TemporaryDirectory() as logs:
         clusters = {}
         try:
@@ -55,26 +57,30 @@ def run_handoff_bench(model: str, tokens: int, requests: int, transport: str, se
                 for mode, client in sorted(clients.items(), reverse=i % 2 == 1):  # who goes first alternates
                     r = client.generate(prompts.pop(), max_tokens=2, temperature=0, ignore_eos=True)
                     if i:
-                        samples[mode].append((r.timings["prefill_s"], r.timings["handoff_s"]))
+                        samples[mode].append((r.timings["prefill_s"], r.timings["handoff_s"],
+                                              r.timings.get("kv_stream_host_s", 0.0)))
             for client in clients.values():
                 client.close()
         finally:
             for c in clusters.values():
                 c.stop()
-    alone = statistics.median(p for p, _ in samples["after prefill"])
+    alone = statistics.median(p for p, _, _ in samples["after prefill"])
     rows, result = [], {"bench": "handoff", "model": model, "tokens": tokens, "requests": requests,
                         "transport": transport, "devices": list(devices), "dtype": engine.dtype,
                         "kv_bytes": tokens * cfg.kv_values_per_token * engine.torch_dtype.itemsize}
-    for mode, pairs in samples.items():
-        prefill = statistics.median(p for p, _ in pairs)
-        handoff = statistics.median(h for _, h in pairs)
-        total = statistics.median(p + h for p, h in pairs)
+    for mode, triples in samples.items():
+        prefill = statistics.median(p for p, _, _ in triples)
+        handoff = statistics.median(h for _, h, _ in triples)
+        total = statistics.median(p + h for p, h, _ in triples)
+        hooks = statistics.median(s for _, _, s in triples)
         key = "stream" if mode == "streamed" else "after"
         result.update({f"{key}_prefill_ms": round(prefill * 1e3, 2), f"{key}_handoff_ms": round(handoff * 1e3, 2),
-                       f"{key}_to_decode_ms": round(total * 1e3, 2), f"{key}_vs_prefill_alone": round(total / alone, 3)})
-        rows.append([mode, prefill * 1e3, handoff * 1e3, total * 1e3, f"{total / alone:.3f}x"])
+                       f"{key}_to_decode_ms": round(total * 1e3, 2), f"{key}_vs_prefill_alone": round(total / alone, 3),
+                       f"{key}_streaming_host_ms": round(hooks * 1e3, 2)})
+        rows.append([mode, prefill * 1e3, f"{hooks * 1e3:.2f}", handoff * 1e3, total * 1e3, f"{total / alone:.3f}x"])
     print_table(f"pdserve bench handoff: {model}, {tokens}-token prompts, {transport} KV transport "
                 f"({result['kv_bytes'] / 2**20:.2f} MiB of {engine.dtype} KV each), p50 of {requests}, taken in turn (ms)",
-                ["KV sent", "prefill", "handoff", "prefill start to decode start", "vs prefill alone"], rows)
+                ["KV sent", "prefill", "its streaming's host time", "handoff", "prefill start to decode start",
+                 "vs prefill alone"], rows)
     print_json(result)
     return result

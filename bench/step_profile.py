@@ -9,6 +9,8 @@ kernel mode, on requests decoding with about `kv_len` tokens cached:
   by events (on a CPU, or without graphs, the eager forward on the same inputs);
 - the host's share: the step less the device's, and the Python functions that spend it (cProfile
   over the same steps, by own time);
+- the step with async scheduling (the default on CUDA), on the same requests, and its Python
+  functions by own time (where the host waits for the device, or for what else);
 - the forward's kernels, by device time per step (torch.profiler over eager forwards of the captured
   shape, which launch the kernels the graph holds: a graph's replay hides them from the profiler
   on some CUDA versions). Their sum against the graph's replay is what launching costs inside it.
@@ -118,10 +120,31 @@ def _eager_forward(engine):
     return lambda: engine.model.logits(engine.model(input_ids, positions, engine.kv_cache, meta))
 
 
-def profile_point(engine, batch: int, kv_len: int, steps: int, rng: random.Random, top: int) -> dict:
-    """One decode point, its steps synchronous: the step is then its host's work plus its device's."""
+def async_steps(engine, steps: int, top: int) -> tuple[float, list[dict]]:
+    """ms per step of `steps` steps with async scheduling, and the Python functions of as many more."""
     device = engine.config.torch_device
-    ids = decoding_batch(engine, batch, kv_len, 3 * steps + 8, rng)
+    engine.config.async_scheduling = True
+    try:
+        engine.step()  # the switch: launches only
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        _sync(device)
+        step_ms = 1e3 * (time.perf_counter() - t0) / steps
+        return step_ms, host_functions(engine.step, steps, top)
+    finally:
+        engine.config.async_scheduling = False  # the next step collects the one launched last
+
+
+STEPS_PER_POINT = 5  # times --steps: sync timing, cProfile, async timing, async cProfile, and warm-ups
+
+
+def profile_point(engine, batch: int, kv_len: int, steps: int, rng: random.Random, top: int) -> dict:
+    """One decode point, its steps synchronous: the step is then its host's work plus its device's;
+    then the same requests' steps with async scheduling."""
+    device = engine.config.torch_device
+    ids = decoding_batch(engine, batch, kv_len, STEPS_PER_POINT * steps + 8, rng)
     try:
         _sync(device)
         t0 = time.perf_counter()
@@ -143,12 +166,14 @@ def profile_point(engine, batch: int, kv_len: int, steps: int, rng: random.Rando
         with torch.inference_mode():
             kernels, launches, kernel_us = kernel_table(device, eager, max(2, steps // 4), top)
         host = host_functions(engine.step, steps, top)
+        async_ms, async_host = async_steps(engine, steps, top)
     finally:
         release(engine, ids)
     return {"batch": batch, "kv": kv_len, "captured_size": size, "step_ms": round(step_ms, 4),
             "forward_ms": round(forward_ms, 4), "sample_ms": round(sample_ms, 4),
             "host_ms": round(step_ms - forward_ms - sample_ms, 4), "kernels_per_forward": launches,
-            "kernel_ms": round(kernel_us / 1e3, 4), "kernels": kernels, "host_functions": host}
+            "kernel_ms": round(kernel_us / 1e3, 4), "kernels": kernels, "host_functions": host,
+            "async_step_ms": round(async_ms, 4), "async_host_functions": async_host}
 
 
 def profile_prefill(engine, tokens: int, repeats: int, rng: random.Random, top: int) -> dict:
@@ -169,8 +194,8 @@ def profile_prefill(engine, tokens: int, repeats: int, rng: random.Random, top: 
 def run_step_profile(engine_kwargs: dict, batch_sizes: list[int], kv_len: int, steps: int, seed: int,
                      top: int = 15, modes: str = "both", prefill_len: int = 0) -> dict:
     rng = random.Random(seed)
-    engine = engine_for_bench({**engine_kwargs, "async_scheduling": False}, max(batch_sizes), kv_len + 3 * steps + 8,
-                              prefill_len)
+    engine = engine_for_bench({**engine_kwargs, "async_scheduling": False}, max(batch_sizes),
+                              kv_len + STEPS_PER_POINT * steps + 8, prefill_len)
     device = engine.config.torch_device
     order = {"both": [engine.batch_invariant, not engine.batch_invariant], "invariant": [True], "torch": [False]}[modes]
     if device.type != "cuda" and modes == "both":
@@ -195,15 +220,20 @@ def run_step_profile(engine_kwargs: dict, batch_sizes: list[int], kv_len: int, s
         results[name] = points
 
     unit = "device" if device.type == "cuda" else "CPU"
+
+    def busy(p: dict) -> str:  # (a CPU's op times overlap on its threads: no share of the wall)
+        return f" ({p['kernel_ms'] / p['ms']:.0%} of the prefill's)" if device.type == "cuda" else ""
+
     for name, points in results.items():
         print_table(f"decode step, {name.replace('_', ' ')} ({engine.config.model} on {device}, "
                     f"{engine.config.dtype}, KV {kv_len}): where a step's time goes",
                     ["batch", "graph", "step ms", "forward ms", "sample ms", "host ms", "host share", "kernels",
-                     f"kernels' {unit} ms", "forward / kernels"],
+                     f"kernels' {unit} ms", "forward / kernels", "async step ms"],
                     [[p["batch"], p["captured_size"] or "eager", f"{p['step_ms']:.3f}", f"{p['forward_ms']:.3f}",
                       f"{p['sample_ms']:.3f}", f"{p['host_ms']:.3f}", f"{p['host_ms'] / p['step_ms']:.0%}",
                       p["kernels_per_forward"], f"{p['kernel_ms']:.3f}",
-                      f"{p['forward_ms'] / p['kernel_ms']:.2f}x" if p["kernel_ms"] else "-"] for p in points])
+                      f"{p['forward_ms'] / p['kernel_ms']:.2f}x" if p["kernel_ms"] else "-",
+                      f"{p['async_step_ms']:.3f}"] for p in points])
         for p in points:
             print_table(f"{name.replace('_', ' ')}, batch {p['batch']}: the forward's kernels by {unit} time per step",
                         ["kernel", "calls", "µs", "share"],
@@ -212,10 +242,14 @@ def run_step_profile(engine_kwargs: dict, batch_sizes: list[int], kv_len: int, s
             print_table(f"{name.replace('_', ' ')}, batch {p['batch']}: the step's Python functions by own time per step",
                         ["function", "calls", "µs"],
                         [[r["function"][:90], f"{r['calls']:g}", f"{r['us']:.1f}"] for r in p["host_functions"]])
+            print_table(f"{name.replace('_', ' ')}, batch {p['batch']}: with async scheduling, {p['async_step_ms']:.3f} "
+                        f"ms a step: its Python functions by own time per step", ["function", "calls", "µs"],
+                        [[r["function"][:90], f"{r['calls']:g}", f"{r['us']:.1f}"]
+                         for r in p["async_host_functions"]])
     for name, p in prefills.items():
         print_table(f"prefill of one {p['tokens']}-token prompt, {name.replace('_', ' ')}: {p['ms']:.2f} ms, "
                     f"{p['tflop_s']:.3g} TFLOP/s; {p['kernels_per_prefill']} kernels, {p['kernel_ms']:.2f} ms of "
-                    f"{unit} time ({p['kernel_ms'] / p['ms']:.0%} of the prefill's); by {unit} time", ["kernel", "calls", "µs", "share"],
+                    f"{unit} time{busy(p)}; by {unit} time", ["kernel", "calls", "µs", "share"],
                     [[r["kernel"][:90], f"{r['calls']:g}", f"{r['us']:.1f}", f"{r['share']:.1%}"] for r in p["kernels"]])
         print_table(f"prefill of one {p['tokens']}-token prompt, {name.replace('_', ' ')}: the Python functions by "
                     f"own time per prefill (a wait for the device shows as a synchronize)",

@@ -98,6 +98,7 @@ class Transfer:
     streamed: int = 0  # leading blocks whose every layer was sent
     next_layer: int = 0  # streaming, in a step: the first layer of its finished blocks not yet sent
     failure: tuple[str, str] | None = None  # (code, message) of a send that failed mid-step
+    stream_s: float = 0.0  # host time its streamed layers took to send (in the forward's layer hooks)
 
     @property
     def write_by(self) -> float:
@@ -180,6 +181,9 @@ class PrefillWorker(WorkerBase):
             timings = {"prefill_s": now - received, "cached_tokens": out.metrics.get("num_cached_tokens", 0)}
             if "queue_s" in out.metrics:  # waiting for the engine to take it
                 timings["queue_s"] = out.metrics["queue_s"]
+            t = self.transfers.get(out.request_id)
+            if t is not None and t.stream_s:
+                timings["kv_stream_host_s"] = t.stream_s
             done = out.finish_reason != "prefilled"  # finished at its first token: nothing to transfer
             self.to_router(P.WorkerTokens(out.request_id, work.attempt, index, [first],
                                           out.finish_reason if done else None, timings,
@@ -187,7 +191,6 @@ class PrefillWorker(WorkerBase):
             if done:  # a one-sided writer may still be copying its streamed layers: as a cancel does
                 self._drop(out.request_id)
                 continue
-            t = self.transfers.get(out.request_id)
             if t is not None:
                 t.first_token, t.prefilled_at = first, time.time()
                 if t.block_ids is not None:
@@ -326,11 +329,13 @@ class PrefillWorker(WorkerBase):
             t = self.transfers.get(s.seq.request_id)
             if t is None or t.state not in ("granted", "streaming") or t.failure is not None:
                 continue
+            began = time.perf_counter()
             try:
                 self._stream(layer, last, s, t)
             except Exception as e:
                 log.exception("streaming the KV of %s failed", s.seq.request_id)
                 t.failure = ("TRANSFER_FAILED", f"{type(e).__name__}: {e}")
+            t.stream_s += time.perf_counter() - began
 
     def _read_peer(self, address: str, grants_only: bool = False):
         """Handle what the decode worker at address sent that waits unread; grants_only (mid-forward):

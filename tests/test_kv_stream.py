@@ -93,15 +93,18 @@ def test_prefill_sends_each_layer_before_the_next_runs(tmp_path, transport, wide
             L, n = prefill.engine.model_config.num_layers, -(-len(prompt) // 16)
             assert [(at, layers) for at, layers, _ in sent] == [(i, range(i, i + 1)) for _ in range(3) for i in range(L)]
             assert [blocks for _, _, blocks in sent[::L]] == [range(0, 25), range(25, 50), range(50, n)]
-            tokens, done = [], None
+            tokens, done, reports = [], None, []
             while done is None:  # both workers report to their "router", this test: first token, then the rest
                 env = d.router.recv(30_000)
                 assert env is not None, "the decode worker sent no tokens"
                 for msg in tokens_of(env.msg):
                     tokens += msg.token_ids
+                    reports.append(msg)
                     done = msg if msg.finish_reason else None
             assert tokens == monolithic(wide_kv_model, prompt, 6)
             assert 0 <= done.timings["handoff_s"] < 30
+            first = next(m.timings for m in reports if "handoff_s" not in m.timings)  # the prefill worker's report
+            assert 0 < first["kv_stream_host_s"] < first["prefill_s"]
         finally:
             prefill.close()
 
