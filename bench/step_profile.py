@@ -120,19 +120,23 @@ def _eager_forward(engine):
     return lambda: engine.model.logits(engine.model(input_ids, positions, engine.kv_cache, meta))
 
 
+def step_ms(engine, steps: int) -> float:
+    """ms per engine step over `steps` steps, the device's work included."""
+    device = engine.config.torch_device
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    _sync(device)
+    return 1e3 * (time.perf_counter() - t0) / steps
+
+
 def async_steps(engine, steps: int, top: int) -> tuple[float, list[dict]]:
     """ms per step of `steps` steps with async scheduling, and the Python functions of as many more."""
-    device = engine.config.torch_device
     engine.config.async_scheduling = True
     try:
         engine.step()  # the switch: launches only
-        _sync(device)
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        _sync(device)
-        step_ms = 1e3 * (time.perf_counter() - t0) / steps
-        return step_ms, host_functions(engine.step, steps, top)
+        return step_ms(engine, steps), host_functions(engine.step, steps, top)
     finally:
         engine.config.async_scheduling = False  # the next step collects the one launched last
 
@@ -146,12 +150,7 @@ def profile_point(engine, batch: int, kv_len: int, steps: int, rng: random.Rando
     device = engine.config.torch_device
     ids = decoding_batch(engine, batch, kv_len, STEPS_PER_POINT * steps + 8, rng)
     try:
-        _sync(device)
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        _sync(device)
-        step_ms = 1e3 * (time.perf_counter() - t0) / steps
+        sync_ms = step_ms(engine, steps)
         graphs = engine.runner.graphs
         size = graphs.size_for(batch) if graphs is not None else None
         if graphs is not None and size in graphs.graphs:
@@ -169,9 +168,9 @@ def profile_point(engine, batch: int, kv_len: int, steps: int, rng: random.Rando
         async_ms, async_host = async_steps(engine, steps, top)
     finally:
         release(engine, ids)
-    return {"batch": batch, "kv": kv_len, "captured_size": size, "step_ms": round(step_ms, 4),
+    return {"batch": batch, "kv": kv_len, "captured_size": size, "step_ms": round(sync_ms, 4),
             "forward_ms": round(forward_ms, 4), "sample_ms": round(sample_ms, 4),
-            "host_ms": round(step_ms - forward_ms - sample_ms, 4), "kernels_per_forward": launches,
+            "host_ms": round(sync_ms - forward_ms - sample_ms, 4), "kernels_per_forward": launches,
             "kernel_ms": round(kernel_us / 1e3, 4), "kernels": kernels, "host_functions": host,
             "async_step_ms": round(async_ms, 4), "async_host_functions": async_host}
 
