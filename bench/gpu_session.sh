@@ -17,29 +17,23 @@
 #   bash bench/gpu_session.sh profile  # bench step-profile: a step's host and device time, the kernels by time, a prefill's (~1 min)
 #   bash bench/gpu_session.sh tiles    # the invariant matmul's tiles: which give the same bits, how fast each (~2 min)
 #   bash bench/gpu_session.sh prefill-rows  # prefill in 16- vs 128-row attention tiles, and invariance with 128 (~8 min)
-#   bash bench/gpu_session.sh verify   # after kernel changes: tests, engine vs transformers, profile, grid (BUDGET s)
+#   bash bench/gpu_session.sh verify   # tests, profile, transfers, handoff, engine vs transformers, grid (BUDGET s)
 #   bash bench/gpu_session.sh scaling  # bench scaling on one GPU: 1mono, 2mono, 1p1d under chat (~8 min)
 #   bash bench/gpu_session.sh router   # bench router on the GPU host's CPU: SDK, HTTP, 4 API servers  (~2 min, no GPU)
 #   bash bench/gpu_session.sh speculative  # bench speculative on dummy:llama-1b: drafts' eager chunks vs the graphs (~3 min)
 #   bash bench/gpu_session.sh placement    # bench serve: 1p1d vs +local256 vs +queue2 vs mono (local prefill, ~6 min)
 set -u
-# A machine goes back 30 s after a call and a new one takes a minute or more to start (on
-# 2026-11-26 three calls of 110, 200 and 383 s held it 797 s in all). Next: `BUDGET=540 ... verify`
-# with timeout_s 600 (the tests, the profile, whether 128-row prefill tiles keep the bits, cuda_ipc
-# 8 and 256 MiB, transformers beside us, the grid), then, if device time is left for a second call,
-# `prefill-rows` if 128-row prefill tiles kept the bits, else `cluster`; then `serve`.
-# Waiting for a GPU since 2026-11-26 (all tested in Triton's
-# interpreter and compiled for sm_90 by tests/triton_aot.py, none run on a GPU):
-# - the split matmul's segments are added by the kernels that read its output, and SiLU times the
-#   gate is one kernel (common/linear_partials.py): the profile should show no _sum_segments and
-#   no torch elementwise kernels, some 80 launches fewer a step;
-# - KV block copies on one GPU are one Triton launch (common/kv_transport/block_copy.py):
-#   `cluster`'s transfer-8m prints in_place_over_d2d_ms (issue 12: at most 0.1 ms), transfer-256m
-#   vs_d2d (at least 0.5); the GPU tests check its bits through cuda_ipc, fragmented.
-# - cuda_ipc on one GPU queues its copies from the caller's thread and sends the header at once
-#   with an IPC event the decode worker polls (common/kv_transport/cuda_ipc.py): the GPU tests
-#   (test_kv_stream's pieces test, the 1P1D cluster) check the bits; `cluster`'s transfer and
-#   handoff rows show what the host waits no longer cost.
+# A machine goes back 30 s after a call and a new one takes a minute or more to start. On 2026-11-27
+# one session had 900 s of device time: `BUDGET=540 ... verify` (545 s) and, on the warm machine, the
+# batch-256 point and `bench handoff` (152 s); results in bench/results/h100-llama1b-2026-11-27/.
+# Next: `BUDGET=540 ... verify` with timeout_s 600 again. It now answers what that run left open:
+# - where a 2,048-token prefill's 5 ms of idle device goes (step-profile's prefill Python functions);
+# - why async scheduling was 2.3x slower than sync at batch 256 (step-profile at 256: its async
+#   steps' Python functions);
+# - how much of a cuda_ipc transfer's 0.45 ms over a plain copy is the host's (transfer's
+#   "header sent" row), and how much of streaming's 1.5x prefill is its layer hooks' host time
+#   (handoff's "its streaming's host time");
+# - the speculative GPU test with drafts that exist (plain decoding's own tokens).
 # Cluster stages serve 4,096-token contexts: sized for llama-1b's whole 131,072, each worker would set
 # GBs aside for one step's attention partials (a GPU test starts a cluster with no flag at all).
 CTX=--worker-arg=--max-model-len=4096
@@ -146,34 +140,36 @@ profile)
     ;;
 verify)
     # after kernel changes, in one call of at most $BUDGET seconds (400): the GPU tests, the step
-    # profile, the attention's variants (and whether 128-row prefill tiles keep the bits: PREFILL_ROWS),
-    # cuda_ipc transfers of 8 and 256 MiB,
-    # the engine at batch 1 and 64 beside transformers, then as much of the whole engine grid as the
-    # time left allows (each point is printed as it is taken)
+    # profile (batch 1, 64 and 256, sync and async, and a 2,048-token prefill), the attention's
+    # variants (and whether 128-row prefill tiles keep the bits), cuda_ipc transfers of 8 and 256 MiB,
+    # the handoff with and without streaming, the engine at batch 1 and 64 beside transformers, then
+    # as much of the whole engine grid as the time left allows (each point is printed as it is taken)
     end=$((SECONDS + ${BUDGET:-400}))
     left() { local l=$((end - SECONDS)); echo $((l < $1 ? (l > 5 ? l : 5) : $1)); }
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt"
-    run gpu-tests "$(left 280)" python3 -m pytest -m gpu tests -q --tb=short -p no:cacheprovider --timeout 200 -rf \
+    run gpu-tests "$(left 260)" python3 -m pytest -m gpu tests -q --tb=short -p no:cacheprovider --timeout 200 -rf \
         --durations=5 --continue-on-collection-errors
-    run step-profile "$(left 75)" pdserve bench step-profile --device cuda:0 --model dummy:llama-1b \
-        --max-model-len 4096 --batch-sizes 1,64 --kv-len 512 --steps 32 --top 12 --prefill-len 2048
-    run attention-tiles "$(left 60)" python3 -m bench.attention_tiles
+    run step-profile "$(left 100)" pdserve bench step-profile --device cuda:0 --model dummy:llama-1b \
+        --max-model-len 4096 --batch-sizes 1,64,256 --kv-len 512 --steps 16 --top 12 --prefill-len 2048
+    run attention-tiles "$(left 40)" python3 -m bench.attention_tiles
     # issue 12 on one GPU: the one-launch block copy and the IPC event (at most 0.1 ms over the copy; vs_d2d >= 0.5)
-    run transfer-8m "$(left 50)" pdserve bench transfer --transport cuda_ipc --devices cuda:0 --tokens 256 \
+    run transfer-8m "$(left 40)" pdserve bench transfer --transport cuda_ipc --devices cuda:0 --tokens 256 \
         --model dummy:llama-1b
-    run transfer-256m "$(left 50)" pdserve bench transfer --transport cuda_ipc --devices cuda:0 --tokens 8192 \
+    run transfer-256m "$(left 40)" pdserve bench transfer --transport cuda_ipc --devices cuda:0 --tokens 8192 \
         --model dummy:llama-1b
-    # (transformers' half compiles its static-cache step per shape: 134 s was not enough on 2026-11-26)
-    run engine-vs-hf "$(left 220)" pdserve bench engine --device cuda:0 --model dummy:llama-1b --max-model-len 4096 \
+    run handoff "$(left 110)" pdserve bench handoff --model dummy:llama-1b --tokens 1000 --devices cuda:0 "$CTX"
+    # (transformers' half compiles its static-cache step per shape: 134 s was not enough on 2026-11-26, 172 s was)
+    run engine-vs-hf "$(left 200)" pdserve bench engine --device cuda:0 --model dummy:llama-1b --max-model-len 4096 \
         --vs-transformers --batch-sizes 1,64 --kv-lens 512 --steps 32
     run engine-grid "$(left 400)" pdserve bench engine --device cuda:0 --model dummy:llama-1b --max-model-len 4096 \
         --batch-sizes 1,16,64,256 --kv-lens 64,512,2048 --steps 16 --num-requests 16 --output-len 32
     tail -n 4 "$OUT/gpu-tests.log"
     grep -v '^{' "$OUT/engine-vs-hf.log" | tail -n 40
-    grep -A4 "where a step" "$OUT/step-profile.log"
+    grep -A5 "where a step" "$OUT/step-profile.log"
     grep -A14 "^prefill of one" "$OUT/step-profile.log"
+    grep -A8 "with async scheduling" "$OUT/step-profile.log" | tail -n 9
     grep -v '^{' "$OUT/attention-tiles.log" | tail -n 9
-    grep -v '^{' "$OUT/transfer-8m.log" "$OUT/transfer-256m.log" | tail -n 14
+    grep -v '^{' "$OUT/transfer-8m.log" "$OUT/transfer-256m.log" "$OUT/handoff.log" | tail -n 20
     grep '^\[' "$OUT/engine-grid.log" | grep -v "profiling\|prefill of"
     ;;
 scaling)
