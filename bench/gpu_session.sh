@@ -140,10 +140,10 @@ profile)
     ;;
 verify)
     # after kernel changes, in one call of at most $BUDGET seconds (400): the GPU tests, the step
-    # profile (batch 1, 64 and 256, sync and async, and a 2,048-token prefill), the attention's
-    # variants (and whether 128-row prefill tiles keep the bits), cuda_ipc transfers of 8 and 256 MiB,
-    # the handoff with and without streaming, the engine at batch 1 and 64 beside transformers, then
-    # as much of the whole engine grid as the time left allows (each point is printed as it is taken)
+    # profile (batch 1, 64 and 256, sync and async, and a 2,048-token prefill), cuda_ipc transfers of
+    # 8 and 256 MiB, the handoff with and without streaming, the attention's variants (and whether
+    # 128-row prefill tiles keep the bits), as much of the whole engine grid as the time left allows
+    # (each point is printed as it is taken), then the engine beside transformers if time is left
     end=$((SECONDS + ${BUDGET:-400}))
     left() { local l=$((end - SECONDS)); echo $((l < $1 ? (l > 5 ? l : 5) : $1)); }
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt"
@@ -151,18 +151,18 @@ verify)
         --durations=5 --continue-on-collection-errors
     run step-profile "$(left 100)" pdserve bench step-profile --device cuda:0 --model dummy:llama-1b \
         --max-model-len 4096 --batch-sizes 1,64,256 --kv-len 512 --steps 16 --top 12 --prefill-len 2048
-    run attention-tiles "$(left 40)" python3 -m bench.attention_tiles
     # issue 12 on one GPU: the one-launch block copy and the IPC event (at most 0.1 ms over the copy; vs_d2d >= 0.5)
     run transfer-8m "$(left 40)" pdserve bench transfer --transport cuda_ipc --devices cuda:0 --tokens 256 \
         --model dummy:llama-1b
     run transfer-256m "$(left 40)" pdserve bench transfer --transport cuda_ipc --devices cuda:0 --tokens 8192 \
         --model dummy:llama-1b
     run handoff "$(left 110)" pdserve bench handoff --model dummy:llama-1b --tokens 1000 --devices cuda:0 "$CTX"
+    run attention-tiles "$(left 40)" python3 -m bench.attention_tiles
+    run engine-grid "$(left 400)" pdserve bench engine --device cuda:0 --model dummy:llama-1b --max-model-len 4096 \
+        --batch-sizes 1,16,64,256 --kv-lens 64,512,2048 --steps 16 --num-requests 16 --output-len 32
     # (transformers' half compiles its static-cache step per shape: 134 s was not enough on 2026-11-26, 172 s was)
     run engine-vs-hf "$(left 200)" pdserve bench engine --device cuda:0 --model dummy:llama-1b --max-model-len 4096 \
         --vs-transformers --batch-sizes 1,64 --kv-lens 512 --steps 32
-    run engine-grid "$(left 400)" pdserve bench engine --device cuda:0 --model dummy:llama-1b --max-model-len 4096 \
-        --batch-sizes 1,16,64,256 --kv-lens 64,512,2048 --steps 16 --num-requests 16 --output-len 32
     tail -n 4 "$OUT/gpu-tests.log"
     grep -v '^{' "$OUT/engine-vs-hf.log" | tail -n 40
     grep -A5 "where a step" "$OUT/step-profile.log"
