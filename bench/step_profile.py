@@ -27,6 +27,7 @@ import pstats
 import random
 import sys
 import time
+import warnings
 
 import torch
 from torch.autograd import DeviceType
@@ -120,6 +121,27 @@ def _eager_forward(engine):
     return lambda: engine.model.logits(engine.model(input_ids, positions, engine.kv_cache, meta))
 
 
+def sync_points(device: torch.device, fn) -> list[str]:
+    """Where fn() makes the host wait for the device, as torch's sync debug mode sees it (a
+    pageable copy, .item(), .tolist(), nonzero...; not an event's synchronize, which is how a step
+    reads its tokens): each 'file:line' of ours once, with the count. Empty on a CPU."""
+    if device.type != "cuda":
+        return []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    where: dict[str, int] = {}
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            at = f"{w.filename.rsplit('/', 2)[-1]}:{w.lineno}"
+            where[at] = where.get(at, 0) + 1
+    return [f"{at} x{n}" for at, n in sorted(where.items())]
+
+
 def step_ms(engine, steps: int) -> float:
     """ms per engine step over `steps` steps, the device's work included."""
     device = engine.config.torch_device
@@ -131,12 +153,14 @@ def step_ms(engine, steps: int) -> float:
     return 1e3 * (time.perf_counter() - t0) / steps
 
 
-def async_steps(engine, steps: int, top: int) -> tuple[float, list[dict]]:
-    """ms per step of `steps` steps with async scheduling, and the Python functions of as many more."""
+def async_steps(engine, steps: int, top: int) -> tuple[float, list[dict], list[str]]:
+    """ms per step of `steps` steps with async scheduling, the Python functions of as many more,
+    and where one more waits for the device (sync_points)."""
     engine.config.async_scheduling = True
     try:
         engine.step()  # the switch: launches only
-        return step_ms(engine, steps), host_functions(engine.step, steps, top)
+        return step_ms(engine, steps), host_functions(engine.step, steps, top), \
+            sync_points(engine.config.torch_device, engine.step)
     finally:
         engine.config.async_scheduling = False  # the next step collects the one launched last
 
@@ -165,14 +189,14 @@ def profile_point(engine, batch: int, kv_len: int, steps: int, rng: random.Rando
         with torch.inference_mode():
             kernels, launches, kernel_us = kernel_table(device, eager, max(2, steps // 4), top)
         host = host_functions(engine.step, steps, top)
-        async_ms, async_host = async_steps(engine, steps, top)
+        async_ms, async_host, async_syncs = async_steps(engine, steps, top)
     finally:
         release(engine, ids)
     return {"batch": batch, "kv": kv_len, "captured_size": size, "step_ms": round(sync_ms, 4),
             "forward_ms": round(forward_ms, 4), "sample_ms": round(sample_ms, 4),
             "host_ms": round(sync_ms - forward_ms - sample_ms, 4), "kernels_per_forward": launches,
             "kernel_ms": round(kernel_us / 1e3, 4), "kernels": kernels, "host_functions": host,
-            "async_step_ms": round(async_ms, 4), "async_host_functions": async_host}
+            "async_step_ms": round(async_ms, 4), "async_host_functions": async_host, "async_sync_points": async_syncs}
 
 
 def profile_prefill(engine, tokens: int, repeats: int, rng: random.Random, top: int) -> dict:
@@ -184,10 +208,11 @@ def profile_prefill(engine, tokens: int, repeats: int, rng: random.Random, top: 
         kernels, launches, kernel_us = kernel_table(engine.config.torch_device, lambda: engine.generate(prompt, params),
                                                     repeats, top)
         host = host_functions(lambda: engine.generate(prompt, params), repeats, top)
+        syncs = sync_points(engine.config.torch_device, lambda: engine.generate(prompt, params))
     flops = prefill_flops(engine, tokens)
     return {"tokens": tokens, "ms": round(1e3 * seconds, 3), "tflop_s": sig(flops / seconds / 1e12),
             "kernels_per_prefill": launches, "kernel_ms": round(kernel_us / 1e3, 4), "kernels": kernels,
-            "host_functions": host}
+            "host_functions": host, "sync_points": syncs}
 
 
 def run_step_profile(engine_kwargs: dict, batch_sizes: list[int], kv_len: int, steps: int, seed: int,
@@ -245,6 +270,9 @@ def run_step_profile(engine_kwargs: dict, batch_sizes: list[int], kv_len: int, s
                         f"ms a step: its Python functions by own time per step", ["function", "calls", "µs"],
                         [[r["function"][:90], f"{r['calls']:g}", f"{r['us']:.1f}"]
                          for r in p["async_host_functions"]])
+            if device.type == "cuda":
+                print(f"{name.replace('_', ' ')}, batch {p['batch']}, async: the host waits for the device (torch's "
+                      f"sync debug mode) at: {', '.join(p['async_sync_points']) or 'nowhere'}")
     for name, p in prefills.items():
         print_table(f"prefill of one {p['tokens']}-token prompt, {name.replace('_', ' ')}: {p['ms']:.2f} ms, "
                     f"{p['tflop_s']:.3g} TFLOP/s; {p['kernels_per_prefill']} kernels, {p['kernel_ms']:.2f} ms of "
@@ -254,6 +282,9 @@ def run_step_profile(engine_kwargs: dict, batch_sizes: list[int], kv_len: int, s
                     f"own time per prefill (a wait for the device shows as a synchronize)",
                     ["function", "calls", "µs"],
                     [[r["function"][:90], f"{r['calls']:g}", f"{r['us']:.1f}"] for r in p["host_functions"]])
+        if device.type == "cuda":
+            print(f"prefill, {name.replace('_', ' ')}: the host waits for the device (torch's sync debug mode) at: "
+                  f"{', '.join(p['sync_points']) or 'nowhere'}")
     result = {"bench": "step_profile", "model": engine.config.model, "device": str(device),
               "dtype": engine.config.dtype, "kv_len": kv_len, "steps": steps, "modes": results}
     if prefills:
