@@ -168,6 +168,7 @@ verify)
     grep -A5 "where a step" "$OUT/step-profile.log"
     grep -A14 "^prefill of one" "$OUT/step-profile.log"
     grep -A8 "with async scheduling" "$OUT/step-profile.log" | tail -n 9
+    grep "waits for the device" "$OUT/step-profile.log"
     grep -v '^{' "$OUT/attention-tiles.log" | tail -n 9
     grep -v '^{' "$OUT/transfer-8m.log" "$OUT/transfer-256m.log" "$OUT/handoff.log" | tail -n 20
     grep '^\[' "$OUT/engine-grid.log" | grep -v "profiling\|prefill of"
