@@ -6,11 +6,12 @@ requests go to each in turn, one at a time, so that the machine's drift hits bot
 fresh prompt of --tokens tokens (no prefix-cache hit) with max_tokens=2. The workers report, per
 request, prefill_s (the prefill worker, from receiving the work to sampling the first token) and
 handoff_s (from then until the decode worker starts the request: the KV left to move, the header,
-the acknowledgement of nothing), and kv_stream_host_s (the host time the prefill worker's layer hooks
-spent sending the streamed layers: on a GPU, where the host queues the forward ahead of the device,
-what of the streamed prefill's extra time is the host's). The figure that matters is prefill start to decode start over the
-prefill alone: (prefill_s + handoff_s) / prefill_s of the non-streaming cluster, whose prefill runs
-with no transfer beside it. Both clusters are given --devices alike; on a GPU they split it, half each.
+the acknowledgement of nothing), and kv_stream_host_s (the host time the prefill worker's layer
+hooks spent sending the streamed layers: on a GPU, where the host queues the forward ahead of the
+device, how much of the streamed prefill's extra time is the host's). The figure that matters is
+prefill start to decode start over the prefill alone: (prefill_s + handoff_s) / prefill_s of the
+non-streaming cluster, whose prefill runs with no transfer beside it. Both clusters are given
+--devices alike; on a GPU they split it, half each.
 """
 
 from __future__ import annotations
