@@ -22,7 +22,11 @@ from common.attention import triton_paged as tp
 # and sets how many programs share a short context's keys (at batch 1 a split is a chain of steps)
 DECODE = [(64, 256, {}), (64, 256, {"num_warps": 4, "num_stages": 1}), (128, 256, {}), (64, 128, {}),
           (128, 512, {})]
-PREFILL = [(16, {}), (64, {"num_warps": 4}), (128, {"num_warps": 4}), (128, {"num_warps": 8})]  # (rows, launch)
+# (rows, launch). On an H100 (2026-11-27) 64 and 128 rows on 4 or 8 warps gave other bits than a
+# decode's 16-row tile: those shapes take Hopper's warpgroup products (wgmma), a 16-row tile the
+# older mma. Fewer warps than 4 keep the older mma at any row count, which may keep the bits.
+PREFILL = [(16, {}), (32, {}), (64, {"num_warps": 4}), (128, {"num_warps": 4}), (128, {"num_warps": 8}),
+           (32, {"num_warps": 2}), (64, {"num_warps": 2}), (128, {"num_warps": 2})]
 POINTS = [(1, 512), (64, 512), (1, 2048), (64, 2048), (256, 512)]  # (decode batch, KV)
 
 

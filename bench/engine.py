@@ -194,14 +194,15 @@ def measure_mode(engine: Engine, name: str, batch_sizes: list[int], kv_lens: lis
 
 
 def attention_label(engine: Engine) -> str:
-    """The attention backend, and for the Triton one the rows of a prefill's tiles (`auto` picks
-    the largest that keep a decode tile's bits on the device, at start)."""
+    """The attention backend, and for the Triton one its prefill tiles (`auto` picks the fastest
+    that keep a decode tile's bits on the device, at start)."""
     attention = engine.model.layers[0].attention
     if attention.name != "triton":
         return attention.name
-    from common.attention.triton_paged import PREFILL_ROWS
+    from common.attention.triton_paged import PREFILL_ROWS, tile_name
 
-    return f"triton (prefill tiles of {attention.prefill_rows or PREFILL_ROWS} rows)"
+    tile = tile_name(attention.prefill_tile) if attention.prefill_tile else f"{PREFILL_ROWS} rows"
+    return f"triton (prefill tiles of {tile})"
 
 
 def engine_for_bench(engine_kwargs: dict, max_batch: int, seq_len: int, prefill_len: int) -> Engine:

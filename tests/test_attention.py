@@ -117,14 +117,16 @@ def test_triton_warm_up_launches_every_split_variant_a_context_can_need(monkeypa
 
     launched = []
     launch = tp.paged_attention
-    monkeypatch.setattr(tp, "paged_attention", lambda q, k, v, tables, *rest, decode_tiles, prefill_rows: (
+    monkeypatch.setattr(tp, "paged_attention", lambda q, k, v, tables, *rest, decode_tiles, prefill_tile: (
         launched.append((pow2(-(-tables.shape[1] * k.shape[1] // tp.SPLIT)), decode_tiles)),
-        launch(q, k, v, tables, *rest, decode_tiles=decode_tiles, prefill_rows=prefill_rows))[1])
+        launch(q, k, v, tables, *rest, decode_tiles=decode_tiles, prefill_tile=prefill_tile))[1])
     k = torch.randn(4, 16, 2, 32)
     # a prefill's tiles as a decode's (one launch each), or apart (two): by name (PREFILL_ROWS) or the engine's own
-    for named, own in ((tp.MIN_ROWS, None), (64, None), (tp.MIN_ROWS, 64)):
+    # (a tile of a decode's rows on other warps launches apart too)
+    for named, own, apart in ((tp.MIN_ROWS, None, False), (64, None, True), (tp.MIN_ROWS, (64, 2), True),
+                              (64, (tp.MIN_ROWS, 0), False), (tp.MIN_ROWS, (tp.MIN_ROWS, 2), True)):
         monkeypatch.setattr(tp, "PREFILL_ROWS", named)
-        shapes = (1, 0) if (own or named) != tp.MIN_ROWS else (1,)
+        shapes = (1, 0) if apart else (1,)
         for max_blocks in (1, 16, 17, 100, 256):
             launched.clear()
             want = {pow2(-(-width * 16 // tp.SPLIT)) for width in range(1, max_blocks + 1)}  # every width's
@@ -132,34 +134,46 @@ def test_triton_warm_up_launches_every_split_variant_a_context_can_need(monkeypa
             assert launched == [(splits, decodes) for splits in sorted(want) for decodes in shapes]
 
 
-def test_auto_takes_the_largest_prefill_tile_that_keeps_a_decode_tiles_bits(monkeypatch):
+def test_auto_takes_the_fastest_prefill_tile_that_keeps_a_decode_tiles_bits(monkeypatch):
     """A prefill's tiles of more rows read its keys fewer times, but on a GPU may give its rows other
-    bits than a decode's one-token tiles: the chooser takes the largest whose rows come out the same,
-    in the interpreter (where every size does) and, with a stand-in kernel whose tiles of more than
-    32 rows are off by a little, 32; a size that fails to run is passed over, said why. The choice
-    is the engine's own (TritonAttention.prefill_rows): PREFILL_ROWS, a named backend's, stays."""
+    bits than a decode's one-token tiles (on an H100, tiles that take Hopper's warpgroup products). The
+    chooser keeps the tiles whose rows come out the same and, timed (on CUDA by events), takes the
+    fastest of them and of a decode's own tile; untimed, the first kept. In the interpreter every tile
+    keeps the bits. With a stand-in kernel whose tiles of more than 32 rows are off by a little (of
+    more than 64 on 2 warps), and a stand-in timer: a tile that fails to run is passed over, said why.
+    The choice is the engine's own (TritonAttention.prefill_tile): PREFILL_ROWS, a named backend's, stays."""
     pytest.importorskip("triton")
     from common.attention import triton_paged as tp
 
     cpu = torch.device("cpu")
-    assert tp.choose_prefill_rows(4, 1, 16, cpu, torch.float32, 16, tokens=24) == (128, [])
+    assert tp.choose_prefill_tile(4, 1, 16, cpu, torch.float32, 16, tokens=24) == (tp.PREFILL_CANDIDATES[0], [])
 
     tried = []
 
     def stand_in(q, k, v, tables, tiles, positions, scale, host=None, split_base=None, decode_tiles=None,
-                 prefill_rows=None):
-        rows = prefill_rows if decode_tiles == 0 else tp.MIN_ROWS
-        tried.append(rows)
+                 prefill_tile=None):
+        tile = prefill_tile if decode_tiles == 0 else (tp.MIN_ROWS, 0)
+        tried.append(tile)
         assert tiles.shape[0] == 4 and int(tiles[2].sum()) == q.shape[0]  # every token in one tile
-        if rows == 64 and broken:
+        if tile == (64, 0) and broken:
             raise RuntimeError("out of shared memory")
-        return q + (1e-3 if rows > 32 else 0.0)
+        rows, warps = tile
+        return q + (1e-3 if rows > (64 if warps == 2 else 32) else 0.0)
     monkeypatch.setattr(tp, "paged_attention", stand_in)
     broken = False
-    assert tp.choose_prefill_rows(8, 2, 16, cpu, torch.bfloat16, 16) == (32, [])
-    assert tried == [tp.MIN_ROWS, 128, 64, 32]
+    assert tp.choose_prefill_tile(8, 2, 16, cpu, torch.bfloat16, 16) == ((64, 2), [])
+    assert tried == [(tp.MIN_ROWS, 0), (128, 2), (64, 2)]
+
     broken = True
-    assert tp.choose_prefill_rows(8, 2, 16, cpu, torch.bfloat16, 16) == (32, ["64 rows: RuntimeError: out of shared memory"])
+    us = {(64, 2): 3.0, (32, 0): 2.0, (tp.MIN_ROWS, 0): 5.0}
+    tile, notes = tp.choose_prefill_tile(8, 2, 16, cpu, torch.bfloat16, 16,
+                                         timer=lambda run: (run(), us[tried[-1]] / 1e6)[1])
+    assert tile == (32, 0)
+    assert notes == ["64 rows: RuntimeError: out of shared memory", "64 rows on 2 warps 3 us", "32 rows 2 us",
+                     "16 rows 5 us"]
+    us[(tp.MIN_ROWS, 0)] = 1.0  # none faster than a decode's own tile: that one
+    assert tp.choose_prefill_tile(8, 2, 16, cpu, torch.bfloat16, 16,
+                                  timer=lambda run: (run(), us[tried[-1]] / 1e6)[1])[0] == (tp.MIN_ROWS, 0)
     assert tp.PREFILL_ROWS == tp.MIN_ROWS
 
 

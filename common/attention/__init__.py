@@ -37,7 +37,7 @@ def make_attention(name: str, device: torch.device, num_heads: int, num_kv_heads
                    dtype: torch.dtype = torch.float32, block_size: int = 16):
     """'auto' is the Triton kernel on CUDA when Triton is installed, it tiles the block size, and it
     passes a start-up check against SDPA in the serving dtype and block size; else SDPA. Its prefill
-    tiles are then the largest that keep a decode tile's bits (triton_paged.choose_prefill_rows). A
+    tiles are then the fastest that keep a decode tile's bits (triton_paged.choose_prefill_tile). A
     backend asked for by name is used as it is."""
     sdpa = SDPAAttention(num_heads, num_kv_heads, head_dim)
     if name == "sdpa" or (name == "auto" and device.type != "cuda"):
@@ -74,12 +74,12 @@ def make_attention(name: str, device: torch.device, num_heads: int, num_kv_heads
         log.warning("Triton attention differs from SDPA by %.3g on %s; using SDPA", err, device)
         return sdpa
     try:
-        fast.prefill_rows, failed = triton_paged.choose_prefill_rows(num_heads, num_kv_heads, head_dim, device, dtype,
-                                                                     block_size)
-    except Exception as e:  # the check itself failed: the decode's tile size still serves
-        fast.prefill_rows, failed = triton_paged.MIN_ROWS, [first_line(e)]
-    log.info("prefill attention in tiles of %d rows on %s: the largest that keep a decode tile's bits%s",
-             fast.prefill_rows, device, f" (failed: {'; '.join(failed)})" if failed else "")
+        fast.prefill_tile, notes = triton_paged.choose_prefill_tile(num_heads, num_kv_heads, head_dim, device, dtype,
+                                                                    block_size)
+    except Exception as e:  # the check itself failed: the decode's tile still serves
+        fast.prefill_tile, notes = (triton_paged.MIN_ROWS, 0), [first_line(e)]
+    log.info("prefill attention in tiles of %s on %s: the fastest that keep a decode tile's bits (%s)",
+             triton_paged.tile_name(fast.prefill_tile), device, "; ".join(notes) or "none timed")
     return fast
 
 

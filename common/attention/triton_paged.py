@@ -44,13 +44,16 @@ MIN_ROWS = 16  # tl.dot's smallest tile side: a tile's rows (tokens x grouped he
 # many queries (a decode's tile is one token, MIN_ROWS rows). A 2,048-token chunk of llama-1b takes
 # 350 us a layer on an H100 with 16-row tiles, which re-read its keys 512 times. A tile of more rows
 # may chain the tensor cores' products, or lay a row's softmax sum across the warps, differently,
-# which would give its rows other bits than a decode's tile (the batch-invariance promise): `auto`
-# gives its engine the largest of PREFILL_CANDIDATES whose rows keep a one-token tile's bits on the
-# device at hand (choose_prefill_rows, at start; TritonAttention.prefill_rows). PREFILL_ROWS is the
-# size of a backend asked for by name.
+# which would give its rows other bits than a decode's tile (the batch-invariance promise). On an
+# H100, Triton gives a tile of 64 or more rows on 4 or more warps Hopper's warpgroup products
+# (wgmma), which gave other bits; on fewer warps, and at 32 rows or fewer, it keeps the older mma of a
+# decode's tile. So a prefill tile is (rows, warps; 0: Triton's default), and `auto` gives its engine
+# the fastest of PREFILL_CANDIDATES whose rows keep a one-token tile's bits on the device at hand
+# (choose_prefill_tile, at start; TritonAttention.prefill_tile). PREFILL_ROWS and PREFILL_LAUNCH are
+# the tile of a backend asked for by name.
 PREFILL_ROWS = MIN_ROWS
-PREFILL_CANDIDATES = (128, 64, 32)
 PREFILL_LAUNCH: dict = {}
+PREFILL_CANDIDATES = ((128, 2), (64, 2), (128, 0), (64, 0), (32, 0))  # largest first: the choice where none is timed
 LANES = 16  # programs per (tile, KV head), each taking every LANES-th split
 SPLIT_LAUNCH: dict = {}  # the split kernel's num_warps and num_stages, where not Triton's defaults
 
@@ -267,17 +270,24 @@ def max_splits_for(width: int, page: int) -> int:
     return pow2(max(1, -(-width * page // SPLIT)))
 
 
-def prefill_apart(prefill_rows: int | None = None) -> bool:
-    """Whether a prefill's tiles (of prefill_rows rows, else PREFILL_ROWS; PREFILL_LAUNCH) differ
-    from a decode's, and so launch apart."""
-    return (prefill_rows or PREFILL_ROWS, PREFILL_LAUNCH) != (MIN_ROWS, SPLIT_LAUNCH)
+def prefill_shape(tile: tuple[int, int] | None = None) -> tuple[int, dict]:
+    """(rows, launch options) of a prefill tile (rows, warps); None: a named backend's (PREFILL_ROWS, PREFILL_LAUNCH)."""
+    if tile is None:
+        return PREFILL_ROWS, PREFILL_LAUNCH
+    rows, warps = tile
+    return rows, {"num_warps": warps} if warps else {}
+
+
+def prefill_apart(tile: tuple[int, int] | None = None) -> bool:
+    """Whether a prefill's tiles (prefill_shape) differ from a decode's, and so launch apart."""
+    return prefill_shape(tile) != (MIN_ROWS, SPLIT_LAUNCH)
 
 
 def paged_attention(q_THD: torch.Tensor, k_cache_NPKD: torch.Tensor, v_cache_NPKD: torch.Tensor,
                     tables_SM: torch.Tensor, tiles_4X: torch.Tensor, positions_T: torch.Tensor, scale: float,
                     host_positions: list[int] | None = None,
                     split_base: tuple[torch.Tensor, int] | None = None,
-                    decode_tiles: int | None = None, prefill_rows: int | None = None) -> torch.Tensor:
+                    decode_tiles: int | None = None, prefill_tile: tuple[int, int] | None = None) -> torch.Tensor:
     """Causal attention of each packed query token to its sequence's keys in the pool.
 
     tables_SM: one block table per sequence of the step. tiles_4X: for each query tile, its
@@ -286,9 +296,9 @@ def paged_attention(q_THD: torch.Tensor, k_cache_NPKD: torch.Tensor, v_cache_NPK
     the same on the host if known (see split_rows). The launch shape depends only on the tile
     count and the tables' width. split_base: split_rows' answer, where the caller keeps it for every
     layer of a step. decode_tiles: how many tiles, first, are decode-shaped (tile_shape(group)); the
-    rest are a prefill's (tile_shape(group, prefill_rows or PREFILL_ROWS), as step_layout builds
-    them), each launched apart. None: every tile is decode-shaped (decode_tiles(), or tiles of
-    tile_shape(group))."""
+    rest are a prefill's (tile_shape(group, rows) of prefill_shape(prefill_tile), as step_layout
+    builds them), each launched apart. None: every tile is decode-shaped (decode_tiles(), or tiles
+    of tile_shape(group))."""
     T, H, D = q_THD.shape
     N, P, K, _ = k_cache_NPKD.shape
     out = torch.empty_like(q_THD)
@@ -308,9 +318,9 @@ def paged_attention(q_THD: torch.Tensor, k_cache_NPKD: torch.Tensor, v_cache_NPK
     block_d = max(16, pow2(D))
     lanes = min(LANES, max_splits)
     X = tiles_4X.shape[1]
-    prefill_rows = prefill_rows or PREFILL_ROWS
-    small = decode_tiles if decode_tiles is not None and prefill_apart(prefill_rows) else X
-    for first, end, rows, launch in ((0, small, MIN_ROWS, SPLIT_LAUNCH), (small, X, prefill_rows, PREFILL_LAUNCH)):
+    prefill_rows, prefill_launch = prefill_shape(prefill_tile)
+    small = decode_tiles if decode_tiles is not None and prefill_apart(prefill_tile) else X
+    for first, end, rows, launch in ((0, small, MIN_ROWS, SPLIT_LAUNCH), (small, X, prefill_rows, prefill_launch)):
         if end <= first:
             continue
         block_q, block_m = tile_shape(group, rows)
@@ -334,7 +344,7 @@ def split_variants(max_blocks: int, page: int) -> list[int]:
 
 
 def warm_up(q_THD: torch.Tensor, k_cache_NPKD: torch.Tensor, v_cache_NPKD: torch.Tensor, max_blocks: int,
-            scale: float, prefill_rows: int | None = None) -> list[int]:
+            scale: float, prefill_tile: tuple[int, int] | None = None) -> list[int]:
     """Launch the attention once for each MAX_SPLITS variant a context of max_blocks blocks can
     need (a decode at position 0 reading block 0; nothing is written), as a decode's tile and, where
     it differs, a prefill's, so that each compiles at start and not in the step whose widest table
@@ -345,18 +355,41 @@ def warm_up(q_THD: torch.Tensor, k_cache_NPKD: torch.Tensor, v_cache_NPKD: torch
     for splits in variants:
         width = min(max_blocks, splits * SPLIT // P)  # a table this wide launches with `splits`
         tables = torch.zeros(1, width, dtype=torch.int64, device=device)
-        for decodes in (1, 0) if prefill_apart(prefill_rows) else (1,):
+        for decodes in (1, 0) if prefill_apart(prefill_tile) else (1,):
             paged_attention(q_THD[:1], k_cache_NPKD, v_cache_NPKD, tables, decode_tiles(zero + 1), zero, scale,
-                            decode_tiles=decodes, prefill_rows=prefill_rows)
+                            decode_tiles=decodes, prefill_tile=prefill_tile)
     return variants
 
 
-def choose_prefill_rows(num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device,
-                        dtype: torch.dtype, page: int, tokens: int = 2 * SPLIT + 37) -> tuple[int, list[str]]:
-    """The largest of PREFILL_CANDIDATES whose tiles give every row of a prefill chunk the bits
+def tile_name(tile: tuple[int, int]) -> str:
+    rows, warps = tile
+    return f"{rows} rows" + (f" on {warps} warps" if warps else "")
+
+
+def cuda_seconds(fn, repeats: int = 5, calls: int = 10) -> float:
+    """Median seconds of one fn() on the current CUDA stream, by events around `calls` calls, after one."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / calls)
+    return sorted(times)[repeats // 2]
+
+
+def choose_prefill_tile(num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device,
+                        dtype: torch.dtype, page: int, tokens: int = 2 * SPLIT + 37, timer=None
+                        ) -> tuple[tuple[int, int], list[str]]:
+    """The fastest of PREFILL_CANDIDATES whose tiles give every row of a prefill chunk the bits
     one-token tiles give it, here, in this dtype (a chunk over several splits with a ragged last
-    tile, its keys in a shuffled table), else MIN_ROWS; and why each larger size was passed over
-    where it failed to run (a tile too big for the device's shared memory)."""
+    tile, its keys in a shuffled table), timed on that chunk beside a decode's own tile (on CUDA by
+    its events; `timer(fn) -> seconds` elsewhere; with no timer, the first in the list that keeps
+    the bits); else the decode's tile, (MIN_ROWS, 0). And notes: why a candidate was passed over
+    where it failed to run (a tile too big for the device's shared memory), and each timed one's µs."""
     gen = torch.Generator().manual_seed(0)
     T, H, K, D = tokens, num_heads, num_kv_heads, head_dim
     blocks = -(-T // page)
@@ -366,21 +399,28 @@ def choose_prefill_rows(num_heads: int, num_kv_heads: int, head_dim: int, device
     positions, host, scale = torch.arange(T, device=device), list(range(T)), D ** -0.5
     ones = torch.stack([torch.zeros_like(positions), positions, torch.ones_like(positions), positions])
     want = paged_attention(q, k_cache, v_cache, tables, ones, positions, scale, host)
-    failed = []
-    for rows in PREFILL_CANDIDATES:
-        block_q, _ = tile_shape(H // K, rows)
-        if block_q <= 1:  # a decode's tile
+    timer = timer or (cuda_seconds if device.type == "cuda" else None)
+    notes, kept = [], {}
+    for tile in [*PREFILL_CANDIDATES, (MIN_ROWS, 0)]:
+        block_q, _ = tile_shape(H // K, tile[0])
+        if block_q <= 1 and tile[0] != MIN_ROWS:  # a decode's tile, of other rows
             continue
         chunk = torch.tensor([(0, j, min(block_q, T - j), j) for j in range(0, T, block_q)], device=device)
+        run = (lambda c=chunk.T.contiguous(), t=tile: paged_attention(  # noqa: E731
+            q, k_cache, v_cache, tables, c, positions, scale, host, decode_tiles=0, prefill_tile=t))
         try:
-            got = paged_attention(q, k_cache, v_cache, tables, chunk.T.contiguous(), positions, scale, host,
-                                  decode_tiles=0, prefill_rows=rows)
+            got = run()
         except Exception as e:  # Triton's out-of-resources errors are not RuntimeErrors
-            failed.append(f"{rows} rows: {first_line(e)}")
+            notes.append(f"{tile_name(tile)}: {first_line(e)}")
             continue
-        if torch.equal(got, want):
-            return rows, failed
-    return MIN_ROWS, failed
+        if not torch.equal(got, want):
+            continue
+        if timer is None:
+            return tile, notes
+        kept[tile] = timer(run)
+    best = min(kept, key=kept.get) if kept else (MIN_ROWS, 0)
+    notes += [f"{tile_name(t)} {1e6 * sec:.0f} us" for t, sec in kept.items()]
+    return best, notes
 
 
 def decode_tiles(lens_B: torch.Tensor) -> torch.Tensor:
@@ -390,14 +430,14 @@ def decode_tiles(lens_B: torch.Tensor) -> torch.Tensor:
     return torch.stack([rows_B, rows_B, torch.ones_like(rows_B), lens_B - 1])
 
 
-def step_layout(meta: AttentionMetadata, group: int, prefill_rows: int | None = None
+def step_layout(meta: AttentionMetadata, group: int, prefill_tile: tuple[int, int] | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(tables_SM, tiles_4X) of a packed step: the decodes' tables then each prefill chunk's, and
     a tile per decode then a prefill's BLOCK_Q-token tiles of each chunk."""
     nd = meta.num_decode
     if not meta.prefills:
         return meta.decode_block_tables, decode_tiles(meta.decode_context_lens)
-    block_q, _ = tile_shape(group, prefill_rows or PREFILL_ROWS)
+    block_q, _ = tile_shape(group, prefill_shape(prefill_tile)[0])
     device = meta.slot_mapping.device
     width = max([c.block_table.shape[0] for c in meta.prefills]
                 + ([meta.decode_block_tables.shape[1]] if nd else []))
@@ -423,13 +463,13 @@ class TritonAttention(SDPAAttention):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
         super().__init__(num_heads, num_kv_heads, head_dim)
-        self.prefill_rows: int | None = None  # a prefill tile's rows (choose_prefill_rows); None: PREFILL_ROWS
+        self.prefill_tile: tuple[int, int] | None = None  # (rows, warps): choose_prefill_tile's; None: PREFILL_ROWS
         self._layout_meta = None  # the step the cached layout was built for (every layer shares it)
         self._layout = None
 
     def warm_up(self, k_cache_NBKD: torch.Tensor, v_cache_NBKD: torch.Tensor, max_blocks: int) -> list[int]:
         q = torch.zeros(1, self.num_heads, self.head_dim, dtype=k_cache_NBKD.dtype, device=k_cache_NBKD.device)
-        return warm_up(q, k_cache_NBKD, v_cache_NBKD, max_blocks, self.scale, self.prefill_rows)
+        return warm_up(q, k_cache_NBKD, v_cache_NBKD, max_blocks, self.scale, self.prefill_tile)
 
     def forget_layout(self) -> None:
         """Drop the cached step layout (it may hold a CUDA graph's static buffers)."""
@@ -448,10 +488,10 @@ class TritonAttention(SDPAAttention):
 
     def _attend(self, q_THD, k_cache_NBKD, v_cache_NBKD, meta: AttentionMetadata):
         if self._layout_meta is not meta:  # the step's first layer: every layer's layout
-            tables_SM, tiles_4X = step_layout(meta, self.group, self.prefill_rows)
+            tables_SM, tiles_4X = step_layout(meta, self.group, self.prefill_tile)
             base = split_rows(meta.positions, meta.host_positions,
                               max_splits_for(tables_SM.shape[1], k_cache_NBKD.shape[1]))
             self._layout, self._layout_meta = (tables_SM, tiles_4X, base), meta
         tables_SM, tiles_4X, base = self._layout
         return paged_attention(q_THD, k_cache_NBKD, v_cache_NBKD, tables_SM, tiles_4X, meta.positions, self.scale,
-                               meta.host_positions, base, meta.num_decode, self.prefill_rows)
+                               meta.host_positions, base, meta.num_decode, self.prefill_tile)
