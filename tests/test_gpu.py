@@ -45,7 +45,10 @@ def test_cuda_auto_backend_equals_sdpa(model):
 def test_auto_checks_the_triton_attention_in_the_serving_dtype_and_block_size():
     from common.attention import make_attention
 
-    assert make_attention("auto", torch.device("cuda:0"), 32, 8, 64, torch.bfloat16, 16).name == "triton"
+    from common.attention import triton_paged as tp
+
+    auto = make_attention("auto", torch.device("cuda:0"), 32, 8, 64, torch.bfloat16, 16)
+    assert auto.name == "triton" and auto.prefill_tile in (*tp.PREFILL_CANDIDATES, (tp.MIN_ROWS, 0))  # timed, kept
     assert make_attention("auto", torch.device("cuda:0"), 32, 8, 64, torch.bfloat16, 32).name == "triton"
     assert make_attention("auto", torch.device("cuda:0"), 32, 8, 64, torch.bfloat16, 128).name == "sdpa"
 
