@@ -33,7 +33,10 @@ set -u
 # - how much of a cuda_ipc transfer's 0.45 ms over a plain copy is the host's (transfer's
 #   "header sent" row), and how much of streaming's 1.5x prefill is its layer hooks' host time
 #   (handoff's "its streaming's host time");
-# - the speculative GPU test with drafts that exist (plain decoding's own tokens).
+# - the speculative GPU test with drafts that exist (plain decoding's own tokens);
+# - whether 64 and 128 rows on 2 warps keep a decode tile's bits (attention-tiles), which tile auto
+#   now takes by speed (bench engine's header; step-profile's prefill split kernel), and the
+#   invariance tests with it.
 # Cluster stages serve 4,096-token contexts: sized for llama-1b's whole 131,072, each worker would set
 # GBs aside for one step's attention partials (a GPU test starts a cluster with no flag at all).
 CTX=--worker-arg=--max-model-len=4096
