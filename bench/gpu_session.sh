@@ -160,7 +160,7 @@ verify)
     run transfer-256m "$(left 40)" pdserve bench transfer --transport cuda_ipc --devices cuda:0 --tokens 8192 \
         --model dummy:llama-1b
     run handoff "$(left 110)" pdserve bench handoff --model dummy:llama-1b --tokens 1000 --devices cuda:0 "$CTX"
-    run attention-tiles "$(left 40)" python3 -m bench.attention_tiles
+    run attention-tiles "$(left 55)" python3 -m bench.attention_tiles
     run engine-grid "$(left 400)" pdserve bench engine --device cuda:0 --model dummy:llama-1b --max-model-len 4096 \
         --batch-sizes 1,16,64,256 --kv-lens 64,512,2048 --steps 16 --num-requests 16 --output-len 32
     # (transformers' half compiles its static-cache step per shape: 134 s was not enough on 2026-11-26, 172 s was)
