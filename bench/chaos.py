@@ -1,8 +1,7 @@
 """Chaos: a cluster under a stream of requests while a driver SIGKILLs, SIGTERMs and SIGSTOPs
 random workers (the launcher restarts the killed ones and those that left; stopped ones resume and
-must rejoin). Every
-request's streamed tokens are checked against a fault-free reference run of the monolithic
-engine: completed, token-exact, no duplicated or missing token, no KV block leaked.
+must rejoin). Every request's streamed tokens are checked against a fault-free reference run of
+the monolithic engine: completed, token-exact, no duplicated or missing token, no KV block leaked.
 
 Used at small scale by tests/test_chaos.py and at full scale by `pdserve bench chaos`.
 """

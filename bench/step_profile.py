@@ -266,8 +266,8 @@ def run_step_profile(engine_kwargs: dict, batch_sizes: list[int], kv_len: int, s
             print_table(f"{name.replace('_', ' ')}, batch {p['batch']}: the step's Python functions by own time per step",
                         ["function", "calls", "µs"],
                         [[r["function"][:90], f"{r['calls']:g}", f"{r['us']:.1f}"] for r in p["host_functions"]])
-            print_table(f"{name.replace('_', ' ')}, batch {p['batch']}: with async scheduling, {p['async_step_ms']:.3f} "
-                        f"ms a step: its Python functions by own time per step", ["function", "calls", "µs"],
+            print_table(f"{name.replace('_', ' ')}, batch {p['batch']}: with async scheduling, "
+                        f"{p['async_step_ms']:.3f} ms a step: its Python functions by own time per step", ["function", "calls", "µs"],
                         [[r["function"][:90], f"{r['calls']:g}", f"{r['us']:.1f}"]
                          for r in p["async_host_functions"]])
             if device.type == "cuda":

@@ -125,7 +125,8 @@ class CacheMirror:
         return n
 
     def add(self, hashes: list[bytes], blocks: int) -> None:
-        """A prompt sent to the worker: its blocks count as held until its events tell."""
+        """A prompt sent to the worker: its blocks count as held until its events tell. (blocks:
+        PrefixIndex.add's, the prompt's block count; the hashes alone name what a mirror holds.)"""
         now = self.clock()
         for h in hashes:
             if h not in self.held:

@@ -102,9 +102,9 @@ class Registry:
     def pick(self, roles, fits: Callable[[Worker], bool] | None = None,
              prompt: PromptChain | None = None) -> Worker | None:
         """A live worker of these roles taking new work, by the policy among those that fit if any
-        do (if none does, among all: the worker then says why it cannot, which the caller passes on). prompt: what the
-        worker will prefill, for prefix_affine (without it, that policy is least_loaded); the caller
-        tells prefix_affinity.remember where it went."""
+        do (if none does, among all: the worker then says why it cannot, which the caller passes
+        on). prompt: what the worker will prefill, for prefix_affine (without it, that policy is
+        least_loaded); the caller tells prefix_affinity.remember where it went."""
         candidates = sorted(self.serving(roles), key=lambda w: w.worker_id)
         if fits is not None:
             candidates = [w for w in candidates if fits(w)] or candidates

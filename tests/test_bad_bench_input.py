@@ -238,8 +238,8 @@ def test_launch_sh_refuses_a_bad_flag_value_by_name(tmp_path, args, says):
 
 def test_launch_sh_takes_good_values_as_given():
     r = subprocess.run([*LAUNCH_SH, "--prefill", "2", "--decode", "010", "--threads", "3", "--heartbeat-timeout",
-                        "1e3", "--queue-timeout", ".5", "--max-prefill-queue", "2", "--enforce-disagg", "--no-kv-events",
-                        "--dry-run"],
+                        "1e3", "--queue-timeout", ".5", "--max-prefill-queue", "2", "--enforce-disagg",
+                        "--no-kv-events", "--dry-run"],
                        capture_output=True, text=True, cwd=ROOT, env=CHECKOUT_ENV, timeout=60)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()

@@ -271,7 +271,8 @@ def max_splits_for(width: int, page: int) -> int:
 
 
 def prefill_shape(tile: tuple[int, int] | None = None) -> tuple[int, dict]:
-    """(rows, launch options) of a prefill tile (rows, warps); None: a named backend's (PREFILL_ROWS, PREFILL_LAUNCH)."""
+    """(rows, launch options) of a prefill tile (rows, warps); None: a named backend's tile,
+    (PREFILL_ROWS, PREFILL_LAUNCH)."""
     if tile is None:
         return PREFILL_ROWS, PREFILL_LAUNCH
     rows, warps = tile
@@ -366,29 +367,14 @@ def tile_name(tile: tuple[int, int]) -> str:
     return f"{rows} rows" + (f" on {warps} warps" if warps else "")
 
 
-def cuda_seconds(fn, repeats: int = 5, calls: int = 10) -> float:
-    """Median seconds of one fn() on the current CUDA stream, by events around `calls` calls, after one."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / calls)
-    return sorted(times)[repeats // 2]
-
-
 def choose_prefill_tile(num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device,
                         dtype: torch.dtype, page: int, tokens: int = 2 * SPLIT + 37, timer=None
                         ) -> tuple[tuple[int, int], list[str]]:
     """The fastest of PREFILL_CANDIDATES whose tiles give every row of a prefill chunk the bits
     one-token tiles give it, here, in this dtype (a chunk over several splits with a ragged last
     tile, its keys in a shuffled table), timed on that chunk beside a decode's own tile (on CUDA by
-    its events; `timer(fn) -> seconds` elsewhere; with no timer, the first in the list that keeps
-    the bits); else the decode's tile, (MIN_ROWS, 0). And notes: why a candidate was passed over
+    triton.testing.do_bench; `timer(fn) -> seconds` elsewhere; with no timer, the first in the list
+    that keeps the bits); else the decode's tile, (MIN_ROWS, 0). And notes: why a candidate was passed over
     where it failed to run (a tile too big for the device's shared memory), and each timed one's µs."""
     gen = torch.Generator().manual_seed(0)
     T, H, K, D = tokens, num_heads, num_kv_heads, head_dim
@@ -399,7 +385,10 @@ def choose_prefill_tile(num_heads: int, num_kv_heads: int, head_dim: int, device
     positions, host, scale = torch.arange(T, device=device), list(range(T)), D ** -0.5
     ones = torch.stack([torch.zeros_like(positions), positions, torch.ones_like(positions), positions])
     want = paged_attention(q, k_cache, v_cache, tables, ones, positions, scale, host)
-    timer = timer or (cuda_seconds if device.type == "cuda" else None)
+    if timer is None and device.type == "cuda":
+        from triton.testing import do_bench
+
+        timer = lambda fn: do_bench(fn, warmup=2, rep=10, return_mode="median") / 1e3  # noqa: E731  (ms)
     notes, kept = [], {}
     for tile in [*PREFILL_CANDIDATES, (MIN_ROWS, 0)]:
         block_q, _ = tile_shape(H // K, tile[0])
