@@ -385,10 +385,8 @@ def choose_prefill_tile(num_heads: int, num_kv_heads: int, head_dim: int, device
     positions, host, scale = torch.arange(T, device=device), list(range(T)), D ** -0.5
     ones = torch.stack([torch.zeros_like(positions), positions, torch.ones_like(positions), positions])
     want = paged_attention(q, k_cache, v_cache, tables, ones, positions, scale, host)
-    if timer is None and device.type == "cuda":
-        from triton.testing import do_bench
-
-        timer = lambda fn: do_bench(fn, warmup=2, rep=10, return_mode="median") / 1e3  # noqa: E731  (ms)
+    if timer is None and device.type == "cuda":  # (triton imports its testing module; do_bench says ms)
+        timer = lambda fn: triton.testing.do_bench(fn, warmup=2, rep=10, return_mode="median") / 1e3  # noqa: E731
     notes, kept = [], {}
     for tile in [*PREFILL_CANDIDATES, (MIN_ROWS, 0)]:
         block_q, _ = tile_shape(H // K, tile[0])
