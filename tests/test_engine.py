@@ -247,6 +247,9 @@ def test_invalid_prompts_are_refused_and_engine_keeps_serving():
         engine.add_request([])
     with pytest.raises(InvalidArgument, match=r"\[258\].*\[0, 258\)"):
         engine.add_request([1, 258])
+    for bad in ([-1], [True], [2.0], ["a"]):  # below the vocabulary, a bool, a float, a string
+        with pytest.raises(InvalidArgument, match=r"prompt token ids \[.*\] are invalid; allowed: integers"):
+            engine.add_request([5, *bad, 6])
     with pytest.raises(InvalidArgument, match="already in use"):
         engine.add_request([1], request_id="a")
         engine.add_request([1], request_id="a")
@@ -284,9 +287,13 @@ def test_prefix_hash_is_chained_over_blocks():
 
 def test_prefix_hit_is_confirmed_by_tokens(monkeypatch):
     """Even if every block hashed alike, a hit is taken only when the tokens match."""
-    import common.kv_cache
+    import common.sequence
 
-    monkeypatch.setattr(common.kv_cache, "block_hash", lambda prev, tokens: b"collision")
+    def colliding(chain, token_ids, block_size, blocks):
+        chain += [b"collision"] * (blocks - len(chain))
+        return chain
+
+    monkeypatch.setattr(common.sequence, "extend_chain", colliding)
     ps = prompts(3, 40, 40, seed=9)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     engine = Engine(model="dummy:nanogpt", block_size=16)
@@ -347,6 +354,18 @@ def test_the_block_table_array_follows_its_list():
     assert list(seq.block_table_array()) == [7, 8, 6]
     seq.block_table = [3]
     assert list(seq.block_table_array()) == [3]
+
+
+def test_a_chunks_slots_are_its_positions_in_its_blocks():
+    """prepare() takes a prefill chunk's KV slots a block's run at a time: the slots of each
+    position, wherever the chunk starts and ends in its blocks."""
+    from common.model_runner import chunk_slots
+
+    rng = random.Random(3)
+    table = rng.sample(range(1000), 40)
+    for start, end in [(0, 1), (0, 16), (5, 6), (15, 17), (16, 640), (3, 333)] + \
+            [sorted(rng.sample(range(641), 2)) for _ in range(50)]:
+        assert chunk_slots(table, start, end, 16) == [table[p // 16] * 16 + p % 16 for p in range(start, end)]
 
 
 def test_a_kv_pool_larger_than_the_memory_is_refused_by_name():

@@ -117,12 +117,26 @@ def test_the_router_s_mirror_predicts_a_real_block_manager_s_hits_exactly():
 
 
 def test_the_chain_is_the_block_managers():
-    """Full blocks of all but the last token, chained from the seed the block manager uses."""
-    from common.kv_cache import PREFIX_HASH_SEED, block_hash
+    """Full blocks of all but the last token, chained from the seed, as the block manager publishes
+    them (its sequences' chains are computed a block at a time and many at once)."""
+    from common.kv_cache import BlockManager
+    from common.prefix_hash import PREFIX_HASH_SEED, block_hash
+    from common.sampling_params import SamplingParams
+    from common.sequence import Sequence
 
     ids = prompt(8, 48)
     assert prefix_hashes(ids, 16) == [block_hash(PREFIX_HASH_SEED, ids[:16]),
                                       block_hash(block_hash(PREFIX_HASH_SEED, ids[:16]), ids[16:32])]
+    manager, long_ids = BlockManager(num_blocks=64, block_size=16), prompt(11, 16 * 20 + 5)
+    seq = Sequence("a", long_ids, SamplingParams(max_tokens=1), 0, (), 10_000)
+    manager.allocate(seq)
+    for computed in (3, 16, 50, 16 * 20 + 5):  # published as the KV is computed, in pieces
+        seq.num_computed_tokens = computed
+        manager.cache_computed_blocks(seq)
+    assert seq.block_hashes == prefix_hashes(long_ids + [0], 16)
+    again = Sequence("b", long_ids, SamplingParams(max_tokens=1), 0, (), 10_000)
+    manager.allocate(again)  # its walk of the cache, a block at a time, finds them all
+    assert again.num_cached_tokens == 16 * 20 and again.block_hashes == seq.block_hashes
     assert len(prefix_hashes(ids + [1], 16)) == 3
     long = prompt(9, 16 * MAX_BLOCKS + 100)
     assert PromptChain(long).hashes(16) == prefix_hashes(long, 16)[:MAX_BLOCKS]  # its beginning, bounded
