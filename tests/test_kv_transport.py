@@ -632,7 +632,60 @@ def stand_in_cuda_ipc_receiver(events: dict):
 
     receiver = CudaIpcReceiver.__new__(CudaIpcReceiver)
     receiver.key, receiver._advert, receiver.device, receiver.events = "pool", {}, None, events
+    receiver.unopened = []
     return receiver
+
+
+def test_a_cuda_ipc_writer_lists_its_ring_once_per_pool_and_the_reader_opens_it_beside_its_transfers(monkeypatch):
+    """Without a GPU (stand-in events and streams): the first header to a pool lists the writer's
+    ring of events, later ones to that pool do not; the decode worker opens the ring a few events
+    a tick, so that a later transfer finds its event open, and a ring event that will not open is
+    only logged (its transfer opens it, or fails, when it comes)."""
+    import itertools
+    import types
+
+    from common.kv_transport import cuda_ipc
+    from common.kv_transport.base import Handle
+
+    class Recorded:
+        def record(self, stream):
+            pass
+
+    sender, device = cuda_ipc.CudaIpcSender(), torch.device("cpu")
+    handles = [b"ev%d" % i for i in range(10)]
+    sender.ring_handles[device] = handles
+    sender.rings[device] = itertools.cycle(zip([Recorded() for _ in handles], handles))
+    infos = []
+    try:
+        for key in ("a", "a", "b", "a"):
+            handle = Handle({"key": key}, queued_on=types.SimpleNamespace(device=device))
+            sender.finish(handle)
+            infos.append(handle.info)
+    finally:
+        sender.close()
+    assert [("ring" in i, i["event"]) for i in infos] == [(True, b"ev0"), (False, b"ev1"), (True, b"ev2"),
+                                                         (False, b"ev3")]
+    assert infos[0]["ring"] == handles
+
+    opened = []
+
+    def from_ipc_handle(device, ipc):
+        opened.append(ipc)
+        if ipc == b"ev5":
+            raise RuntimeError("invalid resource handle")
+        return StandInEvent(True)
+    monkeypatch.setattr(torch.cuda.Event, "from_ipc_handle", from_ipc_handle)
+    receiver, pool = stand_in_cuda_ipc_receiver({}), torch.zeros(2, 2, 4, 16, 2, 8)
+    receiver.begin(Inbox(pool, [1]), {**infos[0], "key": "pool"})
+    assert opened == [b"ev0"]  # the transfer's own event, at once; the ring waits for the ticks
+    for _ in range(3):
+        receiver.poll(0.0)
+    assert sorted(opened) == sorted(handles) and len(opened) == len(handles)  # each once, over 3 ticks
+    inbox = Inbox(pool, [2])
+    receiver.begin(inbox, {**infos[1], "key": "pool"})  # opened ahead: nothing to open now
+    assert len(opened) == len(handles) and receiver.settle(inbox) and inbox.error is None
+    receiver.begin(Inbox(pool, [3]), {"key": "pool", "event": b"ev5"})  # the one that did not open: tried again
+    assert opened[-1] == b"ev5"
 
 
 def test_cuda_ipc_decodes_once_the_writers_event_completed_and_fails_when_it_cannot_be_read():

@@ -13,7 +13,9 @@ a writer that died before its copies ended may never end, a poll ends with the l
 blocks are reused once the peer acknowledged (it saw the event complete), or, for a transfer
 given up, once finish(release=True) waited for the event on the host before KVRelease. Events come
 from a ring per device (RING); one recorded again before a peer polled it only makes that peer
-wait for later copies as well. A copy queued before the lease's end may run on the GPU after it:
+wait for later copies as well. The first header to a pool also lists the whole ring, which the
+decode worker opens a few a tick (OPEN_PER_TICK), beside its transfers rather than in them: no
+later transfer waits for its event to be opened (a ring's worth would otherwise each open one). A copy queued before the lease's end may run on the GPU after it:
 the GPU runs behind the host by a step or two, well inside the lease's margin
 (prefill_worker/worker.py: LEASE_MARGIN_S).
 A peer on another GPU, in this process (an IPC event cannot be opened where it was made), or that
@@ -47,6 +49,7 @@ log = logging.getLogger(__name__)
 
 RING = 64  # completion events per device, recorded in turn
 OPENED = 1024  # a decode worker keeps this many of its writers' events open (a few rings)
+OPEN_PER_TICK = 4  # of a writer's ring, opened ahead of its transfers
 
 
 class CudaIpcSender(MappedSender):
@@ -57,6 +60,8 @@ class CudaIpcSender(MappedSender):
         super().__init__()
         self.streams: dict[torch.device, torch.cuda.Stream] = {}
         self.rings: dict[torch.device, itertools.cycle] = {}  # device -> (event, its IPC handle), in turn
+        self.ring_handles: dict[torch.device, list[bytes]] = {}  # each ring's handles, in order
+        self.ringed: set[str] = set()  # pools whose worker was sent our ring's handles
 
     def _key(self, advert: dict) -> str:
         return advert["ipc"][7].hex()  # the allocation's IPC handle
@@ -69,6 +74,10 @@ class CudaIpcSender(MappedSender):
                                    DTYPES[a[5]], *a[6:10], False, *a[11:])
         warm_up(pool)  # the copy kernel compiles at pairing, not in the first transfer
         return types.SimpleNamespace(tensor=pool, pid=advert.get("pid"))
+
+    def forget_key(self, key: str) -> None:
+        super().forget_key(key)
+        self.ringed.discard(key)
 
     def _gone(self, key: str) -> bool:
         pid = getattr(self.maps.get(key), "pid", None)
@@ -84,7 +93,8 @@ class CudaIpcSender(MappedSender):
             try:
                 with torch.cuda.device(device):
                     events = [torch.cuda.Event(interprocess=True) for _ in range(RING)]
-                    self.rings[device] = itertools.cycle([(e, e.ipc_handle()) for e in events])
+                    self.ring_handles[device] = [e.ipc_handle() for e in events]
+                    self.rings[device] = itertools.cycle(zip(events, self.ring_handles[device]))
             except RuntimeError as e:
                 log.warning("cuda_ipc on %s waits for its copies on the host: no interprocess events (%s)",
                             device, first_line(e))
@@ -107,6 +117,9 @@ class CudaIpcSender(MappedSender):
         event, ipc = next(self.rings[stream.device])
         event.record(stream)
         handle.copied, handle.info["event"] = event, ipc
+        if handle.info["key"] not in self.ringed:  # (a header refused unread: its peer opens them one by one)
+            self.ringed.add(handle.info["key"])
+            handle.info["ring"] = self.ring_handles[stream.device]
         if release:
             event.synchronize()
 
@@ -153,6 +166,7 @@ class CudaIpcReceiver(MappedReceiver):
         self.key = ipc[7].hex()
         self.device = pool.device
         self.events: dict[bytes, torch.cuda.Event] = {}  # our writers' completion events, opened once each
+        self.unopened: list[bytes] = []  # writers' ring events to open, a few a tick (poll)
         # events: we poll a writer's event (a writer queues its copies only for a decode worker that does)
         super().__init__({"ipc": ipc, "pid": os.getpid(), "events": True})
 
@@ -162,14 +176,30 @@ class CudaIpcReceiver(MappedReceiver):
             return None
         if not isinstance(ipc, bytes):
             return Unopened(f"the writer's completion event {ipc!r:.40} is not an IPC event handle (bytes)")
+        ring = info.get("ring")
+        if isinstance(ring, list) and len(ring) <= RING:  # opened by poll(), beside the transfers
+            self.unopened += [h for h in ring if isinstance(h, bytes) and h not in self.events]
         if ipc not in self.events:
-            if len(self.events) >= OPENED:
-                del self.events[next(iter(self.events))]
             try:
-                self.events[ipc] = torch.cuda.Event.from_ipc_handle(self.device, ipc)
+                self._open(ipc)
             except (RuntimeError, TypeError, ValueError) as e:
                 return Unopened(f"cannot open the writer's completion event ({type(e).__name__}: {e})")
         return self.events[ipc]
+
+    def _open(self, ipc: bytes) -> None:
+        if len(self.events) >= OPENED:
+            del self.events[next(iter(self.events))]
+        self.events[ipc] = torch.cuda.Event.from_ipc_handle(self.device, ipc)
+
+    def poll(self, now: float) -> None:
+        """Open some of the ring events writers listed (a transfer's own is opened when it comes)."""
+        for _ in range(min(OPEN_PER_TICK, len(self.unopened))):
+            ipc = self.unopened.pop()
+            if ipc not in self.events:
+                try:
+                    self._open(ipc)
+                except (RuntimeError, TypeError, ValueError) as e:  # its transfer opens it, or says why
+                    log.info("cuda_ipc: a writer's ring event did not open (%s)", first_line(e))
 
     def begin(self, inbox: Inbox, info: dict) -> None:
         super().begin(inbox, info)
