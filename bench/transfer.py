@@ -171,6 +171,7 @@ def _receiver(transport: str, shape, dtype: str, device: str, src: list[int], ds
                         if not _same_bits(pool[:, :, msg.block_ids], want):
                             why = "the received KV differs from the sent KV"
                     chan.send(P.KVAck(rid, msg.attempt, not why, why), to=sender)
+            receiver.poll(time.monotonic())  # as a decode worker's tick does
     finally:
         receiver.close()
         chan.close()

@@ -14,8 +14,8 @@ blocks are reused once the peer acknowledged (it saw the event complete), or, fo
 given up, once finish(release=True) waited for the event on the host before KVRelease. Events come
 from a ring per device (RING); one recorded again before a peer polled it only makes that peer
 wait for later copies as well. The first header to a pool also lists the whole ring, which the
-decode worker opens a few a tick (OPEN_PER_TICK), beside its transfers rather than in them: no
-later transfer waits for its event to be opened (a ring's worth would otherwise each open one). A copy queued before the lease's end may run on the GPU after it:
+decode worker opens on its next tick, after that transfer's own: no later transfer waits for its
+event to be opened (a ring's worth of transfers would otherwise each open one). A copy queued before the lease's end may run on the GPU after it:
 the GPU runs behind the host by a step or two, well inside the lease's margin
 (prefill_worker/worker.py: LEASE_MARGIN_S).
 A peer on another GPU, in this process (an IPC event cannot be opened where it was made), or that
@@ -49,7 +49,6 @@ log = logging.getLogger(__name__)
 
 RING = 64  # completion events per device, recorded in turn
 OPENED = 1024  # a decode worker keeps this many of its writers' events open (a few rings)
-OPEN_PER_TICK = 4  # of a writer's ring, opened ahead of its transfers
 
 
 class CudaIpcSender(MappedSender):
@@ -166,7 +165,7 @@ class CudaIpcReceiver(MappedReceiver):
         self.key = ipc[7].hex()
         self.device = pool.device
         self.events: dict[bytes, torch.cuda.Event] = {}  # our writers' completion events, opened once each
-        self.unopened: list[bytes] = []  # writers' ring events to open, a few a tick (poll)
+        self.unopened: list[bytes] = []  # writers' ring events to open on the next tick (poll)
         # events: we poll a writer's event (a writer queues its copies only for a decode worker that does)
         super().__init__({"ipc": ipc, "pid": os.getpid(), "events": True})
 
@@ -192,8 +191,8 @@ class CudaIpcReceiver(MappedReceiver):
         self.events[ipc] = torch.cuda.Event.from_ipc_handle(self.device, ipc)
 
     def poll(self, now: float) -> None:
-        """Open some of the ring events writers listed (a transfer's own is opened when it comes)."""
-        for _ in range(min(OPEN_PER_TICK, len(self.unopened))):
+        """Open the ring events writers listed (a transfer's own is opened when it comes)."""
+        while self.unopened:
             ipc = self.unopened.pop()
             if ipc not in self.events:
                 try:
