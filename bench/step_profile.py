@@ -4,13 +4,14 @@ kernel: what to make faster next.
 `bench engine` says how far a step is from its floor; this says why. For each batch size, in each
 kernel mode, on requests decoding with about `kv_len` tokens cached:
 
-- the step as `bench engine` times it (`engine.step()`, synchronous);
+- the step as `bench engine` times it (`engine.step()`, synchronous), and with async scheduling (the
+  default on CUDA), on the same requests in alternating blocks of steps (bench/engine.py:
+  decode_speed), so that their contexts are alike;
 - the device's share: the forward's CUDA graph replayed alone and the sampler's graph alone, timed
   by events (on a CPU, or without graphs, the eager forward on the same inputs);
 - the host's share: the step less the device's, and the Python functions that spend it (cProfile
   over the same steps, by own time);
-- the step with async scheduling (the default on CUDA), on the same requests, and its Python
-  functions by own time (where the host waits for the device, or for what else);
+- the async step's Python functions by own time, and where it waits for the device;
 - the forward's kernels, by device time per step (torch.profiler over eager forwards of the captured
   shape, which launch the kernels the graph holds: a graph's replay hides them from the profiler
   on some CUDA versions). Their sum against the graph's replay is what launching costs inside it.
@@ -32,8 +33,8 @@ import warnings
 import torch
 from torch.autograd import DeviceType
 
-from bench.engine import (_random_prompts, _sync, decoding_batch, engine_for_bench, prefill_flops, prefill_seconds,
-                          release, sig)
+from bench.engine import (_random_prompts, _sync, decode_speed, decoding_batch, engine_for_bench, prefill_flops,
+                          prefill_seconds, release, sig)
 from bench.report import print_json, print_table
 from common.sampling import GREEDY
 from common.sampling_params import SamplingParams
@@ -142,39 +143,30 @@ def sync_points(device: torch.device, fn) -> list[str]:
     return [f"{at} x{n}" for at, n in sorted(where.items())]
 
 
-def step_ms(engine, steps: int) -> float:
-    """ms per engine step over `steps` steps, the device's work included."""
-    device = engine.config.torch_device
-    _sync(device)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    _sync(device)
-    return 1e3 * (time.perf_counter() - t0) / steps
-
-
-def async_steps(engine, steps: int, top: int) -> tuple[float, list[dict], list[str]]:
-    """ms per step of `steps` steps with async scheduling, the Python functions of as many more,
-    and where one more waits for the device (sync_points)."""
+def async_profile(engine, steps: int, top: int) -> tuple[list[dict], list[str]]:
+    """The Python functions of `steps` steps with async scheduling, and where one more waits for
+    the device (sync_points)."""
     engine.config.async_scheduling = True
     try:
         engine.step()  # the switch: launches only
-        return step_ms(engine, steps), host_functions(engine.step, steps, top), \
-            sync_points(engine.config.torch_device, engine.step)
+        return host_functions(engine.step, steps, top), sync_points(engine.config.torch_device, engine.step)
     finally:
         engine.config.async_scheduling = False  # the next step collects the one launched last
 
 
-STEPS_PER_POINT = 5  # times --steps: sync timing, cProfile, async timing, async cProfile, and warm-ups
+STEPS_PER_POINT = 3  # times --steps, for the profiles after the timing: cProfile, async cProfile, and warm-ups
 
 
 def profile_point(engine, batch: int, kv_len: int, steps: int, rng: random.Random, top: int) -> dict:
-    """One decode point, its steps synchronous: the step is then its host's work plus its device's;
-    then the same requests' steps with async scheduling."""
+    """One decode point, timed synchronous (the step is then its host's work plus its device's) and
+    with async scheduling, then profiled on fresh requests of the same contexts. Profiling the async
+    steps after the others timed them at contexts `steps` longer a phase: at batch 256 and KV 64 on a
+    CPU that made them look 2.5x slower than the synchronous ones."""
     device = engine.config.torch_device
+    tok_s, async_tok_s = decode_speed(engine, batch, kv_len, steps, rng, compare_async=True)
+    sync_ms, async_ms = 1e3 * batch / tok_s, 1e3 * batch / async_tok_s
     ids = decoding_batch(engine, batch, kv_len, STEPS_PER_POINT * steps + 8, rng)
     try:
-        sync_ms = step_ms(engine, steps)
         graphs = engine.runner.graphs
         size = graphs.size_for(batch) if graphs is not None else None
         if graphs is not None and size in graphs.graphs:
@@ -189,7 +181,7 @@ def profile_point(engine, batch: int, kv_len: int, steps: int, rng: random.Rando
         with torch.inference_mode():
             kernels, launches, kernel_us = kernel_table(device, eager, max(2, steps // 4), top)
         host = host_functions(engine.step, steps, top)
-        async_ms, async_host, async_syncs = async_steps(engine, steps, top)
+        async_host, async_syncs = async_profile(engine, steps, top)
     finally:
         release(engine, ids)
     return {"batch": batch, "kv": kv_len, "captured_size": size, "step_ms": round(sync_ms, 4),
