@@ -187,6 +187,23 @@ def test_every_way_of_copying_blocks_gives_the_runs_copies_bits(layers, device, 
     assert torch.equal(bigger[:, :, 10:], want)
 
 
+def test_a_streamed_transfers_block_ids_go_to_the_device_once(monkeypatch):
+    """Streaming copies the same blocks of each layer in turn: their ids are uploaded for the
+    first layer and read again for the others (kept for the last few transfers, per stream)."""
+    from common.kv_transport import block_copy
+
+    uploads = []
+    monkeypatch.setattr(block_copy, "upload", lambda t, device: uploads.append(t) or t)
+    monkeypatch.setattr(block_copy, "_IDS", {})
+    src, dst = torch.randn(4, 2, 12, 16, 2, 8), torch.zeros(4, 2, 12, 16, 2, 8)
+    for layer in range(4):
+        block_copy.launch_copy(src, [3, 1, 6], dst, [0, 5, 2], slice(layer, layer + 1))
+    assert len(uploads) == 1 and torch.equal(dst[:, :, [0, 5, 2]], src[:, :, [3, 1, 6]])
+    for first in range(block_copy.IDS_KEPT + 2):  # other transfers: uploaded each, the oldest forgotten
+        block_copy.launch_copy(src, [first % 12], dst, [11 - first % 12])
+    assert len(uploads) == 1 + block_copy.IDS_KEPT + 2 and len(block_copy._IDS) == block_copy.IDS_KEPT
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("transport", ["cuda_ipc", "nccl"])
 def test_gpu_transport_delivers_bit_identical_kv(transport):
