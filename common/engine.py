@@ -428,6 +428,17 @@ class Engine:
         sequences they finish."""
         tokens = self.runner.collect(step)
         outputs = []
+        if not step.drafts:  # a token a sequence (asked for every step: the loop below costs 2x)
+            for seq, token, logprob in zip(step.sampled, tokens, step.logprobs):
+                if seq.status is Status.FINISHED:  # aborted, or finished by the step before
+                    continue
+                first = seq.first_token_time is None
+                seq.token_ids.pop()
+                seq.append_token(token, logprob)
+                if seq.finish_reason is not None:
+                    self._finish(seq)
+                outputs.append(self._output(seq, [token], first))
+            tokens = ()
         row = 0
         while row < len(tokens):
             seq, draft = step.sampled[row], step.drafts.get(step.sampled[row], ())
@@ -449,16 +460,20 @@ class Engine:
                 seq.num_computed_tokens += len(new) - 1
                 self.block_manager.cache_computed_blocks(seq)
             if seq.finish_reason is not None:
-                held = seq.finish_reason == PREFILLED
-                self._end(seq, seq.finish_reason, keep_blocks=held)
-                seq.finish_time = time.monotonic()
-                del self.requests[seq.request_id]
-                if held:
-                    self.held[seq.request_id] = seq
+                self._finish(seq)
             outputs.append(self._output(seq, new, first))
         for seq in step.free_after:
             self.block_manager.free_seq(seq)
         return outputs
+
+    def _finish(self, seq: Sequence) -> None:
+        """End a sequence its newest token finished; a prefill-only one keeps its blocks (held)."""
+        held = seq.finish_reason == PREFILLED
+        self._end(seq, seq.finish_reason, keep_blocks=held)
+        seq.finish_time = time.monotonic()
+        del self.requests[seq.request_id]
+        if held:
+            self.held[seq.request_id] = seq
 
     def _output(self, seq: Sequence, new: list[int], first: bool = False) -> RequestOutput:
         finished = seq.status is Status.FINISHED

@@ -239,7 +239,8 @@ class BlockManager:
         seq.block_table += [self._take_free().id for _ in range(self.blocks_needed(len(seq)) - len(seq.block_table))]
 
     def needs_block(self, seq: Sequence) -> bool:
-        return self.blocks_needed(len(seq)) > len(seq.block_table)
+        """Whether its tokens outgrew its blocks (blocks_needed, asked for every decode every step)."""
+        return len(seq.token_ids) > len(seq.block_table) * self.block_size
 
     def append_block(self, seq: Sequence) -> None:
         seq.block_table.append(self._take_free().id)

@@ -82,11 +82,16 @@ class Sequence:
         added, a new list is copied anew (the table only ever grows or is replaced). A step's inputs
         take it at memcpy speed, where a list is converted an int at a time."""
         table, cached = self.block_table, self._table_array
-        if cached is None or cached[0] is not table or len(cached[1]) > len(table):
-            cached = self._table_array = (table, array.array("q", table))
-        elif len(cached[1]) < len(table):
-            cached[1].extend(table[len(cached[1]):])
-        return cached[1]
+        if cached is not None and cached[0] is table:  # (asked for every decode every step)
+            copy = cached[1]
+            have = len(copy)
+            if have == len(table):
+                return copy
+            if have < len(table):
+                copy.extend(table[have:])
+                return copy
+        self._table_array = (table, array.array("q", table))
+        return self._table_array[1]
 
     def hash_chain(self, blocks: int, block_size: int) -> list[bytes]:
         """The prefix-cache hashes of its first `blocks` blocks, which must be full and settled (or
