@@ -27,12 +27,17 @@ set -u
 # one session had 900 s of device time: `BUDGET=540 ... verify` (545 s) and, on the warm machine, the
 # batch-256 point and `bench handoff` (152 s); results in bench/results/h100-llama1b-2026-11-27/.
 # Next: `BUDGET=540 ... verify` with timeout_s 600 again. It now answers what that run left open:
-# - where a 2,048-token prefill's 5 ms of idle device goes (step-profile's prefill Python functions);
-# - why async scheduling was 2.3x slower than sync at batch 256 (step-profile at 256: its async
-#   steps' Python functions);
+# - where a 2,048-token prefill's 5 ms of idle device goes (step-profile's prefill Python functions,
+#   sync points, and the caching allocator's retries and segments in one prefill); 2026-11-28 cut
+#   its host work before the forward 1.3-1.6x on the CPU machine;
+# - why async scheduling was 2.3x slower than sync at batch 256 (step-profile at 256 now times both
+#   in alternating blocks, after warm async steps, and counts the allocator's events; its async
+#   timing was taken at 3-4x longer contexts, which on a CPU made async look 2.5x slower);
 # - how much of a cuda_ipc transfer's 0.45 ms over a plain copy is the host's (transfer's
 #   "header sent" row), and how much of streaming's 1.5x prefill is its layer hooks' host time
-#   (handoff's "its streaming's host time");
+#   (handoff's "its streaming's host time"); since 2026-11-28 a decode worker opens a writer's ring
+#   of IPC events at its first transfer, not one per transfer for the first 64, and a streamed
+#   transfer uploads its block ids once, not once per layer;
 # - the speculative GPU test with drafts that exist (plain decoding's own tokens);
 # - whether 64 and 128 rows on 2 warps keep a decode tile's bits (attention-tiles), which tile auto
 #   now takes by speed (bench engine's header; step-profile's prefill split kernel), and the

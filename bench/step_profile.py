@@ -11,7 +11,9 @@ kernel mode, on requests decoding with about `kv_len` tokens cached:
   by events (on a CPU, or without graphs, the eager forward on the same inputs);
 - the host's share: the step less the device's, and the Python functions that spend it (cProfile
   over the same steps, by own time);
-- the async step's Python functions by own time, and where it waits for the device;
+- the async step's Python functions by own time, where it waits for the device, and what torch's
+  caching allocator did in its steps (a retried allocation, or a segment taken from or given back
+  to the device, leaves the device idle: the same for a prefill);
 - the forward's kernels, by device time per step (torch.profiler over eager forwards of the captured
   shape, which launch the kernels the graph holds: a graph's replay hides them from the profiler
   on some CUDA versions). Their sum against the graph's replay is what launching costs inside it.
@@ -143,13 +145,32 @@ def sync_points(device: torch.device, fn) -> list[str]:
     return [f"{at} x{n}" for at, n in sorted(where.items())]
 
 
-def async_profile(engine, steps: int, top: int) -> tuple[list[dict], list[str]]:
-    """The Python functions of `steps` steps with async scheduling, and where one more waits for
-    the device (sync_points)."""
+ALLOCATOR_EVENTS = ("num_alloc_retries", "num_device_alloc", "num_device_free")
+
+
+def allocator_events(device: torch.device, fn) -> dict[str, int]:
+    """What torch's caching allocator did during fn(), where each such event makes the device idle:
+    retries after a failed cudaMalloc (the cache is freed first: a device-wide sync), and
+    segments taken from and given back to the device (cudaMalloc, cudaFree). Empty on a CPU."""
+    if device.type != "cuda":
+        fn()
+        return {}
+    before = torch.cuda.memory_stats(device)
+    fn()
+    after = torch.cuda.memory_stats(device)
+    return {key: after.get(key, 0) - before.get(key, 0) for key in ALLOCATOR_EVENTS}
+
+
+def async_profile(engine, steps: int, top: int) -> tuple[list[dict], list[str], dict[str, int]]:
+    """The Python functions of `steps` steps with async scheduling, where one more waits for the
+    device (sync_points), and what the allocator did in those steps (allocator_events)."""
     engine.config.async_scheduling = True
     try:
         engine.step()  # the switch: launches only
-        return host_functions(engine.step, steps, top), sync_points(engine.config.torch_device, engine.step)
+        host: list[dict] = []
+        events = allocator_events(engine.config.torch_device,
+                                  lambda: host.extend(host_functions(engine.step, steps, top)))
+        return host, sync_points(engine.config.torch_device, engine.step), events
     finally:
         engine.config.async_scheduling = False  # the next step collects the one launched last
 
@@ -181,14 +202,15 @@ def profile_point(engine, batch: int, kv_len: int, steps: int, rng: random.Rando
         with torch.inference_mode():
             kernels, launches, kernel_us = kernel_table(device, eager, max(2, steps // 4), top)
         host = host_functions(engine.step, steps, top)
-        async_host, async_syncs = async_profile(engine, steps, top)
+        async_host, async_syncs, async_allocator = async_profile(engine, steps, top)
     finally:
         release(engine, ids)
     return {"batch": batch, "kv": kv_len, "captured_size": size, "step_ms": round(sync_ms, 4),
             "forward_ms": round(forward_ms, 4), "sample_ms": round(sample_ms, 4),
             "host_ms": round(sync_ms - forward_ms - sample_ms, 4), "kernels_per_forward": launches,
             "kernel_ms": round(kernel_us / 1e3, 4), "kernels": kernels, "host_functions": host,
-            "async_step_ms": round(async_ms, 4), "async_host_functions": async_host, "async_sync_points": async_syncs}
+            "async_step_ms": round(async_ms, 4), "async_host_functions": async_host, "async_sync_points": async_syncs,
+            "async_allocator": async_allocator}
 
 
 def profile_prefill(engine, tokens: int, repeats: int, rng: random.Random, top: int) -> dict:
@@ -201,10 +223,16 @@ def profile_prefill(engine, tokens: int, repeats: int, rng: random.Random, top: 
                                                     repeats, top)
         host = host_functions(lambda: engine.generate(prompt, params), repeats, top)
         syncs = sync_points(engine.config.torch_device, lambda: engine.generate(prompt, params))
+        allocator = allocator_events(engine.config.torch_device, lambda: engine.generate(prompt, params))
     flops = prefill_flops(engine, tokens)
     return {"tokens": tokens, "ms": round(1e3 * seconds, 3), "tflop_s": sig(flops / seconds / 1e12),
             "kernels_per_prefill": launches, "kernel_ms": round(kernel_us / 1e3, 4), "kernels": kernels,
-            "host_functions": host, "sync_points": syncs}
+            "host_functions": host, "sync_points": syncs, "allocator": allocator}
+
+
+def _events(events: dict[str, int]) -> str:
+    return (f"retried {events.get('num_alloc_retries', 0)} failed allocations, took "
+            f"{events.get('num_device_alloc', 0)} segments and gave back {events.get('num_device_free', 0)}")
 
 
 def run_step_profile(engine_kwargs: dict, batch_sizes: list[int], kv_len: int, steps: int, seed: int,
@@ -264,7 +292,8 @@ def run_step_profile(engine_kwargs: dict, batch_sizes: list[int], kv_len: int, s
                          for r in p["async_host_functions"]])
             if device.type == "cuda":
                 print(f"{name.replace('_', ' ')}, batch {p['batch']}, async: the host waits for the device (torch's "
-                      f"sync debug mode) at: {', '.join(p['async_sync_points']) or 'nowhere'}")
+                      f"sync debug mode) at: {', '.join(p['async_sync_points']) or 'nowhere'}; in {steps} steps the "
+                      f"allocator {_events(p['async_allocator'])}")
     for name, p in prefills.items():
         print_table(f"prefill of one {p['tokens']}-token prompt, {name.replace('_', ' ')}: {p['ms']:.2f} ms, "
                     f"{p['tflop_s']:.3g} TFLOP/s; {p['kernels_per_prefill']} kernels, {p['kernel_ms']:.2f} ms of "
@@ -276,7 +305,7 @@ def run_step_profile(engine_kwargs: dict, batch_sizes: list[int], kv_len: int, s
                     [[r["function"][:90], f"{r['calls']:g}", f"{r['us']:.1f}"] for r in p["host_functions"]])
         if device.type == "cuda":
             print(f"prefill, {name.replace('_', ' ')}: the host waits for the device (torch's sync debug mode) at: "
-                  f"{', '.join(p['sync_points']) or 'nowhere'}")
+                  f"{', '.join(p['sync_points']) or 'nowhere'}; in one prefill the allocator {_events(p['allocator'])}")
     result = {"bench": "step_profile", "model": engine.config.model, "device": str(device),
               "dtype": engine.config.dtype, "kv_len": kv_len, "steps": steps, "modes": results}
     if prefills:
