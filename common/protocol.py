@@ -287,6 +287,10 @@ class KVReserve:
     num_tokens: int
     layout: dict
     max_len: int = 0  # the longest the sequence may grow (prompt + max_tokens, before the decode worker's cap)
+    # the asking prefill worker's host and process: where its blocks are fenced against a one-sided
+    # writer (shm, cuda_ipc), they come back as soon as that process is gone, not at the lease's end
+    writer_host: str = ""
+    writer_pid: int = 0
 
 
 @dataclass

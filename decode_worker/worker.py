@@ -36,6 +36,7 @@ from common.channel import Channel, Envelope
 from common.engine import RequestOutput
 from common.errors import InvalidArgument
 from common.kv_transport import Inbox, make_receivers, offered, tune_malloc
+from common.kv_transport.mapped import HOSTNAME, process_gone
 from common.sampling_params import SamplingParams
 from common.worker import STALLED_POLL_MS, WorkerBase
 
@@ -63,7 +64,13 @@ class Reservation:
     block_ids: list[int]
     expires: float
     granted_at: float
+    writer: tuple[str, int] = ("", 0)  # the asking prefill worker's (host, pid): KVReserve's
     inbox: Inbox | None = None  # made by the first KVChunk or the KVTransfer
+
+    def writer_gone(self) -> bool:
+        """Whether its writer was a process of this host that has exited: fenced blocks need not
+        wait for the lease's end (a stopped writer may resume, and checks its lease; a dead one cannot)."""
+        return self.writer[0] == HOSTNAME and process_gone(self.writer[1])
 
 
 class DecodeWorker(WorkerBase):
@@ -236,7 +243,8 @@ class DecodeWorker(WorkerBase):
             self._drop(rid)  # an older attempt of this request, if any
             blocks = None if self.queued else self.engine.reserve(msg.num_tokens, rid)  # none ahead of it: now
             if blocks is not None:
-                self.reservations[rid] = Reservation(msg.attempt, blocks, now + self.cfg.kv_lease_s, now)
+                self.reservations[rid] = Reservation(msg.attempt, blocks, now + self.cfg.kv_lease_s, now,
+                                                     (msg.writer_host, msg.writer_pid))
                 return self._grant(sender, msg, blocks)
             self.queued[rid] = Queued(sender, msg, now)
         refuse("BUSY", f"queued, {len(self.queued)} waiting: no free KV blocks or batch slots now")
@@ -265,7 +273,8 @@ class DecodeWorker(WorkerBase):
             blocks = self.engine.reserve(q.msg.num_tokens, rid)
             if blocks is not None:
                 del self.queued[rid]
-                self.reservations[rid] = Reservation(q.attempt, blocks, now + self.cfg.kv_lease_s, now)
+                self.reservations[rid] = Reservation(q.attempt, blocks, now + self.cfg.kv_lease_s, now,
+                                                     (q.msg.writer_host, q.msg.writer_pid))
                 self._grant(q.sender, q.msg, blocks)
             elif self.engine.scheduler.refuses_all(self.engine.num_reserved_seqs):
                 break
@@ -397,8 +406,9 @@ class DecodeWorker(WorkerBase):
                 self.arriving.pop(rid, None)
                 self.engine.unreserve(r.block_ids)
         for key, r in list(self.fenced.items()):
-            # no writer writes past its lease; a cuda_ipc header's copies end with its event
-            if now > r.expires or (r.inbox is not None and r.inbox.fence is not None and not r.inbox.writing()):
+            # no writer writes past its lease, nor once it exited; a cuda_ipc header's copies end with its event
+            if now > r.expires or (r.inbox is not None and r.inbox.fence is not None and not r.inbox.writing()) \
+                    or r.writer_gone():
                 del self.fenced[key]
                 self.engine.unreserve(r.block_ids)
         for receiver in self.receivers.values():

@@ -42,6 +42,7 @@ address would otherwise keep its socket reconnecting and its process group open 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -52,6 +53,7 @@ from common.channel import Channel, Envelope
 from common.engine import RequestOutput
 from common.errors import InvalidArgument
 from common.kv_transport import Handle, Outgoing, TransportError, choose, make_senders, offered, tune_malloc
+from common.kv_transport.mapped import HOSTNAME
 from common.sampling_params import SamplingParams
 from common.scheduler import ScheduledSeq
 from common.worker import WorkerBase
@@ -237,7 +239,8 @@ class PrefillWorker(WorkerBase):
     def _ask(self, rid: str, t: Transfer) -> bool:
         try:
             self._peer(t.work.decode_kv_address).send(
-                P.KVReserve(rid, t.work.attempt, len(t.work.token_ids), self.engine.kv_layout, t.max_len))
+                P.KVReserve(rid, t.work.attempt, len(t.work.token_ids), self.engine.kv_layout, t.max_len, HOSTNAME,
+                            os.getpid()))
             return True
         except zmq.ZMQError:  # our queue to it is full: unlogged (20 a second to a stuck peer)
             return False

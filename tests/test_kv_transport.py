@@ -729,6 +729,39 @@ def test_cuda_ipc_decodes_once_the_writers_event_completed_and_fails_when_it_can
     assert receiver.settle(inbox) and inbox.complete and inbox.error is None
 
 
+def test_blocks_fenced_against_a_writer_come_back_once_its_process_is_gone():
+    """A reservation dropped while a one-sided writer (shm here) may still write its blocks is
+    fenced until its lease ends: a stopped writer may resume (and checks its lease). A writer of
+    this host whose process has exited, a zombie not yet reaped included, writes nothing more:
+    its blocks come back at the next tick. One of another host, or alive, stays fenced."""
+    from common.kv_transport.mapped import HOSTNAME
+    from decode_worker.worker import DecodeWorker
+
+    worker = DecodeWorker(WorkerConfig(router="tcp://127.0.0.1:9", engine=EngineConfig(model="dummy:nanogpt",
+                                                                                     kv_transport="shm")))
+    writer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        layout, free = worker.engine.kv_layout, worker.engine.block_manager.num_free_blocks
+        for rid, host in (("here", HOSTNAME), ("there", "another-host")):
+            for attempt in (1, 2):  # the second: the router's next attempt, after the writer fell silent
+                worker._reserve(b"peer", P.KVReserve(rid, attempt, 40, layout, 0, host, writer.pid))
+        assert set(worker.fenced) == {("here", 1), ("there", 1)}
+        worker.on_tick(time.monotonic())
+        assert set(worker.fenced) == {("here", 1), ("there", 1)}  # its writer is alive
+        writer.kill()
+        deadline = time.monotonic() + 10
+        while open(f"/proc/{writer.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":  # dead, not reaped
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        worker.on_tick(time.monotonic())
+        assert set(worker.fenced) == {("there", 1)}
+        assert worker.engine.block_manager.num_free_blocks == free - 3 * 3  # 40 tokens and one: 3 blocks each
+    finally:
+        writer.kill()
+        writer.wait()
+        worker.close()
+
+
 def test_a_cuda_ipc_headers_blocks_come_back_only_once_its_event_completed():
     """The header comes ahead of the copies, so blocks it names may still be being written: a
     cancel then, or a header refused, fences them until its event completes (another request

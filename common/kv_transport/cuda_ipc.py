@@ -43,7 +43,7 @@ from common.errors import first_line
 from common.kv_transport.base import Handle, Inbox, Outgoing
 from common.kv_transport.block_copy import warm_up
 from common.kv_transport.jobs import on_stream
-from common.kv_transport.mapped import MappedReceiver, MappedSender
+from common.kv_transport.mapped import MappedReceiver, MappedSender, process_gone
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class CudaIpcSender(MappedSender):
 
     def _gone(self, key: str) -> bool:
         pid = getattr(self.maps.get(key), "pid", None)
-        return pid is not None and not os.path.exists(f"/proc/{pid}")
+        return pid is not None and process_gone(pid)
 
     def _stream(self, device: torch.device) -> torch.cuda.Stream:
         return self.streams.get(device) or self.streams.setdefault(device, torch.cuda.Stream(device))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import os
 import socket
 import time
 
@@ -23,6 +24,20 @@ from common.kv_transport.block_copy import copy_blocks
 from common.kv_transport.jobs import JobThread, run_now, written
 
 HOSTNAME = socket.gethostname()
+
+
+def process_gone(pid: int) -> bool:
+    """Whether process pid of this host has exited (a zombie not yet reaped included): a one-sided
+    writer that has writes nothing more. False where it cannot tell (no pid, no /proc)."""
+    if pid <= 0:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return os.path.isdir("/proc/self")  # /proc is there and has no such process
+    except OSError:
+        return False
 
 
 class MappedSender(Sender):
