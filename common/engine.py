@@ -428,7 +428,7 @@ class Engine:
         sequences they finish."""
         tokens = self.runner.collect(step)
         outputs = []
-        if not step.drafts:  # a token a sequence (asked for every step: the loop below costs 2x)
+        if not step.drafts:  # a token a sequence, every step: in one zip (_collect_drafts' loop costs 2x)
             for seq, token, logprob in zip(step.sampled, tokens, step.logprobs):
                 if seq.status is Status.FINISHED:  # aborted, or finished by the step before
                     continue
@@ -438,7 +438,15 @@ class Engine:
                 if seq.finish_reason is not None:
                     self._finish(seq)
                 outputs.append(self._output(seq, [token], first))
-            tokens = ()
+        else:
+            self._collect_drafts(step, tokens, outputs)
+        for seq in step.free_after:
+            self.block_manager.free_seq(seq)
+        return outputs
+
+    def _collect_drafts(self, step: LaunchedStep, tokens: list[int], outputs: list[RequestOutput]) -> None:
+        """_collect for a step with speculative decodes: a row per token, a draft's kept while each
+        is the token sampled before it."""
         row = 0
         while row < len(tokens):
             seq, draft = step.sampled[row], step.drafts.get(step.sampled[row], ())
@@ -462,9 +470,6 @@ class Engine:
             if seq.finish_reason is not None:
                 self._finish(seq)
             outputs.append(self._output(seq, new, first))
-        for seq in step.free_after:
-            self.block_manager.free_seq(seq)
-        return outputs
 
     def _finish(self, seq: Sequence) -> None:
         """End a sequence its newest token finished; a prefill-only one keeps its blocks (held)."""
