@@ -207,8 +207,7 @@ def attention_label(engine: Engine) -> str:
         return attention.name
     from common.attention.triton_paged import PREFILL_ROWS, tile_name
 
-    tile = tile_name(attention.prefill_tile) if attention.prefill_tile else f"{PREFILL_ROWS} rows"
-    return f"triton (prefill tiles of {tile})"
+    return f"triton (prefill tiles of {tile_name(attention.prefill_tile or (PREFILL_ROWS, 0))})"
 
 
 def engine_for_bench(engine_kwargs: dict, max_batch: int, seq_len: int, prefill_len: int) -> Engine:

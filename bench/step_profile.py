@@ -148,17 +148,17 @@ def sync_points(device: torch.device, fn) -> list[str]:
 ALLOCATOR_EVENTS = ("num_alloc_retries", "num_device_alloc", "num_device_free")
 
 
-def allocator_events(device: torch.device, fn) -> dict[str, int]:
-    """What torch's caching allocator did during fn(), where each such event makes the device idle:
-    retries after a failed cudaMalloc (the cache is freed first: a device-wide sync), and
-    segments taken from and given back to the device (cudaMalloc, cudaFree). Empty on a CPU."""
+def allocator_events(device: torch.device, fn) -> tuple[object, dict[str, int]]:
+    """fn()'s result, and what torch's caching allocator did during it, where each such event makes
+    the device idle: retries after a failed cudaMalloc (the cache is freed first: a device-wide
+    sync), and segments taken from and given back to the device (cudaMalloc, cudaFree). No events
+    on a CPU."""
     if device.type != "cuda":
-        fn()
-        return {}
+        return fn(), {}
     before = torch.cuda.memory_stats(device)
-    fn()
+    result = fn()
     after = torch.cuda.memory_stats(device)
-    return {key: after.get(key, 0) - before.get(key, 0) for key in ALLOCATOR_EVENTS}
+    return result, {key: after.get(key, 0) - before.get(key, 0) for key in ALLOCATOR_EVENTS}
 
 
 def async_profile(engine, steps: int, top: int) -> tuple[list[dict], list[str], dict[str, int]]:
@@ -167,9 +167,7 @@ def async_profile(engine, steps: int, top: int) -> tuple[list[dict], list[str], 
     engine.config.async_scheduling = True
     try:
         engine.step()  # the switch: launches only
-        host: list[dict] = []
-        events = allocator_events(engine.config.torch_device,
-                                  lambda: host.extend(host_functions(engine.step, steps, top)))
+        host, events = allocator_events(engine.config.torch_device, lambda: host_functions(engine.step, steps, top))
         return host, sync_points(engine.config.torch_device, engine.step), events
     finally:
         engine.config.async_scheduling = False  # the next step collects the one launched last
@@ -223,7 +221,7 @@ def profile_prefill(engine, tokens: int, repeats: int, rng: random.Random, top: 
                                                     repeats, top)
         host = host_functions(lambda: engine.generate(prompt, params), repeats, top)
         syncs = sync_points(engine.config.torch_device, lambda: engine.generate(prompt, params))
-        allocator = allocator_events(engine.config.torch_device, lambda: engine.generate(prompt, params))
+        _, allocator = allocator_events(engine.config.torch_device, lambda: engine.generate(prompt, params))
     flops = prefill_flops(engine, tokens)
     return {"tokens": tokens, "ms": round(1e3 * seconds, 3), "tflop_s": sig(flops / seconds / 1e12),
             "kernels_per_prefill": launches, "kernel_ms": round(kernel_us / 1e3, 4), "kernels": kernels,
@@ -287,7 +285,8 @@ def run_step_profile(engine_kwargs: dict, batch_sizes: list[int], kv_len: int, s
                         ["function", "calls", "µs"],
                         [[r["function"][:90], f"{r['calls']:g}", f"{r['us']:.1f}"] for r in p["host_functions"]])
             print_table(f"{name.replace('_', ' ')}, batch {p['batch']}: with async scheduling, "
-                        f"{p['async_step_ms']:.3f} ms a step: its Python functions by own time per step", ["function", "calls", "µs"],
+                        f"{p['async_step_ms']:.3f} ms a step: its Python functions by own time per step",
+                        ["function", "calls", "µs"],
                         [[r["function"][:90], f"{r['calls']:g}", f"{r['us']:.1f}"]
                          for r in p["async_host_functions"]])
             if device.type == "cuda":

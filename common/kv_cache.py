@@ -232,7 +232,7 @@ class BlockManager:
             else:
                 block.ref_count += 1
             seq.block_table.append(block_id)
-        seq.block_hashes = [h for h, _ in hits]
+        seq.num_published_blocks = len(hits)
         seq.num_computed_tokens = seq.num_cached_tokens = len(hits) * self.block_size
         self.prefix_queries += len(seq)
         self.prefix_hits += seq.num_cached_tokens
@@ -250,13 +250,13 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        start, end = len(seq.block_hashes), seq.num_computed_tokens // bs
+        start, end = seq.num_published_blocks, seq.num_computed_tokens // bs
         if end <= start:
             return
         chain = seq.hash_chain(end, bs)
+        seq.num_published_blocks = end
         for i in range(start, end):
             h = chain[i]
-            seq.block_hashes.append(h)
             block = self.blocks[seq.block_table[i]]
             if block.hash is None:
                 block.hash, block.token_ids = h, tuple(seq.token_ids[i * bs:(i + 1) * bs])
@@ -282,5 +282,5 @@ class BlockManager:
         # Last blocks first, so a sequence's tail is reused before its (more shareable) head.
         self.release_blocks(seq.block_table)
         seq.block_table = []
-        seq.block_hashes = []
+        seq.num_published_blocks = 0
         seq.num_computed_tokens = 0

@@ -12,21 +12,26 @@ from array import array
 PREFIX_HASH_SEED = hashlib.blake2b(b"pdserve/prefix-cache/v1", digest_size=16).digest()
 
 
+def _digest(prev: bytes, tokens_int64) -> bytes:
+    return hashlib.blake2b(prev + tokens_int64, digest_size=16).digest()
+
+
 def block_hash(prev: bytes, token_ids) -> bytes:
-    return hashlib.blake2b(prev + array("q", token_ids).tobytes(), digest_size=16).digest()
+    """The hash of a block of these tokens after the block hashed `prev`."""
+    return _digest(prev, array("q", token_ids).tobytes())
 
 
 def extend_chain(chain: list[bytes], token_ids: list[int], block_size: int, blocks: int) -> list[bytes]:
     """chain (the hashes of token_ids' first len(chain) blocks) continued, in place, to their first
-    `blocks` blocks, which must be full: their tokens converted to int64 at once, then a digest a
-    block (block_hash's, a block at a time: 1.5x as long)."""
+    `blocks` blocks, which must be full: block_hash's, their tokens converted to int64 at once
+    (block_hash a block at a time takes 1.5x as long)."""
     have = len(chain)
     if blocks > have:
         step = 8 * block_size
         raw = memoryview(array("q", token_ids[have * block_size:blocks * block_size])).cast("B")
-        prev, blake2b = chain[-1] if chain else PREFIX_HASH_SEED, hashlib.blake2b
+        prev = chain[-1] if chain else PREFIX_HASH_SEED
         for offset in range(0, len(raw), step):
-            prev = blake2b(prev + raw[offset:offset + step], digest_size=16).digest()
+            prev = _digest(prev, raw[offset:offset + step])
             chain.append(prev)
     return chain
 

@@ -45,8 +45,8 @@ class Sequence:
         self.block_table: list[int] = []
         self._table_array: tuple[list[int], array.array] | None = None  # (the list it copies, the copy)
         self._settled = array.array("q")  # token_ids but the newest, as int64 (settled_tokens)
-        self.block_hashes: list[bytes] = []  # hash chain of the full blocks whose KV is computed
-        self._chain: list[bytes] = []  # hash_chain's, which outlives a preemption (block_hashes does not)
+        self._chain: list[bytes] = []  # hash_chain's: its full blocks' prefix-cache hashes so far
+        self.num_published_blocks = 0  # its leading blocks whose KV is computed and hash published (kv_cache.py)
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_cached_tokens = 0  # of those, found by prefix caching at admission
         self.num_preemptions = 0

@@ -44,6 +44,7 @@ log = logging.getLogger("pdserve.decode")
 SPIN_S = 0.005  # after a header whose copies we poll for (cuda_ipc's event), the loop does not sleep this long
 KV_INGRESS = "this is a decode worker's KV ingress; clients connect to the router's client port (its --port)"
 QUEUE_STALE_S = 5.0  # a queued reservation not asked about again this long is dropped (its prefill is gone)
+WRITERS_CHECKED_S = 0.2  # fenced blocks' writers are looked up in /proc this often, not every step
 
 
 @dataclass
@@ -95,6 +96,7 @@ class DecodeWorker(WorkerBase):
         self.queued: dict[str, Queued] = {}  # request id -> reservation waiting for room, in arrival order
         self._room_seen: tuple | None = None  # the room the queue was last tried against
         self.fenced: dict[tuple[str, int], Reservation] = {}  # (request id, attempt): dropped, maybe being written
+        self.writers_checked = 0.0  # when the fenced blocks' writers were last looked for (WRITERS_CHECKED_S)
         self.spin_until = 0.0  # (poll_timeout)
         self.arriving: dict[str, tuple[P.KVTransfer, bytes]] = {}  # header in, the transport still settling
         self.streams: dict[str, tuple[int, dict]] = {}  # request id -> (attempt, timings)
@@ -405,10 +407,13 @@ class DecodeWorker(WorkerBase):
                 del self.reservations[rid]
                 self.arriving.pop(rid, None)
                 self.engine.unreserve(r.block_ids)
+        check_writers = self.fenced and now - self.writers_checked >= WRITERS_CHECKED_S
+        if check_writers:
+            self.writers_checked = now
         for key, r in list(self.fenced.items()):
             # no writer writes past its lease, nor once it exited; a cuda_ipc header's copies end with its event
             if now > r.expires or (r.inbox is not None and r.inbox.fence is not None and not r.inbox.writing()) \
-                    or r.writer_gone():
+                    or (check_writers and r.writer_gone()):
                 del self.fenced[key]
                 self.engine.unreserve(r.block_ids)
         for receiver in self.receivers.values():

@@ -735,7 +735,7 @@ def test_blocks_fenced_against_a_writer_come_back_once_its_process_is_gone():
     this host whose process has exited, a zombie not yet reaped included, writes nothing more:
     its blocks come back at the next tick. One of another host, or alive, stays fenced."""
     from common.kv_transport.mapped import HOSTNAME
-    from decode_worker.worker import DecodeWorker
+    from decode_worker.worker import WRITERS_CHECKED_S, DecodeWorker
 
     worker = DecodeWorker(WorkerConfig(router="tcp://127.0.0.1:9", engine=EngineConfig(model="dummy:nanogpt",
                                                                                      kv_transport="shm")))
@@ -753,7 +753,7 @@ def test_blocks_fenced_against_a_writer_come_back_once_its_process_is_gone():
         while open(f"/proc/{writer.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":  # dead, not reaped
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        worker.on_tick(time.monotonic())
+        worker.on_tick(time.monotonic() + WRITERS_CHECKED_S)  # its writers are looked up that often
         assert set(worker.fenced) == {("there", 1)}
         assert worker.engine.block_manager.num_free_blocks == free - 3 * 3  # 40 tokens and one: 3 blocks each
     finally:

@@ -15,9 +15,9 @@ given up, once finish(release=True) waited for the event on the host before KVRe
 from a ring per device (RING); one recorded again before a peer polled it only makes that peer
 wait for later copies as well. The first header to a pool also lists the whole ring, which the
 decode worker opens on its next tick, after that transfer's own: no later transfer waits for its
-event to be opened (a ring's worth of transfers would otherwise each open one). A copy queued before the lease's end may run on the GPU after it:
-the GPU runs behind the host by a step or two, well inside the lease's margin
-(prefill_worker/worker.py: LEASE_MARGIN_S).
+event to be opened (a ring's worth of transfers would otherwise each open one). A copy queued
+before the lease's end may run on the GPU after it: the GPU runs behind the host by a step or
+two, well inside the lease's margin (prefill_worker/worker.py: LEASE_MARGIN_S).
 A peer on another GPU, in this process (an IPC event cannot be opened where it was made), or that
 does not say in its advert that it polls events, is copied to from the transport's thread, which
 synchronises before the header goes.
