@@ -18,10 +18,12 @@ import torch
 from bench.report import print_json, print_table
 from common.attention import triton_paged as tp
 
-# (BLOCK_N keys a step, SPLIT keys a split, launch): SPLIT also fixes a row's arithmetic (its splits),
-# and sets how many programs share a short context's keys (at batch 1 a split is a chain of steps)
-DECODE = [(64, 256, {}), (64, 256, {"num_warps": 4, "num_stages": 1}), (128, 256, {}), (64, 128, {}),
-          (128, 512, {})]
+# (BLOCK_N keys a step, SPLIT keys a split, launch, PROGRAMS): SPLIT also fixes a row's arithmetic (its
+# splits), and sets how many programs share a short context's keys (at batch 1 a split is a chain of
+# steps). PROGRAMS caps a decode launch's lanes (split_lanes); 1 << 30 gives every tile LANES of them
+# whatever the batch, as before 2026-11-28 (those past a short context's splits start and end at once)
+DECODE = [(64, 256, {}, tp.PROGRAMS), (64, 256, {}, 1 << 30), (64, 256, {"num_warps": 4, "num_stages": 1}, tp.PROGRAMS),
+          (128, 256, {}, tp.PROGRAMS), (64, 128, {}, tp.PROGRAMS), (128, 512, {}, tp.PROGRAMS)]
 # (rows, launch). On an H100 (2026-11-27) 64 and 128 rows on 4 or 8 warps gave other bits than a
 # decode's 16-row tile: those shapes take Hopper's warpgroup products (wgmma), a 16-row tile the
 # older mma. Fewer warps than 4 keep the older mma at any row count, which may keep the bits.
@@ -60,15 +62,16 @@ def main():
         lens = torch.full((b,), kv, device=device)
         q = torch.randn(b, H, D, generator=gen, device=device).bfloat16()
         row = [f"b{b} kv{kv}", f"{1e6 * 2 * b * kv * K * D * 2 / read_bps:.1f}"]
-        for tile, split, launch in DECODE:
-            tp.BLOCK_N, tp.SPLIT, tp.SPLIT_LAUNCH = tile, split, launch
-            row.append(time_us(f"b{b}_kv{kv}/N{tile}/S{split}/{launch}", lambda: tp.paged_attention(
+        for tile, split, launch, programs in DECODE:
+            tp.BLOCK_N, tp.SPLIT, tp.SPLIT_LAUNCH, tp.PROGRAMS = tile, split, launch, programs
+            row.append(time_us(f"b{b}_kv{kv}/N{tile}/S{split}/{launch}/P{programs}", lambda: tp.paged_attention(
                 q, k_cache, v_cache, tables, tp.decode_tiles(lens), lens - 1, D ** -0.5)))
-        tp.SPLIT = split_keys
+        tp.SPLIT, tp.PROGRAMS = split_keys, DECODE[0][3]
         rows.append(row)
         print(row, flush=True)
+    names = [f"N{t} S{s} {l}" + ("" if p == tp.PROGRAMS else " every lane") for t, s, l, p in DECODE]
     print_table(f"decode attention per layer (llama-1b heads, bf16, CUDA graphs), µs; floor = K/V bytes / "
-                f"{read_bps / 1e9:,.0f} GB/s", ["point", "floor"] + [f"N{t} S{s} {l}" for t, s, l in DECODE], rows)
+                f"{read_bps / 1e9:,.0f} GB/s", ["point", "floor"] + names, rows)
 
     # one 2,048-token prompt's chunk, its keys in the pool: each prefill tile shape's time, and
     # whether its rows have the bits of one-token decode tiles (the batch-invariance promise)

@@ -108,20 +108,18 @@ class Engine:
         self._ids = itertools.count()
 
     def _warm_up_attention(self) -> None:
-        """On CUDA, compile the Triton attention's variants for every context width now: each is a
-        second or so the first time, and a serving step would wait for it."""
+        """On CUDA, compile the Triton attention's kernels now: a second or so each the first time,
+        and a serving step would wait for it."""
         attention = self.model.layers[0].attention
         if self.config.torch_device.type != "cuda" or not hasattr(attention, "warm_up"):
             return
         t0 = time.perf_counter()
         try:
-            variants = attention.warm_up(self.kv_cache[0, 0], self.kv_cache[0, 1],
-                                         -(-self.max_model_len // self.config.block_size))
+            tiles = attention.warm_up(self.kv_cache[0, 0], self.kv_cache[0, 1])
         except Exception as e:  # what fails here fails in a step too; the log says where it began
-            log.warning("Triton attention: compiling its variants failed (%s)", first_line(e))
+            log.warning("Triton attention: compiling its kernels failed (%s)", first_line(e))
             return
-        log.info("Triton attention: compiled for up to %d KV splits (%d variants) in %.1f s", variants[-1],
-                 len(variants), time.perf_counter() - t0)
+        log.info("Triton attention: compiled for %s tiles in %.1f s", " and ".join(tiles), time.perf_counter() - t0)
 
     def set_batch_invariant(self, on: bool) -> None:
         """Batch-invariant kernels (common/batch_invariant.py) or torch's ops, then the decode

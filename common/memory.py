@@ -113,9 +113,9 @@ SAMPLER_BYTES_PER_LOGIT = 64
 def decode_graph_bytes(mc, max_num_seqs: int, max_model_len: int, dtype_bytes: int, split: int = 256) -> int:
     """What the CUDA graphs of the decode step keep in their pools (common/cuda_graphs.py): one
     step's activations for max_num_seqs rows, the Triton attention's partial results for a full
-    context (a CUDA graph's static layout: the tables' width in splits, a power of two), and the
+    context (a CUDA graph's static layout: the tables' width in splits), and the
     captured samplers' own pool, which the filtered sampler's peak sizes."""
-    splits = 1 << max(0, (-(-max_model_len // split) - 1).bit_length())
+    splits = -(-max_model_len // split)
     return (step_activation_bytes(mc, max_num_seqs, max_num_seqs, 0, dtype_bytes)
             + split_partial_bytes(mc, max_num_seqs, splits)
             + max_num_seqs * mc.vocab_size * SAMPLER_BYTES_PER_LOGIT)

@@ -108,30 +108,71 @@ def test_triton_decode_is_batch_invariant(monkeypatch):
         assert torch.equal(alone[0], batched[i]) and torch.equal(wide[0], batched[i]), (i, n)
 
 
-def test_triton_warm_up_launches_every_split_variant_a_context_can_need(monkeypatch):
-    """An engine on CUDA compiles the attention's variants at start (one per MAX_SPLITS, a table's
-    width rounded up to a power of two of splits), so that no serving step waits on a compile."""
+def test_triton_warm_up_compiles_a_decodes_tiles_and_a_prefills_where_they_differ(monkeypatch):
+    """An engine on CUDA compiles the attention at start, so that no serving step waits on a
+    compile: a launch in a decode's tiles and, where a prefill's differ, one in those. The kernels
+    loop over a tile's own splits, so one variant serves every context."""
     pytest.importorskip("triton")
     from common.attention import triton_paged as tp
-    from common.triton_support import pow2
 
     launched = []
     launch = tp.paged_attention
-    monkeypatch.setattr(tp, "paged_attention", lambda q, k, v, tables, *rest, decode_tiles, prefill_tile: (
-        launched.append((pow2(-(-tables.shape[1] * k.shape[1] // tp.SPLIT)), decode_tiles)),
-        launch(q, k, v, tables, *rest, decode_tiles=decode_tiles, prefill_tile=prefill_tile))[1])
+    monkeypatch.setattr(tp, "paged_attention", lambda *args, decode_tiles, prefill_tile: (
+        launched.append(decode_tiles), launch(*args, decode_tiles=decode_tiles, prefill_tile=prefill_tile))[1])
     k = torch.randn(4, 16, 2, 32)
-    # a prefill's tiles as a decode's (one launch each), or apart (two): by name (PREFILL_ROWS) or the engine's own
+    # a prefill's tiles as a decode's (one launch), or apart (two): by name (PREFILL_ROWS) or the engine's own
     # (a tile of a decode's rows on other warps launches apart too)
     for named, own, apart in ((tp.MIN_ROWS, None, False), (64, None, True), (tp.MIN_ROWS, (64, 2), True),
                               (64, (tp.MIN_ROWS, 0), False), (tp.MIN_ROWS, (tp.MIN_ROWS, 2), True)):
         monkeypatch.setattr(tp, "PREFILL_ROWS", named)
-        shapes = (1, 0) if apart else (1,)
-        for max_blocks in (1, 16, 17, 100, 256):
-            launched.clear()
-            want = {pow2(-(-width * 16 // tp.SPLIT)) for width in range(1, max_blocks + 1)}  # every width's
-            assert tp.warm_up(torch.randn(1, 8, 32), k, k.clone(), max_blocks, 0.2, own) == sorted(want)
-            assert launched == [(splits, decodes) for splits in sorted(want) for decodes in shapes]
+        launched.clear()
+        assert tp.warm_up(torch.randn(1, 8, 32), k, k.clone(), 0.2, own) == (["decode", "prefill"] if apart else
+                                                                             ["decode"])
+        assert launched == ([1, 0] if apart else [1])
+
+
+def test_triton_lanes_follow_the_splits_a_launch_has_and_a_decode_batch_fills_the_device():
+    """Programs per (tile, KV head): a lane per split up to LANES; a decode launch no more than
+    keep it near PROGRAMS programs, a prefill's a lane per split, and never none."""
+    from common.attention import triton_paged as tp
+
+    assert tp.split_lanes(1, 8, 512, decodes=True) == tp.LANES  # batch 1, a long context: every lane
+    assert tp.split_lanes(1, 8, 3, decodes=True) == 3  # as many as its splits
+    assert tp.split_lanes(64, 8, 512, decodes=True) == tp.PROGRAMS // (64 * 8)
+    assert tp.split_lanes(1024, 8, 512, decodes=True) == 1
+    assert tp.split_lanes(256, 8, 8, decodes=False) == 8  # a 2,048-token chunk: a lane per split
+    assert tp.split_lanes(256, 8, 40, decodes=False) == tp.LANES
+
+
+def test_triton_attention_writes_a_tokens_own_splits_whatever_its_tables_width(monkeypatch):
+    """The kernels loop over the splits a tile has, not those its table could hold: a token's own
+    splits are written, the rest of a CUDA graph's rows for it stay unwritten, and a table wider
+    than its keys changes no output."""
+    pytest.importorskip("triton")
+    from common.attention import triton_paged as tp
+
+    heads, kv_heads, head_dim = 4, 2, 16
+    q, k, v, tables, lens = _paged_batch([300, 20], heads, kv_heads, head_dim, torch.float32, seed=3)
+    written = []
+    empty = torch.empty
+
+    def tracked(*shape, **kw):  # the partials, filled with NaN: what no program writes stays NaN
+        t = empty(*shape, **kw)
+        if kw.get("dtype") == torch.float32 and len(written) < 2:
+            t.fill_(float("nan"))
+            written.append(t)
+        return t
+    monkeypatch.setattr(tp.torch, "empty", tracked)
+    out = _triton_decode(q, k, v, torch.cat([tables, tables.new_zeros(2, 60)], 1), lens, head_dim ** -0.5)
+    monkeypatch.undo()
+    assert not out.isnan().any()
+    part = written[0]  # a graph's layout (no host positions): a row per split the tables hold, per token
+    per_token = part.shape[0] // 2
+    assert per_token == tp.max_splits_for(tables.shape[1] + 60, 16)
+    assert not part[:2].isnan().any() and part[2:per_token].isnan().all()  # 300 tokens: 2 splits
+    assert not part[per_token].isnan().any() and part[per_token + 1:].isnan().all()  # 20 tokens: 1
+    want = _sdpa_decode(q, k, v, tables, lens, heads, kv_heads, head_dim)
+    assert (out - want).abs().max().item() < 1e-5
 
 
 def test_auto_takes_the_fastest_prefill_tile_that_keeps_a_decode_tiles_bits(monkeypatch):

@@ -111,16 +111,17 @@ def test_activations_cover_what_one_step_allocates_for_sure():
 
 
 def test_decode_graphs_reserve_their_partials_for_a_full_context():
-    """The Triton attention's float32 partials in the graphs' pool: a row per 256-key split (a power
-    of two of them) per head, for every row of the largest batch, beside its activations."""
+    """The Triton attention's float32 partials in the graphs' pool: a row per 256-key split its
+    tables hold per head, for every row of the largest batch, beside its activations."""
     from common.attention import triton_paged
 
     partials = 64 * 32 * 512 * (64 + 1) * 4  # 131,072 tokens: 512 splits
     samplers = 64 * LLAMA_1B.vocab_size * SAMPLER_BYTES_PER_LOGIT  # the captured samplers' own pool
     assert decode_graph_bytes(LLAMA_1B, 64, 131072, 2) == (step_activation_bytes(LLAMA_1B, 64, 64, 0, 2) + partials
                                                             + samplers)
-    shorter = 64 * 32 * (512 - 16) * (64 + 1) * 4  # 4,000 tokens: 16 splits
-    assert decode_graph_bytes(LLAMA_1B, 64, 131072, 2) - decode_graph_bytes(LLAMA_1B, 64, 4000, 2) == shorter
+    shorter = 64 * 32 * (512 - 20) * (64 + 1) * 4  # 5,000 tokens: 20 splits
+    assert decode_graph_bytes(LLAMA_1B, 64, 131072, 2) - decode_graph_bytes(LLAMA_1B, 64, 5000, 2) == shorter
+    assert triton_paged.max_splits_for(-(-5000 // 16), 16) == 20  # the graphs' rows per token
     assert triton_paged.SPLIT == 256  # the split decode_graph_bytes counts by
     # an eager step of 2,048 chunk tokens at the end of llama-1b's full context: 512 splits each
     assert triton_prefill_bytes(LLAMA_1B, 2048, 131072) == 2048 * 512 * 32 * 65 * 4

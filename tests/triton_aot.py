@@ -74,11 +74,10 @@ def compile_all(arch: int = 90) -> list[str]:
                        "TileStart": "*i64", "TileLen": "*i64", "TilePos": "*i64", "SplitBase": "*i64",
                        "OutPart": "*fp32", "LsePart": "*fp32", "scale": "fp32"},
                       dict(GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=16,
-                           TILE=tp.BLOCK_N, SPLIT_KEYS=tp.SPLIT, MAX_SPLITS=32, LANES=tp.LANES, IEEE=ieee), **launch)
+                           TILE=tp.BLOCK_N, SPLIT_KEYS=tp.SPLIT, IEEE=ieee), **launch)
             build(tp._merge_kernel, {"OutPart": "*fp32", "LsePart": "*fp32", "Positions": "*i64", "SplitBase": "*i64",
                                      "Out": f"*{dt}"},
-                  dict(HEADS=heads, BLOCK_H=pow2(heads), HEAD_DIM=head_dim, BLOCK_D=block_d, SPLIT_KEYS=tp.SPLIT,
-                       MAX_SPLITS=8))
+                  dict(HEADS=heads, BLOCK_H=pow2(heads), HEAD_DIM=head_dim, BLOCK_D=block_d, SPLIT_KEYS=tp.SPLIT))
             build(tp._store_kv_kernel, {"K": f"*{dt}", "V": f"*{dt}", "KCache": f"*{dt}", "VCache": f"*{dt}",
                                         "Slots": "*i64"}, dict(ROW=kv_heads * head_dim, BLOCK=pow2(kv_heads * head_dim)))
             for segments in (0, 2):  # the qkv product itself, or its partials (llama-1b's decode)

@@ -7,13 +7,16 @@ with the KV split at fixed positions (every SPLIT tokens) rather than into a num
 sized to the batch. The new tokens' K/V are written into the pool first, so every query reads
 all its keys, its own chunk's included, from the pool.
 
-- Stage 1: a program per (query tile, KV head, lane), a lane taking every LANES-th split (so the
-  launch does not grow with the context a CUDA graph is captured for). A tile is up to BLOCK_Q consecutive tokens
-  of one sequence (a decode is a tile of one), and its rows are those tokens times the query heads
-  sharing the KV head (GQA), BLOCK_M rows in all, so one tl.dot serves them. It runs an online
-  softmax over its split BLOCK_N tokens at a time, each row masked to the keys at or before its
-  position, and writes a partial output and its log-sum-exp.
+- Stage 1: a program per (query tile, KV head, lane), a lane taking every lanes-th split of its
+  tile's (split_lanes: a few per tile, so the launch does not grow with the context a CUDA graph
+  is captured for). A tile is up to BLOCK_Q consecutive tokens of one sequence (a decode is a tile
+  of one), and its rows are those tokens times the query heads sharing the KV head (GQA), BLOCK_M
+  rows in all, so one tl.dot serves them. It runs an online softmax over its split BLOCK_N tokens
+  at a time, each row masked to the keys at or before its position, and writes a partial output
+  and its log-sum-exp.
 - Stage 2: a program per token folds its splits in order, every head at once.
+Both loop over what a tile has (its splits, a split's steps that hold keys), not over what the
+widest table could: one compiled variant serves every context.
 
 A row's arithmetic depends only on its position and the fixed constants: its splits, tiles,
 masks and dot shapes are the same in any tile, batch or launch. That is the batch invariance
@@ -54,101 +57,102 @@ MIN_ROWS = 16  # tl.dot's smallest tile side: a tile's rows (tokens x grouped he
 PREFILL_ROWS = MIN_ROWS
 PREFILL_LAUNCH: dict = {}
 PREFILL_CANDIDATES = ((128, 2), (64, 2), (128, 0), (64, 0), (32, 0))  # largest first: the choice where none is timed
-LANES = 16  # programs per (tile, KV head), each taking every LANES-th split
+LANES = 16  # at most this many programs per (tile, KV head), each taking every lanes-th split
+PROGRAMS = 4096  # a decode launch's programs, about (split_lanes): an H100's 132 SMs a few times over
 SPLIT_LAUNCH: dict = {}  # the split kernel's num_warps and num_stages, where not Triton's defaults
 
 
-@jit(do_not_specialize=["stride_tb"],
+@jit(do_not_specialize=["stride_tb", "lanes"],
       do_not_specialize_on_alignment=["Tables", "TileSeq", "TileStart", "TileLen", "TilePos", "SplitBase"])
 def _split_kernel(Q, KCache, VCache, Tables, TileSeq, TileStart, TileLen, TilePos, SplitBase, OutPart, LsePart, scale,
                   stride_qt, stride_qh, stride_kn, stride_kp, stride_kh, stride_vn, stride_vp, stride_vh,
-                  stride_tb, stride_or, stride_oh, stride_lr,
+                  stride_tb, stride_or, stride_oh, stride_lr, lanes,
                   GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
                   BLOCK_D: tl.constexpr, PAGE: tl.constexpr, TILE: tl.constexpr, SPLIT_KEYS: tl.constexpr,
-                  MAX_SPLITS: tl.constexpr, LANES: tl.constexpr, IEEE: tl.constexpr):
+                  IEEE: tl.constexpr):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     lane = tl.program_id(2)
-    seq = tl.load(TileSeq + tile)
     first = tl.load(TileStart + tile)
     count = tl.load(TileLen + tile)
     pos0 = tl.load(TilePos + tile)
-    r = tl.arange(0, BLOCK_M)
-    token = r // GROUP
-    heads = kv_head * GROUP + r % GROUP
-    row_ok = (token < count) & (r < BLOCK_Q * GROUP)
-    q_pos = pos0 + token
-    base = tl.load(SplitBase + first + token, mask=row_ok, other=0)  # each token's first row of partials
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
-    for i in range(0, MAX_SPLITS // LANES):  # this lane's splits: lane, lane + LANES, ...
-        split = lane + i * LANES
+    end = pos0 + count  # the tile sees keys 0..end - 1, each row those up to its own position
+    # This lane's splits (lane, lane + lanes, ...) of those the tile sees, each a loop's pass, and in
+    # a split only the steps that hold keys: a step past them was a pass of no effect (nothing
+    # seen, alpha 1), so its row's bits are the same however many steps its tile takes.
+    for split in range(lane, (end - 1) // SPLIT_KEYS + 1, lanes):
+        seq = tl.load(TileSeq + tile)
+        r = tl.arange(0, BLOCK_M)
+        token = r // GROUP
+        heads = kv_head * GROUP + r % GROUP
+        row_ok = (token < count) & (r < BLOCK_Q * GROUP)
+        q_pos = pos0 + token
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < HEAD_DIM
         start = split * SPLIT_KEYS
-        if start <= pos0 + count - 1:  # the tile's last token sees into this split
-            q = tl.load(Q + (first + token)[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                        mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-            m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-            denom = tl.zeros([BLOCK_M], tl.float32)
-            acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-            for step in range(0, SPLIT_KEYS // TILE):  # a static count: steps past the tile's keys read nothing
-                pos = start + step * TILE + tl.arange(0, TILE)
-                n_ok = pos < pos0 + count
-                block = tl.load(Tables + seq * stride_tb + pos // PAGE, mask=n_ok, other=0).to(tl.int64)
-                offset = pos % PAGE
-                kv_ok = n_ok[:, None] & d_ok[None, :]
-                k = tl.load(KCache + block[:, None] * stride_kn + offset[:, None] * stride_kp + kv_head * stride_kh
-                            + d[None, :], mask=kv_ok, other=0.0)
-                if IEEE:
-                    qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-                else:
-                    qk = tl.dot(q, tl.trans(k))
-                qk = tl.where(pos[None, :] <= q_pos[:, None], qk * scale, float("-inf"))
-                m_new = tl.maximum(m, tl.max(qk, 1))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees no key here yet
-                p = tl.exp(qk - m_safe[:, None])
-                alpha = tl.exp(m - m_safe)
-                denom = denom * alpha + tl.sum(p, 1)
-                v = tl.load(VCache + block[:, None] * stride_vn + offset[:, None] * stride_vp + kv_head * stride_vh
-                            + d[None, :], mask=kv_ok, other=0.0)
-                if IEEE:
-                    pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-                else:
-                    pv = tl.dot(p.to(v.dtype), v)
-                acc = acc * alpha[:, None] + pv
-                m = m_new
-            # A row whose position lies before this split saw no key: it has no row of partials for
-            # it (split_rows), and stores nothing.
-            sees = row_ok & (start <= q_pos)
-            denom = tl.where(sees, denom, 1.0)
-            row = base + split
-            tl.store(OutPart + row[:, None] * stride_or + heads[:, None] * stride_oh + d[None, :], acc / denom[:, None],
-                     mask=sees[:, None] & d_ok[None, :])
-            tl.store(LsePart + row * stride_lr + heads, m + tl.log(denom), mask=sees)
+        q = tl.load(Q + (first + token)[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        denom = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for step in range(0, tl.cdiv(tl.minimum(end - start, SPLIT_KEYS), TILE)):
+            pos = start + step * TILE + tl.arange(0, TILE)
+            n_ok = pos < end
+            block = tl.load(Tables + seq * stride_tb + pos // PAGE, mask=n_ok, other=0).to(tl.int64)
+            offset = pos % PAGE
+            kv_ok = n_ok[:, None] & d_ok[None, :]
+            k = tl.load(KCache + block[:, None] * stride_kn + offset[:, None] * stride_kp + kv_head * stride_kh
+                        + d[None, :], mask=kv_ok, other=0.0)
+            if IEEE:
+                qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                qk = tl.dot(q, tl.trans(k))
+            qk = tl.where(pos[None, :] <= q_pos[:, None], qk * scale, float("-inf"))
+            m_new = tl.maximum(m, tl.max(qk, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees no key here yet
+            p = tl.exp(qk - m_safe[:, None])
+            alpha = tl.exp(m - m_safe)
+            denom = denom * alpha + tl.sum(p, 1)
+            v = tl.load(VCache + block[:, None] * stride_vn + offset[:, None] * stride_vp + kv_head * stride_vh
+                        + d[None, :], mask=kv_ok, other=0.0)
+            if IEEE:
+                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m = m_new
+        # A row whose position lies before this split saw no key: it has no row of partials for
+        # it (split_rows), and stores nothing.
+        sees = row_ok & (start <= q_pos)
+        denom = tl.where(sees, denom, 1.0)
+        row = tl.load(SplitBase + first + token, mask=row_ok, other=0) + split  # its token's rows of partials
+        tl.store(OutPart + row[:, None] * stride_or + heads[:, None] * stride_oh + d[None, :], acc / denom[:, None],
+                 mask=sees[:, None] & d_ok[None, :])
+        tl.store(LsePart + row * stride_lr + heads, m + tl.log(denom), mask=sees)
 
 
 @jit(do_not_specialize_on_alignment=["Positions", "SplitBase"])
-def _merge_kernel(OutPart, LsePart, Positions, SplitBase, Out, stride_or, stride_oh, stride_lr, stride_t, stride_h, HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  BLOCK_D: tl.constexpr, SPLIT_KEYS: tl.constexpr, MAX_SPLITS: tl.constexpr):
+def _merge_kernel(OutPart, LsePart, Positions, SplitBase, Out, stride_or, stride_oh, stride_lr, stride_t, stride_h,
+                  HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                  SPLIT_KEYS: tl.constexpr):
     t = tl.program_id(0)
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
     h_ok = h < HEADS
     ok = h_ok[:, None] & (d < HEAD_DIM)[None, :]
-    splits = tl.load(Positions + t) // SPLIT_KEYS + 1
     base = tl.load(SplitBase + t)
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for s in range(0, MAX_SPLITS):  # a static count (the same code for every batch), folded in order
-        if s < splits:
-            lse = tl.load(LsePart + (base + s) * stride_lr + h, mask=h_ok, other=0.0)
-            part = tl.load(OutPart + (base + s) * stride_or + h[:, None] * stride_oh + d[None, :], mask=ok, other=0.0)
-            m_new = tl.maximum(m, lse)
-            alpha = tl.exp(m - m_new)
-            w = tl.exp(lse - m_new)
-            acc = acc * alpha[:, None] + part * w[:, None]
-            denom = denom * alpha + w
-            m = m_new
+    for s in range(0, tl.load(Positions + t) // SPLIT_KEYS + 1):  # the token's splits, folded in order
+        lse = tl.load(LsePart + (base + s) * stride_lr + h, mask=h_ok, other=0.0)
+        part = tl.load(OutPart + (base + s) * stride_or + h[:, None] * stride_oh + d[None, :], mask=ok, other=0.0)
+        m_new = tl.maximum(m, lse)
+        alpha = tl.exp(m - m_new)
+        w = tl.exp(lse - m_new)
+        acc = acc * alpha[:, None] + part * w[:, None]
+        denom = denom * alpha + w
+        m = m_new
     tl.store(Out + t * stride_t + h[:, None] * stride_h + d[None, :], (acc / denom[:, None]).to(Out.dtype.element_ty),
              mask=ok)
 
@@ -253,21 +257,33 @@ def tile_shape(group: int, rows: int = MIN_ROWS) -> tuple[int, int]:
 
 
 def split_rows(positions_T: torch.Tensor, host_positions: list[int] | None, max_splits: int
-               ) -> tuple[torch.Tensor, int]:
-    """(first row of each token's partial results, rows in all). A token at position p has
-    p // SPLIT + 1 splits. Packed by the host's positions when it has them, so a long decode
-    beside a long prefill chunk costs rows for the splits each token has; else (a CUDA graph's
-    static buffers) max_splits rows per token."""
+               ) -> tuple[torch.Tensor, int, int]:
+    """(first row of each token's partial results, rows in all, the most splits a token has). A
+    token at position p has p // SPLIT + 1 splits. Packed by the host's positions when it has
+    them, so a long decode beside a long prefill chunk costs rows for the splits each token has;
+    else (a CUDA graph's static buffers) max_splits rows per token, as many as its tables hold."""
     if host_positions is None:
         T = positions_T.shape[0]
-        return torch.arange(T, device=positions_T.device) * max_splits, T * max_splits
+        return torch.arange(T, device=positions_T.device) * max_splits, T * max_splits, max_splits
     counts_T = positions_T // SPLIT + 1
-    return counts_T.cumsum(0) - counts_T, sum(p // SPLIT for p in host_positions) + len(host_positions)
+    splits = [p // SPLIT for p in host_positions]
+    return counts_T.cumsum(0) - counts_T, sum(splits) + len(splits), max(splits, default=0) + 1
 
 
 def max_splits_for(width: int, page: int) -> int:
-    """The kernels' MAX_SPLITS for block tables `width` blocks wide: a power of two, so few variants compile."""
-    return pow2(max(1, -(-width * page // SPLIT)))
+    """The splits block tables `width` blocks wide hold."""
+    return max(1, -(-width * page // SPLIT))
+
+
+def split_lanes(tiles: int, kv_heads: int, most: int, decodes: bool) -> int:
+    """Programs per (query tile, KV head) of a launch whose tiles have at most `most` splits: that
+    many, up to LANES, each taking every lanes-th split of its tile. A launch of decode tiles takes
+    no more than keep it near PROGRAMS programs: a large batch fills the device with its tiles
+    alone, and the lanes past a short context's splits would only start and end (a CUDA graph's
+    launch is sized for its tables' width). A prefill's tiles keep a lane per split, so that its
+    longest tiles end as soon as its shortest. A split's arithmetic is the same in any program."""
+    lanes = min(LANES, most)
+    return max(1, min(lanes, PROGRAMS // (tiles * kv_heads))) if decodes else lanes
 
 
 def prefill_shape(tile: tuple[int, int] | None = None) -> tuple[int, dict]:
@@ -311,13 +327,11 @@ def paged_attention(q_THD: torch.Tensor, k_cache_NPKD: torch.Tensor, v_cache_NPK
         raise RuntimeError(f"the Triton attention runs on CUDA, not {q_THD.device} (or in Triton's interpreter: "
                            f"TRITON_INTERPRET=1); use --attention-backend sdpa")
     group = H // K
-    max_splits = max_splits_for(tables_SM.shape[1], P)
-    base_T, rows = split_base or split_rows(positions_T, host_positions, max_splits)
+    base_T, rows, most = split_base or split_rows(positions_T, host_positions, max_splits_for(tables_SM.shape[1], P))
     out_part = torch.empty(rows, H, D, dtype=torch.float32, device=q_THD.device)
     lse_part = torch.empty(rows, H, dtype=torch.float32, device=q_THD.device)
     q_THD = q_THD.contiguous()
     block_d = max(16, pow2(D))
-    lanes = min(LANES, max_splits)
     X = tiles_4X.shape[1]
     prefill_rows, prefill_launch = prefill_shape(prefill_tile)
     small = decode_tiles if decode_tiles is not None and prefill_apart(prefill_tile) else X
@@ -326,40 +340,33 @@ def paged_attention(q_THD: torch.Tensor, k_cache_NPKD: torch.Tensor, v_cache_NPK
             continue
         block_q, block_m = tile_shape(group, rows)
         seq_X, start_X, count_X, pos_X = tiles_4X[:, first:end]
+        lanes = split_lanes(end - first, K, most, decodes=decode_tiles is None or end <= decode_tiles)
         _split_kernel[(end - first, K, lanes)](
             q_THD, k_cache_NPKD, v_cache_NPKD, tables_SM, seq_X, start_X, count_X, pos_X, base_T, out_part, lse_part,
             scale, q_THD.stride(0), q_THD.stride(1), *k_cache_NPKD.stride()[:3], *v_cache_NPKD.stride()[:3],
-            tables_SM.stride(0), *out_part.stride()[:2], lse_part.stride(0),
+            tables_SM.stride(0), *out_part.stride()[:2], lse_part.stride(0), lanes,
             GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=D, BLOCK_D=block_d, PAGE=P, TILE=BLOCK_N,
-            SPLIT_KEYS=SPLIT, MAX_SPLITS=max_splits, LANES=lanes, IEEE=q_THD.dtype == torch.float32, **launch)
+            SPLIT_KEYS=SPLIT, IEEE=q_THD.dtype == torch.float32, **launch)
     _merge_kernel[(T,)](out_part, lse_part, positions_T, base_T, out, *out_part.stride()[:2], lse_part.stride(0),
                         out.stride(0), out.stride(1), HEADS=H, BLOCK_H=pow2(H), HEAD_DIM=D, BLOCK_D=block_d,
-                        SPLIT_KEYS=SPLIT, MAX_SPLITS=max_splits)
+                        SPLIT_KEYS=SPLIT)
     return out
 
 
-def split_variants(max_blocks: int, page: int) -> list[int]:
-    """The MAX_SPLITS values (one compiled variant of each kernel apiece) that steps whose tables
-    are 1..max_blocks blocks wide launch with."""
-    return sorted({max_splits_for(width, page) for width in range(1, max_blocks + 1)})
-
-
-def warm_up(q_THD: torch.Tensor, k_cache_NPKD: torch.Tensor, v_cache_NPKD: torch.Tensor, max_blocks: int,
-            scale: float, prefill_tile: tuple[int, int] | None = None) -> list[int]:
-    """Launch the attention once for each MAX_SPLITS variant a context of max_blocks blocks can
-    need (a decode at position 0 reading block 0; nothing is written), as a decode's tile and, where
-    it differs, a prefill's, so that each compiles at start and not in the step whose widest table
-    first reaches it. Returns the variants."""
-    device, P = q_THD.device, k_cache_NPKD.shape[1]
-    variants = split_variants(max_blocks, P)
-    zero = torch.zeros(1, dtype=torch.int64, device=device)
-    for splits in variants:
-        width = min(max_blocks, splits * SPLIT // P)  # a table this wide launches with `splits`
-        tables = torch.zeros(1, width, dtype=torch.int64, device=device)
-        for decodes in (1, 0) if prefill_apart(prefill_tile) else (1,):
-            paged_attention(q_THD[:1], k_cache_NPKD, v_cache_NPKD, tables, decode_tiles(zero + 1), zero, scale,
-                            decode_tiles=decodes, prefill_tile=prefill_tile)
-    return variants
+def warm_up(q_THD: torch.Tensor, k_cache_NPKD: torch.Tensor, v_cache_NPKD: torch.Tensor, scale: float,
+            prefill_tile: tuple[int, int] | None = None) -> list[str]:
+    """Launch the attention once in a decode's tiles and, where they differ, in a prefill's (a
+    decode at position 0 reading block 0; nothing is written), so that each kernel compiles at
+    start and not in a serving step. Any context runs in the same variant. Returns which tiles
+    compiled ("decode", "prefill")."""
+    zero = torch.zeros(1, dtype=torch.int64, device=q_THD.device)
+    tables = torch.zeros(1, 1, dtype=torch.int64, device=q_THD.device)
+    compiled = []
+    for decodes in (1, 0) if prefill_apart(prefill_tile) else (1,):
+        paged_attention(q_THD[:1], k_cache_NPKD, v_cache_NPKD, tables, decode_tiles(zero + 1), zero, scale,
+                        decode_tiles=decodes, prefill_tile=prefill_tile)
+        compiled.append("decode" if decodes else "prefill")
+    return compiled
 
 
 def tile_name(tile: tuple[int, int]) -> str:
@@ -454,9 +461,9 @@ class TritonAttention(SDPAAttention):
         self._layout_meta = None  # the step the cached layout was built for (every layer shares it)
         self._layout = None
 
-    def warm_up(self, k_cache_NBKD: torch.Tensor, v_cache_NBKD: torch.Tensor, max_blocks: int) -> list[int]:
+    def warm_up(self, k_cache_NBKD: torch.Tensor, v_cache_NBKD: torch.Tensor) -> list[str]:
         q = torch.zeros(1, self.num_heads, self.head_dim, dtype=k_cache_NBKD.dtype, device=k_cache_NBKD.device)
-        return warm_up(q, k_cache_NBKD, v_cache_NBKD, max_blocks, self.scale, self.prefill_tile)
+        return warm_up(q, k_cache_NBKD, v_cache_NBKD, self.scale, self.prefill_tile)
 
     def forget_layout(self) -> None:
         """Drop the cached step layout (it may hold a CUDA graph's static buffers)."""
