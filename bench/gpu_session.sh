@@ -41,7 +41,12 @@ set -u
 # - the speculative GPU test with drafts that exist (plain decoding's own tokens);
 # - whether 64 and 128 rows on 2 warps keep a decode tile's bits (attention-tiles), which tile auto
 #   now takes by speed (bench engine's header; step-profile's prefill split kernel), and the
-#   invariance tests with it.
+#   invariance tests with it;
+# - what the attention gained from looping over a tile's own splits and steps (2026-11-28): the
+#   merge kernel walked every split a graph's tables hold, and 16 lanes per tile mostly did nothing
+#   at large batches. attention-tiles times the old 16 lanes ("every lane") beside split_lanes';
+#   step-profile's _split_kernel and _merge_kernel against 2026-11-27's (b1: 136 + 48 us, b64:
+#   674 + 64 us, prefill: 3,579 + 608 us); the invariance tests say whether the bits held.
 # Cluster stages serve 4,096-token contexts: sized for llama-1b's whole 131,072, each worker would set
 # GBs aside for one step's attention partials (a GPU test starts a cluster with no flag at all).
 CTX=--worker-arg=--max-model-len=4096
