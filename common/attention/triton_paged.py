@@ -65,8 +65,7 @@ SPLIT_LAUNCH: dict = {}  # the split kernel's num_warps and num_stages, where no
 @jit(do_not_specialize=["stride_tb", "lanes"],
       do_not_specialize_on_alignment=["Tables", "TileSeq", "TileStart", "TileLen", "TilePos", "SplitBase"])
 def _split_kernel(Q, KCache, VCache, Tables, TileSeq, TileStart, TileLen, TilePos, SplitBase, OutPart, LsePart, scale,
-                  stride_qt, stride_qh, stride_kn, stride_kp, stride_kh, stride_vn, stride_vp, stride_vh,
-                  stride_tb, stride_or, stride_oh, stride_lr, lanes,
+                  stride_qt, stride_qh, stride_n, stride_p, stride_h, stride_tb, stride_or, stride_oh, stride_lr, lanes,
                   GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
                   BLOCK_D: tl.constexpr, PAGE: tl.constexpr, TILE: tl.constexpr, SPLIT_KEYS: tl.constexpr,
                   IEEE: tl.constexpr):
@@ -97,12 +96,14 @@ def _split_kernel(Q, KCache, VCache, Tables, TileSeq, TileStart, TileLen, TilePo
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         for step in range(0, tl.cdiv(tl.minimum(end - start, SPLIT_KEYS), TILE)):
             pos = start + step * TILE + tl.arange(0, TILE)
-            n_ok = pos < end
-            block = tl.load(Tables + seq * stride_tb + pos // PAGE, mask=n_ok, other=0).to(tl.int64)
-            offset = pos % PAGE
-            kv_ok = n_ok[:, None] & d_ok[None, :]
-            k = tl.load(KCache + block[:, None] * stride_kn + offset[:, None] * stride_kp + kv_head * stride_kh
-                        + d[None, :], mask=kv_ok, other=0.0)
+            kv_ok = (pos < end)[:, None] & d_ok[None, :]
+            # K and V share a layout (the pool's halves): one offset per element serves both, built a
+            # page at a time (a table entry per page, not per key), which holds far fewer registers
+            page = (start + step * TILE) // PAGE + tl.arange(0, TILE // PAGE)
+            block = tl.load(Tables + seq * stride_tb + page, mask=page * PAGE < end, other=0).to(tl.int64)
+            kv = tl.reshape(block[:, None, None] * stride_n + tl.arange(0, PAGE)[None, :, None] * stride_p
+                            + kv_head * stride_h + d[None, None, :], [TILE, BLOCK_D])
+            k = tl.load(KCache + kv, mask=kv_ok, other=0.0)
             if IEEE:
                 qk = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
@@ -113,8 +114,7 @@ def _split_kernel(Q, KCache, VCache, Tables, TileSeq, TileStart, TileLen, TilePo
             p = tl.exp(qk - m_safe[:, None])
             alpha = tl.exp(m - m_safe)
             denom = denom * alpha + tl.sum(p, 1)
-            v = tl.load(VCache + block[:, None] * stride_vn + offset[:, None] * stride_vp + kv_head * stride_vh
-                        + d[None, :], mask=kv_ok, other=0.0)
+            v = tl.load(VCache + kv, mask=kv_ok, other=0.0)
             if IEEE:
                 pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
             else:
@@ -323,6 +323,9 @@ def paged_attention(q_THD: torch.Tensor, k_cache_NPKD: torch.Tensor, v_cache_NPK
         return out
     if not tiles(P):
         raise ValueError(f"block size {P} is not supported by the Triton attention; allowed: a divisor of {BLOCK_N}")
+    if k_cache_NPKD.stride() != v_cache_NPKD.stride() or k_cache_NPKD.stride(3) != 1:
+        raise ValueError(f"the K and V pools must share one layout, rows of head_dim contiguous: strides "
+                         f"{k_cache_NPKD.stride()} and {v_cache_NPKD.stride()}")
     if q_THD.device.type != "cuda" and not interpreted():
         raise RuntimeError(f"the Triton attention runs on CUDA, not {q_THD.device} (or in Triton's interpreter: "
                            f"TRITON_INTERPRET=1); use --attention-backend sdpa")
@@ -343,8 +346,7 @@ def paged_attention(q_THD: torch.Tensor, k_cache_NPKD: torch.Tensor, v_cache_NPK
         lanes = split_lanes(end - first, K, most, decodes=decode_tiles is None or end <= decode_tiles)
         _split_kernel[(end - first, K, lanes)](
             q_THD, k_cache_NPKD, v_cache_NPKD, tables_SM, seq_X, start_X, count_X, pos_X, base_T, out_part, lse_part,
-            scale, q_THD.stride(0), q_THD.stride(1), *k_cache_NPKD.stride()[:3], *v_cache_NPKD.stride()[:3],
-            tables_SM.stride(0), *out_part.stride()[:2], lse_part.stride(0), lanes,
+            scale, q_THD.stride(0), q_THD.stride(1), *k_cache_NPKD.stride()[:3], tables_SM.stride(0), *out_part.stride()[:2], lse_part.stride(0), lanes,
             GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=D, BLOCK_D=block_d, PAGE=P, TILE=BLOCK_N,
             SPLIT_KEYS=SPLIT, IEEE=q_THD.dtype == torch.float32, **launch)
     _merge_kernel[(T,)](out_part, lse_part, positions_T, base_T, out, *out_part.stride()[:2], lse_part.stride(0),
