@@ -300,10 +300,21 @@ def prefill_apart(tile: tuple[int, int] | None = None) -> bool:
     return prefill_shape(tile) != (MIN_ROWS, SPLIT_LAUNCH)
 
 
+class StepSplits:
+    """What every layer of a step shares in the split kernel's launches: each token's first row of
+    partial results, their count and the most splits a token has (split_rows), the partials' buffers
+    (each layer's merge reads them before the next layer's split writes them, in stream order), and
+    each launch's tiles and lanes. A layer then allocates nothing but its output, and slices nothing."""
+
+    def __init__(self, base_T: torch.Tensor, rows: int, most: int):
+        self.base_T, self.rows, self.most = base_T, rows, most
+        self.parts: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.launches: list[tuple] | None = None
+
+
 def paged_attention(q_THD: torch.Tensor, k_cache_NPKD: torch.Tensor, v_cache_NPKD: torch.Tensor,
                     tables_SM: torch.Tensor, tiles_4X: torch.Tensor, positions_T: torch.Tensor, scale: float,
-                    host_positions: list[int] | None = None,
-                    split_base: tuple[torch.Tensor, int] | None = None,
+                    host_positions: list[int] | None = None, splits: StepSplits | None = None,
                     decode_tiles: int | None = None, prefill_tile: tuple[int, int] | None = None) -> torch.Tensor:
     """Causal attention of each packed query token to its sequence's keys in the pool.
 
@@ -311,11 +322,11 @@ def paged_attention(q_THD: torch.Tensor, k_cache_NPKD: torch.Tensor, v_cache_NPK
     sequence (row of tables_SM), first packed token, token count (<= BLOCK_Q) and first token's
     position. positions_T: each token's position (it sees keys 0..position), and host_positions
     the same on the host if known (see split_rows). The launch shape depends only on the tile
-    count and the tables' width. split_base: split_rows' answer, where the caller keeps it for every
-    layer of a step. decode_tiles: how many tiles, first, are decode-shaped (tile_shape(group)); the
-    rest are a prefill's (tile_shape(group, rows) of prefill_shape(prefill_tile), as step_layout
-    builds them), each launched apart. None: every tile is decode-shaped (decode_tiles(), or tiles
-    of tile_shape(group))."""
+    count and the tables' width. splits: where the caller keeps one for every layer of a step
+    (StepSplits of split_rows' answer), the layers share their layout. decode_tiles: how many tiles,
+    first, are decode-shaped (tile_shape(group)); the rest are a prefill's (tile_shape(group, rows)
+    of prefill_shape(prefill_tile), as step_layout builds them), each launched apart. None: every
+    tile is decode-shaped (decode_tiles(), or tiles of tile_shape(group))."""
     T, H, D = q_THD.shape
     N, P, K, _ = k_cache_NPKD.shape
     out = torch.empty_like(q_THD)
@@ -329,29 +340,43 @@ def paged_attention(q_THD: torch.Tensor, k_cache_NPKD: torch.Tensor, v_cache_NPK
     if q_THD.device.type != "cuda" and not interpreted():
         raise RuntimeError(f"the Triton attention runs on CUDA, not {q_THD.device} (or in Triton's interpreter: "
                            f"TRITON_INTERPRET=1); use --attention-backend sdpa")
-    group = H // K
-    base_T, rows, most = split_base or split_rows(positions_T, host_positions, max_splits_for(tables_SM.shape[1], P))
-    out_part = torch.empty(rows, H, D, dtype=torch.float32, device=q_THD.device)
-    lse_part = torch.empty(rows, H, dtype=torch.float32, device=q_THD.device)
+    if splits is None:
+        splits = StepSplits(*split_rows(positions_T, host_positions, max_splits_for(tables_SM.shape[1], P)))
+    if splits.parts is None:
+        splits.parts = (torch.empty(splits.rows, H, D, dtype=torch.float32, device=q_THD.device),
+                        torch.empty(splits.rows, H, dtype=torch.float32, device=q_THD.device))
+    if splits.launches is None:
+        splits.launches = _launches(tiles_4X, H // K, K, splits.most, decode_tiles, prefill_tile)
+    out_part, lse_part = splits.parts
     q_THD = q_THD.contiguous()
     block_d = max(16, pow2(D))
+    for tiles_X, block_q, block_m, lanes, launch in splits.launches:
+        _split_kernel[(tiles_X[0].shape[0], K, lanes)](
+            q_THD, k_cache_NPKD, v_cache_NPKD, tables_SM, *tiles_X, splits.base_T, out_part, lse_part,
+            scale, q_THD.stride(0), q_THD.stride(1), *k_cache_NPKD.stride()[:3], tables_SM.stride(0),
+            *out_part.stride()[:2], lse_part.stride(0), lanes,
+            GROUP=H // K, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=D, BLOCK_D=block_d, PAGE=P, TILE=BLOCK_N,
+            SPLIT_KEYS=SPLIT, IEEE=q_THD.dtype == torch.float32, **launch)
+    _merge_kernel[(T,)](out_part, lse_part, positions_T, splits.base_T, out, *out_part.stride()[:2],
+                        lse_part.stride(0), out.stride(0), out.stride(1), HEADS=H, BLOCK_H=pow2(H), HEAD_DIM=D,
+                        BLOCK_D=block_d, SPLIT_KEYS=SPLIT)
+    return out
+
+
+def _launches(tiles_4X: torch.Tensor, group: int, kv_heads: int, most: int, decode_tiles: int | None,
+              prefill_tile: tuple[int, int] | None) -> list[tuple]:
+    """The split kernel's launches of a step: ((its tiles' sequences, first tokens, token counts and
+    first positions), BLOCK_Q, BLOCK_M, lanes, launch options) for its decode-shaped tiles, and
+    apart for a prefill's where they differ (paged_attention's decode_tiles)."""
     X = tiles_4X.shape[1]
     prefill_rows, prefill_launch = prefill_shape(prefill_tile)
     small = decode_tiles if decode_tiles is not None and prefill_apart(prefill_tile) else X
+    out = []
     for first, end, rows, launch in ((0, small, MIN_ROWS, SPLIT_LAUNCH), (small, X, prefill_rows, prefill_launch)):
-        if end <= first:
-            continue
-        block_q, block_m = tile_shape(group, rows)
-        seq_X, start_X, count_X, pos_X = tiles_4X[:, first:end]
-        lanes = split_lanes(end - first, K, most, decodes=decode_tiles is None or end <= decode_tiles)
-        _split_kernel[(end - first, K, lanes)](
-            q_THD, k_cache_NPKD, v_cache_NPKD, tables_SM, seq_X, start_X, count_X, pos_X, base_T, out_part, lse_part,
-            scale, q_THD.stride(0), q_THD.stride(1), *k_cache_NPKD.stride()[:3], tables_SM.stride(0), *out_part.stride()[:2], lse_part.stride(0), lanes,
-            GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=D, BLOCK_D=block_d, PAGE=P, TILE=BLOCK_N,
-            SPLIT_KEYS=SPLIT, IEEE=q_THD.dtype == torch.float32, **launch)
-    _merge_kernel[(T,)](out_part, lse_part, positions_T, base_T, out, *out_part.stride()[:2], lse_part.stride(0),
-                        out.stride(0), out.stride(1), HEADS=H, BLOCK_H=pow2(H), HEAD_DIM=D, BLOCK_D=block_d,
-                        SPLIT_KEYS=SPLIT)
+        if end > first:
+            block_q, block_m = tile_shape(group, rows)
+            lanes = split_lanes(end - first, kv_heads, most, decodes=decode_tiles is None or end <= decode_tiles)
+            out.append((tuple(tiles_4X[:, first:end]), block_q, block_m, lanes, launch))
     return out
 
 
@@ -485,9 +510,9 @@ class TritonAttention(SDPAAttention):
     def _attend(self, q_THD, k_cache_NBKD, v_cache_NBKD, meta: AttentionMetadata):
         if self._layout_meta is not meta:  # the step's first layer: every layer's layout
             tables_SM, tiles_4X = step_layout(meta, self.group, self.prefill_tile)
-            base = split_rows(meta.positions, meta.host_positions,
-                              max_splits_for(tables_SM.shape[1], k_cache_NBKD.shape[1]))
-            self._layout, self._layout_meta = (tables_SM, tiles_4X, base), meta
-        tables_SM, tiles_4X, base = self._layout
+            splits = StepSplits(*split_rows(meta.positions, meta.host_positions,
+                                            max_splits_for(tables_SM.shape[1], k_cache_NBKD.shape[1])))
+            self._layout, self._layout_meta = (tables_SM, tiles_4X, splits), meta
+        tables_SM, tiles_4X, splits = self._layout
         return paged_attention(q_THD, k_cache_NBKD, v_cache_NBKD, tables_SM, tiles_4X, meta.positions, self.scale,
-                               meta.host_positions, base, meta.num_decode, self.prefill_tile)
+                               meta.host_positions, splits, meta.num_decode, self.prefill_tile)
