@@ -76,18 +76,18 @@ def _split_kernel(Q, KCache, VCache, Tables, TileSeq, TileStart, TileLen, TilePo
     count = tl.load(TileLen + tile)
     pos0 = tl.load(TilePos + tile)
     end = pos0 + count  # the tile sees keys 0..end - 1, each row those up to its own position
-    # This lane's splits (lane, lane + lanes, ...) of those the tile sees, each a loop's pass, and in
-    # a split only the steps that hold keys: a step past them was a pass of no effect (nothing
-    # seen, alpha 1), so its row's bits are the same however many steps its tile takes.
+    r = tl.arange(0, BLOCK_M)
+    token = r // GROUP
+    heads = kv_head * GROUP + r % GROUP
+    row_ok = (token < count) & (r < BLOCK_Q * GROUP)
+    q_pos = pos0 + token
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    # This lane's splits (lane, lane + lanes, ...) of those the tile sees, each a loop's pass (a lane
+    # past them loads nothing more), and in a split only the steps that hold keys: a step past them
+    # was a pass of no effect (nothing seen, alpha 1), so a row's bits do not depend on its tile.
     for split in range(lane, (end - 1) // SPLIT_KEYS + 1, lanes):
         seq = tl.load(TileSeq + tile)
-        r = tl.arange(0, BLOCK_M)
-        token = r // GROUP
-        heads = kv_head * GROUP + r % GROUP
-        row_ok = (token < count) & (r < BLOCK_Q * GROUP)
-        q_pos = pos0 + token
-        d = tl.arange(0, BLOCK_D)
-        d_ok = d < HEAD_DIM
         start = split * SPLIT_KEYS
         q = tl.load(Q + (first + token)[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)
