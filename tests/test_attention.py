@@ -191,7 +191,7 @@ def test_auto_takes_the_fastest_prefill_tile_that_keeps_a_decode_tiles_bits(monk
 
     tried = []
 
-    def stand_in(q, k, v, tables, tiles, positions, scale, host=None, split_base=None, decode_tiles=None,
+    def stand_in(q, k, v, tables, tiles, positions, scale, host=None, splits=None, decode_tiles=None,
                  prefill_tile=None):
         tile = prefill_tile if decode_tiles == 0 else (tp.MIN_ROWS, 0)
         tried.append(tile)

@@ -321,12 +321,13 @@ def paged_attention(q_THD: torch.Tensor, k_cache_NPKD: torch.Tensor, v_cache_NPK
     tables_SM: one block table per sequence of the step. tiles_4X: for each query tile, its
     sequence (row of tables_SM), first packed token, token count (<= BLOCK_Q) and first token's
     position. positions_T: each token's position (it sees keys 0..position), and host_positions
-    the same on the host if known (see split_rows). The launch shape depends only on the tile
-    count and the tables' width. splits: where the caller keeps one for every layer of a step
-    (StepSplits of split_rows' answer), the layers share their layout. decode_tiles: how many tiles,
-    first, are decode-shaped (tile_shape(group)); the rest are a prefill's (tile_shape(group, rows)
-    of prefill_shape(prefill_tile), as step_layout builds them), each launched apart. None: every
-    tile is decode-shaped (decode_tiles(), or tiles of tile_shape(group))."""
+    the same on the host if known (see split_rows). Without them (a CUDA graph's step) the launch
+    shape depends only on the tile count and the tables' width. splits: where the caller keeps one
+    for every layer of a step (StepSplits of split_rows' answer), the layers share their layout.
+    decode_tiles: how many tiles, first, are decode-shaped (tile_shape(group)); the rest are a
+    prefill's (tile_shape(group, rows) of prefill_shape(prefill_tile), as step_layout builds them),
+    each launched apart. None: every tile is decode-shaped (decode_tiles(), or tiles of
+    tile_shape(group))."""
     T, H, D = q_THD.shape
     N, P, K, _ = k_cache_NPKD.shape
     out = torch.empty_like(q_THD)
