@@ -20,7 +20,8 @@ kernel mode, on requests decoding with about `kv_len` tokens cached:
 
 With --prefill-len N, also one N-token prompt's prefill (first token sampled), as `bench engine`
 times it against the matmul peak: its time, its FLOP rate, and its kernels by device time, the
-matmuls' against the attention's and the rest's.
+matmuls' against the attention's and the rest's. On CUDA, last, the Triton kernels' registers,
+spills and programs per SM (bench/kernel_occupancy.py).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from torch.autograd import DeviceType
 
 from bench.engine import (_random_prompts, _sync, decode_speed, decoding_batch, engine_for_bench, prefill_flops,
                           prefill_seconds, release, sig)
+from bench.kernel_occupancy import compiled_kernels
 from bench.report import print_json, print_table
 from common.sampling import GREEDY
 from common.sampling_params import SamplingParams
@@ -309,5 +311,12 @@ def run_step_profile(engine_kwargs: dict, batch_sizes: list[int], kv_len: int, s
               "dtype": engine.config.dtype, "kv_len": kv_len, "steps": steps, "modes": results}
     if prefills:
         result["prefill"] = prefills
+    if device.type == "cuda":
+        kernels = compiled_kernels(torch.cuda.get_device_properties(device))
+        print_table("the Triton kernels these steps compiled: what one program holds, and how many an SM runs",
+                    ["kernel", "variant", "warps", "registers", "spilled bytes", "shared bytes", "programs/SM"],
+                    [[k["kernel"], k["variant"][:60], k["warps"], k["registers"], k["spilled_bytes"], k["shared_bytes"],
+                      k["programs_per_sm"]] for k in kernels])
+        result["triton_kernels"] = kernels
     print_json(result)
     return result

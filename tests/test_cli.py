@@ -207,3 +207,38 @@ def test_weight_bytes_of_a_step_count_the_output_projection_once():
 def test_launch_passes_a_workers_own_flags_to_every_worker():
     lines = pdserve("launch", "--dry-run", "--worker-arg=--no-kv-stream").stdout.splitlines()
     assert [line.split(":")[0] for line in lines if line.endswith(" --no-kv-stream")] == ["prefill-0", "decode-0"]
+
+
+def test_kernel_occupancy_reads_each_compiled_variant_and_counts_its_programs_per_sm():
+    """What step-profile prints on CUDA: each loaded variant's registers, spills and shared memory,
+    and the programs an SM runs (H100: 64K registers, 228 KiB shared, 2,048 threads)."""
+    import types
+
+    from bench import kernel_occupancy as ko
+
+    h100 = types.SimpleNamespace(shared_memory_per_multiprocessor=233472, max_threads_per_multi_processor=2048)
+    assert ko.programs_per_sm(4, 96, 20512, h100) == 5  # a decode's attention tile: by its registers
+    assert ko.programs_per_sm(4, 112, 20512, h100) == 4  # (3,584 a warp, rounded to 256)
+    assert ko.programs_per_sm(8, 180, 147456, h100) == 1  # a prefill's matmul tile: by its shared memory
+    assert ko.programs_per_sm(1, 16, 0, h100) == ko.MAX_PROGRAMS
+
+    def kernel(regs, spills, warps, shared, **constants):
+        return types.SimpleNamespace(n_regs=regs, n_spills=spills, metadata=types.SimpleNamespace(num_warps=warps,
+                                     shared=shared), src=types.SimpleNamespace(
+            constants={(["A", "BLOCK_M", "IEEE", "N"].index(k),): v for k, v in constants.items()}))
+    fn = types.SimpleNamespace(arg_names=["A", "BLOCK_M", "IEEE", "N"], device_caches={
+        0: ({"a": kernel(96, 0, 4, 20512, BLOCK_M=16, IEEE=False), "b": kernel(255, 56, 2, 24608, BLOCK_M=64),
+             "not loaded": kernel(None, None, 4, 0)}, None, None, None, None)})
+    module = types.ModuleType("stand_in_kernels")
+    module._split_kernel, module.helper = fn, len
+    import sys
+    sys.modules["stand_in_kernels"] = module
+    try:
+        rows = ko.compiled_kernels(h100, modules=("stand_in_kernels",))
+    finally:
+        del sys.modules["stand_in_kernels"]
+    assert rows == [
+        {"kernel": "_split_kernel", "variant": "BLOCK_M=16 IEEE=0", "warps": 4, "registers": 96, "spilled_bytes": 0,
+         "shared_bytes": 20512, "programs_per_sm": 5},
+        {"kernel": "_split_kernel", "variant": "BLOCK_M=64", "warps": 2, "registers": 255, "spilled_bytes": 56,
+         "shared_bytes": 24608, "programs_per_sm": 4}]
