@@ -2,11 +2,12 @@
 and launch shape.
 
 BLOCK_N sets the order of a row's online softmax, so it is one constant for every call (a row's
-bits must not depend on its batch); the launch's warps and stages, and a tile's rows, should
-change no arithmetic, which the prefill half checks. This times, in CUDA graphs (as decode steps
-run: launched eagerly, a small point times the host), the attention of llama-1b's shapes (32 query heads on 8 KV heads of 64, 16-token pages,
-tables as wide as a 4,096-token context, as a CUDA graph captures them) for decode batches and a
-prefill chunk, each variant against the KV bytes it must read.
+bits must not depend on its batch); the launch's warps, stages, register cap and lanes, and a
+tile's rows, should change no arithmetic, which the prefill half checks. This times, in CUDA
+graphs (as decode steps run: launched eagerly, a small point times the host), the attention of
+llama-1b's shapes (32 query heads on 8 KV heads of 64, 16-token pages, tables as wide as a
+4,096-token context, as a CUDA graph captures them) for decode batches and a prefill chunk, each
+variant against the KV bytes it must read.
 
     python3 -m bench.attention_tiles     (a CUDA device; prints a table, then JSON)
 """
@@ -22,7 +23,10 @@ from common.attention import triton_paged as tp
 # splits), and sets how many programs share a short context's keys (at batch 1 a split is a chain of
 # steps). PROGRAMS caps a decode launch's lanes (split_lanes); 1 << 30 gives every tile LANES of them
 # whatever the batch, as before 2026-11-28 (those past a short context's splits start and end at once)
+# maxnreg caps a thread's registers (96 uncapped in Triton 3.9's sm_90 code; 80 spills 12 bytes, 64 spills
+# 60) for more programs an SM: 5, 6, 8. A launch option: the same arithmetic.
 DECODE = [(64, 256, {}, tp.PROGRAMS), (64, 256, {}, 1 << 30), (64, 256, {"num_warps": 4, "num_stages": 1}, tp.PROGRAMS),
+          (64, 256, {"maxnreg": 80}, tp.PROGRAMS), (64, 256, {"maxnreg": 64}, tp.PROGRAMS),
           (128, 256, {}, tp.PROGRAMS), (64, 128, {}, tp.PROGRAMS), (128, 512, {}, tp.PROGRAMS)]
 # (rows, launch). On an H100 (2026-11-27) 64 and 128 rows on 4 or 8 warps gave other bits than a
 # decode's 16-row tile: those shapes take Hopper's warpgroup products (wgmma), a 16-row tile the
