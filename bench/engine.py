@@ -200,14 +200,16 @@ def measure_mode(engine: Engine, name: str, batch_sizes: list[int], kv_lens: lis
 
 
 def attention_label(engine: Engine) -> str:
-    """The attention backend, and for the Triton one its prefill tiles (`auto` picks the fastest
-    that keep a decode tile's bits on the device, at start)."""
+    """The attention backend, and for the Triton one its prefill tiles and decode launch (`auto`
+    picks the fastest on the device at start: common/attention/triton_choice.py)."""
     attention = engine.model.layers[0].attention
     if attention.name != "triton":
         return attention.name
+    from common.attention.triton_choice import launch_name
     from common.attention.triton_paged import PREFILL_ROWS, tile_name
 
-    return f"triton (prefill tiles of {tile_name(attention.prefill_tile or (PREFILL_ROWS, 0))})"
+    return (f"triton (prefill tiles of {tile_name(attention.prefill_tile or (PREFILL_ROWS, 0))}, decode tiles "
+            f"{launch_name(attention.decode_launch or {})})")
 
 
 def engine_for_bench(engine_kwargs: dict, max_batch: int, seq_len: int, prefill_len: int) -> Engine:

@@ -49,7 +49,9 @@ set -u
 #   674 + 64 us, prefill: 3,579 + 608 us); the invariance tests say whether the bits held. The
 #   split kernel also holds fewer registers (decode tile 112 -> 96, 32-row prefill tile 188 -> 128:
 #   Triton 3.9's ptxas here; the machine's Triton 3.6 may differ: step-profile's last table now
-#   lists every compiled variant's registers, spills and programs per SM there).
+#   lists every compiled variant's registers, spills and programs per SM there). `auto` now times
+#   the decode tile uncapped and with its registers capped at 80 and 64 (the engine's log line
+#   "decode attention launched ..." lists each one's µs; attention-tiles times them too).
 # Cluster stages serve 4,096-token contexts: sized for llama-1b's whole 131,072, each worker would set
 # GBs aside for one step's attention partials (a GPU test starts a cluster with no flag at all).
 CTX=--worker-arg=--max-model-len=4096

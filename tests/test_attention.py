@@ -117,8 +117,8 @@ def test_triton_warm_up_compiles_a_decodes_tiles_and_a_prefills_where_they_diffe
 
     launched = []
     launch = tp.paged_attention
-    monkeypatch.setattr(tp, "paged_attention", lambda *args, decode_tiles, prefill_tile: (
-        launched.append(decode_tiles), launch(*args, decode_tiles=decode_tiles, prefill_tile=prefill_tile))[1])
+    monkeypatch.setattr(tp, "paged_attention", lambda *args, decode_tiles, **kw: (
+        launched.append(decode_tiles), launch(*args, decode_tiles=decode_tiles, **kw))[1])
     k = torch.randn(4, 16, 2, 32)
     # a prefill's tiles as a decode's (one launch), or apart (two): by name (PREFILL_ROWS) or the engine's own
     # (a tile of a decode's rows on other warps launches apart too)
@@ -185,9 +185,10 @@ def test_auto_takes_the_fastest_prefill_tile_that_keeps_a_decode_tiles_bits(monk
     The choice is the engine's own (TritonAttention.prefill_tile): PREFILL_ROWS, a named backend's, stays."""
     pytest.importorskip("triton")
     from common.attention import triton_paged as tp
+    from common.attention.triton_choice import choose_prefill_tile
 
     cpu = torch.device("cpu")
-    assert tp.choose_prefill_tile(4, 1, 16, cpu, torch.float32, 16, tokens=24) == (tp.PREFILL_CANDIDATES[0], [])
+    assert choose_prefill_tile(4, 1, 16, cpu, torch.float32, 16, tokens=24) == (tp.PREFILL_CANDIDATES[0], [])
 
     tried = []
 
@@ -202,20 +203,59 @@ def test_auto_takes_the_fastest_prefill_tile_that_keeps_a_decode_tiles_bits(monk
         return q + (1e-3 if rows > (64 if warps == 2 else 32) else 0.0)
     monkeypatch.setattr(tp, "paged_attention", stand_in)
     broken = False
-    assert tp.choose_prefill_tile(8, 2, 16, cpu, torch.bfloat16, 16) == ((64, 2), [])
+    assert choose_prefill_tile(8, 2, 16, cpu, torch.bfloat16, 16) == ((64, 2), [])
     assert tried == [(tp.MIN_ROWS, 0), (128, 2), (64, 2)]
 
     broken = True
     us = {(64, 2): 3.0, (32, 0): 2.0, (tp.MIN_ROWS, 0): 5.0}
-    tile, notes = tp.choose_prefill_tile(8, 2, 16, cpu, torch.bfloat16, 16,
-                                         timer=lambda run: (run(), us[tried[-1]] / 1e6)[1])
+    tile, notes = choose_prefill_tile(8, 2, 16, cpu, torch.bfloat16, 16,
+                                      timer=lambda run: (run(), us[tried[-1]] / 1e6)[1])
     assert tile == (32, 0)
     assert notes == ["64 rows: RuntimeError: out of shared memory", "64 rows on 2 warps 3 us", "32 rows 2 us",
                      "16 rows 5 us"]
     us[(tp.MIN_ROWS, 0)] = 1.0  # none faster than a decode's own tile: that one
-    assert tp.choose_prefill_tile(8, 2, 16, cpu, torch.bfloat16, 16,
-                                  timer=lambda run: (run(), us[tried[-1]] / 1e6)[1])[0] == (tp.MIN_ROWS, 0)
+    assert choose_prefill_tile(8, 2, 16, cpu, torch.bfloat16, 16,
+                               timer=lambda run: (run(), us[tried[-1]] / 1e6)[1])[0] == (tp.MIN_ROWS, 0)
     assert tp.PREFILL_ROWS == tp.MIN_ROWS
+
+
+def test_auto_takes_the_fastest_decode_launch_that_keeps_the_bits(monkeypatch):
+    """A cap on a decode tile's registers changes no arithmetic: the chooser checks that, times each
+    launch (a stand-in timer), and takes the fastest; untimed, the first. In the interpreter every
+    launch gives the same bits; with a stand-in kernel, one that fails and one that differs are
+    passed over, each said why. The backend launches its decode tiles with the choice."""
+    pytest.importorskip("triton")
+    from common.attention import triton_paged as tp
+    from common.attention.triton_choice import choose_decode_launch
+
+    cpu = torch.device("cpu")
+    assert choose_decode_launch(4, 2, 16, cpu, torch.float32, 16, batch=3, context=40) == (tp.DECODE_LAUNCHES[0], [])
+    tried, launch = [], tp.paged_attention
+
+    def stand_in(q, *args, decode_launch=None, **kw):
+        tried.append(decode_launch)
+        if decode_launch == {"maxnreg": 80}:
+            raise ValueError("unknown option maxnreg")
+        return launch(q, *args, decode_launch=decode_launch, **kw) + (0.5 if decode_launch == {"maxnreg": 64} else 0)
+    monkeypatch.setattr(tp, "paged_attention", stand_in)
+    monkeypatch.setattr(tp, "DECODE_LAUNCHES", ({}, {"maxnreg": 80}, {"maxnreg": 64}, {"num_warps": 2}))
+    us = {None: 0.0, "{}": 5.0, "{'num_warps': 2}": 3.0}
+    chosen, notes = choose_decode_launch(4, 2, 16, cpu, torch.float32, 16, batch=3, context=40,
+                                         timer=lambda run: (run(), us[str(tried[-1])] / 1e6)[1])
+    assert chosen == {"num_warps": 2}
+    assert notes == ["maxnreg 80: ValueError: unknown option maxnreg", "maxnreg 64: other bits", "uncapped 5 us",
+                     "num_warps 2 3 us"]
+    monkeypatch.undo()
+
+    attention = tp.TritonAttention(4, 2, 16)
+    attention.decode_launch = {"num_warps": 2}
+    seen = []
+    monkeypatch.setattr(tp, "paged_attention", lambda *a, decode_launch=None, **kw: seen.append(decode_launch))
+    from common.attention import AttentionMetadata
+    lens = torch.tensor([5])
+    meta = AttentionMetadata(torch.tensor([4]), 1, torch.tensor([[0]]), lens, None, [], None, lens - 1, None)
+    attention._attend(torch.zeros(1, 4, 16), torch.zeros(2, 16, 2, 16), torch.zeros(2, 16, 2, 16), meta)
+    assert seen == [{"num_warps": 2}]
 
 
 class _Sequences:

@@ -49,6 +49,7 @@ def test_auto_checks_the_triton_attention_in_the_serving_dtype_and_block_size():
 
     auto = make_attention("auto", torch.device("cuda:0"), 32, 8, 64, torch.bfloat16, 16)
     assert auto.name == "triton" and auto.prefill_tile in (*tp.PREFILL_CANDIDATES, (tp.MIN_ROWS, 0))  # timed, kept
+    assert auto.decode_launch in tp.DECODE_LAUNCHES
     assert make_attention("auto", torch.device("cuda:0"), 32, 8, 64, torch.bfloat16, 32).name == "triton"
     assert make_attention("auto", torch.device("cuda:0"), 32, 8, 64, torch.bfloat16, 128).name == "sdpa"
 

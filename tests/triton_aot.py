@@ -63,10 +63,12 @@ def compile_all(arch: int = 90) -> list[str]:
             block_d = max(16, pow2(head_dim))
             tiles = {(tp.MIN_ROWS, str(tp.SPLIT_LAUNCH)): tp.SPLIT_LAUNCH,
                      (tp.PREFILL_ROWS, str(tp.PREFILL_LAUNCH)): tp.PREFILL_LAUNCH}
-            if (dt, heads) == ("bf16", 32):  # llama-1b's prefill tiles `auto` tries at start (choose_prefill_tile;
-                for tile in tp.PREFILL_CANDIDATES:  # elsewhere a tile that fails is passed over, and said)
+            if (dt, heads) == ("bf16", 32):  # llama-1b's prefill tiles and decode launches `auto` tries at start
+                for tile in tp.PREFILL_CANDIDATES:  # (triton_choice; elsewhere one that fails is passed over, and said)
                     rows, launch = tp.prefill_shape(tile)
                     tiles[(rows, str(launch))] = launch
+                for launch in tp.DECODE_LAUNCHES:
+                    tiles[(tp.MIN_ROWS, str(launch))] = launch
             for (rows, _), launch in tiles.items():
                 block_q, block_m = tp.tile_shape(group, rows)
                 build(tp._split_kernel,

@@ -11,7 +11,8 @@ its own width: one long sequence no longer makes every short one beside it read 
 
 - `sdpa.py`: portable (CPU and GPU), torch's scaled_dot_product_attention.
 - `triton_paged.py`: one paged split-KV kernel in Triton for decodes and prefill chunks alike,
-  batch-invariant (the KV is split at fixed positions); picked by `auto` on CUDA.
+  batch-invariant (the KV is split at fixed positions); picked by `auto` on CUDA, which then times
+  its tiles' shapes and launch on the device (`triton_choice.py`).
 - `flex.py`: FlexAttention with a paged block mask, compiled (it does not compile for 16-token pages
   on an H100, so only by name).
 - `batch.py`: the batch's layout every backend reads, and the runs of decodes.
@@ -37,8 +38,8 @@ def make_attention(name: str, device: torch.device, num_heads: int, num_kv_heads
                    dtype: torch.dtype = torch.float32, block_size: int = 16):
     """'auto' is the Triton kernel on CUDA when Triton is installed, it tiles the block size, and it
     passes a start-up check against SDPA in the serving dtype and block size; else SDPA. Its prefill
-    tiles are then the fastest that keep a decode tile's bits (triton_paged.choose_prefill_tile). A
-    backend asked for by name is used as it is."""
+    tiles are then the fastest that keep a decode tile's bits, and its decode tiles' launch the
+    fastest (common/attention/triton_choice.py). A backend asked for by name is used as it is."""
     sdpa = SDPAAttention(num_heads, num_kv_heads, head_dim)
     if name == "sdpa" or (name == "auto" and device.type != "cuda"):
         return sdpa
@@ -47,7 +48,7 @@ def make_attention(name: str, device: torch.device, num_heads: int, num_kv_heads
 
         return FlexAttention(num_heads, num_kv_heads, head_dim)
     from common import triton_support
-    from common.attention import triton_paged
+    from common.attention import triton_choice, triton_paged
 
     if name == "triton" and device.type != "cuda" and not triton_support.interpreted():  # (the tests interpret it)
         raise InvalidArgument(f"attention backend 'triton' runs on CUDA devices, not {device}; allowed there: "
@@ -74,12 +75,19 @@ def make_attention(name: str, device: torch.device, num_heads: int, num_kv_heads
         log.warning("Triton attention differs from SDPA by %.3g on %s; using SDPA", err, device)
         return sdpa
     try:
-        fast.prefill_tile, notes = triton_paged.choose_prefill_tile(num_heads, num_kv_heads, head_dim, device, dtype,
-                                                                    block_size)
+        fast.prefill_tile, notes = triton_choice.choose_prefill_tile(num_heads, num_kv_heads, head_dim, device, dtype,
+                                                                     block_size)
     except Exception as e:  # the check itself failed: the decode's tile still serves
         fast.prefill_tile, notes = (triton_paged.MIN_ROWS, 0), [first_line(e)]
     log.info("prefill attention in tiles of %s on %s: the fastest that keep a decode tile's bits (%s)",
              triton_paged.tile_name(fast.prefill_tile), device, "; ".join(notes) or "none timed")
+    try:
+        fast.decode_launch, notes = triton_choice.choose_decode_launch(num_heads, num_kv_heads, head_dim, device,
+                                                                       dtype, block_size)
+    except Exception as e:  # the check itself failed: Triton's defaults still serve
+        fast.decode_launch, notes = None, [first_line(e)]
+    log.info("decode attention launched %s on %s: the fastest (%s)",
+             triton_choice.launch_name(fast.decode_launch or {}), device, "; ".join(notes) or "none timed")
     return fast
 
 

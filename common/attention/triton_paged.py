@@ -33,10 +33,9 @@ import torch
 
 from common.attention.batch import AttentionMetadata
 from common.config import upload
-from common.errors import first_line
 from common.linear_partials import Partials, finished, reading
 from common.attention.sdpa import SDPAAttention
-from common.triton_support import interpreted, jit, pow2, tl, triton
+from common.triton_support import interpreted, jit, pow2, tl
 
 _NO_FP_FUSION = {} if interpreted() else {"enable_fp_fusion": False}  # (the interpreter takes no such option)
 
@@ -52,14 +51,18 @@ MIN_ROWS = 16  # tl.dot's smallest tile side: a tile's rows (tokens x grouped he
 # (wgmma), which gave other bits; on fewer warps, and at 32 rows or fewer, it keeps the older mma of a
 # decode's tile. So a prefill tile is (rows, warps; 0: Triton's default), and `auto` gives its engine
 # the fastest of PREFILL_CANDIDATES whose rows keep a one-token tile's bits on the device at hand
-# (choose_prefill_tile, at start; TritonAttention.prefill_tile). PREFILL_ROWS and PREFILL_LAUNCH are
+# (triton_choice.choose_prefill_tile, at start; TritonAttention.prefill_tile). PREFILL_ROWS and PREFILL_LAUNCH are
 # the tile of a backend asked for by name.
 PREFILL_ROWS = MIN_ROWS
 PREFILL_LAUNCH: dict = {}
 PREFILL_CANDIDATES = ((128, 2), (64, 2), (128, 0), (64, 0), (32, 0))  # largest first: the choice where none is timed
 LANES = 16  # at most this many programs per (tile, KV head), each taking every lanes-th split
 PROGRAMS = 4096  # a decode launch's programs, about (split_lanes): an H100's 132 SMs a few times over
-SPLIT_LAUNCH: dict = {}  # the split kernel's num_warps and num_stages, where not Triton's defaults
+SPLIT_LAUNCH: dict = {}  # a decode tile's launch options (num_warps, num_stages, maxnreg), where not Triton's defaults
+# A decode tile's launch options `auto` times at start (triton_choice.choose_decode_launch): a cap on a
+# thread's registers, for more programs an SM (96 uncapped in Triton 3.9's sm_90 code, 5 programs;
+# 80 spills 12 bytes, 6; 64 spills 60, 8). Options change no arithmetic.
+DECODE_LAUNCHES = ({}, {"maxnreg": 80}, {"maxnreg": 64})
 
 
 @jit(do_not_specialize=["stride_tb", "lanes"],
@@ -295,9 +298,10 @@ def prefill_shape(tile: tuple[int, int] | None = None) -> tuple[int, dict]:
     return rows, {"num_warps": warps} if warps else {}
 
 
-def prefill_apart(tile: tuple[int, int] | None = None) -> bool:
-    """Whether a prefill's tiles (prefill_shape) differ from a decode's, and so launch apart."""
-    return prefill_shape(tile) != (MIN_ROWS, SPLIT_LAUNCH)
+def prefill_apart(tile: tuple[int, int] | None = None, decode_launch: dict | None = None) -> bool:
+    """Whether a prefill's tiles (prefill_shape) differ from a decode's, launched with decode_launch
+    (None: SPLIT_LAUNCH), and so launch apart."""
+    return prefill_shape(tile) != (MIN_ROWS, SPLIT_LAUNCH if decode_launch is None else decode_launch)
 
 
 class StepSplits:
@@ -315,7 +319,8 @@ class StepSplits:
 def paged_attention(q_THD: torch.Tensor, k_cache_NPKD: torch.Tensor, v_cache_NPKD: torch.Tensor,
                     tables_SM: torch.Tensor, tiles_4X: torch.Tensor, positions_T: torch.Tensor, scale: float,
                     host_positions: list[int] | None = None, splits: StepSplits | None = None,
-                    decode_tiles: int | None = None, prefill_tile: tuple[int, int] | None = None) -> torch.Tensor:
+                    decode_tiles: int | None = None, prefill_tile: tuple[int, int] | None = None,
+                    decode_launch: dict | None = None) -> torch.Tensor:
     """Causal attention of each packed query token to its sequence's keys in the pool.
 
     tables_SM: one block table per sequence of the step. tiles_4X: for each query tile, its
@@ -327,7 +332,7 @@ def paged_attention(q_THD: torch.Tensor, k_cache_NPKD: torch.Tensor, v_cache_NPK
     decode_tiles: how many tiles, first, are decode-shaped (tile_shape(group)); the rest are a
     prefill's (tile_shape(group, rows) of prefill_shape(prefill_tile), as step_layout builds them),
     each launched apart. None: every tile is decode-shaped (decode_tiles(), or tiles of
-    tile_shape(group))."""
+    tile_shape(group)). decode_launch: the decode tiles' launch options (None: SPLIT_LAUNCH)."""
     T, H, D = q_THD.shape
     N, P, K, _ = k_cache_NPKD.shape
     out = torch.empty_like(q_THD)
@@ -347,7 +352,7 @@ def paged_attention(q_THD: torch.Tensor, k_cache_NPKD: torch.Tensor, v_cache_NPK
         splits.parts = (torch.empty(splits.rows, H, D, dtype=torch.float32, device=q_THD.device),
                         torch.empty(splits.rows, H, dtype=torch.float32, device=q_THD.device))
     if splits.launches is None:
-        splits.launches = _launches(tiles_4X, H // K, K, splits.most, decode_tiles, prefill_tile)
+        splits.launches = _launches(tiles_4X, H // K, K, splits.most, decode_tiles, prefill_tile, decode_launch)
     out_part, lse_part = splits.parts
     q_THD = q_THD.contiguous()
     block_d = max(16, pow2(D))
@@ -365,15 +370,16 @@ def paged_attention(q_THD: torch.Tensor, k_cache_NPKD: torch.Tensor, v_cache_NPK
 
 
 def _launches(tiles_4X: torch.Tensor, group: int, kv_heads: int, most: int, decode_tiles: int | None,
-              prefill_tile: tuple[int, int] | None) -> list[tuple]:
+              prefill_tile: tuple[int, int] | None, decode_launch: dict | None) -> list[tuple]:
     """The split kernel's launches of a step: ((its tiles' sequences, first tokens, token counts and
     first positions), BLOCK_Q, BLOCK_M, lanes, launch options) for its decode-shaped tiles, and
     apart for a prefill's where they differ (paged_attention's decode_tiles)."""
     X = tiles_4X.shape[1]
     prefill_rows, prefill_launch = prefill_shape(prefill_tile)
-    small = decode_tiles if decode_tiles is not None and prefill_apart(prefill_tile) else X
+    small = decode_tiles if decode_tiles is not None and prefill_apart(prefill_tile, decode_launch) else X
+    decode_launch = SPLIT_LAUNCH if decode_launch is None else decode_launch
     out = []
-    for first, end, rows, launch in ((0, small, MIN_ROWS, SPLIT_LAUNCH), (small, X, prefill_rows, prefill_launch)):
+    for first, end, rows, launch in ((0, small, MIN_ROWS, decode_launch), (small, X, prefill_rows, prefill_launch)):
         if end > first:
             block_q, block_m = tile_shape(group, rows)
             lanes = split_lanes(end - first, kv_heads, most, decodes=decode_tiles is None or end <= decode_tiles)
@@ -382,7 +388,7 @@ def _launches(tiles_4X: torch.Tensor, group: int, kv_heads: int, most: int, deco
 
 
 def warm_up(q_THD: torch.Tensor, k_cache_NPKD: torch.Tensor, v_cache_NPKD: torch.Tensor, scale: float,
-            prefill_tile: tuple[int, int] | None = None) -> list[str]:
+            prefill_tile: tuple[int, int] | None = None, decode_launch: dict | None = None) -> list[str]:
     """Launch the attention once in a decode's tiles and, where they differ, in a prefill's (a
     decode at position 0 reading block 0; nothing is written), so that each kernel compiles at
     start and not in a serving step. Any context runs in the same variant. Returns which tiles
@@ -390,9 +396,9 @@ def warm_up(q_THD: torch.Tensor, k_cache_NPKD: torch.Tensor, v_cache_NPKD: torch
     zero = torch.zeros(1, dtype=torch.int64, device=q_THD.device)
     tables = torch.zeros(1, 1, dtype=torch.int64, device=q_THD.device)
     compiled = []
-    for decodes in (1, 0) if prefill_apart(prefill_tile) else (1,):
+    for decodes in (1, 0) if prefill_apart(prefill_tile, decode_launch) else (1,):
         paged_attention(q_THD[:1], k_cache_NPKD, v_cache_NPKD, tables, decode_tiles(zero + 1), zero, scale,
-                        decode_tiles=decodes, prefill_tile=prefill_tile)
+                        decode_tiles=decodes, prefill_tile=prefill_tile, decode_launch=decode_launch)
         compiled.append("decode" if decodes else "prefill")
     return compiled
 
@@ -400,49 +406,6 @@ def warm_up(q_THD: torch.Tensor, k_cache_NPKD: torch.Tensor, v_cache_NPKD: torch
 def tile_name(tile: tuple[int, int]) -> str:
     rows, warps = tile
     return f"{rows} rows" + (f" on {warps} warps" if warps else "")
-
-
-def choose_prefill_tile(num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device,
-                        dtype: torch.dtype, page: int, tokens: int = 2 * SPLIT + 37, timer=None
-                        ) -> tuple[tuple[int, int], list[str]]:
-    """The fastest of PREFILL_CANDIDATES whose tiles give every row of a prefill chunk the bits
-    one-token tiles give it, here, in this dtype (a chunk over several splits with a ragged last
-    tile, its keys in a shuffled table), timed on that chunk beside a decode's own tile (on CUDA by
-    triton.testing.do_bench; `timer(fn) -> seconds` elsewhere; with no timer, the first in the list
-    that keeps the bits); else the decode's tile, (MIN_ROWS, 0). And notes: why a candidate was passed over
-    where it failed to run (a tile too big for the device's shared memory), and each timed one's µs."""
-    gen = torch.Generator().manual_seed(0)
-    T, H, K, D = tokens, num_heads, num_kv_heads, head_dim
-    blocks = -(-T // page)
-    k_cache, v_cache = (torch.randn(blocks + 1, page, K, D, generator=gen).to(device, dtype) for _ in range(2))
-    tables = torch.randperm(blocks + 1, generator=gen)[:blocks][None, :].to(device)
-    q = torch.randn(T, H, D, generator=gen).to(device, dtype)
-    positions, host, scale = torch.arange(T, device=device), list(range(T)), D ** -0.5
-    ones = torch.stack([torch.zeros_like(positions), positions, torch.ones_like(positions), positions])
-    want = paged_attention(q, k_cache, v_cache, tables, ones, positions, scale, host)
-    if timer is None and device.type == "cuda":  # (triton imports its testing module; do_bench says ms)
-        timer = lambda fn: triton.testing.do_bench(fn, warmup=2, rep=10, return_mode="median") / 1e3  # noqa: E731
-    notes, kept = [], {}
-    for tile in [*PREFILL_CANDIDATES, (MIN_ROWS, 0)]:
-        block_q, _ = tile_shape(H // K, tile[0])
-        if block_q <= 1 and tile[0] != MIN_ROWS:  # a decode's tile, of other rows
-            continue
-        chunk = torch.tensor([(0, j, min(block_q, T - j), j) for j in range(0, T, block_q)], device=device)
-        run = (lambda c=chunk.T.contiguous(), t=tile: paged_attention(  # noqa: E731
-            q, k_cache, v_cache, tables, c, positions, scale, host, decode_tiles=0, prefill_tile=t))
-        try:
-            got = run()
-        except Exception as e:  # Triton's out-of-resources errors are not RuntimeErrors
-            notes.append(f"{tile_name(tile)}: {first_line(e)}")
-            continue
-        if not torch.equal(got, want):
-            continue
-        if timer is None:
-            return tile, notes
-        kept[tile] = timer(run)
-    best = min(kept, key=kept.get) if kept else (MIN_ROWS, 0)
-    notes += [f"{tile_name(t)} {1e6 * sec:.0f} us" for t, sec in kept.items()]
-    return best, notes
 
 
 def decode_tiles(lens_B: torch.Tensor) -> torch.Tensor:
@@ -486,12 +449,13 @@ class TritonAttention(SDPAAttention):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
         super().__init__(num_heads, num_kv_heads, head_dim)
         self.prefill_tile: tuple[int, int] | None = None  # (rows, warps): choose_prefill_tile's; None: PREFILL_ROWS
+        self.decode_launch: dict | None = None  # choose_decode_launch's; None: SPLIT_LAUNCH
         self._layout_meta = None  # the step the cached layout was built for (every layer shares it)
         self._layout = None
 
     def warm_up(self, k_cache_NBKD: torch.Tensor, v_cache_NBKD: torch.Tensor) -> list[str]:
         q = torch.zeros(1, self.num_heads, self.head_dim, dtype=k_cache_NBKD.dtype, device=k_cache_NBKD.device)
-        return warm_up(q, k_cache_NBKD, v_cache_NBKD, self.scale, self.prefill_tile)
+        return warm_up(q, k_cache_NBKD, v_cache_NBKD, self.scale, self.prefill_tile, self.decode_launch)
 
     def forget_layout(self) -> None:
         """Drop the cached step layout (it may hold a CUDA graph's static buffers)."""
@@ -516,4 +480,5 @@ class TritonAttention(SDPAAttention):
             self._layout, self._layout_meta = (tables_SM, tiles_4X, splits), meta
         tables_SM, tiles_4X, splits = self._layout
         return paged_attention(q_THD, k_cache_NBKD, v_cache_NBKD, tables_SM, tiles_4X, meta.positions, self.scale,
-                               meta.host_positions, splits, meta.num_decode, self.prefill_tile)
+                               meta.host_positions, splits, decode_tiles=meta.num_decode, prefill_tile=self.prefill_tile,
+                               decode_launch=self.decode_launch)
