@@ -50,8 +50,8 @@ set -u
 #   split kernel also holds fewer registers (decode tile 112 -> 96, 32-row prefill tile 188 -> 128:
 #   Triton 3.9's ptxas here; the machine's Triton 3.6 may differ: step-profile's last table now
 #   lists every compiled variant's registers, spills and programs per SM there). `auto` now times
-#   the decode tile uncapped and with its registers capped at 80 and 64 (the engine's log line
-#   "decode attention launched ..." lists each one's µs; attention-tiles times them too).
+#   the decode tile uncapped and with its registers capped at 80 and 64 (bench engine's header names
+#   the one taken; attention-tiles times each).
 # Cluster stages serve 4,096-token contexts: sized for llama-1b's whole 131,072, each worker would set
 # GBs aside for one step's attention partials (a GPU test starts a cluster with no flag at all).
 CTX=--worker-arg=--max-model-len=4096
@@ -187,6 +187,8 @@ verify)
     grep -A14 "^prefill of one" "$OUT/step-profile.log"
     grep -A8 "with async scheduling" "$OUT/step-profile.log" | tail -n 9
     grep "waits for the device" "$OUT/step-profile.log"
+    grep -A16 "the Triton kernels these steps compiled" "$OUT/step-profile.log"
+    grep -ho "attention triton ([^)]*)" "$OUT/engine-grid.log" "$OUT/engine-vs-hf.log" | head -n 1
     grep -v '^{' "$OUT/attention-tiles.log" | tail -n 9
     grep -v '^{' "$OUT/transfer-8m.log" "$OUT/transfer-256m.log" "$OUT/handoff.log" | tail -n 20
     grep '^\[' "$OUT/engine-grid.log" | grep -v "profiling\|prefill of"
