@@ -245,11 +245,15 @@ class DecodeWorker(WorkerBase):
             self._drop(rid)  # an older attempt of this request, if any
             blocks = None if self.queued else self.engine.reserve(msg.num_tokens, rid)  # none ahead of it: now
             if blocks is not None:
-                self.reservations[rid] = Reservation(msg.attempt, blocks, now + self.cfg.kv_lease_s, now,
-                                                     (msg.writer_host, msg.writer_pid))
-                return self._grant(sender, msg, blocks)
+                return self._reserved(sender, msg, blocks, now)
             self.queued[rid] = Queued(sender, msg, now)
         refuse("BUSY", f"queued, {len(self.queued)} waiting: no free KV blocks or batch slots now")
+
+    def _reserved(self, sender: bytes, msg: P.KVReserve, blocks: list[int], now: float):
+        """Hold these blocks for msg's request under a lease, and grant them."""
+        self.reservations[msg.request_id] = Reservation(msg.attempt, blocks, now + self.cfg.kv_lease_s, now,
+                                                        (msg.writer_host, msg.writer_pid))
+        self._grant(sender, msg, blocks)
 
     def _grant(self, sender: bytes, msg: P.KVReserve, blocks: list[int]):
         self.ingress.try_send(P.KVGrant(msg.request_id, msg.attempt, blocks, self.cfg.kv_lease_s, self.offer),
@@ -275,9 +279,7 @@ class DecodeWorker(WorkerBase):
             blocks = self.engine.reserve(q.msg.num_tokens, rid)
             if blocks is not None:
                 del self.queued[rid]
-                self.reservations[rid] = Reservation(q.attempt, blocks, now + self.cfg.kv_lease_s, now,
-                                                     (q.msg.writer_host, q.msg.writer_pid))
-                self._grant(q.sender, q.msg, blocks)
+                self._reserved(q.sender, q.msg, blocks, now)
             elif self.engine.scheduler.refuses_all(self.engine.num_reserved_seqs):
                 break
         self._room_seen = self._room()

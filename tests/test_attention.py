@@ -181,7 +181,8 @@ def test_auto_takes_the_fastest_prefill_tile_that_keeps_a_decode_tiles_bits(monk
     chooser keeps the tiles whose rows come out the same and, timed (on CUDA by events), takes the
     fastest of them and of a decode's own tile; untimed, the first kept. In the interpreter every tile
     keeps the bits. With a stand-in kernel whose tiles of more than 32 rows are off by a little (of
-    more than 64 on 2 warps), and a stand-in timer: a tile that fails to run is passed over, said why.
+    more than 64 on 2 warps), and a stand-in timer: a tile that fails to run, or gives other bits, is
+    passed over, said why.
     The choice is the engine's own (TritonAttention.prefill_tile): PREFILL_ROWS, a named backend's, stays."""
     pytest.importorskip("triton")
     from common.attention import triton_paged as tp
@@ -203,7 +204,7 @@ def test_auto_takes_the_fastest_prefill_tile_that_keeps_a_decode_tiles_bits(monk
         return q + (1e-3 if rows > (64 if warps == 2 else 32) else 0.0)
     monkeypatch.setattr(tp, "paged_attention", stand_in)
     broken = False
-    assert choose_prefill_tile(8, 2, 16, cpu, torch.bfloat16, 16) == ((64, 2), [])
+    assert choose_prefill_tile(8, 2, 16, cpu, torch.bfloat16, 16) == ((64, 2), ["128 rows on 2 warps: other bits"])
     assert tried == [(tp.MIN_ROWS, 0), (128, 2), (64, 2)]
 
     broken = True
@@ -211,7 +212,8 @@ def test_auto_takes_the_fastest_prefill_tile_that_keeps_a_decode_tiles_bits(monk
     tile, notes = choose_prefill_tile(8, 2, 16, cpu, torch.bfloat16, 16,
                                       timer=lambda run: (run(), us[tried[-1]] / 1e6)[1])
     assert tile == (32, 0)
-    assert notes == ["64 rows: RuntimeError: out of shared memory", "64 rows on 2 warps 3 us", "32 rows 2 us",
+    assert notes == ["128 rows on 2 warps: other bits", "128 rows: other bits",
+                     "64 rows: RuntimeError: out of shared memory", "64 rows on 2 warps 3 us", "32 rows 2 us",
                      "16 rows 5 us"]
     us[(tp.MIN_ROWS, 0)] = 1.0  # none faster than a decode's own tile: that one
     assert choose_prefill_tile(8, 2, 16, cpu, torch.bfloat16, 16,

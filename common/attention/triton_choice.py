@@ -42,9 +42,7 @@ def choose_prefill_tile(num_heads: int, num_kv_heads: int, head_dim: int, device
     one-token tiles give it, here, in this dtype (a chunk over several splits with a ragged last
     tile, its keys in a shuffled table), timed on that chunk beside a decode's own tile (on CUDA by
     triton.testing.do_bench; `timer(fn) -> seconds` elsewhere; with no timer, the first in the list
-    that keeps the bits); else the decode's tile, (tp.MIN_ROWS, 0). And notes: why a candidate was
-    passed over where it failed to run (a tile too big for the device's shared memory), and each
-    timed one's µs."""
+    that keeps the bits); else the decode's tile, (tp.MIN_ROWS, 0). And _fastest's notes."""
     gen = torch.Generator().manual_seed(0)
     T, H, K, D = tokens, num_heads, num_kv_heads, head_dim
     blocks = -(-T // page)
@@ -54,28 +52,16 @@ def choose_prefill_tile(num_heads: int, num_kv_heads: int, head_dim: int, device
     positions, host, scale = torch.arange(T, device=device), list(range(T)), D ** -0.5
     ones = torch.stack([torch.zeros_like(positions), positions, torch.ones_like(positions), positions])
     want = tp.paged_attention(q, k_cache, v_cache, tables, ones, positions, scale, host)
-    timer = timer or device_timer(device)
-    notes, kept = [], {}
-    for tile in [*tp.PREFILL_CANDIDATES, (tp.MIN_ROWS, 0)]:
+
+    def run(tile):
         block_q, _ = tp.tile_shape(H // K, tile[0])
-        if block_q <= 1 and tile[0] != tp.MIN_ROWS:  # a decode's tile, of other rows
-            continue
-        chunk = torch.tensor([(0, j, min(block_q, T - j), j) for j in range(0, T, block_q)], device=device)
-        run = (lambda c=chunk.T.contiguous(), t=tile: tp.paged_attention(  # noqa: E731
-            q, k_cache, v_cache, tables, c, positions, scale, host, decode_tiles=0, prefill_tile=t))
-        try:
-            got = run()
-        except Exception as e:  # Triton's out-of-resources errors are not RuntimeErrors
-            notes.append(f"{tp.tile_name(tile)}: {first_line(e)}")
-            continue
-        if not torch.equal(got, want):
-            continue
-        if timer is None:
-            return tile, notes
-        kept[tile] = timer(run)
-    best = min(kept, key=kept.get) if kept else (tp.MIN_ROWS, 0)
-    notes += [f"{tp.tile_name(t)} {1e6 * sec:.0f} us" for t, sec in kept.items()]
-    return best, notes
+        chunk = torch.tensor([(0, j, min(block_q, T - j), j) for j in range(0, T, block_q)], device=device).T
+        return lambda: tp.paged_attention(q, k_cache, v_cache, tables, chunk.contiguous(), positions, scale, host,
+                                          decode_tiles=0, prefill_tile=tile)
+    # (a tile of other rows than a decode's that holds one token is a decode's tile)
+    tiles = [t for t in [*tp.PREFILL_CANDIDATES, (tp.MIN_ROWS, 0)]
+             if t[0] == tp.MIN_ROWS or tp.tile_shape(H // K, t[0])[0] > 1]
+    return _fastest(tiles, run, tp.tile_name, want, timer or device_timer(device), (tp.MIN_ROWS, 0))
 
 
 def choose_decode_launch(num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device,
@@ -83,8 +69,8 @@ def choose_decode_launch(num_heads: int, num_kv_heads: int, head_dim: int, devic
                          timer=None) -> tuple[dict, list[str]]:
     """The fastest of DECODE_LAUNCHES for a decode's tiles, timed on a batch of `batch` decodes at
     `context` tokens over a shuffled pool, among those that give its bits (the first's: a launch
-    option changes no arithmetic, and this checks it); with no timer, the first. And notes: why one
-    was passed over (an option this Triton does not take), and each timed one's µs."""
+    option changes no arithmetic, and this checks it); with no timer, the first. And _fastest's
+    notes."""
     gen = torch.Generator().manual_seed(1)
     H, K, D = num_heads, num_kv_heads, head_dim
     width = -(-context // page)
@@ -93,26 +79,34 @@ def choose_decode_launch(num_heads: int, num_kv_heads: int, head_dim: int, devic
     q = torch.randn(batch, H, D, generator=gen).to(device, dtype)
     lens = torch.full((batch,), context, device=device)
     tiles, scale = tp.decode_tiles(lens), D ** -0.5
-    timer = timer or device_timer(device)
-    notes, kept, want = [], {}, None
-    for i, launch in enumerate(tp.DECODE_LAUNCHES):
-        run = (lambda o=launch: tp.paged_attention(  # noqa: E731
-            q, k_cache, v_cache, tables, tiles, lens - 1, scale, decode_launch=o))
+
+    def run(launch: dict):
+        return lambda: tp.paged_attention(q, k_cache, v_cache, tables, tiles, lens - 1, scale, decode_launch=launch)
+    return _fastest(tp.DECODE_LAUNCHES, run, launch_name, None, timer or device_timer(device), {})
+
+
+def _fastest(candidates: list, run, name, want: torch.Tensor | None, timer, fallback):
+    """(the fastest of candidates whose run(candidate)() gives want's bits (None: the first that
+    runs), or with no timer the first of them; fallback where none does, notes): each passed over
+    and why (it failed to run: a tile too big for the device's shared memory, an option this Triton
+    does not take; it gave other bits), then each timed one's µs."""
+    notes, kept = [], {}
+    for i, candidate in enumerate(candidates):
+        fn = run(candidate)
         try:
-            got = run()
-        except Exception as e:  # an option this Triton does not know; out of resources
-            notes.append(f"{launch_name(launch)}: {first_line(e)}")
+            got = fn()
+        except Exception as e:  # Triton's out-of-resources errors are not RuntimeErrors
+            notes.append(f"{name(candidate)}: {first_line(e)}")
             continue
         want = got if want is None else want
         if not torch.equal(got, want):
-            notes.append(f"{launch_name(launch)}: other bits")
+            notes.append(f"{name(candidate)}: other bits")
             continue
         if timer is None:
-            return launch, notes
-        kept[i] = timer(run)
-    best = tp.DECODE_LAUNCHES[min(kept, key=kept.get)] if kept else {}
-    notes += [f"{launch_name(tp.DECODE_LAUNCHES[i])} {1e6 * sec:.0f} us" for i, sec in kept.items()]
-    return best, notes
+            return candidate, notes
+        kept[i] = timer(fn)
+    best = candidates[min(kept, key=kept.get)] if kept else fallback
+    return best, notes + [f"{name(candidates[i])} {1e6 * sec:.0f} us" for i, sec in kept.items()]
 
 
 def launch_name(launch: dict) -> str:

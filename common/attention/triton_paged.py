@@ -480,5 +480,5 @@ class TritonAttention(SDPAAttention):
             self._layout, self._layout_meta = (tables_SM, tiles_4X, splits), meta
         tables_SM, tiles_4X, splits = self._layout
         return paged_attention(q_THD, k_cache_NBKD, v_cache_NBKD, tables_SM, tiles_4X, meta.positions, self.scale,
-                               meta.host_positions, splits, decode_tiles=meta.num_decode, prefill_tile=self.prefill_tile,
-                               decode_launch=self.decode_launch)
+                               meta.host_positions, splits, decode_tiles=meta.num_decode,
+                               prefill_tile=self.prefill_tile, decode_launch=self.decode_launch)
