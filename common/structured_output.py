@@ -126,9 +126,11 @@ class Grammars:
 
     def warm_up(self) -> None:
         """Build the vocabulary in a thread now, so that the first structured request does not stall
-        the steps of every request running beside it (0.3 s for 49k tokens)."""
+        the steps of every request running beside it (0.3 s for 49k tokens). Not a daemon: a process
+        that exits while llguidance is still building (a bad flag found just after) must wait for it,
+        since native code running on through the interpreter's teardown crashed it (SIGSEGV)."""
         if self.tokenizer is not None and importlib.util.find_spec("llguidance") is not None:
-            threading.Thread(target=self._build, name="grammar-vocabulary", daemon=True).start()
+            threading.Thread(target=self._build, name="grammar-vocabulary").start()
 
     def _vocabulary(self):
         """llguidance's view of the vocabulary, or InvalidArgument saying why it has none (every
