@@ -42,7 +42,7 @@ from common.attention.sdpa import SDPAAttention
 from common.errors import InvalidArgument, first_line
 from common.linear_partials import Partials, finished, reading
 from common.model import RMSNorm, silu_mul as torch_silu_mul
-from common.triton_support import available, interpreted, jit, pow2, tl, triton
+from common.triton_support import available, interpreted, jit, pow2, tl
 
 
 @jit
@@ -192,7 +192,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
         bm, bn, bk, warps, stages = tile_config(m, n, count)
-        _linear_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), count if split else 1)](
+        _linear_kernel[(-(-m // bm), -(-n // bn), count if split else 1)](
             a, weight, weight if bias is None else bias, out, m, n, a.stride(0), weight.stride(0), n, m * n, K=k,
             SEGMENT=length, SEGMENTS=count, SPLIT=split, HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn,
             BLOCK_K=bk, IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=stages)
@@ -233,7 +233,7 @@ def silu_mul(h_TX: torch.Tensor | Partials) -> torch.Tensor:
     T, I = h_TX.shape[0], h_TX.shape[1] // 2
     out = torch.empty(T, I, dtype=h_TX.dtype, device=src.device)
     if T:
-        _silu_mul_kernel[(T, triton.cdiv(I, GLU_BLOCK))](src, bias, out, stride_h, stride_seg, out.stride(0), I,
+        _silu_mul_kernel[(T, -(-I // GLU_BLOCK))](src, bias, out, stride_h, stride_seg, out.stride(0), I,
                                                          SEGMENTS=count, HAS_BIAS=has_bias, BLOCK=GLU_BLOCK)
     return out
 

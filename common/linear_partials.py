@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.triton_support import jit, tl, triton
+from common.triton_support import jit, tl
 
 SUM_BLOCK = 1024
 
@@ -39,8 +39,8 @@ class Partials:
         parts, bias, n, size, count, has_bias = self.args()
         out = torch.empty(self.shape, dtype=self.dtype, device=parts.device)
         if size:
-            _sum_segments[(triton.cdiv(size, SUM_BLOCK),)](parts, bias, out, size, n, SEGMENTS=count,
-                                                           HAS_BIAS=has_bias, BLOCK=SUM_BLOCK)
+            _sum_segments[(-(-size // SUM_BLOCK),)](parts, bias, out, size, n, SEGMENTS=count,
+                                                    HAS_BIAS=has_bias, BLOCK=SUM_BLOCK)
         return out
 
     def args(self) -> tuple[torch.Tensor, torch.Tensor, int, int, int, bool]:

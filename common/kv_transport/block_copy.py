@@ -97,13 +97,13 @@ def launch_copy(src: torch.Tensor, src_blocks: list[int], dst: torch.Tensor, dst
         return
     if not (_indexable(src) and _indexable(dst)):
         raise ValueError(f"pools of strides {src.stride()} and {dst.stride()}: a block copy needs contiguous blocks")
-    from common.kv_transport.copy_kernel import _copy_blocks_kernel, triton
+    from common.kv_transport.copy_kernel import _copy_blocks_kernel
 
     block_words = src[0, 0, 0].numel()
     chunk = max(1, min(block_words, CHUNK_BYTES // src.element_size()))
     chunk = 1 << (chunk.bit_length() - 1)  # Triton's ranges are powers of two
     ids = _ids_on(src.device, src_blocks, dst_blocks)
-    _copy_blocks_kernel[(len(src_blocks), src.shape[0] * 2, triton.cdiv(block_words, chunk))](
+    _copy_blocks_kernel[(len(src_blocks), src.shape[0] * 2, -(-block_words // chunk))](
         src, dst, ids[0], ids[1], src.stride(1), dst.stride(1), BLOCK_WORDS=block_words, CHUNK=chunk)
 
 

@@ -3,7 +3,7 @@ process 0.2 s, which only a GPU worker's copies need."""
 
 from __future__ import annotations
 
-from common.triton_support import jit, tl, triton  # noqa: F401 (triton: block_copy launches through it)
+from common.triton_support import jit, tl
 
 
 # (the row strides stay specialized: a pool pair's never change, and their alignment lets a program
