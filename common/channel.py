@@ -230,6 +230,19 @@ class Waker:
             except OSError:  # full: a wake-up is pending anyway
                 pass
 
+    def wake_from_signal(self) -> None:
+        """wake() for a signal handler. Python runs handlers on the main thread between two of its
+        bytecodes, perhaps inside wake()'s lock (a second signal during the first's handler, or a
+        wake() on the main thread): taking the lock there never returned, and the worker ignored
+        every later SIGTERM. No lock is needed here: the waker's owner closes it on the main
+        thread, which cannot run close() while it runs this."""
+        w = self._w
+        if w is not None:
+            try:
+                os.write(w, b"\0")
+            except OSError:
+                pass
+
     def drain(self) -> None:
         os.read(self.fd, 4096)
 

@@ -232,7 +232,7 @@ class WorkerBase:
 
     def _on_signal(self, *_):
         self.signalled += 1
-        self.wake()
+        self.waker.wake_from_signal()
 
     def _leave(self, now: float):
         """Told to stop: leave the router's rotation, finish what it holds, then go (see above)."""

@@ -56,3 +56,30 @@ def test_a_worker_whose_work_waits_for_blocks_polls_instead_of_spinning():
     assert timeouts[1:20] == [STALLED_POLL_MS] * 19
     assert 0 in timeouts[20:], "once it could run, the loop stepped without waiting"
     assert worker.poll_timeout() == IDLE_POLL_MS
+
+
+def test_a_signal_handled_inside_a_wake_up_returns_and_wakes_the_loop():
+    """Python runs a signal handler between two bytecodes of the main thread, which may be inside
+    the waker's lock (a second SIGTERM during the first's handler): the handler must not take it."""
+    import select
+    import threading
+    import types
+
+    from common.channel import Waker
+
+    waker = Waker()
+    worker = types.SimpleNamespace(signalled=0, waker=waker, wake=waker.wake)
+
+    def handled_inside_the_lock():
+        with waker._lock:  # as wake() holds it when the signal comes
+            WorkerBase._on_signal(worker, signal.SIGTERM, None)
+
+    thread = threading.Thread(target=handled_inside_the_lock, daemon=True)
+    thread.start()
+    thread.join(timeout=5)
+    try:
+        assert not thread.is_alive(), "the handler waited for a lock its own thread held"
+        assert worker.signalled == 1 and select.select([waker.fd], [], [], 0)[0] == [waker.fd]
+    finally:
+        if not thread.is_alive():
+            waker.close()
