@@ -169,13 +169,29 @@ def router(model, host, port, worker_port, max_model_len, policy, router_kwargs,
                             parsers=OutputParsers(http["tool_call_parser"], http["reasoning_parser"])))
 
 
-def _stop_while_starting(signum, frame):
+_told_to_stop_while_starting = False
+
+
+def _stop_when_started(signum, frame):
     """A SIGTERM while a worker imports torch and builds its model (a launcher stopping what it just
-    restarted): an orderly exit, its finally clauses run, rather than death by the signal (-15). A
-    second SIGTERM (the launcher's death signal) is ignored: raised in the exit's atexit callbacks,
-    it would print a traceback there."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    raise SystemExit(0)
+    started) is noted, and the worker leaves once built (never registered, it leaves at once). Not
+    an exception raised there: Python runs the handler wherever the main thread is, which may be
+    inside torch's C++ calling back into Python (std::terminate, SIGABRT) or inside code that
+    swallows the exit (torch's C module clears any error of the numpy import it makes: the worker
+    served on, and deploy/launch.sh waited for it forever)."""
+    global _told_to_stop_while_starting
+    _told_to_stop_while_starting = True
+
+
+def _end(status: int):
+    """A worker process ends here, once its loop closed what it holds in order (sockets, shared
+    memory, process groups): the interpreter's own teardown aborts (std::terminate, exit -6) with
+    what torch.distributed's gloo leaves of its threads (about half the runs with --kv-transport
+    gloo), and with a torch whose import a stop cut short."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def worker_command(role: str):
@@ -200,7 +216,7 @@ def worker_command(role: str):
     @engine_options
     def command(router_address, worker_id, host, threads, no_kv_stream, step_timeout, kv_lease, drain_timeout,
                 log_level, engine_kwargs):
-        signal.signal(signal.SIGTERM, _stop_while_starting)  # until the worker's loop installs its own
+        signal.signal(signal.SIGTERM, _stop_when_started)  # until the worker's loop installs its own
         from common.config import EngineConfig
         from common.worker import WorkerConfig
 
@@ -210,21 +226,19 @@ def worker_command(role: str):
         cfg = WorkerConfig(router=router_address, engine=EngineConfig(**engine_kwargs), worker_id=worker_id,
                            host=host, threads=threads, kv_stream=not no_kv_stream, step_timeout_s=step_timeout,
                            kv_lease_s=kv_lease, drain_timeout_s=drain_timeout)
+        if _told_to_stop_while_starting:  # before the model is built
+            _end(0)
         if role == "prefill":
             from prefill_worker.worker import PrefillWorker
 
-            status = PrefillWorker(cfg).run()
+            worker = PrefillWorker(cfg)
         else:
             from decode_worker.worker import DecodeWorker
 
-            status = DecodeWorker(cfg, mono=role == "mono").run()
-        # Closed in order (sockets, shared memory, process groups). What torch.distributed's gloo
-        # leaves of its threads would abort the interpreter's own teardown (std::terminate, exit
-        # -6, in about half the runs with --kv-transport gloo), so the process ends here.
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(status)
+            worker = DecodeWorker(cfg, mono=role == "mono")
+        if _told_to_stop_while_starting:
+            worker.signalled += 1
+        _end(worker.run())
 
     command.__doc__ = {"prefill": "Run a prefill worker.", "decode": "Run a decode worker.",
                        "mono": "Run a monolithic worker (prefill and decode in one process)."}[role]
