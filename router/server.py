@@ -553,8 +553,11 @@ class Router:
         told (started with another --max-model-len, or a GPU worker whose KV pool holds less: see
         Engine._auto_num_blocks); past it, that worker would refuse a prompt or end an output early,
         and a migrated request's output would depend on the workers it met. A dead worker counts
-        until it is forgotten (DEAD_WORKER_MEMORY_S): it is likely to come back as it was."""
-        served = {w.worker_id: w.max_model_len for w in self.registry.workers.values() if w.max_model_len}
+        until it is forgotten (DEAD_WORKER_MEMORY_S): it is likely to come back as it was. One that
+        left when told to stop no longer counts: it was stopped, and comes back, if at all, with
+        its own registration."""
+        served = {w.worker_id: w.max_model_len for w in self.registry.workers.values()
+                  if w.max_model_len and (w.alive or not w.leaving)}
         context = min([self.configured_context, *served.values()])
         if context < self.prompts.context:
             least = [name for name, n in sorted(served.items()) if n == context]
@@ -649,7 +652,9 @@ class Router:
     def on_leaving(self, w: Worker, msg: P.Leaving):
         """w was told to stop: no new work for it; once gone, what it held is re-dispatched now."""
         if msg.gone:
-            return self.worker_lost(w, "told to stop", died=False)
+            w.leaving = True  # (an idle worker leaves at once, without saying it is leaving first)
+            self.worker_lost(w, "told to stop", died=False)
+            return self._fit_context()
         if not w.leaving:
             w.leaving = True
             log.info("worker %s is leaving: it finishes its %d requests and gets no new work", w.worker_id,

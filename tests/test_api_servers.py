@@ -394,8 +394,18 @@ def test_the_router_admits_the_least_context_its_live_workers_serve(caplog):
                 router.registry.workers[name].last_seen -= DEAD_WORKER_MEMORY_S + 1
                 router.tick(time.monotonic())
                 seen.append(router.prompts.context)
+            # one that left when told to stop counts no more at once, whether it drained first or not
+            for name, drained in (("mono-3", True), ("mono-4", False)):
+                await scripted_worker(router, connect, name, max_model_len=64)
+                seen.append(router.prompts.context)
+                w = router.registry.workers[name]
+                if drained:
+                    router.on_leaving(w, P.Leaving(name))
+                    seen.append(router.prompts.context)
+                router.on_leaving(w, P.Leaving(name, gone=True))
+                seen.append(router.prompts.context)
             return seen
 
     with caplog.at_level("INFO", logger="pdserve.router"):
-        assert asyncio.run(scenario()) == [256, 128, 128, 128, 256, 256, 512]
+        assert asyncio.run(scenario()) == [256, 128, 128, 128, 256, 256, 512, 64, 64, 512, 64, 512]
     assert "no worker known serves less than 512 tokens now: the router admits 512 again" in caplog.text
