@@ -256,7 +256,8 @@ for _role in ("prefill", "decode", "mono"):
 @devices_option()
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=7100, show_default=True, type=PORT, help="client port (0: any free port)")
-@click.option("--worker-port", default=0, type=PORT, help="[default: any free port]")
+@click.option("--worker-port", default=None, type=PORT,
+              help="where workers join [default: port + 1, as the router's; any free port with --port 0]")
 @policy_option
 @click.option("--log-dir", default="pdserve-logs", show_default=True)
 @click.option("--threads", default=None, type=COUNT,
@@ -286,6 +287,10 @@ def launch(prefill, decode, mono, devices, host, port, worker_port, policy, log_
         raise click.UsageError(str(e))
     prefill = (0 if mono else 1) if prefill is None else prefill
     decode = (0 if mono else 1) if decode is None else decode
+    if worker_port is None:
+        if port == 65535:
+            raise click.UsageError("--port 65535 leaves no port + 1 for the workers; give --worker-port")
+        worker_port = port + 1 if port else 0
     if engine_kwargs["model"] in NAMED_MODELS:
         named_model_path(engine_kwargs["model"])  # not pulled yet: say so here, not in every child's log
 

@@ -47,6 +47,7 @@ HOLDING_S = 1.0  # how often a worker tells the router which attempts it holds (
 KV_EVENTS_MAX = 65536  # block hashes in one KVEvents (about 1.2 MB): a whole cache may take several
 KV_EVENTS_S = 0.05  # a cache's changes wait up to this long to go together, unless a prefill just ended
 LEAVING_ACK_S = 1.0  # a leaving worker the router has not answered by then stops at once
+NO_ROUTER_S = 10.0  # a worker no router answers says so this often
 # its last P.Leaving goes at once to a live router; to one that has gone too, it would wait for good
 GOODBYE_LINGER_MS = 100
 
@@ -118,6 +119,7 @@ class WorkerBase:
         self._kv_events_at = 0.0  # when the last KVEvents went
         self.engine.block_manager.changes = None
         self._last_register = 0.0
+        self._unanswered_since: float | None = None  # registering since then (None: not yet tried)
         self._last_heartbeat = 0.0
         self._last_holding = 0.0
 
@@ -180,6 +182,17 @@ class WorkerBase:
     def kv_transports(self) -> list[str]:
         """What this worker moves KV by, fastest first, for the router to pair workers that share one."""
         return []
+
+    def _say_if_unanswered(self, now: float):
+        """A worker whose registrations no router answers (a --router naming another port, or a
+        router not started yet) says so every NO_ROUTER_S, rather than waiting in silence."""
+        if self._unanswered_since is None:
+            self._unanswered_since = self._said_unanswered = now
+        elif now - self._said_unanswered >= NO_ROUTER_S:
+            self._said_unanswered = now
+            log.warning("%s: no router has answered at %s for %.0f s; still trying. Is that the router's worker "
+                        "port (its --worker-port: by default its --port + 1; the launchers print 'workers join "
+                        "at ...')?", self.worker_id, self.cfg.router, now - self._unanswered_since)
 
     def _register(self, now: float):
         self._last_register = now
@@ -269,6 +282,7 @@ class WorkerBase:
         self._send_kv_events(wait=True)  # what the last steps changed, and what changed outside a step
         if not self.registered and now - self._last_register > 0.5:
             self._register(now)
+            self._say_if_unanswered(now)
         if self.registered and now - self._last_heartbeat > self.cfg.heartbeat_interval_s:
             self._last_heartbeat = now
             s, bm = self.engine.scheduler, self.engine.block_manager

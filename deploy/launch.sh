@@ -19,10 +19,11 @@
 #                    [--log-dir DIR] [--no-restart] [--dry-run] [-- WORKER_ARGS...]
 #
 # The flags are `pdserve launch`'s; engine flags (--kv-transport, --max-num-seqs, ...) go to the
-# workers after `--`. Prints "ready: router at tcp://HOST:PORT" once every worker has registered
-# (after "HTTP API at http://HOST:P" with --http-port; --api-key K, or PDSERVE_API_KEY in the
-# environment, sets its key, and --api-server-count N serves it from N processes beside the
-# router); --dry-run prints each process's command line instead and exits.
+# workers after `--`. Prints "ready: router at tcp://HOST:PORT" once every worker has registered,
+# after "workers join at tcp://HOST:WORKER_PORT" and, with --http-port, "HTTP API at http://HOST:P"
+# (--api-key K, or PDSERVE_API_KEY in the environment, sets its key, and --api-server-count N
+# serves it from N processes beside the router); --dry-run prints each process's command line
+# instead and exits.
 set -uo pipefail
 
 PREFILL="" DECODE="" MONO=0 MODEL=dummy:nanogpt DEVICES=cpu HOST=127.0.0.1 PORT=7100 WORKER_PORT="" HTTP_PORT=""
@@ -228,6 +229,7 @@ while ((SECONDS < READY_TIMEOUT_S)); do
             python3 -c 'import json,sys; print(sum(w["alive"] for w in json.load(sys.stdin)["workers"]))' 2>/dev/null)
   if [[ "${alive:-0}" -ge "$WORKERS" ]]; then
     [[ -n $HTTP_PORT ]] && echo "HTTP API at http://$HOST:$HTTP_PORT"
+    echo "workers join at tcp://$HOST:$WORKER_PORT"  # (pdserve prefill --router)
     echo "ready: router at tcp://$HOST:$PORT"
     break
   fi

@@ -1,7 +1,8 @@
 """`pdserve launch`: a whole cluster on this host (router, prefill, decode and mono workers), one
 OS process each, logs per process, and supervision:
 
-- prints `ready: router at tcp://HOST:PORT` once every worker has registered;
+- prints `ready: router at tcp://HOST:PORT` once every worker has registered, after where more
+  workers join (`workers join at tcp://HOST:WORKER_PORT`);
 - restarts a crashed worker with exponential backoff (it rejoins under a new incarnation);
 - on Ctrl-C / SIGTERM stops every child (SIGTERM, then SIGKILL after a grace period), and each
   child also gets SIGTERM from the kernel if the launcher itself dies, so none is orphaned.
@@ -283,6 +284,7 @@ def run_launch(cluster: Cluster):
         cluster.start()
         if cluster.http_url:
             print(f"HTTP API at {cluster.http_url}", flush=True)
+        print(f"workers join at tcp://{cluster.host}:{cluster.worker_port}", flush=True)  # (pdserve prefill --router)
         print(f"ready: router at {cluster.address}", flush=True)
         while not stopping:
             cluster.supervise_once()

@@ -83,3 +83,21 @@ def test_a_signal_handled_inside_a_wake_up_returns_and_wakes_the_loop():
     finally:
         if not thread.is_alive():
             waker.close()
+
+
+def test_a_worker_no_router_answers_says_so_every_few_seconds(monkeypatch, caplog):
+    """Its --router names no router's worker port (or the router is not up yet): it keeps trying,
+    and says where it is trying and since when, rather than waiting in silence."""
+    from common import worker as worker_module
+
+    monkeypatch.setattr(worker_module, "NO_ROUTER_S", 2.0)
+    worker = LoopUnderTest()
+    try:
+        with caplog.at_level("WARNING", logger="pdserve.worker"):
+            for now in (100.0, 101.0, 102.5, 103.6, 104.7):  # registrations go every 0.5 s at most
+                worker._tick(now)
+        said = [r.getMessage() for r in caplog.records if "no router has answered" in r.getMessage()]
+        assert len(said) == 2 and "at tcp://127.0.0.1:9 for 2 s" in said[0] and "for 5 s" in said[1], said
+        assert "--worker-port" in said[0]
+    finally:
+        worker.close()
