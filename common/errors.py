@@ -3,6 +3,7 @@ same failure reads the same whether it happens in-process or across a socket."""
 
 import contextlib
 import errno
+import socket
 
 
 class PdserveError(Exception):
@@ -55,7 +56,8 @@ def port_free(host: str, port: int, flag: str):
         yield
     except Exception as e:  # an OSError, or a zmq.ZMQError (not an OSError): both carry errno
         code = getattr(e, "errno", None)
-        if code == errno.EADDRNOTAVAIL:
+        # (a name: the socket's resolver knows none such, ZeroMQ takes it for a network interface)
+        if code in (errno.EADDRNOTAVAIL, errno.ENODEV) or isinstance(e, socket.gaierror):
             raise InvalidArgument(f"host {host!r} is not an address of this machine, so {flag} {port} cannot be "
                                   "bound there; allowed: one of its addresses, 127.0.0.1 or 0.0.0.0 (all)",
                                   param="--host") from None

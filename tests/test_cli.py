@@ -94,6 +94,9 @@ def test_launch_refuses_flags_it_would_silently_ignore():
          "--max-prefill-queue 2 with --enforce-disagg: the one has decode workers prefill, the other never"),
         (["--decode", "0"], "--prefill 1 --decode 0: prefill workers need a decode worker to hand KV to"),
         (["--prefill", "0", "--enforce-disagg"], "--prefill 0 --decode 1 with --enforce-disagg: no worker may prefill"),
+        (["--host", "10.9.9.9", "--port", "0"], "host '10.9.9.9' is not an address of this machine, so --port 0"),
+        (["--host", "nosuchhost.invalid", "--port", "0"], "host 'nosuchhost.invalid' is not an address of this machine"),
+        (["--port", "65535"], "--port 65535 leaves no port + 1 for the workers; give --worker-port"),
     ]
     for args, message in cases:
         r = pdserve("launch", "--dry-run", *args)
@@ -101,6 +104,8 @@ def test_launch_refuses_flags_it_would_silently_ignore():
     # the router alone too (it would start, and the flags do nothing)
     r = pdserve("router", "--port", "1", "--served-model-name", "m", timeout=30)
     assert r.returncode == 2 and "--served-model-name is for the HTTP API: give --http-port too" in r.stderr
+    r = pdserve("router", "--host", "nosuchhost.invalid", "--port", "0", timeout=30)  # ZeroMQ: "No such device"
+    assert r.returncode == 2 and "host 'nosuchhost.invalid' is not an address of this machine" in r.stderr, r.stderr
     r = pdserve("generate", "--prompt", "x", "--max-model-len", "5000")  # dummy:nanogpt's context is 1,024
     assert r.returncode == 2 and "--max-model-len 5000; allowed: 2..1024" in r.stderr, r.stderr
 
