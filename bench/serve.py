@@ -248,10 +248,12 @@ def run_serve_bench(model: str, topologies: list[str], scenarios: list[str], rou
     if talks and "http" in frontends:
         raise ValueError(f"scenario {talks[0]!r} sends each turn's output back as token ids, which only the SDK "
                          "gets; allowed with it: --frontends zmq (and --router, not --base-url)")
+    served = model
     if router:  # no router there: UNAVAILABLE now, before any run, as served_model_at says it of --base-url
         with Client(router) as client:
-            client.status()
-    served = served_model_at(base_url, api_key) if base_url else model
+            served = client.status().model or model
+    elif base_url:
+        served = served_model_at(base_url, api_key)
     cfg = model_config(model)
     rows = []
     groups: dict[tuple, list[str]] = {}
@@ -294,7 +296,7 @@ def run_serve_bench(model: str, topologies: list[str], scenarios: list[str], rou
     rtt = loopback_rtt_ms()
     order = {n: i for i, n in enumerate(scenarios)}
     rows.sort(key=lambda r: (order[r["scenario"]], r["topology"]))  # stable: policies in the order given
-    shown = model if served == model else f"{served!r} at {base_url} (prompts from {model}'s vocabulary)"
+    shown = model if served == model else f"{served!r} at {router or base_url} (prompts from {model}'s vocabulary)"
     print_table(f"pdserve bench serve: {shown}, greedy, ignore_eos (latencies in ms; cached: the share of prompt "
                 "tokens found in the workers' prefix caches; local: of requests prefilled by their decode worker; "
                 "(approx): prefix_affine guessing the caches, --no-kv-events; mispredicted: of prompt tokens, "

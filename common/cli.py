@@ -335,11 +335,11 @@ def status(router_address, as_json):
     with Client(router_address) as client:
         reply = client.status()
     if as_json:
-        print(json.dumps({"workers": reply.workers, "queued": reply.queued, "in_flight": reply.in_flight,
-                          "context": reply.context, "missing": reply.missing}))
+        print(json.dumps({"model": reply.model, "workers": reply.workers, "queued": reply.queued,
+                          "in_flight": reply.in_flight, "context": reply.context, "missing": reply.missing}))
         return
     serves = f"cannot serve: no live {' or '.join(reply.missing)} worker" if reply.missing else "serving"
-    print_table(f"router {router_address}: {serves}; {reply.queued} queued, {reply.in_flight} in flight; admits a "
+    print_table(f"router {router_address} ({reply.model}): {serves}; {reply.queued} queued, {reply.in_flight} in flight; admits a "
                 f"context of {reply.context} tokens",
                 ["worker", "role", "device", "alive", "queued", "running", "free blocks", "total blocks", "context",
                  "KV by", "heartbeat age s"],

@@ -131,6 +131,7 @@ class StatusReply:
     in_flight: int
     context: int = 0  # what the router admits, prompt and output (its API servers follow it)
     missing: list[str] = field(default_factory=list)  # roles the live workers lack to serve ("prefill", "decode")
+    model: str = ""  # the router's --model, which its workers serve
 
 
 @dataclass

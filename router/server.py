@@ -285,7 +285,7 @@ class Router:
             queued = sum(r.state == "queued" for r in self.requests.values())
             missing = self.placement.missing(self.registry.serving(PREFILL_ROLES + DECODE_ROLES))
             self._send(self.frontend, P.StatusReply(workers, queued, len(self.requests) - queued, self.prompts.context,
-                                                    missing), env.sender)
+                                                    missing, self.cfg.model), env.sender)
         elif isinstance(msg, P.MetricsRequest):
             self._send(self.frontend, P.MetricsReply(self.metrics.render()), env.sender)
         elif isinstance(msg, P.Rejected):

@@ -20,6 +20,7 @@ import bench.transfer as B
 import router.client
 from bench.report import print_table
 from bench.serve import compare_frontends, run_serve_bench
+from common import protocol as P
 from common.cli import main, run
 from common.errors import InvalidArgument
 from router.launcher import free_port
@@ -57,12 +58,16 @@ def test_a_run_whose_requests_all_failed_prints_its_table(monkeypatch, capsys):
     failed and shows "-" for what it could not measure, and the router's overhead line, which
     has no figure to take, is left out (it raised TypeError on the None)."""
     monkeypatch.setattr(router.client, "CONNECT_TIMEOUT_S", 0.3)
-    monkeypatch.setattr(router.client.Client, "status", lambda self, timeout=None: None)  # pass the early check
-    result = run_serve_bench("dummy:nanogpt", [], ["smoke_test"], f"tcp://127.0.0.1:{free_port()}", 0, [])
+    # pass the early check, which also names the router's model (one other than --model: it is said)
+    monkeypatch.setattr(router.client.Client, "status", lambda self, timeout=None: P.StatusReply([], 0, 0, model="m2"))
+    address = f"tcp://127.0.0.1:{free_port()}"
+    result = run_serve_bench("dummy:nanogpt", [], ["smoke_test"], address, 0, [])
+    assert (result["model"], result["served_model"]) == ("dummy:nanogpt", "m2")
     row, = result["results"]
     assert (row["requests"], row["failed"], row["output_tokens"], row["router_p50_ms"]) == (4, 4, 0, None)
     assert math.isnan(row["ttft_p50_ms"]) and "router_overhead_ms" not in result
     out = capsys.readouterr().out
+    assert f"pdserve bench serve: 'm2' at {address} (prompts from dummy:nanogpt's vocabulary)" in out, out
     table_row = next(line for line in out.splitlines() if line.lstrip().startswith("smoke_test"))
     assert table_row.split()[5:] == ["4", "4", "0.0"] + ["-"] * 10, table_row  # after "external ADDRESS - zmq"
     assert "router overhead" not in out
