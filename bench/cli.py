@@ -136,7 +136,7 @@ def bench_serve(model, topologies, scenarios, router_address, base_url, frontend
 @click.option("--decode", default=2, show_default=True, type=COUNT)
 @click.option("--requests", default=500, show_default=True, type=COUNT)
 @click.option("--kills", default=10, show_default=True, type=click.IntRange(min=0),
-              help="faults to inject (SIGKILL or SIGSTOP)")
+              help="faults to inject (SIGKILL, SIGTERM or SIGSTOP)")
 @click.option("--concurrency", default=24, show_default=True, type=COUNT)
 @click.option("--interval", default=1.5, show_default=True, type=click.FloatRange(min=0), help="seconds between faults")
 @click.option("--seed", default=0, show_default=True, type=int)
