@@ -11,6 +11,7 @@ OS process each, logs per process, and supervision:
 from __future__ import annotations
 
 import ctypes
+import errno
 import math
 import os
 import random
@@ -53,8 +54,10 @@ def free_port(host: str = "127.0.0.1") -> int:
         with socket.socket() as s:
             try:
                 s.bind((host, port))
-            except OSError:
-                continue
+            except OSError as e:
+                if e.errno in (errno.EADDRINUSE, errno.EACCES):
+                    continue
+                raise  # the host is not this machine's: every port would fail alike (and a name be resolved again)
         _handed_out.add(port)
         return port
     with socket.socket() as s:  # a crowded host: fall back to the kernel's choice
