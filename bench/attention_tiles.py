@@ -23,10 +23,9 @@ from common.attention import triton_paged as tp
 # splits), and sets how many programs share a short context's keys (at batch 1 a split is a chain of
 # steps). PROGRAMS caps a decode launch's lanes (split_lanes); 1 << 30 gives every tile LANES of them
 # whatever the batch, as before 2026-11-28 (those past a short context's splits start and end at once)
-# maxnreg caps a thread's registers (96 uncapped in Triton 3.9's sm_90 code; 80 spills 12 bytes, 64 spills
-# 60) for more programs an SM: 5, 6, 8. A launch option: the same arithmetic.
+# The register caps are those `auto` times at start (tp.DECODE_LAUNCHES).
 DECODE = [(64, 256, {}, tp.PROGRAMS), (64, 256, {}, 1 << 30), (64, 256, {"num_warps": 4, "num_stages": 1}, tp.PROGRAMS),
-          (64, 256, {"maxnreg": 80}, tp.PROGRAMS), (64, 256, {"maxnreg": 64}, tp.PROGRAMS),
+          *[(64, 256, launch, tp.PROGRAMS) for launch in tp.DECODE_LAUNCHES if launch],
           (128, 256, {}, tp.PROGRAMS), (64, 128, {}, tp.PROGRAMS), (128, 512, {}, tp.PROGRAMS)]
 # (rows, launch). On an H100 (2026-11-27) 64 and 128 rows on 4 or 8 warps gave other bits than a
 # decode's 16-row tile: those shapes take Hopper's warpgroup products (wgmma), a 16-row tile the

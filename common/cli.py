@@ -236,9 +236,7 @@ def worker_command(role: str):
             from decode_worker.worker import DecodeWorker
 
             worker = DecodeWorker(cfg, mono=role == "mono")
-        if _told_to_stop_while_starting:
-            worker.signalled += 1
-        _end(worker.run())
+        _end(worker.run(stopped_before=lambda: _told_to_stop_while_starting))
 
     command.__doc__ = {"prefill": "Run a prefill worker.", "decode": "Run a decode worker.",
                        "mono": "Run a monolithic worker (prefill and decode in one process)."}[role]
@@ -339,8 +337,8 @@ def status(router_address, as_json):
                           "in_flight": reply.in_flight, "context": reply.context, "missing": reply.missing}))
         return
     serves = f"cannot serve: no live {' or '.join(reply.missing)} worker" if reply.missing else "serving"
-    print_table(f"router {router_address} ({reply.model}): {serves}; {reply.queued} queued, {reply.in_flight} in flight; admits a "
-                f"context of {reply.context} tokens",
+    print_table(f"router {router_address} ({reply.model}): {serves}; {reply.queued} queued, {reply.in_flight} in "
+                f"flight; admits a context of {reply.context} tokens",
                 ["worker", "role", "device", "alive", "queued", "running", "free blocks", "total blocks", "context",
                  "KV by", "heartbeat age s"],
                 [[w["worker_id"], w["role"], w["device"], "leaving" if w.get("leaving") and w["alive"] else w["alive"],

@@ -25,6 +25,7 @@ import signal
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import zmq
@@ -120,6 +121,7 @@ class WorkerBase:
         self.engine.block_manager.changes = None
         self._last_register = 0.0
         self._unanswered_since: float | None = None  # registering since then (None: not yet tried)
+        self._said_unanswered = 0.0  # when the worker last said no router answers
         self._last_heartbeat = 0.0
         self._last_holding = 0.0
 
@@ -204,10 +206,14 @@ class WorkerBase:
 
     # ------------------------------------------------------------------ the loop
 
-    def run(self) -> int:
-        """Serve until SIGTERM, SIGINT or the router refuses us; the process's exit status."""
+    def run(self, stopped_before: Callable[[], bool] = lambda: False) -> int:
+        """Serve until SIGTERM, SIGINT or the router refuses us; the process's exit status.
+        stopped_before: whether a SIGTERM came before these handlers (the CLI's start-up handler
+        notes one), asked once they are in place, so that none falls between."""
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
+        if stopped_before():
+            self.signalled += 1
         log.info("%s %s on %s: %s, %d KV blocks%s", self.role, self.worker_id, self.engine.config.torch_device,
                  self.engine.config.model, self.engine.num_blocks,
                  ", async scheduling" if self.engine.config.async_scheduling else "")

@@ -144,10 +144,15 @@ class Cluster:
                  worker_port: int, log_dir: Path, policy: str, worker_args: list[str], threads: int | None,
                  restart: bool = True, router_args: list[str] = (), http_port: int | None = None,
                  api_key: str | None = None, device_share: float = 1.0, api_server_count: int = 1):
-        self.host = host
-        with port_free(host, 0, "--port"):  # a host of another machine: the ports picked here say so
-            self.port, self.worker_port = port or free_port(host), worker_port or free_port(host)
-            self.http_port = None if http_port is None else http_port or free_port(host)
+        def given_or_free(port: int, flag: str) -> int:
+            if port:
+                return port
+            with port_free(host, 0, flag):  # a host of another machine: picking a port says so
+                return free_port(host)
+
+        self.host, self.port = host, given_or_free(port, "--port")
+        self.worker_port = given_or_free(worker_port, "--worker-port")
+        self.http_port = None if http_port is None else given_or_free(http_port, "--http-port")
         self.api_server_count = api_server_count  # 1: HTTP (if any) in the router process
         if self.http_port is not None:
             router_args = ["--http-port", str(self.http_port), "--api-server-count", str(api_server_count),

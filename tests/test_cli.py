@@ -95,7 +95,10 @@ def test_launch_refuses_flags_it_would_silently_ignore():
         (["--decode", "0"], "--prefill 1 --decode 0: prefill workers need a decode worker to hand KV to"),
         (["--prefill", "0", "--enforce-disagg"], "--prefill 0 --decode 1 with --enforce-disagg: no worker may prefill"),
         (["--host", "10.9.9.9", "--port", "0"], "host '10.9.9.9' is not an address of this machine, so --port 0"),
-        (["--host", "nosuchhost.invalid", "--port", "0"], "host 'nosuchhost.invalid' is not an address of this machine"),
+        (["--host", "nosuchhost.invalid", "--port", "0"],
+         "host 'nosuchhost.invalid' is not an address of this machine"),
+        (["--host", "10.9.9.9", "--worker-port", "0"], "host '10.9.9.9' is not an address of this machine, so "
+                                                       "--worker-port 0"),
         (["--port", "65535"], "--port 65535 leaves no port + 1 for the workers; give --worker-port"),
     ]
     for args, message in cases:

@@ -171,8 +171,9 @@ def test_a_cluster_prefilling_short_prompts_on_its_decode_workers_serves_the_mon
         want = monolithic("dummy:nanogpt", prompts, sampling)
 
         async def killed_mid_stream(client):
-            """SIGKILL a decode worker while it streams: both once both run requests, else the first
-            to (a busy machine may route them all to one: a heartbeat missed, a worker slow to start)."""
+            """SIGKILL a decode worker while it streams: the first by name once both run requests, or
+            after 5 s whichever does (a busy machine may route them all to one: a heartbeat missed,
+            a worker slow to start)."""
             run = asyncio.ensure_future(run_concurrently(c.address, prompts, sampling))
             deadline = time.monotonic() + 30
             while True:

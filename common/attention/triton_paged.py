@@ -376,8 +376,8 @@ def _launches(tiles_4X: torch.Tensor, group: int, kv_heads: int, most: int, deco
     apart for a prefill's where they differ (paged_attention's decode_tiles)."""
     X = tiles_4X.shape[1]
     prefill_rows, prefill_launch = prefill_shape(prefill_tile)
-    small = decode_tiles if decode_tiles is not None and prefill_apart(prefill_tile, decode_launch) else X
     decode_launch = SPLIT_LAUNCH if decode_launch is None else decode_launch
+    small = decode_tiles if decode_tiles is not None and prefill_apart(prefill_tile, decode_launch) else X
     out = []
     for first, end, rows, launch in ((0, small, MIN_ROWS, decode_launch), (small, X, prefill_rows, prefill_launch)):
         if end > first:
