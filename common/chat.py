@@ -33,6 +33,7 @@ DUMMY_CHAT_TEMPLATE = (
 )
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 MAX_MESSAGES = 4096
+_TEXT_PARTS = ("text", "refusal")  # a content part's type, and the key that holds its text
 
 
 class ChatTemplate:
@@ -84,7 +85,7 @@ def check_template_kwargs(kwargs) -> dict | None:
 def check_messages(messages) -> list[dict]:
     """OpenAI-style messages: a non-empty list of objects with a role (any non-empty string) and a
     content, a string or a list of {"type": "text", "text"} parts (joined by newlines, as vLLM
-    joins them). Other keys (name, tool_calls, tool_call_id...) reach the template as vLLM passes
+    joins them; an OpenAI "refusal" part counts as its text, as in vLLM). Other keys (name, tool_calls, tool_call_id...) reach the template as vLLM passes
     them: those that are null dropped, an assistant's tool call arguments sent as a JSON string
     parsed; their values must be JSON data. Returns copies whose content is a string."""
     if not isinstance(messages, list) or not messages:
@@ -103,10 +104,12 @@ def check_messages(messages) -> list[dict]:
         if isinstance(content, list):
             parts = []
             for j, part in enumerate(content):
-                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind not in _TEXT_PARTS or not isinstance(part.get(kind), str):
                     raise InvalidArgument(f"messages[{i}].content[{j}]={_short(part)} is invalid; allowed: "
-                                          '{"type": "text", "text": "..."} (no images or audio)')
-                parts.append(part["text"])
+                                          '{"type": "text", "text": "..."} or an assistant\'s {"type": "refusal", '
+                                          '"refusal": "..."} (no images or audio)')
+                parts.append(part[kind])
             content = "\n".join(parts)
         elif content is None and role == "assistant":
             content = ""

@@ -364,7 +364,12 @@ class HttpFront:
 
 
 async def _json(request: web.Request):
-    raw = await request.read()  # over client_max_size: 413
+    try:
+        raw = await request.read()  # over client_max_size: 413
+    except web.RequestPayloadError:  # a body that is not what its Content-Encoding says
+        encoding = request.headers.get("Content-Encoding", "")
+        raise ApiError("INVALID_ARGUMENT", f"the body could not be decoded (Content-Encoding: {encoding}); "
+                                           "allowed: gzip, deflate or none") from None
     try:
         return json.loads(raw)
     except ValueError as e:

@@ -302,8 +302,8 @@ def parse_chat(body, served_model: Served, context: int, parsers: OutputParsers 
                               '{"role": ..., "content": ...} objects', param="messages")
     want = _get(body, "logprobs", BOOL, False)
     top = _get(body, "top_logprobs", LOGPROBS)
-    if top is not None and not want:
-        raise InvalidArgument("top_logprobs needs logprobs=true", param="top_logprobs")
+    if top and not want:  # (0 is what some clients send by default: as vLLM, allowed)
+        raise InvalidArgument(f"top_logprobs={top} needs logprobs=true", param="top_logprobs")
     logprobs = (top or 0) if want else None
     sampling = _sampling(body, context, logprobs=logprobs)  # by default up to the context's end, as vLLM
     if body.get("max_completion_tokens") is not None:

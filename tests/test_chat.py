@@ -164,10 +164,19 @@ def test_any_role_renders_as_in_transformers(render_both):
     ([{"role": "user", "content": "x", 1: "a"}], r"messages\[0\] has the key 1"),
     ([{"role": "user", "content": 3}], r"messages\[0\].content"),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], r"messages\[0\].content\[0\]"),
+    ([{"role": "assistant", "content": [{"type": "refusal", "text": "no"}]}], r"messages\[0\].content\[0\]"),
+    ([{"role": "user", "content": ["hi"]}], r"messages\[0\].content\[0\]"),
 ])
 def test_bad_messages(bad, field):
     with pytest.raises(InvalidArgument, match=field):
         check_messages(bad)
+
+
+def test_a_refusal_part_is_its_text():
+    """OpenAI's schema lets an assistant's content hold refusal parts; vLLM renders them as text."""
+    parts = [{"type": "text", "text": "I see."}, {"type": "refusal", "refusal": "I won't."}]
+    checked = check_messages([{"role": "user", "content": "x"}, {"role": "assistant", "content": parts}])
+    assert checked[1]["content"] == "I see.\nI won't."
 
 
 def test_dummy_template():

@@ -71,10 +71,10 @@ def engine_logprobs(engine, ids: list[int]) -> torch.Tensor:
     return logprobs
 
 
-def http(c, method, path, body=None, key=KEY, raw: bytes | None = None):
+def http(c, method, path, body=None, key=KEY, raw: bytes | None = None, headers: dict | None = None):
     """(status, headers, parsed JSON or text) of one plain HTTP request."""
     data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-    req = urllib.request.Request(c.http_url + path, data=data, method=method)
+    req = urllib.request.Request(c.http_url + path, data=data, method=method, headers=headers or {})
     if key:
         req.add_header("Authorization", f"Bearer {key}")
     try:
@@ -477,6 +477,8 @@ def test_errors_have_openais_shape_and_the_server_serves_on(served):
          "only allowed with stream"),
         (dict(body=base | {"model": "gpt-4"}), 404, "NOT_FOUND", "model", "'gpt-4' does not exist"),
         (dict(raw=b'{"prompt": "' + b"x" * (4 * 2**20) + b'"}'), 413, "TOO_LARGE", None, "over the limit"),
+        (dict(raw=b'{"prompt": "hi"}', headers={"Content-Encoding": "gzip"}), 400, "INVALID_ARGUMENT", None,
+         "could not be decoded (Content-Encoding: gzip)"),
     ]
     for kw, status, code, param, text in cases:
         got, _, body = http(served, "POST", "/v1/completions", **kw)

@@ -82,6 +82,8 @@ def test_chat_body_becomes_a_job():
     assert job.chat and job.messages == messages and job.params.max_tokens == 7 and job.logprobs == 4
     assert parse_chat({"messages": messages}, MODEL, context=1024).params.max_tokens == 1024  # to the context's end
     assert parse_chat({"messages": messages, "logprobs": True}, MODEL, 1024).params.logprobs == 0
+    for off in ({"top_logprobs": 0}, {"logprobs": False, "top_logprobs": 0}):  # some clients' defaults, as vLLM
+        assert parse_chat({"messages": messages} | off, MODEL, 1024).params.logprobs is None
 
 
 TOOL = {"type": "function", "function": {"name": "f", "description": "d", "parameters": {
@@ -170,7 +172,7 @@ def test_bad_completion_fields_are_named(body, param, text):
 
 @pytest.mark.parametrize("body, param, text", [
     ({"messages": "hi"}, "messages", "non-empty list"),
-    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs", "needs logprobs=true"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs", "top_logprobs=2 needs logprobs=true"),
     ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, "max_completion_tokens",
      "max_completion_tokens=0"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools",
