@@ -339,10 +339,10 @@ def status(router_address, as_json):
     serves = f"cannot serve: no live {' or '.join(reply.missing)} worker" if reply.missing else "serving"
     print_table(f"router {router_address} ({reply.model}): {serves}; {reply.queued} queued, {reply.in_flight} in "
                 f"flight; admits a context of {reply.context} tokens",
-                ["worker", "role", "device", "alive", "queued", "running", "free blocks", "total blocks", "context",
+                ["worker", "role", "device", "alive", "queued", "held", "running", "free blocks", "total blocks", "context",
                  "KV by", "heartbeat age s"],
                 [[w["worker_id"], w["role"], w["device"], "leaving" if w.get("leaving") and w["alive"] else w["alive"],
-                  w["queued"], w["running"], w["free_blocks"], w["total_blocks"], w.get("max_model_len") or "-",
+                  w["queued"], w.get("held", 0), w["running"], w["free_blocks"], w["total_blocks"], w.get("max_model_len") or "-",
                   ",".join(w.get("kv_transports", [])) or "-", w["heartbeat_age_s"]]
                  for w in reply.workers])
 

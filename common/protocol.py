@@ -178,6 +178,7 @@ class Heartbeat:
     prefix_hits: int = 0  # ... and found there
     kv_bytes: dict = field(default_factory=dict)  # KV transport -> bytes sent by it
     spec_decode: list = field(default_factory=list)  # speculative decoding's [drafts, draft tokens, accepted tokens]
+    held: int = 0  # prefilled, their KV kept for a decode worker (waiting for its room, or on the way)
 
 
 @dataclass

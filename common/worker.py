@@ -294,7 +294,8 @@ class WorkerBase:
             s, bm = self.engine.scheduler, self.engine.block_manager
             beat = P.Heartbeat(self.worker_id, self.incarnation, len(s.waiting), len(s.running), bm.num_free_blocks,
                                bm.num_blocks, bm.prefix_queries, bm.prefix_hits, dict(self.kv_bytes),
-                               self.engine.drafter.counters() if self.engine.drafter is not None else [])
+                               self.engine.drafter.counters() if self.engine.drafter is not None else [],
+                               held=len(self.engine.held))
             self.to_router(beat)
             self._beat, said = beat, True
         if self.registered and now - self._last_holding > HOLDING_S:

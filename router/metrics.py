@@ -189,7 +189,8 @@ class _StateCollector:
             ("kv_cache_usage_perc", "Fraction of the worker's KV blocks in use (vLLM's name)",
              lambda w: (w.total_blocks - w.free_blocks) / w.total_blocks),
             ("worker_num_requests_running", "Requests in the worker's running batch", lambda w: w.running),
-            ("worker_num_requests_waiting", "Requests queued in the worker", lambda w: w.queued),
+            ("worker_num_requests_waiting", "Requests in the worker and not in its running batch: queued for a step, "
+             "or prefilled and their KV kept for a decode worker", lambda w: w.queued + w.held),
         ]
         workers = sorted(router.registry.workers.values(), key=lambda w: w.worker_id)
         for name, doc, value in per_worker:

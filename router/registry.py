@@ -33,6 +33,7 @@ class Worker:
     last_seen: float = field(default_factory=time.monotonic)
     queued: int = 0
     running: int = 0
+    held: int = 0  # prefilled, their KV kept for a decode worker (P.Heartbeat)
     free_blocks: int = 0
     assigned: set[str] = field(default_factory=set)  # router request ids in this worker's hands
     alive: bool = True
@@ -45,7 +46,7 @@ class Worker:
     def describe(self, now: float) -> dict:
         return {"worker_id": self.worker_id, "role": self.role, "incarnation": self.incarnation,
                 "device": self.device, "alive": self.alive, "leaving": self.leaving, "queued": self.queued,
-                "running": self.running, "assigned": len(self.assigned), "free_blocks": self.free_blocks,
+                "held": self.held, "running": self.running, "assigned": len(self.assigned), "free_blocks": self.free_blocks,
                 "total_blocks": self.total_blocks, "kv_address": self.kv_address, "kv_transports": self.kv_transports,
                 "kv_dtype": self.kv_dtype, "block_size": self.block_size, "batch_invariant": self.batch_invariant,
                 "prefix_caching": self.prefix_caching, "max_model_len": self.max_model_len,

@@ -471,7 +471,7 @@ class Router:
             return
         w.last_seen = time.monotonic()
         if isinstance(msg, P.Heartbeat):
-            w.queued, w.running, w.free_blocks = msg.queued, msg.running, msg.free_blocks
+            w.queued, w.held, w.running, w.free_blocks = msg.queued, msg.held, msg.running, msg.free_blocks
             self.metrics.on_heartbeat(w, msg)
         elif isinstance(msg, P.WorkerTokens):
             self.on_tokens(w, msg)

@@ -5,6 +5,7 @@ OVERLOADED, and return every KV block on cancellation."""
 import asyncio
 import importlib.util
 import random
+import threading
 import time
 
 import msgpack
@@ -246,10 +247,24 @@ def test_requests_queued_for_decode_room_are_waiting_not_lost(tmp_path):
     with cluster(tmp_path, worker_args=["--max-num-seqs", "2"],
                  router_args=["--prefill-timeout", "1.2", "--decode-stall-timeout", "1.2"]) as c, \
             Client(c.address, timeout=120) as client:
+        held, done = [], threading.Event()
+
+        def watch():  # the prefill worker says it holds the prefilled requests that wait for decode room
+            with Client(c.address, timeout=10) as watcher:
+                while not done.wait(0.2):
+                    held.append(next(w["held"] for w in watcher.status().workers if w["role"] == "prefill"))
+
+        watching = threading.Thread(target=watch)
+        watching.start()
         started = time.monotonic()
-        results = client.generate_many(prompts, **params)
+        try:
+            results = client.generate_many(prompts, **params)
+        finally:
+            done.set()
+            watching.join()
         waited = time.monotonic() - started
         assert [r.timings["attempts"] for r in results] == [1] * len(prompts), waited
+        assert max(held) > 2, held
     expected = Engine(model="dummy:nanogpt").generate(prompts, SamplingParams(**params))
     assert [r.token_ids for r in results] == [e.token_ids for e in expected]
     assert waited > 2.4  # long enough that the last ones waited past both deadlines
