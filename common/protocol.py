@@ -120,7 +120,7 @@ class Done:
 @dataclass
 class Error:
     request_id: str | None
-    code: str  # INVALID_ARGUMENT, OVERLOADED, UNAVAILABLE, CANCELLED, TIMEOUT, INTERNAL
+    code: str  # INVALID_ARGUMENT, OVERLOADED, UNAVAILABLE, CANCELLED, TIMEOUT, INTERNAL; to a worker, ALREADY_EXISTS
     message: str
 
 

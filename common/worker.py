@@ -151,6 +151,11 @@ class WorkerBase:
         elif isinstance(msg, P.Leaving):
             if self.leaving is not None:
                 self.leaving = (self.leaving[0], math.inf)  # answered: it sends us nothing new
+        elif isinstance(msg, P.Error) and msg.code == "ALREADY_EXISTS":  # our id is a live worker's: wait it out
+            now = time.monotonic()
+            if now - self._said_unanswered >= NO_ROUTER_S or self._unanswered_since == self._said_unanswered:
+                log.warning("%s: the router refuses to register it: %s", self.worker_id, msg.message)
+            self._said_unanswered = now  # answered: not the warning that no router answers
         elif isinstance(msg, P.Error):  # no router's worker port answers so: --router names another port
             log.error("%s: %s answers %s: %s", self.worker_id, self.cfg.router, msg.code, msg.message)
             self.stopping, self.refused = True, msg.message

@@ -3,6 +3,7 @@ restarted. Every request either completes with exactly the fault-free tokens (no
 gap) or ends with a coded error; nothing hangs and no KV block leaks."""
 
 import signal
+import subprocess
 import time
 
 import pytest
@@ -13,6 +14,7 @@ from common.sampling_params import SamplingParams
 from router.client import Client, RequestError
 from tests.cluster import cluster
 from tests.test_cluster import HAVE_LLGUIDANCE
+from tests.test_scaling import REPO, pdserve_cmd
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 FAST_FAILOVER = ["--heartbeat-timeout", "0.6", "--decode-stall-timeout", "10", "--max-attempts", "10"]
@@ -157,3 +159,31 @@ def test_chaos_small(tmp_path):
     assert result["token_exact"] == 60, result
     assert result["duplicated_tokens"] == 0 and result["missing_tokens"] == 0, result
     assert result["leaked_blocks"] == 0, result
+
+
+def test_a_second_worker_with_a_live_workers_id_waits_and_joins_once_that_one_is_gone(tmp_path):
+    """A second decode worker started with --worker-id decode-0: the router refuses it while the first
+    lives, and the cluster serves on (before, the two displaced each other every heartbeat and every
+    request failed). Once the first is killed, the second joins in its place."""
+    log = tmp_path / "second.log"
+    with cluster(tmp_path, prefill=1, decode=1) as c, Client(c.address, timeout=60) as client:
+        first = next(w["incarnation"] for w in client.status().workers if w["worker_id"] == "decode-0")
+        second = subprocess.Popen(pdserve_cmd() + ["decode", "--router", f"tcp://127.0.0.1:{c.worker_port}",
+                                                   "--worker-id", "decode-0", "--model", "dummy:nanogpt"],
+                                  stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO)
+        try:
+            wait_for(lambda: "refuses to register it" in log.read_text(), what="the second worker to be refused")
+            prompts = [[i + 1, 2, 3] for i in range(8)]
+            sampling = [dict(max_tokens=20, temperature=0, ignore_eos=True)] * len(prompts)
+            results = client.generate_many(prompts, max_tokens=20, temperature=0, ignore_eos=True)
+            assert [r.token_ids for r in results] == reference(prompts, sampling)
+            assert [w["incarnation"] for w in client.status().workers if w["worker_id"] == "decode-0"] == [first]
+            assert second.poll() is None, log.read_text()  # it waits, registering again
+            c.workers[1].proc.kill()
+            wait_for(lambda: {w["incarnation"] for w in client.status().workers
+                              if w["worker_id"] == "decode-0" and w["alive"]} - {first}, what="the second to join")
+            assert client.generate([1, 2, 3], max_tokens=20, temperature=0, ignore_eos=True).token_ids == \
+                results[0].token_ids
+        finally:
+            second.terminate()
+            second.wait(30)
