@@ -73,7 +73,7 @@ def generate(prompts, prompt_ids, chats, as_json, router_address, sampling, engi
         from router.client import Client
 
         refuse_engine_flags()
-        with Client(router_address) as client:
+        with Client(router_address, timeout=None) as client:  # a long answer takes what it takes; Ctrl-C cancels
             ids = [client.submit(stream=False, **r, **sampling) for r in requests]
             results = [client.wait(rid) for rid in ids]
         rows = [(r.prompt_token_ids, r.token_ids, r.text, r.finish_reason) for r in results]
@@ -359,7 +359,7 @@ def client(router_address, prompt, prompt_ids, as_json, sampling):
 
     if (prompt is None) == (prompt_ids is None):
         raise click.UsageError("give exactly one of --prompt or --prompt-ids")
-    with Client(router_address) as c:
+    with Client(router_address, timeout=None) as c:  # as generate --router
         stream = c.stream(prompt if prompt is not None else parse_ints(prompt_ids), **sampling)
         for chunk in stream:
             if not as_json:

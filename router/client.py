@@ -224,11 +224,11 @@ class _Abandonable:
 
 class Stream(_Abandonable):
     """Iterator of Chunks for one request; `.result` holds the Result once it is exhausted.
-    Closed (or dropped) before its end, it cancels the request."""
+    Closed (or dropped) before its end, it cancels the request. Its timeout is for each chunk, as
+    AsyncStream's: a long answer may stream for as long as its tokens keep coming."""
 
     def __init__(self, client: "Client", request_id: str, timeout: float | None):
-        self.client, self.request_id = client, request_id
-        self.deadline = client._deadline(timeout)
+        self.client, self.request_id, self.timeout = client, request_id, timeout
         self.result: Result | None = None
 
     def __iter__(self):
@@ -237,7 +237,7 @@ class Stream(_Abandonable):
     def __next__(self) -> Chunk:
         if self.result is not None:
             raise StopIteration
-        msg = self.client._next(self.request_id, self.deadline)
+        msg = self.client._next(self.request_id, self.client._deadline(self.timeout))
         if isinstance(msg, P.Token):
             return _chunk(msg)
         self.result = _result(msg)

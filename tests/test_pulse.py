@@ -56,3 +56,29 @@ def test_a_prefill_longer_than_the_kv_lease_keeps_its_blocks(tmp_path):
         assert result.token_ids == want.token_ids
     assert "expired" not in decode.read_text(), decode.read_text()[-2000:]
     assert "failed" not in prefill.read_text(), prefill.read_text()[-2000:]
+
+
+def test_a_streams_timeout_is_for_each_chunk_not_the_whole_answer(tmp_path):
+    """Steps of 0.1 s: a 20-token stream takes 2 s, longer than its 0.8 s timeout, and still ends
+    whole in both clients, as a slow answer that keeps coming should (the sync client's stream once
+    failed TIMEOUT at 0.8 s; `pdserve client` gave up on long answers at 120 s). A stream whose
+    next chunk takes longer than the timeout fails TIMEOUT."""
+    import asyncio
+    import time
+
+    from router.client import AsyncClient, RequestError
+
+    slow = SLOWED_STEPS.format(delay=0.1, first_only=False)
+    params = dict(max_tokens=20, temperature=0, ignore_eos=True)
+    with hand_made_cluster(tmp_path, [], [("mono", [], slow)]) as (client, _):
+        started = time.monotonic()
+        chunks = list(stream := client.stream([5, 6, 7], timeout=0.8, **params))
+        assert time.monotonic() - started > 1.6 and len(stream.result.token_ids) == 20 == len(chunks)
+
+        async def streamed():
+            async with AsyncClient(client.address, timeout=0.8) as aclient:
+                return [c async for c in aclient.stream([5, 6, 7], **params)]
+        assert len(asyncio.run(streamed())) == 20
+        with pytest.raises(RequestError) as e:
+            list(client.stream([5, 6, 7], timeout=0.05, **params))
+        assert e.value.code == "TIMEOUT"
