@@ -297,10 +297,16 @@ class _Requests:
     """What both clients keep of their requests in flight: `_open` (submitted, no Done or Error
     yet) and `_replies` (what came for each, not yet read)."""
 
+    _late = 0  # replies to status or metrics calls that timed out, still to come (in order, before any later's)
+
     def _wanted(self, msg) -> bool:
         """Whether a reply is for a request still open or for a status call: an abandoned
-        request's late tokens and Done would be kept for nobody, for as long as the client lives."""
+        request's late tokens and Done would be kept for nobody, for as long as the client lives,
+        and a timed-out status call's reply would answer the next status or metrics call."""
         key = _key(msg)
+        if key is None and self._late:
+            self._late -= 1
+            return False
         return key is None or key in self._open
 
     @contextlib.contextmanager
@@ -314,9 +320,13 @@ class _Requests:
             self._open.discard(request_id)
             raise
 
-    def _abandon(self, request_id: str) -> None:
-        """Its caller stopped waiting for it before its end: cancel it, and drop what came for it."""
-        if request_id in self._open:
+    def _abandon(self, request_id: str | None, timed_out: bool = False) -> None:
+        """Its caller stopped waiting for it before its end: cancel it, and drop what came for it
+        (a status or metrics call's reply, when it comes, if it timed out: a router that is not
+        there sends none)."""
+        if request_id is None:
+            self._late += timed_out
+        elif request_id in self._open:
             self._open.discard(request_id)
             self._replies.pop(request_id, None)
             _cancel_nowait(self.chan, request_id)
@@ -368,6 +378,7 @@ class Client(_Requests):
             for rid in self._open:
                 self._replies[rid].append(P.Error(rid, "UNAVAILABLE", LOST))
             self._open.clear()
+            self._late = 0
 
     def _next(self, key: str | None, deadline: "Deadline"):
         """The next message for `key`, reading (and filing) others' messages meanwhile. After
@@ -382,7 +393,7 @@ class Client(_Requests):
                 self._abandon(key)  # queued for a router that may yet come
                 raise error
             if deadline.at is not None and deadline.at <= time.monotonic():
-                self._abandon(key)
+                self._abandon(key, timed_out=True)
                 raise RequestError("TIMEOUT", f"no reply within {deadline.seconds:g}s (the call's timeout=, else "
                                               f"Client(timeout=...))", key)
             wait = _until(deadline.at, self.connection.give_up_at(since))
@@ -498,6 +509,7 @@ class AsyncClient(_Requests):
         for rid in self._open:
             self._replies[rid].put_nowait(P.Error(rid, "UNAVAILABLE", LOST))
         self._open.clear()
+        self._late = 0
 
     async def submit(self, prompt=None, stream: bool = True, request_id: str | None = None,
                      messages: list[dict] | None = None, **sampling) -> str:
@@ -526,7 +538,7 @@ class AsyncClient(_Requests):
                 break
             except asyncio.TimeoutError:
                 if deadline is not None and time.monotonic() >= deadline:
-                    self._abandon(key)
+                    self._abandon(key, timed_out=True)
                     raise RequestError("TIMEOUT", f"no reply within {timeout:g}s (the call's timeout=, else "
                                                   f"AsyncClient(timeout=...))", key) from None
         if isinstance(msg, (P.Error, P.Done)):

@@ -386,6 +386,10 @@ def test_a_client_idle_past_the_connect_timeout_or_across_a_router_restart_serve
             status_when_up(client)
             time.sleep(1.0)  # idle past the connect timeout
             assert client.status().in_flight == 0
+            with pytest.raises(RequestError, match="no reply within 0s"):
+                client.status(timeout=0)
+            time.sleep(0.3)  # its reply came meanwhile: it answers no later call
+            assert client.metrics().startswith(b"# HELP") and client.status().in_flight == 0
             proc.terminate()
             proc.wait(10)
             proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
