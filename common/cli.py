@@ -12,7 +12,7 @@ import sys
 import click
 
 from bench.cli import bench, plan
-from common.cli_options import (COUNT, ENGINE_PARAMS, PORT, POSITIVE, devices_option, engine_argv, engine_options,
+from common.cli_options import (COUNT, ENGINE_PARAMS, PORT, POSITIVE, Finite, devices_option, engine_argv, engine_options,
                                 http_options, http_router_argv, parse_ints, policy_option, router_argv, router_options,
                                 sampling_options, setup_logging)
 from common.errors import InvalidArgument, PdserveError
@@ -208,7 +208,7 @@ def worker_command(role: str):
     @click.option("--kv-lease", default=30.0, show_default=True, type=POSITIVE,
                   help="decode: seconds blocks reserved for a transfer are held for it (a live prefill worker "
                        "renews them every third of that while it prefills)")
-    @click.option("--drain-timeout", default=5.0, show_default=True, type=click.FloatRange(min=0),
+    @click.option("--drain-timeout", default=5.0, show_default=True, type=Finite(min=0),
                   help="told to stop (SIGTERM, SIGINT), seconds it finishes what it holds before its requests move "
                        "to other workers; it gets no new work meanwhile (0: they move at once; a second signal "
                        "stops it at once)")

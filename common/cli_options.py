@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from pathlib import Path
 
 import click
@@ -35,9 +36,9 @@ def engine_options(f):
         click.option("--dtype", default=None, help="float32, float16, bfloat16 [default: float32 on CPU, bfloat16 on GPU]"),
         click.option("--block-size", default=16, show_default=True, type=int),
         click.option("--num-blocks", default=None, type=int, help="KV pool size [default: from --kv-cache-gb]"),
-        click.option("--kv-cache-gb", default=None, type=float,
+        click.option("--kv-cache-gb", default=None, type=FLOAT,
                      help="KV pool size [default: 1 on CPU; on GPU from --gpu-memory-utilization]"),
-        click.option("--gpu-memory-utilization", default=None, type=float,
+        click.option("--gpu-memory-utilization", default=None, type=FLOAT,
                      help="fraction of the GPU's total memory this worker may take, weights, activations and KV "
                           "included [default: 0.9; launch splits it between the workers of a device]"),
         click.option("--max-num-seqs", default=64, show_default=True, type=int),
@@ -82,13 +83,26 @@ def engine_options(f):
     return wrapper
 
 
-POSITIVE = click.FloatRange(min=0, min_open=True)
+class Finite(click.FloatRange):
+    """click's FloatRange that refuses nan and inf: nan passes its bounds (every comparison with it
+    is false), and a timeout of nan never fires."""
+
+    def convert(self, value, param, ctx):
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            bounds = "" if self.min is None and self.max is None else f" {self._describe_range()}"
+            self.fail(f"{value!r} is not allowed; allowed: a finite number{bounds}", param, ctx)
+        return number
+
+
+FLOAT = Finite()
+POSITIVE = Finite(min=0, min_open=True)
 COUNT = click.IntRange(min=1)  # of requests, tokens, steps, workers, threads: with 0 there is nothing to run
 PORT = click.IntRange(0, 65535)
 ROUTER_OPTIONS = [  # (flag, default, type, help): the router's limits and placement, on `router` and `launch` alike
     ("--max-queue", 1024, click.IntRange(min=1), "requests held at once; more are OVERLOADED"),
     # workers heartbeat every 0.2 s (common/worker.py): less than 0.5 s of silence is no death
-    ("--heartbeat-timeout", 2.0, click.FloatRange(min=0.5), "seconds of silence before a worker is dead"),
+    ("--heartbeat-timeout", 2.0, Finite(min=0.5), "seconds of silence before a worker is dead"),
     ("--max-attempts", 3, click.IntRange(min=1), "dispatches of one request before it fails"),
     ("--prefill-timeout", 60.0, POSITIVE, "seconds from dispatch to first token, unless a worker holds it"),
     ("--decode-stall-timeout", 30.0, POSITIVE, "longest gap between tokens, unless a worker holds the request"),

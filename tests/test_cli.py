@@ -84,6 +84,8 @@ def test_launch_refuses_flags_it_would_silently_ignore():
         (["--api-server-count", "2", "--served-model-name", "m"],
          "--api-server-count and --served-model-name are for the HTTP API: give --http-port too"),
         (["--heartbeat-timeout", "0"], "'--heartbeat-timeout': 0.0 is not in the range x>=0.5"),
+        (["--heartbeat-timeout", "nan"], "'--heartbeat-timeout': 'nan' is not allowed; allowed: a finite number x>=0.5"),
+        (["--kv-cache-gb", "inf"], "'--kv-cache-gb': 'inf' is not allowed; allowed: a finite number"),
         (["--prefill", "-1"], "'--prefill': -1 is not in the range x>=0"),
         (["--threads", "0"], "'--threads': 0 is not in the range x>=1"),
         (["--tool-call-parser", "hermes"], "--tool-call-parser is for the HTTP API: give --http-port too"),
