@@ -344,7 +344,7 @@ def test_a_router_told_more_than_a_worker_serves_admits_what_it_serves(tmp_path)
         assert [w["max_model_len"] for w in client.status().workers] == [128]
         table = CliRunner().invoke(main, ["status", "--router", c.address]).output.splitlines()
         assert table[0].endswith("admits a context of 128 tokens"), table
-        assert "total blocks  context" in table[1] and table[3].split()[7:9] == ["512", "128"], table
+        assert "total blocks  context" in table[1] and table[3].split()[8:10] == ["512", "128"], table
     log = (tmp_path / "logs" / "router.log").read_text()
     assert "worker mono-0 serves a context of 128 tokens; the router admits 128 from now on (was 512)" in log
 
