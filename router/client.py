@@ -298,6 +298,11 @@ class _Requests:
     yet) and `_replies` (what came for each, not yet read)."""
 
     _late = 0  # replies to status or metrics calls that timed out, still to come (in order, before any later's)
+    closed = False
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError(f"this {type(self).__name__} is closed; make another")
 
     def _wanted(self, msg) -> bool:
         """Whether a reply is for a request still open or for a status call: an abandoned
@@ -352,12 +357,16 @@ class Client(_Requests):
         self.close()
 
     def close(self):
-        self.connection.close()
-        self.chan.close()
-        self.ctx.term()
+        """Close the sockets (again: nothing)."""
+        if not self.closed:
+            self.closed = True
+            self.connection.close()
+            self.chan.close()
+            self.ctx.term()
 
     def submit(self, prompt: str | list[int] | None = None, stream: bool = True, request_id: str | None = None,
                messages: list[dict] | None = None, **sampling) -> str:
+        self._check_open()
         request_id = request_id or self._new_id()
         message = _generate(request_id, prompt, messages, sampling, stream)
         self._take_events()  # a drop seen now loses what was sent before it, not this request
@@ -455,11 +464,13 @@ class Client(_Requests):
                 self._abandon(rid)
 
     def status(self, timeout: float | None = 10.0) -> P.StatusReply:
+        self._check_open()
         self.chan.send(P.StatusRequest())
         return self._next(None, self._deadline(timeout))
 
     def metrics(self, timeout: float | None = 10.0) -> bytes:
         """The router's Prometheus metrics, as its HTTP /metrics serves them."""
+        self._check_open()
         self.chan.send(P.MetricsRequest())
         return self._next(None, self._deadline(timeout)).text
 
@@ -482,7 +493,11 @@ class AsyncClient(_Requests):
         await self.close()
 
     async def close(self):
-        if self._reader is not None:
+        """Close the sockets (again: nothing)."""
+        if self.closed:
+            return
+        self.closed = True
+        if self._reader is not None and self._reader.get_loop() is asyncio.get_running_loop():
             self._reader.cancel()
             await asyncio.gather(self._reader, return_exceptions=True)
         self.connection.close()
@@ -490,8 +505,16 @@ class AsyncClient(_Requests):
         self.ctx.term()
 
     def _start(self):
+        """Start reading replies, in the event loop of the client's first call: it serves that loop only
+        (a second asyncio.run would wait for replies the first loop's reader can no longer read)."""
+        self._check_open()
+        if self._reader is not None and self._reader.get_loop() is not asyncio.get_running_loop():
+            raise RuntimeError("this AsyncClient serves the event loop of its first call; make one in each "
+                               "asyncio.run (or event loop)")
         if self._reader is None:
             self._reader = asyncio.ensure_future(asyncio.gather(self._read(), self._watch()))
+            # ended by its loop's end (asyncio.run cancels what runs) rather than close(): not an error to report
+            self._reader.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     async def _read(self):
         while True:

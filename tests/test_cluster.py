@@ -18,7 +18,7 @@ from common.engine import Engine
 from common.sampling_params import SamplingParams
 from router.client import AsyncClient, Client, RequestError
 from tests.checkpoints import VOCAB, write_checkpoint
-from tests.cluster import cluster, scripted_worker, serving_router, wait_blocks_free
+from tests.cluster import cluster, hand_made_cluster, scripted_worker, serving_router, wait_blocks_free
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -497,3 +497,24 @@ def test_a_decode_worker_holding_other_kv_is_named_at_registration_and_gets_no_w
     router_log = (tmp_path / "logs" / "router.log").read_text()
     assert "worker decode-1 holds bfloat16 KV in 16-token blocks; no prefill worker registered does" in router_log
     assert "LAYOUT_MISMATCH" not in router_log and "KV layouts differ" not in router_log
+
+
+def test_a_closed_client_says_so_and_an_async_client_keeps_to_its_event_loop(tmp_path):
+    """Closing twice is nothing; a call on a closed client, or on an AsyncClient from a second
+    asyncio.run (its reader is the first loop's: the call waited out its timeout), is a clear error."""
+    with hand_made_cluster(tmp_path, [], []) as (client, _):
+        with Client(client.address) as c:
+            assert c.status().in_flight == 0
+            c.close()
+            with pytest.raises(RuntimeError, match="this Client is closed"):
+                c.generate([1, 2], max_tokens=2)
+        aclient = AsyncClient(client.address, timeout=30)
+        assert asyncio.run(aclient.status()).in_flight == 0
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match="serves the event loop of its first call"):
+            asyncio.run(aclient.status())
+        assert time.monotonic() - started < 5
+        asyncio.run(aclient.close())
+        asyncio.run(aclient.close())
+        with pytest.raises(RuntimeError, match="this AsyncClient is closed"):
+            asyncio.run(aclient.status())
