@@ -194,6 +194,33 @@ def _end(status: int):
     os._exit(status)
 
 
+def _check_worker_addresses(role: str, router_address: str, host: str) -> None:
+    """Refuse a --router ZeroMQ cannot connect to, and (where the worker binds its KV ingress) a
+    --host that is not this machine's, by name and before the model is built: found later, each was
+    a traceback, and a KV pool in shared memory left behind."""
+    import zmq
+
+    ctx = zmq.Context()
+    try:
+        with ctx.socket(zmq.DEALER) as sock:
+            sock.linger = 0
+            try:
+                sock.connect(router_address)
+            except zmq.ZMQError as e:
+                raise InvalidArgument(f"--router {router_address!r} is invalid ({e.strerror}); allowed: tcp://HOST:PORT, "
+                                      "the router's worker address (the launchers print 'workers join at ...')",
+                                      param="--router") from None
+            try:
+                if role != "prefill":
+                    sock.bind_to_random_port(f"tcp://{host}")
+            except zmq.ZMQError as e:
+                raise InvalidArgument(f"--host {host!r} is not an address of this machine ({e.strerror}), where this "
+                                      "worker's KV ingress binds; allowed: one of its addresses, 127.0.0.1 or 0.0.0.0 "
+                                      "(all)", param="--host") from None
+    finally:
+        ctx.term()
+
+
 def worker_command(role: str):
     @click.option("--router", "router_address", default="tcp://127.0.0.1:7101", show_default=True,
                   help="the router's worker address")
@@ -221,6 +248,7 @@ def worker_command(role: str):
         from common.worker import WorkerConfig
 
         setup_logging(log_level)
+        _check_worker_addresses(role, router_address, host)
         if role == "prefill":  # its steps are all prefill: no decode step to capture as graphs, or to draft for
             engine_kwargs = dict(engine_kwargs, enforce_eager=True, speculative_config=None)
         cfg = WorkerConfig(router=router_address, engine=EngineConfig(**engine_kwargs), worker_id=worker_id,

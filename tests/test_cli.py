@@ -252,3 +252,15 @@ def test_kernel_occupancy_reads_each_compiled_variant_and_counts_its_programs_pe
          "shared_bytes": 20512, "programs_per_sm": 5},
         {"kernel": "_split_kernel", "variant": "BLOCK_M=64", "warps": 2, "registers": 255, "spilled_bytes": 56,
          "shared_bytes": 24608, "programs_per_sm": 4}]
+
+
+def test_a_worker_refuses_a_router_or_host_it_cannot_use_by_name():
+    """Found before the model is built: before, each was a ZeroMQ traceback (and a KV pool left in
+    shared memory)."""
+    cases = [(["decode", "--router", "bogus"], "--router 'bogus' is invalid"),
+             (["mono", "--router", "tcp://127.0.0.1:1", "--host", "10.255.255.1"],
+              "--host '10.255.255.1' is not an address of this machine")]
+    for argv, text in cases:
+        r = pdserve(*argv)
+        assert r.returncode == 2 and f"error [INVALID_ARGUMENT]: {text}" in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr and "leaked" not in r.stderr, r.stderr
