@@ -33,7 +33,7 @@ from bench.report import print_json, print_table
 from bench.serve import drive, parse_topology, placement_argv, random_prompt
 from bench.workloads import Workload, fit, get_workload
 from common.model_spec import model_config
-from common.errors import InvalidArgument
+from common.errors import InvalidArgument, made_dir
 from router.launcher import Cluster
 
 
@@ -267,8 +267,7 @@ def run_scaling_bench(model: str, devices: str, workers: int | None, topologies:
     names, max_workers = resolve_devices(devices, workers)
     topos = [Topology.parse(n) for n in topologies] if topologies else all_topologies(max_workers)
     check_topologies(topos, max_workers, names)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = made_dir(Path(out_dir), "--out-dir")
     progress = Progress(len(topos))
     searches: dict[Topology, Search] = {}
     finished: dict[Topology, float] = {}  # when each topology's sweep ended (a later profile is compared with it)

@@ -67,3 +67,14 @@ def port_free(host: str, port: int, flag: str):
         return
     raise InvalidArgument(f"port {port} on {host} is in use (another pdserve router, or another of this "
                           f"router's ports?); allowed: a free port for {flag} (0 picks one)", param=flag)
+
+
+def made_dir(path, flag: str):
+    """The folder `path` (a pathlib.Path), made if missing, or an InvalidArgument naming it and the
+    flag that gave it: a traceback of mkdir's OSError says neither."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise InvalidArgument(f"{flag} {str(path)!r}: {e.strerror}; allowed: a folder this user can create or write "
+                              "to", param=flag) from None
+    return path

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.errors import StartupError, port_free
+from common.errors import StartupError, made_dir, port_free
 from common.memory import DEFAULT_UTILIZATION, launch_plan
 
 PR_SET_PDEATHSIG = 1
@@ -209,7 +209,7 @@ class Cluster:
 
     def start(self, ready_timeout: float = 180.0):
         self.check_ports()
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        made_dir(self.log_dir, "--log-dir")
         for c in self.children:
             c.start()
         self.wait_ready(ready_timeout)

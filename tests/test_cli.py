@@ -111,6 +111,9 @@ def test_launch_refuses_flags_it_would_silently_ignore():
     assert r.returncode == 2 and "--served-model-name is for the HTTP API: give --http-port too" in r.stderr
     r = pdserve("router", "--host", "nosuchhost.invalid", "--port", "0", timeout=30)  # ZeroMQ: "No such device"
     assert r.returncode == 2 and "host 'nosuchhost.invalid' is not an address of this machine" in r.stderr, r.stderr
+    r = pdserve("launch", "--log-dir", "/proc/pdserve-logs", "--port", "0", timeout=30)  # no folder can be made there
+    assert r.returncode == 2 and "--log-dir '/proc/pdserve-logs': No such file or directory; allowed: a folder" in \
+        r.stderr, r.stderr
     r = pdserve("generate", "--prompt", "x", "--max-model-len", "5000")  # dummy:nanogpt's context is 1,024
     assert r.returncode == 2 and "--max-model-len 5000; allowed: 2..1024" in r.stderr, r.stderr
 
