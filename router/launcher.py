@@ -168,7 +168,7 @@ class Cluster:
             raise ValueError("a cluster needs at least one worker: --prefill/--decode, or --mono")
         if prefill and not decode:
             raise ValueError(f"--prefill {prefill} --decode 0: prefill workers need a decode worker to hand KV to; "
-                             "allowed: --decode >= 1, or --mono")
+                             "allowed: --decode >= 1, or --prefill 0 with --mono (mono workers prefill for themselves)")
         if decode and not prefill and "--enforce-disagg" in router_args:
             raise ValueError(f"--prefill 0 --decode {decode} with --enforce-disagg: no worker may prefill; allowed: "
                              "--prefill >= 1, or decode workers alone without --enforce-disagg (they prefill)")

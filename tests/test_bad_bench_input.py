@@ -226,7 +226,8 @@ LAUNCH_REFUSED = [  # (args, the error line)
     (["--prefill", ""], "--prefill '': allowed: an integer >= 0"),
     (["--max-local-prefill-length", "-5"], "--max-local-prefill-length -5: allowed: an integer >= 0"),
     (["--prefill", "2", "--decode", "0"],
-     "--prefill 2 --decode 0: prefill workers need a decode worker to hand KV to; allowed: --decode >= 1, or --mono"),
+     "--prefill 2 --decode 0: prefill workers need a decode worker to hand KV to; allowed: --decode >= 1, or "
+     "--prefill 0 with --mono (mono workers prefill for themselves)"),
     (["--prefill", "0", "--enforce-disagg"], "--prefill 0 --decode 1 with --enforce-disagg: no worker may prefill; "
                                              "allowed: --prefill >= 1, or decode workers alone without "
                                              "--enforce-disagg (they prefill)"),
