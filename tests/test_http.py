@@ -720,13 +720,17 @@ def test_request_gauges_count_what_workers_run_and_the_rest_as_waiting():
     from router.metrics import _StateCollector
 
     worker = lambda running, alive=True: SimpleNamespace(  # noqa: E731
-        worker_id=f"w{running}", role="decode", alive=alive, running=running, queued=0, total_blocks=8,
-        free_blocks=8)
+        worker_id=f"w{running}", role="decode", alive=alive, running=running, queued=1, held=running // 3,
+        total_blocks=8, free_blocks=8)
     router = SimpleNamespace(cfg=SimpleNamespace(model=MODEL), requests=dict.fromkeys(range(536)),
                              registry=SimpleNamespace(workers={"a": worker(64), "b": worker(3), "c": worker(9, False)}))
     gauges = {m.name: m.samples[0].value for m in _StateCollector(router, MODEL).collect()
               if m.name.startswith("pdserve:num")}
     assert gauges == {"pdserve:num_requests_running": 67, "pdserve:num_requests_waiting": 536 - 67}
+    # a worker's waiting: queued for its steps, and prefilled requests it holds KV for (P.Heartbeat.held)
+    waiting = {s.labels["worker_id"]: s.value for m in _StateCollector(router, MODEL).collect()
+               if m.name == "pdserve:worker_num_requests_waiting" for s in m.samples}
+    assert waiting == {"w64": 1 + 21, "w3": 1 + 1, "w9": 1 + 3}
 
 
 def test_bench_serve_drives_the_http_api(served, capsys):
