@@ -54,12 +54,13 @@ class Cancel:
 
 @dataclass
 class StatusRequest:
-    pass
+    ask_id: str = ""  # echoed in the reply: a call that timed out does not take a later call's
 
 
 @dataclass
 class MetricsRequest:
     """The router's Prometheus metrics, for an API server process to serve at /metrics."""
+    ask_id: str = ""
 
 
 @dataclass
@@ -132,11 +133,13 @@ class StatusReply:
     context: int = 0  # what the router admits, prompt and output (its API servers follow it)
     missing: list[str] = field(default_factory=list)  # roles the live workers lack to serve ("prefill", "decode")
     model: str = ""  # the router's --model, which its workers serve
+    ask_id: str = ""  # the StatusRequest's
 
 
 @dataclass
 class MetricsReply:
     text: bytes  # Prometheus' text format
+    ask_id: str = ""  # the MetricsRequest's
 
 
 # ----------------------------------------------------------------------------- workers <-> router

@@ -106,8 +106,8 @@ def replies(msg) -> tuple[list, list[P.ProtocolError]]:
 
 
 def _key(msg) -> str | None:
-    """Whose a reply is: its request's, or no one's (a StatusReply)."""
-    return None if isinstance(msg, P.StatusReply) else getattr(msg, "request_id", None)
+    """Whose a reply is: its request's, or its status or metrics call's."""
+    return msg.ask_id if isinstance(msg, (P.StatusReply, P.MetricsReply)) else getattr(msg, "request_id", None)
 
 
 def _until(*times: float | None) -> float | None:
@@ -297,7 +297,6 @@ class _Requests:
     """What both clients keep of their requests in flight: `_open` (submitted, no Done or Error
     yet) and `_replies` (what came for each, not yet read)."""
 
-    _late = 0  # replies to status or metrics calls that timed out, still to come (in order, before any later's)
     closed = False
 
     def _check_open(self) -> None:
@@ -305,14 +304,21 @@ class _Requests:
             raise RuntimeError(f"this {type(self).__name__} is closed; make another")
 
     def _wanted(self, msg) -> bool:
-        """Whether a reply is for a request still open or for a status call: an abandoned
+        """Whether a reply is for a request or a status or metrics call still open: an abandoned
         request's late tokens and Done would be kept for nobody, for as long as the client lives,
         and a timed-out status call's reply would answer the next status or metrics call."""
-        key = _key(msg)
-        if key is None and self._late:
-            self._late -= 1
-            return False
-        return key is None or key in self._open
+        return _key(msg) in self._open
+
+    @contextlib.contextmanager
+    def _asking(self):
+        """Around a status or metrics call: its id, open until the call returns or fails."""
+        ask_id = self._new_id()
+        self._open.add(ask_id)
+        try:
+            yield ask_id
+        finally:
+            self._open.discard(ask_id)
+            self._replies.pop(ask_id, None)
 
     @contextlib.contextmanager
     def _opening(self, request_id: str):
@@ -325,13 +331,9 @@ class _Requests:
             self._open.discard(request_id)
             raise
 
-    def _abandon(self, request_id: str | None, timed_out: bool = False) -> None:
-        """Its caller stopped waiting for it before its end: cancel it, and drop what came for it
-        (a status or metrics call's reply, when it comes, if it timed out: a router that is not
-        there sends none)."""
-        if request_id is None:
-            self._late += timed_out
-        elif request_id in self._open:
+    def _abandon(self, request_id: str) -> None:
+        """Its caller stopped waiting for it before its end: cancel it, and drop what came for it."""
+        if request_id in self._open:
             self._open.discard(request_id)
             self._replies.pop(request_id, None)
             _cancel_nowait(self.chan, request_id)
@@ -387,7 +389,6 @@ class Client(_Requests):
             for rid in self._open:
                 self._replies[rid].append(P.Error(rid, "UNAVAILABLE", LOST))
             self._open.clear()
-            self._late = 0
 
     def _next(self, key: str | None, deadline: "Deadline"):
         """The next message for `key`, reading (and filing) others' messages meanwhile. After
@@ -402,7 +403,7 @@ class Client(_Requests):
                 self._abandon(key)  # queued for a router that may yet come
                 raise error
             if deadline.at is not None and deadline.at <= time.monotonic():
-                self._abandon(key, timed_out=True)
+                self._abandon(key)
                 raise RequestError("TIMEOUT", f"no reply within {deadline.seconds:g}s (the call's timeout=, else "
                                               f"Client(timeout=...))", key)
             wait = _until(deadline.at, self.connection.give_up_at(since))
@@ -465,14 +466,16 @@ class Client(_Requests):
 
     def status(self, timeout: float | None = 10.0) -> P.StatusReply:
         self._check_open()
-        self.chan.send(P.StatusRequest())
-        return self._next(None, self._deadline(timeout))
+        with self._asking() as ask_id:
+            self.chan.send(P.StatusRequest(ask_id))
+            return self._next(ask_id, self._deadline(timeout))
 
     def metrics(self, timeout: float | None = 10.0) -> bytes:
         """The router's Prometheus metrics, as its HTTP /metrics serves them."""
         self._check_open()
-        self.chan.send(P.MetricsRequest())
-        return self._next(None, self._deadline(timeout)).text
+        with self._asking() as ask_id:
+            self.chan.send(P.MetricsRequest(ask_id))
+            return self._next(ask_id, self._deadline(timeout)).text
 
 
 class AsyncClient(_Requests):
@@ -532,7 +535,6 @@ class AsyncClient(_Requests):
         for rid in self._open:
             self._replies[rid].put_nowait(P.Error(rid, "UNAVAILABLE", LOST))
         self._open.clear()
-        self._late = 0
 
     async def submit(self, prompt=None, stream: bool = True, request_id: str | None = None,
                      messages: list[dict] | None = None, **sampling) -> str:
@@ -561,7 +563,7 @@ class AsyncClient(_Requests):
                 break
             except asyncio.TimeoutError:
                 if deadline is not None and time.monotonic() >= deadline:
-                    self._abandon(key, timed_out=True)
+                    self._abandon(key)
                     raise RequestError("TIMEOUT", f"no reply within {timeout:g}s (the call's timeout=, else "
                                                   f"AsyncClient(timeout=...))", key) from None
         if isinstance(msg, (P.Error, P.Done)):
@@ -591,5 +593,6 @@ class AsyncClient(_Requests):
 
     async def status(self, timeout: float | None = 10.0) -> P.StatusReply:
         self._start()
-        await self.chan.send(P.StatusRequest())
-        return await self._next(None, timeout)
+        with self._asking() as ask_id:
+            await self.chan.send(P.StatusRequest(ask_id))
+            return await self._next(ask_id, timeout)

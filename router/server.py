@@ -286,9 +286,9 @@ class Router:
             queued = sum(r.state == "queued" for r in self.requests.values())
             missing = self.placement.missing(self.registry.serving(PREFILL_ROLES + DECODE_ROLES))
             self._send(self.frontend, P.StatusReply(workers, queued, len(self.requests) - queued, self.prompts.context,
-                                                    missing, self.cfg.model), env.sender)
+                                                    missing, self.cfg.model, msg.ask_id), env.sender)
         elif isinstance(msg, P.MetricsRequest):
-            self._send(self.frontend, P.MetricsReply(self.metrics.render()), env.sender)
+            self._send(self.frontend, P.MetricsReply(self.metrics.render(), msg.ask_id), env.sender)
         elif isinstance(msg, P.Rejected):
             if msg.code in P.REJECT_CODES:  # a label per code: not one per string a client can make up
                 self.metrics.on_error(msg.code)
