@@ -367,6 +367,7 @@ async def _json(request: web.Request):
     try:
         raw = await request.read()  # over client_max_size: 413
     except web.RequestPayloadError:  # a body that is not what its Content-Encoding says
+        request.content.feed_eof()  # read no more of it: aiohttp would, after the answer, and log its error
         encoding = request.headers.get("Content-Encoding", "")
         raise ApiError("INVALID_ARGUMENT", f"the body could not be decoded (Content-Encoding: {encoding}); "
                                            "allowed: gzip, deflate or none") from None
