@@ -378,6 +378,12 @@ MESSAGES: dict[str, type] = {cls.__name__: cls for cls in (
     KVReserve, KVGrant, KVRefuse, KVRelease, KVChunk, KVTransfer, KVAck)}
 
 
+def reply_id(msg) -> str | None:
+    """The id an answer to msg carries, for its sender to file it under: a request's, or a status or
+    metrics call's."""
+    return getattr(msg, "request_id", None) or getattr(msg, "ask_id", None) or None
+
+
 def encode(msg) -> bytes:
     body = {f.name: getattr(msg, f.name) for f in _schema(type(msg))[1]}  # plain data: no deep copy (asdict's)
     body["v"] = PROTOCOL_VERSION

@@ -206,7 +206,7 @@ class DecodeWorker(WorkerBase):
         elif isinstance(msg, P.KVTransfer):
             self._on_transfer(msg, env.sender)
         elif isinstance(msg, P.CLIENT_MESSAGES):  # a client given this port by mistake: it would wait forever
-            self.ingress.try_send(P.Error(getattr(msg, "request_id", None), "INVALID_ARGUMENT", KV_INGRESS),
+            self.ingress.try_send(P.Error(P.reply_id(msg), "INVALID_ARGUMENT", KV_INGRESS),
                                   to=env.sender)
         else:
             log.warning("unexpected %s on the KV ingress", type(msg).__name__)

@@ -462,7 +462,7 @@ class Router:
             if w is None or not w.alive or not isinstance(msg, (P.Heartbeat, P.Holding)):
                 return
         elif isinstance(msg, P.CLIENT_MESSAGES):  # a client given this port by mistake: it would wait forever
-            self._send(self.backend, P.Error(getattr(msg, "request_id", None), "INVALID_ARGUMENT", WORKER_PORT),
+            self._send(self.backend, P.Error(P.reply_id(msg), "INVALID_ARGUMENT", WORKER_PORT),
                        env.sender)
             return
         elif w is None or not w.alive:
