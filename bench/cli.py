@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from common.cli_options import COUNT, FLOAT, POSITIVE, Counts, Finite, devices_option, engine_options
+from common.cli_options import COUNT, FLOAT, NON_NEGATIVE, POSITIVE, Counts, devices_option, engine_options
 from common.protocol import KV_TRANSPORTS
 
 @click.group()
@@ -62,7 +62,7 @@ def bench_structured(batch, max_tokens, rounds, seed, engine_kwargs):
 @click.option("--batch-sizes", default="1,8", show_default=True, type=Counts("batch sizes"))
 @click.option("--max-tokens", default=96, show_default=True, type=COUNT)
 @click.option("--rounds", default=3, show_default=True, type=COUNT, help="alternating rounds, off then on")
-@click.option("--temperature", default=0.0, show_default=True, type=Finite(min=0))
+@click.option("--temperature", default=0.0, show_default=True, type=NON_NEGATIVE)
 @click.option("--seed", default=0, show_default=True, type=int)
 @engine_options
 def bench_speculative(batch_sizes, max_tokens, rounds, temperature, seed, engine_kwargs):
@@ -138,7 +138,7 @@ def bench_serve(model, topologies, scenarios, router_address, base_url, frontend
 @click.option("--kills", default=10, show_default=True, type=click.IntRange(min=0),
               help="faults to inject (SIGKILL, SIGTERM or SIGSTOP)")
 @click.option("--concurrency", default=24, show_default=True, type=COUNT)
-@click.option("--interval", default=1.5, show_default=True, type=Finite(min=0), help="seconds between faults")
+@click.option("--interval", default=1.5, show_default=True, type=NON_NEGATIVE, help="seconds between faults")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--log-dir", default=None, help="keep the cluster's logs here")
 @devices_option(help="comma-separated, assigned to workers in turn; the reference runs on the first")
@@ -243,7 +243,8 @@ def goodput_options(start_rate: bool = False):
                          help="inter-token latency target: each request's mean time per output token after the first"),
             click.option("--attainment", default=0.9, show_default=True, type=FLOAT,
                          help="fraction of requests that must meet both targets"),
-            click.option("--duration", default=15.0, show_default=True, type=FLOAT, help="seconds of arrivals per rate"),
+            click.option("--duration", default=15.0, show_default=True, type=FLOAT,
+                         help="seconds of arrivals per rate"),
             click.option("--min-requests", default=30, show_default=True, type=int),
             click.option("--max-requests", default=400, show_default=True, type=int,
                          help="per rate, unless a quarter of --duration, 10 TTFT targets or 4 request "
@@ -294,7 +295,7 @@ def bench_scaling(model, devices, workers, topologies, workload, slo, sweep, out
 @click.option("--plan-devices", default=None, type=Counts("device counts"),
               help="device counts to plan for [default: 1..workers,8,16,64]")
 @click.option("--network-gbps", default=25.0, show_default=True, type=POSITIVE, help="GB/s between hosts")
-@click.option("--network-latency-ms", default=0.05, show_default=True, type=Finite(min=0),
+@click.option("--network-latency-ms", default=0.05, show_default=True, type=NON_NEGATIVE,
               help="between hosts")
 @click.option("--devices-per-host", default=8, show_default=True, type=COUNT, help="past this machine (GPUs)")
 @click.option("--compare", "compare_path", default=None,

@@ -85,9 +85,10 @@ def check_template_kwargs(kwargs) -> dict | None:
 def check_messages(messages) -> list[dict]:
     """OpenAI-style messages: a non-empty list of objects with a role (any non-empty string) and a
     content, a string or a list of {"type": "text", "text"} parts (joined by newlines, as vLLM
-    joins them; an OpenAI "refusal" part counts as its text, as in vLLM). Other keys (name, tool_calls, tool_call_id...) reach the template as vLLM passes
-    them: those that are null dropped, an assistant's tool call arguments sent as a JSON string
-    parsed; their values must be JSON data. Returns copies whose content is a string."""
+    joins them; an OpenAI "refusal" part counts as its text, as in vLLM). Other keys (name,
+    tool_calls, tool_call_id...) reach the template as vLLM passes them: those that are null
+    dropped, an assistant's tool call arguments sent as a JSON string parsed; their values must be
+    JSON data. Returns copies whose content is a string."""
     if not isinstance(messages, list) or not messages:
         raise InvalidArgument(f"messages={_short(messages)} is invalid; allowed: a non-empty list of "
                               '{"role": ..., "content": ...} objects')
@@ -107,8 +108,8 @@ def check_messages(messages) -> list[dict]:
                 kind = part.get("type") if isinstance(part, dict) else None
                 if kind not in _TEXT_PARTS or not isinstance(part.get(kind), str):
                     raise InvalidArgument(f"messages[{i}].content[{j}]={_short(part)} is invalid; allowed: "
-                                          '{"type": "text", "text": "..."} or an assistant\'s {"type": "refusal", '
-                                          '"refusal": "..."} (no images or audio)')
+                                          '{"type": "text", "text": "..."} or {"type": "refusal", "refusal": '
+                                          '"..."} (no images or audio)')
                 parts.append(part[kind])
             content = "\n".join(parts)
         elif content is None and role == "assistant":

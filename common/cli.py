@@ -12,8 +12,8 @@ import sys
 import click
 
 from bench.cli import bench, plan
-from common.cli_options import (COUNT, ENGINE_PARAMS, PORT, POSITIVE, Finite, devices_option, engine_argv, engine_options,
-                                http_options, http_router_argv, parse_ints, policy_option, router_argv, router_options,
+from common.cli_options import (COUNT, ENGINE_PARAMS, NON_NEGATIVE, PORT, POSITIVE, devices_option, engine_argv,
+                                engine_options, http_options, http_router_argv, parse_ints, policy_option, router_argv, router_options,
                                 sampling_options, setup_logging)
 from common.errors import InvalidArgument, PdserveError
 from common.speculative import SpeculativeConfig
@@ -207,8 +207,9 @@ def _check_worker_addresses(role: str, router_address: str, host: str) -> None:
             try:
                 sock.connect(router_address)
             except zmq.ZMQError as e:
-                raise InvalidArgument(f"--router {router_address!r} is invalid ({e.strerror}); allowed: tcp://HOST:PORT, "
-                                      "the router's worker address (the launchers print 'workers join at ...')",
+                raise InvalidArgument(f"--router {router_address!r} is invalid ({e.strerror}); allowed: "
+                                      "tcp://HOST:PORT, the router's worker address (the launchers print 'workers "
+                                      "join at ...')",
                                       param="--router") from None
             try:
                 if role != "prefill":
@@ -235,7 +236,7 @@ def worker_command(role: str):
     @click.option("--kv-lease", default=30.0, show_default=True, type=POSITIVE,
                   help="decode: seconds blocks reserved for a transfer are held for it (a live prefill worker "
                        "renews them every third of that while it prefills)")
-    @click.option("--drain-timeout", default=5.0, show_default=True, type=Finite(min=0),
+    @click.option("--drain-timeout", default=5.0, show_default=True, type=NON_NEGATIVE,
                   help="told to stop (SIGTERM, SIGINT), seconds it finishes what it holds before its requests move "
                        "to other workers; it gets no new work meanwhile (0: they move at once; a second signal "
                        "stops it at once)")
@@ -367,11 +368,11 @@ def status(router_address, as_json):
     serves = f"cannot serve: no live {' or '.join(reply.missing)} worker" if reply.missing else "serving"
     print_table(f"router {router_address} ({reply.model}): {serves}; {reply.queued} queued, {reply.in_flight} in "
                 f"flight; admits a context of {reply.context} tokens",
-                ["worker", "role", "device", "alive", "queued", "held", "running", "free blocks", "total blocks", "context",
-                 "KV by", "heartbeat age s"],
+                ["worker", "role", "device", "alive", "queued", "held", "running", "free blocks", "total blocks",
+                 "context", "KV by", "heartbeat age s"],
                 [[w["worker_id"], w["role"], w["device"], "leaving" if w.get("leaving") and w["alive"] else w["alive"],
-                  w["queued"], w.get("held", 0), w["running"], w["free_blocks"], w["total_blocks"], w.get("max_model_len") or "-",
-                  ",".join(w.get("kv_transports", [])) or "-", w["heartbeat_age_s"]]
+                  w["queued"], w.get("held", 0), w["running"], w["free_blocks"], w["total_blocks"],
+                  w.get("max_model_len") or "-", ",".join(w.get("kv_transports", [])) or "-", w["heartbeat_age_s"]]
                  for w in reply.workers])
 
 

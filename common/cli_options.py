@@ -97,6 +97,7 @@ class Finite(click.FloatRange):
 
 FLOAT = Finite()
 POSITIVE = Finite(min=0, min_open=True)
+NON_NEGATIVE = Finite(min=0)
 COUNT = click.IntRange(min=1)  # of requests, tokens, steps, workers, threads: with 0 there is nothing to run
 PORT = click.IntRange(0, 65535)
 ROUTER_OPTIONS = [  # (flag, default, type, help): the router's limits and placement, on `router` and `launch` alike

@@ -379,8 +379,8 @@ MESSAGES: dict[str, type] = {cls.__name__: cls for cls in (
 
 
 def reply_id(msg) -> str | None:
-    """The id an answer to msg carries, for its sender to file it under: a request's, or a status or
-    metrics call's."""
+    """The id a message is filed under, and an answer to it carries: a request's, or a status or
+    metrics call's (None: neither)."""
     return getattr(msg, "request_id", None) or getattr(msg, "ask_id", None) or None
 
 

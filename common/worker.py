@@ -122,6 +122,7 @@ class WorkerBase:
         self._last_register = 0.0
         self._unanswered_since: float | None = None  # registering since then (None: not yet tried)
         self._said_unanswered = 0.0  # when the worker last said no router answers
+        self._said_taken = -math.inf  # ... that the router refuses it, its id being a live worker's
         self._last_heartbeat = 0.0
         self._last_holding = 0.0
 
@@ -152,10 +153,11 @@ class WorkerBase:
             if self.leaving is not None:
                 self.leaving = (self.leaving[0], math.inf)  # answered: it sends us nothing new
         elif isinstance(msg, P.Error) and msg.code == "ALREADY_EXISTS":  # our id is a live worker's: wait it out
+            self._unanswered_since = None  # answered: not the warning that no router answers
             now = time.monotonic()
-            if now - self._said_unanswered >= NO_ROUTER_S or self._unanswered_since == self._said_unanswered:
+            if now - self._said_taken >= NO_ROUTER_S:
+                self._said_taken = now
                 log.warning("%s: the router refuses to register it: %s", self.worker_id, msg.message)
-            self._said_unanswered = now  # answered: not the warning that no router answers
         elif isinstance(msg, P.Error):  # no router's worker port answers so: --router names another port
             log.error("%s: %s answers %s: %s", self.worker_id, self.cfg.router, msg.code, msg.message)
             self.stopping, self.refused = True, msg.message

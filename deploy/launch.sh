@@ -84,7 +84,8 @@ while (($#)); do
 done
 PREFILL=${PREFILL:-$((MONO > 0 ? 0 : 1))} DECODE=${DECODE:-$((MONO > 0 ? 0 : 1))}  # --mono alone: only mono workers
 if ((PREFILL > 0 && DECODE == 0)); then
-  echo "launch.sh: --prefill $PREFILL --decode 0: prefill workers need a decode worker to hand KV to; allowed: --decode >= 1, or --prefill 0 with --mono (mono workers prefill for themselves)" >&2
+  echo "launch.sh: --prefill $PREFILL --decode 0: prefill workers need a decode worker to hand KV to;" \
+    "allowed: --decode >= 1, or --prefill 0 with --mono (mono workers prefill for themselves)" >&2
   exit 2
 fi
 if ((PREFILL == 0 && DECODE > 0)) && [[ " ${ROUTER_LIMITS[*]} " == *" --enforce-disagg "* ]]; then

@@ -105,11 +105,6 @@ def replies(msg) -> tuple[list, list[P.ProtocolError]]:
             [e for e in items if isinstance(e, P.ProtocolError)])
 
 
-def _key(msg) -> str | None:
-    """Whose a reply is: its request's, or its status or metrics call's."""
-    return msg.ask_id if isinstance(msg, (P.StatusReply, P.MetricsReply)) else getattr(msg, "request_id", None)
-
-
 def _until(*times: float | None) -> float | None:
     """Seconds until the earliest of times (None: never)."""
     times = [t for t in times if t is not None]
@@ -307,7 +302,7 @@ class _Requests:
         """Whether a reply is for a request or a status or metrics call still open: an abandoned
         request's late tokens and Done would be kept for nobody, for as long as the client lives,
         and a timed-out status call's reply would answer the next status or metrics call."""
-        return _key(msg) in self._open
+        return P.reply_id(msg) in self._open
 
     @contextlib.contextmanager
     def _asking(self):
@@ -421,7 +416,7 @@ class Client(_Requests):
             msgs, bad = replies(env.msg)
             for msg in msgs:
                 if self._wanted(msg):
-                    self._replies[_key(msg)].append(msg)
+                    self._replies[P.reply_id(msg)].append(msg)
             if bad:
                 raise RequestError("INTERNAL", f"undecodable reply from the router: {bad[0]}")
         msg = self._replies[key].popleft()
@@ -526,7 +521,7 @@ class AsyncClient(_Requests):
                 continue
             for msg in replies(env.msg)[0]:  # a bad item is skipped, as an undecodable reply is
                 if self._wanted(msg):
-                    self._replies[_key(msg)].put_nowait(msg)
+                    self._replies[P.reply_id(msg)].put_nowait(msg)
 
     async def _watch(self):
         await self.connection.watch(self._lost)

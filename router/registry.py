@@ -46,7 +46,8 @@ class Worker:
     def describe(self, now: float) -> dict:
         return {"worker_id": self.worker_id, "role": self.role, "incarnation": self.incarnation,
                 "device": self.device, "alive": self.alive, "leaving": self.leaving, "queued": self.queued,
-                "held": self.held, "running": self.running, "assigned": len(self.assigned), "free_blocks": self.free_blocks,
+                "held": self.held, "running": self.running, "assigned": len(self.assigned),
+                "free_blocks": self.free_blocks,
                 "total_blocks": self.total_blocks, "kv_address": self.kv_address, "kv_transports": self.kv_transports,
                 "kv_dtype": self.kv_dtype, "block_size": self.block_size, "batch_invariant": self.batch_invariant,
                 "prefix_caching": self.prefix_caching, "max_model_len": self.max_model_len,

@@ -516,21 +516,23 @@ class Router:
             self._send(self.backend, P.Shutdown(f"model mismatch: router serves {self.cfg.model}"), identity)
             return
         old = self.registry.workers.get(msg.worker_id)
-        if old is not None and old.alive and old.incarnation != msg.incarnation and not old.leaving:
-            # Another process with a live worker's id: a second worker started with the same --worker-id
-            # (before, each displaced the other every heartbeat and every request failed), or one that
-            # restarted before its last incarnation timed out, which joins once it does.
-            if (msg.worker_id, msg.incarnation) not in self._said_taken:
-                self._said_taken.add((msg.worker_id, msg.incarnation))
-                log.warning("worker %s (incarnation %s) waits: its id is a live worker's (incarnation %s)",
-                            msg.worker_id, msg.incarnation, old.incarnation)
-            self._send(self.backend, P.Error(None, "ALREADY_EXISTS", (
-                f"the worker id {msg.worker_id!r} is a live worker's (incarnation {old.incarnation}, heard from "
-                f"{time.monotonic() - old.last_seen:.1f} s ago); this worker joins once that one is gone (silent "
-                f"for the router's --heartbeat-timeout). To run both, give this one another --worker-id")), identity)
-            return
         if old is not None and old.alive and old.incarnation != msg.incarnation:
+            if not old.leaving:
+                # Another process with a live worker's id: a second worker started with the same --worker-id
+                # (before, each displaced the other every heartbeat and every request failed), or one that
+                # restarted before its last incarnation timed out, which joins once it does.
+                if (msg.worker_id, msg.incarnation) not in self._said_taken:
+                    self._said_taken.add((msg.worker_id, msg.incarnation))
+                    log.warning("worker %s (incarnation %s) waits: its id is a live worker's (incarnation %s)",
+                                msg.worker_id, msg.incarnation, old.incarnation)
+                self._send(self.backend, P.Error(None, "ALREADY_EXISTS", (
+                    f"the worker id {msg.worker_id!r} is a live worker's (incarnation {old.incarnation}, heard from "
+                    f"{time.monotonic() - old.last_seen:.1f} s ago); this worker joins once that one is gone (silent "
+                    f"for the router's --heartbeat-timeout). To run both, give this one another --worker-id")),
+                    identity)
+                return
             self.worker_lost(old, "restarted under a new incarnation")
+        self._said_taken.discard((msg.worker_id, msg.incarnation))
         self.registry.workers[msg.worker_id] = Worker(msg.worker_id, msg.role, msg.incarnation, identity, msg.device,
                                                       msg.total_blocks, msg.block_size, msg.kv_address,
                                                       list(msg.kv_transports), kv_dtype=msg.kv_dtype,

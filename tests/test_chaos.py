@@ -166,11 +166,12 @@ def test_a_second_worker_with_a_live_workers_id_waits_and_joins_once_that_one_is
     lives, and the cluster serves on (before, the two displaced each other every heartbeat and every
     request failed). Once the first is killed, the second joins in its place."""
     log = tmp_path / "second.log"
-    with cluster(tmp_path, prefill=1, decode=1) as c, Client(c.address, timeout=60) as client:
+    with cluster(tmp_path, prefill=1, decode=1) as c, Client(c.address, timeout=60) as client, \
+            open(log, "w") as out:
         first = next(w["incarnation"] for w in client.status().workers if w["worker_id"] == "decode-0")
         second = subprocess.Popen(pdserve_cmd() + ["decode", "--router", f"tcp://127.0.0.1:{c.worker_port}",
                                                    "--worker-id", "decode-0", "--model", "dummy:nanogpt"],
-                                  stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO)
+                                  stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO)
         try:
             wait_for(lambda: "refuses to register it" in log.read_text(), what="the second worker to be refused")
             prompts = [[i + 1, 2, 3] for i in range(8)]

@@ -172,7 +172,8 @@ def test_bad_completion_fields_are_named(body, param, text):
 
 @pytest.mark.parametrize("body, param, text", [
     ({"messages": "hi"}, "messages", "non-empty list"),
-    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs", "top_logprobs=2 needs logprobs=true"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs",
+     "top_logprobs=2 needs logprobs=true"),
     ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, "max_completion_tokens",
      "max_completion_tokens=0"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools",

@@ -3,8 +3,12 @@ worker (the worker's pulse beats for it: common/pulse.py) up to --step-timeout, 
 counts as hung; and a prefill that outlasts the decode worker's KV lease keeps its blocks, its
 prefill worker renewing the lease while it runs."""
 
+import asyncio
+import time
+
 import pytest
 
+from router.client import AsyncClient, RequestError
 from tests.cluster import SLOWED_STEPS, hand_made_cluster
 
 pytestmark = pytest.mark.timeout(120)
@@ -63,11 +67,6 @@ def test_a_streams_timeout_is_for_each_chunk_not_the_whole_answer(tmp_path):
     whole in both clients, as a slow answer that keeps coming should (the sync client's stream once
     failed TIMEOUT at 0.8 s; `pdserve client` gave up on long answers at 120 s). A stream whose
     next chunk takes longer than the timeout fails TIMEOUT."""
-    import asyncio
-    import time
-
-    from router.client import AsyncClient, RequestError
-
     slow = SLOWED_STEPS.format(delay=0.1, first_only=False)
     params = dict(max_tokens=20, temperature=0, ignore_eos=True)
     with hand_made_cluster(tmp_path, [], [("mono", [], slow)]) as (client, _):
