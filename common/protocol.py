@@ -392,6 +392,10 @@ def encode(msg) -> bytes:
         return msgpack.packb(body, use_bin_type=True)
     except UnicodeEncodeError:  # Python strings may hold a lone surrogate ('\ud800'); UTF-8 may not
         raise InvalidArgument(f"a string of this {type(msg).__name__} holds {LONE_SURROGATE}") from None
+    except (OverflowError, TypeError) as e:  # an SDK caller's [2**70], or an object msgpack cannot carry
+        raise InvalidArgument(f"this {type(msg).__name__} holds a value that cannot be sent ({e}); allowed: "
+                              "text, bytes, booleans, None, integers within 64 bits, floats, and lists and maps of them"
+                              ) from None
 
 
 def decode(buf: bytes | memoryview, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):

@@ -125,7 +125,7 @@ def test_building_a_model_leaves_torch_dynamo_unloaded():
     assert r.stdout.strip() == "False"
 
 
-def test_text_with_a_lone_surrogate_is_refused_by_every_tokenizer_and_the_sdk(llama_dir):
+def test_text_with_a_lone_surrogate_or_a_value_msgpack_cannot_carry_is_refused_by_name(llama_dir):
     """JSON and Python strings may hold one; UTF-8 and the `tokenizers` library (a TypeError) may not."""
     from common import protocol as P
     from router.client import _generate
@@ -139,3 +139,6 @@ def test_text_with_a_lone_surrogate_is_refused_by_every_tokenizer_and_the_sdk(ll
         engine.tokenizer.encode_chat([{"role": "user", "content": "\udfff b"}])
     with pytest.raises(InvalidArgument, match="a string of this Generate holds a lone surrogate"):
         P.encode(_generate("r", "a\ud800", None, {}, True))
+    for prompt, sampling in (([1, 2**70], {}), ("a", {"temperature": 2**70}), ("a", {"stop": [object()]})):
+        with pytest.raises(InvalidArgument, match="this Generate holds a value that cannot be sent"):
+            P.encode(_generate("r", prompt, None, sampling, True))
