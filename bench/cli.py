@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from common.cli_options import COUNT, FLOAT, NON_NEGATIVE, POSITIVE, Counts, devices_option, engine_options
+from common.cli_options import COUNT, FLOAT, NON_NEGATIVE, POSITIVE, Counts, devices_option, engine_options, given_flags
 from common.protocol import KV_TRANSPORTS
 
 @click.group()
@@ -121,6 +121,12 @@ def bench_serve(model, topologies, scenarios, router_address, base_url, frontend
     """Serving load: TTFT, inter-token and end-to-end latency, throughput, per topology and frontend."""
     from bench.serve import run_serve_bench
 
+    if router_address or base_url:
+        launch_only = given_flags(["topologies", "policies", "kv_events", "worker_args", "devices"])
+        if launch_only:
+            raise click.UsageError(f"{', '.join(launch_only)}: for the clusters bench serve launches; with "
+                                   f"{'--router' if router_address else '--base-url'} it measures the server as it "
+                                   "runs, so leave them out")
     try:
         run_serve_bench(model, topologies.split(","), scenarios.split(","), router_address, seed, list(worker_args),
                         tuple(frontends.split(",")), base_url, repeats, api_key, devices=devices,

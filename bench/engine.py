@@ -227,7 +227,12 @@ def engine_for_bench(engine_kwargs: dict, max_batch: int, seq_len: int, prefill_
     if cfg.num_blocks is None:
         need = max(max_batch * -(-seq_len // cfg.block_size), -(-(prefill_len + 1) // cfg.block_size))
         cfg.num_blocks = need + need // 50  # and the scheduler's 1% watermark
-    return Engine(cfg)
+    engine = Engine(cfg)
+    if engine.max_model_len < longest:  # found here, not by the prefill after the whole sweep
+        raise InvalidArgument(f"the bench's longest sequence ({longest} tokens: --prefill-len and a token out, or "
+                              f"a --kv-lens length and its steps) is over {cfg.model}'s context of {engine.max_model_len} tokens; allowed: "
+                              "at most that")
+    return engine
 
 
 def run_engine_bench(engine_kwargs: dict, num_requests: int, prompt_len: int, output_len: int,

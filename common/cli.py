@@ -13,8 +13,8 @@ import click
 
 from bench.cli import bench, plan
 from common.cli_options import (COUNT, ENGINE_PARAMS, NON_NEGATIVE, PORT, POSITIVE, devices_option, engine_argv,
-                                engine_options, http_options, http_router_argv, parse_ints, policy_option, router_argv, router_options,
-                                sampling_options, setup_logging)
+                                engine_options, given_flags, http_options, http_router_argv, parse_ints, policy_option,
+                                router_argv, router_options, sampling_options, setup_logging)
 from common.errors import InvalidArgument, PdserveError
 from common.speculative import SpeculativeConfig
 
@@ -98,15 +98,7 @@ def generate(prompts, prompt_ids, chats, as_json, router_address, sampling, engi
 def refuse_engine_flags() -> None:
     """With --router the cluster's workers run the model: a --model or engine flag given too would
     be ignored, so it is refused."""
-    ctx = click.get_current_context()
-    options = {p.name: p for p in ctx.command.params}
-
-    def as_given(name: str) -> str:  # a flag pair's --no- side when that is the one given
-        o = options[name]
-        return o.secondary_opts[0] if o.secondary_opts and ctx.params[name] is False else o.opts[0]
-
-    given = [as_given(name) for name in ENGINE_PARAMS
-             if ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE]
+    given = given_flags(ENGINE_PARAMS)
     if given:
         raise click.UsageError(f"{', '.join(given)}: the cluster's workers choose the model and the engine; with "
                                "--router, leave them out")

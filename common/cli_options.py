@@ -344,6 +344,20 @@ def http_options(f):
     return wrapper
 
 
+def given_flags(names) -> list[str]:
+    """The flags of these parameters that the command line gave the current command, as given (a
+    pair's --no- side where that one was)."""
+    ctx = click.get_current_context()
+    options = {p.name: p for p in ctx.command.params}
+
+    def as_given(name: str) -> str:
+        o = options[name]
+        return o.secondary_opts[0] if o.secondary_opts and ctx.params[name] is False else o.opts[0]
+
+    given = click.core.ParameterSource.COMMANDLINE
+    return [as_given(name) for name in names if ctx.get_parameter_source(name) is given]
+
+
 def refuse_http_flags_without_port(http: dict) -> None:
     """The HTTP API's flags without --http-port would be taken and do nothing; so would vLLM's
     --enable-auto-tool-choice without a parser."""

@@ -53,6 +53,16 @@ def test_serve_to_no_router_says_unavailable_before_it_measures(monkeypatch, cap
     assert out == ""  # no table: nothing was measured
 
 
+@pytest.mark.parametrize("external", [["--router", "tcp://127.0.0.1:1"], ["--base-url", "http://127.0.0.1:1"]])
+def test_serve_of_a_running_server_refuses_the_flags_of_a_launch_by_name(monkeypatch, capsys, external):
+    """They would be ignored: the server is measured as it runs."""
+    code, out, err = run_cli(monkeypatch, capsys, "bench", "serve", *external, "--topologies", "2p2d",
+                             "--worker-arg=--dtype=float32", "--devices", "cuda:0", "--kv-events", "off")
+    assert code == 2 and out == "", err
+    assert (f"--topologies, --kv-events, --worker-arg, --devices: for the clusters bench serve launches; with "
+            f"{external[0]} it measures the server as it runs, so leave them out") in err, err
+
+
 def test_a_run_whose_requests_all_failed_prints_its_table(monkeypatch, capsys):
     """The requests fail (no router, found out only once they are sent): each row counts them
     failed and shows "-" for what it could not measure, and the router's overhead line, which
@@ -172,6 +182,16 @@ def test_a_zero_batch_size_is_a_usage_error_not_a_traceback():
                        capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert "Invalid value for '--batch-sizes': '0' has 0; allowed: batch sizes >= 1" in r.stderr, r.stderr
+
+
+def test_a_prefill_longer_than_the_models_context_is_refused_before_the_sweep():
+    """Found by the prefill that follows the decode sweep, it cost the whole sweep first."""
+    from bench.engine import engine_for_bench
+
+    assert engine_for_bench({"model": "dummy:nanogpt"}, 1, 64, 1023).max_model_len == 1024
+    for seq_len, prefill_len in ((64, 1024), (1025, 8)):
+        with pytest.raises(InvalidArgument, match="is over dummy:nanogpt's context of 1024 tokens"):
+            engine_for_bench({"model": "dummy:nanogpt"}, 1, seq_len, prefill_len)
 
 
 # ----------------------------------------------------------------------------- bench transfer's size
