@@ -122,7 +122,7 @@ def bench_serve(model, topologies, scenarios, router_address, base_url, frontend
     from bench.serve import run_serve_bench
 
     if router_address or base_url:
-        launch_only = given_flags(["topologies", "policies", "kv_events", "worker_args", "devices"])
+        launch_only = given_flags(["topologies", "frontends", "policies", "kv_events", "worker_args", "devices"])
         if launch_only:
             raise click.UsageError(f"{', '.join(launch_only)}: for the clusters bench serve launches; with "
                                    f"{'--router' if router_address else '--base-url'} it measures the server as it "
