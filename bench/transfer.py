@@ -29,6 +29,8 @@ import math
 import multiprocessing as mp
 import os
 import random
+import signal
+import sys
 import time
 
 import torch
@@ -200,13 +202,30 @@ def _raw_puller(address: str, ack_address: str, nbytes: int, repeats: int):
 
 
 def _spawn(target, *args) -> mp.Process:
-    proc = mp.get_context("spawn").Process(target=target, args=args, daemon=True)
-    proc.start()
+    """A child deaf to Ctrl-C, which reaches the terminal's whole process group: the parent stops
+    it (each printed a KeyboardInterrupt traceback beside the parent's "Aborted!"). Its SIGINT is
+    ignored from its first instruction, as an ignored signal stays ignored across exec."""
+    proc = mp.get_context("spawn").Process(target=_child, args=(target, *args), daemon=True)
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        proc.start()
+    finally:
+        signal.signal(signal.SIGINT, before)
     return proc
 
 
-def _stop(proc: mp.Process):
-    proc.join(10)
+def _child(target, *args):
+    """A SIGTERM leaves through the child's finally blocks, which free its shared memory."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
+    target(*args)
+
+
+def _stop(proc: mp.Process, grace_s: float = 10.0):
+    """Wait grace_s for it to end by itself, then SIGTERM it, then SIGKILL it."""
+    proc.join(grace_s)
+    if proc.is_alive():
+        proc.terminate()
+        proc.join(5)
     if proc.is_alive():
         proc.kill()
         proc.join()
@@ -276,7 +295,7 @@ class TransportRun:
         if self.chan is not None:
             self.chan.send(P.KVRelease("stop", 0))
         self.sender.close()
-        _stop(self.proc)
+        _stop(self.proc, 10.0 if self.chan is not None else 0.0)  # else nothing told it to stop
         if self.chan is not None:
             self.chan.close()
         self.ctx.term()
@@ -295,6 +314,7 @@ class RawZmqRun:
         self.acks.bind("tcp://127.0.0.1:0")
         self.proc = _spawn(_raw_puller, self.push.getsockopt_string(zmq.LAST_ENDPOINT),
                            self.acks.getsockopt_string(zmq.LAST_ENDPOINT), nbytes, repeats + 1)
+        self.repeats, self.done = repeats + 1, 0
         self.buf = memoryview(torch.randn(-(-nbytes // 4)).numpy()).cast("B")[:nbytes]
         self.one()  # warm-up
 
@@ -305,10 +325,11 @@ class RawZmqRun:
         if not self.acks.poll(int(TIMEOUT_S * 1000)):
             raise RuntimeError(f"raw ZeroMQ receiver did not acknowledge within {TIMEOUT_S}s")
         self.acks.recv()
+        self.done += 1
         return time.perf_counter() - t0
 
     def close(self):
-        _stop(self.proc)
+        _stop(self.proc, 10.0 if self.done == self.repeats else 0.0)  # cut short: it waits for bytes forever
         self.push.close(linger=0)
         self.acks.close(linger=0)
         self.ctx.term()

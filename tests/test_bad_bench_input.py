@@ -213,6 +213,34 @@ def test_a_transfer_larger_than_the_memory_is_refused_before_it_allocates(monkey
                                  "--dtype)"), e.value
 
 
+def sleep_in_try(path: str):
+    """A bench child's stand-in: says it started, then sleeps; its finally block writes path."""
+    Path(path + ".started").touch()
+    try:
+        time.sleep(60)
+    finally:
+        Path(path).write_text("finally ran")
+
+
+def test_a_transfer_benchs_children_ignore_ctrl_c_and_leave_through_finally_when_stopped(tmp_path):
+    """Ctrl-C reaches the whole process group: the children printed KeyboardInterrupt tracebacks
+    beside the parent's "Aborted!", and one the parent could not tell to stop (still starting)
+    was killed after 10 s, its shared memory left to the resource tracker's warning."""
+    path = str(tmp_path / "left")
+    proc = B._spawn(sleep_in_try, path)
+    os.kill(proc.pid, signal.SIGINT)  # while it starts: deaf from its first instruction
+    deadline = time.monotonic() + 30
+    while not os.path.exists(path + ".started") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGINT)
+    proc.join(0.3)
+    assert proc.is_alive()
+    started = time.monotonic()
+    B._stop(proc, grace_s=0.0)
+    assert time.monotonic() - started < 4 and proc.exitcode == 1
+    assert Path(path).read_text() == "finally ran"
+
+
 def test_ten_million_tokens_is_an_error_that_names_the_flag(monkeypatch, capsys):
     started = time.monotonic()
     code, _, err = run_cli(monkeypatch, capsys, "bench", "transfer", "--transport", "shm", "--tokens", "10000000",
