@@ -33,7 +33,10 @@ class LoadedModel:
 
 
 def load_model(spec: str, device: torch.device, dtype: torch.dtype, attention_backend: str = "auto",
-               block_size: int = 16) -> LoadedModel:
+               block_size: int = 16, rope: bool = True) -> LoadedModel:
+    """rope=False: the caller sizes the rotary tables (Transformer.setup_rope), as an engine does
+    for its max_model_len: a model's whole context (a million tokens, or a damaged GGUF's four
+    billion) may be far more than it serves."""
     cfg = model_config(spec)
     attention = make_attention(attention_backend, device, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dtype,
                                block_size)
@@ -51,7 +54,8 @@ def load_model(spec: str, device: torch.device, dtype: torch.dtype, attention_ba
     else:
         _load_hf_weights(model, cfg, path)
         tokenizer = load_tokenizer(spec)
-    model.setup_rope(device)
+    if rope:
+        model.setup_rope(device)
     return LoadedModel(model.eval().requires_grad_(False), cfg, tokenizer)
 
 
@@ -125,6 +129,8 @@ def weight_plan(cfg: ModelConfig) -> dict[str, tuple[list[tuple[str, tuple[int, 
                 else:  # Conv1D stores (in, out)
                     plan[o + ours + ".weight"] = ([(h + theirs + ".weight", shape_w)], True)
                     plan[o + ours + ".bias"] = ([(h + theirs + ".bias", (shape_w[1],))], False)
+        if not cfg.tie_word_embeddings:
+            plan["lm_head.weight"] = ([("lm_head.weight", (V, C))], False)
         return plan
     plan["embed.weight"] = ([("model.embed_tokens.weight", (V, C))], False)
     plan["norm.weight"] = ([("model.norm.weight", (C,))], False)
@@ -157,14 +163,12 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "attn.bias", "attn.masked_bias")
 
 def _checkpoint_index(path: Path) -> dict[str, Path]:
     """Checkpoint tensor name -> file, from model.safetensors or a sharded index."""
-    from safetensors import safe_open
-
     index_file = path / "model.safetensors.index.json"
     single = path / "model.safetensors"
     if index_file.is_file():
         try:
             weight_map = json.loads(index_file.read_text())["weight_map"]
-        except (OSError, json.JSONDecodeError, KeyError) as e:
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
             raise ModelLoadError(f"{index_file}: not a safetensors index ({e})") from e
         files = {name: path / f for name, f in weight_map.items()}
     elif single.is_file():
@@ -174,20 +178,44 @@ def _checkpoint_index(path: Path) -> dict[str, Path]:
     for f in sorted(set(files.values())) or [single]:
         if not f.is_file():
             raise ModelLoadError(f"{f}: named by the index but missing")
-        with safe_open(str(f), framework="pt") as sf:
+        with _safetensors(f) as sf:
             files.update({name: f for name in sf.keys()})
     return files
 
 
-def _load_hf_weights(model: Transformer, cfg: ModelConfig, path: Path):
-    from safetensors import safe_open
+_LFS_POINTER = b"version https://git-lfs.github.com/spec/"
 
+
+def _safetensors(f: Path):
+    """safe_open(f), or a ModelLoadError naming the file and what is wrong with it: a clone made
+    without git-lfs holds a text pointer where the weights belong; a copy cut short, a header
+    that does not cover the file."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(str(f), framework="pt")
+    except (SafetensorError, OSError) as e:
+        with open(f, "rb") as head:
+            if head.read(len(_LFS_POINTER)) == _LFS_POINTER:
+                raise ModelLoadError(f"{f}: a Git LFS pointer, not the weights; allowed: the file itself (run "
+                                     "`git lfs pull` in the checkout)") from None
+        raise ModelLoadError(f"{f}: not a whole safetensors file ({e})") from None
+
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _load_hf_weights(model: Transformer, cfg: ModelConfig, path: Path):
     files = _checkpoint_index(path)
-    # GPT-2 checkpoints are saved with or without the "transformer." prefix.
+    # GPT-2 checkpoints are saved with or without the "transformer." prefix; its lm_head never has it.
     prefix = "transformer." if cfg.arch == "gpt2" and any(n.startswith("transformer.") for n in files) else ""
+
+    def full(name: str) -> str:
+        return name if name == "lm_head.weight" else prefix + name
+
     plan = weight_plan(cfg)
-    wanted = {prefix + n for sources, _ in plan.values() for n, _ in sources}
-    tied_head = "lm_head.weight" if cfg.tie_word_embeddings or cfg.arch == "gpt2" else None
+    wanted = {full(n) for sources, _ in plan.values() for n, _ in sources}
+    tied_head = "lm_head.weight" if cfg.tie_word_embeddings else None
     for name in files:
         if name not in wanted and name != tied_head and not name.endswith(_IGNORED_SUFFIXES):
             raise ModelLoadError(f"{files[name]}: unexpected tensor {name!r}; config.json describes "
@@ -195,15 +223,21 @@ def _load_hf_weights(model: Transformer, cfg: ModelConfig, path: Path):
     handles: dict[Path, object] = {}
 
     def fetch(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        full = prefix + name
-        if full not in files:
-            raise ModelLoadError(f"{path}: tensor {full!r} (expected shape {list(shape)}) is missing")
-        f = files[full]
+        name = full(name)
+        if name not in files:
+            raise ModelLoadError(f"{path}: tensor {name!r} (expected shape {list(shape)}) is missing")
+        f = files[name]
         if f not in handles:
-            handles[f] = safe_open(str(f), framework="pt").__enter__()
-        t = handles[f].get_tensor(full)
+            handles[f] = _safetensors(f).__enter__()
+        try:
+            t = handles[f].get_tensor(name)
+        except Exception as e:  # safetensors' own error, for a file cut short after its header
+            raise ModelLoadError(f"{f}: tensor {name!r} cannot be read ({e})") from None
         if tuple(t.shape) != shape:
-            raise ModelLoadError(f"{f}: tensor {full!r} has shape {list(t.shape)}, expected {list(shape)}")
+            raise ModelLoadError(f"{f}: tensor {name!r} has shape {list(t.shape)}, expected {list(shape)}")
+        if t.dtype not in _FLOAT_DTYPES:
+            raise ModelLoadError(f"{f}: tensor {name!r} is {str(t.dtype).removeprefix('torch.')}; allowed: float32, "
+                                 "float16 or bfloat16 (a quantized checkpoint is not supported: use a GGUF file)")
         return t
 
     try:
@@ -215,8 +249,12 @@ def _load_hf_weights(model: Transformer, cfg: ModelConfig, path: Path):
 
 def fill_weights(model: Transformer, plan: dict, fetch) -> None:
     """Copy every planned source into its parameter: fetch(name, shape) returns the checked
-    checkpoint tensor; several sources fill consecutive rows (fused qkv and gate_up)."""
+    checkpoint tensor; several sources fill consecutive rows (fused qkv and gate_up). A parameter
+    the plan leaves out is an error: it would serve what torch.empty left in memory."""
     params = dict(model.named_parameters())
+    unplanned = sorted(set(params) - set(plan))
+    if unplanned:
+        raise ModelLoadError(f"{model.cfg.name}: no weights planned for {', '.join(unplanned)}")
     for ours, (sources, transpose) in plan.items():
         dst, row = params[ours].data, 0
         for name, shape in sources:

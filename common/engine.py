@@ -75,7 +75,7 @@ class Engine:
         if config.torch_device.type == "cuda":  # Triton's launches, graph capture and events use the current device
             torch.cuda.set_device(config.torch_device)
         loaded = load_model(config.model, config.torch_device, config.torch_dtype, config.attention_backend,
-                            config.block_size)
+                            config.block_size, rope=False)
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         mc = self.model_config
         self.grammars = Grammars(self.tokenizer, mc.vocab_size, mc.eos_token_ids)
@@ -89,6 +89,7 @@ class Engine:
             self.num_blocks = config.num_blocks
         else:
             self.num_blocks, self.max_model_len = self._auto_num_blocks()
+        self.model.setup_rope(config.torch_device, self.max_model_len)
         self.kv_cache, self.kv_segment = allocate_kv_pool(mc, self.num_blocks, bs, config.torch_dtype,
                                                           config.torch_device, shared=config.kv_shared)
         self.block_manager = BlockManager(self.num_blocks, bs, config.enable_prefix_caching)

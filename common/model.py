@@ -157,12 +157,13 @@ class Transformer(nn.Module):
         self.rope_cos = self.rope_sin = None
         self.project = F.linear  # the output projection's matmul (common/batch_invariant.py swaps it)
 
-    def setup_rope(self, device: torch.device):
+    def setup_rope(self, device: torch.device, positions: int | None = None):
         """Rotary tables in float32 on the device (kept out of the parameters so a dtype cast
-        never rounds them); cast per step to the activations' dtype, as Hugging Face does."""
+        never rounds them); cast per step to the activations' dtype, as Hugging Face does. For
+        `positions` (an engine's max_model_len), else the model's whole context."""
         if self.cfg.arch == "llama":
             inv_freq = rope_inv_freq(self.cfg)
-            freqs_PF = torch.outer(torch.arange(self.cfg.max_position_embeddings).float(), inv_freq)
+            freqs_PF = torch.outer(torch.arange(positions or self.cfg.max_position_embeddings).float(), inv_freq)
             self.rope_cos, self.rope_sin = freqs_PF.cos().to(device), freqs_PF.sin().to(device)
 
     def forward(self, input_ids_T, positions_T, kv_cache, meta: AttentionMetadata, on_layer=None):

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from common.chat import hf_chat_template
-from common.errors import InvalidArgument, ModelLoadError
+from common.errors import InvalidArgument, ModelLoadError, short_repr
 from common.tokenizer import ByteTokenizer, HFTokenizer
 
 
@@ -51,21 +52,69 @@ class ModelConfig:
     fingerprint: str = ""  # equal for equal weights: two workers must agree on it to share KV
 
     def __post_init__(self):
+        """Every value checked for type and range, whichever file it came from: a config.json's
+        "2.0", "1e-6" or null, or a GGUF's damaged field, is refused here by name, not met later
+        as a TypeError (or, for a rope factor of 0, as degenerate output)."""
         if self.arch not in ("llama", "gpt2"):
             raise InvalidArgument(f"arch={self.arch!r} is not supported; allowed: 'llama', 'gpt2'")
         for key in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
                     "head_dim", "intermediate_size", "max_position_embeddings"):
-            if getattr(self, key) < 1:
-                raise InvalidArgument(f"{key}={getattr(self, key)} must be >= 1")
+            _check_number(key, getattr(self, key), integer=True)
+        for key in ("norm_eps", "rope_theta"):
+            _check_number(key, getattr(self, key))
         if self.num_heads % self.num_kv_heads:
             raise InvalidArgument(f"num_heads={self.num_heads} must be a multiple of "
                                   f"num_kv_heads={self.num_kv_heads}")
         if self.arch == "llama" and self.head_dim % 2:
             raise InvalidArgument(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        if self.arch == "gpt2" and self.num_heads * self.head_dim != self.hidden_size:
+            raise InvalidArgument(f"hidden_size={self.hidden_size} must be num_heads={self.num_heads} times "
+                                  f"head_dim={self.head_dim}")
+        if self.rope_scaling is not None:
+            _check_rope_scaling(self.rope_scaling, self.head_dim)
+
 
     @property
     def kv_values_per_token(self) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+
+def _check_number(key: str, value, integer: bool = False) -> None:
+    """An int >= 1 (integer), else a finite number > 0; never a bool or a string."""
+    kind = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kind) or not (0 < value < math.inf) or (integer and value < 1):
+        raise InvalidArgument(f"{key}={value!r} is not supported; allowed: "
+                              + ("an integer >= 1" if integer else "a finite number > 0"))
+
+
+ROPE_SCALING_FIELDS = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                                                         "original_max_position_embeddings"),
+                       "freq_factors": ()}
+
+
+def _check_rope_scaling(scaling, head_dim: int) -> None:
+    if not isinstance(scaling, dict):
+        raise InvalidArgument(f"rope_scaling={scaling!r} is not supported; allowed: an object such as "
+                              '{"rope_type": "linear", "factor": 2.0}')
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind not in ROPE_SCALING_FIELDS:
+        raise InvalidArgument(f"rope_scaling's rope_type={kind!r} is not supported; allowed: "
+                              + ", ".join(ROPE_SCALING_FIELDS))
+    for key in ROPE_SCALING_FIELDS[kind]:
+        if key not in scaling:
+            raise InvalidArgument(f"rope_scaling of rope_type {kind!r} has no {key!r}; allowed: an object with "
+                                  + ", ".join(ROPE_SCALING_FIELDS[kind]))
+        _check_number(f"rope_scaling's {key}", scaling[key])
+    if kind == "llama3" and scaling["low_freq_factor"] >= scaling["high_freq_factor"]:
+        raise InvalidArgument(f"rope_scaling's low_freq_factor={scaling['low_freq_factor']!r} must be below its "
+                              f"high_freq_factor={scaling['high_freq_factor']!r}")
+    if kind == "freq_factors":
+        factors = scaling.get("factors")
+        if not isinstance(factors, (list, tuple)) or len(factors) != head_dim // 2:
+            raise InvalidArgument(f"rope frequency factors: {head_dim // 2} expected (head_dim / 2), got "
+                                  f"{len(factors) if isinstance(factors, (list, tuple)) else short_repr(factors)}")
+        for f in factors:
+            _check_number("a rope frequency factor", f)
 
 
 _BYTE = ByteTokenizer
@@ -98,11 +147,14 @@ def model_config(spec: str) -> ModelConfig:
     if spec.startswith("dummy:"):
         return _dummy_config(spec)
     path = model_path(spec)
-    if path.is_file():
-        from common.gguf_file import gguf_model_config
+    try:
+        if path.is_file():
+            from common.gguf_file import gguf_model_config
 
-        return gguf_model_config(path)
-    return hf_model_config(path)
+            return gguf_model_config(path)
+        return hf_model_config(path)
+    except InvalidArgument as e:  # ModelConfig's own checks: a value of the file's
+        raise ModelLoadError(f"{path}: {e}") from None
 
 
 def load_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer | None:
@@ -162,33 +214,49 @@ def hf_model_config(path: Path) -> ModelConfig:
     mt = raw.get("model_type")
     eos = _eos_ids(raw, path)
 
-    def need(key):
-        if key not in raw:
+    def need(key, default=None, integer=True):
+        """raw[key] (or default, where one is given), checked to be a number of its kind."""
+        if key not in raw and default is None:
             raise ModelLoadError(f"{cfg_file}: missing {key!r}, needed for model_type={mt!r}")
-        return raw[key]
+        value = raw.get(key, default)
+        try:
+            _check_number(key, value, integer)
+        except InvalidArgument as e:
+            raise ModelLoadError(f"{cfg_file}: {e}") from None
+        return value
 
+    quantized = raw.get("quantization_config")
+    if quantized is not None:
+        method = quantized.get("quant_method") if isinstance(quantized, dict) else quantized
+        raise ModelLoadError(f"{cfg_file}: quantization_config (quant_method={method!r}) is not supported; allowed: "
+                             "a checkpoint of float32, float16 or bfloat16 weights, or a GGUF file")
     if mt in _LLAMA_TYPES:
         if raw.get("hidden_act", "silu") != "silu":
             raise ModelLoadError(f"{cfg_file}: hidden_act={raw['hidden_act']!r} is not supported; allowed: 'silu'")
         if raw.get("use_sliding_window"):
             raise ModelLoadError(f"{cfg_file}: use_sliding_window=true is not supported")
-        rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        if not isinstance(rope, dict):
+            raise ModelLoadError(f"{cfg_file}: rope_scaling={short_repr(rope)} is not supported; allowed: an object "
+                                 'such as {"rope_type": "linear", "factor": 2.0}')
         theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
         kind = rope.get("rope_type", rope.get("type", "default"))
         if kind not in ("default", "linear", "llama3"):
             raise ModelLoadError(f"{cfg_file}: rope_type={kind!r} is not supported; allowed: default, linear, llama3")
-        heads = need("num_attention_heads")
-        hidden = need("hidden_size")
+        heads, hidden = need("num_attention_heads"), need("hidden_size")
+        context = need("max_position_embeddings", 2048)
+        window = raw.get("sliding_window") if mt == "mistral" else None
+        if window is not None:  # within the window, attention is full attention: served up to it, token-exact
+            context = min(context, need("sliding_window"))
         bias = bool(raw.get("attention_bias", False))
         return ModelConfig(
             arch="llama", vocab_size=need("vocab_size"), hidden_size=hidden,
             num_layers=need("num_hidden_layers"), num_heads=heads,
             num_kv_heads=raw.get("num_key_value_heads") or heads,
             head_dim=raw.get("head_dim") or hidden // heads, intermediate_size=need("intermediate_size"),
-            max_position_embeddings=raw.get("max_position_embeddings", 2048),
-            norm_eps=raw.get("rms_norm_eps", 1e-6),
-            qkv_bias=True if mt == "qwen2" else bias, o_bias=bias if mt in ("llama", "mistral") else False,
-            mlp_bias=bool(raw.get("mlp_bias", False)), qk_norm=mt == "qwen3", rope_theta=float(theta),
+            max_position_embeddings=context, norm_eps=need("rms_norm_eps", 1e-6, integer=False),
+            qkv_bias=True if mt == "qwen2" else bias, o_bias=bias if mt != "qwen2" else False,
+            mlp_bias=bool(raw.get("mlp_bias", False)), qk_norm=mt == "qwen3", rope_theta=theta,
             rope_scaling=rope if kind != "default" else None,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)), eos_token_ids=eos, name=str(path),
             fingerprint=fingerprint)
@@ -197,11 +265,14 @@ def hf_model_config(path: Path) -> ModelConfig:
         if act not in _GPT2_ACTS:
             raise ModelLoadError(f"{cfg_file}: activation_function={act!r} is not supported; allowed: {_GPT2_ACTS}")
         hidden, heads = need("n_embd"), need("n_head")
+        if hidden % heads:
+            raise ModelLoadError(f"{cfg_file}: n_embd={hidden} is not a multiple of n_head={heads}; allowed: "
+                                 "heads that split the embedding evenly")
         return ModelConfig(
             arch="gpt2", vocab_size=need("vocab_size"), hidden_size=hidden, num_layers=need("n_layer"),
             num_heads=heads, num_kv_heads=heads, head_dim=hidden // heads,
             intermediate_size=raw.get("n_inner") or 4 * hidden, max_position_embeddings=need("n_positions"),
-            norm_eps=raw.get("layer_norm_epsilon", 1e-5),
+            norm_eps=need("layer_norm_epsilon", 1e-5, integer=False),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)), eos_token_ids=eos, name=str(path),
             fingerprint=fingerprint)
     raise ModelLoadError(f"{cfg_file}: model_type={mt!r} is not supported; allowed: "
@@ -217,6 +288,8 @@ def _eos_ids(raw: dict, path: Path) -> tuple[int, ...]:
             sources.append(json.loads(gen_file.read_text()))
         except (OSError, json.JSONDecodeError) as e:
             raise ModelLoadError(f"{gen_file}: cannot read ({e})") from e
+        if not isinstance(sources[-1], dict):
+            raise ModelLoadError(f"{gen_file}: not a JSON object")
     for src in sources:
         eos = src.get("eos_token_id")
         for i in (eos if isinstance(eos, list) else [eos]):

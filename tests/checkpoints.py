@@ -34,6 +34,11 @@ CONFIGS = {
                                     head_dim=128, intermediate_size=128, max_position_embeddings=256)),
     "gpt2": ("gpt2", dict(n_embd=64, n_layer=2, n_head=4, n_positions=128)),
     "gpt2-wide": ("gpt2", dict(n_embd=96, n_layer=3, n_head=3, n_inner=200, n_positions=256)),
+    "gpt2-untied": ("gpt2", dict(n_embd=64, n_layer=2, n_head=4, n_positions=128, tie_word_embeddings=False)),
+    # served up to its window, where attention is full attention (the parity prompts fit in it)
+    "mistral-window": ("mistral", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                       num_key_value_heads=2, intermediate_size=128, max_position_embeddings=256,
+                                       sliding_window=128)),
 }
 
 
@@ -41,7 +46,8 @@ def _classes(arch: str):
     import transformers as tf
 
     return {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM), "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
-            "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM), "gpt2": (tf.GPT2Config, tf.GPT2LMHeadModel)}[arch]
+            "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM), "gpt2": (tf.GPT2Config, tf.GPT2LMHeadModel),
+            "mistral": (tf.MistralConfig, tf.MistralForCausalLM)}[arch]
 
 
 def randomize(model: torch.nn.Module, seed: int) -> None:

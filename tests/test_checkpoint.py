@@ -60,6 +60,85 @@ def test_missing_and_unexpected_tensors(tmp_path, llama_dir):
         Engine(model=str(fewer))
 
 
+BAD_CONFIGS = [  # (config.json changes, what the error says)
+    ({"num_hidden_layers": 2.0}, "num_hidden_layers=2.0 is not supported; allowed: an integer >= 1"),
+    ({"vocab_size": "300"}, "vocab_size='300' is not supported; allowed: an integer >= 1"),
+    ({"num_attention_heads": None}, "num_attention_heads=None is not supported; allowed: an integer >= 1"),
+    ({"rms_norm_eps": "1e-6"}, "rms_norm_eps='1e-6' is not supported; allowed: a finite number > 0"),
+    ({"rope_theta": "abc"}, "rope_theta='abc' is not supported; allowed: a finite number > 0"),
+    ({"rope_scaling": "linear"}, "rope_scaling='linear' is not supported; allowed: an object"),
+    ({"rope_scaling": {"type": "linear"}}, "rope_scaling of rope_type 'linear' has no 'factor'"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": 0}},
+     "rope_scaling's factor=0 is not supported; allowed: a finite number > 0"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling of rope_type 'llama3' has no"),
+    ({"quantization_config": {"quant_method": "fbgemm_fp8"}},
+     "quantization_config (quant_method='fbgemm_fp8') is not supported; allowed: a checkpoint of float32"),
+]
+
+
+@pytest.mark.parametrize("changes, says", BAD_CONFIGS, ids=[str(c) for c, _ in BAD_CONFIGS])
+def test_a_config_value_of_the_wrong_type_or_range_is_refused_by_name(tmp_path, llama_dir, changes, says):
+    """Each was a TypeError, KeyError or ValueError from deep inside the load (a factor of 0 gave
+    degenerate output); an fp8 checkpoint loaded its weights cast to float."""
+    from common.model_spec import model_config
+
+    d = tmp_path / "ck"
+    d.mkdir()
+    cfg = json.loads((llama_dir / "config.json").read_text())
+    del cfg["rope_parameters"]  # transformers 5's; older checkpoints have rope_theta and rope_scaling
+    (d / "config.json").write_text(json.dumps({**cfg, **changes}))
+    with pytest.raises(ModelLoadError) as e:
+        model_config(str(d))
+    assert str(e.value).startswith(str(d)) and says in str(e.value), e.value
+
+
+def test_a_gpt2_with_heads_that_do_not_split_its_width_or_a_bad_generation_config_is_refused(tmp_path, llama_dir):
+    from common.model_spec import model_config
+
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 300, "n_embd": 64,
+                                                  "n_head": 3, "n_layer": 2, "n_positions": 128}))
+    with pytest.raises(ModelLoadError, match="n_embd=64 is not a multiple of n_head=3"):
+        model_config(str(gpt2))
+    d = edited_copy(llama_dir, tmp_path / "ck")
+    (d / "generation_config.json").write_text("[1, 2]")
+    with pytest.raises(ModelLoadError, match="generation_config.json: not a JSON object"):
+        model_config(str(d))
+
+
+def test_weights_that_are_cut_short_not_there_or_quantized_are_refused_by_file(tmp_path, llama_dir):
+    """A clone made without git-lfs holds a pointer where the weights belong: a traceback from
+    safetensors before; so was a file cut short."""
+    from safetensors.torch import load_file, save_file
+
+    cut = edited_copy(llama_dir, tmp_path / "cut")
+    weights = cut / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])
+    with pytest.raises(ModelLoadError, match=r"model.safetensors: not a whole safetensors file \("):
+        load_model(str(cut), torch.device("cpu"), torch.float32)
+    lfs = edited_copy(llama_dir, tmp_path / "lfs")
+    (lfs / "model.safetensors").write_text("version https://git-lfs.github.com/spec/v1\noid sha256:ab\nsize 9\n")
+    with pytest.raises(ModelLoadError, match="model.safetensors: a Git LFS pointer, not the weights"):
+        load_model(str(lfs), torch.device("cpu"), torch.float32)
+    int8 = edited_copy(llama_dir, tmp_path / "int8")
+    tensors = load_file(int8 / "model.safetensors")
+    tensors["model.norm.weight"] = tensors["model.norm.weight"].to(torch.int8)
+    save_file(tensors, int8 / "model.safetensors")
+    with pytest.raises(ModelLoadError, match="'model.norm.weight' is int8; allowed: float32, float16 or bfloat16"):
+        load_model(str(int8), torch.device("cpu"), torch.float32)
+
+
+def test_the_rotary_tables_hold_the_context_served_not_the_models():
+    """A Qwen2.5-1M's million positions took 1 GB of tables to serve 256 tokens."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    short = Engine(model="dummy:llama-tiny", max_model_len=100)
+    whole = Engine(model="dummy:llama-tiny")
+    assert short.model.rope_cos.shape[0] == 100 and whole.model.rope_cos.shape[0] == 2048
+    prompt = list(range(3, 80))
+    assert short.generate([prompt], params)[0].token_ids == whole.generate([prompt], params)[0].token_ids
+
+
 def test_eos_ids_from_generation_config(tmp_path, llama_dir):
     d = edited_copy(llama_dir, tmp_path / "ck")
     (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 7]}))

@@ -5,7 +5,9 @@ import random
 import pytest
 import torch
 
+from common.checkpoint import load_model
 from common.engine import Engine
+from common.errors import InvalidArgument
 from common.sampling_params import SamplingParams
 from tests.checkpoints import CONFIGS, VOCAB, write_checkpoint
 
@@ -30,6 +32,25 @@ def test_greedy_matches_transformers(tmp_path, name):
     assert [g.token_ids for g in got] == expected
     if "sharded" in name:
         assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
+
+
+def test_a_sliding_window_is_the_context_served(tmp_path):
+    """Past its window a Mistral attends to fewer tokens than we would: its tokens would differ
+    from transformers' with no error, so a prompt is refused there."""
+    write_checkpoint(tmp_path, "mistral-window")
+    engine = Engine(model=str(tmp_path))
+    assert engine.max_model_len == 128
+    with pytest.raises(InvalidArgument, match="maximum context length is 128 tokens"):
+        engine.add_request(list(range(2, 130)))
+
+
+def test_an_untied_gpt2_head_is_loaded_not_left_empty(tmp_path):
+    """Its lm_head.weight was skipped as if tied: the head served what torch.empty left."""
+    write_checkpoint(tmp_path, "gpt2-untied")
+    model = load_model(str(tmp_path), torch.device("cpu"), torch.float32).model
+    from safetensors.torch import load_file
+
+    assert torch.equal(model.lm_head.weight, load_file(tmp_path / "model.safetensors")["lm_head.weight"])
 
 
 def test_text_prompt_uses_checkpoint_tokenizer(tmp_path):
