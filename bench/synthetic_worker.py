@@ -26,6 +26,7 @@ import zmq
 from common import protocol as P
 from common.channel import Channel
 from common.model_spec import model_config
+from common.signals import stop_signals
 
 HEARTBEAT_S = 0.2
 
@@ -44,7 +45,7 @@ class SyntheticWorker:
         self.stopping = False
 
     def run(self):
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in stop_signals():
             signal.signal(sig, lambda *_: setattr(self, "stopping", True))
         next_step = next_beat = next_register = time.monotonic()
         try:

@@ -16,6 +16,7 @@ from common.cli_options import (COUNT, ENGINE_PARAMS, NON_NEGATIVE, PORT, POSITI
                                 engine_options, given_flags, http_options, http_router_argv, parse_ints, policy_option,
                                 router_argv, router_options, sampling_options, setup_logging)
 from common.errors import InvalidArgument, PdserveError
+from common.signals import DRAIN_TIMEOUT_S
 from common.speculative import SpeculativeConfig
 
 
@@ -228,7 +229,7 @@ def worker_command(role: str):
     @click.option("--kv-lease", default=30.0, show_default=True, type=POSITIVE,
                   help="decode: seconds blocks reserved for a transfer are held for it (a live prefill worker "
                        "renews them every third of that while it prefills)")
-    @click.option("--drain-timeout", default=5.0, show_default=True, type=NON_NEGATIVE,
+    @click.option("--drain-timeout", default=DRAIN_TIMEOUT_S, show_default=True, type=NON_NEGATIVE,
                   help="told to stop (SIGTERM, SIGINT), seconds it finishes what it holds before its requests move "
                        "to other workers; it gets no new work meanwhile (0: they move at once; a second signal "
                        "stops it at once)")

@@ -200,9 +200,12 @@ class Leaving:
     holds, for up to its --drain-timeout (NVIDIA Dynamo's graceful shutdown). gone: it stops now;
     what it still holds, the router re-dispatches at once rather than at its heartbeat timeout. The
     router answers the first with the same message: a worker it does not answer within a second
-    stops at once (no router is there to take its requests' tokens)."""
+    stops at once (no router is there to take its requests' tokens). idle: it holds nothing as it
+    goes, so a request it prefilled is in its decode worker's hands (whose first tokens may reach
+    the router after this message): the router keeps it there rather than re-dispatch it."""
     worker_id: str
     gone: bool = False
+    idle: bool = False
 
 
 @dataclass

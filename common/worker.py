@@ -36,6 +36,7 @@ from common.config import EngineConfig
 from common.engine import Engine, RequestOutput
 from common.pulse import Pulse
 from common.security import close_context
+from common.signals import DRAIN_TIMEOUT_S, stop_signals
 from common.step_trace import StepTrace
 
 log = logging.getLogger("pdserve.worker")
@@ -64,7 +65,7 @@ class WorkerConfig:
     kv_lease_s: float = 30.0  # reserved blocks come back if no KV arrives by then
     transfer_timeout_s: float = 30.0  # a prefill gives up a transfer not acknowledged by then
     kv_stream: bool = True  # a prefill sends KV layer by layer during the forward pass
-    drain_timeout_s: float = 5.0  # told to stop, finish what it holds for up to this long (0: stop at once)
+    drain_timeout_s: float = DRAIN_TIMEOUT_S  # told to stop, finish what it holds this long (0: stop at once)
     max_kv_frame_bytes: int = 2**31
     threads: int | None = None  # torch intra-op threads
 
@@ -217,7 +218,7 @@ class WorkerBase:
         """Serve until SIGTERM, SIGINT or the router refuses us; the process's exit status.
         stopped_before: whether a SIGTERM came before these handlers (the CLI's start-up handler
         notes one), asked once they are in place, so that none falls between."""
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in stop_signals():
             signal.signal(sig, self._on_signal)
         if stopped_before():
             self.signalled += 1
@@ -275,8 +276,8 @@ class WorkerBase:
                    "no answer from the router" if now > self.leaving[1] else "--drain-timeout")
             log.info("%s leaving now (%s)", self.worker_id, why)
             self.stopping = True
-        if self.stopping and self.registered:
-            self.to_router(P.Leaving(self.worker_id, gone=True))  # what it holds is re-dispatched at once
+        if self.stopping and self.registered:  # what it holds is re-dispatched at once
+            self.to_router(P.Leaving(self.worker_id, gone=True, idle=self.idle()))
 
     def idle(self) -> bool:
         """Whether it holds no request (nothing a graceful stop waits for)."""

@@ -138,6 +138,7 @@ supervise() {
   local name=$1; shift
   local child="" delay=0.5 started
   trap '[[ -n $child ]] && kill -TERM "$child" 2>/dev/null; wait "$child" 2>/dev/null; exit 0' TERM
+  trap '' INT  # a terminal's Ctrl-C is this script's, which stops each process once (common/signals.py)
   while true; do
     local offset  # where this run's lines begin in the log, which keeps earlier runs'
     offset=$(stat -c %s "$LOG_DIR/$name.log" 2>/dev/null || echo 0)
@@ -162,9 +163,13 @@ supervise() {
 
 PIDS=()
 EXITS=$(mktemp)  # "NAME RC OFFSET" of each process that exited, as supervise saw it
-stop() {
+stop() {  # the workers (and the watcher), then the router: tokens of what a worker drains reach their clients
   trap - INT TERM EXIT
-  ((${#PIDS[@]})) && kill -TERM "${PIDS[@]}" 2>/dev/null
+  if ((${#PIDS[@]})); then
+    kill -TERM "${PIDS[@]:1}" 2>/dev/null
+    wait "${PIDS[@]:1}" 2>/dev/null
+    kill -TERM "${PIDS[0]}" 2>/dev/null
+  fi
   wait
   rm -f "$EXITS"
   echo "stopped"
@@ -202,7 +207,8 @@ done
 # (its parent is no longer this script; a killed script not yet reaped is still "alive" to kill -0).
 # Builtins and /proc only, no ps: where /proc cannot be read it watches nothing.
 watch_launcher() {
-  trap - INT TERM EXIT
+  trap - TERM EXIT
+  trap '' INT
   local stat ppid
   while read -r stat <"/proc/$BASHPID/stat"; do
     read -r _ ppid _ <<<"${stat##*) }"  # after "PID (NAME) ": STATE PPID ...

@@ -189,8 +189,7 @@ async def serve(args):
                       parsers=OutputParsers(args.tool_call_parser, args.reasoning_parser))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGTERM, stop.set)  # not SIGINT, ignored below: Ctrl-C is the router's
     link.start()
     await front.start()
     log.info("API server %d ready: HTTP at %s, router at %s", args.index, front.url, args.router)

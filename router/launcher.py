@@ -5,7 +5,8 @@ OS process each, logs per process, and supervision:
   workers join (`workers join at tcp://HOST:WORKER_PORT`);
 - restarts a crashed worker with exponential backoff (it rejoins under a new incarnation);
 - on Ctrl-C / SIGTERM stops every child (SIGTERM, then SIGKILL after a grace period), and each
-  child also gets SIGTERM from the kernel if the launcher itself dies, so none is orphaned.
+  child also gets SIGTERM from the kernel if the launcher itself dies, so none is orphaned. The
+  children ignore the terminal's Ctrl-C (common/signals.py): each is stopped once, by its launcher.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.errors import StartupError, made_dir, port_free
+from common.signals import DRAIN_TIMEOUT_S, deaf_to_ctrl_c
 from common.memory import DEFAULT_UTILIZATION, launch_plan
 
 PR_SET_PDEATHSIG = 1
@@ -106,6 +108,12 @@ def die_with_parent():
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def _as_child():
+    """A child's set-up before it execs: it goes with its launcher, which alone takes Ctrl-C."""
+    die_with_parent()
+    deaf_to_ctrl_c()
+
+
 @dataclass
 class Child:
     name: str
@@ -123,7 +131,7 @@ class Child:
         self.log_offset = log.tell()
         env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
         self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     preexec_fn=die_with_parent, env=env)
+                                     preexec_fn=_as_child, env=env)
         log.close()
         self.started_at = time.monotonic()
 
@@ -162,6 +170,7 @@ class Cluster:
             router_args = [*router_args, "--max-model-len", context]  # the router admits what workers serve
         self.log_dir = Path(log_dir)
         self.restart = restart
+        self.drain_s = float(flag_value(worker_args, "--drain-timeout") or DRAIN_TIMEOUT_S)
         self.killed: list[str] = []  # children stop() had to kill
         self.expected = prefill + decode + mono
         if self.expected == 0:
@@ -263,8 +272,15 @@ class Cluster:
         print(line, file=sys.stderr, flush=True)
 
     def stop(self, grace_s: float = 5.0):
-        """SIGTERM every child; one still running grace_s later is killed, and named in self.killed."""
-        running = [c for c in self.children if c.proc is not None and c.proc.poll() is None]
+        """The workers, then the router: a worker told to stop finishes what it holds (for up to its
+        --drain-timeout), and the tokens reach their clients through the router, still serving.
+        SIGTERM each; one still running grace_s later (after its drain, for a worker) is killed,
+        and named in self.killed."""
+        self._stop(self.workers, grace_s + self.drain_s)
+        self._stop([self.router], grace_s)
+
+    def _stop(self, children: list[Child], grace_s: float):
+        running = [c for c in children if c.proc is not None and c.proc.poll() is None]
         for c in running:
             c.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + grace_s

@@ -33,6 +33,7 @@ from common.channel import Channel, Envelope
 from common.errors import InvalidArgument, port_free
 from common.sampling_params import SamplingParams, fresh_seed
 from common.security import close_context
+from common.signals import stop_signals
 from router.metrics import RouterMetrics
 from router.openai_api import OutputParsers
 from router.placement import Placement, asks_prompt_logprobs
@@ -669,6 +670,9 @@ class Router:
         """w was told to stop: no new work for it; once gone, what it held is re-dispatched now."""
         if msg.gone:
             w.leaving = True  # (an idle worker leaves at once, without saying it is leaving first)
+            if msg.idle:  # what it prefilled for another worker is that one's now
+                w.assigned = {rid for rid in w.assigned if (req := self.requests.get(rid)) is not None
+                              and req.decode_worker == w.worker_id}
             self.worker_lost(w, "told to stop", died=False)
             return self._fit_context()
         if not w.leaving:
@@ -767,12 +771,10 @@ def run_router(cfg: RouterConfig):
     import uvloop
 
     async def main():
-        import signal
-
         router = Router(cfg)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in stop_signals():
             loop.add_signal_handler(sig, stop.set)
         await router.serve(stop, on_ready=lambda where: print(f"router: {where}", flush=True))
 

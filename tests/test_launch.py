@@ -58,6 +58,8 @@ def test_launch_answers_and_stops_cleanly(tmp_path, how):
     port, http_port = free_port(), free_port()
     args = ["--prefill", "1", "--decode", "1", "--port", str(port), "--log-dir", str(tmp_path / "logs"),
             "--http-port", str(http_port)]
+    # a drain that outlasts a loaded machine's stream (below)
+    args += ["--", "--drain-timeout", "30"] if how == "launch.sh" else ["--worker-arg=--drain-timeout=30"]
     cmd = launch_cmd(how, args)
     proc = start_launcher(how, args)
     marker = f"--port {port}"
@@ -97,8 +99,19 @@ def test_launch_answers_and_stops_cleanly(tmp_path, how):
                 time.sleep(0.2)
             assert len(client.generate("Hello", max_tokens=3, ignore_eos=True).token_ids) == 3
         assert "restarting in" in (tmp_path / "logs" / "prefill-0.log").read_text()
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=30)
+        # Ctrl-C, as a terminal sends it, to the whole process group: the launcher alone takes it and
+        # stops the workers, then the router, so a stream in flight finishes. Before, the workers took
+        # it too, then the launcher's SIGTERM as a second signal, and left at once with the router.
+        with Client(address, timeout=60) as client:
+            stream = client.stream([1], max_tokens=1000, temperature=0, ignore_eos=True)
+            got = len(next(stream).token_ids)
+            os.killpg(proc.pid, signal.SIGINT)
+            got += sum(len(chunk.token_ids) for chunk in stream)
+        assert (got, stream.result.finish_reason) == (1000, "length")
+        assert proc.wait(timeout=30) == 0 and proc.stdout.read().rstrip().endswith("stopped")
+        assert "finishing what it holds" in (tmp_path / "logs" / "decode-0.log").read_text()
+        # the prefill worker, idle as it went, left the request it prefilled with the decode worker
+        assert "re-dispatching" not in (tmp_path / "logs" / "router.log").read_text()
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
