@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 from pathlib import Path
 
 import numpy as np
 
-from common.errors import ModelLoadError
+from common.errors import ModelLoadError, short_repr as _short
 from common.model_spec import ModelConfig
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
@@ -110,6 +111,27 @@ def open_gguf(path: Path) -> GGUFFile:
     return _open(str(path.resolve()), st.st_mtime_ns, st.st_size)
 
 
+def _number(g: GGUFFile, key: str, default=_REQUIRED, kind: type = int, low: int = 1):
+    """A numeric metadata value, checked before the config is computed from it: an integer >= low,
+    or (kind float) a finite float > 0. llama.cpp may store a per-layer array; one whose layers all
+    agree is that value (pdserve's layers are all alike)."""
+    value = g.get(key, default)
+    if isinstance(value, list) and value:
+        if len(set(value)) != 1:
+            raise ModelLoadError(f"{g.path}: {key} differs between layers ({_short(value)}); allowed: one value for "
+                                 "every layer")
+        value = value[0]
+    if kind is int:
+        if isinstance(value, int) and not isinstance(value, bool) and value >= low:
+            return value
+        allowed = f"an integer >= {low}"
+    else:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf:
+            return float(value)
+        allowed = "a finite number > 0"
+    raise ModelLoadError(f"{g.path}: {key}={_short(value)} is invalid; allowed: {allowed}")
+
+
 def gguf_model_config(path: Path) -> ModelConfig:
     g = open_gguf(path)
     arch = g.get("general.architecture")
@@ -120,15 +142,17 @@ def gguf_model_config(path: Path) -> ModelConfig:
     def meta(key, default=_REQUIRED):
         return g.get(f"{arch}.{key}", default)
 
-    hidden, heads = meta("embedding_length"), meta("attention.head_count")
-    kv_heads = meta("attention.head_count_kv", heads)
-    if isinstance(kv_heads, list):  # per layer; pdserve's KV layout needs one value
-        if len(set(kv_heads)) != 1:
-            raise ModelLoadError(f"{path}: {arch}.attention.head_count_kv differs between layers ({kv_heads[:8]}...); "
-                                 "allowed: one value for every layer")
-        kv_heads = kv_heads[0]
-    head_dim = meta("attention.key_length", hidden // heads)
-    rope_dim = meta("rope.dimension_count", head_dim)
+    def number(key, default=_REQUIRED, kind=int):
+        return _number(g, f"{arch}.{key}", default, kind)
+
+    hidden, heads = number("embedding_length"), number("attention.head_count")
+    kv_heads = number("attention.head_count_kv", heads)
+    if f"{arch}.attention.key_length" not in g.reader.fields and hidden % heads:
+        raise ModelLoadError(f"{path}: {arch}.embedding_length={hidden} is not a multiple of "
+                             f"{arch}.attention.head_count={heads}; allowed: a multiple, or the head size given "
+                             f"as {arch}.attention.key_length")
+    head_dim = number("attention.key_length", hidden // heads)
+    rope_dim = number("rope.dimension_count", head_dim)
     if rope_dim != head_dim:
         raise ModelLoadError(f"{path}: {arch}.rope.dimension_count={rope_dim} is not supported; allowed: the head "
                              f"dimension ({head_dim}), rope over the whole head")
@@ -139,11 +163,14 @@ def gguf_model_config(path: Path) -> ModelConfig:
     if scaling not in ROPE_SCALINGS:
         raise ModelLoadError(f"{path}: {arch}.rope.scaling.type={scaling!r} is not supported; allowed: "
                              + ", ".join(ROPE_SCALINGS))
-    rope_scaling = {"rope_type": "linear", "factor": float(meta("rope.scaling.factor"))} if scaling == "linear" else None
+    rope_scaling = None
+    if scaling == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": number("rope.scaling.factor", kind=float)}
     if "rope_freqs.weight" in g.tensors:
         factors = g.floats("rope_freqs.weight")
         if len(factors) != head_dim // 2:
-            raise ModelLoadError(f"{path}: tensor 'rope_freqs.weight' has {len(factors)} values, expected {head_dim // 2}")
+            raise ModelLoadError(f"{path}: tensor 'rope_freqs.weight' has {len(factors)} values, "
+                                 f"expected {head_dim // 2}")
         rope_scaling = {"rope_type": "freq_factors", "factors": factors}
     eos = []
     for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
@@ -151,11 +178,12 @@ def gguf_model_config(path: Path) -> ModelConfig:
         if isinstance(i, int) and i not in eos:
             eos.append(i)
     return ModelConfig(
-        arch="llama", vocab_size=vocab, hidden_size=hidden, num_layers=meta("block_count"), num_heads=heads,
-        num_kv_heads=kv_heads, head_dim=head_dim, intermediate_size=meta("feed_forward_length"),
-        max_position_embeddings=meta("context_length"), norm_eps=float(meta("attention.layer_norm_rms_epsilon")),
+        arch="llama", vocab_size=vocab, hidden_size=hidden, num_layers=number("block_count"), num_heads=heads,
+        num_kv_heads=kv_heads, head_dim=head_dim, intermediate_size=number("feed_forward_length"),
+        max_position_embeddings=number("context_length"),
+        norm_eps=number("attention.layer_norm_rms_epsilon", kind=float),
         qkv_bias="blk.0.attn_q.bias" in g.tensors, o_bias="blk.0.attn_output.bias" in g.tensors,
         mlp_bias="blk.0.ffn_up.bias" in g.tensors, qk_norm="blk.0.attn_q_norm.weight" in g.tensors,
-        rope_theta=float(meta("rope.freq_base", 10000.0)), rope_scaling=rope_scaling,
+        rope_theta=number("rope.freq_base", 10000.0, float), rope_scaling=rope_scaling,
         tie_word_embeddings="output.weight" not in g.tensors, eos_token_ids=tuple(eos), name=str(path),
         fingerprint=g.fingerprint)

@@ -288,6 +288,64 @@ def test_load_errors_name_file_key_and_allowed_values(tmp_path):
         Engine(model="smollm3")
 
 
+@pytest.fixture(scope="module")
+def llama_gqa(tmp_path_factory):
+    """(transformers model, its checkpoint dir): the source of the variant files below."""
+    path = tmp_path_factory.mktemp("gguf-variants") / "ck"
+    return write_checkpoint(path, "llama-gqa"), path
+
+
+def _numeric_cases():
+    from gguf import GGUFValueType as T
+
+    heads = "llama.attention.head_count"
+    integer = "allowed: an integer >= 1"
+    positive = "allowed: a finite number > 0"
+    return [  # (metadata, the error's text after the file's name)
+        ({heads: (0, T.UINT32)}, f"{heads}=0 is invalid; {integer}"),
+        ({heads: (True, T.BOOL)}, f"{heads}=True is invalid; {integer}"),
+        ({heads: ([4, 2], T.ARRAY)}, f"{heads} differs between layers ([4, 2]); allowed: one value for every layer"),
+        ({"llama.attention.head_count_kv": ([2, 1], T.ARRAY)},
+         "llama.attention.head_count_kv differs between layers ([2, 1]); allowed: one value for every layer"),
+        ({"llama.context_length": "4096"}, f"llama.context_length='4096' is invalid; {integer}"),
+        ({"llama.block_count": "2"}, f"llama.block_count='2' is invalid; {integer}"),
+        ({"llama.block_count": (2.0, T.FLOAT32)}, f"llama.block_count=2.0 is invalid; {integer}"),
+        ({"llama.embedding_length": (66, T.UINT32)}, "llama.embedding_length=66 is not a multiple of "
+         "llama.attention.head_count=4; allowed: a multiple, or the head size given as llama.attention.key_length"),
+        ({"llama.attention.layer_norm_rms_epsilon": "x"},
+         f"llama.attention.layer_norm_rms_epsilon='x' is invalid; {positive}"),
+        ({"llama.attention.layer_norm_rms_epsilon": (float("nan"), T.FLOAT32)},
+         f"llama.attention.layer_norm_rms_epsilon=nan is invalid; {positive}"),
+        ({"llama.rope.freq_base": (-1.0, T.FLOAT32)}, f"llama.rope.freq_base=-1.0 is invalid; {positive}"),
+        ({"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": "2"},
+         f"llama.rope.scaling.factor='2' is invalid; {positive}"),
+    ]
+
+
+@pytest.mark.parametrize("metadata, error", _numeric_cases(), ids=lambda v: ",".join(v) if isinstance(v, dict) else "")
+def test_bad_numeric_metadata_is_refused_by_key_value_and_allowed(tmp_path, llama_gqa, metadata, error):
+    """head_count 0 divided by zero, a string or a per-layer array raised TypeError, a string epsilon
+    ValueError: each is a one-line ModelLoadError naming the key, its value and what is allowed."""
+    from common.gguf_file import gguf_model_config
+
+    path = write_gguf(tmp_path / "bad.gguf", *llama_gqa, "llama", metadata=metadata)
+    with pytest.raises(ModelLoadError) as e:
+        gguf_model_config(path)
+    assert str(e.value) == f"{path}: {error}"
+
+
+def test_a_per_layer_array_whose_layers_agree_is_that_value(tmp_path, llama_gqa):
+    """llama.cpp files may store head counts per layer."""
+    from gguf import GGUFValueType as T
+
+    from common.gguf_file import gguf_model_config
+
+    path = write_gguf(tmp_path / "layers.gguf", *llama_gqa, "llama", metadata={
+        "llama.attention.head_count": ([4, 4], T.ARRAY), "llama.attention.head_count_kv": ([2, 2], T.ARRAY)})
+    cfg = gguf_model_config(path)
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (4, 2, 16)
+
+
 def test_named_model_resolves_to_the_cache(tmp_path, monkeypatch):
     from common.model_hub import cached_path, pull
 
