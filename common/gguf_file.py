@@ -134,6 +134,13 @@ def _number(g: GGUFFile, key: str, default=_REQUIRED, kind: type = int, low: int
 
 def gguf_model_config(path: Path) -> ModelConfig:
     g = open_gguf(path)
+    parts = _number(g, "split.count", 1)
+    if parts > 1:
+        part = _number(g, "split.no", 0, low=0) + 1
+        first = path.name if part == 1 else "PART-1.gguf"
+        raise ModelLoadError(f"{path}: split.count={parts}: the file is part {part} of {parts} of a split GGUF; "
+                             "allowed: a single-file GGUF (merge the parts with llama.cpp's "
+                             f"`llama-gguf-split --merge {first} merged.gguf`)")
     arch = g.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise ModelLoadError(f"{path}: general.architecture={arch!r} is not supported; allowed: "

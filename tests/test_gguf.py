@@ -346,6 +346,20 @@ def test_a_per_layer_array_whose_layers_agree_is_that_value(tmp_path, llama_gqa)
     assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (4, 2, 16)
 
 
+def test_a_split_gguf_is_refused_as_a_part_of_one(tmp_path, llama_gqa):
+    """llama.cpp's split files (model-00001-of-00002.gguf) said only that some tensor was missing."""
+    from gguf import GGUFValueType as T
+
+    path = write_gguf(tmp_path / "model-00001-of-00002.gguf", *llama_gqa, "llama",
+                      metadata={"split.count": (2, T.UINT16), "split.no": (0, T.UINT16)},
+                      skip=("blk.1.ffn_down.weight", "blk.1.ffn_up.weight"))
+    with pytest.raises(ModelLoadError) as e:
+        Engine(model=str(path))
+    assert str(e.value) == (f"{path}: split.count=2: the file is part 1 of 2 of a split GGUF; allowed: a single-file "
+                            "GGUF (merge the parts with llama.cpp's `llama-gguf-split --merge "
+                            "model-00001-of-00002.gguf merged.gguf`)")
+
+
 def test_named_model_resolves_to_the_cache(tmp_path, monkeypatch):
     from common.model_hub import cached_path, pull
 
