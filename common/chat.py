@@ -159,16 +159,16 @@ def _check_data(value, name: str) -> None:
 
 def hf_chat_template(path, bos_token: str = "", eos_token: str = "") -> ChatTemplate | None:
     """The chat template of a Hugging Face checkpoint directory: chat_template.jinja, else
-    tokenizer_config.json's chat_template (a string, or a list of named templates: "default")."""
+    tokenizer_config.json's chat_template (a string, or a list of named templates: "default").
+    Its special tokens are transformers': tokenizer_config.json's, and where that file predates
+    added_tokens_decoder, special_tokens_map.json's over them (a string, or {"content": ...})."""
     jinja_file = path / "chat_template.jinja"
     config_file = path / "tokenizer_config.json"
-    config = {}
-    if config_file.is_file():
-        try:
-            config = json.loads(config_file.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ModelLoadError(f"{config_file}: cannot read ({e})") from e
+    config = _json_object(config_file)
     tokens = {name: _token_text(config.get(name)) for name in SPECIAL_TOKENS}
+    if "added_tokens_decoder" not in config:  # transformers reads the legacy file only then
+        legacy = _json_object(path / "special_tokens_map.json")
+        tokens.update({name: _token_text(legacy[name]) for name in SPECIAL_TOKENS if name in legacy})
     tokens["bos_token"] = tokens["bos_token"] or bos_token
     tokens["eos_token"] = tokens["eos_token"] or eos_token
     if jinja_file.is_file():
@@ -180,6 +180,19 @@ def hf_chat_template(path, bos_token: str = "", eos_token: str = "") -> ChatTemp
     if not isinstance(source, str):
         return None
     return ChatTemplate(source, origin=f"{config_file} chat_template", **tokens)
+
+
+def _json_object(file) -> dict:
+    """A checkpoint's JSON file of settings, {} where there is none."""
+    if not file.is_file():
+        return {}
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, ValueError) as e:  # ValueError: JSONDecodeError, or bytes that are not UTF-8
+        raise ModelLoadError(f"{file}: cannot read ({e})") from e
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{file}: holds {_short(data)}; allowed: a JSON object")
+    return data
 
 
 def _token_text(token) -> str:

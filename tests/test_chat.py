@@ -69,6 +69,38 @@ def test_checkpoint_template_renders_and_encodes_as_transformers(checkpoint):
     assert tok.encode_chat(CONVERSATION).count(ref.bos_token_id) == 1  # the template's BOS, not a second one
 
 
+_ADDED = {"0": {"content": "<s>", "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
+                "special": True}}
+
+
+@pytest.mark.parametrize("config, special_tokens_map", [
+    ({}, {"bos_token": "<s>", "eos_token": {"content": "</s>", "lstrip": False, "special": True},
+          "unk_token": "<s>", "pad_token": "</s>"}),
+    ({"bos_token": "</s>", "eos_token": "<s>", "pad_token": "<s>"}, {"bos_token": "<s>", "eos_token": "</s>"}),
+    ({"added_tokens_decoder": _ADDED, "bos_token": "<s>"}, {"eos_token": "</s>", "unk_token": "<s>"}),
+], ids=["only-in-the-map", "map-over-config", "map-ignored-beside-added-tokens"])
+def test_special_tokens_map_json_gives_the_templates_tokens_as_in_transformers(checkpoint, tmp_path, config,
+                                                                              special_tokens_map):
+    """Tokens only in special_tokens_map.json rendered as '' ('[user] hello world', transformers
+    '<s>[user] hello world</s>'): transformers reads that file where tokenizer_config.json has no
+    added_tokens_decoder (an older checkpoint), its tokens over the config's."""
+    from transformers import AutoTokenizer
+
+    path = shutil.copytree(checkpoint, tmp_path / "ck")
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": "[{{ unk_token }}|{{ pad_token }}]" + TEMPLATE, "tokenizer_class": "PreTrainedTokenizerFast",
+         **config}))
+    (path / "special_tokens_map.json").write_text(json.dumps(special_tokens_map))
+    ref = AutoTokenizer.from_pretrained(str(path))
+    tok = load_tokenizer(str(path))
+    messages = [{"role": "user", "content": "hello world"}]
+    text = ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert "<s>" in text  # the case is one with tokens to render
+    assert tok.chat_template.render(messages) == text
+    assert tok.encode_chat(messages) == list(ref.apply_chat_template(messages, add_generation_prompt=True,
+                                                                     return_dict=False))
+
+
 def test_template_errors_name_the_problem(checkpoint):
     tok = load_tokenizer(str(checkpoint))
     with pytest.raises(InvalidArgument, match="roles must alternate"):
