@@ -172,7 +172,11 @@ def hf_chat_template(path, bos_token: str = "", eos_token: str = "") -> ChatTemp
     tokens["bos_token"] = tokens["bos_token"] or bos_token
     tokens["eos_token"] = tokens["eos_token"] or eos_token
     if jinja_file.is_file():
-        return ChatTemplate(jinja_file.read_text(), origin=str(jinja_file), **tokens)
+        try:
+            text = jinja_file.read_text(encoding="utf-8")
+        except (OSError, ValueError) as e:  # ValueError: bytes that are not UTF-8
+            raise ModelLoadError(f"{jinja_file}: cannot read ({e}); allowed: a Jinja template in UTF-8") from None
+        return ChatTemplate(text, origin=str(jinja_file), **tokens)
     source = config.get("chat_template")
     if isinstance(source, list):
         named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}

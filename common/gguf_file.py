@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import math
 from pathlib import Path
 
 import numpy as np
 
-from common.errors import ModelLoadError, short_repr as _short
-from common.model_spec import ModelConfig
+from common.errors import InvalidArgument, ModelLoadError, short_repr as _short
+from common.model_spec import ModelConfig, check_number
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 ROPE_SCALINGS = ("none", "linear")
@@ -121,15 +120,11 @@ def _number(g: GGUFFile, key: str, default=_REQUIRED, kind: type = int, low: int
             raise ModelLoadError(f"{g.path}: {key} differs between layers ({_short(value)}); allowed: one value for "
                                  "every layer")
         value = value[0]
-    if kind is int:
-        if isinstance(value, int) and not isinstance(value, bool) and value >= low:
-            return value
-        allowed = f"an integer >= {low}"
-    else:
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf:
-            return float(value)
-        allowed = "a finite number > 0"
-    raise ModelLoadError(f"{g.path}: {key}={_short(value)} is invalid; allowed: {allowed}")
+    try:
+        value = check_number(key, value, kind is int, low)
+    except InvalidArgument as e:
+        raise ModelLoadError(f"{g.path}: {e}") from None
+    return value if kind is int else float(value)
 
 
 def gguf_model_config(path: Path) -> ModelConfig:

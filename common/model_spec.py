@@ -59,9 +59,9 @@ class ModelConfig:
             raise InvalidArgument(f"arch={self.arch!r} is not supported; allowed: 'llama', 'gpt2'")
         for key in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
                     "head_dim", "intermediate_size", "max_position_embeddings"):
-            _check_number(key, getattr(self, key), integer=True)
+            check_number(key, getattr(self, key), integer=True)
         for key in ("norm_eps", "rope_theta"):
-            _check_number(key, getattr(self, key))
+            check_number(key, getattr(self, key))
         if self.num_heads % self.num_kv_heads:
             raise InvalidArgument(f"num_heads={self.num_heads} must be a multiple of "
                                   f"num_kv_heads={self.num_kv_heads}")
@@ -72,6 +72,10 @@ class ModelConfig:
                                   f"head_dim={self.head_dim}")
         if self.rope_scaling is not None:
             _check_rope_scaling(self.rope_scaling, self.head_dim)
+        for i in self.eos_token_ids:
+            if not 0 <= i < self.vocab_size:
+                raise InvalidArgument(f"end-of-sequence token id {i} is invalid; allowed: an id of the vocabulary "
+                                      f"(0..{self.vocab_size - 1})")
 
 
     @property
@@ -79,12 +83,18 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
 
 
-def _check_number(key: str, value, integer: bool = False) -> None:
-    """An int >= 1 (integer), else a finite number > 0; never a bool or a string."""
-    kind = (int,) if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kind) or not (0 < value < math.inf) or (integer and value < 1):
-        raise InvalidArgument(f"{key}={value!r} is not supported; allowed: "
-                              + ("an integer >= 1" if integer else "a finite number > 0"))
+def check_number(key: str, value, integer: bool = False, low: int = 1):
+    """value, if an int >= low (integer), else a finite number > 0; never a bool or a string: the
+    one check of a model file's numbers (config.json's, a GGUF's), or InvalidArgument naming it."""
+    if integer:
+        if isinstance(value, int) and not isinstance(value, bool) and value >= low:
+            return value
+        allowed = f"an integer >= {low}"
+    else:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf:
+            return value
+        allowed = "a finite number > 0"
+    raise InvalidArgument(f"{key}={short_repr(value)} is invalid; allowed: {allowed}")
 
 
 ROPE_SCALING_FIELDS = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
@@ -104,7 +114,7 @@ def _check_rope_scaling(scaling, head_dim: int) -> None:
         if key not in scaling:
             raise InvalidArgument(f"rope_scaling of rope_type {kind!r} has no {key!r}; allowed: an object with "
                                   + ", ".join(ROPE_SCALING_FIELDS[kind]))
-        _check_number(f"rope_scaling's {key}", scaling[key])
+        check_number(f"rope_scaling's {key}", scaling[key])
     if kind == "llama3" and scaling["low_freq_factor"] >= scaling["high_freq_factor"]:
         raise InvalidArgument(f"rope_scaling's low_freq_factor={scaling['low_freq_factor']!r} must be below its "
                               f"high_freq_factor={scaling['high_freq_factor']!r}")
@@ -114,7 +124,7 @@ def _check_rope_scaling(scaling, head_dim: int) -> None:
             raise InvalidArgument(f"rope frequency factors: {head_dim // 2} expected (head_dim / 2), got "
                                   f"{len(factors) if isinstance(factors, (list, tuple)) else short_repr(factors)}")
         for f in factors:
-            _check_number("a rope frequency factor", f)
+            check_number("a rope frequency factor", f)
 
 
 _BYTE = ByteTokenizer
@@ -220,7 +230,7 @@ def hf_model_config(path: Path) -> ModelConfig:
             raise ModelLoadError(f"{cfg_file}: missing {key!r}, needed for model_type={mt!r}")
         value = raw.get(key, default)
         try:
-            _check_number(key, value, integer)
+            check_number(key, value, integer)
         except InvalidArgument as e:
             raise ModelLoadError(f"{cfg_file}: {e}") from None
         return value

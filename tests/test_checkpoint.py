@@ -61,15 +61,15 @@ def test_missing_and_unexpected_tensors(tmp_path, llama_dir):
 
 
 BAD_CONFIGS = [  # (config.json changes, what the error says)
-    ({"num_hidden_layers": 2.0}, "num_hidden_layers=2.0 is not supported; allowed: an integer >= 1"),
-    ({"vocab_size": "300"}, "vocab_size='300' is not supported; allowed: an integer >= 1"),
-    ({"num_attention_heads": None}, "num_attention_heads=None is not supported; allowed: an integer >= 1"),
-    ({"rms_norm_eps": "1e-6"}, "rms_norm_eps='1e-6' is not supported; allowed: a finite number > 0"),
-    ({"rope_theta": "abc"}, "rope_theta='abc' is not supported; allowed: a finite number > 0"),
+    ({"num_hidden_layers": 2.0}, "num_hidden_layers=2.0 is invalid; allowed: an integer >= 1"),
+    ({"vocab_size": "300"}, "vocab_size='300' is invalid; allowed: an integer >= 1"),
+    ({"num_attention_heads": None}, "num_attention_heads=None is invalid; allowed: an integer >= 1"),
+    ({"rms_norm_eps": "1e-6"}, "rms_norm_eps='1e-6' is invalid; allowed: a finite number > 0"),
+    ({"rope_theta": "abc"}, "rope_theta='abc' is invalid; allowed: a finite number > 0"),
     ({"rope_scaling": "linear"}, "rope_scaling='linear' is not supported; allowed: an object"),
     ({"rope_scaling": {"type": "linear"}}, "rope_scaling of rope_type 'linear' has no 'factor'"),
     ({"rope_scaling": {"rope_type": "linear", "factor": 0}},
-     "rope_scaling's factor=0 is not supported; allowed: a finite number > 0"),
+     "rope_scaling's factor=0 is invalid; allowed: a finite number > 0"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling of rope_type 'llama3' has no"),
     ({"quantization_config": {"quant_method": "fbgemm_fp8"}},
      "quantization_config (quant_method='fbgemm_fp8') is not supported; allowed: a checkpoint of float32"),
@@ -92,8 +92,8 @@ def test_a_config_value_of_the_wrong_type_or_range_is_refused_by_name(tmp_path, 
     assert str(e.value).startswith(str(d)) and says in str(e.value), e.value
 
 
-def test_a_gpt2_with_heads_that_do_not_split_its_width_or_a_bad_generation_config_is_refused(tmp_path, llama_dir):
-    from common.model_spec import model_config
+def test_a_gpt2_with_heads_that_do_not_split_its_width_or_bad_side_files_are_refused(tmp_path, llama_dir):
+    from common.model_spec import load_tokenizer, model_config
 
     gpt2 = tmp_path / "gpt2"
     gpt2.mkdir()
@@ -105,6 +105,14 @@ def test_a_gpt2_with_heads_that_do_not_split_its_width_or_a_bad_generation_confi
     (d / "generation_config.json").write_text("[1, 2]")
     with pytest.raises(ModelLoadError, match="generation_config.json: not a JSON object"):
         model_config(str(d))
+    (d / "generation_config.json").write_text('{"eos_token_id": [1, 300]}')
+    with pytest.raises(ModelLoadError, match=r"end-of-sequence token id 300 is invalid; allowed: an id of the "
+                                             r"vocabulary \(0..299\)"):
+        model_config(str(d))
+    (d / "generation_config.json").unlink()
+    (d / "chat_template.jinja").write_bytes(b"\xff\xfe{{ messages }}")
+    with pytest.raises(ModelLoadError, match="chat_template.jinja: cannot read .*; allowed: a Jinja template in UTF-8"):
+        load_tokenizer(str(d))
 
 
 def test_weights_that_are_cut_short_not_there_or_quantized_are_refused_by_file(tmp_path, llama_dir):
