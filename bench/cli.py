@@ -276,12 +276,15 @@ def goodput_options(start_rate: bool = False):
               help="comma-separated Nmono / XpYd, XpYd+localN / +queueN as bench serve's [default: Nmono and every "
                    "XpYd with X+Y=N, N=1..workers]")
 @goodput_options(start_rate=True)
-@click.option("--out-dir", default="pdserve-scaling", show_default=True, help="scaling.json and the PNG plots")
+@click.option("--out-dir", default="pdserve-scaling", show_default=True, type=click.Path(file_okay=False),
+              help="scaling.json, the PNG plots and the clusters' logs")
 @click.option("--worker-arg", "worker_args", multiple=True, help="extra flag for every worker (repeatable)")
 def bench_scaling(model, devices, workers, topologies, workload, slo, sweep, out_dir, worker_args):
     """Goodput per topology (Nmono, every XpYd): SLO attainment swept over request rate, plots."""
     from bench.scaling import run_scaling_bench
 
+    if not out_dir.strip():  # Path("") is the current folder
+        raise click.BadParameter(f"{out_dir!r} is empty; allowed: a folder's path", param_hint="'--out-dir'")
     run_scaling_bench(model, devices, workers, topologies.split(",") if topologies else None, workload, slo, sweep,
                       Path(out_dir), list(worker_args))
 

@@ -27,16 +27,17 @@ def cell(c) -> str:
 
 def print_json(result: dict) -> None:
     """The bench's last line: strict JSON, a NaN (a percentile of nothing: every request failed) as null."""
-    print(json.dumps(_finite(result), allow_nan=False), flush=True)
+    print(json.dumps(finite(result), allow_nan=False), flush=True)
 
 
-def _finite(value):
+def finite(value):
+    """value with every NaN or infinity in it as None: what strict JSON can hold."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
+        return {k: finite(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
+        return [finite(v) for v in value]
     return value
 
 

@@ -22,19 +22,18 @@ import os
 import random
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bench.goodput import BACKLOG_LIMIT, SLO, Latency, Point, Search, find_goodput, point_from
 from bench.hostload import CpuWatch
-from bench.report import print_json, print_table
+from bench.report import finite, print_json, print_table
 from bench.serve import drive, parse_topology, placement_argv, random_prompt
 from bench.workloads import Workload, fit, get_workload
 from common.model_spec import model_config
 from common.errors import InvalidArgument, made_dir
-from router.launcher import Cluster
+from router.launcher import Cluster, check_worker_count
 
 
 @dataclass(frozen=True)
@@ -89,6 +88,9 @@ def resolve_devices(devices: str, workers: int | None) -> tuple[list[str], int]:
             raise InvalidArgument(f"--workers {n} on cpu; allowed: 1..{cores} (this machine's cores: "
                                   "each worker needs one)")
         return names, n
+    if set(names) == {"cpu"}:
+        raise InvalidArgument(f"devices={devices!r}: cpu is one device, its cores shared by the workers; allowed: "
+                              "cpu, with --workers N")
     if "cpu" in names:
         raise InvalidArgument(f"devices={devices!r} mixes cpu with other devices; allowed: cpu, or cuda:N,...")
     n = workers if workers is not None else len(names)
@@ -98,7 +100,12 @@ def resolve_devices(devices: str, workers: int | None) -> tuple[list[str], int]:
 
 
 def check_topologies(topologies: list[Topology], max_workers: int, devices: list[str]) -> None:
+    names = [t.name for t in topologies]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:  # the second sweep's figures replaced the first's
+        raise InvalidArgument(f"--topologies names {', '.join(twice)} twice; allowed: each topology once")
     for t in topologies:
+        check_worker_count(t.devices)
         if t.devices > max_workers:
             raise InvalidArgument(f"topology {t.name} needs {t.devices} workers; the devices allow {max_workers} "
                                   f"(devices={','.join(devices)}; raise --workers or give more devices)")
@@ -127,6 +134,8 @@ class Progress:
 
 
 MAX_POINT_REQUESTS = 1_000_000  # one rate's requests: past this a point would run (or simulate) for hours
+MAX_POINT_S = 3600.0  # one rate's arrivals: a point at 0.001 req/s took 8 hours for its 30 requests
+MIN_START_RATE = 0.05  # req/s: the lowest a sweep starts from when it measures its own start
 LIFETIMES = 4  # a point's arrivals span at least this many request lifetimes (Sweep.requests_at)
 
 
@@ -167,11 +176,21 @@ class Sweep:
         window, flags, why = max(windows, key=lambda w: w[0])
         n = max(self.min_requests, min(self.max_requests, round(rate * self.duration_s)), math.ceil(rate * window))
         if n > MAX_POINT_REQUESTS:
-            raise InvalidArgument(f"{flags}: a point at {rate:.3g} req/s would take {n:,} requests (arrivals "
+            raise InvalidArgument(f"{flags}: a point at {rate:.3g} req/s would take {n:.3g} requests (arrivals "
                                   f"over {why}, {window:.3g} s, so that the system cannot absorb the burst); "
                                   f"allowed: at most {MAX_POINT_REQUESTS:,}, from a window of at most "
                                   f"{MAX_POINT_REQUESTS / rate:.3g} s at this rate")
         return n
+
+    def check_start(self, slo: SLO, mean_output_tokens: float) -> None:
+        """Before any cluster launches: the first point's size, at --start-rate or at the lowest rate
+        a sweep starts from (an SLO of 1e300 ms asks for more requests than any rate can take)."""
+        rate = self.start_rate or MIN_START_RATE
+        n = self.requests_at(rate, slo, mean_output_tokens)
+        if self.start_rate is not None and n / rate > MAX_POINT_S:
+            raise InvalidArgument(f"--start-rate {rate:g}: its point would take {n / rate:.3g} s for its {n} "
+                                  f"requests (--min-requests {self.min_requests}); allowed: a rate whose point takes "
+                                  f"at most {MAX_POINT_S:g} s, here >= {n / MAX_POINT_S:.3g} req/s")
 
 
 def measure_cluster(cluster: Cluster, workload: Workload, rate: float, n: int, slo: SLO, context: int, vocab: int,
@@ -189,6 +208,18 @@ def measure_cluster(cluster: Cluster, workload: Workload, rate: float, n: int, s
     return p
 
 
+def check_alive(cluster: Cluster, during: str) -> None:
+    """A process of the cluster that exited fails the sweep: its failed requests would be taken
+    for the topology's own (a Ctrl-C that reached the workers measured a cluster that was gone,
+    and its figures were written as a finished result)."""
+    from router.client import RequestError
+
+    for c in cluster.children:
+        if c.proc.poll() is not None:
+            raise RequestError("UNAVAILABLE", f"{c.name} exited with {c.proc.returncode} during {during}; nothing "
+                                              f"of this run is saved. Its log, {c.log_path}, ends:\n{c.run_log()}")
+
+
 def start_rate_for(address: str, workload: Workload, t: Topology, context: int, vocab: int) -> float:
     """Half of what the workers could serve one request at a time each: a rate that should pass."""
     r = fit(workload.requests(1.0, 1)[0], context)
@@ -196,7 +227,7 @@ def start_rate_for(address: str, workload: Workload, t: Topology, context: int, 
     samples, _ = asyncio.run(drive(address, [(0.0, random_prompt(rng, r.prompt_tokens, vocab),
                                               r.output_tokens)]))
     e2e = samples[0].end - samples[0].sent if samples[0].end else 1.0
-    return max(0.05, 0.5 * max(t.mono, t.decode, 1) / e2e)
+    return max(MIN_START_RATE, 0.5 * max(t.mono, t.decode, 1) / e2e)
 
 
 def sweep_topology(model: str, t: Topology, devices: list[str], workload: Workload, slo: SLO, sweep: Sweep,
@@ -217,6 +248,7 @@ def sweep_topology(model: str, t: Topology, devices: list[str], workload: Worklo
             points[0] += 1
             p = measure_cluster(cluster, workload, rate, n, slo, context, vocab, sweep.seed,
                                 f"{sweep.seed}/{t.name}/{points[0]}")
+            check_alive(cluster, f"the point at {rate:.3g} req/s of {t.name}")
             progress.point(t, p, n, slo)
             return p
 
@@ -241,23 +273,25 @@ def topology_row(t: Topology, s: Search) -> dict:
 
 
 def best_per_n(rows: list[dict]) -> dict[str, str]:
+    """The topology of the most goodput for each device count; none where no topology met the SLO."""
     best: dict[int, dict] = {}
     for r in rows:
-        if r["devices"] not in best or r["goodput_rps"] > best[r["devices"]]["goodput_rps"]:
+        if r["goodput_rps"] > 0 and (r["devices"] not in best or r["goodput_rps"] > best[r["devices"]]["goodput_rps"]):
             best[r["devices"]] = r
     return {str(n): r["topology"] for n, r in sorted(best.items())}
 
 
 def print_results(title: str, rows: list[dict], best: dict[str, str]) -> None:
-    def lat(r, key):
-        return r["at_goodput"].get(key, float("nan"))
+    def lat(r, key) -> str:  # p50/p90/p99, or "-" where no rate met the SLO
+        values = [r["at_goodput"].get(f"{key}_p{q}_ms", math.nan) for q in (50, 90, 99)]
+        return "/".join(f"{v:.0f}" for v in values) if all(math.isfinite(v) for v in values) else "-"
 
     winners = set(best.values())
     print_table(title, ["topology", "devs", "goodput req/s", "per device", "sat. req/s", "sat. tok/s",
                         "TTFT p50/p90/p99", "ITL p50/p90/p99", "E2E p50/p90/p99", "others' cores", "best"],
                 [[r["topology"], r["devices"], r["goodput_rps"], r["goodput_per_device_rps"], r["saturation_rps"],
                   r["saturation_tok_s"]]
-                 + ["/".join(f"{lat(r, f'{k}_p{q}_ms'):.0f}" for q in (50, 90, 99)) for k in ("ttft", "itl", "e2e")]
+                 + [lat(r, k) for k in ("ttft", "itl", "e2e")]
                  + [f"{r['others_cores']:.2f}", "*" if r["topology"] in winners else ""] for r in rows])
 
 
@@ -267,18 +301,19 @@ def run_scaling_bench(model: str, devices: str, workers: int | None, topologies:
     names, max_workers = resolve_devices(devices, workers)
     topos = [Topology.parse(n) for n in topologies] if topologies else all_topologies(max_workers)
     check_topologies(topos, max_workers, names)
+    sweep.check_start(slo, workload.mean_output_tokens(model_config(model).max_position_embeddings))
     out_dir = made_dir(Path(out_dir), "--out-dir")
     progress = Progress(len(topos))
     searches: dict[Topology, Search] = {}
     finished: dict[Topology, float] = {}  # when each topology's sweep ended (a later profile is compared with it)
-    with tempfile.TemporaryDirectory() as logs:
-        for t in topos:
-            progress.topology(t)
-            searches[t] = sweep_topology(model, t, names, workload, slo, sweep, list(worker_args), progress, Path(logs))
-            finished[t] = time.time()
+    for t in topos:  # each cluster's logs under --out-dir/logs, where an error can point to them
+        progress.topology(t)
+        searches[t] = sweep_topology(model, t, names, workload, slo, sweep, list(worker_args), progress,
+                                     out_dir / "logs")
+        finished[t] = time.time()
     rows = [{**topology_row(t, s), "finished_unix": round(finished[t])} for t, s in searches.items()]
     best = best_per_n(rows)
-    title = (f"pdserve bench scaling: {model} on {','.join(names)} (up to {max_workers} workers), "
+    title = (f"pdserve bench scaling: {model} on {','.join(names)} (up to {max_workers} worker{'s' * (max_workers != 1)}), "
              f"{workload.describe()}; SLO TTFT <= {slo.ttft_ms:g} ms, TPOT <= {slo.itl_ms:g} ms for "
              f"{slo.attainment:.0%} of requests (latencies in ms at the goodput rate)")
     print_results(title, rows, best)
@@ -288,7 +323,7 @@ def run_scaling_bench(model: str, devices: str, workers: int | None, topologies:
     from bench.plots import plot_scaling
 
     result["plots"] = plot_scaling(searches, rows, slo, out_dir)
-    (out_dir / "scaling.json").write_text(json.dumps(result, indent=1))
+    (out_dir / "scaling.json").write_text(json.dumps(finite(result), indent=1, allow_nan=False))  # as print_json
     print(f"JSON in {out_dir / 'scaling.json'}; plots: {', '.join(result['plots']) or 'none'}\n", flush=True)
     print_json(result)
     return result

@@ -33,7 +33,7 @@ from bench.goodput import Latency, percentiles
 from bench.report import pct, print_json, print_table
 from common.model_spec import model_config
 from router.client import AsyncClient, Client, RequestError
-from router.launcher import Cluster
+from router.launcher import Cluster, check_worker_count
 
 
 @dataclass
@@ -260,6 +260,9 @@ def run_serve_bench(model: str, topologies: list[str], scenarios: list[str], rou
     for name in scenarios:
         groups.setdefault(tuple(SCENARIOS[name].worker_args), []).append(name)
     external = router or base_url
+    shapes = {} if external else {t: parse_topology(t) for t in topologies}  # every one, before any launch
+    for shape in shapes.values():
+        check_worker_count(sum(shape[:3]))
     # KV events matter to prefix_affine alone: another policy runs once
     launches = [(f"external {external}", "-", True)] if external else [
         (t, p, e) for t in topologies for p in policies for e in (kv_events if p == "prefix_affine" else (True,))]
@@ -268,7 +271,7 @@ def run_serve_bench(model: str, topologies: list[str], scenarios: list[str], rou
             with tempfile.TemporaryDirectory() as logs:
                 cluster = None
                 if not external:
-                    p, d, m, local, queue = parse_topology(topo)
+                    p, d, m, local, queue = shapes[topo]
                     cluster = Cluster(model, p, d, m, list(devices), "127.0.0.1", 0, 0, Path(logs), policy,
                                       worker_args + list(extra), threads=None, restart=False,
                                       router_args=placement_argv(local, queue) + ([] if events else ["--no-kv-events"]),

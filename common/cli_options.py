@@ -90,9 +90,13 @@ class Finite(click.FloatRange):
     def convert(self, value, param, ctx):
         number = super().convert(value, param, ctx)
         if not math.isfinite(number):
-            bounds = "" if self.min is None and self.max is None else f" {self._describe_range()}"
-            self.fail(f"{value!r} is not allowed; allowed: a finite number{bounds}", param, ctx)
+            bounds = self._describe_range()
+            self.fail(f"{value!r} is not allowed; allowed: a finite number{' ' * bool(bounds)}{bounds}", param, ctx)
         return number
+
+    def _describe_range(self) -> str:
+        """Nothing for no bounds: click's own said "x<=None" in every such flag's help."""
+        return "" if self.min is None and self.max is None else super()._describe_range()
 
 
 FLOAT = Finite()

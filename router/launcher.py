@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.errors import StartupError, made_dir, port_free
+from common.errors import InvalidArgument, StartupError, made_dir, port_free
 from common.signals import DRAIN_TIMEOUT_S, deaf_to_ctrl_c
 from common.memory import DEFAULT_UTILIZATION, launch_plan
 
@@ -68,6 +68,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 HEALTHY_S = 30.0  # a process up this long starts its restart backoff over
+MAX_WORKERS = 64  # one launch's: 999999999999p1d in a bench began starting them all
 
 
 def restart_delay(restarts: int, first: float = 0.5) -> float:
@@ -102,6 +103,12 @@ def threads_per_worker(workers: int, cores: int | None = None) -> int:
     costs more than the thread gave (bench scaling, README)."""
     cores = cores or os.cpu_count() or 1
     return max(1, (cores - 1) // max(1, workers))
+
+
+def check_worker_count(n: int) -> None:
+    if n > MAX_WORKERS:
+        raise InvalidArgument(f"{n} workers; allowed: at most {MAX_WORKERS} on one host (each is a process with its own "
+                         "model; more hosts join with pdserve prefill/decode --router)")
 
 
 def die_with_parent():
@@ -175,6 +182,7 @@ class Cluster:
         self.expected = prefill + decode + mono
         if self.expected == 0:
             raise ValueError("a cluster needs at least one worker: --prefill/--decode, or --mono")
+        check_worker_count(self.expected)
         if prefill and not decode:
             raise ValueError(f"--prefill {prefill} --decode 0: prefill workers need a decode worker to hand KV to; "
                              "allowed: --decode >= 1, or --prefill 0 with --mono (mono workers prefill for themselves)")

@@ -83,6 +83,7 @@ def test_small_sweep_end_to_end(tmp_path):
             assert 0 <= lat[0] <= lat[1] <= lat[2]
     assert result["best"]["2"] == max(rows.values(), key=lambda r: r["goodput_rps"])["topology"]
     assert "2mono" in stdout and "goodput req/s" in stdout  # the table
+    assert sorted(p.name for p in (out / "logs" / "1p1d").iterdir()) == ["decode-0.log", "prefill-0.log", "router.log"]
 
     for name in ("attainment.png", "goodput_per_device.png", "latency_at_goodput.png"):
         data = (out / name).read_bytes()
@@ -162,3 +163,86 @@ def test_a_topology_s_placement_flags_reach_its_router(monkeypatch, tmp_path):
         sweep_topology("dummy:nanogpt", Topology.parse("1p1d+queue2+local64"), ["cpu"], get_workload("chat"),
                        SLO(1000, 100), Sweep(), [], Progress(1), tmp_path)
     assert e.value.args[0] == ["--max-local-prefill-length", "64", "--max-prefill-queue", "2"]
+
+
+def test_what_would_launch_for_nothing_is_refused_before_any_launch(capsys):
+    """Each was found only once a cluster had launched, or not at all: a topology named twice ran
+    twice and kept the second's figures; 0.001 req/s took 8 hours for its first point's 30
+    requests; a TTFT target of 1e300 ms printed a count hundreds of digits long."""
+    from bench.goodput import SLO
+    from bench.scaling import Sweep, Topology, check_topologies, resolve_devices
+    from common.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument, match="--topologies names 1mono twice; allowed: each topology once"):
+        check_topologies([Topology.parse("1mono"), Topology.parse("1p1d"), Topology.parse("1mono")], 2, ["cpu"])
+    with pytest.raises(InvalidArgument, match="65 workers; allowed: at most 64 on one host"):
+        check_topologies([Topology.parse("64p1d")], 100, ["cuda:0"])
+    with pytest.raises(InvalidArgument, match="'cpu,cpu': cpu is one device, its cores shared by the workers"):
+        resolve_devices("cpu,cpu", None)
+    with pytest.raises(InvalidArgument, match=r"--start-rate 0.001: its point would take 3e\+04 s for its 30 requests"
+                                              r" \(--min-requests 30\); allowed: .* here >= 0.00833 req/s"):
+        Sweep(start_rate=0.001).check_start(SLO(100, 10), 20)
+    Sweep(start_rate=0.01).check_start(SLO(100, 10), 20)
+    with pytest.raises(InvalidArgument, match=r"a point at 0.05 req/s would take 5e\+296 requests"):
+        Sweep().check_start(SLO(1e300, 10), 20)
+    Sweep(min_requests=400, max_requests=400).check_start(SLO(100, 10), 20)  # its start rate is measured
+
+
+def test_no_topology_meeting_the_slo_is_no_best_and_its_latencies_are_dashes(capsys):
+    from bench.scaling import best_per_n, print_results
+
+    nan = float("nan")
+    rows = [{"topology": t, "devices": 1, "goodput_rps": g, "goodput_per_device_rps": g, "saturation_rps": 1.0,
+             "saturation_tok_s": 10.0, "others_cores": 0.0,
+             "at_goodput": {f"{k}_p{q}_ms": (nan if g == 0 else 5.0) for k in ("ttft", "itl", "e2e")
+                            for q in (50, 90, 99)}} for t, g in (("1mono", 0.0), ("2mono", 0.0))]
+    assert best_per_n(rows) == {}
+    rows.append({**rows[0], "topology": "3mono", "devices": 2, "goodput_rps": 1.5,
+                 "at_goodput": {k: 5.0 for k in rows[0]["at_goodput"]}})
+    assert best_per_n(rows) == {"2": "3mono"}
+    print_results("t", rows, best_per_n(rows))
+    table = capsys.readouterr().out.splitlines()
+    assert table[3].split()[6:9] == ["-", "-", "-"] and table[5].split()[6:9] == ["5/5/5"] * 3
+
+
+def test_a_cluster_process_gone_during_a_point_ends_the_sweep_with_its_log(tmp_path):
+    """Its failed requests were taken for the topology's: a Ctrl-C that reached the workers (or a
+    crash) measured a cluster that was gone, and the run wrote its figures as if finished."""
+    from types import SimpleNamespace
+
+    from bench.scaling import check_alive
+    from router.client import RequestError
+    from router.launcher import Child
+
+    def child(name, code):
+        c = Child(name, [sys.executable, "-c", f"print('{name} says bye'); raise SystemExit({code})"],
+                  tmp_path / f"{name}.log")
+        c.start()
+        c.proc.wait()
+        return c
+
+    alive = Child("router", [sys.executable, "-c", "import time; time.sleep(30)"], tmp_path / "router.log")
+    alive.start()
+    try:
+        with pytest.raises(RequestError) as e:
+            check_alive(SimpleNamespace(children=[alive, child("decode-0", 3)]), "the point at 2 req/s of 1p1d")
+    finally:
+        alive.proc.kill()
+        alive.proc.wait()
+    assert e.value.code == "UNAVAILABLE"
+    assert e.value.message.startswith("decode-0 exited with 3 during the point at 2 req/s of 1p1d; nothing of this "
+                                      f"run is saved. Its log, {tmp_path / 'decode-0.log'}, ends:")
+    assert "decode-0 says bye" in e.value.message
+
+
+def test_an_empty_out_dir_is_refused_and_the_help_shows_no_none_bounds():
+    """Path("") is the current folder, where the run wrote its files and logs; click's range of a
+    float flag with no bounds read "[x<=None]"."""
+    from click.testing import CliRunner
+
+    from common.cli import main
+
+    r = CliRunner().invoke(main, ["bench", "scaling", "--out-dir", ""])
+    assert r.exit_code == 2 and "Invalid value for '--out-dir': '' is empty; allowed: a folder's path" in r.output
+    r = CliRunner().invoke(main, ["bench", "scaling", "--help"])
+    assert r.exit_code == 0 and "--ttft-slo-ms" in r.output and "None" not in r.output
