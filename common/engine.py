@@ -249,7 +249,7 @@ class Engine:
                       output_ids: list[int] = (), prefill_only: bool = False) -> Sequence:
         if request_id in self.requests or request_id in self.held:
             raise InvalidArgument(f"request_id={request_id!r} is already in use")
-        params.check_vocab(self.model_config.vocab_size)
+        params.check_model(self.model_config.vocab_size, self.tokenizer is not None)
         seq = Sequence(request_id, prompt_ids, params, seed, self.model_config.eos_token_ids, self.max_model_len,
                        output_ids, prefill_only)
         if params.stop and self.finds_stop_strings and self.tokenizer is not None and not prefill_only:

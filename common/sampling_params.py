@@ -146,9 +146,13 @@ class SamplingParams:
         """The token ids that end the output: stop_token_ids, and the model's EOS unless ignore_eos."""
         return set(self.stop_token_ids) | (set() if self.ignore_eos else set(eos_token_ids))
 
-    def check_vocab(self, vocab_size: int) -> None:
+    def check_model(self, vocab_size: int, has_tokenizer: bool) -> None:
         """The token ids logit_bias and stop_token_ids name must be the model's; checked where the
-        model is known (a stop id past the vocabulary could never be sampled: a mistake)."""
+        model is known (a stop id past the vocabulary could never be sampled: a mistake). Stop
+        strings need its tokenizer, to find them in the text: without one they never matched."""
+        if self.stop and not has_tokenizer:
+            raise InvalidArgument(f"stop={self.stop!r} needs the model's tokenizer to find text, and this model has "
+                                  "none; allowed: stop_token_ids", param="stop")
         for name, ids in (("logit_bias", self.logit_bias), ("stop_token_ids", self.stop_token_ids)):
             bad = [t for t in ids if t >= vocab_size]
             if bad:

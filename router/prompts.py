@@ -31,7 +31,7 @@ class Prompts:
         prompt, as vLLM has it; otherwise (a default, an SDK client's) the engine cuts it to fit.
         tools and template_kwargs: a chat's, for its template."""
         params = sampling if isinstance(sampling, SamplingParams) else SamplingParams.from_dict(sampling)
-        params.check_vocab(self.model_config.vocab_size)
+        params.check_model(self.model_config.vocab_size, self.tokenizer is not None)
         if messages is not None or isinstance(prompt, str):
             if messages is not None and prompt:
                 raise InvalidArgument("a request with messages must have an empty prompt; send one or the other",

@@ -162,6 +162,14 @@ def test_checkpoint_without_tokenizer_takes_token_ids(tmp_path, llama_dir):
         engine.add_request("hello")
     out = engine.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0]
     assert len(out.token_ids) == 3 and out.text is None
+    # stop strings are found in the text, which it has none of: they would never match
+    with pytest.raises(InvalidArgument, match=r"stop=\['x'\] needs the model's tokenizer to find text") as e:
+        engine.add_request([5, 6], SamplingParams(stop=["x"]))
+    assert e.value.param == "stop"
+    from router.prompts import Prompts
+
+    with pytest.raises(InvalidArgument, match=r"stop=\['x'\] needs the model's tokenizer"):
+        Prompts(str(d)).validate([5, 6], None, {"stop": ["x"]})
 
 
 def splitmix64_reference(x: int) -> int:
