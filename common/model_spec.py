@@ -77,7 +77,6 @@ class ModelConfig:
                 raise InvalidArgument(f"end-of-sequence token id {i} is invalid; allowed: an id of the vocabulary "
                                       f"(0..{self.vocab_size - 1})")
 
-
     @property
     def kv_values_per_token(self) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
