@@ -62,7 +62,7 @@ from common.model_spec import model_config
 from common.attention import decode_kv_read, make_attention
 from common import step_trace
 from common.config import EngineConfig, resolve_device
-from common.errors import InvalidArgument
+from common.errors import InvalidArgument, made_dir
 from router.client import Client
 from router.launcher import Cluster, threads_per_worker
 
@@ -385,6 +385,34 @@ def profile_thread_counts(device: str, workers: int) -> list[int | None]:
     return sorted({threads_per_worker(n) for n in range(1, workers + 1)})
 
 
+def writable(out: Path) -> Path:
+    """--profile's path, its folder made and a file written there and removed: a path the profile
+    cannot be saved to is refused by name before the workers are profiled (minutes), not after."""
+    made_dir(out.parent, "--profile")
+    if out.is_dir():
+        raise InvalidArgument(f"--profile {str(out)!r} is a folder; allowed: a file path "
+                              f"(e.g. {str(out / 'profile.json')!r})", param="--profile")
+    try:
+        with tempfile.NamedTemporaryFile(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"):
+            pass
+    except OSError as e:
+        raise InvalidArgument(f"--profile {str(out)!r}: {e.strerror}; allowed: a file in a folder this user can "
+                              "write to", param="--profile") from None
+    return out
+
+
+def save(out: Path, text: str) -> None:
+    """text as the file out, whole or not at all: written beside it, then renamed over it (an
+    interrupted save leaves the profile before it, never half of one)."""
+    with tempfile.NamedTemporaryFile("w", dir=out.parent, prefix=f".{out.name}.", suffix=".tmp", delete=False) as f:
+        f.write(text)
+    try:
+        os.replace(f.name, out)
+    except OSError:
+        os.unlink(f.name)
+        raise
+
+
 def run_profile(model: str, device: str, workers: int, worker_args: list[str], out: Path, repeats: int = 5,
                 threads: int | None = None) -> dict:
     if device != "cpu" and not device.startswith("cuda"):
@@ -398,14 +426,13 @@ def run_profile(model: str, device: str, workers: int, worker_args: list[str], o
 
     if threads is not None and threads < 1:
         raise InvalidArgument(f"--threads {threads}; allowed: >= 1")
+    out = writable(Path(out))  # now, not after minutes of profiling
     counts = [threads] if threads else profile_thread_counts(device, workers)
     profiles = [profile_workers(model, device, t, worker_args, repeats, say=say) for t in counts]
     result = {"profile_version": PROFILE_VERSION, "model": model, "device": device,
               "host_cores": cores if device == "cpu" else None, "worker_args": list(worker_args),
               "measured_unix": round(time.time()), "profiles": profiles}
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
+    save(out, json.dumps(result, indent=1))
     for p in profiles:
         wm = p["worker_model"]
         print_table(f"profile of {model} on {device}, {p['threads']} threads per worker (fitted costs, ms)",

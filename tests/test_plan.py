@@ -177,3 +177,31 @@ def test_a_bad_placement_is_named_before_any_profile_is_taken(tmp_path):
                        capture_output=True, text=True, timeout=60, cwd=REPO)
     assert r.returncode == 2 and "--placements '+fast'; allowed: +localN and/or +queueN" in r.stderr, r.stderr
     assert not (tmp_path / "p.json").exists()  # no profile was taken
+
+
+def test_a_profile_path_that_cannot_be_written_is_refused_before_profiling(tmp_path, monkeypatch):
+    """--profile under a file (or in a folder that cannot be made) took minutes of profiling, then a
+    FileNotFoundError traceback: it is refused by name first. The profile is then saved whole."""
+    import bench.profile
+
+    (tmp_path / "afile").write_text("")
+    profiled = []
+    monkeypatch.setattr(bench.profile, "profile_workers", lambda *a, **k: profiled.append(a) or fake_profile())
+    with pytest.raises(InvalidArgument, match=r"--profile '.*afile'.*allowed: a folder"):
+        bench.profile.run_profile("dummy:nanogpt", "cpu", 1, [], tmp_path / "afile" / "p.json", threads=1)
+    with pytest.raises(InvalidArgument, match=r"--profile '.*' is a folder; allowed: a file path"):
+        bench.profile.run_profile("dummy:nanogpt", "cpu", 1, [], tmp_path, threads=1)
+    assert not profiled
+    out = tmp_path / "new" / "p.json"
+    bench.profile.run_profile("dummy:nanogpt", "cpu", 1, [], out, threads=1)
+    assert len(profiled) == 1 and Profile.load(out).models[1].threads == 1
+    assert sorted(p.name for p in out.parent.iterdir()) == ["p.json"]  # no temporary file left
+
+
+def fake_profile() -> dict:
+    from dataclasses import asdict
+
+    from tests.test_simulate import DECODE_BOUND
+
+    return {"threads": 1, "worker_model": asdict(replace(DECODE_BOUND, mono_step=DECODE_BOUND.step)),
+            "others_cores": 0.0, "points": {}}
