@@ -26,7 +26,6 @@ over one host's workers instead of all of them makes this slightly pessimistic.
 from __future__ import annotations
 
 import json
-import math
 import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -188,10 +187,12 @@ class Planner:
         mono = Topology(0, 0, n)
         tried = [mono] + self.splits(n)
         rows = [self.row(t) for t in tried]
-        best = max(rows, key=lambda r: r["goodput_rps"])
-        best_split = max((r for r in rows if r["mono"] == 0), key=lambda r: r["goodput_rps"], default=None)
+        # a best among zeros is no answer: where nothing meets the SLO at any rate tried, none is best
+        best = max((r for r in rows if r["goodput_rps"] > 0), key=lambda r: r["goodput_rps"], default=None)
+        best_split = max((r for r in rows if r["mono"] == 0 and r["goodput_rps"] > 0), key=lambda r: r["goodput_rps"],
+                         default=None)
         mono_g = rows[0]["goodput_rps"]
-        return {"devices": n, "local": n <= self.local_workers, "best": best["topology"],
+        return {"devices": n, "local": n <= self.local_workers, "best": best["topology"] if best else None,
                 "best_xpyd": best_split["topology"] if best_split else None,
                 "xpyd_over_mono": round(best_split["goodput_rps"] / mono_g, 3) if best_split and mono_g else None,
                 "topologies": rows}
@@ -212,6 +213,8 @@ class Planner:
             if x + y >= most:
                 return steps
             more_p, more_d = Topology(x + 1, y, 0), Topology(x, y + 1, 0)
+            if max(self.goodput(more_p), self.goodput(more_d)) <= 0:
+                return steps  # neither meets the SLO at any rate: no worker to recommend
             if self.goodput(more_p) > self.goodput(more_d):
                 step["add"], x = "prefill", x + 1
             else:
@@ -230,9 +233,9 @@ def compare(planner: Planner, scaling: dict) -> list[dict]:
         apart = (None if planner.profile.measured_unix is None or r.get("finished_unix") is None
                  else round((planner.profile.measured_unix - r["finished_unix"]) / 60, 1))
         rows.append({"topology": t.name, "measured_rps": measured, "others_cores": others,
-                     "predicted_rps": round(quiet, 4), "error": round(relative(quiet, measured), 4),
+                     "predicted_rps": round(quiet, 4), "error": relative(quiet, measured),
                      "predicted_under_others_rps": round(loaded, 4),
-                     "error_under_others": round(relative(loaded, measured), 4), "profile_after_min": apart})
+                     "error_under_others": relative(loaded, measured), "profile_after_min": apart})
     return rows
 
 
@@ -250,8 +253,14 @@ def parse_placements(placements) -> tuple[tuple[int, int], ...]:
     return tuple(out)
 
 
-def relative(predicted: float, measured: float) -> float:
-    return (predicted - measured) / measured if measured else math.nan
+def relative(predicted: float, measured: float) -> float | None:
+    """The prediction's error over the measurement; None where the measurement is 0 (no rate met
+    the SLO: no relative error exists)."""
+    return round((predicted - measured) / measured, 4) if measured > 0 else None
+
+
+def percent(error: float | None) -> str:
+    return "-" if error is None else f"{error:+.1%}"
 
 
 def run_plan(profile: Profile, workload_spec: str, slo: SLO, sweep: Sweep, device_counts: list[int],
@@ -291,7 +300,7 @@ def run_plan(profile: Profile, workload_spec: str, slo: SLO, sweep: Sweep, devic
                     ["topology", "measured req/s", "others", "predicted (quiet)", "error", "predicted (others)",
                      "error", "profiled"],
                     [[r["topology"], r["measured_rps"], f"{r['others_cores']:.2f}", r["predicted_rps"],
-                      f"{r['error']:+.1%}", r["predicted_under_others_rps"], f"{r['error_under_others']:+.1%}",
+                      percent(r["error"]), r["predicted_under_others_rps"], percent(r["error_under_others"]),
                       "-" if r["profile_after_min"] is None else f"{r['profile_after_min']:+.0f} min"]
                      for r in rows])
     plans = [planner.plan(n) for n in device_counts]
@@ -299,7 +308,9 @@ def run_plan(profile: Profile, workload_spec: str, slo: SLO, sweep: Sweep, devic
     for p in plans:
         hosts = planner.hosts(p["devices"])
         where = "this machine" if p["local"] else f"{hosts} host{'s' * (hosts > 1)} of {p['devices'] // hosts} devices"
-        print_table(f"plan for {p['devices']} devices ({where}): best {p['best']}"
+        best = (f"best {p['best']}" if p["best"] else "no topology meets the SLO at any rate tried (goodput 0: "
+                "loosen --ttft-slo-ms / --itl-slo-ms / --attainment)")
+        print_table(f"plan for {p['devices']} devices ({where}): {best}"
                     + (f", best xPyD {p['best_xpyd']} = {p['xpyd_over_mono']}x {p['devices']}mono"
                        if p["xpyd_over_mono"] else ""),
                     ["topology", "goodput req/s", "per device", "bound past goodput"],

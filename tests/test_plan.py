@@ -205,3 +205,17 @@ def fake_profile() -> dict:
 
     return {"threads": 1, "worker_model": asdict(replace(DECODE_BOUND, mono_step=DECODE_BOUND.step)),
             "others_cores": 0.0, "points": {}}
+
+
+def test_no_slo_met_has_no_best_and_a_measured_zero_no_error():
+    """An SLO nothing meets planned 'best 2mono' among zeros; a measured goodput of 0 showed +nan%."""
+    p = planner(DECODE_BOUND, 16, 41, SLO(0.01, 0.01))
+    plan = p.plan(2)
+    assert all(r["goodput_rps"] == 0 for r in plan["topologies"])
+    assert plan["best"] is None and plan["best_xpyd"] is None and plan["xpyd_over_mono"] is None
+    assert p.ladder(3) == [{"topology": "1p1d", "goodput_rps": 0.0, "add": None}]
+    row, = compare(p, {"results": [{"topology": "1p1d", "goodput_rps": 0.0, "start_rate": 5.0}]})
+    assert row["error"] is None and row["error_under_others"] is None
+    from bench.plan import percent, relative
+
+    assert percent(relative(12.0, 0.0)) == "-" and percent(relative(11.0, 10.0)) == "+10.0%"
