@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -59,13 +60,46 @@ class Profile:
             version = d.get("profile_version")
             if version == PROFILE_VERSION:
                 models = {p["threads"]: model_from_json(p["worker_model"]) for p in d["profiles"]}
+                if not models:
+                    raise InvalidArgument(f"profile {str(path)!r} holds no worker profile (its \"profiles\" is "
+                                          "empty); allowed: a profile pdserve plan saved (make one anew: pdserve plan "
+                                          "--profile PATH --reprofile)")
                 return cls(d["model"], d["device"], d.get("host_cores"), models, tuple(d.get("worker_args", ())),
                            d.get("measured_unix"))
+        except InvalidArgument:
+            raise
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise InvalidArgument(f"profile {str(path)!r} cannot be read ({type(e).__name__}: {e}); make one with "
                                   "pdserve plan --profile PATH (it profiles when PATH does not exist)") from e
         raise InvalidArgument(f"profile {str(path)!r} is version {version!r}; allowed: {PROFILE_VERSION}, what this "
                               "pdserve measures and simulates (profile anew: pdserve plan --profile PATH --reprofile)")
+
+    def check_reuse(self, path: str | Path, given: dict[str, object]) -> None:
+        """A saved profile planned with: the --model, --device and --threads given (given: the
+        flags given and their values) must be the ones it measured, or InvalidArgument naming both."""
+        have = {"--model": self.model, "--device": self.device}
+        for flag, value in given.items():
+            if flag in have and value != have[flag]:
+                raise InvalidArgument(f"{flag} {value}: profile {str(path)!r} measured {self.model} on {self.device}; "
+                                      f"allowed: {flag} {have[flag]} with it, or --reprofile to profile {value} into "
+                                      "it, or another --profile path", param=flag)
+        threads = given.get("--threads")
+        if threads is not None and threads not in self.models:
+            raise InvalidArgument(f"--threads {threads}: profile {str(path)!r} measured workers of "
+                                  f"{', '.join(map(str, sorted(self.models)))} thread(s); allowed: those, or "
+                                  "--reprofile, or another --profile path", param="--threads")
+
+    def describe(self, path: str | Path, now: float | None = None) -> str:
+        """Which profile was read, of what, and how old it is."""
+        if self.measured_unix is None:
+            age = "when: not recorded (a profile saved before 2026-11-26 evening)"
+        else:
+            minutes = ((time.time() if now is None else now) - self.measured_unix) / 60
+            age = (f"measured {minutes:.0f} min ago" if minutes < 120 else f"measured {minutes / 60:.1f} h ago"
+                   if minutes < 48 * 60 else f"measured {minutes / 1440:.0f} days ago")
+        threads = ", ".join(map(str, sorted(self.models)))
+        return (f"read profile {str(path)!r}: {self.model} on {self.device}, workers of {threads} thread(s); {age} "
+                "(--reprofile to measure anew)")
 
     def local(self, t: Topology, background_cores: float = 0.0) -> tuple[WorkerModel, Placement]:
         """A topology on the profiling machine: its workers share the host as the launcher splits
@@ -239,6 +273,79 @@ def compare(planner: Planner, scaling: dict) -> list[dict]:
     return rows
 
 
+MAX_SLICE = 16  # devices simulated together (one host, or this machine): its splits x workers x requests grow as n^3
+MAX_PLAN_DEVICES = 1 << 16
+
+
+def check_sizes(device_counts: list[int], local_workers: int, devices_per_host: int) -> None:
+    """What is simulated stays within minutes: one host's (or this machine's) slice of at most
+    MAX_SLICE devices (8 took about a minute on the 2-core machine, 16 some 8; the cost grows with
+    the cube: every split, each of more workers, at proportionally higher rates), and at most
+    MAX_PLAN_DEVICES devices in all; else InvalidArgument naming the value and the range."""
+    if not 1 <= devices_per_host <= MAX_SLICE:
+        raise InvalidArgument(f"--devices-per-host {devices_per_host}; allowed: 1..{MAX_SLICE} (a host is simulated "
+                              f"whole, every split of its devices: {MAX_SLICE} already takes minutes)",
+                              param="--devices-per-host")
+    for n in device_counts:
+        if not 1 <= n <= MAX_PLAN_DEVICES:
+            raise InvalidArgument(f"--plan-devices {n}; allowed: device counts 1..{MAX_PLAN_DEVICES:,}",
+                                  param="--plan-devices")
+        if devices_per_host < n <= local_workers and n > MAX_SLICE:
+            raise InvalidArgument(f"--plan-devices {n} with --workers {local_workers}: this machine's {n} workers "
+                                  f"would be simulated together (every split: hours); allowed: at most {MAX_SLICE} "
+                                  f"on this machine (--workers), past it whole hosts of --devices-per-host",
+                                  param="--plan-devices")
+
+
+def load_scaling(path: str | Path) -> dict:
+    """A bench scaling result for --compare, checked: InvalidArgument naming the file and what is
+    allowed where it cannot be read or is not one (a profile, a plan, any other JSON)."""
+    allowed = "allowed: the scaling.json that pdserve bench scaling wrote to its --out-dir"
+    try:
+        d = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise InvalidArgument(f"--compare {str(path)!r} cannot be read ({type(e).__name__}: {e}); {allowed}",
+                              param="--compare") from None
+    if not isinstance(d, dict):
+        what = f"a JSON {type(d).__name__}"
+    elif "profile_version" in d:
+        what = "a profile (pdserve plan --profile takes it)"
+    elif d.get("bench") != "scaling":
+        what = f"the result of {d['bench']!r}" if isinstance(d.get("bench"), str) else "no bench's result"
+    else:
+        try:
+            SLO(**d["slo"]), Sweep(**d["sweep"])
+            if not (isinstance(d["workload"], str) and isinstance(d["model"], str) and isinstance(d["workers"], int)
+                    and isinstance(d["results"], list)):
+                raise TypeError("workload, model, workers or results of the wrong type")
+            for r in d["results"]:
+                Topology.parse(r["topology"])
+                if not (isinstance(r["goodput_rps"], (int, float)) and r["goodput_rps"] >= 0):
+                    raise TypeError(f"goodput_rps {r['goodput_rps']!r} of {r['topology']}")
+            return d
+        except (KeyError, TypeError, ValueError, InvalidArgument) as e:
+            what = f"a bench scaling result it cannot use ({type(e).__name__}: {e})"
+    raise InvalidArgument(f"--compare {str(path)!r} is {what}; {allowed}", param="--compare")
+
+
+REPLAYED = {"--workload": lambda d: d["workload"], "--ttft-slo-ms": lambda d: d["slo"]["ttft_ms"],
+            "--itl-slo-ms": lambda d: d["slo"]["itl_ms"], "--attainment": lambda d: d["slo"]["attainment"],
+            "--duration": lambda d: d["sweep"]["duration_s"], "--min-requests": lambda d: d["sweep"]["min_requests"],
+            "--max-requests": lambda d: d["sweep"]["max_requests"], "--refine": lambda d: d["sweep"]["refine"],
+            "--seed": lambda d: d["sweep"]["seed"]}
+
+
+def check_replay(path: str | Path, scaling: dict, given: dict[str, object]) -> None:
+    """--compare replays the sweep's workload, SLO and search, in the comparison and the plans
+    alike: a flag given with another value would be silently replaced, so it is refused by name."""
+    for flag, value in given.items():
+        if flag in REPLAYED and value != REPLAYED[flag](scaling):
+            mine, theirs = (f"{v:g}" if isinstance(v, float) else v for v in (value, REPLAYED[flag](scaling)))
+            raise InvalidArgument(f"{flag} {mine} with --compare {str(path)!r}, whose sweep ran with {flag} {theirs}: "
+                                  "--compare replays the sweep's workload, SLO and search and plans with them; "
+                                  f"allowed: {flag} {theirs} or none, or plan without --compare", param=flag)
+
+
 def parse_placements(placements) -> tuple[tuple[int, int], ...]:
     """(--max-local-prefill-length, --max-prefill-queue) of each suffix XpYd takes (+localN,
     +queueN), or InvalidArgument naming the one that is not."""
@@ -271,13 +378,14 @@ def run_plan(profile: Profile, workload_spec: str, slo: SLO, sweep: Sweep, devic
         slo = SLO(**compare_with["slo"])
         sweep = Sweep(**compare_with["sweep"])
         local_workers = max(local_workers, compare_with["workers"])
+        if compare_with["model"] != profile.model:
+            raise InvalidArgument(f"--compare: its sweep measured {compare_with['model']}, the profile "
+                                  f"{profile.model}; allowed: a sweep and a profile of one model", param="--compare")
     workload = get_workload(workload_spec)
     if network_gbps <= 0 or network_latency_ms < 0 or devices_per_host < 1:
         raise InvalidArgument(f"--network-gbps {network_gbps}, --network-latency-ms {network_latency_ms}, "
                               f"--devices-per-host {devices_per_host}; allowed: > 0, >= 0, >= 1")
-    bad = [n for n in device_counts if n < 1]
-    if bad:
-        raise InvalidArgument(f"--plan-devices {bad[0]}; allowed: device counts >= 1")
+    check_sizes(device_counts, local_workers, devices_per_host)
 
     def say(text):
         print(f"[plan] {text}", file=sys.stderr, flush=True)

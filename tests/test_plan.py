@@ -207,6 +207,90 @@ def fake_profile() -> dict:
             "others_cores": 0.0, "points": {}}
 
 
+def invoke_plan(monkeypatch, args: list[str]):
+    """`pdserve plan ARGS` in-process with the profiling and the planning replaced by recorders:
+    (the exception it raised or None, the calls made: [("profile"|"plan", args)])."""
+    from click.testing import CliRunner
+
+    from bench.cli import plan
+
+    calls = []
+    monkeypatch.setattr("bench.profile.run_profile", lambda *a, **k: calls.append(("profile", a)))
+    monkeypatch.setattr("bench.plan.run_plan", lambda *a, **k: calls.append(("plan", a)))
+    r = CliRunner().invoke(plan, args)
+    return r.exception, calls, r.output
+
+
+SAVED = REPO / "bench/results/cpu-nanogpt-chat/profile.json"
+SWEPT = REPO / "bench/results/cpu-nanogpt-chat/scaling.json"
+
+
+def test_files_that_are_no_profile_or_no_scaling_result_are_refused_by_name(tmp_path, monkeypatch):
+    """An empty profile list failed in min(); a profile, a plan or a list given to --compare
+    failed with KeyError / TypeError tracebacks."""
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps({**json.loads(SAVED.read_text()), "profiles": []}))
+    with pytest.raises(InvalidArgument, match=r"empty.json' holds no worker profile"):
+        Profile.load(empty)
+    (tmp_path / "list.json").write_text("[]")
+    (tmp_path / "plan.json").write_text(json.dumps({"bench": "plan", "plans": []}))
+    broken = {**json.loads(SWEPT.read_text())}
+    del broken["workload"]
+    (tmp_path / "broken.json").write_text(json.dumps(broken))
+    for name, what in ((SAVED, "a profile"), (tmp_path / "list.json", "a JSON list"),
+                       (tmp_path / "plan.json", "the result of 'plan'"),
+                       (tmp_path / "broken.json", "a bench scaling result it cannot use (KeyError: 'workload')")):
+        error, calls, _ = invoke_plan(monkeypatch, ["--profile", str(SAVED), "--compare", str(name)])
+        assert isinstance(error, InvalidArgument) and not calls, error
+        assert str(error).startswith(f"--compare '{name}' is {what}"), error
+        assert "allowed: the scaling.json that pdserve bench scaling wrote" in str(error)
+
+
+def test_a_saved_profile_is_announced_and_one_of_another_model_device_or_threads_refused(monkeypatch):
+    """A nanogpt CPU profile planned --model dummy:llama-1b --device cuda:0 as nanogpt, silently."""
+    for args, flag in ((["--model", "dummy:llama-1b"], "--model dummy:llama-1b"), (["--device", "cuda:0"],
+                       "--device cuda:0"), (["--threads", "2"], "--threads 2")):
+        error, calls, _ = invoke_plan(monkeypatch, ["--profile", str(SAVED), *args])
+        assert isinstance(error, InvalidArgument), error
+        assert str(error).startswith(f"{flag}: profile '{SAVED}' measured "), error
+        assert "--reprofile" in str(error) and not calls
+    # what the profile measured, given or not, plans from it, saying which it read and how old it is
+    given = ["--model", "dummy:nanogpt", "--threads", "1"]
+    error, calls, output = invoke_plan(monkeypatch, ["--profile", str(SAVED), *given])
+    assert error is None and [c for c, _ in calls] == ["plan"]
+    assert f"read profile '{SAVED}': dummy:nanogpt on cpu" in output and "when: not recorded" in output
+    profile = replace(Profile.load(SAVED), measured_unix=1_000_000)
+    assert "measured 90 min ago" in profile.describe("p.json", now=1_000_000 + 5_400)
+    assert "measured 3 days ago" in profile.describe("p.json", now=1_000_000 + 3 * 86_400)
+
+
+def test_compare_refuses_a_flag_its_replay_would_replace(monkeypatch):
+    """--compare plans with the sweep's workload, SLO and search: --ttft-slo-ms 500 was silently
+    replaced by the sweep's 200. A flag given with the sweep's own value is fine."""
+    for args, said in ((["--ttft-slo-ms", "500"], "--ttft-slo-ms 500 with --compare"),
+                       (["--workload", "long-context"], "--workload long-context with --compare"),
+                       (["--seed", "3"], "--seed 3 with --compare")):
+        error, calls, _ = invoke_plan(monkeypatch, ["--profile", str(SAVED), "--compare", str(SWEPT), *args])
+        assert isinstance(error, InvalidArgument) and str(error).startswith(said) and not calls, error
+        assert "allowed: " in str(error) and "or plan without --compare" in str(error)
+    error, calls, _ = invoke_plan(monkeypatch, ["--profile", str(SAVED), "--compare", str(SWEPT), "--ttft-slo-ms",
+                                                "200", "--workload", "chat"])
+    assert error is None and [c for c, _ in calls] == ["plan"]
+
+
+def test_sizes_that_would_simulate_for_hours_are_refused_by_name(monkeypatch):
+    """--plan-devices 1024 --devices-per-host 1024 simulated 1,023 splits of 1,024 workers: hours, silently."""
+    for args, said in ((["--plan-devices", "1024", "--devices-per-host", "1024"], "--devices-per-host 1024; allowed: "
+                        "1..16"), (["--plan-devices", "1000000"], "--plan-devices 1000000; allowed: device counts "
+                                                                  "1..65,536")):
+        error, calls, _ = invoke_plan(monkeypatch, ["--profile", str(SAVED), *args])
+        assert isinstance(error, InvalidArgument) and str(error).startswith(said) and not calls, error
+    from bench.plan import check_sizes
+
+    with pytest.raises(InvalidArgument, match="--plan-devices 32 with --workers 32: .*allowed: at most 16"):
+        check_sizes([32], 32, 8)
+
+
 def test_no_slo_met_has_no_best_and_a_measured_zero_no_error():
     """An SLO nothing meets planned 'best 2mono' among zeros; a measured goodput of 0 showed +nan%."""
     p = planner(DECODE_BOUND, 16, 41, SLO(0.01, 0.01))
