@@ -279,9 +279,10 @@ MAX_PLAN_DEVICES = 1 << 16
 
 def check_sizes(device_counts: list[int], local_workers: int, devices_per_host: int) -> None:
     """What is simulated stays within minutes: one host's (or this machine's) slice of at most
-    MAX_SLICE devices (8 took about a minute on the 2-core machine, 16 some 8; the cost grows with
-    the cube: every split, each of more workers, at proportionally higher rates), and at most
-    MAX_PLAN_DEVICES devices in all; else InvalidArgument naming the value and the range."""
+    MAX_SLICE devices (8 take about a minute on the 2-core machine; the cost grows with the cube,
+    every split, each of more workers, at proportionally higher rates: 16 about 8 minutes, 32 an
+    hour), and at most MAX_PLAN_DEVICES devices in all; else InvalidArgument naming the value and
+    the range."""
     if not 1 <= devices_per_host <= MAX_SLICE:
         raise InvalidArgument(f"--devices-per-host {devices_per_host}; allowed: 1..{MAX_SLICE} (a host is simulated "
                               f"whole, every split of its devices: {MAX_SLICE} already takes minutes)",
