@@ -339,7 +339,9 @@ def gpu_shares(prefill, decode, mono, devices, worker_args):
     """Each worker's --gpu-memory-utilization as launch splits its device, one line per worker in
     launch order ('-' off a GPU, or when WORKER_ARGS size the pool): deploy/launch.sh splits with it."""
     from common.memory import launch_plan
+    from router.launcher import check_worker_count
 
+    check_worker_count(prefill + decode + mono)
     for _, _, share in launch_plan(prefill, decode, mono, devices, list(worker_args)):
         print("-" if share is None else share)
 

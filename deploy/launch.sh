@@ -113,8 +113,13 @@ if [[ -z $THREADS ]]; then
 fi
 # Each worker's share of its GPU, in launch order ("-" off a GPU, or when the worker args size the
 # pool), as pdserve launch splits them.
-mapfile -t SHARES < <($PDSERVE gpu-shares --prefill "$PREFILL" --decode "$DECODE" --mono "$MONO" \
-  --devices "$DEVICES" -- "${WORKER_ARGS[@]}")
+# It refuses, by name, what no launch may start (more than 64 workers on one host).
+refused=$(mktemp)
+shares=$($PDSERVE gpu-shares --prefill "$PREFILL" --decode "$DECODE" --mono "$MONO" \
+  --devices "$DEVICES" -- "${WORKER_ARGS[@]}" 2>"$refused") ||
+  { echo "launch.sh: $(sed 's/^error \[[A-Z_]*\]: //' "$refused")" >&2; rm -f "$refused"; exit 2; }
+rm -f "$refused"
+mapfile -t SHARES <<<"$shares"
 ((${#SHARES[@]} == WORKERS)) || { echo "launch.sh: could not split the devices ($PDSERVE gpu-shares)" >&2; exit 1; }
 
 ROUTER_ARGS=(--policy "$POLICY" "${ROUTER_LIMITS[@]}")

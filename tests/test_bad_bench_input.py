@@ -276,6 +276,8 @@ LAUNCH_REFUSED = [  # (args, the error line)
     (["--prefill", "2", "--decode", "0"],
      "--prefill 2 --decode 0: prefill workers need a decode worker to hand KV to; allowed: --decode >= 1, or "
      "--prefill 0 with --mono (mono workers prefill for themselves)"),
+    (["--prefill", "70"], "71 workers; allowed: at most 64 on one host (each is a process with its own model; more "
+                          "hosts join with pdserve prefill/decode --router)"),
     (["--prefill", "0", "--enforce-disagg"], "--prefill 0 --decode 1 with --enforce-disagg: no worker may prefill; "
                                              "allowed: --prefill >= 1, or decode workers alone without "
                                              "--enforce-disagg (they prefill)"),
