@@ -319,27 +319,23 @@ def plan(profile_path, reprofile, model, device, workers, worker_args, threads, 
     from bench.plan import Profile, check_replay, check_sizes, load_scaling, parse_placements, run_plan
     from bench.profile import run_profile
 
-    placements = parse_placements(p for p in placements.split(",") if p)  # before a profile takes minutes
-    ctx = click.get_current_context()
-    given = {flag: ctx.params[name] for name in ("model", "device", "threads", "workload", "ttft_slo_ms", "itl_slo_ms",
-                                                 "attainment", "duration", "min_requests", "max_requests", "refine",
-                                                 "seed") for flag in given_flags([name])}
-
+    # everything checked before a profile takes minutes
+    placements = parse_placements(p for p in placements.split(",") if p)
+    given = given_flags(["model", "device", "threads", "workload", "ttft_slo_ms", "itl_slo_ms", "attainment",
+                         "duration", "min_requests", "max_requests", "refine", "seed"])
+    profile = None if reprofile or not Path(profile_path).exists() else Profile.load(profile_path)
+    if profile is not None:  # a saved profile: of what was asked for
+        profile.check_reuse(profile_path, given)
     counts = plan_devices or sorted({*range(1, workers + 1), 8, 16, 64})
     compare_with = None
     if compare_path:
         compare_with = load_scaling(compare_path)
-        check_replay(compare_path, compare_with, given)
+        check_replay(compare_path, compare_with, given, profile.model if profile else model)
     check_sizes(counts, max(workers, compare_with["workers"] if compare_with else 0), devices_per_host)
-    if reprofile or not Path(profile_path).exists():
-        if compare_with and compare_with["model"] != model:
-            raise click.BadParameter(f"{compare_path!r} measured {compare_with['model']}, and --model is {model}; "
-                                     "allowed: a sweep of the model profiled", param_hint="--compare")
+    if profile is None:
         run_profile(model, device, workers, list(worker_args), Path(profile_path), threads=threads)
         profile = Profile.load(profile_path)
-    else:  # a saved profile: of what was asked for, and said which and how old
-        profile = Profile.load(profile_path)
-        profile.check_reuse(profile_path, given)
+    else:
         print(f"[plan] {profile.describe(profile_path)}", file=sys.stderr, flush=True)
     run_plan(profile, workload, slo, sweep, counts, workers, network_gbps, network_latency_ms,
              devices_per_host, compare_with, placements)

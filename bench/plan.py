@@ -336,9 +336,13 @@ REPLAYED = {"--workload": lambda d: d["workload"], "--ttft-slo-ms": lambda d: d[
             "--seed": lambda d: d["sweep"]["seed"]}
 
 
-def check_replay(path: str | Path, scaling: dict, given: dict[str, object]) -> None:
+def check_replay(path: str | Path, scaling: dict, given: dict[str, object], model: str) -> None:
     """--compare replays the sweep's workload, SLO and search, in the comparison and the plans
-    alike: a flag given with another value would be silently replaced, so it is refused by name."""
+    alike: a flag given with another value would be silently replaced, so it is refused by name;
+    and the sweep must be of the model planned (the profile's)."""
+    if scaling["model"] != model:
+        raise InvalidArgument(f"--compare {str(path)!r} measured {scaling['model']}, and the profile is of {model}; "
+                              "allowed: a sweep of the model profiled", param="--compare")
     for flag, value in given.items():
         if flag in REPLAYED and value != REPLAYED[flag](scaling):
             mine, theirs = (f"{v:g}" if isinstance(v, float) else v for v in (value, REPLAYED[flag](scaling)))
@@ -379,14 +383,10 @@ def run_plan(profile: Profile, workload_spec: str, slo: SLO, sweep: Sweep, devic
         slo = SLO(**compare_with["slo"])
         sweep = Sweep(**compare_with["sweep"])
         local_workers = max(local_workers, compare_with["workers"])
-        if compare_with["model"] != profile.model:
-            raise InvalidArgument(f"--compare: its sweep measured {compare_with['model']}, the profile "
-                                  f"{profile.model}; allowed: a sweep and a profile of one model", param="--compare")
     workload = get_workload(workload_spec)
     if network_gbps <= 0 or network_latency_ms < 0 or devices_per_host < 1:
         raise InvalidArgument(f"--network-gbps {network_gbps}, --network-latency-ms {network_latency_ms}, "
                               f"--devices-per-host {devices_per_host}; allowed: > 0, >= 0, >= 1")
-    check_sizes(device_counts, local_workers, devices_per_host)
 
     def say(text):
         print(f"[plan] {text}", file=sys.stderr, flush=True)

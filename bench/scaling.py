@@ -313,7 +313,8 @@ def run_scaling_bench(model: str, devices: str, workers: int | None, topologies:
         finished[t] = time.time()
     rows = [{**topology_row(t, s), "finished_unix": round(finished[t])} for t, s in searches.items()]
     best = best_per_n(rows)
-    title = (f"pdserve bench scaling: {model} on {','.join(names)} (up to {max_workers} worker{'s' * (max_workers != 1)}), "
+    workers = f"{max_workers} worker{'s' * (max_workers != 1)}"
+    title = (f"pdserve bench scaling: {model} on {','.join(names)} (up to {workers}), "
              f"{workload.describe()}; SLO TTFT <= {slo.ttft_ms:g} ms, TPOT <= {slo.itl_ms:g} ms for "
              f"{slo.attainment:.0%} of requests (latencies in ms at the goodput rate)")
     print_results(title, rows, best)

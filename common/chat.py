@@ -164,10 +164,10 @@ def hf_chat_template(path, bos_token: str = "", eos_token: str = "") -> ChatTemp
     added_tokens_decoder, special_tokens_map.json's over them (a string, or {"content": ...})."""
     jinja_file = path / "chat_template.jinja"
     config_file = path / "tokenizer_config.json"
-    config = _json_object(config_file)
+    config = json_object(config_file)
     tokens = {name: _token_text(config.get(name)) for name in SPECIAL_TOKENS}
     if "added_tokens_decoder" not in config:  # transformers reads the legacy file only then
-        legacy = _json_object(path / "special_tokens_map.json")
+        legacy = json_object(path / "special_tokens_map.json")
         tokens.update({name: _token_text(legacy[name]) for name in SPECIAL_TOKENS if name in legacy})
     tokens["bos_token"] = tokens["bos_token"] or bos_token
     tokens["eos_token"] = tokens["eos_token"] or eos_token
@@ -186,7 +186,7 @@ def hf_chat_template(path, bos_token: str = "", eos_token: str = "") -> ChatTemp
     return ChatTemplate(source, origin=f"{config_file} chat_template", **tokens)
 
 
-def _json_object(file) -> dict:
+def json_object(file) -> dict:
     """A checkpoint's JSON file of settings, {} where there is none."""
     if not file.is_file():
         return {}

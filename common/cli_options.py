@@ -348,9 +348,9 @@ def http_options(f):
     return wrapper
 
 
-def given_flags(names) -> list[str]:
+def given_flags(names) -> dict[str, object]:
     """The flags of these parameters that the command line gave the current command, as given (a
-    pair's --no- side where that one was)."""
+    pair's --no- side where that one was), in the order of names, with their values."""
     ctx = click.get_current_context()
     options = {p.name: p for p in ctx.command.params}
 
@@ -359,7 +359,7 @@ def given_flags(names) -> list[str]:
         return o.secondary_opts[0] if o.secondary_opts and ctx.params[name] is False else o.opts[0]
 
     given = click.core.ParameterSource.COMMANDLINE
-    return [as_given(name) for name in names if ctx.get_parameter_source(name) is given]
+    return {as_given(name): ctx.params[name] for name in names if ctx.get_parameter_source(name) is given}
 
 
 def refuse_http_flags_without_port(http: dict) -> None:

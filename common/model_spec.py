@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from common.chat import hf_chat_template
+from common.chat import hf_chat_template, json_object
 from common.errors import InvalidArgument, ModelLoadError, short_repr
 from common.tokenizer import ByteTokenizer, HFTokenizer
 
@@ -162,8 +162,8 @@ def model_config(spec: str) -> ModelConfig:
 
             return gguf_model_config(path)
         return hf_model_config(path)
-    except InvalidArgument as e:  # ModelConfig's own checks: a value of the file's
-        raise ModelLoadError(f"{path}: {e}") from None
+    except InvalidArgument as e:  # a value of the file's: check_number's, or ModelConfig's own checks
+        raise ModelLoadError(f"{path if path.is_file() else path / 'config.json'}: {e}") from None
 
 
 def load_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer | None:
@@ -227,12 +227,7 @@ def hf_model_config(path: Path) -> ModelConfig:
         """raw[key] (or default, where one is given), checked to be a number of its kind."""
         if key not in raw and default is None:
             raise ModelLoadError(f"{cfg_file}: missing {key!r}, needed for model_type={mt!r}")
-        value = raw.get(key, default)
-        try:
-            check_number(key, value, integer)
-        except InvalidArgument as e:
-            raise ModelLoadError(f"{cfg_file}: {e}") from None
-        return value
+        return check_number(key, raw.get(key, default), integer)  # refused: model_config names the file
 
     quantized = raw.get("quantization_config")
     if quantized is not None:
@@ -290,16 +285,7 @@ def hf_model_config(path: Path) -> ModelConfig:
 
 def _eos_ids(raw: dict, path: Path) -> tuple[int, ...]:
     ids: list[int] = []
-    sources = [raw]
-    gen_file = path / "generation_config.json"
-    if gen_file.is_file():
-        try:
-            sources.append(json.loads(gen_file.read_text()))
-        except (OSError, json.JSONDecodeError) as e:
-            raise ModelLoadError(f"{gen_file}: cannot read ({e})") from e
-        if not isinstance(sources[-1], dict):
-            raise ModelLoadError(f"{gen_file}: not a JSON object")
-    for src in sources:
+    for src in (raw, json_object(path / "generation_config.json")):
         eos = src.get("eos_token_id")
         for i in (eos if isinstance(eos, list) else [eos]):
             if isinstance(i, int) and i not in ids:

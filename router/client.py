@@ -298,11 +298,12 @@ class _Requests:
         if self.closed:
             raise RuntimeError(f"this {type(self).__name__} is closed; make another")
 
-    def _wanted(self, msg) -> bool:
-        """Whether a reply is for a request or a status or metrics call still open: an abandoned
-        request's late tokens and Done would be kept for nobody, for as long as the client lives,
-        and a timed-out status call's reply would answer the next status or metrics call."""
-        return P.reply_id(msg) in self._open
+    def _open_id(self, msg) -> str | None:
+        """The id of the open request, or status or metrics call, a reply is for; None if none is
+        open: an abandoned request's late tokens and Done would be kept for nobody, for as long as
+        the client lives, and a timed-out status call's reply would answer the next call."""
+        key = P.reply_id(msg)
+        return key if key in self._open else None
 
     @contextlib.contextmanager
     def _asking(self):
@@ -415,8 +416,8 @@ class Client(_Requests):
                                                f"{env.error}")
             msgs, bad = replies(env.msg)
             for msg in msgs:
-                if self._wanted(msg):
-                    self._replies[P.reply_id(msg)].append(msg)
+                if (owner := self._open_id(msg)) is not None:
+                    self._replies[owner].append(msg)
             if bad:
                 raise RequestError("INTERNAL", f"undecodable reply from the router: {bad[0]}")
         msg = self._replies[key].popleft()
@@ -460,17 +461,18 @@ class Client(_Requests):
                 self._abandon(rid)
 
     def status(self, timeout: float | None = 10.0) -> P.StatusReply:
-        self._check_open()
-        with self._asking() as ask_id:
-            self.chan.send(P.StatusRequest(ask_id))
-            return self._next(ask_id, self._deadline(timeout))
+        return self._ask(P.StatusRequest, timeout)
 
     def metrics(self, timeout: float | None = 10.0) -> bytes:
         """The router's Prometheus metrics, as its HTTP /metrics serves them."""
+        return self._ask(P.MetricsRequest, timeout).text
+
+    def _ask(self, request: type, timeout: float | None):
+        """A status or metrics call's reply, filed under the call's id."""
         self._check_open()
         with self._asking() as ask_id:
-            self.chan.send(P.MetricsRequest(ask_id))
-            return self._next(ask_id, self._deadline(timeout)).text
+            self.chan.send(request(ask_id))
+            return self._next(ask_id, self._deadline(timeout))
 
 
 class AsyncClient(_Requests):
@@ -520,8 +522,8 @@ class AsyncClient(_Requests):
             if env.error is not None:
                 continue
             for msg in replies(env.msg)[0]:  # a bad item is skipped, as an undecodable reply is
-                if self._wanted(msg):
-                    self._replies[P.reply_id(msg)].put_nowait(msg)
+                if (owner := self._open_id(msg)) is not None:
+                    self._replies[owner].put_nowait(msg)
 
     async def _watch(self):
         await self.connection.watch(self._lost)

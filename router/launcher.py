@@ -107,8 +107,8 @@ def threads_per_worker(workers: int, cores: int | None = None) -> int:
 
 def check_worker_count(n: int) -> None:
     if n > MAX_WORKERS:
-        raise InvalidArgument(f"{n} workers; allowed: at most {MAX_WORKERS} on one host (each is a process with its own "
-                         "model; more hosts join with pdserve prefill/decode --router)")
+        raise InvalidArgument(f"{n} workers; allowed: at most {MAX_WORKERS} on one host (each is a process with its "
+                              "own model; more hosts join with pdserve prefill/decode --router)")
 
 
 def die_with_parent():

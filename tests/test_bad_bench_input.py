@@ -57,10 +57,11 @@ def test_serve_to_no_router_says_unavailable_before_it_measures(monkeypatch, cap
 def test_serve_of_a_running_server_refuses_the_flags_of_a_launch_by_name(monkeypatch, capsys, external):
     """They would be ignored: the server is measured as it runs."""
     code, out, err = run_cli(monkeypatch, capsys, "bench", "serve", *external, "--topologies", "2p2d",
-                             "--worker-arg=--dtype=float32", "--devices", "cuda:0", "--kv-events", "off", "--frontends", "http")
+                             "--worker-arg=--dtype=float32", "--devices", "cuda:0", "--kv-events", "off",
+                             "--frontends", "http")
     assert code == 2 and out == "", err
-    assert (f"--topologies, --frontends, --kv-events, --worker-arg, --devices: for the clusters bench serve launches; with "
-            f"{external[0]} it measures the server as it runs, so leave them out") in err, err
+    assert (f"--topologies, --frontends, --kv-events, --worker-arg, --devices: for the clusters bench serve "
+            f"launches; with {external[0]} it measures the server as it runs, so leave them out") in err, err
 
 
 def test_a_run_whose_requests_all_failed_prints_its_table(monkeypatch, capsys):

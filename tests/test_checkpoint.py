@@ -103,7 +103,7 @@ def test_a_gpt2_with_heads_that_do_not_split_its_width_or_bad_side_files_are_ref
         model_config(str(gpt2))
     d = edited_copy(llama_dir, tmp_path / "ck")
     (d / "generation_config.json").write_text("[1, 2]")
-    with pytest.raises(ModelLoadError, match="generation_config.json: not a JSON object"):
+    with pytest.raises(ModelLoadError, match=r"generation_config.json: holds \[1, 2\]; allowed: a JSON object"):
         model_config(str(d))
     (d / "generation_config.json").write_text('{"eos_token_id": [1, 300]}')
     with pytest.raises(ModelLoadError, match=r"end-of-sequence token id 300 is invalid; allowed: an id of the "
