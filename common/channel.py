@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
 DEFAULT_MAX_FRAME_BYTES = 64 * 2**20  # every socket has a cap; KV ingress sets its own, larger
+SEND_WAIT_S = 5.0  # try_send's wait for a peer that does not take a message (a slow one catches up by then)
 
 
 @dataclass
@@ -49,6 +50,9 @@ class Channel:
         # post(): the same socket without zmq.asyncio's futures, and how many of its sends wait
         self._raw = zmq.Socket.shadow(sock.underlying)
         self._waiting, self._posted = 0, False
+        self._stalled = False  # try_send gave up on a send and has not sent since
+        self.send_wait_s = SEND_WAIT_S  # try_send's wait for a peer that does not take a message (0: none)
+        self.peer_name = ""  # what a connecting channel's logs call its peer: the address
         self.monitor: zmq.Socket | None = None  # connect(monitor=...)'s
 
     @classmethod
@@ -86,7 +90,7 @@ class Channel:
             sock.close(linger=0)  # else the context's term() would wait for it
             raise
         chan = cls(sock, **kw)
-        chan.monitor = watcher
+        chan.monitor, chan.peer_name = watcher, address
         return chan
 
     @property
@@ -161,13 +165,32 @@ class Channel:
         return True
 
     def try_send(self, msg, frames=(), to: bytes | None = None) -> bool:
-        """Send, or log and return False if the peer is gone (ROUTER) or the send would block."""
+        """Send, or log and return False if the peer is gone (ROUTER) or does not take it within
+        self.send_wait_s: it stopped reading (its queue is at the high-water mark), or it never connected (a
+        DEALER has nowhere to queue). Once a send has been given up, the next ones fail at once
+        until one goes through: a dead router must not freeze the worker that sends to it (its
+        loop, and with it SIGTERM's handling, goes on)."""
+        parts = ([to] if to is not None else []) + [protocol.encode(msg)] + list(frames)
         try:
-            self.send(msg, frames, to)
-            return True
-        except zmq.ZMQError as e:
-            log.warning("could not send %s to %r: %s", type(msg).__name__, to, e)
+            try:
+                self._raw.send_multipart(parts, zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                if self._stalled or not self._raw.poll(int(self.send_wait_s * 1e3), zmq.POLLOUT):
+                    raise
+                self._raw.send_multipart(parts, zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            if not self._stalled:
+                self._stalled = True
+                log.warning("could not send %s to %r: nothing took it for %.0f s; dropping what this socket "
+                            "sends until its peer reads again", type(msg).__name__, to or self.peer_name, self.send_wait_s)
             return False
+        except zmq.ZMQError as e:
+            log.warning("could not send %s to %r: %s", type(msg).__name__, to or self.peer_name, e)
+            return False
+        if self._stalled:
+            self._stalled = False
+            log.info("%r reads again", to or self.peer_name)
+        return True
 
     def _parse(self, parts: list) -> Envelope:
         sender = None

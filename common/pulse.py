@@ -80,7 +80,7 @@ class Pulse:
                     if chan is not None:
                         chan.close()
                     chan, sent_as = Channel.connect(self.ctx, zmq.DEALER, self.address, identity=identity(who)), who
-                    chan.sock.setsockopt(zmq.SNDTIMEO, 0)  # a router not reading: drop the beat, never block
+                    chan.send_wait_s = 0  # a router not reading: drop the beat, never block
                 for msg in messages:
                     chan.try_send(msg)
         finally:

@@ -11,6 +11,7 @@ import zmq.asyncio
 
 from common import protocol as P
 from common.channel import Channel
+from router.launcher import free_port
 
 
 @pytest.fixture
@@ -79,3 +80,28 @@ def test_a_receive_pending_while_posts_go_out_still_wakes(pair):
             for i in range(3):
                 assert peer.recv(2000).msg.request_id == f"out-{round_}-{i}"
     asyncio.run(main())
+
+
+def test_try_send_gives_up_on_a_peer_that_never_reads_and_then_fails_at_once():
+    """A worker whose router died (its queue full) or never answered (a CURVE handshake that
+    fails: nothing connected) must go on looping, to handle SIGTERM: it once blocked forever."""
+    ctx = zmq.Context()
+    gone = Channel.connect(ctx, zmq.DEALER, f"tcp://127.0.0.1:{free_port()}")  # nothing listens there
+    gone.send_wait_s = 0.3
+    for sent in range(10_000):  # its queue takes the high-water mark's worth, then none
+        t0 = time.monotonic()
+        if not gone.try_send(P.Cancel("a")):
+            break
+    assert 0 < sent < 10_000 and 0.25 <= time.monotonic() - t0 < 3
+    t0 = time.monotonic()
+    assert gone.try_send(P.Cancel("b")) is False  # stalled: no second wait
+    assert time.monotonic() - t0 < 0.1
+    server = Channel.bind(ctx, zmq.ROUTER, "tcp://127.0.0.1:0")
+    late = Channel.connect(ctx, zmq.DEALER, server.address)
+    late.send_wait_s = 5
+    assert late.try_send(P.Cancel("c")) is True  # a peer that connects in time takes it
+    env = server.recv(5000)
+    assert env is not None and env.msg == P.Cancel("c")
+    for chan in (gone, late, server):
+        chan.close()
+    ctx.term()
