@@ -11,6 +11,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 import types
 
@@ -264,6 +265,36 @@ def test_a_one_sided_copy_queued_past_the_lease_writes_nothing():
             if not copied:
                 assert "lease ended before this copy could start" in handle.error()
                 assert not segment.tensor.any()
+    finally:
+        sender.close()
+        segment.close()
+
+
+def test_a_dead_peers_pool_is_unmapped_only_after_the_copies_queued_into_it():
+    """A prefill worker that swept a dead decode worker's pool while its copier thread still wrote
+    into it died of SIGSEGV: the copies queued before the sweep go on (or fail), never into
+    unmapped memory, and a copy queued after it fails its transfer by name."""
+    shape = (2, 2, 4, 16, 2, 8)
+    segment = SharedSegment.create(shape, torch.float32)
+    ours = torch.randn(shape)
+    sender = ShmSender()
+    try:
+        advert = ShmReceiver(segment.tensor, segment, "float32").advert()
+        out = Outgoing("r", 1, ours, [0, 1], [2, 3], advert, lambda m, f: None, time.monotonic() + 60)
+        handle = sender.open(out)
+        mapping = sender.maps[handle.info["key"]]
+        gate = threading.Event()
+        sender.copier.submit(gate.wait)  # the copier busy: the next copy waits in its queue
+        sender.send(out, handle, range(2), range(2))
+        sender.forget(advert)  # the sweep of a peer found gone
+        assert mapping.tensor is not None  # not closed under the queued copy
+        with pytest.raises(TransportError, match="worker is gone"):
+            sender.send(out, handle, range(2), range(2))
+        gate.set()
+        sender.finish(handle)
+        assert "closed here before this copy could start" in handle.error()
+        sender.copier.submit(lambda: None).result(5)
+        assert mapping.tensor is None  # closed on the copier's thread, after the copy
     finally:
         sender.close()
         segment.close()

@@ -91,10 +91,16 @@ class MappedSender(Sender):
 
     def send(self, out: Outgoing, handle: Handle, layers: range, blocks: range) -> None:
         b, peer, after = slice(blocks.start, blocks.stop), handle.peer, written(out.pool)
+        key = handle.info["key"]
+        mapping = self.maps.get(key)
+        if mapping is None:
+            raise TransportError("the peer's pool was closed here: its worker is gone")
 
         def copy():
             if time.monotonic() > out.write_by:  # queued too long: the blocks may be someone else's by now
                 raise TransportError("the grant's lease ended before this copy could start")
+            if self.maps.get(key) is not mapping:  # forgotten since: its close runs on this thread, after us
+                raise TransportError("the peer's pool was closed here before this copy could start: its worker is gone")
             with torch.inference_mode(), self._copying(out.pool.device, peer.device, after, handle.queued_on):
                 copy_blocks(out.pool, out.src_blocks[b], peer, out.dst_blocks[b], slice(layers.start, layers.stop))
         handle.futures.append(run_now(copy) if handle.queued_on is not None else self.copier.submit(copy))
@@ -114,14 +120,18 @@ class MappedSender(Sender):
             pass
 
     def forget_key(self, key: str) -> None:
+        """Stop using a peer's pool. Its mapping is closed on the copier's thread, after the copies
+        queued before: closing it under a running copy was a segfault (a tensor over an mmap does
+        not keep it from being unmapped), and copies queued later see it gone. Once the copier is
+        shut down the mapping goes with the last tensor that uses it."""
         mapping = self.maps.pop(key, None)
         if mapping is not None and hasattr(mapping, "close"):
-            mapping.close()
+            self.copier.submit(mapping.close)
 
     def close(self) -> None:
-        self.copier.shutdown()
         for key in list(self.maps):
             self.forget_key(key)
+        self.copier.shutdown()
 
 
 class MappedReceiver(Receiver):
