@@ -91,9 +91,7 @@ class RouterChat:
             for _ in stream:  # the router answers the cancel with Done("cancelled") at once
                 pass
             return shown, True
-        rest = (stream.result.text or "")[len(shown):]  # a last character held back, if any
-        on_text(rest)
-        return shown + rest, False
+        return shown, False
 
 
 def show(text: str) -> None:

@@ -208,6 +208,8 @@ class _Abandonable:
     """A stream closed (or dropped) before its end cancels its request (the client's _abandon)."""
     client: "_Requests"
     request_id: str | None
+    result: "Result | None"
+    streamed = 0  # characters of text its chunks carried
 
     def close(self) -> None:
         if self.request_id is not None:
@@ -215,6 +217,16 @@ class _Abandonable:
 
     def __del__(self):
         self.close()
+
+    def _take(self, msg) -> Chunk | None:
+        """A Token's chunk. At Done: the Result, and a last chunk with the text the router held back
+        while it might begin a stop string, where the output then ended another way (None if none)."""
+        if isinstance(msg, P.Token):
+            self.streamed += len(msg.text)
+            return _chunk(msg)
+        self.result = _result(msg)
+        rest = (self.result.text or "")[self.streamed:]
+        return Chunk(self.result.request_id, len(self.result.token_ids), [], rest) if rest else None
 
 
 class Stream(_Abandonable):
@@ -232,11 +244,10 @@ class Stream(_Abandonable):
     def __next__(self) -> Chunk:
         if self.result is not None:
             raise StopIteration
-        msg = self.client._next(self.request_id, self.client._deadline(self.timeout))
-        if isinstance(msg, P.Token):
-            return _chunk(msg)
-        self.result = _result(msg)
-        raise StopIteration
+        chunk = self._take(self.client._next(self.request_id, self.client._deadline(self.timeout)))
+        if chunk is None:
+            raise StopIteration
+        return chunk
 
     def __enter__(self):
         return self
@@ -269,10 +280,9 @@ class AsyncStream(_Abandonable):
         except asyncio.CancelledError:
             self.close()
             raise
-        if isinstance(msg, P.Token):
-            return _chunk(msg)
-        self.result = _result(msg)
-        raise StopAsyncIteration
+        if (chunk := self._take(msg)) is None:
+            raise StopAsyncIteration
+        return chunk
 
     async def aclose(self) -> None:
         self.close()

@@ -47,6 +47,8 @@ def workload(n=50, seed=0, vocab=256):
             s.update(repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.3, min_p=0.05)
         elif i % 3 == 1:
             s.update(logit_bias={rng.randrange(vocab): 3.0, rng.randrange(vocab): -50})
+            if i % 6 == 4:  # held back while it may begin: the stream's text must still end as the result's
+                s.update(stop=["\x00\x01"])
         elif i % 6 == 2:
             stop = rng.randrange(vocab)
             s.update(logit_bias={stop: 100.0}, stop_token_ids=[stop], min_tokens=min(3, s["max_tokens"]))
@@ -82,6 +84,7 @@ def check_cluster_matches(address, model, n=50, seed=0, vocab=256):
         streamed = [t for c in chunks for t in c.token_ids]
         assert streamed == want
         assert [c.index for c in chunks] == [sum(len(c.token_ids) for c in chunks[:i]) for i in range(len(chunks))]
+        assert "".join(c.text for c in chunks) == (result.text or "")
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (2, 2)])
