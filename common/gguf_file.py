@@ -21,12 +21,11 @@ from pathlib import Path
 import numpy as np
 
 from common.errors import InvalidArgument, ModelLoadError, short_repr as _short
-from common.model_spec import ModelConfig, check_number
+from common.model_spec import ModelConfig, check_number, sample_file
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 ROPE_SCALINGS = ("none", "linear")
 _REQUIRED = object()
-_SAMPLES, _SAMPLE_BYTES = 64, 64 * 1024
 
 
 
@@ -84,15 +83,8 @@ class GGUFFile:
 
     @functools.cached_property
     def fingerprint(self) -> str:
-        size = self.path.stat().st_size
-        start = self.reader.data_offset
-        h = hashlib.blake2b(size.to_bytes(8, "little"), digest_size=8)
-        with open(self.path, "rb") as f:
-            h.update(f.read(start))
-            step = max(1, (size - start) // _SAMPLES)
-            for i in range(_SAMPLES):
-                f.seek(start + i * step)
-                h.update(f.read(_SAMPLE_BYTES))
+        h = hashlib.blake2b(digest_size=8)
+        sample_file(h, self.path, self.reader.data_offset)  # the header whole, then the tensors sampled
         return "gguf-" + h.hexdigest()
 
 

@@ -207,6 +207,21 @@ def model_path(spec: str) -> Path:
 # ---------------------------------------------------------------- Hugging Face checkpoints
 
 _LLAMA_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+_SAMPLES, _SAMPLE_BYTES = 64, 64 * 1024  # what a fingerprint reads of a weights file: 4 MiB, whatever its size
+
+
+def sample_file(h, path: Path, start: int = 0) -> None:
+    """Feed the hash h a file's size and _SAMPLES slices of it from `start` on. Two checkpoints
+    that share their config (a base model and its fine-tune) differ there: a model's fingerprint,
+    which the router compares with each worker's, covers its weights without reading them all."""
+    size = path.stat().st_size
+    h.update(size.to_bytes(8, "little"))
+    with open(path, "rb") as f:
+        h.update(f.read(start))
+        step = max(1, (size - start) // _SAMPLES)
+        for i in range(_SAMPLES):
+            f.seek(start + i * step)
+            h.update(f.read(_SAMPLE_BYTES))
 _GPT2_ACTS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
 
 
@@ -219,7 +234,10 @@ def hf_model_config(path: Path) -> ModelConfig:
         raise ModelLoadError(f"{cfg_file}: cannot read ({e})") from e
     if not isinstance(raw, dict):
         raise ModelLoadError(f"{cfg_file}: not a JSON object")
-    fingerprint = hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+    h = hashlib.blake2b(text.encode(), digest_size=8)
+    for weights in sorted(path.glob("*.safetensors")):
+        sample_file(h, weights)
+    fingerprint = h.hexdigest()
     mt = raw.get("model_type")
     eos = _eos_ids(raw, path)
 

@@ -237,3 +237,18 @@ def test_text_with_a_lone_surrogate_or_a_value_msgpack_cannot_carry_is_refused_b
     for prompt, sampling in (([1, 2**70], {}), ("a", {"temperature": 2**70}), ("a", {"stop": [object()]})):
         with pytest.raises(InvalidArgument, match="this Generate holds a value that cannot be sent"):
             P.encode(_generate("r", prompt, None, sampling, True))
+
+
+def test_a_fine_tune_with_the_base_models_config_has_its_own_fingerprint(tmp_path, llama_dir):
+    """The router refuses a worker whose fingerprint is not its model's. A fingerprint of
+    config.json alone let a fine-tune serve beside its base model: wrong tokens, nothing said."""
+    import shutil
+
+    from common.model_spec import hf_model_config
+
+    tuned = tmp_path / "tuned"
+    write_checkpoint(tuned, "llama-gqa", seed=1)
+    assert (tuned / "config.json").read_text() == (llama_dir / "config.json").read_text()
+    base = hf_model_config(llama_dir).fingerprint
+    assert hf_model_config(shutil.copytree(llama_dir, tmp_path / "copy")).fingerprint == base
+    assert hf_model_config(tuned).fingerprint != base
