@@ -14,8 +14,9 @@ every request while each prefill worker holds max_prefill_queue or more (a burst
 worker at once instead of queueing behind the prefill workers). Unless
 disaggregation is enforced, a decode worker also prefills what no prefill worker can take: none
 is alive (all restarting), or every one has failed the request. A live prefill worker that cannot
-hand a decode worker KV (another dtype, no transport in common) is still sent the request, and says
-why it fails: a misconfiguration to see, not to serve around in silence.
+hand a decode worker KV (no transport in common: another dtype or block size is refused when it
+registers) is still sent the request, and says why it fails: a misconfiguration to see, not to
+serve around in silence.
 """
 
 from __future__ import annotations

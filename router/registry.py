@@ -27,7 +27,6 @@ class Worker:
     kv_address: str
     kv_transports: list[str] = field(default_factory=list)  # what it sends (prefill) or receives (decode) KV by
     kv_dtype: str = ""  # its KV pool's dtype ("": not said, an older worker)
-    kv_warned: bool = False  # the router has said that no worker of the other role holds KV alike
     batch_invariant: bool | None = None  # its kernels' rounding does not depend on the batch (None: not said)
     registered_at: float = field(default_factory=time.monotonic)
     last_seen: float = field(default_factory=time.monotonic)
@@ -84,6 +83,25 @@ def invariance_split(workers: list[Worker]) -> tuple[list[str], list[str]] | Non
     on = sorted(w.worker_id for w in workers if w.alive and w.batch_invariant is True)
     off = sorted(w.worker_id for w in workers if w.alive and w.batch_invariant is False)
     return (on, off) if on and off else None
+
+
+def layout_conflict(workers: list[Worker], joining: str, role: str, kv_dtype: str, block_size: int) -> str | None:
+    """Why worker `joining` cannot serve beside the live workers, else None: it computes in
+    another dtype than theirs (a request's tokens would depend on the worker it meets), or it is a
+    prefill or decode worker whose KV blocks differ in size from the other role's (KV moves
+    between them as it is: every handoff would fail). The live workers set both; a launch starts
+    its workers alike, so this catches a worker started by hand with other flags."""
+    others = [w for w in workers if w.alive and w.worker_id != joining]
+    clash = next((w for w in others if kv_dtype and w.kv_dtype and w.kv_dtype != kv_dtype), None)
+    if clash is not None:
+        return (f"it computes in {kv_dtype}, live worker {clash.worker_id} in {clash.kv_dtype}: a request's tokens "
+                f"would depend on the worker it meets; allowed: --dtype {clash.kv_dtype}")
+    peer = {"prefill": "decode", "decode": "prefill"}.get(role)
+    clash = next((w for w in others if w.role == peer and w.block_size != block_size), None)
+    if clash is not None:
+        return (f"its KV comes in {block_size}-token blocks, {peer} worker {clash.worker_id}'s in "
+                f"{clash.block_size}: KV cannot move between them; allowed: --block-size {clash.block_size}")
+    return None
 
 
 class Registry:

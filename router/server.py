@@ -39,7 +39,7 @@ from router.openai_api import OutputParsers
 from router.placement import Placement, asks_prompt_logprobs
 from router.prefix_affinity import PromptChain, take_events
 from router.prompts import Prompts
-from router.registry import DECODE_ROLES, PREFILL_ROLES, Registry, Worker, invariance_split
+from router.registry import DECODE_ROLES, PREFILL_ROLES, Registry, Worker, invariance_split, layout_conflict
 from common.text import TextStream
 
 log = logging.getLogger("pdserve.router")
@@ -516,6 +516,12 @@ class Router:
                       self.prompts.model_config.fingerprint)
             self._send(self.backend, P.Shutdown(f"model mismatch: router serves {self.cfg.model}"), identity)
             return
+        conflict = layout_conflict(list(self.registry.workers.values()), msg.worker_id, msg.role, msg.kv_dtype,
+                                   msg.block_size)
+        if conflict is not None:
+            log.error("refused worker %s: %s", msg.worker_id, conflict)
+            self._send(self.backend, P.Shutdown(conflict), identity)
+            return
         old = self.registry.workers.get(msg.worker_id)
         if old is not None and old.alive and old.incarnation != msg.incarnation:
             if not old.leaving:
@@ -542,7 +548,6 @@ class Router:
         w = self.registry.workers[msg.worker_id]
         log.info("worker %s registered: role=%s device=%s blocks=%d (%s) kv=%s by %s", msg.worker_id, msg.role,
                  msg.device, msg.total_blocks, w.kv_name(), msg.kv_address or "-", ",".join(msg.kv_transports) or "-")
-        self._warn_kv_orphans()
         self._fit_context()
         split = invariance_split(list(self.registry.workers.values()))
         if split is not None and msg.worker_id in split[0] + split[1]:
@@ -551,19 +556,6 @@ class Router:
                         ", ".join(split[0]), ", ".join(split[1]))
         self._send(self.backend, P.Registered(msg.worker_id, msg.incarnation, self.kv_events and msg.prefix_caching),
                    identity)
-
-    def _warn_kv_orphans(self):
-        """Name, once, each prefill or decode worker whose KV (dtype, block size) no live worker of
-        the other role holds alike: placement.pairs() never sends it work."""
-        prefill, decode = self.registry.alive(("prefill",)), self.registry.alive(("decode",))
-        for w, others in [(p, decode) for p in prefill] + [(d, prefill) for d in decode]:
-            if others and not w.kv_warned and not any(w.kv_fits(o) for o in others):
-                w.kv_warned = True
-                log.error("worker %s holds %s; no %s worker registered does (%s): pairs with it fail "
-                          "on their KV layouts, and it gets no work once a matching one registers. Start every "
-                          "worker with the same --dtype and --block-size",
-                          w.worker_id, w.kv_name(), others[0].role,
-                          "; ".join(f"{o.worker_id}: {o.kv_name()}" for o in others))
 
     def _fit_context(self):
         """Admit the context every known worker serves. A worker may serve less than the router was

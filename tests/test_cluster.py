@@ -5,6 +5,8 @@ OVERLOADED, and return every KV block on cancellation."""
 import asyncio
 import importlib.util
 import random
+import subprocess
+import sys
 import threading
 import time
 
@@ -483,23 +485,28 @@ def test_workers_that_disagree_on_batch_invariance_are_named_at_registration(cap
         asyncio.run(scenario())
 
 
-def test_a_decode_worker_holding_other_kv_is_named_at_registration_and_gets_no_work(tmp_path):
-    """One of two decode workers started with another --dtype: the router says so when it
-    registers, sends it nothing, and every request is served token-exact by the other."""
+def test_a_worker_of_another_dtype_or_block_size_is_refused_by_name(tmp_path):
+    """A worker started with another --dtype than the live workers' would give a request other
+    tokens (it served them, nothing said, between mono workers), and a decode worker with another
+    --block-size fails every handoff: the router refuses both when they register, naming the flag
+    and its value; the cluster serves on token-exact."""
     from router.launcher import Cluster
 
-    c = Cluster("dummy:nanogpt", 1, 2, 0, ["cpu"], "127.0.0.1", 0, 0, tmp_path / "logs", "round_robin", [],
+    c = Cluster("dummy:nanogpt", 1, 1, 0, ["cpu"], "127.0.0.1", 0, 0, tmp_path / "logs", "round_robin", [],
                 threads=1, restart=False)
-    odd = next(w for w in c.workers if w.name == "decode-1")
-    odd.argv += ["--dtype", "bfloat16"]
     try:
         c.start()
-        check_cluster_matches(c.address, "dummy:nanogpt", n=12)
+        for flags, says in ((["--dtype", "bfloat16"], "it computes in bfloat16, live worker "),
+                            (["--block-size", "32"], "its KV comes in 32-token blocks, prefill worker prefill-0's "
+                                                     "in 16: KV cannot move between them; allowed: --block-size 16")):
+            odd = subprocess.run([sys.executable, "-m", "common.cli", "decode", "--router",
+                                  f"tcp://127.0.0.1:{c.worker_port}", "--worker-id", "decode-odd", "--threads", "1",
+                                  *flags], capture_output=True, text=True, timeout=120)
+            assert odd.returncode == 1 and says in odd.stderr, odd.stderr[-2000:]
+        assert "allowed: --dtype float32" in (tmp_path / "logs" / "router.log").read_text()
+        check_cluster_matches(c.address, "dummy:nanogpt", n=8)
     finally:
         c.stop()
-    router_log = (tmp_path / "logs" / "router.log").read_text()
-    assert "worker decode-1 holds bfloat16 KV in 16-token blocks; no prefill worker registered does" in router_log
-    assert "LAYOUT_MISMATCH" not in router_log and "KV layouts differ" not in router_log
 
 
 def test_a_closed_client_says_so_and_an_async_client_keeps_to_its_event_loop(tmp_path):

@@ -15,7 +15,7 @@ from common.model_spec import model_config
 from common.config import EngineConfig
 from common.errors import InvalidArgument
 from common.memory import (CONTEXT_BYTES, DEFAULT_UTILIZATION, SAMPLER_BYTES_PER_LOGIT, DeviceMemory, block_cost,
-                           decode_graph_bytes, device_shares, kv_pool_blocks, pool_and_context,
+                           decode_graph_bytes, device_shares, kv_pool_blocks, launch_plan, pool_and_context,
                            step_activation_bytes, triton_prefill_bytes)
 from router.launcher import Cluster
 
@@ -25,6 +25,17 @@ H100 = 79 * GiB  # about what an H100 80GB reports as its total
 
 
 # ----------------------------------------------------------------------------- splitting a device
+
+def test_a_launch_on_a_cpu_and_gpus_needs_one_dtype_for_all():
+    """A CPU worker computes in float32 by default and a GPU worker in bfloat16: the router refuses
+    a second dtype, so a launch that mixes them says so before it starts anything."""
+    with pytest.raises(InvalidArgument, match="give every worker one --dtype") as e:
+        launch_plan(1, 1, 0, ["cpu", "cuda:0"], [])
+    assert e.value.param == "--dtype"
+    assert [d for _, d, _ in launch_plan(1, 1, 0, ["cpu", "0"], ["--dtype=float32"])] == ["cpu", "0"]
+    assert [d for _, d, _ in launch_plan(1, 1, 0, ["cuda:0", "0"], [])] == ["cuda:0", "0"]  # GPUs alike
+    assert [d for _, d, _ in launch_plan(1, 0, 0, ["cpu", "cuda:0"], [])] == ["cpu"]  # the GPU is not used
+
 
 def test_one_prefill_one_decode_on_one_gpu_split_it_decode_larger():
     prefill, decode = device_shares(["prefill", "decode"], ["cuda:0", "cuda:0"])
@@ -242,15 +253,16 @@ def dry_run(cmd: list[str]) -> dict[str, list[str]]:
     return {m[1]: m[2].split() for m in lines if m}
 
 
-@pytest.mark.parametrize("devices, args", [
-    ("cuda:0", []),
-    ("cuda:0,cuda:1", ["--prefill", "2", "--decode", "2"]),
-    ("cpu,0", ["--prefill", "2", "--decode", "1"]),
-    ("cuda:0", ["--mono", "2", "--prefill", "0", "--decode", "0"]),
+@pytest.mark.parametrize("devices, args, engine", [
+    ("cuda:0", [], []),
+    ("cuda:0,cuda:1", ["--prefill", "2", "--decode", "2"], []),
+    ("cpu,0", ["--prefill", "2", "--decode", "1"], ["--dtype", "float32"]),  # one dtype: a CPU's and a GPU's differ
+    ("cuda:0", ["--mono", "2", "--prefill", "0", "--decode", "0"], []),
 ])
-def test_both_launchers_give_the_same_shares(devices, args):
-    launch = dry_run([sys.executable, "-m", "common.cli", "launch", "--devices", devices, "--dry-run", *args])
-    script = dry_run(["bash", str(ROOT / "deploy" / "launch.sh"), "--devices", devices, "--dry-run", *args])
+def test_both_launchers_give_the_same_shares(devices, args, engine):
+    launch = dry_run([sys.executable, "-m", "common.cli", "launch", "--devices", devices, "--dry-run", *args, *engine])
+    script = dry_run(["bash", str(ROOT / "deploy" / "launch.sh"), "--devices", devices, "--dry-run", *args, "--",
+                      *engine])
     launch.pop("router"), script.pop("router")
     assert worker_shares(launch) == worker_shares(script)
     assert any(s is not None for s in worker_shares(launch).values())
