@@ -28,7 +28,7 @@ from common import memory
 from common.checkpoint import load_model
 from common.config import EngineConfig
 from common.cuda_graphs import DecodeGraphs
-from common.errors import InvalidArgument, first_line
+from common.errors import InvalidArgument, NoRoom, first_line
 from common.kv_cache import BlockManager, allocate_kv_pool
 from common.model_runner import LaunchedStep, LayerHook, ModelRunner
 from common.sampling_params import SamplingParams, fresh_seed
@@ -259,10 +259,11 @@ class Engine:
                 seq.text.add(token)
         if params.structured_outputs is not None:
             seq.matcher = self.grammars.matcher(params.structured_outputs, output_ids)
-        need = self.block_manager.blocks_needed(seq.max_len)
+        held = min(len(seq.token_ids) + 1, seq.max_len) if prefill_only else seq.max_len  # a prefill's KV is its prompt's
+        need = self.block_manager.blocks_needed(held)
         if need > self.num_blocks:
-            raise InvalidArgument(f"request needs {need} KV blocks for {seq.max_len} tokens; the pool has "
-                                  f"num_blocks={self.num_blocks} (raise num_blocks or kv_cache_gb, or lower max_tokens)")
+            raise NoRoom(f"request needs {need} KV blocks for {held} tokens; the pool has num_blocks={self.num_blocks} "
+                         "(raise num_blocks or kv_cache_gb, or lower max_tokens)")
         self.requests[request_id] = seq
         return seq
 

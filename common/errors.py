@@ -21,6 +21,13 @@ class InvalidArgument(PdserveError, ValueError):
         self.param = param
 
 
+class NoRoom(InvalidArgument):
+    """A request this worker's KV pool can never hold, where another worker's pool may: a worker
+    reports it as NO_ROOM (its prefill worker's own pool: PREFILL_NO_ROOM), which the router
+    retries elsewhere, where INVALID_ARGUMENT ends a request."""
+    code = "NO_ROOM"
+
+
 class StartupError(PdserveError, RuntimeError):
     """A process of a cluster that exited, or did not become ready, while it started."""
 

@@ -314,7 +314,9 @@ class KVGrant:
 class KVRefuse:
     request_id: str
     attempt: int
-    code: str  # BUSY (retry later), NO_ROOM (never: the pool is too small), LAYOUT_MISMATCH, INVALID_ARGUMENT, CANCELLED
+    # BUSY (retry later), NO_ROOM (never: the decode worker's pool is too small), PREFILL_NO_ROOM (the prefill
+    # worker's), LAYOUT_MISMATCH, INVALID_ARGUMENT, CANCELLED
+    code: str
     message: str
 
 

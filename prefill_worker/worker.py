@@ -51,7 +51,7 @@ import zmq
 from common import protocol as P
 from common.channel import Channel, Envelope
 from common.engine import RequestOutput
-from common.errors import InvalidArgument
+from common.errors import InvalidArgument, NoRoom
 from common.kv_transport import Handle, Outgoing, TransportError, choose, make_senders, offered, tune_malloc
 from common.kv_transport.mapped import HOSTNAME
 from common.sampling_params import SamplingParams
@@ -161,8 +161,9 @@ class PrefillWorker(WorkerBase):
             params = SamplingParams.from_dict(work.sampling)
             self.engine.add_sequence(rid, work.token_ids, work.num_prompt_tokens, params, work.seed,
                                      prefill_only=True)
-        except InvalidArgument as e:
-            self.to_router(P.WorkerError(rid, work.attempt, e.code, str(e)))
+        except InvalidArgument as e:  # NO_ROOM relayed from a decode worker is its pool's: ours has its own code
+            code = "PREFILL_NO_ROOM" if isinstance(e, NoRoom) else e.code
+            self.to_router(P.WorkerError(rid, work.attempt, code, str(e)))
             return
         now = time.monotonic()
         self.work[rid] = (work, now)

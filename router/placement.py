@@ -126,5 +126,6 @@ def pairs(req: Request, p: Worker, d: Worker) -> bool:
 
 
 def untried(req: Request, p: Worker, d: Worker) -> bool:
-    """Whether req has not failed between p and d (and d has not refused it whoever prefilled)."""
-    return not {(p.worker_id, d.worker_id), ("*", d.worker_id)} & req.failed_pairs
+    """Whether req has not failed between p and d (and d has not refused it whoever prefilled, nor
+    p's own pool whatever the decode worker)."""
+    return not {(p.worker_id, d.worker_id), ("*", d.worker_id), (p.worker_id, "*")} & req.failed_pairs

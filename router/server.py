@@ -680,15 +680,21 @@ class Router:
         if msg.code == "INVALID_ARGUMENT":
             self.error(req, msg.code, msg.message)
         else:
-            # the decode worker's own fault (its pool, its model) holds for every prefill worker
+            # the decode worker's own fault (its pool, its model) holds for every prefill worker, and the
+            # prefill worker's pool for every decode worker
             fault = msg.code in DECODE_FAULTS
-            req.failed_pairs.add(("*" if fault else req.prefill_worker, req.decode_worker))
-            why = f"{msg.code} from {w.worker_id}: {msg.message}"
+            mine = msg.code == "PREFILL_NO_ROOM"
+            req.failed_pairs.add(("*" if fault else req.prefill_worker, "*" if mine else req.decode_worker))
+            why = f"{msg.code} from {req.decode_worker if fault else w.worker_id}: {msg.message}"
             # every decode worker registered (a dead one may come back) refused it, and no mono worker could
             others = [d for d in self.registry.workers.values() if d.role in ("decode", "mono")
                       and ("*", d.worker_id) not in req.failed_pairs]
             if fault and not others:
                 return self.error(req, "UNAVAILABLE", f"no decode worker can take this request; {why}")
+            prefillers = [p for p in self.registry.workers.values() if (p.worker_id, "*") not in req.failed_pairs
+                          and (p.role in PREFILL_ROLES or not self.cfg.enforce_disagg and p.role == "decode")]
+            if mine and not prefillers:
+                return self.error(req, "UNAVAILABLE", f"no worker can prefill this request; {why}")
             self.retry(req, why)
 
     # ------------------------------------------------------------------ time

@@ -528,3 +528,18 @@ def test_a_closed_client_says_so_and_an_async_client_keeps_to_its_event_loop(tmp
         asyncio.run(aclient.close())
         with pytest.raises(RuntimeError, match="this AsyncClient is closed"):
             asyncio.run(aclient.status())
+
+
+def test_a_prefill_worker_with_a_small_pool_takes_what_fits_and_leaves_the_rest_to_others(tmp_path):
+    """A prefill worker holds a prompt's KV, not its output's: a pool of 5 blocks takes 60-token
+    prompts whatever their max_tokens (it refused them as INVALID_ARGUMENT, a final error, sizing
+    them by prompt + max_tokens), and a prompt it cannot hold goes to the other prefill worker."""
+    workers = [("prefill", ["--num-blocks", "5", "--worker-id", "small"], None), ("prefill", [], None),
+               ("decode", [], None)]
+    with hand_made_cluster(tmp_path, ["--policy", "round_robin"], workers) as (client, _):
+        prompts = [[3 + i] * n for i, n in enumerate([60, 100, 60, 100, 60, 100])]
+        sampling = dict(max_tokens=40, temperature=0.0, ignore_eos=True)
+        results = [client.generate(p, **sampling) for p in prompts]
+        assert [r.token_ids for r in results] == monolithic("dummy:nanogpt", prompts, [sampling] * len(prompts))
+    router_log = (tmp_path / "router.log").read_text()
+    assert "PREFILL_NO_ROOM from small: request needs 7 KV blocks for 101 tokens" in router_log
