@@ -366,8 +366,10 @@ def status(router_address, as_json):
                 ["worker", "role", "device", "alive", "queued", "held", "running", "free blocks", "total blocks",
                  "context", "KV by", "heartbeat age s"],
                 [[w["worker_id"], w["role"], w["device"], "leaving" if w.get("leaving") and w["alive"] else w["alive"],
-                  w["queued"], w.get("held", 0), w["running"], w["free_blocks"], w["total_blocks"],
-                  w.get("max_model_len") or "-", ",".join(w.get("kv_transports", [])) or "-", w["heartbeat_age_s"]]
+                  # a dead worker's load is what it last said, not what it holds: "-"
+                  *((w["queued"], w.get("held", 0), w["running"], w["free_blocks"]) if w["alive"] else ["-"] * 4),
+                  w["total_blocks"], w.get("max_model_len") or "-", ",".join(w.get("kv_transports", [])) or "-",
+                  w["heartbeat_age_s"]]
                  for w in reply.workers])
 
 

@@ -313,6 +313,13 @@ def test_unavailable_without_workers(tmp_path):
         with pytest.raises(RequestError) as e:
             client.generate([1, 2, 3], max_tokens=2)
         assert e.value.code == "UNAVAILABLE" and "no live decode worker for 1.0s" in e.value.message
+        from click.testing import CliRunner
+
+        from common.cli import main
+
+        rows = CliRunner().invoke(main, ["status", "--router", c.address]).output.splitlines()[3:]
+        dead = next(row.split() for row in rows if row.split()[:1] == ["decode-0"])
+        assert dead[3:8] == ["False", "-", "-", "-", "-"], dead  # not its last figures, as if it held them
 
 
 def test_unavailable_when_no_worker_ever_registered(tmp_path):
