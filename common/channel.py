@@ -166,8 +166,8 @@ class Channel:
 
     def try_send(self, msg, frames=(), to: bytes | None = None) -> bool:
         """Send, or log and return False if the peer is gone (ROUTER) or does not take it within
-        self.send_wait_s: it stopped reading (its queue is at the high-water mark), or it never connected (a
-        DEALER has nowhere to queue). Once a send has been given up, the next ones fail at once
+        self.send_wait_s: it stopped reading (its queue is at the high-water mark), or it never
+        connected (a DEALER has nowhere to queue). Once a send has been given up, the next ones fail at once
         until one goes through: a dead router must not freeze the worker that sends to it (its
         loop, and with it SIGTERM's handling, goes on)."""
         parts = ([to] if to is not None else []) + [protocol.encode(msg)] + list(frames)
@@ -182,7 +182,8 @@ class Channel:
             if not self._stalled:
                 self._stalled = True
                 log.warning("could not send %s to %r: nothing took it for %.0f s; dropping what this socket "
-                            "sends until its peer reads again", type(msg).__name__, to or self.peer_name, self.send_wait_s)
+                            "sends until its peer reads again", type(msg).__name__, to or self.peer_name,
+                            self.send_wait_s)
             return False
         except zmq.ZMQError as e:
             log.warning("could not send %s to %r: %s", type(msg).__name__, to or self.peer_name, e)

@@ -259,7 +259,8 @@ class Engine:
                 seq.text.add(token)
         if params.structured_outputs is not None:
             seq.matcher = self.grammars.matcher(params.structured_outputs, output_ids)
-        held = min(len(seq.token_ids) + 1, seq.max_len) if prefill_only else seq.max_len  # a prefill's KV is its prompt's
+        # a prefill holds its prompt's KV (and the first token's slot), not its output's
+        held = min(len(seq.token_ids) + 1, seq.max_len) if prefill_only else seq.max_len
         need = self.block_manager.blocks_needed(held)
         if need > self.num_blocks:
             raise NoRoom(f"request needs {need} KV blocks for {held} tokens; the pool has num_blocks={self.num_blocks} "

@@ -71,7 +71,8 @@ def launch_plan(prefill: int, decode: int, mono: int, devices: list[str], worker
     pdserve launch and deploy/launch.sh (through `pdserve gpu-shares`) both place workers by it."""
     roles = ["prefill"] * prefill + ["decode"] * decode + ["mono"] * mono
     placed = [devices[i % len(devices)] for i in range(len(roles))]
-    if len({d.split(":")[0] == "cpu" for d in placed}) > 1 and not any(a.split("=", 1)[0] == "--dtype" for a in worker_args):
+    dtype_given = any(a.split("=", 1)[0] == "--dtype" for a in worker_args)
+    if len({d.split(":")[0] == "cpu" for d in placed}) > 1 and not dtype_given:
         raise InvalidArgument(f"--devices {','.join(devices)} puts workers on a CPU (float32 by default) and on GPUs "
                               "(bfloat16): a request's tokens would depend on the worker it meets, and the router "
                               "refuses a worker of a second dtype; give every worker one --dtype (float32 or "

@@ -207,6 +207,7 @@ def model_path(spec: str) -> Path:
 # ---------------------------------------------------------------- Hugging Face checkpoints
 
 _LLAMA_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+_GPT2_ACTS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
 _SAMPLES, _SAMPLE_BYTES = 64, 64 * 1024  # what a fingerprint reads of a weights file: 4 MiB, whatever its size
 
 
@@ -222,7 +223,6 @@ def sample_file(h, path: Path, start: int = 0) -> None:
         for i in range(_SAMPLES):
             f.seek(start + i * step)
             h.update(f.read(_SAMPLE_BYTES))
-_GPT2_ACTS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
 
 
 def hf_model_config(path: Path) -> ModelConfig:

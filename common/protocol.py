@@ -268,7 +268,7 @@ class WorkerTokenBatch:
 class WorkerError:
     request_id: str
     attempt: int
-    code: str
+    code: str  # a KVRefuse's, relayed; PREFILL_NO_ROOM: the prefill worker's own pool cannot hold the prompt
     message: str
 
 
@@ -314,9 +314,7 @@ class KVGrant:
 class KVRefuse:
     request_id: str
     attempt: int
-    # BUSY (retry later), NO_ROOM (never: the decode worker's pool is too small), PREFILL_NO_ROOM (the prefill
-    # worker's), LAYOUT_MISMATCH, INVALID_ARGUMENT, CANCELLED
-    code: str
+    code: str  # BUSY (retry later), NO_ROOM (never: the pool is too small), LAYOUT_MISMATCH, INVALID_ARGUMENT, CANCELLED
     message: str
 
 
