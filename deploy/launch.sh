@@ -142,7 +142,8 @@ fi
 supervise() {
   local name=$1; shift
   local child="" delay=0.5 started
-  trap '[[ -n $child ]] && kill -TERM "$child" 2>/dev/null; wait "$child" 2>/dev/null; exit 0' TERM
+  # A second TERM (a process group's, then stop()'s) cuts a wait short: wait until the child is gone
+  trap '[[ -n $child ]] && kill -TERM "$child" 2>/dev/null; while kill -0 "$child" 2>/dev/null; do wait "$child"; done 2>/dev/null; exit 0' TERM
   trap '' INT  # a terminal's Ctrl-C is this script's, which stops each process once (common/signals.py)
   while true; do
     local offset  # where this run's lines begin in the log, which keeps earlier runs'
