@@ -103,7 +103,7 @@ class Channel:
         a Released that covers every frame: the frames must be fresh memoryview slices (or other
         weakly referable buffers) that the caller does not keep. Otherwise returns the asyncio
         future of an async socket."""
-        head = ([to] if to is not None else []) + [protocol.encode(msg)]
+        head = self._head(msg, to)
         if not track:
             return self.sock.send_multipart(head + list(frames), copy=False)
         # Frames made first: once the header is out, nothing but the socket may fail mid-message.
@@ -120,7 +120,7 @@ class Channel:
         water mark never blocks); else behind those that wait, in order. A future per send was a
         third of the router's CPU per token (bench router). Raises zmq.ZMQError as send does (a
         gone peer); a later failure is logged."""
-        parts = ([to] if to is not None else []) + [protocol.encode(msg)]
+        parts = self._head(msg, to)
         if not self._waiting:
             try:
                 self._raw.send_multipart(parts, zmq.NOBLOCK)
@@ -167,31 +167,37 @@ class Channel:
     def try_send(self, msg, frames=(), to: bytes | None = None) -> bool:
         """Send, or log and return False if the peer is gone (ROUTER) or does not take it within
         self.send_wait_s: it stopped reading (its queue is at the high-water mark), or it never
-        connected (a DEALER has nowhere to queue). Once a send has been given up, the next ones fail at once
-        until one goes through: a dead router must not freeze the worker that sends to it (its
-        loop, and with it SIGTERM's handling, goes on)."""
-        parts = ([to] if to is not None else []) + [protocol.encode(msg)] + list(frames)
+        connected (a DEALER has nowhere to queue). Once a send has been given up, the next ones fail
+        at once until one goes through: a dead router must not freeze the worker that sends to it
+        (its loop, and with it SIGTERM's handling, goes on)."""
+        parts = self._head(msg, to) + list(frames)
         try:
-            try:
-                self._raw.send_multipart(parts, zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                if self._stalled or not self._raw.poll(int(self.send_wait_s * 1e3), zmq.POLLOUT):
-                    raise
-                self._raw.send_multipart(parts, zmq.NOBLOCK, copy=False)
-        except zmq.Again:
-            if not self._stalled:
-                self._stalled = True
-                log.warning("could not send %s to %r: nothing took it for %.0f s; dropping what this socket "
-                            "sends until its peer reads again", type(msg).__name__, to or self.peer_name,
-                            self.send_wait_s)
-            return False
+            sent = self._send_now(parts) or (
+                not self._stalled and self._raw.poll(int(self.send_wait_s * 1e3), zmq.POLLOUT) != 0
+                and self._send_now(parts))
         except zmq.ZMQError as e:
             log.warning("could not send %s to %r: %s", type(msg).__name__, to or self.peer_name, e)
             return False
-        if self._stalled:
-            self._stalled = False
+        if not sent and not self._stalled:
+            log.warning("could not send %s to %r: nothing took it for %.0f s; dropping what this socket sends "
+                        "until its peer reads again", type(msg).__name__, to or self.peer_name, self.send_wait_s)
+        elif sent and self._stalled:
             log.info("%r reads again", to or self.peer_name)
-        return True
+        self._stalled = not sent
+        return sent
+
+    def _send_now(self, parts: list) -> bool:
+        """Send without waiting; False if the socket would block."""
+        try:
+            self._raw.send_multipart(parts, zmq.NOBLOCK, copy=False)
+            return True
+        except zmq.Again:
+            return False
+
+    @staticmethod
+    def _head(msg, to: bytes | None) -> list:
+        """A message's first frames: the peer's identity (a ROUTER's send), then the header."""
+        return ([to] if to is not None else []) + [protocol.encode(msg)]
 
     def _parse(self, parts: list) -> Envelope:
         sender = None

@@ -264,7 +264,7 @@ class Engine:
         need = self.block_manager.blocks_needed(held)
         if need > self.num_blocks:
             raise NoRoom(f"request needs {need} KV blocks for {held} tokens; the pool has num_blocks={self.num_blocks} "
-                         "(raise num_blocks or kv_cache_gb, or lower max_tokens)")
+                         f"(raise num_blocks or kv_cache_gb{'' if prefill_only else ', or lower max_tokens'})")
         self.requests[request_id] = seq
         return seq
 

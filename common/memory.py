@@ -59,9 +59,9 @@ def device_shares(roles: list[str], devices: list[str], utilization: float = DEF
             for r, k in zip(roles, keys)]
 
 
-def has_memory_flag(args: list[str]) -> bool:
-    """Whether these worker flags size the KV pool themselves (then a launcher adds no share)."""
-    return any(a.split("=", 1)[0] in MEMORY_FLAGS for a in args)
+def has_flag(args: list[str], flags) -> bool:
+    """Whether these worker args give one of flags (as 'FLAG VALUE' or 'FLAG=VALUE')."""
+    return any(a.split("=", 1)[0] in flags for a in args)
 
 
 def launch_plan(prefill: int, decode: int, mono: int, devices: list[str], worker_args: list[str],
@@ -71,13 +71,12 @@ def launch_plan(prefill: int, decode: int, mono: int, devices: list[str], worker
     pdserve launch and deploy/launch.sh (through `pdserve gpu-shares`) both place workers by it."""
     roles = ["prefill"] * prefill + ["decode"] * decode + ["mono"] * mono
     placed = [devices[i % len(devices)] for i in range(len(roles))]
-    dtype_given = any(a.split("=", 1)[0] == "--dtype" for a in worker_args)
-    if len({d.split(":")[0] == "cpu" for d in placed}) > 1 and not dtype_given:
+    if len({d.split(":")[0] == "cpu" for d in placed}) > 1 and not has_flag(worker_args, ("--dtype",)):
         raise InvalidArgument(f"--devices {','.join(devices)} puts workers on a CPU (float32 by default) and on GPUs "
                               "(bfloat16): a request's tokens would depend on the worker it meets, and the router "
                               "refuses a worker of a second dtype; give every worker one --dtype (float32 or "
                               "bfloat16)", param="--dtype")
-    shares = [None] * len(roles) if has_memory_flag(worker_args) else device_shares(roles, placed, utilization)
+    shares = [None] * len(roles) if has_flag(worker_args, MEMORY_FLAGS) else device_shares(roles, placed, utilization)
     return list(zip(roles, placed, shares))
 
 

@@ -142,8 +142,12 @@ fi
 supervise() {
   local name=$1; shift
   local child="" delay=0.5 started
-  # A second TERM (a process group's, then stop()'s) cuts a wait short: wait until the child is gone
-  trap '[[ -n $child ]] && kill -TERM "$child" 2>/dev/null; while kill -0 "$child" 2>/dev/null; do wait "$child"; done 2>/dev/null; exit 0' TERM
+  stop_child() {  # a second TERM (a process group's, then stop()'s) cuts a wait short: wait until it is gone
+    [[ -n $child ]] && kill -TERM "$child" 2>/dev/null
+    while kill -0 "$child" 2>/dev/null; do wait "$child"; done 2>/dev/null
+    exit 0
+  }
+  trap stop_child TERM
   trap '' INT  # a terminal's Ctrl-C is this script's, which stops each process once (common/signals.py)
   while true; do
     local offset  # where this run's lines begin in the log, which keeps earlier runs'

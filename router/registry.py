@@ -85,21 +85,21 @@ def invariance_split(workers: list[Worker]) -> tuple[list[str], list[str]] | Non
     return (on, off) if on and off else None
 
 
-def layout_conflict(workers: list[Worker], joining: str, role: str, kv_dtype: str, block_size: int) -> str | None:
+def layout_conflict(workers: list[Worker], joining: Worker) -> str | None:
     """Why worker `joining` cannot serve beside the live workers, else None: it computes in
     another dtype than theirs (a request's tokens would depend on the worker it meets), or it is a
-    prefill or decode worker whose KV blocks differ in size from the other role's (KV moves
-    between them as it is: every handoff would fail). The live workers set both; a launch starts
-    its workers alike, so this catches a worker started by hand with other flags."""
-    others = [w for w in workers if w.alive and w.worker_id != joining]
-    clash = next((w for w in others if kv_dtype and w.kv_dtype and w.kv_dtype != kv_dtype), None)
+    prefill or decode worker whose KV does not fit the other role's (kv_fits: it moves between
+    them as it is, so every handoff would fail). The live workers set both; a launch starts its
+    workers alike, so this catches a worker started by hand with other flags."""
+    others = [w for w in workers if w.alive and w.worker_id != joining.worker_id]
+    clash = next((w for w in others if joining.kv_dtype and w.kv_dtype and w.kv_dtype != joining.kv_dtype), None)
     if clash is not None:
-        return (f"it computes in {kv_dtype}, live worker {clash.worker_id} in {clash.kv_dtype}: a request's tokens "
-                f"would depend on the worker it meets; allowed: --dtype {clash.kv_dtype}")
-    peer = {"prefill": "decode", "decode": "prefill"}.get(role)
-    clash = next((w for w in others if w.role == peer and w.block_size != block_size), None)
-    if clash is not None:
-        return (f"its KV comes in {block_size}-token blocks, {peer} worker {clash.worker_id}'s in "
+        return (f"it computes in {joining.kv_dtype}, live worker {clash.worker_id} in {clash.kv_dtype}: a request's "
+                f"tokens would depend on the worker it meets; allowed: --dtype {clash.kv_dtype}")
+    peer = {"prefill": "decode", "decode": "prefill"}.get(joining.role)
+    clash = next((w for w in others if w.role == peer and not joining.kv_fits(w)), None)
+    if clash is not None:  # (the dtypes agree: the block sizes differ)
+        return (f"its KV comes in {joining.block_size}-token blocks, {peer} worker {clash.worker_id}'s in "
                 f"{clash.block_size}: KV cannot move between them; allowed: --block-size {clash.block_size}")
     return None
 

@@ -516,8 +516,11 @@ class Router:
                       self.prompts.model_config.fingerprint)
             self._send(self.backend, P.Shutdown(f"model mismatch: router serves {self.cfg.model}"), identity)
             return
-        conflict = layout_conflict(list(self.registry.workers.values()), msg.worker_id, msg.role, msg.kv_dtype,
-                                   msg.block_size)
+        joining = Worker(msg.worker_id, msg.role, msg.incarnation, identity, msg.device, msg.total_blocks,
+                         msg.block_size, msg.kv_address, list(msg.kv_transports), kv_dtype=msg.kv_dtype,
+                         batch_invariant=msg.batch_invariant, free_blocks=msg.total_blocks,
+                         prefix_caching=msg.prefix_caching, max_model_len=msg.max_model_len)
+        conflict = layout_conflict(list(self.registry.workers.values()), joining)
         if conflict is not None:
             log.error("refused worker %s: %s", msg.worker_id, conflict)
             self._send(self.backend, P.Shutdown(conflict), identity)
@@ -540,12 +543,7 @@ class Router:
                 return
             self.worker_lost(old, "restarted under a new incarnation")
         self._said_taken.discard((msg.worker_id, msg.incarnation))
-        self.registry.workers[msg.worker_id] = Worker(msg.worker_id, msg.role, msg.incarnation, identity, msg.device,
-                                                      msg.total_blocks, msg.block_size, msg.kv_address,
-                                                      list(msg.kv_transports), kv_dtype=msg.kv_dtype,
-                                                      batch_invariant=msg.batch_invariant, free_blocks=msg.total_blocks,
-                                                      prefix_caching=msg.prefix_caching, max_model_len=msg.max_model_len)
-        w = self.registry.workers[msg.worker_id]
+        self.registry.workers[msg.worker_id] = w = joining
         log.info("worker %s registered: role=%s device=%s blocks=%d (%s) kv=%s by %s", msg.worker_id, msg.role,
                  msg.device, msg.total_blocks, w.kv_name(), msg.kv_address or "-", ",".join(msg.kv_transports) or "-")
         self._fit_context()
@@ -681,21 +679,24 @@ class Router:
             self.error(req, msg.code, msg.message)
         else:
             # the decode worker's own fault (its pool, its model) holds for every prefill worker, and the
-            # prefill worker's pool for every decode worker
-            fault = msg.code in DECODE_FAULTS
-            mine = msg.code == "PREFILL_NO_ROOM"
-            req.failed_pairs.add(("*" if fault else req.prefill_worker, "*" if mine else req.decode_worker))
-            why = f"{msg.code} from {req.decode_worker if fault else w.worker_id}: {msg.message}"
-            # every decode worker registered (a dead one may come back) refused it, and no mono worker could
-            others = [d for d in self.registry.workers.values() if d.role in ("decode", "mono")
-                      and ("*", d.worker_id) not in req.failed_pairs]
-            if fault and not others:
+            # prefill worker's own pool for every decode worker
+            decode_fault, prefill_fault = msg.code in DECODE_FAULTS, msg.code == "PREFILL_NO_ROOM"
+            req.failed_pairs.add(("*" if decode_fault else req.prefill_worker,
+                                  "*" if prefill_fault else req.decode_worker))
+            why = f"{msg.code} from {req.decode_worker if decode_fault else w.worker_id}: {msg.message}"
+            # every worker registered (a dead one may come back) that could take that side has failed it
+            if decode_fault and not self._untried(req, ("decode", "mono"), lambda d: ("*", d)):
                 return self.error(req, "UNAVAILABLE", f"no decode worker can take this request; {why}")
-            prefillers = [p for p in self.registry.workers.values() if (p.worker_id, "*") not in req.failed_pairs
-                          and (p.role in PREFILL_ROLES or not self.cfg.enforce_disagg and p.role == "decode")]
-            if mine and not prefillers:
+            prefilling = PREFILL_ROLES if self.cfg.enforce_disagg else PREFILL_ROLES + ("decode",)
+            if prefill_fault and not self._untried(req, prefilling, lambda p: (p, "*")):
                 return self.error(req, "UNAVAILABLE", f"no worker can prefill this request; {why}")
             self.retry(req, why)
+
+    def _untried(self, req: Request, roles: tuple, failed: Callable[[str], tuple]) -> bool:
+        """Whether a registered worker of these roles has not failed req (failed(id): its entry in
+        req.failed_pairs)."""
+        return any(w.role in roles and failed(w.worker_id) not in req.failed_pairs
+                   for w in self.registry.workers.values())
 
     # ------------------------------------------------------------------ time
 

@@ -245,59 +245,57 @@ def test_cuda_ipc_on_one_gpu_decodes_only_once_copies_held_up_on_the_device_are_
         run.close()
 
 
-def test_a_one_sided_copy_queued_past_the_lease_writes_nothing():
-    """shm copies run on a thread: one that starts after the grant's lease (the blocks may have
-    gone to another request) must fail its transfer, not write into them."""
+@pytest.fixture
+def shm_peer():
+    """A decode worker's shared pool, its advert, our own pool of the same shape, and a ShmSender:
+    (segment, advert, ours, sender), all closed after the test."""
     shape = (2, 2, 4, 16, 2, 8)
     segment = SharedSegment.create(shape, torch.float32)
-    ours = torch.randn(shape)
     sender = ShmSender()
     try:
-        advert = ShmReceiver(segment.tensor, segment, "float32").advert()
-        for write_by, copied in ((time.monotonic() - 0.001, False), (time.monotonic() + 60, True)):
-            segment.tensor.zero_()
-            out = Outgoing("r", 1, ours, [0, 1], [2, 3], advert, lambda m, f: None, write_by)
-            handle = sender.open(out)
-            sender.send(out, handle, range(2), range(2))
-            sender.finish(handle)
-            assert torch.equal(segment.tensor[:, :, 2:], ours[:, :, :2]) is copied
-            assert (handle.error() is None) is copied
-            if not copied:
-                assert "lease ended before this copy could start" in handle.error()
-                assert not segment.tensor.any()
+        yield segment, ShmReceiver(segment.tensor, segment, "float32").advert(), torch.randn(shape), sender
     finally:
         sender.close()
         segment.close()
 
 
-def test_a_dead_peers_pool_is_unmapped_only_after_the_copies_queued_into_it():
+def test_a_one_sided_copy_queued_past_the_lease_writes_nothing(shm_peer):
+    """shm copies run on a thread: one that starts after the grant's lease (the blocks may have
+    gone to another request) must fail its transfer, not write into them."""
+    segment, advert, ours, sender = shm_peer
+    for write_by, copied in ((time.monotonic() - 0.001, False), (time.monotonic() + 60, True)):
+        segment.tensor.zero_()
+        out = Outgoing("r", 1, ours, [0, 1], [2, 3], advert, lambda m, f: None, write_by)
+        handle = sender.open(out)
+        sender.send(out, handle, range(2), range(2))
+        sender.finish(handle)
+        assert torch.equal(segment.tensor[:, :, 2:], ours[:, :, :2]) is copied
+        assert (handle.error() is None) is copied
+        if not copied:
+            assert "lease ended before this copy could start" in handle.error()
+            assert not segment.tensor.any()
+
+
+def test_a_dead_peers_pool_is_unmapped_only_after_the_copies_queued_into_it(shm_peer):
     """A prefill worker that swept a dead decode worker's pool while its copier thread still wrote
     into it died of SIGSEGV: the copies queued before the sweep go on (or fail), never into
     unmapped memory, and a copy queued after it fails its transfer by name."""
-    shape = (2, 2, 4, 16, 2, 8)
-    segment = SharedSegment.create(shape, torch.float32)
-    ours = torch.randn(shape)
-    sender = ShmSender()
-    try:
-        advert = ShmReceiver(segment.tensor, segment, "float32").advert()
-        out = Outgoing("r", 1, ours, [0, 1], [2, 3], advert, lambda m, f: None, time.monotonic() + 60)
-        handle = sender.open(out)
-        mapping = sender.maps[handle.info["key"]]
-        gate = threading.Event()
-        sender.copier.submit(gate.wait)  # the copier busy: the next copy waits in its queue
+    _, advert, ours, sender = shm_peer
+    out = Outgoing("r", 1, ours, [0, 1], [2, 3], advert, lambda m, f: None, time.monotonic() + 60)
+    handle = sender.open(out)
+    mapping = sender.maps[handle.info["key"]]
+    gate = threading.Event()
+    sender.copier.submit(gate.wait)  # the copier busy: the next copy waits in its queue
+    sender.send(out, handle, range(2), range(2))
+    sender.forget(advert)  # the sweep of a peer found gone
+    assert mapping.tensor is not None  # not closed under the queued copy
+    with pytest.raises(TransportError, match="worker is gone"):
         sender.send(out, handle, range(2), range(2))
-        sender.forget(advert)  # the sweep of a peer found gone
-        assert mapping.tensor is not None  # not closed under the queued copy
-        with pytest.raises(TransportError, match="worker is gone"):
-            sender.send(out, handle, range(2), range(2))
-        gate.set()
-        sender.finish(handle)
-        assert "closed here before this copy could start" in handle.error()
-        sender.copier.submit(lambda: None).result(5)
-        assert mapping.tensor is None  # closed on the copier's thread, after the copy
-    finally:
-        sender.close()
-        segment.close()
+    gate.set()
+    sender.finish(handle)
+    assert "closed here before this copy could start" in handle.error()
+    sender.copier.submit(lambda: None).result(5)
+    assert mapping.tensor is None  # closed on the copier's thread, after the copy
 
 
 def test_choose_prefers_the_fastest_and_names_both_ends_when_none_fits():
