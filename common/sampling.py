@@ -44,11 +44,13 @@ def splitmix64(x: torch.Tensor) -> torch.Tensor:
 
 
 def keyed_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Uniform noise in (0, 1), shape (S, V), a pure function of (seed, position, token id)."""
+    """Uniform noise in (0, 1), shape (S, V), a pure function of (seed, position, token id).
+    23 bits, so that bits + 0.5 is exact in float32: with 24, the largest rounded up to 1.0, its
+    Gumbel noise was +inf, and that token won whatever its logit, even a masked or filtered one."""
     key_S = splitmix64(seeds * GOLDEN + positions)
     ids_V = (torch.arange(1, vocab_size + 1, device=seeds.device, dtype=torch.int64)) * GOLDEN
-    bits_SV = logical_shr(splitmix64(key_S[:, None] ^ ids_V[None, :]), 40)  # top 24 bits
-    return (bits_SV.to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    bits_SV = logical_shr(splitmix64(key_S[:, None] ^ ids_V[None, :]), 41)  # top 23 bits
+    return (bits_SV.to(torch.float32) + 0.5) * (1.0 / (1 << 23))
 
 
 GREEDY, PLAIN, FILTERED = "greedy", "plain", "filtered"  # what a batch's sampling must do (sampling_mode)

@@ -23,6 +23,21 @@ def test_keyed_uniform_is_deterministic_and_uniform():
     assert not torch.equal(keyed_uniform(seeds[:1], pos[:1] + 1, 10), u[:1, :10])
 
 
+def test_the_largest_noise_is_below_one_so_a_ruled_out_token_is_never_sampled():
+    # (seed 9, position 45) draws the largest noise for token 44719 of 49,152: it once rounded to
+    # 1.0, its Gumbel noise to +inf, and a token top-k, top-p or a grammar had ruled out won.
+    seeds, pos, V = torch.tensor([9]), torch.tensor([45]), 49_152
+    u = keyed_uniform(seeds, pos, V)
+    assert u.max() < 1 and u.argmax().item() == 44719
+    logits = torch.full((1, V), -math.inf)
+    logits[0, 1799] = 0.0
+    logits[0, 44719] = -30.0
+    for params in (SamplingParams(temperature=1.0, top_k=1), SamplingParams(temperature=0.01)):
+        assert sample(logits.clone(), [params], [9], [45]).item() == 1799
+    logits[0, 44719] = -math.inf  # as a grammar's mask leaves it
+    assert sample(logits, [SamplingParams(temperature=1.0)], [9], [45]).item() == 1799
+
+
 def test_noise_of_a_row_does_not_depend_on_its_batch():
     u_all = keyed_uniform(torch.tensor([7, 8, 9]), torch.tensor([3, 4, 5]), 100)
     u_one = keyed_uniform(torch.tensor([8]), torch.tensor([4]), 100)
