@@ -31,7 +31,7 @@ from common.cuda_graphs import DecodeGraphs
 from common.errors import InvalidArgument, NoRoom, first_line
 from common.kv_cache import BlockManager, allocate_kv_pool
 from common.model_runner import LaunchedStep, LayerHook, ModelRunner
-from common.sampling_params import SamplingParams, fresh_seed
+from common.sampling_params import MAX_SEED, SamplingParams, fresh_seed
 from common.speculative import Drafter
 from common.structured_output import Grammars
 from common.scheduler import ScheduledSeq, Scheduler
@@ -249,6 +249,8 @@ class Engine:
                       output_ids: list[int] = (), prefill_only: bool = False) -> Sequence:
         if request_id in self.requests or request_id in self.held:
             raise InvalidArgument(f"request_id={request_id!r} is already in use")
+        if not 0 <= seed <= MAX_SEED:  # a peer's message (a router's are in range): the sampler's int64
+            raise InvalidArgument(f"seed={seed} is out of range; allowed: 0..2**63 - 1")
         params.check_model(self.model_config.vocab_size, self.tokenizer is not None)
         seq = Sequence(request_id, prompt_ids, params, seed, self.model_config.eos_token_ids, self.max_model_len,
                        output_ids, prefill_only)

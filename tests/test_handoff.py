@@ -67,8 +67,9 @@ def test_reserve_backpressure_and_unreserve():
 
 
 def test_add_prefilled_refuses_ids_no_prompt_could_hold():
-    """A KVTransfer's token ids come over the network: one out of the vocabulary raised in the next
-    step (an embedding lookup) and took the decode worker, and every request in it, down."""
+    """A KVTransfer's token ids and seed come over the network: one out of the vocabulary raised in
+    the next step (an embedding lookup), a seed past int64 in the sampler, and either took the
+    decode worker, and every request in it, down."""
     from common.errors import InvalidArgument
 
     engine = Engine(model="dummy:nanogpt", num_blocks=8)
@@ -78,6 +79,9 @@ def test_add_prefilled_refuses_ids_no_prompt_could_hold():
         engine.add_prefilled("r", list(range(20)) + [V], 20, SamplingParams(), 0, blocks)
     with pytest.raises(InvalidArgument, match=r"num_prompt_tokens=21 is invalid; allowed: 1..20"):
         engine.add_prefilled("r", list(range(21)), 21, SamplingParams(), 0, blocks)
+    for seed in (2**64 - 1, 2**63, -1):
+        with pytest.raises(InvalidArgument, match=rf"seed={seed} is out of range; allowed: 0..2\*\*63 - 1"):
+            engine.add_prefilled("r", list(range(21)), 20, SamplingParams(temperature=1.0), seed, blocks)
     engine.unreserve(blocks)  # what the decode worker does with a refused transfer
     assert not engine.has_unfinished() and engine.num_reserved_seqs == 0
     assert_all_blocks_free(engine)
