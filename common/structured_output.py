@@ -67,6 +67,18 @@ def check(spec, name: str = "structured_outputs", field: str | None = None) -> d
         raise InvalidArgument(f"{name}={short_repr(spec)} is invalid ({what}); allowed: {ALLOWED}", param=name)
     (kind, value), = given.items()
     field = field or f"{name}.{kind}"
+    try:
+        return _checked(kind, value, name, field)
+    except InvalidArgument:
+        raise
+    except (RecursionError, ValueError) as e:  # deep nesting, a lone surrogate, a number past 64 bits
+        allowed = ("nesting at most a few hundred levels deep" if isinstance(e, RecursionError) else
+                   "text without lone surrogates" if isinstance(e, UnicodeError) else "numbers that fit 64 bits")
+        raise InvalidArgument(f"{field} cannot be compiled ({type(e).__name__}: {_first_lines(str(e), limit=120)}); "
+                              f"allowed: {allowed}", param=name) from None
+
+
+def _checked(kind: str, value, name: str, field: str) -> Checked:
     if kind == "json" and isinstance(value, str):
         try:
             value = json.loads(value)

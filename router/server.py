@@ -268,8 +268,11 @@ class Router:
             env = await self.frontend.arecv()
             try:
                 self.on_client(env)
-            except Exception:
+            except Exception as e:  # a fault of ours; the client must still hear, or it waits for good
                 log.exception("client message handling failed")
+                if isinstance(env.msg, P.Generate):
+                    self._send(self.frontend, P.Error(env.msg.request_id, "INTERNAL", f"{type(e).__name__}: {e}"),
+                               env.sender)
 
     def on_client(self, env: Envelope):
         if env.error is not None:

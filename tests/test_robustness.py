@@ -185,3 +185,23 @@ def test_a_client_or_worker_given_the_wrong_port_is_told_which_at_once(fuzz_clus
     assert r.returncode == 1, r.stderr[-2000:]
     assert "Register is not a client message: this is the router's client port" in r.stderr
     serves_exactly(c.address)
+
+
+def test_a_request_the_router_fails_on_is_answered_not_dropped(monkeypatch):
+    """A fault of the router's own while it admits a request (a library raising what nobody
+    expected) was logged, and the ZeroMQ client waited for an answer that never came."""
+    from tests.cluster import serving_router
+
+    async def scenario():
+        async with serving_router() as (router, connect):
+            def broken(*args):
+                raise RecursionError("maximum recursion depth exceeded")
+            monkeypatch.setattr(router.prompts, "validate", broken)
+            chan = connect(router.frontend.address)
+            await chan.send(P.Generate("r1", [7, 8], {"max_tokens": 2}, True))
+            reply = (await asyncio.wait_for(chan.arecv(), 10)).msg
+            assert isinstance(reply, P.Error) and reply.request_id == "r1" and reply.code == "INTERNAL"
+            assert "RecursionError" in reply.message
+            await chan.send(P.StatusRequest("s1"))  # and it serves on
+            assert isinstance((await asyncio.wait_for(chan.arecv(), 10)).msg, P.StatusReply)
+    asyncio.run(scenario())

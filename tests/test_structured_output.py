@@ -92,7 +92,11 @@ def test_bad_specs_are_refused_by_name_and_the_engine_serves_on(engine):
                        ("{}", "allowed: a map with exactly one of"),
                        ({"regex": "(" * 2000 + "a" + ")" * 2000}, "structured_outputs.regex does not compile"),
                        ({"choice": [f"option {i}" for i in range(8000)]},
-                        "is 118890 bytes as JSON; allowed: at most 65536")]:
+                        "is 118890 bytes as JSON; allowed: at most 65536"),
+                       # once an HTTP 500 and, over ZeroMQ, no answer at all
+                       ({"json": "[" * 5000 + "]" * 5000}, "allowed: nesting at most a few hundred levels deep"),
+                       ({"choice": ["\ud800"]}, "allowed: text without lone surrogates"),
+                       ({"json": {"type": "integer", "minimum": 10**30}}, "allowed: numbers that fit 64 bits")]:
         with pytest.raises(InvalidArgument, match=re.escape(text)) as e:
             SamplingParams.from_dict({"structured_outputs": spec})
         assert e.value.param == "structured_outputs" and len(str(e.value)) < 600  # no spec quoted whole
