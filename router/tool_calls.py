@@ -64,10 +64,11 @@ class Tools:
         if self.choice in ("none", "auto"):
             return None
         one_of = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
-                   "properties": {"name": {"const": name}, "parameters": params}}
-                  for name, params in self.parameters.items()]
+                   "properties": {"name": {"const": name}, "parameters": {"$ref": f"#/$defs/{name}"}}}
+                  for name in self.parameters]
         return {"json": {"type": "array", "minItems": 1, **({} if self.parallel else {"maxItems": 1}),
-                         "items": {"anyOf": one_of}}}
+                         "items": {"anyOf": one_of},
+                         "$defs": {name: _rooted(params, f"#/$defs/{name}") for name, params in self.parameters.items()}}}
 
     def tool_calls(self, text: str) -> list[dict] | None:
         """The calls a finished output makes, as OpenAI shows them. A named function's arguments are
@@ -85,6 +86,17 @@ class Tools:
     def finish_reason(self) -> str:
         """OpenAI's for a whole output: "stop" for a call it was told to make, else "tool_calls"."""
         return "stop" if self.choice == "named" else "tool_calls"
+
+
+def _rooted(schema, root: str):
+    """A schema moved from the root of a document to `root`: its references within itself ("#",
+    "#/$defs/...", as Pydantic writes them) made to point there."""
+    if isinstance(schema, dict):
+        return {k: root + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#") else _rooted(v, root)
+                for k, v in schema.items()}
+    if isinstance(schema, list):
+        return [_rooted(v, root) for v in schema]
+    return schema
 
 
 def parse(body: dict, parallel: bool = True, parser: str | None = None) -> Tools | None:

@@ -132,3 +132,36 @@ def test_a_tokenizer_llguidance_cannot_read_refuses_structured_requests_only():
     for _ in range(2):
         with pytest.raises(InvalidArgument, match="llguidance cannot read its tokenizer .*no bytes for you"):
             grammars.matcher({"choice": ["a"]})
+
+
+def test_required_tool_calls_keep_each_tools_references(engine):
+    """tool_choice "required" holds the output to a list of calls, each tool's parameters nested
+    inside: a Pydantic schema's "#/$defs/..." then pointed nowhere (a 400), and a recursive "#" at
+    the list itself (calls accepted as a tree's children)."""
+    import jsonschema
+
+    from router.openai_api import parse_chat
+
+    loc = {"type": "object", "additionalProperties": False, "required": ["city"],
+           "properties": {"city": {"enum": ["Paris", "Oslo"]}}}
+    weather = {"$defs": {"Loc": loc}, "type": "object", "additionalProperties": False, "required": ["loc"],
+               "properties": {"loc": {"$ref": "#/$defs/Loc"}}}
+    tree = {"type": "object", "additionalProperties": False, "required": ["v"],
+            "properties": {"v": {"enum": [1, 2]}, "kids": {"type": "array", "items": {"$ref": "#"}, "maxItems": 1}}}
+    tools = [{"type": "function", "function": {"name": name, "parameters": schema}}
+             for name, schema in (("weather", weather), ("tree", tree))]
+    job = parse_chat({"messages": [{"role": "user", "content": "x"}], "tools": tools, "tool_choice": "required"},
+                     "dummy:nanogpt", 1024)
+    spec = job.params.structured_outputs
+    good = '[{"name": "tree", "parameters": {"v": 1, "kids": [{"v": 2}]}}, ' \
+           '{"name": "weather", "parameters": {"loc": {"city": "Oslo"}}}]'
+    engine.grammars.matcher(spec, engine.tokenizer.encode(good))
+    with pytest.raises(InvalidArgument, match="does not match"):
+        engine.grammars.matcher(spec, engine.tokenizer.encode('[{"name": "tree", "parameters": {"v": 1, "kids": '
+                                                              '[{"name": "tree"'))
+    outs = engine.generate([[1, 2, 3]] * 4, [SamplingParams(max_tokens=400, temperature=0.0 if i % 2 else 0.9, seed=i, structured_outputs=spec) for i in range(4)])
+    finished = [o for o in outs if o.finish_reason == "stop"]
+    assert finished
+    for out in finished:
+        for c in json.loads(out.text):
+            jsonschema.validate(c["parameters"], {"weather": weather, "tree": tree}[c["name"]])
