@@ -49,7 +49,7 @@ class Tools:
     def message(self, text: str) -> dict:
         """A whole output as the assistant's message: content, tool_calls, or both ("auto")."""
         if self.choice == "auto":
-            content, calls = self.parser.parse(text)
+            content, calls = self.parser.parse(text, self.parameters)
             calls = calls if self.parallel else calls[:1]
             return {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
         calls = self.tool_calls(text) if self.calls else None

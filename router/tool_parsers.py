@@ -7,8 +7,9 @@ which (`--tool-call-parser`, vLLM's flag and names):
 - llama3_json (Llama 3.1 to 3.3): the message is `{"name": "f", "parameters": {...}}`, optionally
   after `<|python_tag|>`, several separated by `;`.
 
-Text before the first call is the message's content. Calls that do not parse leave the whole
-text as content, as vLLM does. A stream sends the content as it comes, holding back what could
+Text before the first call is the message's content. Calls that do not parse, lack their
+arguments' key or name a function the request did not offer leave the whole text as content (a
+JSON answer such as {"name": "Bob", "age": 30} is not a call). A stream sends the content as it comes, holding back what could
 begin a call, and the calls once the output is whole.
 """
 
@@ -42,10 +43,13 @@ class ToolParser:
         """The calls of the text from start() on, as OpenAI shows them; None if they do not parse."""
         raise NotImplementedError
 
-    def parse(self, text: str) -> tuple[str | None, list[dict]]:
-        """(content, calls) of a whole output: content None where only calls were written."""
+    def parse(self, text: str, names=None) -> tuple[str | None, list[dict]]:
+        """(content, calls) of a whole output: content None where only calls were written. names:
+        the functions a call may name (None: any)."""
         at = self.start(text)
         calls = None if at is None else self.calls(text[at:])
+        if calls and names is not None and any(c["function"]["name"] not in names for c in calls):
+            calls = None
         if not calls:
             return text, []
         return (text[:at] if text[:at].strip() else None), calls
@@ -53,7 +57,7 @@ class ToolParser:
 
 def _call_of(obj, key: str) -> dict | None:
     """A call from {"name": ..., key: {...}} (the object also as a JSON string, or null), or None."""
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not {key, "arguments"} & set(obj):
         return None
     arguments = obj.get(key, obj.get("arguments"))
     if isinstance(arguments, str):

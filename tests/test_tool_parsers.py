@@ -10,6 +10,7 @@ from router.tool_calls import parse
 from router.tool_parsers import PARSERS
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+TOOLS = [WEATHER] + [{"type": "function", "function": {"name": name}} for name in ("a", "b", "f")]
 
 CASES = {  # parser: [(text, content, [(name, arguments)])]
     "hermes": [
@@ -25,6 +26,7 @@ CASES = {  # parser: [(text, content, [(name, arguments)])]
         ('<tool_call>{"name": "a", "arguments": "{\\"x\\": 1}"}</tool_call>', None, [("a", {"x": 1})]),  # as a string
         ('<tool_call>{"name": "a", "arguments": [1]}</tool_call>',
          '<tool_call>{"name": "a", "arguments": [1]}</tool_call>', []),
+        ('<tool_call>{"name": "a"}</tool_call>', '<tool_call>{"name": "a"}</tool_call>', []),  # no arguments
     ],
     "llama3_json": [
         ('{"name": "get_weather", "parameters": {"city": "Paris"}}', None, [("get_weather", {"city": "Paris"})]),
@@ -36,12 +38,13 @@ CASES = {  # parser: [(text, content, [(name, arguments)])]
         ('{"city": "Paris"}', '{"city": "Paris"}', []),  # JSON, but no call
         ("<|python", "<|python", []),
         ('{"name": "a", "parameters": null}', None, [("a", {})]),
+        ('{"name": "Bob", "age": 30}', '{"name": "Bob", "age": 30}', []),  # a JSON answer, not a call
     ],
 }
 
 
 def auto(parser, parallel=True):
-    return parse({"tools": [WEATHER], "tool_choice": "auto"}, parallel, parser)
+    return parse({"tools": TOOLS, "tool_choice": "auto"}, parallel, parser)
 
 
 def shown(calls):
@@ -79,7 +82,7 @@ def test_content_is_sent_as_it_comes_and_a_possible_call_is_held_back():
 
 
 def test_auto_needs_a_parser_and_keeps_one_call_without_parallel_calls():
-    body = {"tools": [WEATHER], "tool_choice": "auto"}
+    body = {"tools": TOOLS, "tool_choice": "auto"}
     tools = parse(body, parallel=False, parser="hermes")
     assert tools.choice == "auto" and not tools.calls and tools.structured_outputs() is None
     text = '<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b", "arguments": {}}</tool_call>'
@@ -87,4 +90,7 @@ def test_auto_needs_a_parser_and_keeps_one_call_without_parallel_calls():
     assert [c["function"]["name"] for c in auto("hermes", parallel=False).stream().delta(text, True)["tool_calls"]] \
         == ["a"]  # streamed alike
     assert tools.message("plain") == {"role": "assistant", "content": "plain"}
+    unoffered = '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call><tool_call>{"name": "b", "arguments": {}}'
+    assert parse({"tools": TOOLS[:2], "tool_choice": "auto"}, parser="hermes").message(unoffered) == {
+        "role": "assistant", "content": unoffered}  # a call to a function not offered: text
     assert parse({"tools": [WEATHER]}, parser="llama3_json").choice == "auto"  # auto: the default with tools
