@@ -108,7 +108,7 @@ def grammar(spec: dict, name: str = "structured_outputs", field: str = "structur
     llg = _llguidance()
     (kind, value), = spec.items()
     if kind == "json":
-        return llg.LLMatcher.grammar_from_json_schema(value, overrides=JSON_OPTIONS)
+        return llg.LLMatcher.grammar_from_json_schema(closed(value), overrides=JSON_OPTIONS)
     if kind == "json_object":
         return llg.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=JSON_OPTIONS)
     if kind == "regex":
@@ -119,6 +119,34 @@ def grammar(spec: dict, name: str = "structured_outputs", field: str = "structur
         return llg.grammar_from("grammar", value)  # Lark, or GBNF converted to it
     except ValueError as e:
         raise InvalidArgument(f"{field} does not compile: {_first_lines(str(e))}", param=name) from None
+
+
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_SCHEMAS = ("items", "additionalProperties", "unevaluatedProperties", "not", "if", "then", "else", "contains",
+            "propertyNames", "additionalItems", "unevaluatedItems")
+
+
+def closed(schema, close: bool = True):
+    """The schema with each object that lists its properties, and says nothing of others, closed to
+    them ("additionalProperties": false), as vLLM's default backend (xgrammar) reads a schema and
+    OpenAI's strict mode requires: left open, a small model adds keys until max_tokens. Not an
+    allOf or its parts, which would then refuse each other's keys."""
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            value = {name: closed(sub) for name, sub in value.items()}
+        elif key in _SCHEMA_LISTS and isinstance(value, list):
+            value = [closed(sub, key != "allOf") for sub in value]
+        elif key in _SCHEMAS:
+            value = closed(value)
+        out[key] = value
+    if close and isinstance(out.get("properties"), dict) and not {
+            "additionalProperties", "patternProperties", "unevaluatedProperties", "allOf"} & set(out):
+        out["additionalProperties"] = False
+    return out
 
 
 def _first_lines(error: str, n: int = 3, limit: int = 300) -> str:

@@ -134,6 +134,22 @@ def test_a_tokenizer_llguidance_cannot_read_refuses_structured_requests_only():
             grammars.matcher({"choice": ["a"]})
 
 
+def test_an_object_that_lists_its_properties_takes_no_others_unless_it_says_so(engine):
+    """As vLLM's default backend reads a schema (and OpenAI's strict mode requires): left open, a
+    small model wrote {"a": "Bob", "b": 30, "c": "Bob", "d": ... until max_tokens."""
+    person = {"type": "object", "required": ["a"], "properties": {
+        "a": {"type": "string"}, "properties": {"type": "object", "properties": {"x": {"type": "integer"}}}}}
+    encode = engine.tokenizer.encode
+    for text in ('{"a": "x", "c"', '{"a": "x", "properties": {"x": 1, "y"'):
+        with pytest.raises(InvalidArgument, match="does not match"):
+            engine.grammars.matcher({"json": person}, encode(text))
+    engine.grammars.matcher({"json": person}, encode('{"a": "x", "properties": {"x": 1}}'))
+    engine.grammars.matcher({"json": person | {"additionalProperties": True}}, encode('{"a": "x", "c": 1'))
+    either = {"allOf": [{"properties": {"a": {"type": "integer"}}}, {"properties": {"b": {"type": "integer"}}}]}
+    engine.grammars.matcher({"json": either}, encode('{"a": 1, "b": 2}'))  # not each part closed to the other's
+    assert engine.grammars.matcher({"json": {"type": "object"}}, encode('{"any": 1')) is not None
+
+
 def test_required_tool_calls_keep_each_tools_references(engine):
     """tool_choice "required" holds the output to a list of calls, each tool's parameters nested
     inside: a Pydantic schema's "#/$defs/..." then pointed nowhere (a 400), and a recursive "#" at
