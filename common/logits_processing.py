@@ -35,9 +35,11 @@ def adjusted_rows(seqs: list[Sequence]) -> list[int]:
 
 
 def adjust(logits_SV: torch.Tensor, seqs: list[Sequence], rows: list[int], num_decode: int,
-           input_ids: torch.Tensor) -> torch.Tensor:
+           input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A float32 copy of logits_SV (one row per sampling sequence, seqs[i] on row i), its `rows`
-    adjusted. Rows below num_decode are decodes whose newest token is input_ids[row]."""
+    adjusted, and the logits to take logprobs from: the raw ones, but for the tokens a structured
+    output's grammar rules out, at -inf (as vLLM's, whose mask comes before its sampler). Rows below
+    num_decode are decodes whose newest token is input_ids[row]."""
     V = logits_SV.shape[1]
     R = len(rows)
     out_n, prompt_n, last_src = array.array("q"), array.array("q"), array.array("q")
@@ -88,10 +90,13 @@ def adjust(logits_SV: torch.Tensor, seqs: list[Sequence], rows: list[int], num_d
     floats = upload(torch.tensor(rep + freq + pres + temp + log_min_p + bias_v, dtype=torch.float32), dev)
     rep_R, freq_R, pres_R, temp_R, log_min_p_R = floats[:5 * R].view(5, R).unbind(0)
     x_RV = logits_SV[rows_R].float()  # a copy: the graph's logits stay the raw ones, for logprobs
+    for_logprobs_SV = logits_SV
     if matchers:
         masks_CW = torch.empty(len(matchers), -(-V // 32), dtype=torch.int32)
         fill_masks(matchers, masks_CW)
         x_RV[grammar_r] = _allowed_only(x_RV[grammar_r], upload(masks_CW, dev))
+        for_logprobs_SV = logits_SV.float().clone()
+        for_logprobs_SV[rows_R[grammar_r]] = x_RV[grammar_r]
     if bias_v:
         x_RV.index_put_((bias_r, bias_t), floats[5 * R:], accumulate=True)
     if len(stop_t):
@@ -112,7 +117,7 @@ def adjust(logits_SV: torch.Tensor, seqs: list[Sequence], rows: list[int], num_d
     if out_SV is logits_SV:
         out_SV = out_SV.clone()
     out_SV[rows_R] = x_RV
-    return out_SV
+    return out_SV, for_logprobs_SV
 
 
 def _allowed_only(x_CV: torch.Tensor, masks_CW: torch.Tensor) -> torch.Tensor:

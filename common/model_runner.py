@@ -214,7 +214,8 @@ class ModelRunner:
         rows = [q.params for q in sampled], [q.seed for q in sampled], step.positions
         adjusted = adjusted_rows(sampled)
         if adjusted:  # penalties and the like: eagerly, over a float copy (logprobs stay the raw logits')
-            step.tokens_S = sample(adjust(logits_SV, sampled, adjusted, n, input_ids), *rows)
+            adjusted_SV, logits_SV = adjust(logits_SV, sampled, adjusted, n, input_ids)
+            step.tokens_S = sample(adjusted_SV, *rows)
         else:
             step.tokens_S = (self.graphs.sample if graphed else sample)(logits_SV, *rows)
         if step.timing is not None:

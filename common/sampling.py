@@ -17,7 +17,8 @@ from common.sampling_params import SamplingParams
 
 # A token's logprob entry: [the token's logprob, ids of the top N tokens, their logprobs] (best
 # first; lists, as msgpack carries them). Logprobs are log_softmax of the model's raw logits,
-# before temperature and filters (vLLM's default, "raw_logprobs").
+# before temperature and filters (vLLM's default, "raw_logprobs"), but for a grammar's mask
+# (common/logits_processing.py).
 Logprob = list
 
 

@@ -61,7 +61,8 @@ def test_adjust_matches_transformers_row_by_row():
     logits = torch.randn(len(cases), V) * 3
     rows = adjusted_rows(seqs)
     assert rows == [0, 1, 3, 4, 5]
-    got = adjust(logits, seqs, rows, num_decode, torch.tensor(newest + [0] * 3))
+    got, for_logprobs = adjust(logits, seqs, rows, num_decode, torch.tensor(newest + [0] * 3))
+    assert for_logprobs is logits  # raw, with no grammar to mask them
     for i, (q, p) in enumerate(zip(seqs, cases)):
         outputs = q.token_ids[q.num_prompt_tokens:-1] + [newest[i]]
         want = reference(logits[i], q.prompt_token_ids, outputs, p)

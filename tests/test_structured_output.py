@@ -5,6 +5,7 @@ without harming the engine. Clusters (test_cluster, test_chaos: prefill to decod
 HTTP (test_http) run them too."""
 
 import json
+import math
 import re
 
 import pytest
@@ -132,6 +133,21 @@ def test_a_tokenizer_llguidance_cannot_read_refuses_structured_requests_only():
     for _ in range(2):
         with pytest.raises(InvalidArgument, match="llguidance cannot read its tokenizer .*no bytes for you"):
             grammars.matcher({"choice": ["a"]})
+
+
+def test_logprobs_never_offer_a_token_the_grammar_ruled_out(engine):
+    """As vLLM's: the mask comes before the logprobs, and penalties after (raw logprobs otherwise)."""
+    spec = {"choice": CHOICES}
+    out = engine.generate("x", SamplingParams(max_tokens=8, temperature=0.0, logprobs=5, structured_outputs=spec,
+                                              presence_penalty=1.5))[0]
+    assert out.text in CHOICES
+    first_token_logprob, top_ids, top_logprobs = out.logprobs[0]
+    allowed = {engine.tokenizer.encode(c)[0] for c in CHOICES}
+    offered = {t for t, lp in zip(top_ids, top_logprobs) if lp > -math.inf}
+    assert offered == allowed and first_token_logprob > -math.inf
+    assert abs(sum(math.exp(lp) for lp in top_logprobs) - 1) < 1e-4  # the allowed tokens' softmax
+    free = engine.generate("x", SamplingParams(max_tokens=1, temperature=0.0, logprobs=5))[0]
+    assert set(free.logprobs[0][1]) != allowed
 
 
 def test_an_object_that_lists_its_properties_takes_no_others_unless_it_says_so(engine):
