@@ -38,7 +38,7 @@ class SyntheticWorker:
         self.incarnation = uuid.uuid4().hex[:12]
         self.ctx = zmq.Context()
         self.chan = Channel.connect(self.ctx, zmq.DEALER, router,
-                                    identity=f"{worker_id}/{self.incarnation}".encode())
+                                    identity=f"{worker_id}/{self.incarnation}".encode(), end="worker")
         # request id -> [attempt, prompt, tokens sent, max_tokens]
         self.running: dict[str, list] = {}
         self.registered = False

@@ -139,7 +139,7 @@ def _receiver(transport: str, shape, dtype: str, device: str, src: list[int], ds
     receiver = make_receivers([transport], pool, segment, dtype, "127.0.0.1", TIMEOUT_S, required=True,
                               wake=waker.wake)[transport]
     ctx = zmq.Context()
-    chan = Channel.bind(ctx, zmq.ROUTER, "tcp://127.0.0.1:0")
+    chan = Channel.bind(ctx, zmq.ROUTER, "tcp://127.0.0.1:0", end="kv_ingress")
     poller = zmq.Poller()
     poller.register(chan.sock, zmq.POLLIN)
     poller.register(waker.fd, zmq.POLLIN)
@@ -259,7 +259,7 @@ class TransportRun:
                     raise RuntimeError(f"the {transport} receiver process did not start "
                                        f"(exit code {self.proc.exitcode})")
             address, self.advert = parent_conn.recv()
-            self.chan = Channel.connect(self.ctx, zmq.DEALER, address)
+            self.chan = Channel.connect(self.ctx, zmq.DEALER, address, end="kv_sender")
             self.one(check=True)  # warm-up: makes the gloo pair, maps the shared pool
         except BaseException:
             self.close()

@@ -56,9 +56,9 @@ class Channel:
         self.monitor: zmq.Socket | None = None  # connect(monitor=...)'s
 
     @classmethod
-    def _make(cls, ctx, kind: int, max_frame_bytes: int | None, identity: bytes | None, server: bool):
+    def _make(cls, ctx, kind: int, max_frame_bytes: int | None, identity: bytes | None, end: str):
         sock = ctx.socket(kind)
-        secure(sock, ctx, server)  # CURVE when PDSERVE_CURVE_DIR is set
+        secure(sock, ctx, end)  # CURVE when PDSERVE_CURVE_DIR is set
         sock.setsockopt(zmq.LINGER, 0)
         # A peer sending a larger frame is disconnected before the frame is buffered whole.
         sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes or DEFAULT_MAX_FRAME_BYTES)
@@ -69,17 +69,20 @@ class Channel:
         return sock
 
     @classmethod
-    def bind(cls, ctx, kind: int, address: str, max_frame_bytes: int | None = None, **kw) -> "Channel":
-        sock = cls._make(ctx, kind, max_frame_bytes, None, server=True)
+    def bind(cls, ctx, kind: int, address: str, max_frame_bytes: int | None = None, end: str = "router_clients",
+             **kw) -> "Channel":
+        """end: what the socket is for, whose CURVE keys it admits (common/security.py's ENDS)."""
+        sock = cls._make(ctx, kind, max_frame_bytes, None, end)
         sock.bind(address)
         return cls(sock, **kw)
 
     @classmethod
     def connect(cls, ctx, kind: int, address: str, identity: bytes | None = None,
-                max_frame_bytes: int | None = None, monitor: int = 0, **kw) -> "Channel":
+                max_frame_bytes: int | None = None, monitor: int = 0, end: str = "client", **kw) -> "Channel":
         """monitor: socket events to watch (`.monitor`, a PAIR socket), watched from before the
-        connection starts so that none is missed."""
-        sock = cls._make(ctx, kind, max_frame_bytes, identity, server=False)
+        connection starts so that none is missed. end: what the socket is for, which CURVE keypair
+        it shows (common/security.py's ENDS)."""
+        sock = cls._make(ctx, kind, max_frame_bytes, identity, end)
         watcher = sock.get_monitor_socket(monitor) if monitor else None
         try:
             sock.connect(address)
@@ -221,7 +224,15 @@ class Channel:
 
     def close(self, linger_ms: int = 0):
         """linger_ms: how long what is still queued may take to go (0: dropped)."""
+        self.close_monitor()
         self.sock.close(linger=linger_ms)
+
+    def close_monitor(self):
+        """Stop watching the socket's events (a monitor left open holds the context's term())."""
+        if self.monitor is not None:
+            self.sock.disable_monitor()
+            self.monitor.close(linger=0)
+            self.monitor = None
 
 
 class Released:

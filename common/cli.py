@@ -38,12 +38,12 @@ def main(curve_dir):
 @click.option("--dir", "directory", required=True, help="where to write the keys")
 @click.option("--replace", is_flag=True, help="overwrite keys already in --dir (locks out processes using them)")
 def keys(directory, replace):
-    """Create CURVE keys: server and client keypairs, and authorized/ with the client's public key."""
-    from common.security import create_keys
+    """Create CURVE keys: a keypair each for the router, workers and clients, and authorized/."""
+    from common.security import HOSTS, create_keys
 
     d = create_keys(directory, replace)
-    print(f"CURVE keys in {d}: share it (or server.key, client.key_secret and authorized/) with every "
-          f"process, then run each with --curve-dir {d} (or PDSERVE_CURVE_DIR={d})")
+    print(f"CURVE keys in {d} (secrets readable by you alone). Give each host only what its role needs: "
+          f"{HOSTS}. Run every process with --curve-dir {d} (or PDSERVE_CURVE_DIR={d}).")
 
 
 @main.command()
@@ -190,8 +190,14 @@ def _end(status: int):
 def _check_worker_addresses(role: str, router_address: str, host: str) -> None:
     """Refuse a --router ZeroMQ cannot connect to, and (where the worker binds its KV ingress) a
     --host that is not this machine's, by name and before the model is built: found later, each was
-    a traceback, and a KV pool in shared memory left behind."""
+    a traceback, and a KV pool in shared memory left behind. So are CURVE keys this role lacks."""
     import zmq
+
+    from common.security import current_keys
+
+    keys = current_keys()
+    if keys is not None:
+        keys.check("worker", "kv_sender" if role == "prefill" else "kv_ingress")
 
     ctx = zmq.Context()
     try:

@@ -79,7 +79,8 @@ class Pulse:
                 if chan is None or sent_as != who:
                     if chan is not None:
                         chan.close()
-                    chan, sent_as = Channel.connect(self.ctx, zmq.DEALER, self.address, identity=identity(who)), who
+                    chan, sent_as = Channel.connect(self.ctx, zmq.DEALER, self.address, identity=identity(who),
+                                                    end="worker"), who
                     chan.send_wait_s = 0  # a router not reading: drop the beat, never block
                 for msg in messages:
                     chan.try_send(msg)

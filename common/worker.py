@@ -29,13 +29,14 @@ from typing import Callable
 
 import torch
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from common import protocol as P
 from common.channel import Channel, Envelope, Waker
 from common.config import EngineConfig
 from common.engine import Engine, RequestOutput
 from common.pulse import Pulse
-from common.security import close_context
+from common.security import HANDSHAKE_EVENTS, close_context, refusal
 from common.signals import DRAIN_TIMEOUT_S, stop_signals
 from common.step_trace import StepTrace
 
@@ -112,7 +113,9 @@ class WorkerBase:
             self.unwatch(self.router)
         self.incarnation = uuid.uuid4().hex[:12]
         self.identity = f"{self.worker_id}/{self.incarnation}".encode()
-        self.router = Channel.connect(self.ctx, zmq.DEALER, self.cfg.router, identity=self.identity)
+        self.router = Channel.connect(self.ctx, zmq.DEALER, self.cfg.router, identity=self.identity, end="worker",
+                                      monitor=HANDSHAKE_EVENTS)
+        self._refused: str | None = None  # why the router refused our handshake, from the monitor
         self.watch(self.router, self._on_router)
         self.pulse.forget()
         self._beat = self._held = None  # the last Heartbeat and Holding sent: the pulse repeats them
@@ -200,6 +203,13 @@ class WorkerBase:
             self._unanswered_since = self._said_unanswered = now
         elif now - self._said_unanswered >= NO_ROUTER_S:
             self._said_unanswered = now
+            while self.router.monitor.poll(0):
+                event = recv_monitor_message(self.router.monitor)["event"]
+                self._refused = refusal(event, "worker") if event != zmq.EVENT_HANDSHAKE_SUCCEEDED else None
+            if self._refused is not None:
+                log.error("%s: the router at %s refuses to talk: %s; still trying", self.worker_id, self.cfg.router,
+                          self._refused)
+                return
             log.warning("%s: no router has answered at %s for %.0f s; still trying. Is that the router's worker "
                         "port (its --worker-port: by default its --port + 1; the launchers print 'workers join "
                         "at ...')?", self.worker_id, self.cfg.router, now - self._unanswered_since)

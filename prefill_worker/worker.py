@@ -205,7 +205,7 @@ class PrefillWorker(WorkerBase):
         self.peer_used[address] = time.monotonic()
         chan = self.peers.get(address)
         if chan is None:
-            chan = Channel.connect(self.ctx, zmq.DEALER, address)
+            chan = Channel.connect(self.ctx, zmq.DEALER, address, end="kv_sender")
             chan.send_wait_s = 0  # a full queue (a stuck peer) fails a send, never blocks us
             self.peers[address] = chan
             self.watch(chan, self._on_peer)

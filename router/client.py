@@ -45,6 +45,7 @@ from zmq.utils.monitor import recv_monitor_message
 from common import protocol as P
 from common.channel import Channel
 from common.errors import InvalidArgument
+from common.security import HANDSHAKE_EVENTS, refusal
 
 LOST = "lost the connection to the router (it died or restarted); the request's outcome is unknown"
 
@@ -118,8 +119,7 @@ class Connection:
     whose key the router refused fails at once; a connection that drops loses every reply in
     flight. The socket reconnects by itself: a router back is used again."""
 
-    EVENTS = (zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-              | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)  # Channel.connect(monitor=EVENTS)
+    EVENTS = zmq.EVENT_DISCONNECTED | HANDSHAKE_EVENTS  # Channel.connect(monitor=EVENTS)
 
     def __init__(self, chan: Channel):
         self.chan = chan
@@ -134,9 +134,7 @@ class Connection:
         if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self.down_since, self.refused = None, None
             return False
-        if kind in (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL):
-            self.refused = ("it refused this client's CURVE key" if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH else
-                            "the handshake failed: one side uses CURVE keys (PDSERVE_CURVE_DIR), the other not")
+        self.refused = refusal(kind, "client") or self.refused
         if self.down_since is not None:
             return False
         self.down_since = time.monotonic()
@@ -171,8 +169,7 @@ class Connection:
                 lost()
 
     def close(self):
-        self.chan.sock.disable_monitor()
-        self.monitor.close(linger=0)
+        self.chan.close_monitor()
 
 
 def _raise(msg: P.Error):

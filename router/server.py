@@ -148,10 +148,12 @@ class Router:
         hard_cap = 4 * cfg.max_message_bytes
         with port_free(cfg.host, cfg.port, "--port"):
             self.frontend = Channel.bind(self.ctx, zmq.ROUTER, f"tcp://{cfg.host}:{cfg.port}",
-                                         max_frame_bytes=hard_cap, max_header_bytes=cfg.max_message_bytes)
+                                         max_frame_bytes=hard_cap, max_header_bytes=cfg.max_message_bytes,
+                                         end="router_clients")
         with port_free(cfg.host, cfg.worker_port, "--worker-port"):
             self.backend = Channel.bind(self.ctx, zmq.ROUTER, f"tcp://{cfg.host}:{cfg.worker_port}",
-                                        max_frame_bytes=hard_cap, max_header_bytes=cfg.max_message_bytes)
+                                        max_frame_bytes=hard_cap, max_header_bytes=cfg.max_message_bytes,
+                                        end="router_workers")
         self.metrics = RouterMetrics(self)
         # While a worker's token batch is handled: each client's Tokens, held to go as one TokenBatch
         self._held: dict[bytes, list[P.Token]] | None = None

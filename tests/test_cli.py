@@ -129,7 +129,7 @@ def test_bad_addresses_keys_and_backends_are_one_line_errors(tmp_path):
         (["router", "--port", str(port), "--http-port", str(port + 1)], f"--http-port {port + 1} is also --worker-port"),
         (["launch", "--dry-run", "--port", "70000"], "'--port': 70000 is not in the range 0<=x<=65535"),
         (["generate", "--prompt", "x", "--attention-backend", "triton"], "'triton' runs on CUDA devices, not cpu"),
-        (["--curve-dir", str(tmp_path / "none"), "status"], "server.key is missing; create the key directory"),
+        (["--curve-dir", str(tmp_path / "none"), "status"], "none is not a directory; allowed: one `pdserve keys"),
         (["chat", "--router", "tcp://127.0.0.1:9", "--model", "smollm2"], "--model: the cluster's workers choose"),
         (["generate", "--router", "tcp://127.0.0.1:9", "--prompt", "x", "--no-prefix-caching", "--no-batch-invariant"],
          "--no-prefix-caching, --no-batch-invariant: the cluster's workers choose"),

@@ -1,6 +1,11 @@
 """Loopback by default, and with CURVE keys every socket is authenticated: an unknown peer can
 neither submit requests, nor register, nor push KV."""
 
+import os
+import shutil
+import stat
+import subprocess
+import sys
 import threading
 import time
 
@@ -9,6 +14,7 @@ import zmq
 import zmq.auth
 
 from common import protocol as P
+from common.errors import InvalidArgument
 from common.security import create_keys
 import router.client
 from router.client import Client, RequestError
@@ -17,12 +23,12 @@ from tests.cluster import cluster
 pytestmark = pytest.mark.timeout(300)
 
 
-def rogue(address: str, server_public: bytes | None, keys_dir=None) -> zmq.Socket:
+def rogue(address: str, server_public: bytes | None, keys_dir=None, role: str = "client") -> zmq.Socket:
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     if keys_dir is not None:
-        pub, sec = zmq.auth.load_certificate(str(keys_dir / "client.key_secret"))
+        pub, sec = zmq.auth.load_certificate(str(keys_dir / f"{role}.key_secret"))
         sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = server_public, pub, sec
     sock.connect(address)
     return sock
@@ -39,18 +45,24 @@ def test_curve_keeps_unknown_peers_out(tmp_path, monkeypatch):
         decode = next(w for w in workers if w["role"] == "decode")
         assert all(w["kv_address"].startswith("tcp://127.0.0.1:") for w in workers if w["kv_address"])
         server_public, _ = zmq.auth.load_certificate(str(keys / "server.key"))
+        worker_public, _ = zmq.auth.load_certificate(str(keys / "worker.key"))
         layout = {"layers": 4, "kv_heads": 4, "head_dim": 16, "block_size": 16, "dtype": "float32",
                   "model": "dummy:nanogpt"}
+        register = P.Register("decode", "evil", "1", "cpu", 10, 16, "tcp://127.0.0.1:1")
         attempts = [
-            (c.address, P.Generate("x", [1, 2, 3], {}, True)),
-            (f"tcp://127.0.0.1:{c.worker_port}", P.Register("decode", "evil", "1", "cpu", 10, 16, "tcp://127.0.0.1:1")),
-            (decode["kv_address"], P.KVReserve("x", 1, 10, layout)),
+            (c.address, server_public, P.Generate("x", [1, 2, 3], {}, True), None),
+            (f"tcp://127.0.0.1:{c.worker_port}", server_public, register, keys),  # a client's key: not a worker's
+            (decode["kv_address"], worker_public, P.KVReserve("x", 1, 10, layout), keys),
         ]
         socks = []
-        for address, msg in attempts:
-            for sock in (rogue(address, None), rogue(address, server_public, intruder_keys)):
+        for address, public, msg, client_keys in attempts:
+            for sock in (rogue(address, None), rogue(address, public, intruder_keys),
+                         rogue(address, public, intruder_keys, "worker")):
                 sock.send(P.encode(msg))
                 socks.append(sock)
+            if client_keys is not None:
+                socks.append(rogue(address, public, client_keys))
+                socks[-1].send(P.encode(msg))
         time.sleep(2.0)
         assert not any(s.poll(0) for s in socks), "an unauthenticated peer got an answer"
         workers = client.status().workers
@@ -82,6 +94,60 @@ def test_curve_keeps_unknown_peers_out(tmp_path, monkeypatch):
         runner.join(60)
         assert not runner.is_alive(), f"a keyless client hung after {len(outcomes)} refusals"
         assert outcomes == ["UNAVAILABLE"] * 10
+
+
+def test_a_worker_whose_key_the_router_refuses_says_so(tmp_path, monkeypatch):
+    """It logged "no router has answered ... Is that the router's worker port?" every 10 s."""
+    keys = create_keys(tmp_path / "keys")
+    intruder = create_keys(tmp_path / "intruder")
+    (intruder / "server.key").write_bytes((keys / "server.key").read_bytes())  # the router's, but its own key
+    (intruder / "server.key_secret").unlink()
+    monkeypatch.setenv("PDSERVE_CURVE_DIR", str(keys))
+    with cluster(tmp_path, decode=0, prefill=0, mono=1) as c:
+        env = dict(os.environ, PDSERVE_CURVE_DIR=str(intruder))
+        proc = subprocess.Popen([sys.executable, "-m", "common.cli", "mono", "--router",
+                                 f"tcp://127.0.0.1:{c.worker_port}", "--threads", "1"], env=env,
+                                stderr=subprocess.PIPE, text=True)
+        try:
+            deadline, lines = time.monotonic() + 90, []
+            while time.monotonic() < deadline:
+                line = proc.stderr.readline()
+                lines.append(line)
+                if "refuses to talk" in line or not line:
+                    break
+            assert "it refused this worker's CURVE key (not among its authorized/workers/)" in lines[-1], lines[-5:]
+        finally:
+            proc.kill()
+            proc.wait()
+        with Client(c.address, timeout=60) as client:
+            assert [w["worker_id"] for w in client.status().workers] == ["mono-0"]
+
+
+def test_each_host_needs_only_its_roles_keys_and_secrets_are_private(tmp_path):
+    from common.security import CurveKeys
+
+    keys = create_keys(tmp_path / "keys")
+    assert stat.S_IMODE(keys.stat().st_mode) == 0o700
+    for name in ("server", "worker", "client"):
+        assert stat.S_IMODE((keys / f"{name}.key_secret").stat().st_mode) == 0o600
+    worker_host = tmp_path / "worker-host"
+    (worker_host / "authorized").mkdir(parents=True)
+    shutil.copytree(keys / "authorized" / "workers", worker_host / "authorized" / "workers")
+    for name in ("server.key", "worker.key_secret"):
+        shutil.copy(keys / name, worker_host / name)
+    CurveKeys.load(worker_host).check("worker", "kv_ingress", "kv_sender")
+    with pytest.raises(InvalidArgument, match="client.key_secret is missing, and a client socket needs it"):
+        CurveKeys.load(worker_host).check("client")
+    client_host = tmp_path / "client-host"
+    client_host.mkdir()
+    for name in ("server.key", "client.key_secret"):
+        shutil.copy(keys / name, client_host / name)
+    CurveKeys.load(client_host).check("client")
+    with pytest.raises(InvalidArgument, match="worker.key_secret is missing, and a worker socket needs it"):
+        CurveKeys.load(client_host).check("worker")
+    (client_host / "client.key_secret").write_text("garbage")
+    with pytest.raises(InvalidArgument, match="client.key_secret cannot be read as a CURVE key"):
+        CurveKeys.load(client_host)
 
 
 def test_keys_already_in_a_directory_are_kept_unless_replace_is_given(tmp_path):
