@@ -48,6 +48,7 @@ from common.errors import InvalidArgument
 from common.sampling_params import SamplingParams
 from router.openai_api import (RETRY_AFTER_S, ApiError, Choice, Envelope, Job, OutputParsers, check_model, parse_chat,
                                parse_completion, parse_detokenize, parse_tokenize, served_names, usage)
+from router.http_conns import KEEPALIVE_S, HeaderDeadline, quiet_bad_requests
 from router.prompts import Prompts
 from router.registry import DECODE_ROLES, PREFILL_ROLES
 
@@ -118,6 +119,8 @@ class HttpFront:
         self.app.router.add_post("/v1/completions", self.completions)
         self.app.router.add_post("/v1/chat/completions", self.chat_completions)
         self.runner: web.AppRunner | None = None
+        self.headers_due: HeaderDeadline | None = None
+        self._sweeping: asyncio.Future | None = None
         self._inflight: set[asyncio.Queue] = set()  # each HTTP request's reply queue
 
     @property
@@ -126,8 +129,11 @@ class HttpFront:
 
     async def start(self):
         self.runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
-                                    shutdown_timeout=SHUTDOWN_GRACE_S)
+                                    shutdown_timeout=SHUTDOWN_GRACE_S, keepalive_timeout=KEEPALIVE_S)
         await self.runner.setup()
+        quiet_bad_requests()
+        self.headers_due = HeaderDeadline(self.runner)
+        self._sweeping = asyncio.ensure_future(self.headers_due.sweep())
         if self.sock is not None:
             site = web.SockSite(self.runner, self.sock)
         else:
@@ -140,6 +146,8 @@ class HttpFront:
         event), not a cut connection; handlers get SHUTDOWN_GRACE_S to write it."""
         for queue in self._inflight:
             queue.put_nowait((0, P.Error(None, "UNAVAILABLE", "the server is stopping")))
+        if self._sweeping is not None:
+            self._sweeping.cancel()
         if self.runner is not None:
             await self.runner.cleanup()
 
@@ -172,6 +180,8 @@ class HttpFront:
 
     @web.middleware
     async def _guard(self, request: web.Request, handler):
+        if self.headers_due is not None:  # None: the app served by another runner (tests)
+            self.headers_due.serving(request)
         try:
             if request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers:
                 return self._preflight(request)
@@ -192,7 +202,9 @@ class HttpFront:
 
     def _authorize(self, request: web.Request):
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key):
+        # surrogateescape: a header's bytes that are not UTF-8 (aiohttp decodes them so) are a wrong key, not a 500
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode("utf-8", "surrogateescape"),
+                                                                  self.api_key):
             raise ApiError("UNAUTHENTICATED", "a valid API key is required: send the header "
                                               "'Authorization: Bearer <key>'")
 

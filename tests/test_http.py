@@ -9,6 +9,7 @@ import json
 import pathlib
 import re
 import signal
+import socket
 import time
 import urllib.error
 import urllib.request
@@ -552,6 +553,21 @@ def test_api_key_guards_v1_but_not_health_and_metrics(served):
     status, _, body = http(served, "GET", "/health", key=None)
     assert (status, body) == (200, {"status": "ok", "workers": 2})
     assert http(served, "GET", "/metrics", key=None)[0] == 200
+
+
+def test_a_key_that_is_not_utf8_is_a_401_and_a_malformed_header_keeps_the_key_out_of_the_log(served):
+    """The first was a 500 (UnicodeEncodeError); the second logged a traceback quoting the line
+    aiohttp could not parse, API key and all."""
+    def raw(header: bytes) -> bytes:
+        with socket.create_connection(("127.0.0.1", int(served.http_url.rsplit(":", 1)[1])), timeout=30) as s:
+            s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n" + header + b"\r\n\r\n")
+            return b"".join(iter(lambda: s.recv(65536), b""))
+    assert raw(b"Authorization: Bearer \xff\xfe").startswith(b"HTTP/1.1 401")
+    assert raw(b"Authorization: Bearer sekret-of-the-client\x00").split(b"\r\n")[0].endswith(b" 400 Bad Request")
+    assert api(served).models.list().data  # serving on
+    logs = "".join(p.read_text(errors="replace") for p in served.log_dir.glob("*.log"))
+    assert "refused a malformed HTTP request (BadHttpMessage)" in logs or "(InvalidHeader)" in logs, logs[-3000:]
+    assert "sekret-of-the-client" not in logs
 
 
 @pytest.mark.parametrize("allowed", ["*", "https://a.example"])

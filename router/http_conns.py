@@ -1,0 +1,72 @@
+"""What stops HTTP clients holding the router's connections, and so its file descriptors: the
+router's ZeroMQ sockets need descriptors too, so with all of them taken by idle HTTP connections,
+workers could not register and clients could not connect.
+
+- A connection that has not finished a request's headers within HEADER_TIMEOUT_S is closed. That
+  covers one opened and left idle, and one that sends its headers a byte at a time (slowloris).
+  aiohttp has no such timeout.
+- One idle between requests is closed after KEEPALIVE_S. That is uvicorn's default, which vLLM
+  users get; aiohttp's own default is an hour.
+- aiohttp logs a malformed request at ERROR with a traceback quoting the line it could not parse,
+  which may hold the client's API key. That becomes one line naming the error's kind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from aiohttp import http_exceptions, web
+
+HEADER_TIMEOUT_S = 30.0
+KEEPALIVE_S = 5.0
+SWEEP_S = 2.0
+
+
+class HeaderDeadline:
+    """Closes connections that have not finished a request's headers in time. serving(request)
+    from a middleware marks a connection as having sent one; sweep() runs beside the server."""
+
+    def __init__(self, runner: web.AppRunner, timeout_s: float = HEADER_TIMEOUT_S):
+        self.runner, self.timeout_s = runner, timeout_s
+        self._first_seen: dict = {}  # connection -> when a sweep first saw it (of those still open)
+        self._served: set = set()  # connections that have sent a request (of those open at the last sweep)
+
+    def serving(self, request: web.BaseRequest) -> None:
+        self._served.add(request.protocol)
+
+    async def sweep(self) -> None:
+        log = logging.getLogger("pdserve.http")
+        while True:
+            await asyncio.sleep(min(SWEEP_S, self.timeout_s / 2))
+            now, closed = time.monotonic(), 0
+            conns = self.runner.server.connections if self.runner.server is not None else []
+            self._served &= set(conns)
+            self._first_seen = {conn: self._first_seen.get(conn, now) for conn in conns if conn not in self._served}
+            for conn, since in self._first_seen.items():
+                if now - since > self.timeout_s:
+                    conn.force_close()
+                    closed += 1
+            if closed:
+                log.info("closed %d HTTP connections that sent no request's headers within %.0f s", closed,
+                         self.timeout_s)
+
+
+class QuietBadRequests(logging.Filter):
+    """A malformed request, logged by aiohttp, as one line without the text it quoted."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, http_exceptions.HttpProcessingError):
+            record.msg, record.args = "refused a malformed HTTP request (%s)", (type(exc).__name__,)
+            record.exc_info = record.exc_text = None
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
+
+def quiet_bad_requests() -> None:
+    """Install QuietBadRequests once on aiohttp's server logger."""
+    logger = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, QuietBadRequests) for f in logger.filters):
+        logger.addFilter(QuietBadRequests())
