@@ -100,10 +100,11 @@ def placement_argv(local: int, queue: int) -> list[str]:
             + (["--max-prefill-queue", str(queue)] if queue else []))
 
 
-def make_requests(s: Scenario, vocab: int, context: int, seed: int):
+def make_requests(s: Scenario, vocab: int, context: int, seed: int, run: str = ""):
     """(arrival offset s, prompt ids, max_tokens[, the next turns' (new ids, max_tokens)]) per
-    request, from a fixed seed."""
-    rng = random.Random(f"{s.name}/{seed}")
+    request, from a fixed seed: each `run` (the warm-up, each repeat and frontend) its own prompts,
+    so that none finds another's in the prefix caches, and run k the same in every topology."""
+    rng = random.Random(f"{s.name}/{seed}/{run}" if run else f"{s.name}/{seed}")
     prefixes = [random_prompt(rng, s.prefixes[1], vocab) for _ in range(s.prefixes[0])]
     turns, more = s.turns
     out, t = [], 0.0
@@ -282,12 +283,14 @@ def run_serve_bench(model: str, topologies: list[str], scenarios: list[str], rou
                                "http": lambda reqs, n: drive_http(base_url or cluster.http_url, reqs, n, api_key)}
                     for name in names:
                         s = SCENARIOS[name] if num_requests is None else replace(SCENARIOS[name], requests=num_requests)
-                        reqs = make_requests(s, cfg.vocab_size, cfg.max_position_embeddings, seed)
+                        def requests(run: str):
+                            return make_requests(s, cfg.vocab_size, cfg.max_position_embeddings, seed, run)
                         for frontend in frontends:
-                            asyncio.run(drivers[frontend](reqs[:2], 0))  # warm-up
+                            asyncio.run(drivers[frontend](requests(f"warm-up {frontend}")[:2], 0))
                         for rep in range(repeats):  # in turn, first one then the other first: drift hits both alike
                             for frontend in (frontends if rep % 2 == 0 else frontends[::-1]):
                                 before = router_counters(router or cluster.address) if not base_url else None
+                                reqs = requests(f"{rep} {frontend}")
                                 samples, wall = asyncio.run(beside_background(drivers[frontend], reqs, s))
                                 after = router_counters(router or cluster.address) if before is not None else None
                                 rows.append({"topology": topo, "policy": policy, "kv_events": events, "scenario": name,
