@@ -759,6 +759,16 @@ def test_bench_serve_drives_the_http_api(served, capsys):
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result
 
 
+def test_bench_serve_runs_find_no_prompt_of_another_in_the_caches(served):
+    """The warm-up and every repeat sent the same prompts: the second run found its prompts cached
+    (50% of them, here), which cut its TTFT."""
+    from bench.serve import run_serve_bench
+
+    result = run_serve_bench(MODEL, [], ["long_prompts"], served.address, 7, [], repeats=2)
+    assert [r["requests"] for r in result["results"]] == [6, 6]
+    assert [r["prompt_cached_pct"] for r in result["results"]] == [0.0, 0.0]
+
+
 def test_the_router_serves_all_of_this_without_torch(served):
     """Run after the tests above, which drove the router's every path (chat, logprobs, stop strings,
     metrics): it never loaded torch, so it starts in a fraction of a second and leaves the cores
