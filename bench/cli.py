@@ -318,8 +318,10 @@ def plan(profile_path, reprofile, model, device, workers, worker_args, threads, 
 
     from bench.plan import Profile, check_replay, check_sizes, load_scaling, parse_placements, run_plan
     from bench.profile import run_profile
+    from bench.workloads import get_workload
 
     # everything checked before a profile takes minutes
+    get_workload(workload)
     placements = parse_placements(p for p in placements.split(",") if p)
     given = given_flags(["model", "device", "threads", "workload", "ttft_slo_ms", "itl_slo_ms", "attainment",
                          "duration", "min_requests", "max_requests", "refine", "seed"])

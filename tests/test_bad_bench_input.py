@@ -166,6 +166,13 @@ def test_a_count_out_of_range_is_refused_when_parsed(monkeypatch, command, flag,
     assert f"{value} {says}" in r.output if says.startswith("is not") else says in r.output, r.output
 
 
+def test_plan_refuses_an_unknown_workload_before_it_profiles(monkeypatch, tmp_path):
+    """Found by the plan after the profile, it cost minutes of profiling first."""
+    never_reached(monkeypatch)
+    r = CliRunner().invoke(main, ["plan", "--profile", str(tmp_path / "new.json"), "--workload", "nosuch"])
+    assert r.exit_code != 0 and "workload 'nosuch' is unknown; allowed:" in str(r.exception) + r.output, r.output
+
+
 def test_counts_that_are_allowed_reach_the_bench(monkeypatch):
     def given(*args) -> tuple:
         seen = []
