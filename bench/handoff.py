@@ -18,10 +18,9 @@ from __future__ import annotations
 
 import random
 import statistics
-import tempfile
 from pathlib import Path
 
-from bench.report import print_json, print_table
+from bench.report import cluster_logs, print_json, print_table
 from common.model_spec import model_config
 from common.cli_options import engine_kwargs_from
 from common.config import EngineConfig
@@ -44,7 +43,7 @@ def run_handoff_bench(model: str, tokens: int, requests: int, transport: str, se
     rng = random.Random(seed)
     prompts = [[rng.randrange(cfg.vocab_size) for _ in range(tokens)] for _ in range(2 * requests + 2)]
     samples: dict[str, list[tuple[float, float, float]]] = {mode: [] for mode in MODES}
-    with tempfile.TemporaryDirectory() as logs:
+    with cluster_logs() as logs:
         clusters = {}
         try:
             for mode, extra in MODES.items():

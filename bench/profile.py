@@ -54,7 +54,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.hostload import CpuWatch
-from bench.report import print_table
+from bench.report import cluster_logs, print_table
 from bench.serve import drive, random_prompt
 from common.cli_options import engine_kwargs_from
 from bench.simulate import EngineShape, StepCost, WorkerModel, host_slowdown
@@ -287,7 +287,7 @@ def profile_workers(model: str, device: str, threads: int | None, worker_args: l
     clusters = [("disaggregated", (1, 1, 0)), ("mono", (0, 0, 1))]
     if host_cores is not None and host_cores >= 2:
         clusters.append(("pair", (0, 0, 2)))
-    with tempfile.TemporaryDirectory() as tmp:
+    with cluster_logs() as tmp:
         for name, topology in clusters:
             cluster = Cluster(model, *topology, [device], "127.0.0.1", 0, 0, Path(tmp) / name, "least_loaded",
                               list(worker_args), threads=threads, restart=False)

@@ -1,9 +1,14 @@
-"""The one output format of every benchmark: an aligned table, then a last line of JSON."""
+"""The one output format of every benchmark: an aligned table, then a last line of JSON; and
+where a bench's clusters keep their logs."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import shutil
+import sys
+import tempfile
 
 
 def print_table(title: str, header: list[str], rows: list[list]) -> None:
@@ -46,3 +51,19 @@ def pct(values: list[float], q: float) -> float:
         return float("nan")
     values = sorted(values)
     return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
+
+
+@contextlib.contextmanager
+def cluster_logs():
+    """A directory for a bench's cluster logs, removed when the bench ends well or is stopped, and
+    kept when it fails, whose error points into it (a temporary directory was gone by then)."""
+    logs = tempfile.mkdtemp(prefix="pdserve-bench-")
+    try:
+        yield logs
+    except Exception:
+        print(f"[bench] the clusters' logs are kept in {logs}", file=sys.stderr, flush=True)
+        raise
+    except BaseException:  # Ctrl-C
+        shutil.rmtree(logs, ignore_errors=True)
+        raise
+    shutil.rmtree(logs, ignore_errors=True)

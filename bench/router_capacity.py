@@ -28,14 +28,13 @@ from __future__ import annotations
 import asyncio
 import random
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import zmq
 
 from bench.hostload import CpuWatch, children
-from bench.report import pct, print_json, print_table
+from bench.report import cluster_logs, pct, print_json, print_table
 from common import protocol as P
 from common.channel import Channel
 from common.errors import InvalidArgument
@@ -242,7 +241,7 @@ def run_router_bench(model: str = "dummy:nanogpt", concurrencies: list[int] = (1
     if prompt_len + max_tokens >= cfg.max_position_embeddings:
         raise InvalidArgument(f"prompt_len + max_tokens = {prompt_len + max_tokens}; allowed: under "
                               f"{cfg.max_position_embeddings} ({model}'s context)")
-    with tempfile.TemporaryDirectory() as logs:
+    with cluster_logs() as logs:
         # A Cluster with no worker of its own kind: its router and start-up check, our synthetic workers.
         cluster = Cluster(model, 0, 0, workers, ["cpu"], "127.0.0.1", 0, 0, Path(logs), "least_loaded", [],
                           threads=1, restart=False, router_args=["--max-queue", str(max(concurrencies) + 64)],

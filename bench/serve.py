@@ -21,7 +21,6 @@ import asyncio
 import random
 import re
 import statistics
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -30,7 +29,7 @@ from pathlib import Path
 import zmq
 
 from bench.goodput import Latency, percentiles
-from bench.report import pct, print_json, print_table
+from bench.report import cluster_logs, pct, print_json, print_table
 from common.model_spec import model_config
 from router.client import AsyncClient, Client, RequestError
 from router.launcher import Cluster, check_worker_count
@@ -269,7 +268,7 @@ def run_serve_bench(model: str, topologies: list[str], scenarios: list[str], rou
         (t, p, e) for t in topologies for p in policies for e in (kv_events if p == "prefix_affine" else (True,))]
     for topo, policy, events in launches:
         for extra, names in groups.items():
-            with tempfile.TemporaryDirectory() as logs:
+            with cluster_logs() as logs:
                 cluster = None
                 if not external:
                     p, d, m, local, queue = shapes[topo]

@@ -6,7 +6,9 @@ table, counts of 0 are refused when parsed, and a transfer larger than the memor
 import json
 import math
 import os
+import pathlib
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -346,3 +348,20 @@ def test_a_bench_json_line_is_strict_json_with_nan_as_null(capsys):
     line = capsys.readouterr().out.strip()
     assert json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in {line}")) == \
         {"ttft_p50": None, "rows": [{"itl": None, "ok": 1.5}], "n": 0}
+
+
+def test_a_failed_bench_keeps_the_cluster_logs_its_error_points_to(capsys):
+    from bench.report import cluster_logs
+
+    with cluster_logs() as ok:
+        pathlib.Path(ok, "router.log").write_text("fine")
+    assert not pathlib.Path(ok).exists()
+    with pytest.raises(KeyboardInterrupt), cluster_logs() as stopped:
+        raise KeyboardInterrupt
+    assert not pathlib.Path(stopped).exists()
+    with pytest.raises(RuntimeError), cluster_logs() as failed:
+        pathlib.Path(failed, "prefill-0.log").write_text("the cause")
+        raise RuntimeError(f"see {failed}/prefill-0.log")
+    assert pathlib.Path(failed, "prefill-0.log").read_text() == "the cause"
+    assert f"logs are kept in {failed}" in capsys.readouterr().err
+    shutil.rmtree(failed)
