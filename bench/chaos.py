@@ -20,10 +20,9 @@ from pathlib import Path
 
 import torch
 
-from bench.report import print_json, print_table
+from bench.report import Progress, pct, print_json, print_table
 from common.cli_options import engine_kwargs_from
 from common.errors import InvalidArgument
-from bench.report import pct
 from common.engine import Engine
 from common.sampling_params import SamplingParams
 from router.client import AsyncClient, Client, RequestError
@@ -62,6 +61,7 @@ class ChaosDriver:
     seed: int
     log: list[str] = field(default_factory=list)
     done: int = 0
+    progress: Progress | None = None  # says each fault
 
     def _all_registered(self, client: Client) -> bool:
         try:
@@ -90,6 +90,8 @@ class ChaosDriver:
                 stopped.append((victim, time.monotonic() + self.stop_s))
                 self.log.append(f"SIGSTOP {victim.name} for {self.stop_s}s")
             self.done += 1
+            if self.progress is not None:
+                self.progress(f"fault {self.done} of {self.kills}: {self.log[-1]}")
             for c, until in list(stopped):
                 if time.monotonic() >= until:
                     c.proc.send_signal(signal.SIGCONT)
@@ -157,6 +159,9 @@ def run_chaos(model: str = "dummy:nanogpt", prefill: int = 2, decode: int = 2, r
     given = engine_kwargs_from(worker_args)["dtype"]
     if dtype is not None and given is not None and given != dtype:
         raise InvalidArgument(f"--dtype {dtype} and --worker-arg=--dtype={given}: give the workers' dtype once")
+    progress = Progress("chaos") if verbose else None
+    if progress:
+        progress(f"the reference: {len(work)} requests in one engine")
     engine = Engine(model=model, device=devices[0], dtype=dtype or given)
     reference = [o.token_ids for o in engine.generate([p for p, _ in work], [SamplingParams(**s) for _, s in work])]
     on_gpu, dtype = engine.config.torch_device.type == "cuda", engine.config.dtype
@@ -172,7 +177,10 @@ def run_chaos(model: str = "dummy:nanogpt", prefill: int = 2, decode: int = 2, r
                       "least_loaded", worker_args, threads=None if on_gpu else 1, restart=True, router_args=router_args)
     try:
         cluster.start()
-        driver = ChaosDriver(cluster, kills, interval_s, stop_s, seed)
+        driver = ChaosDriver(cluster, kills, interval_s, stop_s, seed, progress=progress)
+        if progress:
+            progress(f"{len(work)} requests over about {kills * (interval_s + stop_s + 4.0) + 2.0:.0f} s, {kills} "
+                     "faults among them")
         finished = threading.Event()
         thread = threading.Thread(target=driver.run, args=(finished,), daemon=True)
         t0 = time.monotonic()

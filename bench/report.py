@@ -9,6 +9,7 @@ import math
 import shutil
 import sys
 import tempfile
+import time
 
 
 def print_table(title: str, header: list[str], rows: list[list]) -> None:
@@ -67,3 +68,13 @@ def cluster_logs():
         shutil.rmtree(logs, ignore_errors=True)
         raise
     shutil.rmtree(logs, ignore_errors=True)
+
+
+class Progress:
+    """A long bench's progress lines on stderr (its table and JSON go to stdout), timed from its start."""
+
+    def __init__(self, name: str):
+        self.name, self.started = name, time.monotonic()
+
+    def __call__(self, text: str) -> None:
+        print(f"[{self.name} {time.monotonic() - self.started:6.1f}s] {text}", file=sys.stderr, flush=True)

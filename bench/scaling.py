@@ -21,14 +21,13 @@ import math
 import os
 import random
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bench.goodput import BACKLOG_LIMIT, SLO, Latency, Point, Search, find_goodput, point_from
 from bench.hostload import CpuWatch
-from bench.report import finite, print_json, print_table
+from bench.report import Progress, finite, print_json, print_table
 from bench.serve import drive, parse_topology, placement_argv, random_prompt
 from bench.workloads import Workload, fit, get_workload
 from common.model_spec import model_config
@@ -111,11 +110,11 @@ def check_topologies(topologies: list[Topology], max_workers: int, devices: list
                                   f"(devices={','.join(devices)}; raise --workers or give more devices)")
 
 
-class Progress:
+class SweepProgress:
     """One line per point on stderr: which topology, which rate, how many topologies remain."""
 
     def __init__(self, total: int):
-        self.total, self.index, self.started = total, 0, time.monotonic()
+        self.total, self.index, self.progress = total, 0, Progress("scaling")
 
     def topology(self, t: Topology):
         self.index += 1
@@ -130,7 +129,7 @@ class Progress:
                  f"processes on the machine kept {p.cpu.get('others', 0):.2f} cores busy")
 
     def say(self, text: str):
-        print(f"[scaling {time.monotonic() - self.started:6.1f}s] {text}", file=sys.stderr, flush=True)
+        self.progress(text)
 
 
 MAX_POINT_REQUESTS = 1_000_000  # one rate's requests: past this a point would run (or simulate) for hours
@@ -231,7 +230,7 @@ def start_rate_for(address: str, workload: Workload, t: Topology, context: int, 
 
 
 def sweep_topology(model: str, t: Topology, devices: list[str], workload: Workload, slo: SLO, sweep: Sweep,
-                   worker_args: list[str], progress: Progress, log_dir: Path) -> Search:
+                   worker_args: list[str], progress: SweepProgress, log_dir: Path) -> Search:
     cfg = model_config(model)
     context, vocab = cfg.max_position_embeddings, cfg.vocab_size
     cluster = Cluster(model, t.prefill, t.decode, t.mono, devices, "127.0.0.1", 0, 0, log_dir / t.name,
@@ -303,7 +302,7 @@ def run_scaling_bench(model: str, devices: str, workers: int | None, topologies:
     check_topologies(topos, max_workers, names)
     sweep.check_start(slo, workload.mean_output_tokens(model_config(model).max_position_embeddings))
     out_dir = made_dir(Path(out_dir), "--out-dir")
-    progress = Progress(len(topos))
+    progress = SweepProgress(len(topos))
     searches: dict[Topology, Search] = {}
     finished: dict[Topology, float] = {}  # when each topology's sweep ended (a later profile is compared with it)
     for t in topos:  # each cluster's logs under --out-dir/logs, where an error can point to them

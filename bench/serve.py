@@ -29,7 +29,7 @@ from pathlib import Path
 import zmq
 
 from bench.goodput import Latency, percentiles
-from bench.report import cluster_logs, pct, print_json, print_table
+from bench.report import Progress, cluster_logs, pct, print_json, print_table
 from common.model_spec import model_config
 from router.client import AsyncClient, Client, RequestError
 from router.launcher import Cluster, check_worker_count
@@ -227,6 +227,8 @@ def run_serve_bench(model: str, topologies: list[str], scenarios: list[str], rou
                     num_requests: int | None = None) -> dict:
     """num_requests: each scenario's requests (conversations, for multi_turn) instead of its own count."""
     from bench.openai_load import drive_http, served_model_at  # it imports Sample from here
+
+    progress = Progress("serve")
     from router.registry import POLICIES
 
     for policy in policies:
@@ -286,10 +288,13 @@ def run_serve_bench(model: str, topologies: list[str], scenarios: list[str], rou
                             return make_requests(s, cfg.vocab_size, cfg.max_position_embeddings, seed, run)
                         for frontend in frontends:
                             asyncio.run(drivers[frontend](requests(f"warm-up {frontend}")[:2], 0))
+                        shown = f"{topo}{'' if external else ' ' + policy}"
                         for rep in range(repeats):  # in turn, first one then the other first: drift hits both alike
                             for frontend in (frontends if rep % 2 == 0 else frontends[::-1]):
                                 before = router_counters(router or cluster.address) if not base_url else None
                                 reqs = requests(f"{rep} {frontend}")
+                                progress(f"{shown}: {name} x {len(reqs)} by {frontend}" +
+                                         (f", run {rep + 1} of {repeats}" if repeats > 1 else ""))
                                 samples, wall = asyncio.run(beside_background(drivers[frontend], reqs, s))
                                 after = router_counters(router or cluster.address) if before is not None else None
                                 rows.append({"topology": topo, "policy": policy, "kv_events": events, "scenario": name,

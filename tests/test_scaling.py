@@ -149,7 +149,7 @@ def test_a_topology_s_placement_flags_reach_its_router(monkeypatch, tmp_path):
     """1p1d+queue2+local64: the cluster bench scaling launches runs the router with those flags."""
     import bench.scaling
     from bench.goodput import SLO
-    from bench.scaling import Progress, Sweep, Topology, sweep_topology
+    from bench.scaling import Sweep, SweepProgress, Topology, sweep_topology
     from bench.workloads import get_workload
 
     class Launched(Exception):
@@ -161,7 +161,7 @@ def test_a_topology_s_placement_flags_reach_its_router(monkeypatch, tmp_path):
     monkeypatch.setattr(bench.scaling, "Cluster", cluster)
     with pytest.raises(Launched) as e:
         sweep_topology("dummy:nanogpt", Topology.parse("1p1d+queue2+local64"), ["cpu"], get_workload("chat"),
-                       SLO(1000, 100), Sweep(), [], Progress(1), tmp_path)
+                       SLO(1000, 100), Sweep(), [], SweepProgress(1), tmp_path)
     assert e.value.args[0] == ["--max-local-prefill-length", "64", "--max-prefill-queue", "2"]
 
 
