@@ -106,8 +106,10 @@ def check_topologies(topologies: list[Topology], max_workers: int, devices: list
     for t in topologies:
         check_worker_count(t.devices)
         if t.devices > max_workers:
+            more = ("this machine's cores allow no more" if devices == ["cpu"] and max_workers >= (os.cpu_count() or 1)
+                    else "raise --workers or give more devices")
             raise InvalidArgument(f"topology {t.name} needs {t.devices} workers; the devices allow {max_workers} "
-                                  f"(devices={','.join(devices)}; raise --workers or give more devices)")
+                                  f"(devices={','.join(devices)}; {more})")
 
 
 class SweepProgress:

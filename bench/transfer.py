@@ -416,6 +416,9 @@ def run_transfer_bench(transport: str, spec: str, tokens: int, repeats: int, blo
                        layer_groups: int = 1) -> dict:
     if repeats < 1:
         raise InvalidArgument(f"repeats={repeats}; allowed: >= 1")
+    if devices and len(devices) > 2:
+        raise InvalidArgument(f"--devices {','.join(devices)} names {len(devices)} devices; allowed: the sender's, "
+                              "then optionally the receiver's", param="--devices")
     shape, dtype, dev, n = kv_shape(spec, tokens, block_size, dtype, devices[0] if devices else None, transport)
     peer = peer_device(transport, dev, devices)
     if not 1 <= layer_groups <= shape[0]:

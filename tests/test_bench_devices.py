@@ -53,6 +53,11 @@ def test_transfer_takes_devices_and_its_older_device_flag(monkeypatch):
     assert invoke(monkeypatch, "bench.transfer", "run_transfer_bench", "transfer")["args"][6] is None
 
 
+def test_transfer_refuses_a_third_device():
+    with pytest.raises(InvalidArgument, match="names 3 devices; allowed: the sender's, then optionally the receiver's"):
+        B.run_transfer_bench("shm", "dummy:nanogpt", 64, 1, devices=["cpu", "cpu", "cpu"])  # the third was ignored
+
+
 @pytest.mark.parametrize("bench", ["serve", "chaos", "handoff", "transfer"])
 def test_an_empty_device_entry_is_refused_clearly(bench):
     r = CliRunner().invoke(main, ["bench", bench, "--devices", "cpu,,cuda:0"])

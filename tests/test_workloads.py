@@ -2,6 +2,7 @@
 named in its error."""
 
 import json
+import os
 import re
 import statistics
 
@@ -111,5 +112,7 @@ def test_topologies_and_what_the_devices_allow(monkeypatch):
     assert resolve_devices("cuda:0,cuda:1", None) == (["cuda:0", "cuda:1"], 2)
     with pytest.raises(InvalidArgument, match="mixes cpu"):
         resolve_devices("cpu,cuda:0", None)
-    with pytest.raises(InvalidArgument, match="topology 2p1d needs 3 workers; the devices allow 2"):
-        check_topologies([Topology.parse("1p1d"), Topology.parse("2p1d")], 2, ["cpu"])
+    for cores, hint in ((2, "this machine's cores allow no more"), (8, "raise --workers")):  # once both said raise
+        monkeypatch.setattr(os, "cpu_count", lambda: cores)
+        with pytest.raises(InvalidArgument, match=f"topology 2p1d needs 3 workers; the devices allow 2 .*{hint}"):
+            check_topologies([Topology.parse("1p1d"), Topology.parse("2p1d")], 2, ["cpu"])
