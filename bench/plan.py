@@ -226,7 +226,11 @@ class Planner:
         best_split = max((r for r in rows if r["mono"] == 0 and r["goodput_rps"] > 0), key=lambda r: r["goodput_rps"],
                          default=None)
         mono_g = rows[0]["goodput_rps"]
+        # the search finds a goodput to a factor of its resolution: rows that close are a tie, not a ranking
+        tied = [r["topology"] for r in rows if best and r is not best
+                and r["goodput_rps"] * (1 + self.sweep.resolution) >= best["goodput_rps"]]
         return {"devices": n, "local": n <= self.local_workers, "best": best["topology"] if best else None,
+                "tied_with_best": tied,
                 "best_xpyd": best_split["topology"] if best_split else None,
                 "xpyd_over_mono": round(best_split["goodput_rps"] / mono_g, 3) if best_split and mono_g else None,
                 "topologies": rows}
@@ -372,7 +376,7 @@ def relative(predicted: float, measured: float) -> float | None:
 
 
 def percent(error: float | None) -> str:
-    return "-" if error is None else f"{error:+.1%}"
+    return "-" if error is None else f"{round(error, 3) + 0.0:+.1%}"  # + 0.0: no "-0.0%"
 
 
 def run_plan(profile: Profile, workload_spec: str, slo: SLO, sweep: Sweep, device_counts: list[int],
@@ -396,6 +400,7 @@ def run_plan(profile: Profile, workload_spec: str, slo: SLO, sweep: Sweep, devic
     for n in device_counts:
         planner.hosts(n)  # whole hosts past this machine: say so before simulating anything
     result = {"bench": "plan", "model": profile.model, "profiled_on": profile.device, "workload": workload_spec,
+              "search_resolution": round(sweep.resolution, 4),
               "workload_shape": workload.describe(), "slo": asdict(slo),
               "network": {"gbps": network_gbps, "latency_ms": network_latency_ms,
                           "devices_per_host": devices_per_host}}
@@ -403,7 +408,9 @@ def run_plan(profile: Profile, workload_spec: str, slo: SLO, sweep: Sweep, devic
         rows = compare(planner, compare_with)
         result["validation"] = rows
         print_table(f"predicted vs measured goodput ({compare_with['model']}, {workload_spec}; the measured sweep "
-                    "replayed in simulation; 'others': cores other processes kept busy during the measurement; "
+                    f"replayed in simulation, each found to within {sweep.resolution:.1%} (--refine "
+                    f"{sweep.refine}): an error under that is no error; 'others': cores other processes kept busy "
+                    "during the measurement; "
                     "'profiled': minutes from the topology's sweep to the profile, over which a shared machine's "
                     "speed can drift)",
                     ["topology", "measured req/s", "others", "predicted (quiet)", "error", "predicted (others)",
@@ -419,6 +426,8 @@ def run_plan(profile: Profile, workload_spec: str, slo: SLO, sweep: Sweep, devic
         where = "this machine" if p["local"] else f"{hosts} host{'s' * (hosts > 1)} of {p['devices'] // hosts} devices"
         best = (f"best {p['best']}" if p["best"] else "no topology meets the SLO at any rate tried (goodput 0: "
                 "loosen --ttft-slo-ms / --itl-slo-ms / --attainment)")
+        if p["tied_with_best"]:
+            best += f" (tied with {', '.join(p['tied_with_best'])}: within the search's resolution)"
         print_table(f"plan for {p['devices']} devices ({where}): {best}"
                     + (f", best xPyD {p['best_xpyd']} = {p['xpyd_over_mono']}x {p['devices']}mono"
                        if p["xpyd_over_mono"] else ""),

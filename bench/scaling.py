@@ -163,6 +163,11 @@ class Sweep:
         if self.refine < 0:
             raise InvalidArgument(f"--refine {self.refine}; allowed: >= 0")
 
+    @property
+    def resolution(self) -> float:
+        """How near a goodput the search gets: within this fraction of it (bench/goodput.py)."""
+        return self.growth ** (1 / 2 ** self.refine) - 1
+
     def requests_at(self, rate: float, slo: SLO, mean_output_tokens: float) -> int:
         """rate x duration requests, within [min, max]; but never so few that they arrive in less than
         the longest of: a quarter of the duration; 10 TTFT targets; LIFETIMES request lifetimes at the

@@ -37,6 +37,13 @@ def test_prefill_bound_plan_adds_prefill_workers():
     plan = p.plan(3)
     assert plan["best_xpyd"] == "2p1d"
     assert {r["topology"]: r["bound"] for r in plan["topologies"]}["1p2d"] == "prefill"
+    # a row within the search's resolution of the best is called a tie (one was ranked by row order)
+    assert Sweep(refine=4).resolution == pytest.approx(2 ** (1 / 16) - 1) and SWEEP.resolution < 0.1
+    goodput = {r["topology"]: r["goodput_rps"] for r in plan["topologies"]}
+    best = goodput[plan["best"]]
+    assert plan["tied_with_best"] == [t for t, g in goodput.items()
+                                      if t != plan["best"] and g * (1 + SWEEP.resolution) >= best]
+    assert "1p2d" not in plan["tied_with_best"]
 
 
 def test_decode_bound_plan_adds_decode_workers():
