@@ -171,7 +171,7 @@ def _sampling(body: dict, max_tokens: int, **extra) -> dict:
 
 
 RESPONSE_FORMATS = ('{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": '
-                    '{"name": ..., "schema": {...}}}')
+                    '{"name": 1-64 letters, digits, _ or -, "schema": {...}}}')
 
 
 def _structured(body: dict) -> dict | None:
@@ -189,7 +189,8 @@ def _structured(body: dict) -> dict | None:
     if kind == "json_object" and set(fmt) == {"type"}:
         return structured_output.check({"json_object": True}, "response_format")
     inner = fmt.get("json_schema") if kind == "json_schema" and set(fmt) == {"type", "json_schema"} else None
-    if not (isinstance(inner, dict) and isinstance(inner.get("schema"), dict) and isinstance(inner.get("name", ""), str)
+    if not (isinstance(inner, dict) and isinstance(inner.get("schema"), dict) and isinstance(inner.get("name"), str)
+            and tool_calls.NAME.fullmatch(inner["name"])  # OpenAI and vLLM require one
             and isinstance(inner.get("strict", False), (bool, type(None)))
             and set(inner) <= {"name", "schema", "strict", "description"}):
         raise InvalidArgument(f"response_format={short_repr(fmt)} is invalid; allowed: {RESPONSE_FORMATS}",
@@ -314,7 +315,7 @@ def parse_chat(body, served_model: Served, context: int, parsers: OutputParsers 
             given = "response_format" if body.get("response_format") is not None else "structured_outputs"
             raise InvalidArgument(f"tool_choice={short_repr(body['tool_choice'])} and {given} both say what the output "
                                   "is; allowed: one of them", param="tool_choice")
-        # checked here, so that a parameters schema that does not compile is named as the tools'
+        # each tool's parameters were checked alone, by name; this is the list of calls they make together
         sampling["structured_outputs"] = structured_output.check(tools.structured_outputs(), "tools",
                                                                   "the tools' parameters (as one schema)")
     job = _job(body, served_model, True, [""], messages, sampling, False, logprobs)

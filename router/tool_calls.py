@@ -15,13 +15,15 @@ import json
 import re
 from dataclasses import dataclass, field
 
+from common import structured_output
 from common.errors import InvalidArgument, short_repr
 from router.tool_parsers import PARSERS, AutoCallStream, ToolParser, call
 
 MAX_TOOLS = 128  # OpenAI's limit
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 NO_PARAMETERS = {"type": "object", "properties": {}}
-CHOICES = '"none", "required" or {"type": "function", "function": {"name": ...}}'
+NAMED = '{"type": "function", "function": {"name": ...}}'
+CHOICES = f'"none", "auto" (with --tool-call-parser), "required" or {NAMED}'
 TOOL = '{"type": "function", "function": {"name": ..., "description": ..., "parameters": {...}}}'
 
 
@@ -124,12 +126,17 @@ def parse(body: dict, parallel: bool = True, parser: str | None = None) -> Tools
         if not isinstance(params, dict) or not isinstance(fn.get("description", ""), str):
             raise InvalidArgument(f"tools[{i}].function={short_repr(fn)} is invalid; allowed: a string "
                                   "description and a JSON schema of the parameters", param="tools")
+        if params.get("type", "object") != "object":  # arguments are a JSON object, as OpenAI requires
+            raise InvalidArgument(f"tools[{i}].function.parameters.type={short_repr(params['type'])} is invalid; "
+                                  'allowed: "object"', param="tools")
+        # whatever the choice: a schema the model's calls could never be held to is an error now, by name
+        structured_output.check({"json": params}, "tools", f"tools[{i}].function.parameters")
         parameters[name] = params or NO_PARAMETERS
     if choice in (None, "auto"):
         if parser is None:
             raise InvalidArgument('tool_choice "auto" (the default with tools) lets the model choose between text '
                                   "and calls, which needs a parser for its call format: start the server with "
-                                  f"--tool-call-parser ({', '.join(PARSERS)}); allowed without one: {CHOICES}",
+                                  f"--tool-call-parser ({', '.join(PARSERS)}); allowed without one: \"none\", \"required\" or {NAMED}",
                                   param="tool_choice")
         return Tools(tools, "auto", parallel=parallel, parameters=parameters, parser=PARSERS[parser])
     if choice in ("none", "required"):

@@ -146,8 +146,8 @@ def test_response_formats_become_structured_outputs():
     ({"prompt": "x", "logit_bias": [5]}, "logit_bias", "logit_bias=[5] is invalid"),
     ({"prompt": "x", "response_format": {"type": "xml"}}, "response_format", "response_format={'type': 'xml'} is invalid"),
     ({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"name": "a"}}}, "response_format",
-     '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}'),
-    ({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "bogus"}}}},
+     '{"type": "json_schema", "json_schema": {"name": 1-64 letters, digits, _ or -, "schema": {...}}}'),
+    ({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "bogus"}}}},
      "response_format", "response_format.json_schema.schema does not compile: Invalid type: bogus"),
     ({"prompt": "x", "response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
      "structured_outputs", "both given"),
@@ -190,7 +190,15 @@ def test_bad_completion_fields_are_named(body, param, text):
     ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tool_choice", "needs tools"),
     ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required", "tools": [
         {"type": "function", "function": {"name": "f", "parameters": {"type": "bogus"}}}]}, "tools",
-     "the tools' parameters (as one schema) does not compile: Invalid type: bogus"),
+     "tools[0].function.parameters.type='bogus' is invalid; allowed: \"object\""),
+    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "none", "tools": [TOOL, {"type": "function",
+      "function": {"name": "g", "parameters": {"type": "object", "properties": {"a": {"type": "bogus"}}}}}]},
+     "tools", "tools[1].function.parameters does not compile: Invalid type: bogus"),  # under "none" too
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]}, "tools",
+     "tools[0].function.parameters.type='string' is invalid; allowed: \"object\""),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema", "json_schema": {
+        "schema": {"type": "object"}}}}, "response_format", '"json_schema": {"name": 1-64 letters'),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [TOOL], "tool_choice": "required",
       "response_format": {"type": "json_object"}}, "tool_choice", "and response_format both say what the output is"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [TOOL], "tool_choice": "none",
