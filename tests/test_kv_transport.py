@@ -304,9 +304,20 @@ def test_choose_prefers_the_fastest_and_names_both_ends_when_none_fits():
     far = {"shm": {"host": "elsewhere", "segment": "pdserve-kv-1-x", "nonce": "00", "shape": [1], "dtype": "float32"}}
     with pytest.raises(TransportError) as e:
         choose(senders, dict(far, gloo={}), "decode-0")
-    assert "decode worker 'decode-0'" in str(e.value) and "it offers ['gloo', 'shm']" in str(e.value)
-    assert "this prefill worker uses ['shm', 'zmq']" in str(e.value)
-    assert "its pool is on host 'elsewhere'" in str(e.value)
+    assert "cannot reach decode worker 'decode-0' by a KV transport both use: shm: its pool is on host 'elsewhere'" \
+        in str(e.value)
+    with pytest.raises(TransportError) as e:
+        choose(senders, {"gloo": {}}, "decode-0")
+    assert "no KV transport in common with decode worker 'decode-0'" in str(e.value)
+    assert "this prefill worker uses ['shm', 'zmq'], it offers ['gloo']" in str(e.value)
+    from common.kv_transport.mapped import HOSTNAME
+
+    exited = subprocess.Popen(["true"])
+    exited.wait()  # a pid no process has now: a decode worker just killed (it was "no KV transport in common")
+    dead = dict(far["shm"], host=HOSTNAME, segment=f"pdserve-kv-{exited.pid}-x")
+    with pytest.raises(TransportError, match="cannot reach decode worker 'decode-0' by a KV transport both use: "
+                                             "shm: its process has exited"):
+        choose({"shm": senders["shm"]}, {"shm": dead}, "decode-0")
     forced = r"kv_transport='shm' is forced on this prefill worker, it offers \['zmq'\]"
     with pytest.raises(TransportError, match=forced):
         choose({"shm": senders["shm"]}, {"zmq": {}}, "decode-0", forced="shm")

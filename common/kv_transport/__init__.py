@@ -88,10 +88,11 @@ def choose(senders: dict[str, Sender], offer: dict, peer: str, forced: str = "au
             if why is None:
                 return name
             unusable.append(f"{name}: {why}")
+    if unusable:  # one in common, but not reachable (a peer that has just exited, another host)
+        raise TransportError(f"cannot reach decode worker {peer!r} by a KV transport both use: {'; '.join(unusable)}")
     ours = f"kv_transport={forced!r} is forced on this prefill worker" if forced != "auto" else \
         f"this prefill worker uses {list(senders)}"
-    raise TransportError(f"no KV transport in common with decode worker {peer!r}: {ours}, it offers "
-                         f"{sorted(offer)}" + (f" ({'; '.join(unusable)})" if unusable else ""))
+    raise TransportError(f"no KV transport in common with decode worker {peer!r}: {ours}, it offers {sorted(offer)}")
 
 
 def tune_malloc() -> None:

@@ -75,6 +75,8 @@ class MappedSender(Sender):
         if advert.get("host") != HOSTNAME:
             return f"its pool is on host {advert.get('host')!r}, this is {HOSTNAME!r}"
         try:
+            if self._gone(self._key(advert)):
+                return "its process has exited"
             self._mapped(advert)
         except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as e:
             return f"cannot map its pool ({type(e).__name__}: {e})"
