@@ -52,6 +52,9 @@ set -u
 #   lists every compiled variant's registers, spills and programs per SM there). `auto` now times
 #   the decode tile uncapped and with its registers capped at 80 and 64 (bench engine's header names
 #   the one taken; attention-tiles times each).
+# Since 2026-11-28 (evening), also untested on a GPU: the keyed sampling noise takes 23 bits (the
+# graphs' sampler captures it; seeded outputs changed once, everywhere alike), a structured
+# output's logprobs come from a masked float copy of the logits, and CURVE keys are per role.
 # Cluster stages serve 4,096-token contexts: sized for llama-1b's whole 131,072, each worker would set
 # GBs aside for one step's attention partials (a GPU test starts a cluster with no flag at all).
 CTX=--worker-arg=--max-model-len=4096
