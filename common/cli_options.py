@@ -298,8 +298,9 @@ class Counts(click.ParamType):
         if isinstance(value, list):
             return value
         counts = parse_ints(value, param.opts[0], self.what)
-        if not counts or min(counts) < 1:
-            self.fail(f"{value!r} has {min(counts) if counts else 'none'}; allowed: {self.what} >= 1, "
+        bad = [c for c in counts if c < 1]
+        if not counts or bad:
+            self.fail(f"{value!r} has {', '.join(map(str, bad)) if counts else 'none'}; allowed: {self.what} >= 1, "
                       "comma-separated", param, ctx)
         return counts
 

@@ -122,6 +122,7 @@ REFUSED = [  # (command, flag, value as click repeats it, what the error says of
     ("engine", "--prefill-len", "0", AT_LEAST_1),
     ("engine", "--batch-sizes", "0", "'0' has 0; allowed: batch sizes >= 1, comma-separated"),
     ("engine", "--batch-sizes", "1,16,-4", "'1,16,-4' has -4; allowed: batch sizes >= 1"),
+    ("engine", "--batch-sizes", "0,8,-1", "'0,8,-1' has 0, -1; allowed: batch sizes >= 1"),  # each, not the least
     ("engine", "--kv-lens", ",", "',' is not a comma-separated list of KV lengths"),
     ("engine", "--kv-lens", "", "'' has none; allowed: KV lengths >= 1"),
     ("engine", "--kv-lens", "64,x", "'64,x' is not a comma-separated list of KV lengths"),
