@@ -47,13 +47,15 @@ def test_connections_that_send_no_headers_in_time_are_closed():
                     break
                 slow[1].write(bytes([byte]))
                 await asyncio.sleep(0.05)
-            assert await asyncio.wait_for(idle[0].read(), 10) == b""  # closed by the server
-            assert await asyncio.wait_for(slow[0].read(), 10) == b""
+            for reader, _ in (idle, slow):  # closed by the server: an end, or a reset if bytes were unread
+                try:
+                    assert await asyncio.wait_for(reader.read(), 10) == b""
+                except ConnectionResetError:
+                    pass
             assert 1.0 <= time.monotonic() - t0 < 8
             served[1].write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")  # one that asked in time stays open
             assert (await asyncio.wait_for(served[0].readuntil(b"ok"), 5)).startswith(b"HTTP/1.1 200")
-            for _, writer in (idle, slow, served):
-                writer.close()
+            served[1].close()
         finally:
             sweeping.cancel()
             await runner.cleanup()
