@@ -45,6 +45,7 @@ def adjust(logits_SV: torch.Tensor, seqs: list[Sequence], rows: list[int], num_d
     out_n, prompt_n, last_src = array.array("q"), array.array("q"), array.array("q")
     bias_r, bias_t, bias_v, stop_r, stop_t = array.array("q"), array.array("q"), [], array.array("q"), array.array("q")
     grammar_r, matchers = array.array("q"), []  # rows held to a structured output, and their matchers
+    masked_logprobs = False  # one of those rows asks for logprobs
     tokens = array.array("q")  # each row's output tokens, then each row's prompt tokens
     prompts = []
     rep, freq, pres, temp, log_min_p = [], [], [], [], []  # per row
@@ -68,6 +69,7 @@ def adjust(logits_SV: torch.Tensor, seqs: list[Sequence], rows: list[int], num_d
         if q.matcher is not None:  # its grammar, not min_tokens, says where it may end
             grammar_r.append(j)
             matchers.append(q.matcher)
+            masked_logprobs = masked_logprobs or p.logprobs is not None
         elif len(q) - q.num_prompt_tokens < p.min_tokens:  # the token sampled now is output number len - prompt
             stops = [t for t in q.stop_ids if t < V]
             stop_t.extend(stops)
@@ -95,8 +97,9 @@ def adjust(logits_SV: torch.Tensor, seqs: list[Sequence], rows: list[int], num_d
         masks_CW = torch.empty(len(matchers), -(-V // 32), dtype=torch.int32)
         fill_masks(matchers, masks_CW)
         x_RV[grammar_r] = _allowed_only(x_RV[grammar_r], upload(masks_CW, dev))
-        for_logprobs_SV = logits_SV.float().clone()
-        for_logprobs_SV[rows_R[grammar_r]] = x_RV[grammar_r]
+        if masked_logprobs:  # a copy only where one is asked for
+            for_logprobs_SV = logits_SV.float().clone()
+            for_logprobs_SV[rows_R[grammar_r]] = x_RV[grammar_r]
     if bias_v:
         x_RV.index_put_((bias_r, bias_t), floats[5 * R:], accumulate=True)
     if len(stop_t):

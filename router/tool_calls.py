@@ -61,8 +61,8 @@ class Tools:
 
     def structured_outputs(self) -> dict | None:
         """The JSON the output is held to: a named function's arguments, or a list of calls."""
-        if self.choice == "named":
-            return {"json": self.parameters[self.name]}
+        if self.choice == "named":  # parse() checked it: not compiled again
+            return structured_output.Checked({"json": self.parameters[self.name]})
         if self.choice in ("none", "auto"):
             return None
         one_of = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
