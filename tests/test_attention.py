@@ -395,12 +395,15 @@ def test_triton_backend_refuses_a_block_size_it_cannot_tile():
 
 
 def test_triton_kernels_compile_for_an_h100():
-    """Every kernel variant compiles to an sm_90 binary here, with no GPU (tests/triton_aot.py)."""
+    """Every kernel variant compiles to an sm_90 binary here, with no GPU (tests/triton_aot.py), and
+    the split kernel gathers K and V 16 bytes a load in every tile, not 2 (an int64 table entry is 8)."""
     pytest.importorskip("triton.backends.nvidia")
     import json
     import os
     import subprocess
     import sys
+
+    from common.attention import triton_paged as tp
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-m", "tests.triton_aot"], capture_output=True, text=True, env=env,
@@ -410,6 +413,10 @@ def test_triton_kernels_compile_for_an_h100():
     # bf16: 4 attention shapes, 3 matmuls, SiLU's product, 3 norms; fp32: one of each kind; 2 block copies
     assert len(compiled) == (4 + 3 + 1 + 3) + (1 + 1 + 1 + 1) + 2 and {"bf16/h32/kv8/d64", "bf16/linear/2048x8192",
                                                                     "bf16/silu_mul", "fp32/h32/kv8/d64"} <= set(compiled)
+    loads = json.loads(run.stdout.splitlines()[-1])["split_kernel_loads"]
+    assert len(loads) == 1 + len(tp.PREFILL_CANDIDATES)
+    for tile, widths in loads.items():
+        assert min(map(int, widths)) >= 8 and widths.get("16", 0) >= 16, (tile, widths)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

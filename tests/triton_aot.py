@@ -4,14 +4,24 @@ llama-1b's shapes, each reading a matmul's partials where it can, and the KV blo
 ahead-of-time path lowers a kernel to PTX and runs its bundled ptxas for a named target. A kernel
 that would not compile on the GPU machine fails here first.
 
+It also reads the paged attention's split kernel back from its sm_90 binary, compiled with the
+alignment the JIT specializes a real launch on: the width of each of its global loads. Its K/V
+gathers must be 16-byte cp.async copies. On 2026-11-28 a rewrite of how their offsets were built
+left Triton 3.9 (this machine's) vectorizing them and made Triton 3.6 (the GPU machine's) gather 2
+bytes a load, and the attention ran 4-7x slower on an H200; only a GPU run showed it. To check
+another Triton, put it first on PYTHONPATH.
+
 Run as `python -m tests.triton_aot` without TRITON_INTERPRET (the interpreter replaces Triton's
-own library functions, which compiling needs); prints one JSON line of what compiled.
+own library functions, which compiling needs); prints one JSON line of what compiled, and the
+split kernel's loads.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import subprocess
 import sys
 
 # (query heads, KV heads, head size): nanogpt, llama-tiny, llama-1b and SmolLM2-135M.
@@ -124,7 +134,61 @@ def compile_all(arch: int = 90) -> list[str]:
     return done
 
 
+# a global load's SASS and its bytes: LDG.E.64 (an int64 table entry), LDGSTS.E.BYPASS.128 (cp.async of 16)
+_LOAD = re.compile(r"\b(LDG|LDGSTS)\.E((?:\.[A-Z0-9]+)*)")
+_WIDTH = {"U8": 1, "S8": 1, "U16": 2, "S16": 2, "64": 8, "128": 16}
+
+
+def load_widths(cubin: bytes) -> dict[int, int]:
+    """{bytes a load: how many such global loads} in a compiled kernel's SASS (the cuobjdump that
+    Triton's NVIDIA backend bundles)."""
+    import tempfile
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    widths: dict[int, int] = {}
+    for _, suffixes in _LOAD.findall(sass):
+        size = next((_WIDTH[s] for s in suffixes.split(".") if s in _WIDTH), 4)
+        widths[size] = widths.get(size, 0) + 1
+    return widths
+
+
+def split_kernel_loads(arch: int = 90) -> dict[str, dict[int, int]]:
+    """{tile: load_widths} of llama-1b's split kernel in bf16, for a decode's tile and each prefill
+    tile `auto` may choose, compiled as the JIT compiles a real launch: pointers 16-byte aligned and
+    strides multiples of 16 (llama-1b's all are), but for the arguments the kernel excludes."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from common.attention import triton_paged as tp
+
+    fn = tp._split_kernel
+    loose = set(fn.do_not_specialize) | set(fn.do_not_specialize_on_alignment)
+    loose = {fn.arg_names[i] if isinstance(i, int) else i for i in loose}
+    types = {n: "*i64" for n in ("Tables", "TileSeq", "TileStart", "TileLen", "TilePos", "SplitBase")}
+    types.update(Q="*bf16", KCache="*bf16", VCache="*bf16", OutPart="*fp32", LsePart="*fp32", scale="fp32")
+    out = {}
+    for tile in [(tp.MIN_ROWS, 0), *tp.PREFILL_CANDIDATES]:
+        rows, launch = tp.prefill_shape(tile)
+        block_q, block_m = tp.tile_shape(4, rows)
+        constexprs = dict(GROUP=4, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=64, BLOCK_D=64, PAGE=16,
+                          TILE=tp.BLOCK_N, SPLIT_KEYS=tp.SPLIT, IEEE=False)
+        sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
+        aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+                   if n not in constexprs and n not in loose and (sig[n].startswith("*") or n.startswith("stride"))}
+        kernel = triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs=aligned),
+                                target=GPUTarget("cuda", arch, 32), options=launch)
+        out[tp.tile_name(tile)] = load_widths(kernel.asm["cubin"])
+    return out
+
+
 if __name__ == "__main__":
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("run without TRITON_INTERPRET=1: the interpreter cannot compile")
-    print(json.dumps({"arch": "sm_90", "compiled": compile_all()}))
+    print(json.dumps({"arch": "sm_90", "compiled": compile_all(), "split_kernel_loads": split_kernel_loads()}))
