@@ -178,8 +178,10 @@ def test_triton_attention_writes_a_tokens_own_splits_whatever_its_tables_width(m
 def test_auto_takes_the_fastest_prefill_tile_that_keeps_a_decode_tiles_bits(monkeypatch):
     """A prefill's tiles of more rows read its keys fewer times, but on a GPU may give its rows other
     bits than a decode's one-token tiles (on an H100, tiles that take Hopper's warpgroup products). The
-    chooser keeps the tiles whose rows come out the same and, timed (on CUDA by events), takes the
-    fastest of them and of a decode's own tile; untimed, the first kept. In the interpreter every tile
+    chooser keeps the tiles whose rows come out the same, tiled from 0 and after a cached prefix,
+    and, timed (on CUDA by events), takes the fastest of them and of a decode's own tile, a near tie
+    going to a decode's own tile, else to the first listed (so that engines choose alike); untimed,
+    the first kept. In the interpreter every tile
     keeps the bits. With a stand-in kernel whose tiles of more than 32 rows are off by a little (of
     more than 64 on 2 warps), and a stand-in timer: a tile that fails to run, or gives other bits, is
     passed over, said why.
@@ -198,6 +200,8 @@ def test_auto_takes_the_fastest_prefill_tile_that_keeps_a_decode_tiles_bits(monk
         tile = prefill_tile if decode_tiles == 0 else (tp.MIN_ROWS, 0)
         tried.append(tile)
         assert tiles.shape[0] == 4 and int(tiles[2].sum()) == q.shape[0]  # every token in one tile
+        if decode_tiles == 0:  # tiled from 0, and as a chunk after a cached prefix of SPLIT + 5 tokens
+            assert {0, tp.SPLIT + 5} <= set(tiles[3].tolist())
         if tile == (64, 0) and broken:
             raise RuntimeError("out of shared memory")
         rows, warps = tile
@@ -215,6 +219,12 @@ def test_auto_takes_the_fastest_prefill_tile_that_keeps_a_decode_tiles_bits(monk
     assert notes == ["128 rows on 2 warps: other bits", "128 rows: other bits",
                      "64 rows: RuntimeError: out of shared memory", "64 rows on 2 warps 3 us", "32 rows 2 us",
                      "16 rows 5 us"]
+    us[(64, 2)] = 2.1  # within TIE of the fastest: timing noise, so the first listed of them
+    assert choose_prefill_tile(8, 2, 16, cpu, torch.bfloat16, 16,
+                               timer=lambda run: (run(), us[tried[-1]] / 1e6)[1])[0] == (64, 2)
+    us[(tp.MIN_ROWS, 0)] = 2.15  # a decode's own tile among them: that one, whatever the order
+    assert choose_prefill_tile(8, 2, 16, cpu, torch.bfloat16, 16,
+                               timer=lambda run: (run(), us[tried[-1]] / 1e6)[1])[0] == (tp.MIN_ROWS, 0)
     us[(tp.MIN_ROWS, 0)] = 1.0  # none faster than a decode's own tile: that one
     assert choose_prefill_tile(8, 2, 16, cpu, torch.bfloat16, 16,
                                timer=lambda run: (run(), us[tried[-1]] / 1e6)[1])[0] == (tp.MIN_ROWS, 0)
@@ -223,7 +233,8 @@ def test_auto_takes_the_fastest_prefill_tile_that_keeps_a_decode_tiles_bits(monk
 
 def test_auto_takes_the_fastest_decode_launch_that_keeps_the_bits(monkeypatch):
     """A cap on a decode tile's registers changes no arithmetic: the chooser checks that, times each
-    launch (a stand-in timer), and takes the fastest; untimed, the first. In the interpreter every
+    launch (a stand-in timer), and takes the fastest, unless Triton's own is within TIE of it;
+    untimed, the first. In the interpreter every
     launch gives the same bits; with a stand-in kernel, one that fails and one that differs are
     passed over, each said why. The backend launches its decode tiles with the choice."""
     pytest.importorskip("triton")
@@ -247,6 +258,9 @@ def test_auto_takes_the_fastest_decode_launch_that_keeps_the_bits(monkeypatch):
     assert chosen == {"num_warps": 2}
     assert notes == ["maxnreg 80: ValueError: unknown option maxnreg", "maxnreg 64: other bits", "uncapped 5 us",
                      "num_warps 2 3 us"]
+    us["{'num_warps': 2}"] = 4.8  # not more than TIE faster than Triton's own launch: that one
+    assert choose_decode_launch(4, 2, 16, cpu, torch.float32, 16, batch=3, context=40,
+                                timer=lambda run: (run(), us[str(tried[-1])] / 1e6)[1])[0] == {}
     monkeypatch.undo()
 
     attention = tp.TritonAttention(4, 2, 16)

@@ -8,7 +8,11 @@ driver answer differently.
   change no arithmetic (checked all the same).
 
 Each times its candidates (triton.testing.do_bench on CUDA; a given timer elsewhere; untimed, the
-first that keeps the bits) and says in notes why one was passed over and how fast each was.
+first that keeps the bits) and says in notes why one was passed over and how fast each was. A
+timing wobbles from one start to the next, and on a small model every candidate times alike: so
+the safe default (a decode's own tile, Triton's own launch) is kept unless another is more than
+TIE times faster, and of candidates that near each other the first listed is taken. Two engines
+on one machine then choose alike.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from common.attention import triton_paged as tp
 from common.errors import first_line
 from common.triton_support import triton
 
+TIE = 1.1  # timings within this factor of the fastest count as equal
 
 def device_timer(device: torch.device):
     """`timer(fn) -> seconds` by triton.testing.do_bench's median on CUDA; None elsewhere (untimed)."""
@@ -40,7 +45,7 @@ def choose_prefill_tile(num_heads: int, num_kv_heads: int, head_dim: int, device
                         ) -> tuple[tuple[int, int], list[str]]:
     """The fastest of tp.PREFILL_CANDIDATES whose tiles give every row of a prefill chunk the bits
     one-token tiles give it, here, in this dtype (a chunk over several splits with a ragged last
-    tile, its keys in a shuffled table), timed on that chunk beside a decode's own tile (on CUDA by
+    tile, its keys in a shuffled table, tiled from 0 and from past a split's start), timed on that chunk beside a decode's own tile (on CUDA by
     triton.testing.do_bench; `timer(fn) -> seconds` elsewhere; with no timer, the first in the list
     that keeps the bits); else the decode's tile, (tp.MIN_ROWS, 0). And _fastest's notes."""
     gen = torch.Generator().manual_seed(0)
@@ -54,8 +59,12 @@ def choose_prefill_tile(num_heads: int, num_kv_heads: int, head_dim: int, device
     want = tp.paged_attention(q, k_cache, v_cache, tables, ones, positions, scale, host)
 
     def run(tile):
+        # the chunk's tiles from position 0 up to `cached`, then from there as a chunk after a cached
+        # prefix of that many tokens tiles them (chunked prefill, a preempted request's recompute)
         block_q, _ = tp.tile_shape(H // K, tile[0])
-        chunk = torch.tensor([(0, j, min(block_q, T - j), j) for j in range(0, T, block_q)], device=device).T
+        cached = min(T - 1, tp.SPLIT + 5)
+        chunk = torch.tensor([(0, j, min(block_q, hi - j), j) for lo, hi in ((0, cached), (cached, T))
+                              for j in range(lo, hi, block_q)], device=device).T
         return lambda: tp.paged_attention(q, k_cache, v_cache, tables, chunk.contiguous(), positions, scale, host,
                                           decode_tiles=0, prefill_tile=tile)
     # (a tile of other rows than a decode's that holds one token is a decode's tile)
@@ -89,7 +98,8 @@ def _fastest(candidates: list, run, name, want: torch.Tensor | None, timer, fall
     """(the fastest of candidates whose run(candidate)() gives want's bits (None: the first that
     runs), or with no timer the first of them; fallback where none does, notes): each passed over
     and why (it failed to run: a tile too big for the device's shared memory, an option this Triton
-    does not take; it gave other bits), then each timed one's µs."""
+    does not take; it gave other bits), then each timed one's µs. Of those within TIE of the
+    fastest, fallback if it is one, else the first listed."""
     notes, kept = [], {}
     for i, candidate in enumerate(candidates):
         fn = run(candidate)
@@ -105,7 +115,8 @@ def _fastest(candidates: list, run, name, want: torch.Tensor | None, timer, fall
         if timer is None:
             return candidate, notes
         kept[i] = timer(fn)
-    best = candidates[min(kept, key=kept.get)] if kept else fallback
+    near = [i for i, sec in kept.items() if sec <= TIE * min(kept.values())]
+    best = fallback if not near or fallback in (candidates[i] for i in near) else candidates[near[0]]
     return best, notes + [f"{name(candidates[i])} {1e6 * sec:.0f} us" for i, sec in kept.items()]
 
 
