@@ -26,35 +26,24 @@ set -u
 # A machine goes back 30 s after a call and a new one takes a minute or more to start. On 2026-11-27
 # one session had 900 s of device time: `BUDGET=540 ... verify` (545 s) and, on the warm machine, the
 # batch-256 point and `bench handoff` (152 s); results in bench/results/h100-llama1b-2026-11-27/.
-# Next: `BUDGET=540 ... verify` with timeout_s 600 again. It now answers what that run left open:
-# - where a 2,048-token prefill's 5 ms of idle device goes (step-profile's prefill Python functions,
-#   sync points, and the caching allocator's retries and segments in one prefill); 2026-11-28 cut
-#   its host work before the forward 1.3-1.6x on the CPU machine;
-# - why async scheduling was 2.3x slower than sync at batch 256 (step-profile at 256 now times both
-#   in alternating blocks, after warm async steps, and counts the allocator's events; its async
-#   timing was taken at 3-4x longer contexts, which on a CPU made async look 2.5x slower);
-# - how much of a cuda_ipc transfer's 0.45 ms over a plain copy is the host's (transfer's
-#   "header sent" row), and how much of streaming's 1.5x prefill is its layer hooks' host time
-#   (handoff's "its streaming's host time"); since 2026-11-28 a decode worker opens a writer's ring
-#   of IPC events at its first transfer, not one per transfer for the first 64, and a streamed
-#   transfer uploads its block ids once, not once per layer;
-# - the speculative GPU test with drafts that exist (plain decoding's own tokens);
-# - whether 64 and 128 rows on 2 warps keep a decode tile's bits (attention-tiles), which tile auto
-#   now takes by speed (bench engine's header; step-profile's prefill split kernel), and the
-#   invariance tests with it;
-# - what the attention gained from looping over a tile's own splits and steps (2026-11-28): the
-#   merge kernel walked every split a graph's tables hold, and 16 lanes per tile mostly did nothing
-#   at large batches. attention-tiles times the old 16 lanes ("every lane") beside split_lanes';
-#   step-profile's _split_kernel and _merge_kernel against 2026-11-27's (b1: 136 + 48 us, b64:
-#   674 + 64 us, prefill: 3,579 + 608 us); the invariance tests say whether the bits held. The
-#   split kernel also holds fewer registers (decode tile 112 -> 96, 32-row prefill tile 188 -> 128:
-#   Triton 3.9's ptxas here; the machine's Triton 3.6 may differ: step-profile's last table now
-#   lists every compiled variant's registers, spills and programs per SM there). `auto` now times
-#   the decode tile uncapped and with its registers capped at 80 and 64 (bench engine's header names
-#   the one taken; attention-tiles times each).
-# Since 2026-11-28 (evening), also untested on a GPU: the keyed sampling noise takes 23 bits (the
-# graphs' sampler captures it; seeded outputs changed once, everywhere alike), a structured
-# output's logprobs come from a masked float copy of the logits, and CURVE keys are per role.
+# On 2026-11-28 an H200 ran `BUDGET=540 ... verify` (549 s) and the engine beside transformers (151 s);
+# results in bench/results/h200-llama1b-2026-11-28/. The attention ran 4-7x slower than on 2026-11-27:
+# Triton 3.6 gathered K/V 2 bytes a load (238a83c's reshaped offsets), fixed in e9ae001, which gpu.txt
+# now checks on the machine (split_kernel_loads: no load under 8 bytes). Next: `BUDGET=540 ... verify`
+# again, timeout_s 600. It answers:
+# - whether the attention is back to 2026-11-27's (attention-tiles: b64 KV 512 45.9 us a layer, a
+#   2,048-token chunk's 32-row tiles about 224 us) or better, with the loops over a tile's own splits
+#   and steps and split_lanes, which have only run with the slow gathers so far;
+# - whether test_async_scheduling_on_the_gpu_gives_the_synchronous_tokens[bfloat16] still fails (1 run
+#   in 6 on the H200: the same tokens, logprobs 0.002-0.014 apart); auto's start-up choices no longer
+#   follow timing noise (92d506a). If it fails again, the choice is not the cause: look for a
+#   schedule that depends on timing in async mode;
+# - where a 2,048-token prefill's idle device time goes, and async at batch 256 (step-profile: it ran
+#   out of time at 256 on the H200, with the slow attention);
+# - cuda_ipc: 0.35 ms of host work before the header at 8 MiB (target 0.1 ms over the copy), and
+#   streaming's 5.3 ms of host time in a 1,000-token prefill (handoff).
+# Untested on a GPU since the H200 run: the K/V gathers (e9ae001), auto's stable choices and their
+# bit check after a cached prefix (92d506a).
 # Cluster stages serve 4,096-token contexts: sized for llama-1b's whole 131,072, each worker would set
 # GBs aside for one step's attention partials (a GPU test starts a cluster with no flag at all).
 CTX=--worker-arg=--max-model-len=4096
