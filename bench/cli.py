@@ -214,7 +214,10 @@ def bench_router(model, concurrencies, workers, step_ms, seconds, prompt_len, ma
 @click.option("--fragmented", is_flag=True, help="scattered block ids on both sides instead of runs")
 @click.option("--layer-groups", default=1, show_default=True, type=COUNT,
               help="send each transfer in this many groups of layers, as layer-wise streaming does")
-def bench_transfer(transport, model, tokens, repeats, block_size, dtype, devices, device, fragmented, layer_groups):
+@click.option("--profile", default=0, show_default=True, type=click.IntRange(min=0),
+              help="also list this many of the sender's Python functions by their own time (cProfile)")
+def bench_transfer(transport, model, tokens, repeats, block_size, dtype, devices, device, fragmented, layer_groups,
+                   profile):
     """One KV transport between two processes: GB/s and latency, beside its ceilings: raw ZeroMQ and
     memcpy for the CPU transports, a device-to-device copy for the GPU ones."""
     from bench.transfer import run_transfer_bench
@@ -222,7 +225,8 @@ def bench_transfer(transport, model, tokens, repeats, block_size, dtype, devices
     if device is not None and devices is not None:
         raise click.UsageError("give --devices (or the older --device), not both")
     devices = devices if device is None else [device]
-    run_transfer_bench(transport, model, tokens, repeats, block_size, dtype, devices, fragmented, layer_groups)
+    run_transfer_bench(transport, model, tokens, repeats, block_size, dtype, devices, fragmented, layer_groups,
+                       profile)
 
 
 def goodput_options(start_rate: bool = False):

@@ -166,7 +166,10 @@ from tests.triton_aot import split_kernel_loads; print(split_kernel_loads())" >>
         --max-model-len 4096 --batch-sizes 1,64,256 --kv-len 512 --steps 16 --top 12 --prefill-len 2048
     # issue 12 on one GPU: the one-launch block copy and the IPC event (at most 0.1 ms over the copy; vs_d2d >= 0.5)
     run transfer-8m "$(left 40)" pdserve bench transfer --transport cuda_ipc --devices cuda:0 --tokens 256 \
-        --model dummy:llama-1b
+        --model dummy:llama-1b --profile 12
+    # a streamed 1,000-token prefill's sends (16 layer groups): where its 5.3 ms of host time went on the H200
+    run transfer-layers "$(left 40)" pdserve bench transfer --transport cuda_ipc --devices cuda:0 --tokens 1008 \
+        --model dummy:llama-1b --layer-groups 16 --profile 15
     run transfer-256m "$(left 40)" pdserve bench transfer --transport cuda_ipc --devices cuda:0 --tokens 8192 \
         --model dummy:llama-1b
     run handoff "$(left 110)" pdserve bench handoff --model dummy:llama-1b --tokens 1000 --devices cuda:0 "$CTX"
@@ -186,6 +189,7 @@ from tests.triton_aot import split_kernel_loads; print(split_kernel_loads())" >>
     grep -ho "attention triton ([^)]*)" "$OUT/engine-grid.log" "$OUT/engine-vs-hf.log" | head -n 1
     grep -v '^{' "$OUT/attention-tiles.log" | tail -n 9
     grep -v '^{' "$OUT/transfer-8m.log" "$OUT/transfer-256m.log" "$OUT/handoff.log" | tail -n 20
+    grep -v '^{' "$OUT/transfer-layers.log" | tail -n 28
     grep '^\[' "$OUT/engine-grid.log" | grep -v "profiling\|prefill of"
     ;;
 scaling)

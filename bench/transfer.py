@@ -18,13 +18,16 @@ Latency is taken at the sender, from start to acknowledgement; for the one-sided
 cuda_ipc) also to the moment its copies are done ("in place": before the header is sent, or on one
 GPU, where the header goes ahead with the copies' event, once the sender's copy stream is done),
 which is what the copy itself costs beside the ceiling, and to the moment the header was sent
-("header sent": the host's own part, its copies done or queued). A first, untimed transfer makes
-the gloo pair or maps the shared pool, and checks that the receiver's blocks equal the
-sender's, bit for bit.
+("header sent": the host's own part, its copies done or queued). Their host time is also split
+into its phases (open, the pieces' copies queued or done, finish, the header), and --profile lists
+the sender's Python functions by their own time: on a GPU, where a copy is queued in microseconds,
+the host's part is most of a small transfer's cost. A first, untimed transfer makes the gloo pair
+or maps the shared pool, and checks that the receiver's blocks equal the sender's, bit for bit.
 """
 
 from __future__ import annotations
 
+import cProfile
 import math
 import multiprocessing as mp
 import os
@@ -265,21 +268,31 @@ class TransportRun:
             self.close()
             raise
 
-    def one(self, check: bool = False, pieces: list[tuple[range, range]] | None = None) -> float:
-        """One transfer, all at once or in these (layers, blocks) pieces in this order."""
+    def one(self, check: bool = False, pieces: list[tuple[range, range]] | None = None,
+            profiler: cProfile.Profile | None = None) -> float:
+        """One transfer, all at once or in these (layers, blocks) pieces in this order; the profiler,
+        if any, runs until the header is sent (the host's part, not the wait for the peer)."""
         rid = "warmup" if check else f"r{self.count}"
         self.count += 1
         tokens = self.n * self.shape[3]
+        if profiler is not None:
+            profiler.enable()
         t0 = time.perf_counter()
         out = Outgoing(rid, 0, self.pool, self.src, self.dst, self.advert, lambda m, f: self.chan.send(m, f, track=True))
         handle = self.sender.open(out)
+        opened = time.perf_counter()
         for layers, blocks in pieces or self.pieces:
             self.sender.send(out, handle, layers, blocks)
+        queued = time.perf_counter()
         self.sender.finish(handle)
-        self.in_place = time.perf_counter() - t0  # one-sided: every byte is in place, or queued (cuda_ipc)
+        finished = time.perf_counter()
+        self.in_place = finished - t0  # one-sided: every byte is in place, or queued (cuda_ipc)
         self.chan.send(P.KVTransfer(rid, 0, [0] * (tokens + 1), tokens, 0, {}, 0, self.layout, tokens, self.dst,
                                     self.transport, handle.info))
         self.header_sent = time.perf_counter() - t0  # the host's part: its copies queued or done, the header gone
+        if profiler is not None:
+            profiler.disable()
+        self.phases = dict(zip(PHASES, (opened - t0, queued - opened, finished - queued, t0 + self.header_sent - finished)))
         if handle.queued_on is not None:  # the header went ahead of the copies: in place once they are done
             handle.queued_on.synchronize()
             self.in_place = time.perf_counter() - t0
@@ -373,14 +386,16 @@ class MemcpyRun:
 CEILING_KEYS = {"raw zmq": "raw_zmq", "memcpy": "memcpy", "d2d": "d2d"}  # a ceiling's name -> its JSON keys' stem
 IN_PLACE = "in place"  # a one-sided transport's copies done (see the docstring)
 HEADER_SENT = "header sent"  # and the host's part of it: copies done or queued, header sent
+PHASES = ("open", "copies", "finish", "header")  # the host's part, phase by phase (TransportRun.one)
 ROW_KEYS = CEILING_KEYS | {IN_PLACE: "in_place", HEADER_SENT: "header_sent"}
 
 
 def measure(transport: str, shape, dtype: str, device: torch.device, n: int, repeats: int,
-            fragmented: bool = False, layer_groups: int = 1,
-            peer: torch.device | None = None) -> dict[str, list[float]]:
+            fragmented: bool = False, layer_groups: int = 1, peer: torch.device | None = None,
+            profiler: cProfile.Profile | None = None) -> dict[str, list[float]]:
     """Seconds per repetition of the transport and of each ceiling, taken in turn (this machine's
-    speed drifts: interleaving keeps the ratios honest)."""
+    speed drifts: interleaving keeps the ratios honest); for a one-sided transport also its host
+    phases'. The profiler, if any, runs through the transport's host part of each (TransportRun.one)."""
     nbytes = math.prod(shape) // shape[2] * n * DTYPES[dtype].itemsize
     runs = {}
     try:
@@ -394,12 +409,15 @@ def measure(transport: str, shape, dtype: str, device: torch.device, n: int, rep
             runs["memcpy"] = MemcpyRun(nbytes)
         one_sided = isinstance(run.sender, MappedSender)
         times = {transport: []} | ({HEADER_SENT: [], IN_PLACE: []} if one_sided else {}) | {name: [] for name in runs}
+        times |= {phase: [] for phase in PHASES} if one_sided else {}
         for _ in range(repeats):
             for name, run in runs.items():
-                times[name].append(run.one())
+                times[name].append(run.one(profiler=profiler) if name == transport else run.one())
                 if name == transport and one_sided:
                     times[HEADER_SENT].append(run.header_sent)
                     times[IN_PLACE].append(run.in_place)
+                    for phase, sec in run.phases.items():
+                        times[phase].append(sec)
         return times
     finally:
         for run in runs.values():
@@ -413,7 +431,9 @@ def percentile(times: list[float], q: float) -> float:
 
 def run_transfer_bench(transport: str, spec: str, tokens: int, repeats: int, block_size: int = 16,
                        dtype: str | None = None, devices: list[str] | None = None, fragmented: bool = False,
-                       layer_groups: int = 1) -> dict:
+                       layer_groups: int = 1, profile: int = 0) -> dict:
+    """The bench (see the module docstring); profile > 0 also prints the sender's `profile` Python
+    functions that took the most of its own time in a transfer."""
     if repeats < 1:
         raise InvalidArgument(f"repeats={repeats}; allowed: >= 1")
     if devices and len(devices) > 2:
@@ -430,9 +450,14 @@ def run_transfer_bench(transport: str, spec: str, tokens: int, repeats: int, blo
     result = {"bench": "transfer", "transport": transport, "model": spec, "tokens": n * block_size, "bytes": nbytes,
               "repeats": repeats, "device": str(dev), "peer_device": str(peer), "dtype": dtype,
               "fragmented": fragmented, "layer_groups": layer_groups}
-    rows = []
-    for name, times in measure(transport, shape, dtype, dev, n, repeats, fragmented, layer_groups, peer).items():
+    rows, phases = [], {}
+    profiler = cProfile.Profile() if profile else None
+    for name, times in measure(transport, shape, dtype, dev, n, repeats, fragmented, layer_groups, peer,
+                               profiler).items():
         p50, p99 = percentile(times, 50), percentile(times, 99)
+        if name in PHASES:
+            phases[name] = (p50, p99)
+            continue
         key = ROW_KEYS[name] + "_" if name in ROW_KEYS else ""
         result.update({f"{key}gbps": round(nbytes / p50 / 1e9, 3), f"{key}p50_ms": round(p50 * 1e3, 3),
                        f"{key}p99_ms": round(p99 * 1e3, 3)})
@@ -446,5 +471,19 @@ def run_transfer_bench(transport: str, spec: str, tokens: int, repeats: int, blo
                 f"{nbytes / 2**20:.1f} MiB ({dtype}, {'scattered' if fragmented else 'consecutive'} blocks, in "
                 f"{layer_groups} layer group{'s' * (layer_groups > 1)}), p50 of {repeats}, taken in turn",
                 ["path", "GB/s", "p50 ms", "p99 ms", f"{transport} / path"], rows)
+    if phases:
+        result["host_us"] = {phase: round(p50 * 1e6, 1) for phase, (p50, _) in phases.items()}
+        print_table(f"the sender's host time until the header was sent, by phase (µs; {layer_groups} piece"
+                    f"{'s' * (layer_groups > 1)} a transfer)", ["phase", "p50", "p99"],
+                    [[phase, f"{p50 * 1e6:.1f}", f"{p99 * 1e6:.1f}"] for phase, (p50, p99) in phases.items()])
+    if profiler is not None:
+        from bench.step_profile import profiled_functions
+
+        functions = profiled_functions(profiler, repeats, profile)
+        result["host_functions"] = functions
+        print_table("the sender's Python functions until the header was sent, by their own time (cProfile, which "
+                    "slows them), µs a transfer",
+                    ["function", "calls", "µs"], [[f["function"], f"{f['calls']:.0f}", f"{f['us']:.1f}"]
+                                                  for f in functions])
     print_json(result)
     return result

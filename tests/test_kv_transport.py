@@ -73,6 +73,21 @@ def test_transport_delivers_bit_identical_kv(transport, fragmented):
         run.close()
 
 
+def test_bench_transfer_splits_a_one_sided_senders_host_time_by_phase_and_profiles_it(capsys):
+    """bench transfer on shm: the host's part until the header, by phase (open, copies, finish,
+    header), each within that part; --profile lists the sender's own functions, not the wait for
+    the acknowledgement."""
+    result = B.run_transfer_bench("shm", "dummy:llama-tiny", 64, 3, layer_groups=2, profile=40)
+    phases = result["host_us"]
+    assert list(phases) == list(B.PHASES) and all(us > 0 for us in phases.values())
+    assert sum(phases.values()) <= 1e3 * result["header_sent_p99_ms"] * len(phases)
+    functions = [f["function"] for f in result["host_functions"]]
+    assert any(f.startswith("send (mapped.py") for f in functions) and any(f.startswith("open (") for f in functions)
+    assert not any(f.startswith("recv (channel.py") for f in functions)  # the wait for the KVAck is not the host's
+    out = capsys.readouterr().out
+    assert "by phase" in out and "by their own time" in out
+
+
 def test_bfloat16_kv_crosses_zmq_bit_identical():
     shape, dtype, device, n = B.kv_shape("dummy:nanogpt", 100, 8, "bfloat16", None, "zmq")
     B.TransportRun("zmq", shape, dtype, device, n, fragmented=True).close()
