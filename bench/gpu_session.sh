@@ -43,7 +43,8 @@ set -u
 # - cuda_ipc: 0.35 ms of host work before the header at 8 MiB (target 0.1 ms over the copy), and
 #   streaming's 5.3 ms of host time in a 1,000-token prefill (handoff).
 # Untested on a GPU since the H200 run: the K/V gathers (e9ae001), auto's stable choices and their
-# bit check after a cached prefix (92d506a).
+# bit check after a cached prefix (92d506a), and the split kernel's ONE_SPLIT variant (a launch whose
+# lanes cover every split: 127 registers for the 32-row prefill tile under Triton 3.6, looping 191).
 # Cluster stages serve 4,096-token contexts: sized for llama-1b's whole 131,072, each worker would set
 # GBs aside for one step's attention partials (a GPU test starts a cluster with no flag at all).
 CTX=--worker-arg=--max-model-len=4096

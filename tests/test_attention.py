@@ -110,15 +110,21 @@ def test_triton_decode_is_batch_invariant(monkeypatch):
 
 def test_triton_warm_up_compiles_a_decodes_tiles_and_a_prefills_where_they_differ(monkeypatch):
     """An engine on CUDA compiles the attention at start, so that no serving step waits on a
-    compile: a launch in a decode's tiles and, where a prefill's differ, one in those. The kernels
-    loop over a tile's own splits, so one variant serves every context."""
+    compile: launches in a decode's tiles and, where a prefill's differ, in those; each tile in its
+    two variants, a lane a split and lanes that loop over their splits. The kernels loop over a
+    tile's own splits, so these serve every context."""
     pytest.importorskip("triton")
     from common.attention import triton_paged as tp
 
-    launched = []
-    launch = tp.paged_attention
+    launched, variants = [], []
+    launch, kernel = tp.paged_attention, tp._split_kernel
     monkeypatch.setattr(tp, "paged_attention", lambda *args, decode_tiles, **kw: (
         launched.append(decode_tiles), launch(*args, decode_tiles=decode_tiles, **kw))[1])
+
+    class Spy:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: (variants.append(kw["ONE_SPLIT"]), kernel[grid](*args, **kw))
+    monkeypatch.setattr(tp, "_split_kernel", Spy())
     k = torch.randn(4, 16, 2, 32)
     # a prefill's tiles as a decode's (one launch), or apart (two): by name (PREFILL_ROWS) or the engine's own
     # (a tile of a decode's rows on other warps launches apart too)
@@ -126,9 +132,11 @@ def test_triton_warm_up_compiles_a_decodes_tiles_and_a_prefills_where_they_diffe
                               (64, (tp.MIN_ROWS, 0), False), (tp.MIN_ROWS, (tp.MIN_ROWS, 2), True)):
         monkeypatch.setattr(tp, "PREFILL_ROWS", named)
         launched.clear()
+        variants.clear()
         assert tp.warm_up(torch.randn(1, 8, 32), k, k.clone(), 0.2, own) == (["decode", "prefill"] if apart else
                                                                              ["decode"])
-        assert launched == ([1, 0] if apart else [1])
+        assert launched == ([1, 1, 0, 0] if apart else [1, 1])
+        assert variants == [True, False] * (len(launched) // 2)
 
 
 def test_triton_lanes_follow_the_splits_a_launch_has_and_a_decode_batch_fills_the_device():
@@ -428,7 +436,7 @@ def test_triton_kernels_compile_for_an_h100():
     assert len(compiled) == (4 + 3 + 1 + 3) + (1 + 1 + 1 + 1) + 2 and {"bf16/h32/kv8/d64", "bf16/linear/2048x8192",
                                                                     "bf16/silu_mul", "fp32/h32/kv8/d64"} <= set(compiled)
     loads = json.loads(run.stdout.splitlines()[-1])["split_kernel_loads"]
-    assert len(loads) == 1 + len(tp.PREFILL_CANDIDATES)
+    assert len(loads) == 2 * (1 + len(tp.PREFILL_CANDIDATES))  # each tile a lane a split, and looping
     for tile, widths in loads.items():
         assert min(map(int, widths)) >= 8 and widths.get("16", 0) >= 16, (tile, widths)
 

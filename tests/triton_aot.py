@@ -81,12 +81,14 @@ def compile_all(arch: int = 90) -> list[str]:
                     tiles[(tp.MIN_ROWS, str(launch))] = launch
             for (rows, _), launch in tiles.items():
                 block_q, block_m = tp.tile_shape(group, rows)
-                build(tp._split_kernel,
-                      {"Q": f"*{dt}", "KCache": f"*{dt}", "VCache": f"*{dt}", "Tables": "*i64", "TileSeq": "*i64",
-                       "TileStart": "*i64", "TileLen": "*i64", "TilePos": "*i64", "SplitBase": "*i64",
-                       "OutPart": "*fp32", "LsePart": "*fp32", "scale": "fp32"},
-                      dict(GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=16,
-                           TILE=tp.BLOCK_N, SPLIT_KEYS=tp.SPLIT, IEEE=ieee), **launch)
+                for one_split in (True, False):  # a lane a split, or lanes that loop over their splits
+                    build(tp._split_kernel,
+                          {"Q": f"*{dt}", "KCache": f"*{dt}", "VCache": f"*{dt}", "Tables": "*i64", "TileSeq": "*i64",
+                           "TileStart": "*i64", "TileLen": "*i64", "TilePos": "*i64", "SplitBase": "*i64",
+                           "OutPart": "*fp32", "LsePart": "*fp32", "scale": "fp32"},
+                          dict(GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim, BLOCK_D=block_d,
+                               PAGE=16, TILE=tp.BLOCK_N, SPLIT_KEYS=tp.SPLIT, IEEE=ieee, ONE_SPLIT=one_split),
+                          **launch)
             build(tp._merge_kernel, {"OutPart": "*fp32", "LsePart": "*fp32", "Positions": "*i64", "SplitBase": "*i64",
                                      "Out": f"*{dt}"},
                   dict(HEADS=heads, BLOCK_H=pow2(heads), HEAD_DIM=head_dim, BLOCK_D=block_d, SPLIT_KEYS=tp.SPLIT))
@@ -160,8 +162,9 @@ def load_widths(cubin: bytes) -> dict[int, int]:
 
 def split_kernel_loads(arch: int = 90) -> dict[str, dict[int, int]]:
     """{tile: load_widths} of llama-1b's split kernel in bf16, for a decode's tile and each prefill
-    tile `auto` may choose, compiled as the JIT compiles a real launch: pointers 16-byte aligned and
-    strides multiples of 16 (llama-1b's all are), but for the arguments the kernel excludes."""
+    tile `auto` may choose, a lane a split and looping, compiled as the JIT compiles a real launch:
+    pointers 16-byte aligned and strides multiples of 16 (llama-1b's all are), but for the
+    arguments the kernel excludes."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -177,14 +180,15 @@ def split_kernel_loads(arch: int = 90) -> dict[str, dict[int, int]]:
     for tile in [(tp.MIN_ROWS, 0), *tp.PREFILL_CANDIDATES]:
         rows, launch = tp.prefill_shape(tile)
         block_q, block_m = tp.tile_shape(4, rows)
-        constexprs = dict(GROUP=4, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=64, BLOCK_D=64, PAGE=16,
-                          TILE=tp.BLOCK_N, SPLIT_KEYS=tp.SPLIT, IEEE=False)
-        sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
-        aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-                   if n not in constexprs and n not in loose and (sig[n].startswith("*") or n.startswith("stride"))}
-        kernel = triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs=aligned),
-                                target=GPUTarget("cuda", arch, 32), options=launch)
-        out[tp.tile_name(tile)] = load_widths(kernel.asm["cubin"])
+        for one_split in (True, False):
+            constexprs = dict(GROUP=4, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=64, BLOCK_D=64, PAGE=16,
+                              TILE=tp.BLOCK_N, SPLIT_KEYS=tp.SPLIT, IEEE=False, ONE_SPLIT=one_split)
+            sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
+            aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n not in constexprs
+                       and n not in loose and (sig[n].startswith("*") or n.startswith("stride"))}
+            kernel = triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs=aligned),
+                                    target=GPUTarget("cuda", arch, 32), options=launch)
+            out[tp.tile_name(tile) + ("" if one_split else ", looping")] = load_widths(kernel.asm["cubin"])
     return out
 
 

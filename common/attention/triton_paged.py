@@ -71,7 +71,7 @@ def _split_kernel(Q, KCache, VCache, Tables, TileSeq, TileStart, TileLen, TilePo
                   stride_qt, stride_qh, stride_n, stride_p, stride_h, stride_tb, stride_or, stride_oh, stride_lr, lanes,
                   GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
                   BLOCK_D: tl.constexpr, PAGE: tl.constexpr, TILE: tl.constexpr, SPLIT_KEYS: tl.constexpr,
-                  IEEE: tl.constexpr):
+                  IEEE: tl.constexpr, ONE_SPLIT: tl.constexpr):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     lane = tl.program_id(2)
@@ -89,48 +89,53 @@ def _split_kernel(Q, KCache, VCache, Tables, TileSeq, TileStart, TileLen, TilePo
     # This lane's splits (lane, lane + lanes, ...) of those the tile sees, each a loop's pass (a lane
     # past them loads nothing more), and in a split only the steps that hold keys: a step past them
     # was a pass of no effect (nothing seen, alpha 1), so a row's bits do not depend on its tile.
-    for split in range(lane, (end - 1) // SPLIT_KEYS + 1, lanes):
-        seq = tl.load(TileSeq + tile)
-        start = split * SPLIT_KEYS
-        q = tl.load(Q + (first + token)[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        denom = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for step in range(0, tl.cdiv(tl.minimum(end - start, SPLIT_KEYS), TILE)):
-            pos = start + step * TILE + tl.arange(0, TILE)
-            kv_ok = (pos < end)[:, None] & d_ok[None, :]
-            # K and V share a layout (the pool's halves): one offset per element serves both. It is
-            # built from a table entry per key, in the [keys, head] layout of the loads: built a page
-            # at a time and reshaped, Triton 3.6 gathers 2 bytes a load, not 16 (4-7x slower on an H200)
-            block = tl.load(Tables + seq * stride_tb + pos // PAGE, mask=pos < end, other=0).to(tl.int64)
-            kv = block[:, None] * stride_n + (pos % PAGE)[:, None] * stride_p + kv_head * stride_h + d[None, :]
-            k = tl.load(KCache + kv, mask=kv_ok, other=0.0)
-            if IEEE:
-                qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                qk = tl.dot(q, tl.trans(k))
-            qk = tl.where(pos[None, :] <= q_pos[:, None], qk * scale, float("-inf"))
-            m_new = tl.maximum(m, tl.max(qk, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees no key here yet
-            p = tl.exp(qk - m_safe[:, None])
-            alpha = tl.exp(m - m_safe)
-            denom = denom * alpha + tl.sum(p, 1)
-            v = tl.load(VCache + kv, mask=kv_ok, other=0.0)
-            if IEEE:
-                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            m = m_new
-        # A row whose position lies before this split saw no key: it has no row of partials for
-        # it (split_rows), and stores nothing.
-        sees = row_ok & (start <= q_pos)
-        denom = tl.where(sees, denom, 1.0)
-        row = tl.load(SplitBase + first + token, mask=row_ok, other=0) + split  # its token's rows of partials
-        tl.store(OutPart + row[:, None] * stride_or + heads[:, None] * stride_oh + d[None, :], acc / denom[:, None],
-                 mask=sees[:, None] & d_ok[None, :])
-        tl.store(LsePart + row * stride_lr + heads, m + tl.log(denom), mask=sees)
+    # ONE_SPLIT (a launch whose lanes cover every split): a loop of one pass, which compiles away; a
+    # loop around the pipelined steps holds more registers (Triton 3.6, sm_90: the 32-row prefill
+    # tile 191 a thread, 127 without, so twice the programs an SM).
+    splits = (end - 1) // SPLIT_KEYS + 1
+    for split in range(lane, lane + 1 if ONE_SPLIT else splits, 1 if ONE_SPLIT else lanes):
+        if split < splits:
+            seq = tl.load(TileSeq + tile)
+            start = split * SPLIT_KEYS
+            q = tl.load(Q + (first + token)[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                        mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+            m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            denom = tl.zeros([BLOCK_M], tl.float32)
+            acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+            for step in range(0, tl.cdiv(tl.minimum(end - start, SPLIT_KEYS), TILE)):
+                pos = start + step * TILE + tl.arange(0, TILE)
+                kv_ok = (pos < end)[:, None] & d_ok[None, :]
+                # K and V share a layout (the pool's halves): one offset per element serves both. It is
+                # built from a table entry per key, in the [keys, head] layout of the loads: built a page
+                # at a time and reshaped, Triton 3.6 gathers 2 bytes a load, not 16 (4-7x slower on an H200)
+                block = tl.load(Tables + seq * stride_tb + pos // PAGE, mask=pos < end, other=0).to(tl.int64)
+                kv = block[:, None] * stride_n + (pos % PAGE)[:, None] * stride_p + kv_head * stride_h + d[None, :]
+                k = tl.load(KCache + kv, mask=kv_ok, other=0.0)
+                if IEEE:
+                    qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+                else:
+                    qk = tl.dot(q, tl.trans(k))
+                qk = tl.where(pos[None, :] <= q_pos[:, None], qk * scale, float("-inf"))
+                m_new = tl.maximum(m, tl.max(qk, 1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees no key here yet
+                p = tl.exp(qk - m_safe[:, None])
+                alpha = tl.exp(m - m_safe)
+                denom = denom * alpha + tl.sum(p, 1)
+                v = tl.load(VCache + kv, mask=kv_ok, other=0.0)
+                if IEEE:
+                    pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+                else:
+                    pv = tl.dot(p.to(v.dtype), v)
+                acc = acc * alpha[:, None] + pv
+                m = m_new
+            # A row whose position lies before this split saw no key: it has no row of partials for
+            # it (split_rows), and stores nothing.
+            sees = row_ok & (start <= q_pos)
+            denom = tl.where(sees, denom, 1.0)
+            row = tl.load(SplitBase + first + token, mask=row_ok, other=0) + split  # its token's rows of partials
+            tl.store(OutPart + row[:, None] * stride_or + heads[:, None] * stride_oh + d[None, :], acc / denom[:, None],
+                     mask=sees[:, None] & d_ok[None, :])
+            tl.store(LsePart + row * stride_lr + heads, m + tl.log(denom), mask=sees)
 
 
 @jit(do_not_specialize_on_alignment=["Positions", "SplitBase"])
@@ -361,7 +366,7 @@ def paged_attention(q_THD: torch.Tensor, k_cache_NPKD: torch.Tensor, v_cache_NPK
             scale, q_THD.stride(0), q_THD.stride(1), *k_cache_NPKD.stride()[:3], tables_SM.stride(0),
             *out_part.stride()[:2], lse_part.stride(0), lanes,
             GROUP=H // K, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=D, BLOCK_D=block_d, PAGE=P, TILE=BLOCK_N,
-            SPLIT_KEYS=SPLIT, IEEE=q_THD.dtype == torch.float32, **launch)
+            SPLIT_KEYS=SPLIT, IEEE=q_THD.dtype == torch.float32, ONE_SPLIT=lanes >= splits.most, **launch)
     _merge_kernel[(T,)](out_part, lse_part, positions_T, splits.base_T, out, *out_part.stride()[:2],
                         lse_part.stride(0), out.stride(0), out.stride(1), HEADS=H, BLOCK_H=pow2(H), HEAD_DIM=D,
                         BLOCK_D=block_d, SPLIT_KEYS=SPLIT)
@@ -388,16 +393,18 @@ def _launches(tiles_4X: torch.Tensor, group: int, kv_heads: int, most: int, deco
 
 def warm_up(q_THD: torch.Tensor, k_cache_NPKD: torch.Tensor, v_cache_NPKD: torch.Tensor, scale: float,
             prefill_tile: tuple[int, int] | None = None, decode_launch: dict | None = None) -> list[str]:
-    """Launch the attention once in a decode's tiles and, where they differ, in a prefill's (a
-    decode at position 0 reading block 0; nothing is written), so that each kernel compiles at
-    start and not in a serving step. Any context runs in the same variant. Returns which tiles
-    compiled ("decode", "prefill")."""
+    """Launch the attention in a decode's tiles and, where they differ, in a prefill's (a decode at
+    position 0 reading block 0; nothing is written), so that each kernel compiles at start and not
+    in a serving step: each tile's two variants, a lane a split (a table of one block) and lanes
+    that loop over their splits (a table of more splits than LANES). Any context runs in one of
+    them. Returns which tiles compiled ("decode", "prefill")."""
     zero = torch.zeros(1, dtype=torch.int64, device=q_THD.device)
-    tables = torch.zeros(1, 1, dtype=torch.int64, device=q_THD.device)
     compiled = []
     for decodes in (1, 0) if prefill_apart(prefill_tile, decode_launch) else (1,):
-        paged_attention(q_THD[:1], k_cache_NPKD, v_cache_NPKD, tables, decode_tiles(zero + 1), zero, scale,
-                        decode_tiles=decodes, prefill_tile=prefill_tile, decode_launch=decode_launch)
+        for width in (1, -(-(LANES + 1) * SPLIT // k_cache_NPKD.shape[1])):
+            tables = torch.zeros(1, width, dtype=torch.int64, device=q_THD.device)
+            paged_attention(q_THD[:1], k_cache_NPKD, v_cache_NPKD, tables, decode_tiles(zero + 1), zero, scale,
+                            decode_tiles=decodes, prefill_tile=prefill_tile, decode_launch=decode_launch)
         compiled.append("decode" if decodes else "prefill")
     return compiled
 
