@@ -52,10 +52,11 @@ MIN_ROWS = 16  # tl.dot's smallest tile side: a tile's rows (tokens x grouped he
 # decode's tile. So a prefill tile is (rows, warps; 0: Triton's default), and `auto` gives its engine
 # the fastest of PREFILL_CANDIDATES whose rows keep a one-token tile's bits on the device at hand
 # (triton_choice.choose_prefill_tile, at start; TritonAttention.prefill_tile). PREFILL_ROWS and PREFILL_LAUNCH are
-# the tile of a backend asked for by name.
+# the tile of a backend asked for by name. Not a candidate: 128 rows on 2 warps, which spills some 7 KB a
+# thread (Triton 3.6 and 3.9, sm_90) and took 2-3x any other tile's time on an H200 (bench.attention_tiles).
 PREFILL_ROWS = MIN_ROWS
 PREFILL_LAUNCH: dict = {}
-PREFILL_CANDIDATES = ((128, 2), (64, 2), (128, 0), (64, 0), (32, 0))  # largest first: the choice where none is timed
+PREFILL_CANDIDATES = ((64, 2), (128, 0), (64, 0), (32, 0))  # largest first: the choice where none is timed
 LANES = 16  # at most this many programs per (tile, KV head), each taking every lanes-th split
 PROGRAMS = 4096  # a decode launch's programs, about (split_lanes): an H100's 132 SMs a few times over
 SPLIT_LAUNCH: dict = {}  # a decode tile's launch options (num_warps, num_stages, maxnreg), where not Triton's defaults
