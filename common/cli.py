@@ -187,10 +187,11 @@ def _end(status: int):
     os._exit(status)
 
 
-def _check_worker_addresses(role: str, router_address: str, host: str) -> None:
+def _check_worker_addresses(role: str, router_address: str, host: str, kv_port: int = 0) -> None:
     """Refuse a --router ZeroMQ cannot connect to, and (where the worker binds its KV ingress) a
-    --host that is not this machine's, by name and before the model is built: found later, each was
-    a traceback, and a KV pool in shared memory left behind. So are CURVE keys this role lacks."""
+    --host that is not this machine's or a --kv-port in use, by name and before the model is built:
+    found later, each was a traceback, and a KV pool in shared memory left behind. So are CURVE keys
+    this role lacks."""
     import zmq
 
     from common.security import current_keys
@@ -217,6 +218,14 @@ def _check_worker_addresses(role: str, router_address: str, host: str) -> None:
                 raise InvalidArgument(f"--host {host!r} is not an address of this machine ({e.strerror}), where this "
                                       "worker's KV ingress binds; allowed: one of its addresses, 127.0.0.1 or 0.0.0.0 "
                                       "(all)", param="--host") from None
+        if role != "prefill" and kv_port:
+            with ctx.socket(zmq.ROUTER) as sock:
+                sock.linger = 0
+                try:
+                    sock.bind(f"tcp://{host}:{kv_port}")
+                except zmq.ZMQError as e:
+                    raise InvalidArgument(f"--kv-port {kv_port} on {host} cannot be bound ({e.strerror}); allowed: "
+                                          "a free port, or 0 for any", param="--kv-port") from None
     finally:
         ctx.term()
 
@@ -226,6 +235,9 @@ def worker_command(role: str):
                   help="the router's worker address")
     @click.option("--worker-id", default=None, help="[default: ROLE-PID]")
     @click.option("--host", default="127.0.0.1", show_default=True, help="where the KV ingress binds (decode, mono)")
+    @click.option("--kv-port", default=0, show_default=True, type=PORT,
+                  help="the KV ingress's port (decode, mono; 0: any free one, which the router learns). zmq, shm "
+                       "and cuda_ipc need only it; gloo and nccl open ports of their own")
     @click.option("--threads", default=None, type=COUNT, help="torch threads")
     @click.option("--no-kv-stream", is_flag=True,
                   help="prefill: send the KV after the forward pass, not layer by layer during it")
@@ -241,18 +253,18 @@ def worker_command(role: str):
                        "stops it at once)")
     @click.option("--log-level", default="INFO", show_default=True)
     @engine_options
-    def command(router_address, worker_id, host, threads, no_kv_stream, step_timeout, kv_lease, drain_timeout,
-                log_level, engine_kwargs):
+    def command(router_address, worker_id, host, kv_port, threads, no_kv_stream, step_timeout, kv_lease,
+                drain_timeout, log_level, engine_kwargs):
         signal.signal(signal.SIGTERM, _stop_when_started)  # until the worker's loop installs its own
         from common.config import EngineConfig
         from common.worker import WorkerConfig
 
         setup_logging(log_level)
-        _check_worker_addresses(role, router_address, host)
+        _check_worker_addresses(role, router_address, host, kv_port)
         if role == "prefill":  # its steps are all prefill: no decode step to capture as graphs, or to draft for
             engine_kwargs = dict(engine_kwargs, enforce_eager=True, speculative_config=None)
         cfg = WorkerConfig(router=router_address, engine=EngineConfig(**engine_kwargs), worker_id=worker_id,
-                           host=host, threads=threads, kv_stream=not no_kv_stream, step_timeout_s=step_timeout,
+                           host=host, kv_port=kv_port, threads=threads, kv_stream=not no_kv_stream, step_timeout_s=step_timeout,
                            kv_lease_s=kv_lease, drain_timeout_s=drain_timeout)
         if _told_to_stop_while_starting:  # before the model is built
             _end(0)
@@ -292,11 +304,14 @@ for _role in ("prefill", "decode", "mono"):
 @click.option("--dry-run", is_flag=True, help="print each process's command line and exit")
 @click.option("--worker-arg", "worker_args", multiple=True,
               help="a worker's own flag for every worker, repeatable (e.g. --worker-arg=--no-kv-stream)")
+@click.option("--drain-timeout", default=None, type=NON_NEGATIVE,
+              help=f"on Ctrl-C, seconds each worker finishes what it holds before its requests move (a worker's "
+                   f"flag, given to every worker) [default: {DRAIN_TIMEOUT_S:g}]")
 @router_options
 @http_options
-@engine_options
+@engine_options(one_device=False)
 def launch(prefill, decode, mono, devices, host, port, worker_port, policy, log_dir, threads, no_restart, dry_run,
-           worker_args, router_kwargs, http, engine_kwargs):
+           worker_args, drain_timeout, router_kwargs, http, engine_kwargs):
     """Bring up router + workers on this host; stop them all on Ctrl-C. Workers that share a GPU
     split it (decode workers get the larger shares) unless a memory flag sizes their pools."""
     import shlex
@@ -313,6 +328,8 @@ def launch(prefill, decode, mono, devices, host, port, worker_port, policy, log_
         raise click.UsageError(str(e))
     prefill = (0 if mono else 1) if prefill is None else prefill
     decode = (0 if mono else 1) if decode is None else decode
+    if drain_timeout is not None:
+        worker_args = (*worker_args, f"--drain-timeout={drain_timeout:g}")
     if worker_port is None:
         if port == 65535:
             raise click.UsageError("--port 65535 leaves no port + 1 for the workers; give --worker-port")

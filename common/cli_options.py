@@ -28,11 +28,15 @@ ENGINE_PARAMS = ("model", "device", "dtype", "block_size", "num_blocks", "kv_cac
                  "speculative_config")  # engine_options' own
 
 
-def engine_options(f):
-    """Options that build an EngineConfig; the command receives them as `engine_kwargs`."""
+def engine_options(f=None, *, one_device: bool = True):
+    """Options that build an EngineConfig; the command receives them as `engine_kwargs`.
+    one_device=False (launch, which places its workers with --devices): --device is left out of
+    --help, and the command refuses it by name."""
+    if f is None:
+        return lambda g: engine_options(g, one_device=one_device)
     opts = [
         click.option("--model", default="dummy:nanogpt", show_default=True, help=MODEL_HELP),
-        click.option("--device", default="cpu", show_default=True, help="cpu, cuda:N or N"),
+        click.option("--device", default="cpu", show_default=True, help="cpu, cuda:N or N", hidden=not one_device),
         click.option("--dtype", default=None, help="float32, float16, bfloat16 [default: float32 on CPU, bfloat16 on GPU]"),
         click.option("--block-size", default=16, show_default=True, type=int),
         click.option("--num-blocks", default=None, type=int, help="KV pool size [default: from --kv-cache-gb]"),

@@ -61,6 +61,7 @@ class WorkerConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     worker_id: str | None = None
     host: str = "127.0.0.1"  # where a decode worker binds its KV ingress
+    kv_port: int = 0  # its port (0: any free one, which it tells the router)
     heartbeat_interval_s: float = 0.2
     step_timeout_s: float = 120.0  # one step running longer is hung: its pulse stops (common/pulse.py)
     kv_lease_s: float = 30.0  # reserved blocks come back if no KV arrives by then

@@ -89,7 +89,7 @@ class DecodeWorker(WorkerBase):
                                         required=not mono and cfg.engine.kv_transport != "auto", wake=self.wake)
         self.offer = {name: r.advert() for name, r in self.receivers.items()}
         self.one_sided = any(r.one_sided for r in self.receivers.values())
-        self.ingress = Channel.bind(self.ctx, zmq.ROUTER, f"tcp://{cfg.host}:0", max_frame_bytes=cfg.max_kv_frame_bytes,
+        self.ingress = Channel.bind(self.ctx, zmq.ROUTER, f"tcp://{cfg.host}:{cfg.kv_port}", max_frame_bytes=cfg.max_kv_frame_bytes,
                                     end="kv_ingress")
         self.kv_address = self.ingress.address
         self.watch(self.ingress, self._on_ingress)

@@ -79,7 +79,8 @@ while (($#)); do
     --dry-run) DRY_RUN=1; shift ;;
     --) shift; WORKER_ARGS=("$@"); break ;;
     -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
-    *) echo "launch.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
+    *) echo "launch.sh: unknown option $1; a worker's or engine's flag goes after --, to every worker" \
+         "(launch.sh --prefill 1 -- $1 ...; see --help)" >&2; exit 2 ;;
   esac
 done
 PREFILL=${PREFILL:-$((MONO > 0 ? 0 : 1))} DECODE=${DECODE:-$((MONO > 0 ? 0 : 1))}  # --mono alone: only mono workers

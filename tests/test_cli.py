@@ -107,6 +107,7 @@ def test_launch_refuses_flags_it_would_silently_ignore():
     for args, message in cases:
         r = pdserve("launch", "--dry-run", *args)
         assert r.returncode == 2 and message in r.stderr, (args, r.stderr)
+    assert "--device " not in pdserve("launch", "--help").stdout  # refused, so not offered either
     # the router alone too (it would start, and the flags do nothing)
     r = pdserve("router", "--port", "1", "--served-model-name", "m", timeout=30)
     assert r.returncode == 2 and "--served-model-name is for the HTTP API: give --http-port too" in r.stderr
@@ -146,6 +147,14 @@ def test_launch_with_mono_workers_runs_only_them_unless_told_otherwise():
     assert names(pdserve("launch", "--dry-run", "--mono", "1", "--prefill", "1", "--decode", "1")) == \
         ["router", "prefill-0", "decode-0", "mono-0"]
     assert names(pdserve("launch", "--dry-run")) == ["router", "prefill-0", "decode-0"]
+
+
+def test_launch_gives_its_drain_timeout_to_every_worker():
+    """The README's Ctrl-C paragraph names --drain-timeout: launch takes it and hands it on."""
+    r = pdserve("launch", "--dry-run", "--prefill", "1", "--decode", "1", "--mono", "1", "--drain-timeout", "1.5")
+    lines = r.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["router", "prefill-0", "decode-0", "mono-0"]
+    assert "--drain-timeout" not in lines[0] and all("--drain-timeout=1.5" in line for line in lines[1:])
 
 
 def test_bench_engine_prints_table_and_json():
@@ -258,13 +267,24 @@ def test_kernel_occupancy_reads_each_compiled_variant_and_counts_its_programs_pe
          "shared_bytes": 24608, "programs_per_sm": 4}]
 
 
-def test_a_worker_refuses_a_router_or_host_it_cannot_use_by_name():
+def test_a_worker_refuses_a_router_host_or_kv_port_it_cannot_use_by_name():
     """Found before the model is built: before, each was a ZeroMQ traceback (and a KV pool left in
     shared memory)."""
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
     cases = [(["decode", "--router", "bogus"], "--router 'bogus' is invalid"),
              (["mono", "--router", "tcp://127.0.0.1:1", "--host", "10.255.255.1"],
-              "--host '10.255.255.1' is not an address of this machine")]
-    for argv, text in cases:
-        r = pdserve(*argv)
-        assert r.returncode == 2 and f"error [INVALID_ARGUMENT]: {text}" in r.stderr, r.stderr
-        assert "Traceback" not in r.stderr and "leaked" not in r.stderr, r.stderr
+              "--host '10.255.255.1' is not an address of this machine"),
+             (["decode", "--router", "tcp://127.0.0.1:1", "--kv-port", str(port)],
+              f"--kv-port {port} on 127.0.0.1 cannot be bound")]
+    try:
+        for argv, text in cases:
+            r = pdserve(*argv)
+            assert r.returncode == 2 and f"error [INVALID_ARGUMENT]: {text}" in r.stderr, r.stderr
+            assert "Traceback" not in r.stderr and "leaked" not in r.stderr, r.stderr
+    finally:
+        taken.close()

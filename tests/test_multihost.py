@@ -72,7 +72,7 @@ def test_three_hosts_survive_a_cut_link(hosts, tmp_path):
               "--heartbeat-timeout", "1", "--queue-timeout", "60")
         start("prefill", "prefill", "--router", f"tcp://{ip['router']}:7101", "--worker-id", "prefill-0", "--threads", "1")
         start("decode", "decode", "--router", f"tcp://{ip['router']}:7101", "--worker-id", "decode-0",
-              "--host", ip["decode"], "--threads", "1")
+              "--host", ip["decode"], "--kv-port", "7102", "--threads", "1")  # a port a firewall can open
         prompt = [9, 8, 7, 6, 5]
         sampling = dict(max_tokens=300, temperature=0.8, seed=3, ignore_eos=True)
         want = Engine(model="dummy:nanogpt").generate([prompt], SamplingParams(**sampling))[0].token_ids
@@ -82,7 +82,7 @@ def test_three_hosts_survive_a_cut_link(hosts, tmp_path):
                 assert time.monotonic() < deadline, "workers did not register across the namespaces"
                 time.sleep(0.2)
             decode = next(w for w in client.status().workers if w["role"] == "decode")
-            assert decode["kv_address"].startswith(f"tcp://{ip['decode']}:")  # KV crosses the virtual wire
+            assert decode["kv_address"] == f"tcp://{ip['decode']}:7102"  # KV crosses the virtual wire
             stream = client.stream(prompt, **sampling)
             streamed = []
             for chunk in stream:
