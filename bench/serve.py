@@ -250,10 +250,11 @@ def run_serve_bench(model: str, topologies: list[str], scenarios: list[str], rou
     if talks and "http" in frontends:
         raise ValueError(f"scenario {talks[0]!r} sends each turn's output back as token ids, which only the SDK "
                          "gets; allowed with it: --frontends zmq (and --router, not --base-url)")
-    served = model
+    served, external_policy = model, ("-", True)
     if router:  # no router there: UNAVAILABLE now, before any run, as served_model_at says it of --base-url
         with Client(router) as client:
-            served = client.status().model or model
+            status = client.status()
+        served, external_policy = status.model or model, (status.policy or "-", status.kv_events)
     elif base_url:
         served = served_model_at(base_url, api_key)
     cfg = model_config(model)
@@ -266,7 +267,7 @@ def run_serve_bench(model: str, topologies: list[str], scenarios: list[str], rou
     for shape in shapes.values():
         check_worker_count(sum(shape[:3]))
     # KV events matter to prefix_affine alone: another policy runs once
-    launches = [(f"external {external}", "-", True)] if external else [
+    launches = [(f"external {external}", *external_policy)] if external else [
         (t, p, e) for t in topologies for p in policies for e in (kv_events if p == "prefix_affine" else (True,))]
     for topo, policy, events in launches:
         for extra, names in groups.items():

@@ -134,6 +134,8 @@ class StatusReply:
     missing: list[str] = field(default_factory=list)  # roles the live workers lack to serve ("prefill", "decode")
     model: str = ""  # the router's --model, which its workers serve
     ask_id: str = ""  # the StatusRequest's
+    policy: str = ""  # the router's --policy (bench serve --router reads its counters by it)
+    kv_events: bool = True  # whether its prefix_affine hears the workers' cache events (not --no-kv-events)
 
 
 @dataclass

@@ -292,7 +292,8 @@ class Router:
             queued = sum(r.state == "queued" for r in self.requests.values())
             missing = self.placement.missing(self.registry.serving(PREFILL_ROLES + DECODE_ROLES))
             self._send(self.frontend, P.StatusReply(workers, queued, len(self.requests) - queued, self.prompts.context,
-                                                    missing, self.cfg.model, msg.ask_id), env.sender)
+                                                    missing, self.cfg.model, msg.ask_id, self.cfg.policy,
+                                                    self.cfg.kv_events), env.sender)
         elif isinstance(msg, P.MetricsRequest):
             self._send(self.frontend, P.MetricsReply(self.metrics.render(), msg.ask_id), env.sender)
         elif isinstance(msg, P.Rejected):

@@ -767,6 +767,8 @@ def test_bench_serve_runs_find_no_prompt_of_another_in_the_caches(served):
     result = run_serve_bench(MODEL, [], ["long_prompts"], served.address, 7, [], repeats=2)
     assert [r["requests"] for r in result["results"]] == [6, 6]
     assert [r["prompt_cached_pct"] for r in result["results"]] == [0.0, 0.0]
+    # the router's own policy, from its status (so that prefix_affine's mispredictions are counted): was "-"
+    assert [(r["policy"], r["kv_events"]) for r in result["results"]] == [("least_loaded", True)] * 2
 
 
 def test_the_router_serves_all_of_this_without_torch(served):
