@@ -289,10 +289,11 @@ class TransportRun:
         self.in_place = finished - t0  # one-sided: every byte is in place, or queued (cuda_ipc)
         self.chan.send(P.KVTransfer(rid, 0, [0] * (tokens + 1), tokens, 0, {}, 0, self.layout, tokens, self.dst,
                                     self.transport, handle.info))
-        self.header_sent = time.perf_counter() - t0  # the host's part: its copies queued or done, the header gone
+        sent = time.perf_counter()
         if profiler is not None:
             profiler.disable()
-        self.phases = dict(zip(PHASES, (opened - t0, queued - opened, finished - queued, t0 + self.header_sent - finished)))
+        self.header_sent = sent - t0  # the host's part: its copies queued or done, the header gone
+        self.phases = dict(zip(PHASES, (opened - t0, queued - opened, finished - queued, sent - finished)))
         if handle.queued_on is not None:  # the header went ahead of the copies: in place once they are done
             handle.queued_on.synchronize()
             self.in_place = time.perf_counter() - t0
@@ -408,12 +409,14 @@ def measure(transport: str, shape, dtype: str, device: torch.device, n: int, rep
             runs["raw zmq"] = RawZmqRun([(f.end - f.first) * ub for f in plan], repeats)
             runs["memcpy"] = MemcpyRun(nbytes)
         one_sided = isinstance(run.sender, MappedSender)
-        times = {transport: []} | ({HEADER_SENT: [], IN_PLACE: []} if one_sided else {}) | {name: [] for name in runs}
-        times |= {phase: [] for phase in PHASES} if one_sided else {}
+        times = {name: [] for name in (transport, *((HEADER_SENT, IN_PLACE, *PHASES) if one_sided else ()), *runs)}
         for _ in range(repeats):
             for name, run in runs.items():
-                times[name].append(run.one(profiler=profiler) if name == transport else run.one())
-                if name == transport and one_sided:
+                if name != transport:
+                    times[name].append(run.one())
+                    continue
+                times[name].append(run.one(profiler=profiler))
+                if one_sided:
                     times[HEADER_SENT].append(run.header_sent)
                     times[IN_PLACE].append(run.in_place)
                     for phase, sec in run.phases.items():

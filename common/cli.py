@@ -15,7 +15,7 @@ from bench.cli import bench, plan
 from common.cli_options import (COUNT, ENGINE_PARAMS, NON_NEGATIVE, PORT, POSITIVE, devices_option, engine_argv,
                                 engine_options, given_flags, http_options, http_router_argv, parse_ints, policy_option,
                                 router_argv, router_options, sampling_options, setup_logging)
-from common.errors import InvalidArgument, PdserveError
+from common.errors import InvalidArgument, PdserveError, port_free
 from common.signals import DRAIN_TIMEOUT_S
 from common.speculative import SpeculativeConfig
 
@@ -219,13 +219,9 @@ def _check_worker_addresses(role: str, router_address: str, host: str, kv_port: 
                                       "worker's KV ingress binds; allowed: one of its addresses, 127.0.0.1 or 0.0.0.0 "
                                       "(all)", param="--host") from None
         if role != "prefill" and kv_port:
-            with ctx.socket(zmq.ROUTER) as sock:
+            with ctx.socket(zmq.ROUTER) as sock, port_free(host, kv_port, "--kv-port"):
                 sock.linger = 0
-                try:
-                    sock.bind(f"tcp://{host}:{kv_port}")
-                except zmq.ZMQError as e:
-                    raise InvalidArgument(f"--kv-port {kv_port} on {host} cannot be bound ({e.strerror}); allowed: "
-                                          "a free port, or 0 for any", param="--kv-port") from None
+                sock.bind(f"tcp://{host}:{kv_port}")
     finally:
         ctx.term()
 

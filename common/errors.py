@@ -72,8 +72,8 @@ def port_free(host: str, port: int, flag: str):
             raise
     else:
         return
-    raise InvalidArgument(f"port {port} on {host} is in use (another pdserve router, or another of this "
-                          f"router's ports?); allowed: a free port for {flag} (0 picks one)", param=flag)
+    raise InvalidArgument(f"port {port} on {host} is in use (another pdserve router or worker, or another of "
+                          f"this process's ports?); allowed: a free port for {flag} (0 picks one)", param=flag)
 
 
 def made_dir(path, flag: str):

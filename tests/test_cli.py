@@ -280,7 +280,7 @@ def test_a_worker_refuses_a_router_host_or_kv_port_it_cannot_use_by_name():
              (["mono", "--router", "tcp://127.0.0.1:1", "--host", "10.255.255.1"],
               "--host '10.255.255.1' is not an address of this machine"),
              (["decode", "--router", "tcp://127.0.0.1:1", "--kv-port", str(port)],
-              f"--kv-port {port} on 127.0.0.1 cannot be bound")]
+              f"port {port} on 127.0.0.1 is in use (another pdserve router or worker")]
     try:
         for argv, text in cases:
             r = pdserve(*argv)

@@ -39,6 +39,13 @@ def variants(dt: str):
     return SHAPES[2:3], LLAMA_1B_MATMULS[:1], NORMS[:1]
 
 
+def split_types(dt: str) -> dict[str, str]:
+    """The paged attention's split kernel's typed arguments, K/V and queries in dt (its ints: i32)."""
+    return {"Q": f"*{dt}", "KCache": f"*{dt}", "VCache": f"*{dt}", "Tables": "*i64", "TileSeq": "*i64",
+            "TileStart": "*i64", "TileLen": "*i64", "TilePos": "*i64", "SplitBase": "*i64", "OutPart": "*fp32",
+            "LsePart": "*fp32", "scale": "fp32"}
+
+
 _JOBS: list = []  # (kernel, signature, constexprs, options) of each variant, for the compiling processes
 
 
@@ -82,10 +89,7 @@ def compile_all(arch: int = 90) -> list[str]:
             for (rows, _), launch in tiles.items():
                 block_q, block_m = tp.tile_shape(group, rows)
                 for one_split in (True, False):  # a lane a split, or lanes that loop over their splits
-                    build(tp._split_kernel,
-                          {"Q": f"*{dt}", "KCache": f"*{dt}", "VCache": f"*{dt}", "Tables": "*i64", "TileSeq": "*i64",
-                           "TileStart": "*i64", "TileLen": "*i64", "TilePos": "*i64", "SplitBase": "*i64",
-                           "OutPart": "*fp32", "LsePart": "*fp32", "scale": "fp32"},
+                    build(tp._split_kernel, split_types(dt),
                           dict(GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim, BLOCK_D=block_d,
                                PAGE=16, TILE=tp.BLOCK_N, SPLIT_KEYS=tp.SPLIT, IEEE=ieee, ONE_SPLIT=one_split),
                           **launch)
@@ -174,8 +178,7 @@ def split_kernel_loads(arch: int = 90) -> dict[str, dict[int, int]]:
     fn = tp._split_kernel
     loose = set(fn.do_not_specialize) | set(fn.do_not_specialize_on_alignment)
     loose = {fn.arg_names[i] if isinstance(i, int) else i for i in loose}
-    types = {n: "*i64" for n in ("Tables", "TileSeq", "TileStart", "TileLen", "TilePos", "SplitBase")}
-    types.update(Q="*bf16", KCache="*bf16", VCache="*bf16", OutPart="*fp32", LsePart="*fp32", scale="fp32")
+    types = split_types("bf16")
     out = {}
     for tile in [(tp.MIN_ROWS, 0), *tp.PREFILL_CANDIDATES]:
         rows, launch = tp.prefill_shape(tile)

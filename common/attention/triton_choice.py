@@ -25,6 +25,7 @@ from common.triton_support import triton
 
 TIE = 1.1  # timings within this factor of the fastest count as equal
 
+
 def device_timer(device: torch.device):
     """`timer(fn) -> seconds` by triton.testing.do_bench's median on CUDA; None elsewhere (untimed)."""
     if device.type != "cuda":
@@ -45,9 +46,10 @@ def choose_prefill_tile(num_heads: int, num_kv_heads: int, head_dim: int, device
                         ) -> tuple[tuple[int, int], list[str]]:
     """The fastest of tp.PREFILL_CANDIDATES whose tiles give every row of a prefill chunk the bits
     one-token tiles give it, here, in this dtype (a chunk over several splits with a ragged last
-    tile, its keys in a shuffled table, tiled from 0 and from past a split's start), timed on that chunk beside a decode's own tile (on CUDA by
-    triton.testing.do_bench; `timer(fn) -> seconds` elsewhere; with no timer, the first in the list
-    that keeps the bits); else the decode's tile, (tp.MIN_ROWS, 0). And _fastest's notes."""
+    tile, its keys in a shuffled table, tiled from 0 and from past a split's start), timed on that
+    chunk beside a decode's own tile (on CUDA by triton.testing.do_bench; `timer(fn) -> seconds`
+    elsewhere; with no timer, the first in the list that keeps the bits); else the decode's tile,
+    (tp.MIN_ROWS, 0). And _fastest's notes."""
     gen = torch.Generator().manual_seed(0)
     T, H, K, D = tokens, num_heads, num_kv_heads, head_dim
     blocks = -(-T // page)
@@ -115,7 +117,8 @@ def _fastest(candidates: list, run, name, want: torch.Tensor | None, timer, fall
         if timer is None:
             return candidate, notes
         kept[i] = timer(fn)
-    near = [i for i, sec in kept.items() if sec <= TIE * min(kept.values())]
+    tie = TIE * min(kept.values(), default=0.0)
+    near = [i for i, sec in kept.items() if sec <= tie]
     best = fallback if not near or fallback in (candidates[i] for i in near) else candidates[near[0]]
     return best, notes + [f"{name(candidates[i])} {1e6 * sec:.0f} us" for i, sec in kept.items()]
 
