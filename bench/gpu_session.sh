@@ -159,8 +159,10 @@ verify)
     left() { local l=$((end - SECONDS)); echo $((l < $1 ? (l > 5 ? l : 5) : $1)); }
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt"
     # the machine's Triton, and how it compiles the attention's K/V gathers (16 bytes a load, not 2)
+    # and the matmul partials' writes and reads (16 bytes an access, not 4)
     python3 -c "import torch, triton; print(torch.__version__, triton.__version__)
-from tests.triton_aot import split_kernel_loads; print(split_kernel_loads())" >> "$OUT/gpu.txt" 2>&1
+from tests.triton_aot import split_kernel_loads, partials_accesses; print(split_kernel_loads())
+print(partials_accesses())" >> "$OUT/gpu.txt" 2>&1
     run gpu-tests "$(left 260)" python3 -m pytest -m gpu tests -q --tb=short -p no:cacheprovider --timeout 200 -rf \
         --durations=5 --continue-on-collection-errors
     run step-profile "$(left 100)" pdserve bench step-profile --device cuda:0 --model dummy:llama-1b \

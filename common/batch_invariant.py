@@ -40,7 +40,7 @@ from torch import nn
 from common.attention import tiled
 from common.attention.sdpa import SDPAAttention
 from common.errors import InvalidArgument, first_line
-from common.linear_partials import Partials, finished, reading
+from common.linear_partials import Partials, empty_partials, finished, reading
 from common.model import RMSNorm, silu_mul as torch_silu_mul
 from common.triton_support import available, interpreted, jit, pow2, tl
 
@@ -66,7 +66,7 @@ def _dot_segment(A, W, rows, cols, row_ok, col_ok, k_start, k_end, stride_am, st
     return acc
 
 
-@jit(do_not_specialize=["M", "stride_cs"])  # a step's row count (stride_cs is M * N): one variant for every batch
+@jit(do_not_specialize=["M"])  # a step's row count: one variant for every batch (stride_cs: see empty_partials)
 def _linear_kernel(A, W, Bias, C, M, N, stride_am, stride_wn, stride_cm, stride_cs, K: tl.constexpr,
                    SEGMENT: tl.constexpr, SEGMENTS: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
@@ -93,7 +93,7 @@ def _linear_kernel(A, W, Bias, C, M, N, stride_am, stride_wn, stride_cm, stride_
         tl.store(C + rows[:, None] * stride_cm + cols[None, :], total.to(C.dtype.element_ty), mask=out)
 
 
-@jit(do_not_specialize=["stride_dseg"])  # a linear's partials: rows x N, a step's rows
+@jit
 def _norm_kernel(X, Weight, Bias, Y, Delta, DeltaBias, Sum, stride_x, stride_y, stride_d, stride_dseg, stride_s, eps,
                  C: tl.constexpr, BLOCK: tl.constexpr, RMS: tl.constexpr, HAS_BIAS: tl.constexpr,
                  RESIDUAL: tl.constexpr, SEGMENTS: tl.constexpr, DELTA_BIAS: tl.constexpr):
@@ -122,7 +122,7 @@ def _norm_kernel(X, Weight, Bias, Y, Delta, DeltaBias, Sum, stride_x, stride_y, 
     tl.store(Y + row * stride_y + i, y.to(Y.dtype.element_ty), mask=ok)
 
 
-@jit(do_not_specialize=["stride_hseg"])
+@jit
 def _silu_mul_kernel(H, Bias, Out, stride_h, stride_hseg, stride_o, I, SEGMENTS: tl.constexpr, HAS_BIAS: tl.constexpr,
                      BLOCK: tl.constexpr):
     """Out = silu(gate) * up for a row of H = [gate, up] (or of a linear's partials, finished
@@ -188,12 +188,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     m, n = a.shape[0], weight.shape[0]
     count, length = segments(n, k)
     split = count > 1 and 0 < m <= SPLIT_ROWS
-    out = torch.empty(count, m, n, dtype=torch.float32, device=x.device) if split else \
-        torch.empty(m, n, dtype=x.dtype, device=x.device)
+    out = empty_partials(count, m, n, x.device) if split else torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
         bm, bn, bk, warps, stages = tile_config(m, n, count)
         _linear_kernel[(-(-m // bm), -(-n // bn), count if split else 1)](
-            a, weight, weight if bias is None else bias, out, m, n, a.stride(0), weight.stride(0), n, m * n, K=k,
+            a, weight, weight if bias is None else bias, out, m, n, a.stride(0), weight.stride(0), n, out.stride(0) if split else 0, K=k,
             SEGMENT=length, SEGMENTS=count, SPLIT=split, HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn,
             BLOCK_K=bk, IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=stages)
     if split:

@@ -416,8 +416,9 @@ def test_triton_backend_refuses_a_block_size_it_cannot_tile():
 
 
 def test_triton_kernels_compile_for_an_h100():
-    """Every kernel variant compiles to an sm_90 binary here, with no GPU (tests/triton_aot.py), and
-    the split kernel gathers K and V 16 bytes a load in every tile, not 2 (an int64 table entry is 8)."""
+    """Every kernel variant compiles to an sm_90 binary here, with no GPU (tests/triton_aot.py), the
+    split kernel gathers K and V 16 bytes a load in every tile, not 2 (an int64 table entry is 8),
+    and a decode step's matmul partials are written and read 16 bytes an access, not 4."""
     pytest.importorskip("triton.backends.nvidia")
     import json
     import os
@@ -438,6 +439,10 @@ def test_triton_kernels_compile_for_an_h100():
     assert len(loads) == 2 * (1 + len(tp.PREFILL_CANDIDATES))  # each tile a lane a split, and looping
     for tile, widths in loads.items():
         assert min(map(int, widths)) >= 8 and widths.get("16", 0) >= 16, (tile, widths)
+    partials = json.loads(run.stdout.splitlines()[-1])["partials_accesses"]
+    assert len(partials) == 2 + 4  # two split matmuls, four readers
+    for kernel, widths in partials.items():
+        assert min(map(int, widths["load"])) >= 8 and set(widths["store"]) == {"16"}, (kernel, widths)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -142,6 +142,13 @@ def test_partials_left_to_the_next_kernel_give_every_reader_the_linears_bits(dty
 
     assert torch.equal(bi.silu_mul(partials), bi.silu_mul(plain))
 
+    # 5 rows of 120: 600 floats a segment, padded to 608 so that each segment starts 16-aligned
+    odd = bi.linear(x[:rows], w[:120], b[:120], deferred=True)
+    assert isinstance(odd, Partials) and odd.parts.stride(0) == 608
+    assert torch.equal(odd.total(), bi.linear(x, w[:120], b[:120])[:rows])
+    norm = bi.InvariantRMSNorm(120, 1e-5).to(dtype)
+    assert torch.equal(norm.add_norm(residual[:, :120], odd)[0], norm.add_norm(residual[:, :120], odd.total())[0])
+
     heads, kv_heads, head_dim = 4, 2, 16  # (4 + 2 x 2) x 16 = n
     cos, sin = torch.randn(2, rows, head_dim // 2, generator=gen).to(dtype)
     caches = [torch.zeros(4, 16, kv_heads, head_dim, dtype=dtype) for _ in range(4)]

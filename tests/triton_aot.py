@@ -140,14 +140,14 @@ def compile_all(arch: int = 90) -> list[str]:
     return done
 
 
-# a global load's SASS and its bytes: LDG.E.64 (an int64 table entry), LDGSTS.E.BYPASS.128 (cp.async of 16)
-_LOAD = re.compile(r"\b(LDG|LDGSTS)\.E((?:\.[A-Z0-9]+)*)")
+# a global access's SASS and its bytes: LDG.E.64 (an int64 table entry), LDGSTS.E.BYPASS.128 (cp.async of 16)
+_ACCESS = re.compile(r"\b(LDG|LDGSTS|STG)\.E((?:\.[A-Z0-9]+)*)")
 _WIDTH = {"U8": 1, "S8": 1, "U16": 2, "S16": 2, "64": 8, "128": 16}
 
 
-def load_widths(cubin: bytes) -> dict[int, int]:
-    """{bytes a load: how many such global loads} in a compiled kernel's SASS (the cuobjdump that
-    Triton's NVIDIA backend bundles)."""
+def access_widths(cubin: bytes) -> dict[str, dict[int, int]]:
+    """{"load"/"store": {bytes an access: how many such global accesses}} in a compiled kernel's
+    SASS (the cuobjdump that Triton's NVIDIA backend bundles)."""
     import tempfile
 
     import triton
@@ -157,28 +157,40 @@ def load_widths(cubin: bytes) -> dict[int, int]:
         f.write(cubin)
         f.flush()
         sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    widths: dict[int, int] = {}
-    for _, suffixes in _LOAD.findall(sass):
+    widths: dict[str, dict[int, int]] = {"load": {}, "store": {}}
+    for op, suffixes in _ACCESS.findall(sass):
         size = next((_WIDTH[s] for s in suffixes.split(".") if s in _WIDTH), 4)
-        widths[size] = widths.get(size, 0) + 1
+        kind = widths["store" if op == "STG" else "load"]
+        kind[size] = kind.get(size, 0) + 1
     return widths
 
 
-def split_kernel_loads(arch: int = 90) -> dict[str, dict[int, int]]:
-    """{tile: load_widths} of llama-1b's split kernel in bf16, for a decode's tile and each prefill
-    tile `auto` may choose, a lane a split and looping, compiled as the JIT compiles a real launch:
-    pointers 16-byte aligned and strides multiples of 16 (llama-1b's all are), but for the
-    arguments the kernel excludes."""
+def load_widths(cubin: bytes) -> dict[int, int]:
+    return access_widths(cubin)["load"]
+
+
+def jit_compiled(fn, types: dict, constexprs: dict, aligned_ints: tuple = (), arch: int = 90, **options):
+    """fn compiled as the JIT compiles a real launch: pointers 16-byte aligned, and the strides and
+    the integers named in aligned_ints multiples of 16 (llama-1b's all are), but for the arguments
+    the kernel excludes from that."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from common.attention import triton_paged as tp
-
-    fn = tp._split_kernel
     loose = set(fn.do_not_specialize) | set(fn.do_not_specialize_on_alignment)
     loose = {fn.arg_names[i] if isinstance(i, int) else i for i in loose}
-    types = split_types("bf16")
+    sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n not in constexprs
+               and n not in loose and (sig[n].startswith("*") or n.startswith("stride") or n in aligned_ints)}
+    return triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs=aligned), target=GPUTarget("cuda", arch, 32),
+                          options=options)
+
+
+def split_kernel_loads(arch: int = 90) -> dict[str, dict[int, int]]:
+    """{tile: load_widths} of llama-1b's split kernel in bf16, for a decode's tile and each prefill
+    tile `auto` may choose, a lane a split and looping, compiled as the JIT compiles a real launch."""
+    from common.attention import triton_paged as tp
+
     out = {}
     for tile in [(tp.MIN_ROWS, 0), *tp.PREFILL_CANDIDATES]:
         rows, launch = tp.prefill_shape(tile)
@@ -186,16 +198,49 @@ def split_kernel_loads(arch: int = 90) -> dict[str, dict[int, int]]:
         for one_split in (True, False):
             constexprs = dict(GROUP=4, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=64, BLOCK_D=64, PAGE=16,
                               TILE=tp.BLOCK_N, SPLIT_KEYS=tp.SPLIT, IEEE=False, ONE_SPLIT=one_split)
-            sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
-            aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n not in constexprs
-                       and n not in loose and (sig[n].startswith("*") or n.startswith("stride"))}
-            kernel = triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs=aligned),
-                                    target=GPUTarget("cuda", arch, 32), options=launch)
+            kernel = jit_compiled(tp._split_kernel, split_types("bf16"), constexprs, arch=arch, **launch)
             out[tp.tile_name(tile) + ("" if one_split else ", looping")] = load_widths(kernel.asm["cubin"])
+    return out
+
+
+def partials_accesses(arch: int = 90) -> dict[str, dict[str, dict[int, int]]]:
+    """{kernel: access_widths} of a llama-1b decode step's split matmul, which writes its K
+    segments' float32 partials, and of each kernel that reads them (common/linear_partials.py), in
+    bf16 as the JIT compiles them. The partials' segment stride is a multiple of 16 floats
+    (empty_partials), so these should move 16 bytes an access; 4 is what an unknown stride gives."""
+    from common import batch_invariant as bi
+    from common import linear_partials as lp
+    from common.attention import triton_paged as tp
+
+    dt, out = "bf16", {}
+    for n, k in LLAMA_1B_MATMULS[::2]:  # qkv (4 segments) and down (8)
+        count, length = bi.segments(n, k)
+        bm, bn, bk, warps, stages = bi.tile_config(1, n, count)
+        kernel = jit_compiled(bi._linear_kernel, {"A": f"*{dt}", "W": f"*{dt}", "Bias": f"*{dt}", "C": "*fp32"},
+                              dict(K=k, SEGMENT=length, SEGMENTS=count, SPLIT=True, HAS_BIAS=False, BLOCK_M=bm,
+                                   BLOCK_N=bn, BLOCK_K=bk, IEEE=False), ("N",), arch, num_warps=warps,
+                              num_stages=stages)
+        out[f"linear {n}x{k}, {count} segments"] = access_widths(kernel.asm["cubin"])
+    norm = jit_compiled(bi._norm_kernel, {"X": f"*{dt}", "Weight": f"*{dt}", "Bias": f"*{dt}", "Y": f"*{dt}",
+                                          "Delta": "*fp32", "DeltaBias": f"*{dt}", "Sum": f"*{dt}", "eps": "fp32"},
+                        dict(C=2048, BLOCK=2048, RMS=True, HAS_BIAS=False, RESIDUAL=True, SEGMENTS=8,
+                             DELTA_BIAS=False), arch=arch)
+    rope = jit_compiled(tp._rope_store_kernel, {"QKV": "*fp32", "Bias": f"*{dt}", "Cos": f"*{dt}", "Sin": f"*{dt}",
+                                                "Q": f"*{dt}", "KCache": f"*{dt}", "VCache": f"*{dt}",
+                                                "Slots": "*i64"},
+                        dict(HEADS=32, KV_HEADS=8, HEAD_DIM=64, BLOCK_H=32, BLOCK_F=32, SEGMENTS=4, HAS_BIAS=False),
+                        arch=arch, enable_fp_fusion=False)
+    silu = jit_compiled(bi._silu_mul_kernel, {"H": "*fp32", "Bias": f"*{dt}", "Out": f"*{dt}"},
+                        dict(SEGMENTS=4, HAS_BIAS=False, BLOCK=bi.GLU_BLOCK), ("I",), arch)
+    total = jit_compiled(lp._sum_segments, {"Parts": "*fp32", "Bias": f"*{dt}", "C": f"*{dt}"},
+                         dict(SEGMENTS=4, HAS_BIAS=False, BLOCK=lp.SUM_BLOCK), ("size", "N"), arch)
+    for name, kernel in (("norm", norm), ("rope_store", rope), ("silu_mul", silu), ("sum_segments", total)):
+        out[name] = access_widths(kernel.asm["cubin"])
     return out
 
 
 if __name__ == "__main__":
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("run without TRITON_INTERPRET=1: the interpreter cannot compile")
-    print(json.dumps({"arch": "sm_90", "compiled": compile_all(), "split_kernel_loads": split_kernel_loads()}))
+    print(json.dumps({"arch": "sm_90", "compiled": compile_all(), "split_kernel_loads": split_kernel_loads(),
+                      "partials_accesses": partials_accesses()}))

@@ -190,7 +190,7 @@ def store_kv(k_TKD: torch.Tensor, v_TKD: torch.Tensor, k_cache_NPKD: torch.Tenso
                            k_cache_NPKD.stride(1), v_cache_NPKD.stride(1), ROW=K * D, BLOCK=pow2(K * D))
 
 
-@jit(do_not_specialize=["stride_seg"], do_not_specialize_on_alignment=["Slots"])
+@jit(do_not_specialize_on_alignment=["Slots"])
 def _rope_store_kernel(QKV, Bias, Cos, Sin, Q, KCache, VCache, Slots, stride_t, stride_seg, stride_c, stride_qt,
                        stride_cs, stride_ds, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                        BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr, SEGMENTS: tl.constexpr, HAS_BIAS: tl.constexpr):
