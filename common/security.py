@@ -157,7 +157,8 @@ def _authenticator(ctx, keys: CurveKeys):
     _authenticators[id(ctx)] = auth
 
 
-HANDSHAKE_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 
 
 def refusal(event: int, who: str) -> str | None:
@@ -166,6 +167,8 @@ def refusal(event: int, who: str) -> str | None:
         return f"it refused this {who}'s CURVE key (not among its authorized/{who}s/)"
     if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
         return "the handshake failed: one side uses CURVE keys (PDSERVE_CURVE_DIR), the other not, or not the same"
+    if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:  # what a CURVE server that cannot read our hello does
+        return "it drops the handshake: the server.key here is not its own (another key directory's?)"
     return None
 
 

@@ -116,7 +116,8 @@ class Connection:
     """Whether a client's socket reaches the router, from the socket's monitor (made before it
     connects, so that the first handshake is seen). A call that has waited CONNECT_TIMEOUT_S with
     no connection (no router there) fails UNAVAILABLE rather than wait out its timeout, and one
-    whose key the router refused fails at once; a connection that drops loses every reply in
+    whose key the router refused fails at once (given another server key, once the router dropped
+    DROPPED_HANDSHAKES of its handshakes); a connection that drops loses every reply in
     flight. The socket reconnects by itself: a router back is used again."""
 
     EVENTS = zmq.EVENT_DISCONNECTED | HANDSHAKE_EVENTS  # Channel.connect(monitor=EVENTS)
@@ -126,15 +127,19 @@ class Connection:
         self.monitor = chan.monitor
         self.down_since: float | None = time.monotonic()  # None while connected
         self.refused: str | None = None  # why the router refused our handshake (libzmq then stops trying)
+        self.dropped = 0  # handshakes the router dropped in a row: it cannot read our hello (another server.key)
 
     def on_event(self, event: dict) -> bool:
         """Take a monitor event; True if it was the connection dropping (not an attempt failing:
         a router refusing our key drops each one before its handshake)."""
         kind = event["event"]
         if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-            self.down_since, self.refused = None, None
+            self.down_since, self.refused, self.dropped = None, None, 0
             return False
-        self.refused = refusal(kind, "client") or self.refused
+        if kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:  # also once by chance (a router stopping mid-handshake)
+            self.dropped += 1
+        if kind != zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL or self.dropped >= DROPPED_HANDSHAKES:
+            self.refused = refusal(kind, "client") or self.refused
         if self.down_since is not None:
             return False
         self.down_since = time.monotonic()
@@ -193,6 +198,7 @@ class _Ids:
 
 
 CONNECT_TIMEOUT_S = 10.0  # how long a request waits for any connection to the router before UNAVAILABLE
+DROPPED_HANDSHAKES = 3  # dropped in a row (some 0.3 s of libzmq's retries): the router cannot read our CURVE hello
 
 
 @dataclass

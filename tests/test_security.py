@@ -70,12 +70,20 @@ def test_curve_keeps_unknown_peers_out(tmp_path, monkeypatch):
         assert all(w["free_blocks"] == w["total_blocks"] for w in workers)  # nothing was reserved
         for s in socks:
             s.close()
-        # An SDK client whose key the router refuses hears so, instead of waiting out its timeout.
-        monkeypatch.setattr(router.client, "CONNECT_TIMEOUT_S", 1.0)
-        monkeypatch.setenv("PDSERVE_CURVE_DIR", str(intruder_keys))
-        with pytest.raises(RequestError) as e, Client(c.address, timeout=60) as intruder:
-            intruder.generate([1, 2, 3], max_tokens=2)
-        assert e.value.code == "UNAVAILABLE" and "CURVE key" in e.value.message, e.value
+        # An SDK client whose key the router refuses, or that holds another server key, hears so
+        # at once instead of waiting out CONNECT_TIMEOUT_S (10 s) for "no router answers".
+        unauthorized = tmp_path / "unauthorized"  # the router's server.key, a client key of its own
+        shutil.copytree(intruder_keys, unauthorized)
+        (unauthorized / "server.key").write_bytes((keys / "server.key").read_bytes())
+        (unauthorized / "server.key_secret").unlink()
+        for directory, why in ((unauthorized, "it refused this client's CURVE key"),
+                               (intruder_keys, "the server.key here is not its own")):
+            monkeypatch.setenv("PDSERVE_CURVE_DIR", str(directory))
+            began = time.monotonic()
+            with pytest.raises(RequestError) as e, Client(c.address, timeout=60) as intruder:
+                intruder.generate([1, 2, 3], max_tokens=2)
+            assert e.value.code == "UNAVAILABLE" and why in e.value.message, e.value
+            assert time.monotonic() - began < router.client.CONNECT_TIMEOUT_S / 2
         # Nor does one without keys hang: it used to send a Cancel on a socket left with no
         # connection (the refused handshake), and that send waited for good (6 runs in 20).
         monkeypatch.delenv("PDSERVE_CURVE_DIR")
