@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import random
 import statistics
+import time
 from pathlib import Path
 
 from bench.report import cluster_logs, print_json, print_table
@@ -29,6 +30,17 @@ from router.client import Client
 from router.launcher import Cluster
 
 MODES = {"streamed": [], "after prefill": ["--no-kv-stream"]}
+
+
+def transports_used(client: Client, wait_s: float = 3.0) -> list[str]:
+    """The KV transports a cluster's prefill workers sent by, as their heartbeats report them (one
+    comes every 0.2 s): what `auto` chose."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        sent = {t for w in client.status().workers for t, n in w.get("kv_sent", {}).items() if n}
+        if sent or time.monotonic() > deadline:
+            return sorted(sent)
+        time.sleep(0.1)
 
 
 def run_handoff_bench(model: str, tokens: int, requests: int, transport: str, seed: int = 0,
@@ -59,6 +71,7 @@ def run_handoff_bench(model: str, tokens: int, requests: int, transport: str, se
                     if i:
                         samples[mode].append((r.timings["prefill_s"], r.timings["handoff_s"],
                                               r.timings.get("kv_stream_host_s", 0.0)))
+            used = {mode: transports_used(client) for mode, client in clients.items()}
             for client in clients.values():
                 client.close()
         finally:
@@ -66,7 +79,7 @@ def run_handoff_bench(model: str, tokens: int, requests: int, transport: str, se
                 c.stop()
     alone = statistics.median(p for p, _, _ in samples["after prefill"])
     rows, result = [], {"bench": "handoff", "model": model, "tokens": tokens, "requests": requests,
-                        "transport": transport, "devices": list(devices), "dtype": engine.dtype,
+                        "transport": transport, "transports_used": used, "devices": list(devices), "dtype": engine.dtype,
                         "kv_bytes": tokens * cfg.kv_values_per_token * engine.torch_dtype.itemsize}
     for mode, triples in samples.items():
         prefill = statistics.median(p for p, _, _ in triples)
@@ -78,8 +91,9 @@ def run_handoff_bench(model: str, tokens: int, requests: int, transport: str, se
                        f"{key}_to_decode_ms": round(total * 1e3, 2), f"{key}_vs_prefill_alone": round(total / alone, 3),
                        f"{key}_streaming_host_ms": round(hooks * 1e3, 2)})
         rows.append([mode, prefill * 1e3, f"{hooks * 1e3:.2f}", handoff * 1e3, total * 1e3, f"{total / alone:.3f}x"])
-    print_table(f"pdserve bench handoff: {model}, {tokens}-token prompts, {transport} KV transport "
-                f"({result['kv_bytes'] / 2**20:.2f} MiB of {engine.dtype} KV each), p50 of {requests}, taken in turn (ms)",
+    names = ", ".join(sorted({t for ts in used.values() for t in ts})) or "unreported"
+    print_table(f"pdserve bench handoff: {model}, {tokens}-token prompts, {transport} KV transport (used: {names}), "
+                f"{result['kv_bytes'] / 2**20:.2f} MiB of {engine.dtype} KV each, p50 of {requests}, taken in turn (ms)",
                 ["KV sent", "prefill", "its streaming's host time", "handoff", "prefill start to decode start",
                  "vs prefill alone"], rows)
     print_json(result)

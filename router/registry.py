@@ -41,6 +41,7 @@ class Worker:
     prefix_caching: bool = True  # it keeps a prefix cache (started without --no-prefix-caching)
     prefix_index: PrefixIndex | CacheMirror | None = None  # prefix_affine: what its prefix cache holds
     max_model_len: int = 0  # the context it serves, prompt and output (0: not said)
+    kv_sent: dict = field(default_factory=dict)  # a prefill worker's KV bytes sent, by transport (P.Heartbeat)
 
     def describe(self, now: float) -> dict:
         return {"worker_id": self.worker_id, "role": self.role, "incarnation": self.incarnation,
@@ -49,7 +50,7 @@ class Worker:
                 "free_blocks": self.free_blocks,
                 "total_blocks": self.total_blocks, "kv_address": self.kv_address, "kv_transports": self.kv_transports,
                 "kv_dtype": self.kv_dtype, "block_size": self.block_size, "batch_invariant": self.batch_invariant,
-                "prefix_caching": self.prefix_caching, "max_model_len": self.max_model_len,
+                "prefix_caching": self.prefix_caching, "max_model_len": self.max_model_len, "kv_sent": self.kv_sent,
                 "heartbeat_age_s": round(now - self.last_seen, 3)}
 
     def kv_fits(self, other: "Worker") -> bool:

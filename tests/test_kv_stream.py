@@ -10,9 +10,11 @@ import pytest
 import torch
 
 import bench.transfer as B
+from bench.handoff import transports_used
 from common import protocol as P
 from common.config import EngineConfig
 from common.engine import Engine
+from common.kv_transport import offered
 from common.sampling_params import SamplingParams
 from common.worker import WorkerConfig
 from prefill_worker.worker import PrefillWorker
@@ -125,6 +127,8 @@ def test_cluster_streaming_long_chunked_prompts_matches_monolithic(tmp_path, tra
         assert all(r.timings["handoff_s"] >= 0 for r in results)
         workers = wait_blocks_free(client)
         assert all(w["free_blocks"] == w["total_blocks"] for w in workers), workers
+        # the transport `auto` chose, as the prefill worker's heartbeats report it (bench handoff names it)
+        assert transports_used(client) == [transport if transport != "auto" else offered("auto", torch.device("cpu"))[0]]
 
 
 @pytest.mark.parametrize("end", ["cancelled", "first token"])
