@@ -358,6 +358,9 @@ class DecodeWorker(WorkerBase):
             self.ingress.try_send(P.KVAck(rid, msg.attempt, ok, why), to=sender)
 
     def _start(self, msg: P.KVTransfer, r: Reservation) -> tuple[bool, str]:
+        if r.inbox.error is None and msg.transport_info.get("event") is not None and r.writer_gone():
+            # (CUDA leaves an IPC event undefined once its process is gone: "complete" proves nothing)
+            r.inbox.fail("the writer exited before its copies were seen to end: its event cannot say they did")
         if r.inbox.error is not None:
             self._free(msg.request_id, r, writer_done=not r.inbox.writing())
             return False, r.inbox.error

@@ -858,6 +858,41 @@ def test_a_cuda_ipc_headers_blocks_come_back_only_once_its_event_completed():
         worker.close()
 
 
+def test_a_cuda_ipc_transfer_whose_writer_died_is_not_decoded_however_its_event_reads():
+    """CUDA leaves an IPC event undefined once the process that made it is gone: a writer that died
+    between its header and its copies may leave an event that reads complete over half-written
+    blocks. A transfer whose writer (of this host) has exited when its event completes is refused,
+    its blocks given back, and its request goes to another attempt; one whose writer lives decodes."""
+    from common.kv_transport.mapped import HOSTNAME
+    from decode_worker.worker import DecodeWorker
+
+    events = {}
+    worker = DecodeWorker(WorkerConfig(router="tcp://127.0.0.1:9", engine=EngineConfig(model="dummy:nanogpt",
+                                                                                     kv_transport="shm")))
+    writers = {rid: subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for rid in ("dies", "lives")}
+    try:
+        worker.receivers["cuda_ipc"] = stand_in_cuda_ipc_receiver(events)
+        layout, free = worker.engine.kv_layout, worker.engine.block_manager.num_free_blocks
+        for rid, writer in writers.items():
+            worker._reserve(b"peer", P.KVReserve(rid, 1, 40, layout, 0, HOSTNAME, writer.pid))
+            events[rid.encode()] = StandInEvent(False)
+            worker._on_transfer(P.KVTransfer(rid, 1, list(range(41)), 40, 0, {}, 0, layout, 40,
+                                             worker.reservations[rid].block_ids, "cuda_ipc",
+                                             {"key": "pool", "event": rid.encode()}), b"peer")
+        writers["dies"].kill()
+        writers["dies"].wait()
+        for event in events.values():
+            event.answers = [True]
+        worker.on_tick(time.monotonic())
+        assert not worker.arriving and set(worker.streams) == {"lives"}
+        assert worker.engine.block_manager.num_free_blocks == free - 3  # 40 tokens: 3 blocks, the living's
+    finally:
+        for writer in writers.values():
+            writer.kill()
+            writer.wait()
+        worker.close()
+
+
 def _two_decode_cluster(tmp_path, prefill_args=(), decode0_args=()) -> Cluster:
     c = Cluster("dummy:nanogpt", 1, 2, 0, ["cpu"], "127.0.0.1", 0, 0, tmp_path / "logs", "least_loaded", [],
                 threads=1, restart=False)

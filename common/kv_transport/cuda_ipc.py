@@ -9,7 +9,9 @@ piece's copy is queued from the caller's thread on our stream, behind the forwar
 its layer (an event, not a synchronisation); the header carries an IPC event recorded after the
 last copy, and the decode worker polls it (Inbox.writing) before it decodes from those blocks or
 gives them back. It polls, and does not make its stream wait on the event: a wait on the event of
-a writer that died before its copies ended may never end, a poll ends with the lease. Our source
+a writer that died before its copies ended may never end, a poll ends with the lease. Nor does it
+trust an event whose writer has exited (CUDA leaves it undefined): decode_worker/worker.py refuses
+such a transfer (Reservation.writer_gone) however the event reads. Our source
 blocks are reused once the peer acknowledged (it saw the event complete), or, for a transfer
 given up, once finish(release=True) waited for the event on the host before KVRelease. Events come
 from a ring per device (RING); one recorded again before a peer polled it only makes that peer
