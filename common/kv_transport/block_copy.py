@@ -69,22 +69,25 @@ def _indexable(pool: torch.Tensor) -> bool:
     return pool.stride(0) == 2 * pool.stride(1) and block.is_contiguous() and pool.stride(2) == block.numel()
 
 
-_IDS: dict[tuple, torch.Tensor] = {}  # the last few transfers' block ids on their device
-IDS_KEPT = 8
+_IDS: dict[tuple, torch.Tensor] = {}  # recent transfers' block ids on their device, least recently used first
+IDS_KEPT = 1024  # more than a step's streaming requests: a layer's pieces of every request come in turn
 
 
 def _ids_on(device: torch.device, src_blocks: list[int], dst_blocks: list[int]) -> torch.Tensor:
     """[src_blocks, dst_blocks] on the device, uploaded once per transfer: a streamed transfer
     copies the same blocks of every layer in turn (an upload costs some 60 us of host time on a
-    GPU's host, 16 of them a llama-1b prefill). Kept per stream: one is only ever read on the
-    stream it was made on, so its memory goes back to the allocator in that stream's order."""
+    GPU's host, 16 of them a llama-1b prefill), each layer's for every request of the step in
+    turn: more are kept than a step streams (with 8 kept, a step of 9 uploaded every piece). Kept
+    per stream: one is only ever read on the stream it was made on, so its memory goes back to the
+    allocator in that stream's order."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
     key = (device, stream, tuple(src_blocks), tuple(dst_blocks))
-    ids = _IDS.get(key)
+    ids = _IDS.pop(key, None)
     if ids is None:
         if len(_IDS) >= IDS_KEPT:
             del _IDS[next(iter(_IDS))]
-        ids = _IDS[key] = upload(torch.tensor([src_blocks, dst_blocks], dtype=torch.int64), device)
+        ids = upload(torch.tensor([src_blocks, dst_blocks], dtype=torch.int64), device)
+    _IDS[key] = ids  # the most recently used last
     return ids
 
 
