@@ -44,7 +44,12 @@ set -u
 #   streaming's 5.3 ms of host time in a 1,000-token prefill (handoff).
 # Untested on a GPU since the H200 run: the K/V gathers (e9ae001), auto's stable choices and their
 # bit check after a cached prefix (92d506a), and the split kernel's ONE_SPLIT variant (a launch whose
-# lanes cover every split: 127 registers for the 32-row prefill tile under Triton 3.6, looping 191).
+# lanes cover every split: 127 registers for the 32-row prefill tile under Triton 3.6, looping 191);
+# since 2026-11-29 the matmul partials' 16-byte accesses (gpu.txt: partials_accesses), a streamed
+# step's block ids kept for every request it streams, and a cuda_ipc transfer refused when its
+# writer has died. A helper counted 60-70 us of Python a streamed piece on the cuda_ipc path, not
+# the ~330 us measured: transfer-layers' --profile should name the call that blocks (an event's
+# record, wait_event, set_device, the Triton launcher's pointer checks, or garbage collection).
 # Cluster stages serve 4,096-token contexts: sized for llama-1b's whole 131,072, each worker would set
 # GBs aside for one step's attention partials (a GPU test starts a cluster with no flag at all).
 CTX=--worker-arg=--max-model-len=4096
