@@ -106,10 +106,20 @@ def prefill_seconds(engine: Engine, tokens: int, rng: random.Random, repeats: in
     return best
 
 
+def prefill_lead(batch: int, kv_len: int, max_num_batched_tokens: int) -> int:
+    """How many tokens the first of `batch` requests of `kv_len`-token prompts may decode while the
+    rest prefill (a step's token budget less its decodes), and the warm step after: what their
+    max_tokens and blocks need beyond the steps a bench times. Without it the first finished
+    inside the last timed steps, which then ran fewer rows than they counted (on the H200, sync,
+    timed last, looked faster than async at batch 64 and KV 512)."""
+    return -(-batch * kv_len // max(1, max_num_batched_tokens - batch)) + 1
+
+
 def decoding_batch(engine: Engine, batch: int, kv_len: int, max_tokens: int, rng: random.Random) -> list[int]:
-    """Add `batch` greedy requests of `kv_len`-token random prompts that may decode `max_tokens`,
-    and step until all decode, plus one warm decode step: their ids."""
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    """Add `batch` greedy requests of `kv_len`-token random prompts that may decode `max_tokens`
+    once all decode, and step until all do, plus one warm decode step: their ids."""
+    lead = prefill_lead(batch, kv_len, engine.config.max_num_batched_tokens)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens + lead, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in
            _random_prompts(rng, batch, kv_len, engine.model_config.vocab_size)]
     seqs = [engine.requests[i] for i in ids]
@@ -164,7 +174,11 @@ def _decode_speed(engine: Engine, batch: int, kv_len: int, steps: int, rng: rand
         seconds[on] += time.perf_counter() - t0
         counted[on] += n
     engine.config.async_scheduling = False  # the last block's launched step is collected
+    ended = sum(i not in engine.requests for i in ids)
     release(engine, ids)
+    if ended:  # the steps after ran fewer rows than counted
+        raise RuntimeError(f"{ended} of the {batch} requests ended inside the timed steps: a bench bug "
+                           "(decoding_batch's max_tokens)")
     speed = {on: batch * counted[on] / seconds[on] for on in seconds if counted[on]}
     return speed[False], speed.get(True)
 
@@ -220,6 +234,7 @@ def engine_for_bench(engine_kwargs: dict, max_batch: int, seq_len: int, prefill_
     cfg = EngineConfig(**{**engine_kwargs, "enable_prefix_caching": False})
     cfg.max_num_seqs = max(cfg.max_num_seqs, max_batch)
     cfg.max_num_batched_tokens = max(cfg.max_num_batched_tokens, max_batch, prefill_len)
+    seq_len += prefill_lead(max_batch, seq_len, cfg.max_num_batched_tokens)  # decoding_batch's
     longest = max(seq_len, prefill_len + 1)
     if cfg.max_model_len is not None and cfg.max_model_len < longest:
         raise InvalidArgument(f"--max-model-len {cfg.max_model_len} is shorter than the longest sequence of the "
