@@ -22,7 +22,7 @@ import torch
 
 from bench.report import print_json, print_table
 from common.config import EngineConfig, resolve_device
-from common.engine import Engine
+from common.engine import Engine, freeze_startup_objects
 from common.errors import InvalidArgument
 from common.sampling_params import SamplingParams
 
@@ -262,6 +262,7 @@ def run_engine_bench(engine_kwargs: dict, num_requests: int, prompt_len: int, ou
     max_b = max(batch_sizes + [1, num_requests])
     engine = engine_for_bench(engine_kwargs, max_b, max(kv_lens + [prompt_len]) + max(2 * steps + 8, output_len),
                               prefill_len)
+    freeze_startup_objects()  # as a worker does: the timed steps see the collections serving sees
     cfg = engine.config
 
     # Offline throughput: all requests at once, to completion.

@@ -40,6 +40,7 @@ from bench.engine import (_random_prompts, _sync, decode_speed, decoding_batch, 
                           prefill_seconds, release, sig)
 from bench.kernel_occupancy import compiled_kernels
 from bench.report import print_json, print_table
+from common.engine import freeze_startup_objects
 from common.sampling import GREEDY
 from common.sampling_params import SamplingParams
 
@@ -254,6 +255,7 @@ def run_step_profile(engine_kwargs: dict, batch_sizes: list[int], kv_len: int, s
     rng = random.Random(seed)
     engine = engine_for_bench({**engine_kwargs, "async_scheduling": False}, max(batch_sizes),
                               kv_len + STEPS_PER_POINT * steps + 8, prefill_len)
+    freeze_startup_objects()  # as a worker does
     device = engine.config.torch_device
     order = {"both": [engine.batch_invariant, not engine.batch_invariant], "invariant": [True], "torch": [False]}[modes]
     if device.type != "cuda" and modes == "both":

@@ -18,6 +18,7 @@ router that does not answer, stops it at once.
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import os
@@ -34,7 +35,7 @@ from zmq.utils.monitor import recv_monitor_message
 from common import protocol as P
 from common.channel import Channel, Envelope, Waker
 from common.config import EngineConfig
-from common.engine import Engine, RequestOutput
+from common.engine import Engine, RequestOutput, freeze_startup_objects
 from common.pulse import Pulse
 from common.security import HANDSHAKE_EVENTS, close_context, refusal
 from common.signals import DRAIN_TIMEOUT_S, stop_signals
@@ -238,6 +239,7 @@ class WorkerBase:
                  ", async scheduling" if self.engine.config.async_scheduling else "")
         trace = StepTrace.from_env(self.worker_id, self.engine.config.block_size)
         self.engine.runner.timing = trace is not None
+        freeze_startup_objects()
         try:
             while not self.stopping:
                 for sock, _ in self.poller.poll(self.poll_timeout()):
@@ -345,6 +347,7 @@ class WorkerBase:
             chan.close(GOODBYE_LINGER_MS if chan is self.router and self.signalled else 0)
         close_context(self.ctx)
         self.waker.close()
+        gc.unfreeze()  # (run's freeze: a worker in a test's process goes with its last reference)
 
     # ------------------------------------------------------------------ for the roles
 

@@ -1,6 +1,7 @@
 """The worker loop waits instead of spinning while its work cannot run (every block held, as a
 prefill worker's are while their KV is in transfer), and runs it as soon as blocks come back."""
 
+import gc
 import signal
 
 import pytest
@@ -36,7 +37,10 @@ def test_a_worker_whose_work_waits_for_blocks_polls_instead_of_spinning():
     engine.add_request(list(range(3, 40)), SamplingParams(temperature=0, max_tokens=3), request_id="waits")
     timeouts, poll = [], worker.poller.poll
 
+    frozen = []
+
     def watched_poll(timeout):
+        frozen.append(gc.get_freeze_count())
         timeouts.append(timeout)
         if len(timeouts) == 20:  # the KV "arrived" elsewhere and the blocks came back
             engine.unreserve(held)
@@ -52,10 +56,32 @@ def test_a_worker_whose_work_waits_for_blocks_polls_instead_of_spinning():
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
     assert worker.finished == ["waits"]
+    # what was alive once it started (its model, its pool's bookkeeping) is out of the collector's
+    # sight while it serves (freeze_startup_objects), and back once it closed
+    assert min(frozen) > 1000 and gc.get_freeze_count() == 0
     # the first turn steps at once; every turn until the blocks came back found nothing to run, and waited
     assert timeouts[1:20] == [STALLED_POLL_MS] * 19
     assert 0 in timeouts[20:], "once it could run, the loop stepped without waiting"
     assert worker.poll_timeout() == IDLE_POLL_MS
+
+
+def test_objects_made_after_the_startup_freeze_are_still_collected():
+    import weakref
+
+    from common.engine import freeze_startup_objects
+
+    class Node:
+        pass
+    freeze_startup_objects()
+    try:
+        node = Node()
+        node.me = node  # a cycle: only the collector frees it
+        gone = weakref.ref(node)
+        del node
+        gc.collect()
+        assert gone() is None
+    finally:
+        gc.unfreeze()
 
 
 def test_a_signal_handled_inside_a_wake_up_returns_and_wakes_the_loop():
