@@ -30,10 +30,10 @@ def assert_same_results(got, want):
     """Tokens and finish reasons exactly; logprobs' ids exactly and their values to float32's
     noise (a batch of another shape may round them differently)."""
     assert [(o.token_ids, o.finish_reason) for o in got] == [(o.token_ids, o.finish_reason) for o in want]
-    for g, w in zip(got, want):
+    for i, (g, w) in enumerate(zip(got, want)):
         assert (g.logprobs is None) == (w.logprobs is None)
-        for eg, ew in zip(g.logprobs or [], w.logprobs or []):
-            assert eg[1] == ew[1] and [eg[0]] + eg[2] == pytest.approx([ew[0]] + ew[2], abs=1e-4)
+        for j, (eg, ew) in enumerate(zip(g.logprobs or [], w.logprobs or [])):  # (request, token) if they differ
+            assert eg[1] == ew[1] and [eg[0]] + eg[2] == pytest.approx([ew[0]] + ew[2], abs=1e-4), (i, j)
 
 
 @pytest.mark.parametrize("model", ["dummy:nanogpt", "dummy:llama-tiny"])

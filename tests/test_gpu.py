@@ -146,13 +146,16 @@ def test_async_scheduling_on_the_gpu_gives_the_synchronous_tokens(dtype):
     kwargs = dict(model="dummy:llama-tiny", device="cuda:0", dtype=dtype, max_num_seqs=8, block_size=16,
                   num_blocks=40)
     params = varied_params(ps, **kwargs)
-    runs = {}
+    runs, chosen = {}, {}
     for on in (False, True):
         engine = Engine(**kwargs, async_scheduling=on)
         assert engine.runner.graphs is not None
         runs[on] = engine.generate(ps, params)
         assert engine.scheduler.num_preemptions > 0
         assert engine.block_manager.num_free_blocks == engine.num_blocks
+        attention = engine.model.attention
+        chosen[on] = (getattr(attention, "prefill_tile", None), getattr(attention, "decode_launch", None))
+    print("each engine's attention choices (prefill tile, decode launch), sync then async:", chosen)  # on failure
     assert_same_results(runs[True], runs[False])
 
 
