@@ -245,8 +245,8 @@ def engine_for_bench(engine_kwargs: dict, max_batch: int, seq_len: int, prefill_
     engine = Engine(cfg)
     if engine.max_model_len < longest:  # found here, not by the prefill after the whole sweep
         raise InvalidArgument(f"the bench's longest sequence ({longest} tokens: --prefill-len and a token out, or "
-                              f"a --kv-lens length and its steps) is over {cfg.model}'s context of "
-                              f"{engine.max_model_len} tokens; allowed: at most that")
+                              "a --kv-lens length, its steps and its decodes while the batch prefills) is over "
+                              f"{cfg.model}'s context of {engine.max_model_len} tokens; allowed: at most that")
     return engine
 
 

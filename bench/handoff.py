@@ -79,7 +79,8 @@ def run_handoff_bench(model: str, tokens: int, requests: int, transport: str, se
                 c.stop()
     alone = statistics.median(p for p, _, _ in samples["after prefill"])
     rows, result = [], {"bench": "handoff", "model": model, "tokens": tokens, "requests": requests,
-                        "transport": transport, "transports_used": used, "devices": list(devices), "dtype": engine.dtype,
+                        "transport": transport, "transports_used": used, "devices": list(devices),
+                        "dtype": engine.dtype,
                         "kv_bytes": tokens * cfg.kv_values_per_token * engine.torch_dtype.itemsize}
     for mode, triples in samples.items():
         prefill = statistics.median(p for p, _, _ in triples)
@@ -93,7 +94,8 @@ def run_handoff_bench(model: str, tokens: int, requests: int, transport: str, se
         rows.append([mode, prefill * 1e3, f"{hooks * 1e3:.2f}", handoff * 1e3, total * 1e3, f"{total / alone:.3f}x"])
     names = ", ".join(sorted({t for ts in used.values() for t in ts})) or "unreported"
     print_table(f"pdserve bench handoff: {model}, {tokens}-token prompts, {transport} KV transport (used: {names}), "
-                f"{result['kv_bytes'] / 2**20:.2f} MiB of {engine.dtype} KV each, p50 of {requests}, taken in turn (ms)",
+                f"{result['kv_bytes'] / 2**20:.2f} MiB of {engine.dtype} KV each, p50 of {requests}, "
+                "taken in turn (ms)",
                 ["KV sent", "prefill", "its streaming's host time", "handoff", "prefill start to decode start",
                  "vs prefill alone"], rows)
     print_json(result)

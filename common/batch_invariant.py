@@ -192,7 +192,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if m:
         bm, bn, bk, warps, stages = tile_config(m, n, count)
         _linear_kernel[(-(-m // bm), -(-n // bn), count if split else 1)](
-            a, weight, weight if bias is None else bias, out, m, n, a.stride(0), weight.stride(0), n, out.stride(0) if split else 0, K=k,
+            a, weight, weight if bias is None else bias, out, m, n, a.stride(0), weight.stride(0), n,
+            out.stride(0) if split else 0, K=k,
             SEGMENT=length, SEGMENTS=count, SPLIT=split, HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn,
             BLOCK_K=bk, IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=stages)
     if split:

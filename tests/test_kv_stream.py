@@ -128,7 +128,8 @@ def test_cluster_streaming_long_chunked_prompts_matches_monolithic(tmp_path, tra
         workers = wait_blocks_free(client)
         assert all(w["free_blocks"] == w["total_blocks"] for w in workers), workers
         # the transport `auto` chose, as the prefill worker's heartbeats report it (bench handoff names it)
-        assert transports_used(client) == [transport if transport != "auto" else offered("auto", torch.device("cpu"))[0]]
+        chosen = transport if transport != "auto" else offered("auto", torch.device("cpu"))[0]
+        assert transports_used(client) == [chosen]
 
 
 @pytest.mark.parametrize("end", ["cancelled", "first token"])

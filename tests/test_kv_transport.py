@@ -910,7 +910,8 @@ def test_a_cuda_ipc_transfer_whose_writer_died_is_not_decoded_however_its_event_
     events = {}
     worker = DecodeWorker(WorkerConfig(router="tcp://127.0.0.1:9", engine=EngineConfig(model="dummy:nanogpt",
                                                                                      kv_transport="shm")))
-    writers = {rid: subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for rid in ("dies", "lives")}
+    writers = {rid: subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+               for rid in ("dies", "lives")}
     try:
         worker.receivers["cuda_ipc"] = stand_in_cuda_ipc_receiver(events)
         layout, free = worker.engine.kv_layout, worker.engine.block_manager.num_free_blocks
