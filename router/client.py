@@ -136,9 +136,9 @@ class Connection:
         if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self.down_since, self.refused, self.dropped = None, None, 0
             return False
-        if kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:  # also once by chance (a router stopping mid-handshake)
-            self.dropped += 1
-        if kind != zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL or self.dropped >= DROPPED_HANDSHAKES:
+        dropped = kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL  # also once by chance (a router stopping mid-handshake)
+        self.dropped += dropped
+        if not dropped or self.dropped >= DROPPED_HANDSHAKES:
             self.refused = refusal(kind, "client") or self.refused
         if self.down_since is not None:
             return False

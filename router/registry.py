@@ -41,7 +41,6 @@ class Worker:
     prefix_caching: bool = True  # it keeps a prefix cache (started without --no-prefix-caching)
     prefix_index: PrefixIndex | CacheMirror | None = None  # prefix_affine: what its prefix cache holds
     max_model_len: int = 0  # the context it serves, prompt and output (0: not said)
-    kv_sent: dict = field(default_factory=dict)  # a prefill worker's KV bytes sent, by transport (P.Heartbeat)
 
     def describe(self, now: float) -> dict:
         return {"worker_id": self.worker_id, "role": self.role, "incarnation": self.incarnation,
@@ -50,7 +49,9 @@ class Worker:
                 "free_blocks": self.free_blocks,
                 "total_blocks": self.total_blocks, "kv_address": self.kv_address, "kv_transports": self.kv_transports,
                 "kv_dtype": self.kv_dtype, "block_size": self.block_size, "batch_invariant": self.batch_invariant,
-                "prefix_caching": self.prefix_caching, "max_model_len": self.max_model_len, "kv_sent": self.kv_sent,
+                "prefix_caching": self.prefix_caching, "max_model_len": self.max_model_len,
+                "kv_sent": {key[1]: n for key, n in self.counters.items()  # KV bytes sent by transport
+                            if isinstance(key, tuple) and key[0] == "kv_bytes"},
                 "heartbeat_age_s": round(now - self.last_seen, 3)}
 
     def kv_fits(self, other: "Worker") -> bool:

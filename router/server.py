@@ -480,7 +480,6 @@ class Router:
         w.last_seen = time.monotonic()
         if isinstance(msg, P.Heartbeat):
             w.queued, w.held, w.running, w.free_blocks = msg.queued, msg.held, msg.running, msg.free_blocks
-            w.kv_sent = {str(t): n for t, n in msg.kv_bytes.items() if isinstance(n, int)}
             self.metrics.on_heartbeat(w, msg)
         elif isinstance(msg, P.WorkerTokens):
             self.on_tokens(w, msg)

@@ -46,6 +46,25 @@ def split_types(dt: str) -> dict[str, str]:
             "LsePart": "*fp32", "scale": "fp32"}
 
 
+# the pointers of the kernels a layer's matmul partials pass through: all in the model's dtype but the
+# one holding float32 partials (common/linear_partials.py) where it does, and their other typed arguments
+_POINTERS = {"linear": (("A", "W", "Bias", "C"), "C", {}),
+             "norm": (("X", "Weight", "Bias", "Y", "Delta", "DeltaBias", "Sum"), "Delta", {"eps": "fp32"}),
+             "rope_store": (("QKV", "Bias", "Cos", "Sin", "Q", "KCache", "VCache"), "QKV", {"Slots": "*i64"}),
+             "silu_mul": (("H", "Bias", "Out"), "H", {}),
+             "sum_segments": (("Parts", "Bias", "C"), "Parts", {})}
+
+
+def partial_types(kernel: str, dt: str, partials: bool) -> dict[str, str]:
+    """One of those kernels' typed arguments (its ints: i32), with or without float32 partials."""
+    names, fp32, others = _POINTERS[kernel]
+    return {n: f"*{dt}" for n in names} | ({fp32: "*fp32"} if partials else {}) | others
+
+
+def _signature(fn, types: dict, constexprs: dict) -> dict[str, str]:
+    return {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
+
+
 _JOBS: list = []  # (kernel, signature, constexprs, options) of each variant, for the compiling processes
 
 
@@ -69,8 +88,7 @@ def compile_all(arch: int = 90) -> list[str]:
     from common.triton_support import pow2
 
     def build(fn, types: dict, constexprs: dict, **options):
-        sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
-        _JOBS.append((fn, sig, constexprs, arch, options))
+        _JOBS.append((fn, _signature(fn, types, constexprs), constexprs, arch, options))
 
     done = []
     for dt, ieee in DTYPES.items():
@@ -99,9 +117,7 @@ def compile_all(arch: int = 90) -> list[str]:
             build(tp._store_kv_kernel, {"K": f"*{dt}", "V": f"*{dt}", "KCache": f"*{dt}", "VCache": f"*{dt}",
                                         "Slots": "*i64"}, dict(ROW=kv_heads * head_dim, BLOCK=pow2(kv_heads * head_dim)))
             for segments in (0, 2):  # the qkv product itself, or its partials (llama-1b's decode)
-                build(tp._rope_store_kernel, {"QKV": "*fp32" if segments else f"*{dt}", "Bias": f"*{dt}",
-                                              "Cos": f"*{dt}", "Sin": f"*{dt}", "Q": f"*{dt}", "KCache": f"*{dt}",
-                                              "VCache": f"*{dt}", "Slots": "*i64"},
+                build(tp._rope_store_kernel, partial_types("rope_store", dt, segments > 0),
                       dict(HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_H=pow2(max(heads, kv_heads)),
                            BLOCK_F=pow2(head_dim // 2), SEGMENTS=segments, HAS_BIAS=bool(segments)),
                       enable_fp_fusion=False)
@@ -111,23 +127,20 @@ def compile_all(arch: int = 90) -> list[str]:
             for m in (1, bi.SPLIT_ROWS, 4096):  # each row count's tile, split into segments where they are
                 bm, bn, bk, warps, stages = bi.tile_config(m, n, count)
                 split = count > 1 and m <= bi.SPLIT_ROWS
-                build(bi._linear_kernel, {"A": f"*{dt}", "W": f"*{dt}", "Bias": f"*{dt}",
-                                          "C": "*fp32" if split else f"*{dt}"},
+                build(bi._linear_kernel, partial_types("linear", dt, split),
                       dict(K=k, SEGMENT=length, SEGMENTS=count, SPLIT=split, HAS_BIAS=n == 3072, BLOCK_M=bm,
                            BLOCK_N=bn, BLOCK_K=bk, IEEE=ieee), num_warps=warps, num_stages=stages)  # Qwen2's qkv bias
             if count > 1:
-                build(lp._sum_segments, {"Parts": "*fp32", "Bias": f"*{dt}", "C": f"*{dt}"},
+                build(lp._sum_segments, partial_types("sum_segments", dt, True),
                       dict(SEGMENTS=count, HAS_BIAS=n == 3072, BLOCK=lp.SUM_BLOCK))
             done.append(f"{dt}/linear/{n}x{k}")
         for segments in (0, 2):  # SiLU times the gate of the up product, or of its partials
-            build(bi._silu_mul_kernel, {"H": "*fp32" if segments else f"*{dt}", "Bias": f"*{dt}", "Out": f"*{dt}"},
+            build(bi._silu_mul_kernel, partial_types("silu_mul", dt, segments > 0),
                   dict(SEGMENTS=segments, HAS_BIAS=False, BLOCK=bi.GLU_BLOCK))
         done.append(f"{dt}/silu_mul")
         for c, rms in norms:
             for residual, segments in ((False, 0), (True, 0), (True, 2)):  # the residual's delta may be partials
-                build(bi._norm_kernel, {"X": f"*{dt}", "Weight": f"*{dt}", "Bias": f"*{dt}", "Y": f"*{dt}",
-                                        "Delta": "*fp32" if segments else f"*{dt}", "DeltaBias": f"*{dt}",
-                                        "Sum": f"*{dt}", "eps": "fp32"},
+                build(bi._norm_kernel, partial_types("norm", dt, segments > 0),
                       dict(C=c, BLOCK=pow2(c), RMS=rms, HAS_BIAS=not rms, RESIDUAL=residual, SEGMENTS=segments,
                            DELTA_BIAS=not rms))
             done.append(f"{dt}/{'rms' if rms else 'layer'}_norm/{c}")
@@ -179,7 +192,7 @@ def jit_compiled(fn, types: dict, constexprs: dict, aligned_ints: tuple = (), ar
 
     loose = set(fn.do_not_specialize) | set(fn.do_not_specialize_on_alignment)
     loose = {fn.arg_names[i] if isinstance(i, int) else i for i in loose}
-    sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
+    sig = _signature(fn, types, constexprs)
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n not in constexprs
                and n not in loose and (sig[n].startswith("*") or n.startswith("stride") or n in aligned_ints)}
     return triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs=aligned), target=GPUTarget("cuda", arch, 32),
@@ -216,23 +229,20 @@ def partials_accesses(arch: int = 90) -> dict[str, dict[str, dict[int, int]]]:
     for n, k in LLAMA_1B_MATMULS[::2]:  # qkv (4 segments) and down (8)
         count, length = bi.segments(n, k)
         bm, bn, bk, warps, stages = bi.tile_config(1, n, count)
-        kernel = jit_compiled(bi._linear_kernel, {"A": f"*{dt}", "W": f"*{dt}", "Bias": f"*{dt}", "C": "*fp32"},
+        kernel = jit_compiled(bi._linear_kernel, partial_types("linear", dt, True),
                               dict(K=k, SEGMENT=length, SEGMENTS=count, SPLIT=True, HAS_BIAS=False, BLOCK_M=bm,
                                    BLOCK_N=bn, BLOCK_K=bk, IEEE=False), ("N",), arch, num_warps=warps,
                               num_stages=stages)
         out[f"linear {n}x{k}, {count} segments"] = access_widths(kernel.asm["cubin"])
-    norm = jit_compiled(bi._norm_kernel, {"X": f"*{dt}", "Weight": f"*{dt}", "Bias": f"*{dt}", "Y": f"*{dt}",
-                                          "Delta": "*fp32", "DeltaBias": f"*{dt}", "Sum": f"*{dt}", "eps": "fp32"},
+    norm = jit_compiled(bi._norm_kernel, partial_types("norm", dt, True),
                         dict(C=2048, BLOCK=2048, RMS=True, HAS_BIAS=False, RESIDUAL=True, SEGMENTS=8,
                              DELTA_BIAS=False), arch=arch)
-    rope = jit_compiled(tp._rope_store_kernel, {"QKV": "*fp32", "Bias": f"*{dt}", "Cos": f"*{dt}", "Sin": f"*{dt}",
-                                                "Q": f"*{dt}", "KCache": f"*{dt}", "VCache": f"*{dt}",
-                                                "Slots": "*i64"},
+    rope = jit_compiled(tp._rope_store_kernel, partial_types("rope_store", dt, True),
                         dict(HEADS=32, KV_HEADS=8, HEAD_DIM=64, BLOCK_H=32, BLOCK_F=32, SEGMENTS=4, HAS_BIAS=False),
                         arch=arch, enable_fp_fusion=False)
-    silu = jit_compiled(bi._silu_mul_kernel, {"H": "*fp32", "Bias": f"*{dt}", "Out": f"*{dt}"},
+    silu = jit_compiled(bi._silu_mul_kernel, partial_types("silu_mul", dt, True),
                         dict(SEGMENTS=4, HAS_BIAS=False, BLOCK=bi.GLU_BLOCK), ("I",), arch)
-    total = jit_compiled(lp._sum_segments, {"Parts": "*fp32", "Bias": f"*{dt}", "C": f"*{dt}"},
+    total = jit_compiled(lp._sum_segments, partial_types("sum_segments", dt, True),
                          dict(SEGMENTS=4, HAS_BIAS=False, BLOCK=lp.SUM_BLOCK), ("size", "N"), arch)
     for name, kernel in (("norm", norm), ("rope_store", rope), ("silu_mul", silu), ("sum_segments", total)):
         out[name] = access_widths(kernel.asm["cubin"])
