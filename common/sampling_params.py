@@ -18,6 +18,9 @@ MAX_STOP_STRINGS = 16
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI's range)
 MAX_BIAS = 100.0  # a logit bias lies in [-100, 100] (OpenAI's range)
 MAX_LOGIT_BIAS = 1024  # entries in one request's logit_bias
+# A temperature under this is greedy (vLLM's _SAMPLING_EPS): float32 logits over 1e-38 are infinities,
+# whose argmax is the first of them, not the likeliest token.
+GREEDY_BELOW = 1e-5
 
 
 def _is_int(x) -> bool:
@@ -35,7 +38,7 @@ def _bad(name: str, value, allowed: str) -> InvalidArgument:
 
 @dataclass
 class SamplingParams:
-    """Per-request sampling. temperature 0 is greedy; top_k 0 (or -1) and top_p 1 disable those
+    """Per-request sampling. temperature 0 (or under GREEDY_BELOW) is greedy; top_k 0 (or -1) and top_p 1 disable those
     filters; seed None draws a fresh seed when the request is admitted (then it is fixed for the
     request's life, so preemption and migration still reproduce its tokens).
 
@@ -130,6 +133,8 @@ class SamplingParams:
             self.structured_outputs = structured_output.check(self.structured_outputs)
         for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
             setattr(self, name, float(getattr(self, name)))
+        if self.temperature < GREEDY_BELOW:
+            self.temperature = 0.0
 
     @property
     def greedy(self) -> bool:

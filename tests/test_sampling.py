@@ -76,6 +76,18 @@ def test_top_k_one_is_greedy(top_k):
     assert torch.equal(got, logits.argmax(-1))
 
 
+@pytest.mark.parametrize("temperature", [1e-6, 1e-38, 1e-300])
+def test_a_temperature_too_small_to_divide_by_is_greedy(temperature):
+    """float32 logits over 1e-38 are infinities (over 1e-300, which float32 rounds to 0, infinities
+    and NaNs), whose argmax is not the likeliest token: under vLLM's 1e-5 a temperature is greedy."""
+    logits = 10 * torch.randn(64, 300, generator=torch.Generator().manual_seed(0))
+    params = SamplingParams(temperature=temperature, top_p=0.9)
+    assert params.greedy
+    got = sample(logits, [params] * 64, list(range(64)), [3] * 64)
+    assert torch.equal(got, logits.argmax(-1))
+    assert not SamplingParams(temperature=1e-5).greedy
+
+
 def test_token_logprobs_are_log_softmax_and_its_top_n():
     from common.sampling import logprob_entries, logprobs_on_device
 
