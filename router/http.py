@@ -24,6 +24,7 @@ and what is allowed, as every pdserve error does). aiohttp's client also drives
 Errors are OpenAI's shape, {"error": {"message", "type", "param", "code"}}, with our codes:
 INVALID_ARGUMENT 400 (malformed JSON too), UNAUTHENTICATED 401, FORBIDDEN 403 (a CORS preflight
 from an origin not allowed), NOT_FOUND 404 (model or route),
+REQUEST_TIMEOUT 408 (a body not all sent within router/http_conns.py's deadline),
 TOO_LARGE 413 (a body over --max-message-bytes), OVERLOADED 429 with Retry-After, UNAVAILABLE 503.
 A stream sends its headers with its first token, so an error before it still gets its status; one
 after it comes as an SSE event {"error": ...}, then [DONE].
@@ -44,11 +45,11 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from common import protocol as P
-from common.errors import InvalidArgument
+from common.errors import InvalidArgument, short_repr
 from common.sampling_params import SamplingParams
 from router.openai_api import (RETRY_AFTER_S, ApiError, Choice, Envelope, Job, OutputParsers, check_model, parse_chat,
                                parse_completion, parse_detokenize, parse_tokenize, served_names, usage)
-from router.http_conns import KEEPALIVE_S, HeaderDeadline, quiet_bad_requests
+from router.http_conns import KEEPALIVE_S, HeaderDeadline, quiet_bad_requests, read_body
 from router.prompts import Prompts
 from router.registry import DECODE_ROLES, PREFILL_ROLES
 
@@ -212,6 +213,8 @@ class HttpFront:
         if e.status == 413:
             return ApiError("TOO_LARGE", f"the request body is over the limit of {self.max_body_bytes} bytes (the "
                                          "router's --max-message-bytes)")
+        if e.status == 408:
+            return ApiError("REQUEST_TIMEOUT", e.reason)
         if e.status == 405:
             return ApiError("METHOD_NOT_ALLOWED", f"{request.method} {request.path} is not served; allowed: {ROUTES}")
         if e.status == 404:
@@ -253,7 +256,7 @@ class HttpFront:
 
     async def tokenize(self, request: web.Request) -> web.Response:
         """vLLM's /tokenize: a prompt's token ids (messages: through the chat template)."""
-        prompt, messages = parse_tokenize(await _json(request), self.names)
+        prompt, messages = parse_tokenize(await _json(request, self.max_body_bytes), self.names)
         prompts = self.backend.prompts
         ids = await asyncio.to_thread(prompts.encode, prompt, messages)
         head = {"count": len(ids), "max_model_len": prompts.context}
@@ -273,7 +276,7 @@ class HttpFront:
 
     async def detokenize(self, request: web.Request) -> web.Response:
         prompts = self.backend.prompts
-        ids = parse_detokenize(await _json(request), self.names, prompts.model_config.vocab_size)
+        ids = parse_detokenize(await _json(request, self.max_body_bytes), self.names, prompts.model_config.vocab_size)
         text = prompts.text(ids, skip_special_tokens=False)  # as vLLM's: special tokens shown
         if text is None:
             raise InvalidArgument(f"model {self.model!r} has no tokenizer", param="tokens")
@@ -291,18 +294,15 @@ class HttpFront:
     async def _serve(self, request: web.Request, parse) -> web.StreamResponse:
         backend, prompts = self.backend, self.backend.prompts
         try:
-            body = await _json(request)
+            body = await _json(request, self.max_body_bytes)
             # off the event loop: tokenizing megabytes of text, or compiling a structured output's
             # grammar, would stall every stream (and, in the router's own process, its reading of
             # workers' heartbeats)
-            job, prepared = await asyncio.to_thread(_prepare, parse, body, prompts)
+            job, prepared = await asyncio.to_thread(_prepare, parse, body, prompts, backend.max_queue)
             total = len(prepared) * job.n
-            if total > backend.max_queue:
-                raise ApiError("INVALID_ARGUMENT", f"{len(prepared)} prompts x n={job.n} make {total} choices; "
-                                                   f"allowed: at most {backend.max_queue} (the router's max_queue)",
-                               "n" if job.n > 1 else "prompt")
-        except (ApiError, InvalidArgument, web.HTTPRequestEntityTooLarge) as e:
-            backend.rejected("TOO_LARGE" if isinstance(e, web.HTTPException) else e.code)
+        except (ApiError, InvalidArgument, web.HTTPRequestEntityTooLarge, web.HTTPRequestTimeout) as e:
+            backend.rejected(e.code if not isinstance(e, web.HTTPException) else
+                             "TOO_LARGE" if e.status == 413 else "REQUEST_TIMEOUT")
             raise
         choices = []
         for i in range(total):
@@ -375,9 +375,17 @@ class HttpFront:
         return response
 
 
-async def _json(request: web.Request):
+# aiohttp's own (its parser refuses br and zstd itself, in plain text, without the libraries they need)
+BODY_ENCODINGS = ("gzip", "deflate", "identity")
+
+
+async def _json(request: web.Request, max_bytes: int):
+    encodings = [e.strip().lower() for e in request.headers.get("Content-Encoding", "").split(",") if e.strip()]
+    if any(e not in BODY_ENCODINGS for e in encodings):  # else aiohttp would read an unknown one as identity
+        raise ApiError("INVALID_ARGUMENT", f"Content-Encoding: {short_repr(request.headers['Content-Encoding'])} "
+                                           "is not supported; allowed: gzip, deflate or none")
     try:
-        raw = await request.read()  # over client_max_size: 413
+        raw = await read_body(request, max_bytes)  # 413 over the limit, 408 late
     except web.RequestPayloadError:  # a body that is not what its Content-Encoding says
         request.content.feed_eof()  # read no more of it: aiohttp would, after the answer, and log its error
         encoding = request.headers.get("Content-Encoding", "")
@@ -391,9 +399,15 @@ async def _json(request: web.Request):
         raise ApiError("INVALID_ARGUMENT", "the body nests too deeply to be a request") from None
 
 
-def _prepare(parse, body, prompts) -> tuple[Job, list]:
-    """A body checked into a Job, and each of its prompts' ids and sampling."""
+def _prepare(parse, body, prompts, max_queue: int) -> tuple[Job, list]:
+    """A body checked into a Job, and each of its prompts' ids and sampling: refused before any is
+    tokenized where they make more choices than max_queue (900,000 one-letter prompts took 2 s)."""
     job: Job = parse(body)
+    total = len(job.prompts) * job.n
+    if total > max_queue:
+        raise ApiError("INVALID_ARGUMENT", f"{len(job.prompts)} prompts x n={job.n} make {total} choices; "
+                                           f"allowed: at most {max_queue} (the router's max_queue)",
+                       "n" if job.n > 1 else "prompt")
     tools = job.tools.tools if job.tools else None
     return job, [prompts.validate(prompt, job.messages, job.params, job.max_tokens_field, tools, job.template_kwargs)
                  for prompt in job.prompts]

@@ -5,6 +5,10 @@ workers could not register and clients could not connect.
 - A connection that has not finished a request's headers within HEADER_TIMEOUT_S is closed. That
   covers one opened and left idle, and one that sends its headers a byte at a time (slowloris).
   aiohttp has no such timeout.
+- A request's body must arrive within BODY_TIMEOUT_S, plus its length at MIN_BODY_RATE, or the
+  request is refused (408); one whose Content-Length is over the limit is refused (413) before any
+  of it is read. aiohttp waited for a body with no deadline, and read up to the limit first: a
+  client that sent its headers and then a byte a minute, or nothing, held its connection forever.
 - One idle between requests is closed after KEEPALIVE_S. That is uvicorn's default, which vLLM
   users get; aiohttp's own default is an hour.
 - aiohttp logs a malformed request at ERROR with a traceback quoting the line it could not parse,
@@ -20,6 +24,8 @@ import time
 from aiohttp import http_exceptions, web
 
 HEADER_TIMEOUT_S = 30.0
+BODY_TIMEOUT_S = 30.0
+MIN_BODY_RATE = 1 << 20  # bytes a second: a body's deadline grows with its length at this rate
 KEEPALIVE_S = 5.0
 SWEEP_S = 2.0
 
@@ -51,6 +57,21 @@ class HeaderDeadline:
             if closed:
                 log.info("closed %d HTTP connections that sent no request's headers within %.0f s", closed,
                          self.timeout_s)
+
+
+async def read_body(request: web.BaseRequest, max_bytes: int, timeout_s: float = BODY_TIMEOUT_S) -> bytes:
+    """The request's body, or web.HTTPRequestEntityTooLarge at once where its Content-Length is
+    over max_bytes, or web.HTTPRequestTimeout where it has not all come by its deadline (timeout_s
+    plus its length, or max_bytes where it gives none, at MIN_BODY_RATE). aiohttp then reads what
+    is left of it for a few seconds, and closes the connection."""
+    length = request.content_length
+    if length is not None and length > max_bytes:
+        raise web.HTTPRequestEntityTooLarge(max_size=max_bytes, actual_size=length)
+    due = timeout_s + (max_bytes if length is None else length) / MIN_BODY_RATE
+    try:
+        return await asyncio.wait_for(request.read(), due)
+    except asyncio.TimeoutError:
+        raise web.HTTPRequestTimeout(reason=f"the request's body did not arrive within {due:.0f} s") from None
 
 
 class QuietBadRequests(logging.Filter):

@@ -41,9 +41,9 @@ from router.tool_calls import Tools
 
 # our codes -> HTTP status, and OpenAI's error type for each status
 STATUS = {"INVALID_ARGUMENT": 400, "UNAUTHENTICATED": 401, "FORBIDDEN": 403, "NOT_FOUND": 404, "METHOD_NOT_ALLOWED": 405,
-          "TOO_LARGE": 413, "OVERLOADED": 429, "UNAVAILABLE": 503, "TIMEOUT": 504}
+          "REQUEST_TIMEOUT": 408, "TOO_LARGE": 413, "OVERLOADED": 429, "UNAVAILABLE": 503, "TIMEOUT": 504}
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-               405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+               405: "invalid_request_error", 408: "timeout_error", 413: "invalid_request_error", 429: "rate_limit_error",
                503: "service_unavailable_error", 504: "timeout_error"}
 RETRY_AFTER_S = 1  # what a 429 asks the client to wait
 MIN_LOGPROB = -9999.0  # JSON has no -inf (vLLM clamps the same way)

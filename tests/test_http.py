@@ -474,12 +474,16 @@ def test_errors_have_openais_shape_and_the_server_serves_on(served):
         (dict(body=base | {"logprobs": 21}), 400, "INVALID_ARGUMENT", "logprobs", "[0, 20]"),
         (dict(body=base | {"prompt": [1, 999]}), 400, "INVALID_ARGUMENT", "prompt", "[999]"),
         (dict(body=base | {"prompt": [[1]] * 5, "n": 4}), 400, "INVALID_ARGUMENT", "n", "max_queue"),
+        # counted before any prompt is tokenized or checked (900,000 one-letter prompts took 2 s)
+        (dict(body=base | {"prompt": [[999]] * 40}), 400, "INVALID_ARGUMENT", "prompt", "max_queue"),
         (dict(body=base | {"stream_options": {"include_usage": True}}), 400, "INVALID_ARGUMENT", "stream_options",
          "only allowed with stream"),
         (dict(body=base | {"model": "gpt-4"}), 404, "NOT_FOUND", "model", "'gpt-4' does not exist"),
         (dict(raw=b'{"prompt": "' + b"x" * (4 * 2**20) + b'"}'), 413, "TOO_LARGE", None, "over the limit"),
         (dict(raw=b'{"prompt": "hi"}', headers={"Content-Encoding": "gzip"}), 400, "INVALID_ARGUMENT", None,
          "could not be decoded (Content-Encoding: gzip)"),
+        (dict(raw=b'{"prompt": "hi"}', headers={"Content-Encoding": "xyz"}), 400, "INVALID_ARGUMENT", None,
+         "Content-Encoding: 'xyz' is not supported; allowed: gzip, deflate or none"),
     ]
     for kw, status, code, param, text in cases:
         got, _, body = http(served, "POST", "/v1/completions", **kw)

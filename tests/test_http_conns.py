@@ -1,7 +1,8 @@
 """Connections that hold the HTTP server without sending a request (router/http_conns.py): one
 left idle and one sending its headers a byte at a time are closed once their headers are due,
-while a client that asks in time is served. Left open, 20,000 of them took every descriptor the
-router had, and workers could no longer register."""
+while a client that asks in time is served; one whose body stalls is answered 408 once its body
+is due, and one that declares a body over the limit 413 at once. Left open, 20,000 of them took
+every descriptor the router had, and workers could no longer register."""
 
 import asyncio
 import time
@@ -9,7 +10,7 @@ import time
 import pytest
 from aiohttp import web
 
-from router.http_conns import HeaderDeadline
+from router.http_conns import HeaderDeadline, read_body
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -58,5 +59,43 @@ def test_connections_that_send_no_headers_in_time_are_closed():
             served[1].close()
         finally:
             sweeping.cancel()
+            await runner.cleanup()
+    asyncio.run(scenario())
+
+
+def test_a_body_over_the_limit_is_refused_at_once_and_a_stalled_one_once_it_is_due():
+    async def scenario():
+        async def echo(request):
+            return web.Response(body=await read_body(request, max_bytes=1000, timeout_s=1.0))
+
+        app = web.Application()
+        app.router.add_post("/", echo)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+
+        async def post(length: int, body: bytes, dribble_s: float = 0.0) -> tuple[bytes, float]:
+            """The status line, and how long it took to come, for a POST declaring `length` bytes
+            that sends `body`, a byte every dribble_s, then nothing."""
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            t0 = time.monotonic()
+            writer.write(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % length)
+            for i in range(len(body)):
+                writer.write(body[i:i + 1])
+                await asyncio.sleep(dribble_s)
+            try:
+                return await asyncio.wait_for(reader.readline(), 10), time.monotonic() - t0
+            finally:
+                writer.close()
+        try:
+            status, took = await post(5_000_000, b"{")
+            assert status.startswith(b"HTTP/1.1 413") and took < 1.0
+            status, took = await post(100, b"x" * 10)
+            assert status.startswith(b"HTTP/1.1 408") and 1.0 <= took < 5
+            status, took = await post(8, b"12345678", dribble_s=0.05)  # slow, but all in time
+            assert status.startswith(b"HTTP/1.1 200")
+        finally:
             await runner.cleanup()
     asyncio.run(scenario())
