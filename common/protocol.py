@@ -403,9 +403,28 @@ def encode(msg) -> bytes:
                               ) from None
 
 
+PEEK_BYTES = 1024  # of a message over the limit, read for the request id it begins with
+
+
+def _first_request_id(buf: bytes | memoryview) -> str | None:
+    """The request_id a message begins with, read from its first bytes alone: encode writes a
+    Generate's fields first, its id first of them (a message over the limit is not decoded)."""
+    unpacker = msgpack.Unpacker(raw=False, max_buffer_size=PEEK_BYTES)
+    unpacker.feed(bytes(buf[:PEEK_BYTES]))
+    try:
+        if unpacker.read_map_header() and unpacker.unpack() == "request_id":
+            rid = unpacker.unpack()
+            return rid if isinstance(rid, str) else None
+    except Exception:  # cut short, or not a map: no id to name
+        pass
+    return None
+
+
 def decode(buf: bytes | memoryview, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
     if len(buf) > max_bytes:
-        raise ProtocolError(f"message of {len(buf)} bytes is over the limit of {max_bytes}")
+        e = ProtocolError(f"message of {len(buf)} bytes is over the limit of {max_bytes}")
+        e.code, e.request_id = "TOO_LARGE", _first_request_id(buf)  # that request fails at once, not at its timeout
+        raise e
     try:
         body = msgpack.unpackb(buf, raw=False, strict_map_key=True,
                                max_str_len=max_bytes, max_bin_len=max_bytes,

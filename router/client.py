@@ -44,7 +44,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from common import protocol as P
 from common.channel import Channel
-from common.errors import InvalidArgument
+from common.errors import InvalidArgument, short_repr
 from common.security import HANDSHAKE_EVENTS, refusal
 
 LOST = "lost the connection to the router (it died or restarted); the request's outcome is unknown"
@@ -88,6 +88,8 @@ def _chunk(msg: P.Token) -> Chunk:
 
 
 def _generate(request_id: str, prompt, messages, sampling: dict, stream: bool) -> P.Generate:
+    if not isinstance(request_id, str):  # the router could not name it in its refusal: it would wait for its timeout
+        raise InvalidArgument(f"request_id={short_repr(request_id)} is invalid; allowed: a string", param="request_id")
     if (prompt is None) == (messages is None):
         raise ValueError("give exactly one of prompt (text or token ids) or messages (chat)")
     bias = sampling.get("logit_bias")

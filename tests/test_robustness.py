@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from common import protocol as P
 from common.engine import Engine
+from common.errors import InvalidArgument
 from common.sampling_params import SamplingParams
 from router.client import AsyncClient, Client, RequestError
 from tests.cluster import cluster
@@ -123,13 +124,21 @@ def test_oversized_message_is_refused_with_its_size(fuzz_cluster):
         sock.send(P.encode(P.Generate("big", [1000] * 700_000, {}, True)))  # ~2 MB > the 1 MiB limit
         assert sock.poll(10_000)
         reply = P.decode(sock.recv())
-        assert isinstance(reply, P.Error) and reply.code == "INVALID_ARGUMENT"
+        # named by its request id, read from the message's first bytes: the SDK fails that request at once
+        assert isinstance(reply, P.Error) and (reply.code, reply.request_id) == ("TOO_LARGE", "big")
         assert "over the limit of 1048576" in reply.message
         sock.send(b"\x00" * (5 * 2**20))  # past the hard cap: the router drops this peer, serves others
     finally:
         sock.close()
         ctx.term()
     serves_exactly(fuzz_cluster.address)
+    with Client(fuzz_cluster.address, timeout=60) as client:
+        t0 = time.monotonic()
+        with pytest.raises(RequestError) as e:
+            client.generate("x" * 1_500_000, max_tokens=2)
+        assert e.value.code == "TOO_LARGE" and time.monotonic() - t0 < 10  # not the call's timeout
+        with pytest.raises(InvalidArgument, match="request_id=12345 is invalid; allowed: a string"):
+            client.submit([1, 2], request_id=12345)  # the router could not name it: the call would wait its timeout
 
 
 def rss_mb(pid: int) -> float:
