@@ -150,6 +150,7 @@ class Router:
             self.frontend = Channel.bind(self.ctx, zmq.ROUTER, f"tcp://{cfg.host}:{cfg.port}",
                                          max_frame_bytes=hard_cap, max_header_bytes=cfg.max_message_bytes,
                                          end="router_clients")
+        self.frontend.on_stalled = self._client_gone  # a client that stopped reading: nobody reads its tokens
         with port_free(cfg.host, cfg.worker_port, "--worker-port"):
             self.backend = Channel.bind(self.ctx, zmq.ROUTER, f"tcp://{cfg.host}:{cfg.worker_port}",
                                         max_frame_bytes=hard_cap, max_header_bytes=cfg.max_message_bytes,
@@ -187,8 +188,9 @@ class Router:
             return False
 
     def _client_gone(self, client: bytes):
-        """A ZeroMQ client that can no longer be reached (its socket closed, its process died: an
-        SDK client, an API server) has its requests cancelled, since nobody would read their
+        """A ZeroMQ client that can no longer be reached (its socket closed, its process died, it
+        read nothing for SEND_WAIT_S with its queue full: an SDK client, an API server) has its
+        requests cancelled, since nobody would read their
         tokens: on the loop's next turn, outside the handler that found it gone (a done() replying,
         a worker's batch); until then what is sent to it goes nowhere."""
         if client not in self._gone:

@@ -1,6 +1,7 @@
 """Channel.post: the router's sends without zmq.asyncio's futures. Order holds when a peer's
-queue fills and posts have to wait, and a receive pending on the same socket is never left asleep
-by a send that took ZeroMQ's edge-triggered wake-up."""
+queue fills and posts have to wait, a peer that stops reading delays no other and is given up,
+and a receive pending on the same socket is never left asleep by a send that took ZeroMQ's
+edge-triggered wake-up."""
 
 import asyncio
 import time
@@ -42,7 +43,7 @@ def test_posts_past_a_full_queue_wait_their_turn_and_arrive_in_order(pair):
         await _handshake(router, peer)
         for i in range(2000):  # 128 MiB: far past the high-water marks and the kernel's buffers
             router.post(P.Cancel(f"{i} {pad}"), to=b"peer")
-        assert router._waiting > 0
+        assert router._backlogs[b"peer"][0]  # waiting, in the peer's own backlog
         got = []
         while (env := peer.recv(200)) is not None:  # the loop does not run: only what went at once
             got.append(int(env.msg.request_id.split()[0]))
@@ -55,12 +56,51 @@ def test_posts_past_a_full_queue_wait_their_turn_and_arrive_in_order(pair):
                 continue
             got.append(int(env.msg.request_id.split()[0]))
         assert got == list(range(2100))
-        for _ in range(100):  # the last send's callback runs on a later turn of the loop
-            if not router._waiting:
+        for _ in range(100):  # the backlog is retried on a later turn of the loop
+            if not router._backlogs:
                 break
             await asyncio.sleep(0.01)
-        assert router._waiting == 0
+        assert not router._backlogs
     asyncio.run(main())
+
+
+def test_a_peer_that_stops_reading_delays_no_other_and_is_given_up(pair):
+    """A client that stopped reading used to hold every later post behind its full queue: other
+    clients' streams stalled for seconds, and each failed send logged a line."""
+    router, stalled = pair
+    ctx = zmq.Context()
+    reader = Channel.connect(ctx, zmq.DEALER, router.address, identity=b"reader")
+    pad = "x" * 2**16
+    given_up = []
+    router.on_stalled = given_up.append
+    router.send_wait_s = 2.0
+
+    async def main():
+        await _handshake(router, stalled)
+        reader.send(P.Cancel("hello"))
+        assert (await asyncio.wait_for(router.arecv(), 5)).sender == b"reader"
+        for i in range(2000):  # 128 MiB to the peer that reads nothing: past its queue and the kernel's buffers
+            router.post(P.Cancel(f"{i} {pad}"), to=b"peer")
+            router.post(P.Cancel(f"{i}"), to=b"reader")
+        assert router._backlogs[b"peer"][0]
+        t0 = time.monotonic()
+        for i in range(2000):  # all of them, in order, while the other's backlog waits
+            env = reader.recv(0)
+            while env is None and time.monotonic() - t0 < 5:
+                await asyncio.sleep(0.001)
+                env = reader.recv(0)
+            assert env is not None and env.msg.request_id == str(i)
+        assert time.monotonic() - t0 < router.send_wait_s and not given_up
+        while not given_up and time.monotonic() - t0 < 10:
+            await asyncio.sleep(0.05)
+        assert given_up == [b"peer"] and not router._backlogs
+        router.post(P.Cancel("after"), to=b"reader")  # the channel serves on
+        assert reader.recv(2000).msg.request_id == "after"
+    try:
+        asyncio.run(main())
+    finally:
+        reader.close()
+        ctx.term()
 
 
 def test_a_receive_pending_while_posts_go_out_still_wakes(pair):
