@@ -49,7 +49,7 @@ from common.errors import InvalidArgument, short_repr
 from common.sampling_params import SamplingParams
 from router.openai_api import (RETRY_AFTER_S, ApiError, Choice, Envelope, Job, OutputParsers, check_model, parse_chat,
                                parse_completion, parse_detokenize, parse_tokenize, served_names, usage)
-from router.http_conns import KEEPALIVE_S, HeaderDeadline, quiet_bad_requests, read_body
+from router.http_conns import KEEPALIVE_S, HeaderDeadline, capped, connection_cap, quiet_bad_requests, read_body
 from router.prompts import Prompts
 from router.registry import DECODE_ROLES, PREFILL_ROLES
 
@@ -120,6 +120,7 @@ class HttpFront:
         self.app.router.add_post("/v1/completions", self.completions)
         self.app.router.add_post("/v1/chat/completions", self.chat_completions)
         self.runner: web.AppRunner | None = None
+        self.listener: asyncio.Server | None = None
         self.headers_due: HeaderDeadline | None = None
         self._sweeping: asyncio.Future | None = None
         self._inflight: set[asyncio.Queue] = set()  # each HTTP request's reply queue
@@ -135,12 +136,13 @@ class HttpFront:
         quiet_bad_requests()
         self.headers_due = HeaderDeadline(self.runner)
         self._sweeping = asyncio.ensure_future(self.headers_due.sweep())
+        # our own listener, not an aiohttp site: a connection past the cap is refused before aiohttp takes it
+        factory, loop = capped(self.runner.server, connection_cap()), asyncio.get_running_loop()
         if self.sock is not None:
-            site = web.SockSite(self.runner, self.sock)
+            self.listener = await loop.create_server(factory, sock=self.sock, backlog=1024)
         else:
-            site = web.TCPSite(self.runner, self.host, self.port, backlog=1024)
-        await site.start()
-        self.port = self.runner.addresses[0][1]  # the real one, if port 0 asked for any
+            self.listener = await loop.create_server(factory, self.host, self.port, backlog=1024, reuse_address=True)
+        self.port = self.listener.sockets[0].getsockname()[1]  # the real one, if port 0 asked for any
 
     async def close(self):
         """Every request in flight ends with UNAVAILABLE (an error response, or a stream's error
@@ -149,6 +151,8 @@ class HttpFront:
             queue.put_nowait((0, P.Error(None, "UNAVAILABLE", "the server is stopping")))
         if self._sweeping is not None:
             self._sweeping.cancel()
+        if self.listener is not None:
+            self.listener.close()
         if self.runner is not None:
             await self.runner.cleanup()
 

@@ -9,6 +9,9 @@ workers could not register and clients could not connect.
   request is refused (408); one whose Content-Length is over the limit is refused (413) before any
   of it is read. aiohttp waited for a body with no deadline, and read up to the limit first: a
   client that sent its headers and then a byte a minute, or nothing, held its connection forever.
+- Past a cap of open connections (the process's file limit, raised to its hard limit as vLLM
+  does, less FD_RESERVE for the ZeroMQ sockets and files), a new one is answered 503 and closed
+  before aiohttp takes it: the deadlines bound how long a connection is held, not how many are.
 - One idle between requests is closed after KEEPALIVE_S. That is uvicorn's default, which vLLM
   users get; aiohttp's own default is an hour.
 - aiohttp logs a malformed request at ERROR with a traceback quoting the line it could not parse,
@@ -18,7 +21,9 @@ workers could not register and clients could not connect.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import resource
 import time
 
 from aiohttp import http_exceptions, web
@@ -28,6 +33,8 @@ BODY_TIMEOUT_S = 30.0
 MIN_BODY_RATE = 1 << 20  # bytes a second: a body's deadline grows with its length at this rate
 KEEPALIVE_S = 5.0
 SWEEP_S = 2.0
+FD_RESERVE = 512  # descriptors no HTTP connection may take: the ZeroMQ sockets', the logs', the model's files
+MIN_CONNECTIONS = 64  # the cap however low the file limit
 
 
 class HeaderDeadline:
@@ -72,6 +79,39 @@ async def read_body(request: web.BaseRequest, max_bytes: int, timeout_s: float =
         return await asyncio.wait_for(request.read(), due)
     except asyncio.TimeoutError:
         raise web.HTTPRequestTimeout(reason=f"the request's body did not arrive within {due:.0f} s") from None
+
+
+def connection_cap() -> int:
+    """How many HTTP connections this process may hold open: its file limit (raised first to the
+    hard limit, as vLLM raises it) less FD_RESERVE."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 1 << 20 if hard == resource.RLIM_INFINITY else hard
+    if soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError):  # a container's limit below the hard one: keep the soft one
+            pass
+    return max(MIN_CONNECTIONS, soft - FD_RESERVE)
+
+
+class _Refused(asyncio.Protocol):
+    """A connection past the cap: answered 503, in OpenAI's error shape, and closed."""
+
+    BODY = json.dumps({"error": {"message": "the server holds as many HTTP connections as it may; retry",
+                                 "type": "service_unavailable_error", "param": None, "code": "UNAVAILABLE"}}).encode()
+    RESPONSE = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
+                b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(BODY), BODY))
+
+    def connection_made(self, transport):
+        transport.write(self.RESPONSE)
+        transport.close()
+
+
+def capped(server: web.Server, cap: int):
+    """A protocol factory for loop.create_server: aiohttp's server's, while it holds fewer than
+    cap connections, else one that refuses (_Refused)."""
+    return lambda: server() if len(server.connections) < cap else _Refused()
 
 
 class QuietBadRequests(logging.Filter):

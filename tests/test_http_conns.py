@@ -1,8 +1,9 @@
 """Connections that hold the HTTP server without sending a request (router/http_conns.py): one
 left idle and one sending its headers a byte at a time are closed once their headers are due,
 while a client that asks in time is served; one whose body stalls is answered 408 once its body
-is due, and one that declares a body over the limit 413 at once. Left open, 20,000 of them took
-every descriptor the router had, and workers could no longer register."""
+is due, and one that declares a body over the limit 413 at once; past a cap of open connections a
+new one is refused. Left open, 20,000 of them took every descriptor the router had, and workers
+could no longer register."""
 
 import asyncio
 import time
@@ -10,7 +11,7 @@ import time
 import pytest
 from aiohttp import web
 
-from router.http_conns import HeaderDeadline, read_body
+from router.http_conns import HeaderDeadline, capped, read_body
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -97,5 +98,42 @@ def test_a_body_over_the_limit_is_refused_at_once_and_a_stalled_one_once_it_is_d
             status, took = await post(8, b"12345678", dribble_s=0.05)  # slow, but all in time
             assert status.startswith(b"HTTP/1.1 200")
         finally:
+            await runner.cleanup()
+    asyncio.run(scenario())
+
+
+def test_a_connection_past_the_cap_is_refused_and_one_is_served_once_another_closes():
+    async def scenario():
+        async def ok(request):
+            return web.Response(text="ok")
+
+        app = web.Application()
+        app.router.add_get("/", ok)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        listener = await asyncio.get_running_loop().create_server(capped(runner.server, 3), "127.0.0.1", 0)
+        port = listener.sockets[0].getsockname()[1]
+
+        async def get() -> tuple[bytes, asyncio.StreamWriter]:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            return await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5), writer
+        try:
+            held = [await get() for _ in range(3)]  # kept alive: each holds its connection
+            assert all(head.startswith(b"HTTP/1.1 200") for head, _ in held)
+            head, writer = await get()
+            assert head.startswith(b"HTTP/1.1 503") and b"Retry-After: 1" in head
+            writer.close()
+            held[0][1].close()
+            for _ in range(50):  # the server sees the close
+                if len(runner.server.connections) < 3:
+                    break
+                await asyncio.sleep(0.02)
+            head, writer = await get()
+            assert head.startswith(b"HTTP/1.1 200")
+            for w in [writer] + [w for _, w in held[1:]]:
+                w.close()
+        finally:
+            listener.close()
             await runner.cleanup()
     asyncio.run(scenario())
