@@ -54,10 +54,11 @@ class Channel:
         # post(): the same socket without zmq.asyncio's futures, and how many of its sends wait
         self._raw = zmq.Socket.shadow(sock.underlying)
         self._waiting, self._posted = 0, False
-        # a ROUTER's post(): what waits for each peer at its high-water mark, and since when it took nothing
-        self._backlogs: dict[bytes, tuple[deque, list[float]]] = {}
-        self._retrying = False
-        self.on_stalled: Callable[[bytes], None] | None = None  # told of a peer whose backlog was dropped
+        # a ROUTER's post(): what waits for each peer at its high-water mark, [since when it took nothing,
+        # whether on_stalled was told]
+        self._backlogs: dict[bytes, tuple[deque, list]] = {}
+        self._retrying: asyncio.TimerHandle | None = None
+        self.on_stalled: Callable[[bytes], None] | None = None  # told of a peer that takes nothing
         self._stalled = False  # try_send gave up on a send and has not sent since
         self.send_wait_s = SEND_WAIT_S  # try_send's wait for a peer that does not take a message (0: none)
         self.peer_name = ""  # what a connecting channel's logs call its peer: the address
@@ -148,44 +149,43 @@ class Channel:
         """A ROUTER's post: a peer whose queue is full (it stopped reading) gets a backlog of its
         own, offered to it every RETRY_S, so that no other peer's messages wait behind it (they all
         did, one stalled client delaying every stream by seconds). One that takes nothing for
-        send_wait_s is given up: its backlog is dropped and on_stalled told, once."""
+        send_wait_s is reported to on_stalled, once (the router ends its requests there); what
+        waits for it keeps waiting, in order, until it reads again or is gone: a Done in it may be
+        its request's only end."""
         backlog = self._backlogs.get(peer)
         if backlog is None:
             try:
                 self._raw.send_multipart(parts, zmq.NOBLOCK)  # a gone peer raises (ROUTER_MANDATORY)
                 return self._settle_soon()
             except zmq.Again:
-                backlog = self._backlogs[peer] = (deque(), [time.monotonic()])
+                backlog = self._backlogs[peer] = (deque(), [time.monotonic(), False])
                 self._retry_soon()
         backlog[0].append(parts)
 
     def _retry_soon(self) -> None:
-        if not self._retrying:
-            self._retrying = True
-            asyncio.get_running_loop().call_later(RETRY_S, self._retry)
+        if self._retrying is None:
+            self._retrying = asyncio.get_running_loop().call_later(RETRY_S, self._retry)
 
     def _retry(self) -> None:
-        self._retrying = False
+        self._retrying = None
         now = time.monotonic()
         for peer, (waiting, took) in list(self._backlogs.items()):
             try:
                 while waiting:
                     self._raw.send_multipart(waiting[0], zmq.NOBLOCK)
                     waiting.popleft()
-                    took[0] = now
+                    took[:] = now, False
             except zmq.Again:
-                if now - took[0] <= self.send_wait_s:
-                    continue
-                why = f"it took nothing for {self.send_wait_s:.0f} s"
-            except zmq.ZMQError as e:
-                why = f"it is gone ({e})"
-            else:
-                del self._backlogs[peer]
+                if not took[1] and now - took[0] > self.send_wait_s:
+                    took[1] = True  # told once; what waits keeps waiting, in order
+                    log.warning("%r has taken nothing for %.0f s: %d messages wait for it", peer, self.send_wait_s,
+                                len(waiting))
+                    if self.on_stalled is not None:
+                        self.on_stalled(peer)
                 continue
+            except zmq.ZMQError as e:
+                log.warning("dropped %d messages to %r: it is gone (%s)", len(waiting), peer, e)
             del self._backlogs[peer]
-            log.warning("dropped %d messages to %r: %s", len(waiting), peer, why)
-            if self.on_stalled is not None:
-                self.on_stalled(peer)
         self._settle_soon()
         if self._backlogs:
             self._retry_soon()
@@ -204,7 +204,7 @@ class Channel:
         """After posts, on the loop's next turn: let the asyncio socket look at its events again.
         ZeroMQ signals its file descriptor on edges, and a send made past zmq.asyncio can take the
         edge that a pending receive waits for."""
-        if self._posted:
+        if self._posted and not self.sock.closed:
             self._posted = False
             self.sock.get(zmq.EVENTS)  # zmq.asyncio schedules the waiting receive if a message is there
 
@@ -281,7 +281,12 @@ class Channel:
         return self._parse(await self.sock.recv_multipart(copy=False))
 
     def close(self, linger_ms: int = 0):
-        """linger_ms: how long what is still queued may take to go (0: dropped)."""
+        """linger_ms: how long what is still queued may take to go (0: dropped; post()'s backlogs
+        are dropped either way)."""
+        if self._retrying is not None:
+            self._retrying.cancel()
+            self._retrying = None
+        self._backlogs.clear()
         self.close_monitor()
         self.sock.close(linger=linger_ms)
 

@@ -81,7 +81,8 @@ class Probe:
 # right port, as a client would otherwise wait for a reply that never comes.
 CLIENT_MESSAGES = (Generate, Cancel, StatusRequest, MetricsRequest, Rejected)
 
-REJECT_CODES = ("INVALID_ARGUMENT", "UNAUTHENTICATED", "NOT_FOUND", "METHOD_NOT_ALLOWED", "TOO_LARGE", "INTERNAL")
+REJECT_CODES = ("INVALID_ARGUMENT", "UNAUTHENTICATED", "NOT_FOUND", "METHOD_NOT_ALLOWED", "REQUEST_TIMEOUT", "TOO_LARGE",
+                "INTERNAL")
 
 
 @dataclass
@@ -403,7 +404,7 @@ def encode(msg) -> bytes:
                               ) from None
 
 
-PEEK_BYTES = 1024  # of a message over the limit, read for the request id it begins with
+PEEK_BYTES = 4096  # of a message over the limit, read for the request id it begins with
 
 
 def _first_request_id(buf: bytes | memoryview) -> str | None:

@@ -87,9 +87,15 @@ def _chunk(msg: P.Token) -> Chunk:
     return Chunk(msg.request_id, msg.index, msg.token_ids, msg.text, msg.logprobs)
 
 
-def _generate(request_id: str, prompt, messages, sampling: dict, stream: bool) -> P.Generate:
-    if not isinstance(request_id, str):  # the router could not name it in its refusal: it would wait for its timeout
+def _request_id(request_id) -> str | None:
+    """A caller's request_id: a string, or None for one of ours (the router could not name another
+    in its refusal, and the call would wait for its timeout)."""
+    if request_id is not None and not isinstance(request_id, str):
         raise InvalidArgument(f"request_id={short_repr(request_id)} is invalid; allowed: a string", param="request_id")
+    return request_id
+
+
+def _generate(request_id: str, prompt, messages, sampling: dict, stream: bool) -> P.Generate:
     if (prompt is None) == (messages is None):
         raise ValueError("give exactly one of prompt (text or token ids) or messages (chat)")
     bias = sampling.get("logit_bias")
@@ -380,7 +386,7 @@ class Client(_Requests):
     def submit(self, prompt: str | list[int] | None = None, stream: bool = True, request_id: str | None = None,
                messages: list[dict] | None = None, **sampling) -> str:
         self._check_open()
-        request_id = request_id or self._new_id()
+        request_id = _request_id(request_id) or self._new_id()
         message = _generate(request_id, prompt, messages, sampling, stream)
         self._take_events()  # a drop seen now loses what was sent before it, not this request
         error = self.connection.unreachable(self.address, 0.0, request_id)  # down that long already: queue nothing
@@ -551,7 +557,7 @@ class AsyncClient(_Requests):
     async def submit(self, prompt=None, stream: bool = True, request_id: str | None = None,
                      messages: list[dict] | None = None, **sampling) -> str:
         self._start()
-        request_id = request_id or self._new_id()
+        request_id = _request_id(request_id) or self._new_id()
         message = _generate(request_id, prompt, messages, sampling, stream)
         with self._opening(request_id):
             await self.chan.send(message)

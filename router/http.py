@@ -385,9 +385,10 @@ BODY_ENCODINGS = ("gzip", "deflate", "identity")
 
 async def _json(request: web.Request, max_bytes: int):
     encodings = [e.strip().lower() for e in request.headers.get("Content-Encoding", "").split(",") if e.strip()]
-    if any(e not in BODY_ENCODINGS for e in encodings):  # else aiohttp would read an unknown one as identity
+    # else aiohttp would read an unknown one, or a list of them, as identity
+    if len(encodings) > 1 or any(e not in BODY_ENCODINGS for e in encodings):
         raise ApiError("INVALID_ARGUMENT", f"Content-Encoding: {short_repr(request.headers['Content-Encoding'])} "
-                                           "is not supported; allowed: gzip, deflate or none")
+                                           "is not supported; allowed: one of gzip or deflate, or none")
     try:
         raw = await read_body(request, max_bytes)  # 413 over the limit, 408 late
     except web.RequestPayloadError:  # a body that is not what its Content-Encoding says

@@ -30,7 +30,7 @@ from aiohttp import http_exceptions, web
 
 HEADER_TIMEOUT_S = 30.0
 BODY_TIMEOUT_S = 30.0
-MIN_BODY_RATE = 1 << 20  # bytes a second: a body's deadline grows with its length at this rate
+MIN_BODY_RATE = 1 << 16  # bytes a second (64 KiB): a body's deadline grows with its length at this rate
 KEEPALIVE_S = 5.0
 SWEEP_S = 2.0
 FD_RESERVE = 512  # descriptors no HTTP connection may take: the ZeroMQ sockets', the logs', the model's files

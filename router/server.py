@@ -150,7 +150,7 @@ class Router:
             self.frontend = Channel.bind(self.ctx, zmq.ROUTER, f"tcp://{cfg.host}:{cfg.port}",
                                          max_frame_bytes=hard_cap, max_header_bytes=cfg.max_message_bytes,
                                          end="router_clients")
-        self.frontend.on_stalled = self._client_gone  # a client that stopped reading: nobody reads its tokens
+        self.frontend.on_stalled = self._client_stalled
         with port_free(cfg.host, cfg.worker_port, "--worker-port"):
             self.backend = Channel.bind(self.ctx, zmq.ROUTER, f"tcp://{cfg.host}:{cfg.worker_port}",
                                         max_frame_bytes=hard_cap, max_header_bytes=cfg.max_message_bytes,
@@ -188,14 +188,27 @@ class Router:
             return False
 
     def _client_gone(self, client: bytes):
-        """A ZeroMQ client that can no longer be reached (its socket closed, its process died, it
-        read nothing for SEND_WAIT_S with its queue full: an SDK client, an API server) has its
-        requests cancelled, since nobody would read their
+        """A ZeroMQ client that can no longer be reached (its socket closed, its process died: an
+        SDK client, an API server) has its requests cancelled, since nobody would read their
         tokens: on the loop's next turn, outside the handler that found it gone (a done() replying,
         a worker's batch); until then what is sent to it goes nowhere."""
         if client not in self._gone:
             self._gone.add(client)
             asyncio.get_running_loop().call_soon(self._cancel_gone, client)
+
+    def _client_stalled(self, client: bytes):
+        """A ZeroMQ client that took nothing for SEND_WAIT_S with its queue full (common/channel.py:
+        _post_to): its requests end with UNAVAILABLE, after what waits for it, which it reads if it
+        reads again (an API server then fails its HTTP requests), and their work stops: what waits
+        for it grows no more."""
+        names = [name for c, name in self.by_client if c == client]
+        for name in names:
+            req = self.requests[self.by_client[(client, name)]]
+            self._cancel_work(req)
+            self.error(req, "UNAVAILABLE", f"the router stopped this request: its client read nothing for "
+                                           f"{self.frontend.send_wait_s:.0f} s")
+        if names:
+            log.warning("client %r took nothing: its %d requests end with UNAVAILABLE", client, len(names))
 
     def _cancel_gone(self, client: bytes):
         names = [name for c, name in self.by_client if c == client]

@@ -64,9 +64,10 @@ def test_posts_past_a_full_queue_wait_their_turn_and_arrive_in_order(pair):
     asyncio.run(main())
 
 
-def test_a_peer_that_stops_reading_delays_no_other_and_is_given_up(pair):
+def test_a_peer_that_stops_reading_delays_no_other_is_reported_and_loses_nothing(pair):
     """A client that stopped reading used to hold every later post behind its full queue: other
-    clients' streams stalled for seconds, and each failed send logged a line."""
+    clients' streams stalled for seconds, and each failed send logged a line. Its own messages
+    wait for it, in order, however long (a Done among them may be its request's only end)."""
     router, stalled = pair
     ctx = zmq.Context()
     reader = Channel.connect(ctx, zmq.DEALER, router.address, identity=b"reader")
@@ -93,9 +94,17 @@ def test_a_peer_that_stops_reading_delays_no_other_and_is_given_up(pair):
         assert time.monotonic() - t0 < router.send_wait_s and not given_up
         while not given_up and time.monotonic() - t0 < 10:
             await asyncio.sleep(0.05)
-        assert given_up == [b"peer"] and not router._backlogs
+        assert given_up == [b"peer"] and router._backlogs[b"peer"][0]  # told once, and it waits
         router.post(P.Cancel("after"), to=b"reader")  # the channel serves on
         assert reader.recv(2000).msg.request_id == "after"
+        got = []
+        while len(got) < 2000 and time.monotonic() - t0 < 30:  # it reads again: all of it, in order
+            env = stalled.recv(0)
+            if env is None:
+                await asyncio.sleep(0.001)
+                continue
+            got.append(int(env.msg.request_id.split()[0]))
+        assert got == list(range(2000)) and given_up == [b"peer"]
     try:
         asyncio.run(main())
     finally:
@@ -145,3 +154,22 @@ def test_try_send_gives_up_on_a_peer_that_never_reads_and_then_fails_at_once():
     for chan in (gone, late, server):
         chan.close()
     ctx.term()
+
+
+def test_closing_with_a_backlog_cancels_its_retries(pair):
+    """The retry timer ran after close(): it sent on the closed socket, took the peer for gone,
+    and the loop logged settle()'s error."""
+    router, stalled = pair
+    given_up, errors = [], []
+    router.on_stalled = given_up.append
+
+    async def main():
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: errors.append(context))
+        await _handshake(router, stalled)
+        for i in range(2000):
+            router.post(P.Cancel(f"{i} {'x' * 2**16}"), to=b"peer")
+        assert router._backlogs
+        router.close()
+        await asyncio.sleep(0.1)  # past several of the retries' turns
+    asyncio.run(main())
+    assert given_up == [] and errors == [] and not router._backlogs

@@ -483,7 +483,7 @@ def test_errors_have_openais_shape_and_the_server_serves_on(served):
         (dict(raw=b'{"prompt": "hi"}', headers={"Content-Encoding": "gzip"}), 400, "INVALID_ARGUMENT", None,
          "could not be decoded (Content-Encoding: gzip)"),
         (dict(raw=b'{"prompt": "hi"}', headers={"Content-Encoding": "xyz"}), 400, "INVALID_ARGUMENT", None,
-         "Content-Encoding: 'xyz' is not supported; allowed: gzip, deflate or none"),
+         "Content-Encoding: 'xyz' is not supported; allowed: one of gzip or deflate, or none"),
     ]
     for kw, status, code, param, text in cases:
         got, _, body = http(served, "POST", "/v1/completions", **kw)

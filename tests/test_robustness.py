@@ -141,6 +141,47 @@ def test_oversized_message_is_refused_with_its_size(fuzz_cluster):
             client.submit([1, 2], request_id=12345)  # the router could not name it: the call would wait its timeout
 
 
+def test_a_client_that_stops_reading_has_its_requests_stopped_and_reads_their_ends_when_it_reads_again(
+        fuzz_cluster):
+    """A client that read nothing for the router's 5 s with its queue full has its requests ended
+    with UNAVAILABLE and their work stopped; what the router had for it waits, so that when it
+    reads again every request ends, by its Done or that error (an API server's HTTP requests
+    waited forever when it was dropped)."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVHWM, 1)
+    sock.setsockopt(zmq.RCVBUF, 4096)
+    sock.connect(fuzz_cluster.address)
+    n = 32
+    try:
+        for i in range(n):
+            sock.send(P.encode(P.Generate(f"s{i}", [1 + i, 2, 3], {"max_tokens": 1000, "ignore_eos": True,
+                                                                   "logprobs": 20}, True)))
+        time.sleep(9)  # reads nothing
+        ended = {}
+        deadline = time.monotonic() + 60
+        while len(ended) < n and time.monotonic() < deadline:
+            if sock.poll(1000):
+                msg = P.decode(sock.recv())
+                if isinstance(msg, (P.Done, P.Error)):
+                    ended[msg.request_id] = msg
+        assert sorted(ended) == sorted(f"s{i}" for i in range(n))  # every request ended
+        gave_up = [m for m in ended.values() if isinstance(m, P.Error)]
+        assert gave_up and all(m.code == "UNAVAILABLE" and "read nothing for 5 s" in m.message for m in gave_up)
+    finally:
+        sock.close()
+        ctx.term()
+    with Client(fuzz_cluster.address, timeout=60) as client:
+        for _ in range(100):
+            status = client.status()
+            if status.in_flight == 0 and all(w["free_blocks"] == w["total_blocks"] for w in status.workers):
+                break
+            time.sleep(0.1)
+        assert status.in_flight == 0 and all(w["free_blocks"] == w["total_blocks"] for w in status.workers)
+    serves_exactly(fuzz_cluster.address)
+
+
 def rss_mb(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
