@@ -137,8 +137,10 @@ def logprobs_on_device(logits_SV: torch.Tensor, token_ids_S: torch.Tensor, k: in
     chosen_S = logprobs_SV.gather(1, token_ids_S[:, None])[:, 0]
     if k == 0:
         return chosen_S, None, None
-    top_SK, ids_SK = logprobs_SV.topk(min(k, logprobs_SV.shape[-1]), dim=-1)
-    return chosen_S, top_SK, ids_SK
+    # a stable sort, not topk: tied logprobs (a grammar's masked -infs) keep their ids' order, so a
+    # row lists the same alternatives whatever other rows ask for (topk's ties follow its k)
+    top_SV, ids_SV = logprobs_SV.sort(dim=-1, descending=True, stable=True)
+    return chosen_S, top_SV[:, :k], ids_SV[:, :k]
 
 
 def logprob_entries(parts: tuple, num_top: list[int]) -> list[Logprob]:

@@ -88,6 +88,19 @@ def test_a_temperature_too_small_to_divide_by_is_greedy(temperature):
     assert not SamplingParams(temperature=1e-5).greedy
 
 
+def test_tied_alternatives_are_the_lowest_ids_whatever_the_batch_asks_for():
+    """A structured output's mask sets most logits to -inf: its row's top alternatives are ties,
+    which topk listed by the batch's largest count (found by a helper: another request's
+    logprobs=5 changed this one's three)."""
+    from common.sampling import logprob_entries, logprobs_on_device
+
+    logits = torch.full((1, 300), -math.inf)
+    logits[0, 101] = 1.0
+    for k in (3, 5, 20, 300):
+        entry = logprob_entries(logprobs_on_device(logits, torch.tensor([101]), k), [3])[0]
+        assert entry == [0.0, [101, 0, 1], [0.0, -math.inf, -math.inf]], k
+
+
 def test_token_logprobs_are_log_softmax_and_its_top_n():
     from common.sampling import logprob_entries, logprobs_on_device
 
