@@ -48,7 +48,8 @@ set -u
 # since 2026-11-29 the matmul partials' 16-byte accesses (gpu.txt: partials_accesses), a streamed
 # step's block ids kept for every request it streams, and a cuda_ipc transfer refused when its
 # writer has died; later that day, top logprobs by a stable sort of each asking row, not
-# topk (a 128,256-wide sort per row: the async logprobs test and the step profile show its cost). A helper counted 60-70 us of Python a streamed piece on the cuda_ipc path, not
+# topk (a 128,256-wide sort per row: the async logprobs test and the step profile show its cost).
+# A helper counted 60-70 us of Python a streamed piece on the cuda_ipc path, not
 # the ~330 us measured: transfer-layers' --profile should name the call that blocks (an event's
 # record, wait_event, set_device, the Triton launcher's pointer checks, or garbage collection).
 # Cluster stages serve 4,096-token contexts: sized for llama-1b's whole 131,072, each worker would set
