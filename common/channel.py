@@ -60,7 +60,7 @@ class Channel:
         self._retrying: asyncio.TimerHandle | None = None
         self.on_stalled: Callable[[bytes], None] | None = None  # told of a peer that takes nothing
         self._stalled = False  # try_send gave up on a send and has not sent since
-        self.send_wait_s = SEND_WAIT_S  # try_send's wait for a peer that does not take a message (0: none)
+        self.send_wait_s = SEND_WAIT_S  # how long a peer may take nothing: try_send's wait (0: none), post()'s report
         self.peer_name = ""  # what a connecting channel's logs call its peer: the address
         self.monitor: zmq.Socket | None = None  # connect(monitor=...)'s
 
