@@ -137,10 +137,17 @@ def logprobs_on_device(logits_SV: torch.Tensor, token_ids_S: torch.Tensor, k: in
     chosen_S = logprobs_SV.gather(1, token_ids_S[:, None])[:, 0]
     if k == 0:
         return chosen_S, None, None
-    # a stable sort, not topk: tied logprobs (a grammar's masked -infs) keep their ids' order, so a
-    # row lists the same alternatives whatever other rows ask for (topk's ties follow its k)
-    top_SV, ids_SV = logprobs_SV.sort(dim=-1, descending=True, stable=True)
-    return chosen_S, top_SV[:, :k], ids_SV[:, :k]
+    # topk over keys no two tokens share: the logprob's bits, ordered as the floats are, then the
+    # lower id. Tied logprobs (a grammar's masked -infs) then list their lowest ids, whatever k the
+    # other rows ask for (topk of the logprobs themselves listed ties by k), for the cost of a topk,
+    # not of sorting the vocabulary
+    V = logprobs_SV.shape[-1]
+    bits = logprobs_SV.view(torch.int32)
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()  # a negative float's bits count down
+    lower_first = V - 1 - torch.arange(V, device=bits.device)
+    best_SK = ((ordered << 32) + lower_first).topk(min(k, V), dim=-1).values
+    ids_SK = V - 1 - (best_SK & 0xFFFFFFFF)
+    return chosen_S, logprobs_SV.gather(1, ids_SK), ids_SK
 
 
 def logprob_entries(parts: tuple, num_top: list[int]) -> list[Logprob]:
