@@ -39,6 +39,15 @@ RETRY_S = 0.005  # how often post() offers a peer at its high-water mark what wa
 
 
 @dataclass
+class Backlog:
+    """What waits for a peer at its high-water mark (Channel._post_to), since when it took nothing,
+    and whether on_stalled was told."""
+    waiting: deque
+    since: float
+    told: bool = False
+
+
+@dataclass
 class Envelope:
     sender: bytes | None
     msg: object | None
@@ -54,9 +63,7 @@ class Channel:
         # post(): the same socket without zmq.asyncio's futures, and how many of its sends wait
         self._raw = zmq.Socket.shadow(sock.underlying)
         self._waiting, self._posted = 0, False
-        # a ROUTER's post(): what waits for each peer at its high-water mark, [since when it took nothing,
-        # whether on_stalled was told]
-        self._backlogs: dict[bytes, tuple[deque, list]] = {}
+        self._backlogs: dict[bytes, Backlog] = {}  # a ROUTER's post(): each peer's at its high-water mark
         self._retrying: asyncio.TimerHandle | None = None
         self.on_stalled: Callable[[bytes], None] | None = None  # told of a peer that takes nothing
         self._stalled = False  # try_send gave up on a send and has not sent since
@@ -158,9 +165,9 @@ class Channel:
                 self._raw.send_multipart(parts, zmq.NOBLOCK)  # a gone peer raises (ROUTER_MANDATORY)
                 return self._settle_soon()
             except zmq.Again:
-                backlog = self._backlogs[peer] = (deque(), [time.monotonic(), False])
+                backlog = self._backlogs[peer] = Backlog(deque(), time.monotonic())
                 self._retry_soon()
-        backlog[0].append(parts)
+        backlog.waiting.append(parts)
 
     def _retry_soon(self) -> None:
         if self._retrying is None:
@@ -169,15 +176,16 @@ class Channel:
     def _retry(self) -> None:
         self._retrying = None
         now = time.monotonic()
-        for peer, (waiting, took) in list(self._backlogs.items()):
+        for peer, backlog in list(self._backlogs.items()):
+            waiting = backlog.waiting
             try:
                 while waiting:
                     self._raw.send_multipart(waiting[0], zmq.NOBLOCK)
                     waiting.popleft()
-                    took[:] = now, False
+                    backlog.since, backlog.told = now, False
             except zmq.Again:
-                if not took[1] and now - took[0] > self.send_wait_s:
-                    took[1] = True  # told once; what waits keeps waiting, in order
+                if not backlog.told and now - backlog.since > self.send_wait_s:
+                    backlog.told = True  # once; what waits keeps waiting, in order
                     log.warning("%r has taken nothing for %.0f s: %d messages wait for it", peer, self.send_wait_s,
                                 len(waiting))
                     if self.on_stalled is not None:

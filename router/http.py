@@ -305,8 +305,7 @@ class HttpFront:
             job, prepared = await asyncio.to_thread(_prepare, parse, body, prompts, backend.max_queue)
             total = len(prepared) * job.n
         except (ApiError, InvalidArgument, web.HTTPRequestEntityTooLarge, web.HTTPRequestTimeout) as e:
-            backend.rejected(e.code if not isinstance(e, web.HTTPException) else
-                             "TOO_LARGE" if e.status == 413 else "REQUEST_TIMEOUT")
+            backend.rejected((self._http_error(request, e) if isinstance(e, web.HTTPException) else e).code)
             raise
         choices = []
         for i in range(total):
@@ -381,6 +380,7 @@ class HttpFront:
 
 # aiohttp's own (its parser refuses br and zstd itself, in plain text, without the libraries they need)
 BODY_ENCODINGS = ("gzip", "deflate", "identity")
+ENCODINGS_ALLOWED = "allowed: one of gzip or deflate, or none"
 
 
 async def _json(request: web.Request, max_bytes: int):
@@ -388,14 +388,14 @@ async def _json(request: web.Request, max_bytes: int):
     # else aiohttp would read an unknown one, or a list of them, as identity
     if len(encodings) > 1 or any(e not in BODY_ENCODINGS for e in encodings):
         raise ApiError("INVALID_ARGUMENT", f"Content-Encoding: {short_repr(request.headers['Content-Encoding'])} "
-                                           "is not supported; allowed: one of gzip or deflate, or none")
+                                           f"is not supported; {ENCODINGS_ALLOWED}")
     try:
         raw = await read_body(request, max_bytes)  # 413 over the limit, 408 late
     except web.RequestPayloadError:  # a body that is not what its Content-Encoding says
         request.content.feed_eof()  # read no more of it: aiohttp would, after the answer, and log its error
         encoding = request.headers.get("Content-Encoding", "")
         raise ApiError("INVALID_ARGUMENT", f"the body could not be decoded (Content-Encoding: {encoding}); "
-                                           "allowed: gzip, deflate or none") from None
+                                           f"{ENCODINGS_ALLOWED}") from None
     try:
         return json.loads(raw)
     except ValueError as e:

@@ -201,22 +201,24 @@ class Router:
         _post_to): its requests end with UNAVAILABLE, after what waits for it, which it reads if it
         reads again (an API server then fails its HTTP requests), and their work stops: what waits
         for it grows no more."""
-        names = [name for c, name in self.by_client if c == client]
-        for name in names:
-            req = self.requests[self.by_client[(client, name)]]
+        reqs = self._requests_of(client)
+        for req in reqs:
             self._cancel_work(req)
             self.error(req, "UNAVAILABLE", f"the router stopped this request: its client read nothing for "
                                            f"{self.frontend.send_wait_s:.0f} s")
-        if names:
-            log.warning("client %r took nothing: its %d requests end with UNAVAILABLE", client, len(names))
+        if reqs:
+            log.warning("client %r took nothing: its %d requests end with UNAVAILABLE", client, len(reqs))
+
+    def _requests_of(self, client: bytes) -> list[Request]:
+        return [self.requests[rid] for (c, _), rid in self.by_client.items() if c == client]
 
     def _cancel_gone(self, client: bytes):
-        names = [name for c, name in self.by_client if c == client]
-        for name in names:  # their replies go nowhere: _to_client skips a client in _gone
-            self.cancel(client, name)
+        reqs = self._requests_of(client)
+        for req in reqs:  # their replies go nowhere: _to_client skips a client in _gone
+            self.cancel(client, req.client_request_id)
         self._gone.discard(client)
-        if names:
-            log.warning("client %r is gone: cancelled its %d requests", client, len(names))
+        if reqs:
+            log.warning("client %r is gone: cancelled its %d requests", client, len(reqs))
 
     def reply(self, req: Request, msg):
         req.reply_to(msg)

@@ -43,7 +43,7 @@ def test_posts_past_a_full_queue_wait_their_turn_and_arrive_in_order(pair):
         await _handshake(router, peer)
         for i in range(2000):  # 128 MiB: far past the high-water marks and the kernel's buffers
             router.post(P.Cancel(f"{i} {pad}"), to=b"peer")
-        assert router._backlogs[b"peer"][0]  # waiting, in the peer's own backlog
+        assert router._backlogs[b"peer"].waiting  # waiting, in the peer's own backlog
         got = []
         while (env := peer.recv(200)) is not None:  # the loop does not run: only what went at once
             got.append(int(env.msg.request_id.split()[0]))
@@ -83,7 +83,7 @@ def test_a_peer_that_stops_reading_delays_no_other_is_reported_and_loses_nothing
         for i in range(2000):  # 128 MiB to the peer that reads nothing: past its queue and the kernel's buffers
             router.post(P.Cancel(f"{i} {pad}"), to=b"peer")
             router.post(P.Cancel(f"{i}"), to=b"reader")
-        assert router._backlogs[b"peer"][0]
+        assert router._backlogs[b"peer"].waiting
         t0 = time.monotonic()
         for i in range(2000):  # all of them, in order, while the other's backlog waits
             env = reader.recv(0)
@@ -94,7 +94,7 @@ def test_a_peer_that_stops_reading_delays_no_other_is_reported_and_loses_nothing
         assert time.monotonic() - t0 < router.send_wait_s and not given_up
         while not given_up and time.monotonic() - t0 < 10:
             await asyncio.sleep(0.05)
-        assert given_up == [b"peer"] and router._backlogs[b"peer"][0]  # told once, and it waits
+        assert given_up == [b"peer"] and router._backlogs[b"peer"].waiting  # told once, and it waits
         router.post(P.Cancel("after"), to=b"reader")  # the channel serves on
         assert reader.recv(2000).msg.request_id == "after"
         got = []
