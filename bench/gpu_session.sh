@@ -47,8 +47,8 @@ set -u
 # lanes cover every split: 127 registers for the 32-row prefill tile under Triton 3.6, looping 191);
 # since 2026-11-29 the matmul partials' 16-byte accesses (gpu.txt: partials_accesses), a streamed
 # step's block ids kept for every request it streams, and a cuda_ipc transfer refused when its
-# writer has died; later that day, top logprobs by a stable sort of each asking row, not
-# topk (a 128,256-wide sort per row: the async logprobs test and the step profile show its cost).
+# writer has died; later that day, top logprobs by one topk over int64 keys (the logprob's bits,
+# then the lower id) where it was topk over the float logprobs (the async logprobs test runs it).
 # A helper counted 60-70 us of Python a streamed piece on the cuda_ipc path, not
 # the ~330 us measured: transfer-layers' --profile should name the call that blocks (an event's
 # record, wait_event, set_device, the Triton launcher's pointer checks, or garbage collection).
