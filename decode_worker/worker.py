@@ -14,7 +14,9 @@ is the backpressure, and a busy decode worker is a queue, not a failure. A queue
 prefill worker stops asking about (it asks every REASK_S) is dropped after QUEUE_STALE_S. Where a peer
 may write our blocks itself (shm, cuda_ipc), a cancelled reservation's blocks are fenced: they
 come back only when that writer says it is done (for cuda_ipc on one GPU, once the event its header
-carries completed), or at the end of the lease.
+carries completed), or at the end of the lease once the writer is inside no copy (a writer stopped
+in one may resume: common/kv_transport/copy_count.py). Past its lease, a reservation is fenced
+likewise.
 
 A decode worker also takes PrefillWork that names it as its decode worker, and runs the whole
 request itself: a local prefill, where the router judges the handoff not worth its cost (a short
@@ -36,6 +38,7 @@ from common.channel import Channel, Envelope
 from common.engine import RequestOutput
 from common.errors import InvalidArgument
 from common.kv_transport import Inbox, make_receivers, offered, tune_malloc
+from common.kv_transport.copy_count import copies_in_flight
 from common.kv_transport.mapped import HOSTNAME, process_gone
 from common.sampling_params import SamplingParams
 from common.worker import STALLED_POLL_MS, WorkerBase
@@ -72,6 +75,12 @@ class Reservation:
         """Whether its writer was a process of this host that has exited: fenced blocks need not
         wait for the lease's end (a stopped writer may resume, and checks its lease; a dead one cannot)."""
         return self.writer[0] == HOSTNAME and process_gone(self.writer[1])
+
+    def writer_copying(self) -> bool:
+        """Whether its writer, a process of this host, is inside a copy (copy_count.py): past the
+        lease's end, its blocks wait for a moment when it is not (a writer stopped inside a copy
+        for longer than the lease's margin would go on writing into them when it resumes)."""
+        return self.writer[0] == HOSTNAME and copies_in_flight(self.writer[1]) > 0
 
 
 class DecodeWorker(WorkerBase):
@@ -409,17 +418,18 @@ class DecodeWorker(WorkerBase):
         self._grant_queued()
         for rid, r in list(self.reservations.items()):
             if now > r.expires:
-                log.warning("KV lease of %s expired; freeing %d blocks", rid, len(r.block_ids))
+                log.warning("KV lease of %s expired; its %d blocks come back", rid, len(r.block_ids))
                 del self.reservations[rid]
                 self.arriving.pop(rid, None)
-                self.engine.unreserve(r.block_ids)
+                self._free(rid, r, writer_done=False)
         check_writers = self.fenced and now - self.writers_checked >= WRITERS_CHECKED_S
         if check_writers:
             self.writers_checked = now
         for key, r in list(self.fenced.items()):
-            # no writer writes past its lease, nor once it exited; a cuda_ipc header's copies end with its event
-            if now > r.expires or (r.inbox is not None and r.inbox.fence is not None and not r.inbox.writing()) \
-                    or (check_writers and r.writer_gone()):
+            # no copy starts past the lease, nor once its writer exited; a cuda_ipc header's copies end with its
+            # event; the lease ended, one begun before may still run while the writer is inside a copy
+            if (r.inbox is not None and r.inbox.fence is not None and not r.inbox.writing()) \
+                    or (check_writers and (r.writer_gone() or (now > r.expires and not r.writer_copying()))):
                 del self.fenced[key]
                 self.engine.unreserve(r.block_ids)
         for receiver in self.receivers.values():

@@ -28,7 +28,9 @@ from common.kv_cache import SharedSegment
 import common.kv_transport.frames as K
 from common.kv_transport import (Inbox, Outgoing, ShmReceiver, ShmSender, TransportError,
                                  ZmqSender, choose, unit_bytes, unit_view)
+from common.kv_transport.copy_count import CopyCount, copies_in_flight
 from common.kv_transport.frames import piece_frames as _piece
+from common.kv_transport.mapped import HOSTNAME
 from common.sampling_params import SamplingParams
 from common.worker import WorkerConfig
 from prefill_worker.worker import PrefillWorker
@@ -332,6 +334,22 @@ def test_a_one_sided_copy_queued_past_the_lease_writes_nothing(shm_peer):
             assert not segment.tensor.any()
 
 
+def test_a_one_sided_copy_is_counted_for_the_peer_while_it_runs(shm_peer, monkeypatch):
+    """The decode worker takes back blocks past their lease only while their writer is inside no
+    copy: each copy into a peer's pool, its lease check included, is counted where it can see."""
+    import common.kv_transport.mapped as M
+    segment, advert, ours, sender = shm_peer
+    seen = []
+    monkeypatch.setattr(M, "copy_blocks", lambda *a: seen.append(copies_in_flight(os.getpid())))
+    for write_by in (time.monotonic() + 60, time.monotonic() - 1):
+        out = Outgoing("r", 1, ours, [0, 1], [2, 3], advert, lambda m, f: None, write_by)
+        handle = sender.open(out)
+        sender.send(out, handle, range(2), range(2))
+        sender.finish(handle)
+    assert seen == [1]  # inside the copy; the late one wrote nothing
+    assert copies_in_flight(os.getpid()) == 0
+
+
 def test_a_dead_peers_pool_is_unmapped_only_after_the_copies_queued_into_it(shm_peer):
     """A prefill worker that swept a dead decode worker's pool while its copier thread still wrote
     into it died of SIGSEGV: the copies queued before the sweep go on (or fail), never into
@@ -522,6 +540,73 @@ def test_cancelled_reservation_waits_for_a_one_sided_writer(tmp_path, transport)
         chan.send(P.KVRelease("x", 1))  # the writer is done with them
         while hb.free_blocks != hb.total_blocks:
             hb = heartbeat(d)
+
+
+@contextlib.contextmanager
+def writer_inside_a_copy():
+    """A process that enters one counted copy (copy_count.py) and stays inside it until told, then
+    waits to be killed: (process, a function that ends its copy)."""
+    code = ("import sys; from common.kv_transport.copy_count import counted\n"
+            "with counted():\n print('in', flush=True); sys.stdin.readline()\n"
+            "print('out', flush=True); sys.stdin.readline()")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def leave():
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline() == "out\n"
+    try:
+        assert proc.stdout.readline() == "in\n"
+        yield proc, leave
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_the_copies_a_writer_is_inside_are_seen_from_another_process_and_a_dead_ones_file_is_swept():
+    with writer_inside_a_copy() as (writer, leave):
+        assert copies_in_flight(writer.pid) == 1
+        files = glob.glob(f"/dev/shm/pdserve-copies-{writer.pid}-*")
+        assert len(files) == 1
+        leave()
+        assert copies_in_flight(writer.pid) == 0
+        assert copies_in_flight(os.getppid()) == 0  # a process that never counted
+    with writer_inside_a_copy() as (killed, _):
+        pass  # killed inside its copy: its file stays, counting one in flight
+    (stale,) = glob.glob(f"/dev/shm/pdserve-copies-{killed.pid}-*")
+    assert copies_in_flight(killed.pid) == 0  # it has exited: it copies nothing
+    CopyCount().close()  # a writer starting sweeps the files of writers that have exited
+    assert not os.path.exists(stale)
+
+
+def test_blocks_past_their_lease_wait_for_a_writer_stopped_inside_a_copy(tmp_path):
+    """A writer checks the lease as each copy starts, but one stopped inside a copy for longer than
+    the lease's margin writes on when it resumes, past the lease's end: the blocks come back only
+    at a moment when their writer is inside no copy. A writer inside none gets them back at the
+    lease's end."""
+    layout = Engine(model="dummy:nanogpt", num_blocks=4).kv_layout
+    with decode_worker(tmp_path, "shm", args=("--kv-lease", "1")) as d, writer_inside_a_copy() as (writer, leave):
+        chan = Channel.connect(d.ctx, zmq.DEALER, d.register.kv_address)
+        chan.send(P.KVReserve("x", 1, 100, layout, writer_host=HOSTNAME, writer_pid=writer.pid))
+        grant = chan.recv(10_000).msg
+        assert isinstance(grant, P.KVGrant)
+        time.sleep(2.5)  # the lease's second, and the writers' checks many times over
+        hb = heartbeat(d)
+        assert hb.total_blocks - hb.free_blocks == len(grant.block_ids), hb
+        leave()
+        all_free(d)
+        chan.send(P.KVReserve("y", 1, 100, layout, writer_host=HOSTNAME, writer_pid=writer.pid))
+        assert isinstance(chan.recv(10_000).msg, P.KVGrant)
+        all_free(d)
+
+
+def all_free(d, timeout: float = 10.0):
+    """Wait until the decode worker's heartbeats say that every block is free."""
+    deadline = time.monotonic() + timeout
+    hb = heartbeat(d)
+    while hb.free_blocks != hb.total_blocks:
+        assert time.monotonic() < deadline, hb
+        hb = heartbeat(d)
 
 
 def test_a_busy_decode_worker_queues_reservations_and_grants_them_in_order(tmp_path):

@@ -25,7 +25,8 @@ module the choice of transport; each transport is a module of its own:
     cuda_ipc.py  shm's shape for CUDA pools (the pool shared by a CUDA IPC handle). On one GPU
                  the copies are only queued, and the header carries an IPC event the decode
                  worker polls before it decodes.
-                 (shm and cuda_ipc share mapped.py: writing into a peer's pool mapped here.)
+                 (shm and cuda_ipc share mapped.py: writing into a peer's pool mapped here,
+                 and copy_count.py: the copies a writer is inside, for its peers to see.)
     process_group.py
                  gloo: a two-rank torch.distributed group per prefill/decode pair, made on first
                  use from a store the decode worker hosts. Each chunk is announced by a KVChunk
@@ -40,7 +41,9 @@ granted by a decode worker that offers them come back only on word from the writ
 or KVRelease; a cuda_ipc header's event, once it completed) or at the end of the lease; the
 prefill never starts writing past its own view of the lease (measured from its request, so
 earlier than the decode worker's), checked as each copy starts, not when it is queued (cuda_ipc
-on one GPU: as it is queued on the device, which runs a step or two behind).
+on one GPU: as it is queued on the device, which runs a step or two behind). A copy begun in time
+may outlast the lease if its writer is stopped inside it, so past the lease blocks come back only
+at a moment when their writer is inside no copy (copy_count.py).
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ the same GPU, carries the event that says when: cuda_ipc.py).
 
 The decode worker cannot tell when a writer is done (see __init__.py): the writer checks its own
 view of the lease as each copy starts, not when it is queued on this thread (cuda_ipc on one GPU:
-as it is queued on the device).
+as it is queued on the device), and counts the copies it is inside for the decode worker to see
+(copy_count.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 
 from common.kv_transport.base import Handle, Inbox, Outgoing, Receiver, Sender, TransportError
 from common.kv_transport.block_copy import copy_blocks
+from common.kv_transport.copy_count import counted
 from common.kv_transport.jobs import JobThread, run_now, written
 
 HOSTNAME = socket.gethostname()
@@ -99,12 +101,14 @@ class MappedSender(Sender):
             raise TransportError("the peer's pool was closed here: its worker is gone")
 
         def copy():
-            if time.monotonic() > out.write_by:  # queued too long: the blocks may be someone else's by now
-                raise TransportError("the grant's lease ended before this copy could start")
-            if self.maps.get(key) is not mapping:  # forgotten since: its close runs on this thread, after us
-                raise TransportError("the peer's pool was closed here before this copy could start: its worker is gone")
-            with torch.inference_mode(), self._copying(out.pool.device, peer.device, after, handle.queued_on):
-                copy_blocks(out.pool, out.src_blocks[b], peer, out.dst_blocks[b], slice(layers.start, layers.stop))
+            with counted():  # for the peer, which takes back blocks whose lease ended only while we copy nothing
+                if time.monotonic() > out.write_by:  # queued too long: the blocks may be someone else's by now
+                    raise TransportError("the grant's lease ended before this copy could start")
+                if self.maps.get(key) is not mapping:  # forgotten since: its close runs on this thread, after us
+                    raise TransportError("the peer's pool was closed here before this copy could start: "
+                                         "its worker is gone")
+                with torch.inference_mode(), self._copying(out.pool.device, peer.device, after, handle.queued_on):
+                    copy_blocks(out.pool, out.src_blocks[b], peer, out.dst_blocks[b], slice(layers.start, layers.stop))
         handle.futures.append(run_now(copy) if handle.queued_on is not None else self.copier.submit(copy))
 
     def finish(self, handle: Handle, release: bool = False) -> None:
