@@ -207,6 +207,7 @@ def model_path(spec: str) -> Path:
 # ---------------------------------------------------------------- Hugging Face checkpoints
 
 _LLAMA_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+_CONTEXT_DEFAULTS = {"llama": 2048, "qwen2": 32768, "qwen3": 32768, "mistral": 131072}  # transformers' configs'
 _GPT2_ACTS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
 _SAMPLES, _SAMPLE_BYTES = 64, 64 * 1024  # what a fingerprint reads of a weights file: 4 MiB, whatever its size
 
@@ -266,16 +267,17 @@ def hf_model_config(path: Path) -> ModelConfig:
         if kind not in ("default", "linear", "llama3"):
             raise ModelLoadError(f"{cfg_file}: rope_type={kind!r} is not supported; allowed: default, linear, llama3")
         heads, hidden = need("num_attention_heads"), need("hidden_size")
-        context = need("max_position_embeddings", 2048)
-        window = raw.get("sliding_window") if mt == "mistral" else None
+        context = need("max_position_embeddings", _CONTEXT_DEFAULTS[mt])
+        window = raw.get("sliding_window", 4096) if mt == "mistral" else None  # MistralConfig's default
         if window is not None:  # within the window, attention is full attention: served up to it, token-exact
-            context = min(context, need("sliding_window"))
-        bias = bool(raw.get("attention_bias", False))
+            context = min(context, check_number("sliding_window", window, integer=True))
+        bias = bool(raw.get("attention_bias", False)) and mt != "mistral"  # transformers' Mistral has none
         return ModelConfig(
             arch="llama", vocab_size=need("vocab_size"), hidden_size=hidden,
             num_layers=need("num_hidden_layers"), num_heads=heads,
             num_kv_heads=raw.get("num_key_value_heads") or heads,
-            head_dim=raw.get("head_dim") or hidden // heads, intermediate_size=need("intermediate_size"),
+            head_dim=raw.get("head_dim", 128 if mt == "qwen3" else None) or hidden // heads,  # Qwen3Config's 128
+            intermediate_size=need("intermediate_size"),
             max_position_embeddings=context, norm_eps=need("rms_norm_eps", 1e-6, integer=False),
             qkv_bias=True if mt == "qwen2" else bias, o_bias=bias if mt != "qwen2" else False,
             mlp_bias=bool(raw.get("mlp_bias", False)), qk_norm=mt == "qwen3", rope_theta=theta,
@@ -286,6 +288,10 @@ def hf_model_config(path: Path) -> ModelConfig:
         act = raw.get("activation_function", "gelu_new")
         if act not in _GPT2_ACTS:
             raise ModelLoadError(f"{cfg_file}: activation_function={act!r} is not supported; allowed: {_GPT2_ACTS}")
+        for key, usual in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False)):
+            if raw.get(key, usual) != usual:
+                raise ModelLoadError(f"{cfg_file}: {key}={raw[key]!r} is not supported; allowed: "
+                                     f"{json.dumps(usual)} (attention scaled by 1/sqrt(head_dim) in every layer)")
         hidden, heads = need("n_embd"), need("n_head")
         if hidden % heads:
             raise ModelLoadError(f"{cfg_file}: n_embd={hidden} is not a multiple of n_head={heads}; allowed: "

@@ -1,5 +1,6 @@
 """Greedy output equals `transformers`' generate, token for token, for every supported family."""
 
+import json
 import random
 
 import pytest
@@ -15,9 +16,7 @@ PROMPT_LENS = (1, 5, 17, 40)
 NEW_TOKENS = 12
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_greedy_matches_transformers(tmp_path, name):
-    ref = write_checkpoint(tmp_path, name)
+def assert_greedy_matches(ref, path, name: str, **engine_args):
     rng = random.Random(name)
     prompts = [[rng.randrange(2, VOCAB) for _ in range(n)] for n in PROMPT_LENS]
     expected = []
@@ -27,11 +26,56 @@ def test_greedy_matches_transformers(tmp_path, name):
         expected.append(out[0, len(p):].tolist())
     assert len({tuple(e) for e in expected}) > 1 and any(len(set(e)) > 3 for e in expected), \
         "reference output too uniform to be a meaningful comparison"
-    engine = Engine(model=str(tmp_path), block_size=8, max_num_batched_tokens=64)
+    engine = Engine(model=str(path), block_size=8, max_num_batched_tokens=64, **engine_args)
     got = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS))
     assert [g.token_ids for g in got] == expected
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_greedy_matches_transformers(tmp_path, name):
+    ref = write_checkpoint(tmp_path, name)
+    assert_greedy_matches(ref, tmp_path, name)
     if "sharded" in name:
         assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
+
+
+def test_keys_a_config_leaves_out_take_the_defaults_of_its_transformers_class(tmp_path):
+    """A hand-written config.json may leave out keys that its transformers class fills in: Qwen3's
+    head_dim is then 128, not hidden / heads (a shape error), Mistral's window 4096, and each
+    family's context its own. transformers' Mistral has no attention biases, whatever
+    attention_bias says (their tensors were looked for, and missing)."""
+    from common.model_spec import model_config
+
+    def edited(name, **changes):
+        path = tmp_path / name
+        ref = write_checkpoint(path, name)
+        config = json.loads((path / "config.json").read_text())
+        config.update(changes)
+        (path / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
+        return ref, path
+
+    ref, path = edited("qwen3-head128", head_dim=None, max_position_embeddings=None)
+    assert (model_config(str(path)).head_dim, model_config(str(path)).max_position_embeddings) == (128, 32768)
+    assert_greedy_matches(ref, path, "qwen3-head128", max_model_len=256)
+    ref, path = edited("mistral-window", attention_bias=True, sliding_window=None, max_position_embeddings=None)
+    assert model_config(str(path)).max_position_embeddings == 4096  # its window, within 131,072
+    assert_greedy_matches(ref, path, "mistral-window", max_model_len=256)  # (prompts inside either window)
+    ref, path = edited("qwen2-tied", max_position_embeddings=None)
+    assert model_config(str(path)).max_position_embeddings == 32768
+
+
+def test_a_gpt2_whose_attention_is_not_scaled_by_its_head_size_is_refused_by_name(tmp_path):
+    """Some GPT-2 checkpoints scale attention by the layer's depth, or not at all: served with the
+    usual 1/sqrt(head_dim), their tokens differed from transformers' with no error."""
+    from common.errors import ModelLoadError
+    from common.model_spec import model_config
+
+    write_checkpoint(tmp_path, "gpt2")
+    config = json.loads((tmp_path / "config.json").read_text())
+    for key, value in (("scale_attn_weights", False), ("scale_attn_by_inverse_layer_idx", True)):
+        (tmp_path / "config.json").write_text(json.dumps({**config, key: value}))
+        with pytest.raises(ModelLoadError, match=f"{key}={value!r} is not supported; allowed: "):
+            model_config(str(tmp_path))
 
 
 def test_a_sliding_window_is_the_context_served(tmp_path):
