@@ -121,8 +121,17 @@ def textless_ids(params, eos_token_ids) -> frozenset[int]:
 
 
 def output_text(tokenizer, ids: list[int], params, eos_token_ids=()) -> str:
-    """A whole output's text decoded at once, as TextStream builds it token by token: without the
-    text of a stop token that ended it, nor of a character it ends inside of."""
+    """A whole output's text, the text TextStream builds token by token: without the text of a stop
+    token that ended it, nor of a character it ends inside of. Decoded at once where that is the
+    same text, which holds no U+FFFD; else streamed: a byte-fallback decoder (SentencePiece's
+    <0xNN> tokens) turns a whole run of bytes to U+FFFD when it ends inside a character, the
+    complete characters before that one included."""
     if ids and ids[-1] in textless_ids(params, eos_token_ids):
         ids = ids[:-1]
-    return tokenizer.decode(ids).rstrip("\ufffd")
+    text = tokenizer.decode(ids)
+    if "\ufffd" not in text:
+        return text
+    stream = TextStream(tokenizer)
+    for token in ids:
+        stream.add(token)
+    return stream.final()

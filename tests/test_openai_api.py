@@ -404,6 +404,37 @@ def test_a_stop_string_completed_by_a_token_ending_in_a_partial_character_is_fou
     assert (ts.final(), ts.stop_reason) == ("", "xa")
 
 
+def byte_fallback_tokenizer():
+    """A SentencePiece-style tokenizer.json in memory: a few letters, and <0xNN> tokens for every
+    other byte, which its decoder fuses into characters by runs."""
+    from tokenizers import Tokenizer, decoders, models
+
+    from common.tokenizer import HFTokenizer
+
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}}
+    vocab.update({ch: len(vocab) + i for i, ch in enumerate("\u2581helo")})
+    tok = Tokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    return HFTokenizer(tok)
+
+
+def test_an_output_cut_inside_a_character_keeps_the_whole_characters_before_it_streamed_or_not():
+    """A byte-fallback decoder turns a whole run of byte tokens to U+FFFD when the run ends inside a
+    character: the text of a non-streamed output lost the complete emoji before the cut one, where
+    the streamed text kept it."""
+    from common.text import output_text
+
+    tok = byte_fallback_tokenizer()
+    byte = {b: 1 + b for b in range(256)}
+    emoji = "\U0001F600".encode()
+    ids = tok.encode("hello") + [byte[b] for b in emoji + emoji[:2]]  # max_tokens cut the second emoji
+    assert tok.decode(ids) == "hello" + "\ufffd" * 6  # the whole run, the first emoji's bytes with it
+    params = SamplingParams(max_tokens=len(ids))
+    assert output_text(tok, ids, params) == stream_all(tok, ids)[1] == "hello\U0001F600"
+    for cut in range(len(ids) + 1):  # every prefix: the same text streamed or not
+        assert output_text(tok, ids[:cut], params) == stream_all(tok, ids[:cut])[1]
+
+
 # ----------------------------------------------------------------------------- the router's side, with a scripted worker
 
 
