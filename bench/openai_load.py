@@ -20,11 +20,21 @@ from bench.serve import Sample
 from router.client import RequestError
 
 
+async def refused(method: str, url: str, r: aiohttp.ClientResponse) -> RequestError:
+    """A server's refusal, as the CLI reports errors: its status and body, and for a 401 the flag."""
+    text = (await r.text())[:500]
+    if r.status == 401:
+        return RequestError("UNAUTHENTICATED", f"{method} {url} answered 401 ({text}): pass the server's "
+                                               "--api-key")
+    return RequestError("UNAVAILABLE" if r.status >= 500 else "INVALID_ARGUMENT",
+                        f"{method} {url} answered {r.status}: {text}")
+
+
 async def served_model(session: aiohttp.ClientSession, base_url: str, headers: dict) -> str:
     try:
         async with session.get(f"{base_url}/v1/models", headers=headers) as r:
             if r.status != 200:
-                raise RuntimeError(f"GET {base_url}/v1/models answered {r.status}: {await r.text()}")
+                raise await refused("GET", f"{base_url}/v1/models", r)
             return (await r.json())["data"][0]["id"]
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:  # refused, timed out, not a URL
         raise RequestError("UNAVAILABLE", f"no HTTP server answers at {base_url} ({type(e).__name__}: {e}): is "
@@ -46,7 +56,7 @@ async def completion_chunks(session: aiohttp.ClientSession, url: str, body: dict
     (time.perf_counter); a refused request raises."""
     async with session.post(url, json=body, headers=headers) as r:
         if r.status != 200:
-            raise RuntimeError(f"POST {url} answered {r.status}: {await r.text()}")
+            raise await refused("POST", url, r)
         async for line in r.content:
             if line.startswith(b"data: ") and not line.startswith(b"data: [DONE]"):
                 yield time.perf_counter(), json.loads(line[6:])

@@ -283,7 +283,23 @@ for _role in ("prefill", "decode", "mono"):
     worker_command(_role)
 
 
-@main.command()
+class _LaunchCommand(click.Command):
+    """launch, whose unknown flags that are a worker's own say how to give them to every worker."""
+
+    def parse_args(self, ctx, args):
+        try:
+            return super().parse_args(ctx, args)
+        except click.NoSuchOption as e:
+            workers = {opt: p for role in ("prefill", "decode") for p in main.commands[role].params for opt in p.opts}
+            param = workers.get(e.option_name)
+            if param is None:
+                raise
+            form = e.option_name if getattr(param, "is_flag", False) else f"{e.option_name}=VALUE"
+            raise click.UsageError(f"{e.option_name} is a worker's flag, not launch's; give it to every worker "
+                                   f"as --worker-arg={form}", ctx) from None
+
+
+@main.command(cls=_LaunchCommand)
 @click.option("--prefill", default=None, type=click.IntRange(min=0), help="prefill workers [default: 1; 0 with --mono]")
 @click.option("--decode", default=None, type=click.IntRange(min=0), help="decode workers [default: 1; 0 with --mono]")
 @click.option("--mono", default=0, show_default=True, type=click.IntRange(min=0), help="monolithic workers")

@@ -103,6 +103,10 @@ def test_launch_refuses_flags_it_would_silently_ignore():
         (["--host", "10.9.9.9", "--worker-port", "0"], "host '10.9.9.9' is not an address of this machine, so "
                                                        "--worker-port 0"),
         (["--port", "65535"], "--port 65535 leaves no port + 1 for the workers; give --worker-port"),
+        (["--no-kv-stream"], "--no-kv-stream is a worker's flag, not launch's; give it to every worker as "
+                             "--worker-arg=--no-kv-stream"),  # click offered --no-kv-events
+        (["--kv-lease", "3"], "give it to every worker as --worker-arg=--kv-lease=VALUE"),
+        (["--bogus"], "No such option '--bogus'"),
     ]
     for args, message in cases:
         r = pdserve("launch", "--dry-run", *args)

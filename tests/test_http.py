@@ -22,7 +22,7 @@ openai = pytest.importorskip("openai")  # a test extra; the GPU machine's image 
 
 from common.engine import Engine  # noqa: E402
 from common.sampling_params import SamplingParams, choice_seed
-from router.client import Client
+from router.client import Client, RequestError
 from tests.cluster import cluster, router_children, wait_blocks_free
 
 pytestmark = pytest.mark.timeout(600)
@@ -761,6 +761,10 @@ def test_bench_serve_drives_the_http_api(served, capsys):
     assert (row["frontend"], row["requests"], row["output_tokens"]) == ("http", 4, 4 * 8)
     assert row["ttft_p50_ms"] > 0 and row["output_tok_s"] > 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result
+    for key in (None, "wrong"):  # was a RuntimeError's traceback
+        with pytest.raises(RequestError, match="UNAUTHENTICATED: GET .*/v1/models answered 401 .*pass the server's "
+                                               "--api-key"):
+            run_serve_bench(MODEL, [], ["smoke_test"], None, 0, [], base_url=served.http_url, api_key=key)
 
 
 def test_bench_serve_runs_find_no_prompt_of_another_in_the_caches(served):
