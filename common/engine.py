@@ -16,6 +16,7 @@ N's sampling is queued after them, so the device runs the forward while the host
 
 from __future__ import annotations
 
+import atexit
 import gc
 import itertools
 import logging
@@ -49,9 +50,12 @@ def freeze_startup_objects() -> None:
     once its engine started: otherwise each full collection scans them all again, a stall of
     50-150 ms in whichever step it falls (async scheduling, which keeps a step's objects alive
     into the next, makes collections there). Later objects are collected as before. For a
-    process that serves one engine from then on (a worker, a bench); gc.unfreeze() undoes it."""
+    process that serves one engine from then on (a worker, a bench); gc.unfreeze() undoes it, as
+    the process exits: objects left frozen are never freed, and Triton's bindings (nanobind) print
+    thirty lines of "leaked" types at exit."""
     gc.collect()
     gc.freeze()
+    atexit.register(gc.unfreeze)
 
 
 @dataclass
