@@ -20,7 +20,7 @@ from torch import nn
 from common.attention import make_attention
 from common.errors import ModelLoadError
 from common.model import Transformer
-from common.model_spec import ModelConfig, load_tokenizer, model_config, model_path
+from common.model_spec import LFS_POINTER, ModelConfig, load_tokenizer, model_config, model_path
 from common.sampling import GOLDEN, logical_shr, splitmix64
 from common.tokenizer import ByteTokenizer, HFTokenizer
 
@@ -183,9 +183,6 @@ def _checkpoint_index(path: Path) -> dict[str, Path]:
     return files
 
 
-_LFS_POINTER = b"version https://git-lfs.github.com/spec/"
-
-
 def _safetensors(f: Path):
     """safe_open(f), or a ModelLoadError naming the file and what is wrong with it: a clone made
     without git-lfs holds a text pointer where the weights belong; a copy cut short, a header
@@ -196,7 +193,7 @@ def _safetensors(f: Path):
         return safe_open(str(f), framework="pt")
     except (SafetensorError, OSError) as e:
         with open(f, "rb") as head:
-            if head.read(len(_LFS_POINTER)) == _LFS_POINTER:
+            if head.read(len(LFS_POINTER)) == LFS_POINTER:
                 raise ModelLoadError(f"{f}: a Git LFS pointer, not the weights; allowed: the file itself (run "
                                      "`git lfs pull` in the checkout)") from None
         raise ModelLoadError(f"{f}: not a whole safetensors file ({e})") from None

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from common.errors import InvalidArgument, ModelLoadError, short_repr as _short
-from common.model_spec import ModelConfig, check_number, sample_file
+from common.model_spec import LFS_POINTER, ModelConfig, check_number, sample_file
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 ROPE_SCALINGS = ("none", "linear")
@@ -54,6 +54,18 @@ class GGUFFile:
 
     def __init__(self, path: Path):
         self.path = path
+        try:
+            with open(path, "rb") as f:
+                magic = f.read(len(LFS_POINTER))
+        except OSError as e:
+            raise ModelLoadError(f"{path}: cannot read ({e})") from e
+        if magic == LFS_POINTER:
+            raise ModelLoadError(f"{path}: a Git LFS pointer, not the model; allowed: the file itself (run "
+                                 "`git lfs pull` in the checkout)")
+        magic = magic[:4]
+        if magic != b"GGUF":
+            raise ModelLoadError(f"{path}: not a GGUF file (it begins {magic!r}, not b'GGUF'); allowed: a GGUF "
+                                 "file, or a Hugging Face checkpoint directory")
         try:
             self.reader = _reader(path)
         except Exception as e:  # the reader raises ValueError, struct and numpy errors alike

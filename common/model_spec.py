@@ -189,6 +189,9 @@ def _dummy_config(spec: str) -> ModelConfig:
     return replace(DUMMY_PRESETS[preset], name=spec, fingerprint=spec)
 
 
+LFS_POINTER = b"version https://git-lfs.github.com/spec/"  # what a clone made without git-lfs holds for a file
+
+
 def model_path(spec: str) -> Path:
     """A named model's GGUF file, a GGUF file, or a checkpoint directory."""
     from common.model_hub import NAMED_MODELS, named_model_path
@@ -198,10 +201,12 @@ def model_path(spec: str) -> Path:
     path = Path(spec).expanduser()
     if path.is_file() or (path / "config.json").is_file():
         return path
+    found = ("no such file or directory" if not path.exists() else
+             "a directory without config.json" if path.is_dir() else "not a regular file")
     raise ModelLoadError(f"model={spec!r} is not a dummy preset ("
                          + ", ".join(f"dummy:{p}" for p in DUMMY_PRESETS)
                          + "), a named model (" + ", ".join(NAMED_MODELS)
-                         + "), a GGUF file or a directory holding config.json")
+                         + f"), a GGUF file or a directory holding config.json ({spec}: {found})")
 
 
 # ---------------------------------------------------------------- Hugging Face checkpoints

@@ -6,6 +6,7 @@ package index is tests/test_smollm2.py's."""
 
 import json
 import os
+import pathlib
 import random
 
 import numpy as np
@@ -282,9 +283,18 @@ def test_load_errors_name_file_key_and_allowed_values(tmp_path):
     fewer = variant("fewer", metadata={"llama.block_count": (1, GGUFValueType.UINT32)})
     with pytest.raises(ModelLoadError, match=r"unexpected tensor 'blk.1.*1 layers of architecture 'llama'"):
         Engine(model=fewer)
-    (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all")
-    with pytest.raises(ModelLoadError, match=r"junk.gguf: not a readable GGUF file"):
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all")  # was numpy's words on a dtype's size
+    with pytest.raises(ModelLoadError, match=r"junk.gguf: not a GGUF file \(it begins b'not ', not b'GGUF'\)"):
         Engine(model=str(tmp_path / "junk.gguf"))
+    (tmp_path / "lfs.gguf").write_bytes(b"version https://git-lfs.github.com/spec/v1\noid sha256:00\nsize 9\n")
+    with pytest.raises(ModelLoadError, match=r"lfs.gguf: a Git LFS pointer, not the model"):
+        Engine(model=str(tmp_path / "lfs.gguf"))
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(pathlib.Path(yarn).read_bytes()[:200])
+    with pytest.raises(ModelLoadError, match=r"cut.gguf: not a readable GGUF file"):
+        Engine(model=str(cut))
+    with pytest.raises(ModelLoadError, match=r"nowhere.gguf: no such file or directory"):
+        Engine(model=str(tmp_path / "nowhere.gguf"))
     with pytest.raises(ModelLoadError, match=r"not a dummy preset .* a named model \(smollm2\), a GGUF file"):
         Engine(model="smollm3")
 
