@@ -14,9 +14,9 @@ is the backpressure, and a busy decode worker is a queue, not a failure. A queue
 prefill worker stops asking about (it asks every REASK_S) is dropped after QUEUE_STALE_S. Where a peer
 may write our blocks itself (shm, cuda_ipc), a cancelled reservation's blocks are fenced: they
 come back only when that writer says it is done (for cuda_ipc on one GPU, once the event its header
-carries completed), or at the end of the lease once the writer is inside no copy (a writer stopped
-in one may resume: common/kv_transport/copy_count.py). Past its lease, a reservation is fenced
-likewise.
+carries completed), or at the end of the lease once every copy the writer was inside at that end
+has ended (a writer stopped in one may resume: common/kv_transport/copy_count.py). Past its lease,
+a reservation is fenced likewise, and a renewal of it refused.
 
 A decode worker also takes PrefillWork that names it as its decode worker, and runs the whole
 request itself: a local prefill, where the router judges the handoff not worth its cost (a short
@@ -27,9 +27,11 @@ disaggregated topologies must beat.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import zmq
 
@@ -38,7 +40,7 @@ from common.channel import Channel, Envelope
 from common.engine import RequestOutput
 from common.errors import InvalidArgument
 from common.kv_transport import Inbox, make_receivers, offered, tune_malloc
-from common.kv_transport.copy_count import copies_in_flight
+from common.kv_transport.copy_count import counts_of, ended_since, in_flight
 from common.kv_transport.mapped import HOSTNAME, process_gone
 from common.sampling_params import SamplingParams
 from common.worker import STALLED_POLL_MS, WorkerBase
@@ -70,17 +72,24 @@ class Reservation:
     granted_at: float
     writer: tuple[str, int] = ("", 0)  # the asking prefill worker's (host, pid): KVReserve's
     inbox: Inbox | None = None  # made by the first KVChunk or the KVTransfer
+    waited: dict | None = None  # fenced past its lease: its writer's copies then in flight (copy_count.in_flight)
+    told: bool = False  # that its blocks wait on their writer long past the lease
 
     def writer_gone(self) -> bool:
         """Whether its writer was a process of this host that has exited: fenced blocks need not
         wait for the lease's end (a stopped writer may resume, and checks its lease; a dead one cannot)."""
         return self.writer[0] == HOSTNAME and process_gone(self.writer[1])
 
-    def writer_copying(self) -> bool:
-        """Whether its writer, a process of this host, is inside a copy (copy_count.py): past the
-        lease's end, its blocks wait for a moment when it is not (a writer stopped inside a copy
-        for longer than the lease's margin would go on writing into them when it resumes)."""
-        return self.writer[0] == HOSTNAME and copies_in_flight(self.writer[1]) > 0
+    def copies_ended(self, counts: Callable[[int], list]) -> bool:
+        """Past the lease: whether every copy its writer, a process of this host, was inside when
+        first asked has ended (copy_count.py; counts: its counts_of). A writer stopped inside a
+        copy for longer than the lease's margin would write on into the blocks when it resumes."""
+        if self.writer[0] != HOSTNAME:
+            return True  # no one-sided writer: those are on this host
+        now = counts(self.writer[1])
+        if self.waited is None:
+            self.waited = in_flight(now)
+        return ended_since(now, self.waited)
 
 
 class DecodeWorker(WorkerBase):
@@ -171,6 +180,9 @@ class DecodeWorker(WorkerBase):
     def _free(self, rid: str, r: Reservation, writer_done: bool):
         """Unreserve r's blocks, or fence them while a peer may still be writing them."""
         if self.one_sided and not writer_done:
+            held = self.fenced.get((rid, r.attempt))
+            if held is not None:  # (a reservation is never granted under a fenced key: kept whole all the same)
+                r.block_ids, r.expires = held.block_ids + r.block_ids, max(held.expires, r.expires)
             self.fenced[(rid, r.attempt)] = r
         else:
             self.engine.unreserve(r.block_ids)
@@ -244,6 +256,8 @@ class DecodeWorker(WorkerBase):
         held = self._attempt(rid)
         if held is not None and held > msg.attempt:  # a late ask of an attempt the router has replaced
             return refuse("CANCELLED", f"attempt {msg.attempt} was replaced by attempt {held}, held here")
+        if (rid, msg.attempt) in self.fenced:  # a renewal too late: its blocks may still be written, not granted again
+            return refuse("TIMEOUT", f"the lease of attempt {msg.attempt} ended here before it was renewed")
         old = self.reservations.get(rid)
         if old is not None and old.attempt == msg.attempt:  # asked again (a renewal): the same blocks, a new lease
             old.expires = max(old.expires, now + self.cfg.kv_lease_s)
@@ -425,13 +439,19 @@ class DecodeWorker(WorkerBase):
         check_writers = self.fenced and now - self.writers_checked >= WRITERS_CHECKED_S
         if check_writers:
             self.writers_checked = now
+        counts = functools.cache(counts_of)  # each writer's file read once a check
         for key, r in list(self.fenced.items()):
             # no copy starts past the lease, nor once its writer exited; a cuda_ipc header's copies end with its
             # event; the lease ended, one begun before may still run while the writer is inside a copy
             if (r.inbox is not None and r.inbox.fence is not None and not r.inbox.writing()) \
-                    or (check_writers and (r.writer_gone() or (now > r.expires and not r.writer_copying()))):
+                    or (check_writers and (r.writer_gone() or (now > r.expires and r.copies_ended(counts)))):
                 del self.fenced[key]
                 self.engine.unreserve(r.block_ids)
+            elif check_writers and now > r.expires + self.cfg.kv_lease_s and not r.told:
+                r.told = True
+                log.warning("the %d KV blocks of %s (attempt %d) still wait, a lease past its end, for writer %s "
+                            "pid %d: it has been inside a copy into them since before that end (stopped?)",
+                            len(r.block_ids), key[0], key[1], *r.writer)
         for receiver in self.receivers.values():
             receiver.poll(now)
 

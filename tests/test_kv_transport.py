@@ -28,7 +28,7 @@ from common.kv_cache import SharedSegment
 import common.kv_transport.frames as K
 from common.kv_transport import (Inbox, Outgoing, ShmReceiver, ShmSender, TransportError,
                                  ZmqSender, choose, unit_bytes, unit_view)
-from common.kv_transport.copy_count import CopyCount, copies_in_flight
+from common.kv_transport.copy_count import counts_of, ended_since, in_flight
 from common.kv_transport.frames import piece_frames as _piece
 from common.kv_transport.mapped import HOSTNAME
 from common.sampling_params import SamplingParams
@@ -340,14 +340,14 @@ def test_a_one_sided_copy_is_counted_for_the_peer_while_it_runs(shm_peer, monkey
     import common.kv_transport.mapped as M
     segment, advert, ours, sender = shm_peer
     seen = []
-    monkeypatch.setattr(M, "copy_blocks", lambda *a: seen.append(copies_in_flight(os.getpid())))
+    monkeypatch.setattr(M, "copy_blocks", lambda *a: seen.append(len(in_flight(counts_of(os.getpid())))))
     for write_by in (time.monotonic() + 60, time.monotonic() - 1):
         out = Outgoing("r", 1, ours, [0, 1], [2, 3], advert, lambda m, f: None, write_by)
         handle = sender.open(out)
         sender.send(out, handle, range(2), range(2))
         sender.finish(handle)
     assert seen == [1]  # inside the copy; the late one wrote nothing
-    assert copies_in_flight(os.getpid()) == 0
+    assert in_flight(counts_of(os.getpid())) == {}
 
 
 def test_a_dead_peers_pool_is_unmapped_only_after_the_copies_queued_into_it(shm_peer):
@@ -544,9 +544,12 @@ def test_cancelled_reservation_waits_for_a_one_sided_writer(tmp_path, transport)
 
 @contextlib.contextmanager
 def writer_inside_a_copy():
-    """A process that enters one counted copy (copy_count.py) and stays inside it until told, then
-    waits to be killed: (process, a function that ends its copy)."""
-    code = ("import sys; from common.kv_transport.copy_count import counted\n"
+    """A process that enters one counted copy (copy_count.py) and stays inside it until told, while
+    another of its threads copies without pause, then waits to be killed: (process, a function
+    that ends the first copy)."""
+    code = ("import sys, threading, time; from common.kv_transport.copy_count import counted\n"
+            "def busy():\n while True:\n  with counted(): time.sleep(0.05)\n"
+            "threading.Thread(target=busy, daemon=True).start()\n"
             "with counted():\n print('in', flush=True); sys.stdin.readline()\n"
             "print('out', flush=True); sys.stdin.readline()")
     proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -564,25 +567,45 @@ def writer_inside_a_copy():
 
 
 def test_the_copies_a_writer_is_inside_are_seen_from_another_process_and_a_dead_ones_file_is_swept():
+    from common.kv_transport.copy_count import _sweep
+
     with writer_inside_a_copy() as (writer, leave):
-        assert copies_in_flight(writer.pid) == 1
-        files = glob.glob(f"/dev/shm/pdserve-copies-{writer.pid}-*")
-        assert len(files) == 1
+        counts = counts_of(writer.pid)
+        waited = in_flight(counts)
+        assert len(waited) in (1, 2) and not ended_since(counts, waited)  # the held copy, maybe the busy one's
+        assert len(glob.glob(f"/dev/shm/pdserve-copies-{writer.pid}-*")) == 1
+        time.sleep(0.3)
+        assert not ended_since(counts_of(writer.pid), waited)  # the busy thread's copies ended; not the held one
         leave()
-        assert copies_in_flight(writer.pid) == 0
-        assert copies_in_flight(os.getppid()) == 0  # a process that never counted
+        assert ended_since(counts_of(writer.pid), waited)  # with no moment of the whole writer's idle
+        assert counts_of(os.getppid()) == []  # a process that never counted
     with writer_inside_a_copy() as (killed, _):
         pass  # killed inside its copy: its file stays, counting one in flight
     (stale,) = glob.glob(f"/dev/shm/pdserve-copies-{killed.pid}-*")
-    assert copies_in_flight(killed.pid) == 0  # it has exited: it copies nothing
-    CopyCount().close()  # a writer starting sweeps the files of writers that have exited
+    assert counts_of(killed.pid) == []  # it has exited: it copies nothing
+    _sweep()  # as a writer starting does: the files of writers that have exited go
     assert not os.path.exists(stale)
+
+
+def test_a_forked_childs_exit_leaves_its_parents_count():
+    """The count's file goes at its own process's exit: a forked child inherited the parent's exit
+    hook, and its exit took the parent's file (its copies then unseen by decode workers)."""
+    code = ("import os, sys, glob; from common.kv_transport.copy_count import counted\n"
+            "with counted(): pass\n"
+            "pid = os.fork()\n"
+            "if pid == 0: sys.exit(0)\n"
+            "os.waitpid(pid, 0)\n"
+            "print(len(glob.glob(f'/dev/shm/pdserve-copies-{os.getpid()}-*')))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.stdout.strip() == "1", (r.stdout, r.stderr)
 
 
 def test_blocks_past_their_lease_wait_for_a_writer_stopped_inside_a_copy(tmp_path):
     """A writer checks the lease as each copy starts, but one stopped inside a copy for longer than
-    the lease's margin writes on when it resumes, past the lease's end: the blocks come back only
-    at a moment when their writer is inside no copy. A writer inside none gets them back at the
+    the lease's margin writes on when it resumes, past the lease's end: the blocks come back once
+    the copies it was inside when the lease ended have ended (its other threads' later copies
+    hold nothing up). Renewed too late, the reservation is refused, not granted other blocks under
+    the same key (whose blocks were then lost). A writer inside no copy gets them back at the
     lease's end."""
     layout = Engine(model="dummy:nanogpt", num_blocks=4).kv_layout
     with decode_worker(tmp_path, "shm", args=("--kv-lease", "1")) as d, writer_inside_a_copy() as (writer, leave):
@@ -593,6 +616,10 @@ def test_blocks_past_their_lease_wait_for_a_writer_stopped_inside_a_copy(tmp_pat
         time.sleep(2.5)  # the lease's second, and the writers' checks many times over
         hb = heartbeat(d)
         assert hb.total_blocks - hb.free_blocks == len(grant.block_ids), hb
+        chan.send(P.KVReserve("x", 1, 100, layout, writer_host=HOSTNAME, writer_pid=writer.pid))
+        late = chan.recv(10_000).msg
+        assert isinstance(late, P.KVRefuse) and late.code == "TIMEOUT", late
+        assert "ended here before it was renewed" in late.message
         leave()
         all_free(d)
         chan.send(P.KVReserve("y", 1, 100, layout, writer_host=HOSTNAME, writer_pid=writer.pid))

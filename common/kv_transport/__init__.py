@@ -43,7 +43,7 @@ prefill never starts writing past its own view of the lease (measured from its r
 earlier than the decode worker's), checked as each copy starts, not when it is queued (cuda_ipc
 on one GPU: as it is queued on the device, which runs a step or two behind). A copy begun in time
 may outlast the lease if its writer is stopped inside it, so past the lease blocks come back only
-at a moment when their writer is inside no copy (copy_count.py).
+once every copy their writer was inside at the lease's end has ended (copy_count.py).
 """
 
 from __future__ import annotations

@@ -1,14 +1,22 @@
-"""Whether a one-sided writer (shm, cuda_ipc) is inside a copy into a peer's pool, as the peer
-sees it: a decode worker takes back blocks whose lease ended only at a moment when the process
-they were granted to copies nothing.
+"""Whether a one-sided writer (shm, cuda_ipc) may still be inside a copy into a peer's pool that
+began before a lease ended, as the peer sees it: a decode worker takes back blocks whose lease
+ended without word from their writer only once every such copy has ended.
 
 A writer checks its lease as each copy starts (mapped.py), LEASE_MARGIN_S before the decode
 worker's end of it, so no copy starts after that end. One that started in time may still run
 past it if its process was stopped inside it (SIGSTOP, a debugger, a swap storm) for longer than
 the margin, and would then write into blocks given to another request. So each writer process
-counts the copies it began and ended in a 16-byte file of /dev/shm named by its pid and start
-time; at a moment after the lease's end when the two are equal, no copy that began before that
-end is still running, whatever the threads, and none can begin after it.
+counts the copies each of its threads began and ended, in a file of /dev/shm named by its pid
+and start time (a slot of two counts per thread). Past a lease, the decode worker notes, for
+each slot with a copy in flight, the count begun, and waits until as many have ended there: no
+idle moment of the whole writer is needed, so a busy writer holds nothing up.
+
+A copy is counted from before its lease check, so one the decode worker does not see began
+after the lease's end (a store reaches other cores long before the margin's second), and found
+the lease ended. Ended is read before begun, so that copies begun and ended between the two
+reads never hide one that was running. A cuda_ipc copy queued on the GPU (to a peer on the same
+device) is counted while it is queued: the device runs it a step or so later, which the margin
+covers for steps under a second.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import glob
+import itertools
 import mmap
 import os
 import threading
@@ -23,7 +32,8 @@ import threading
 from common.kv_cache import SHM_DIR
 
 PREFIX = "pdserve-copies"
-_SIZE = 16  # two unsigned 64-bit counts: copies begun, copies ended
+SLOTS = 64  # threads past this many share slots, and take turns copying
+_SIZE = SLOTS * 16  # per slot, two unsigned 64-bit counts: copies begun, copies ended
 
 
 def _started(pid: int) -> str | None:
@@ -36,18 +46,20 @@ def _started(pid: int) -> str | None:
         return None
 
 
-def _path(pid: int, started: str) -> str:
+def _path(pid, started) -> str:
     return os.path.join(SHM_DIR, f"{PREFIX}-{pid}-{started}")
 
 
 class CopyCount:
-    """This process's count of copies into peers' pools, in its file, for decode workers to read
-    (copies_in_flight). One per process: counted()."""
+    """This process's counts of copies into peers' pools, per thread, in its file, for decode
+    workers to read (counts_of). One per process: counted()."""
 
     def __init__(self):
         self.pid = os.getpid()
-        self.lock = threading.Lock()  # copies run on several threads (copiers, cuda_ipc's queuing)
-        self.begun = self.ended = 0
+        self.locks = [threading.Lock() for _ in range(SLOTS)]  # held through a copy: a slot's never overlap
+        self.begun, self.ended = [0] * SLOTS, [0] * SLOTS
+        self.thread_slot = threading.local()
+        self.slots_given = itertools.count()
         self.path, self.view = None, None
         started = _started(self.pid)
         if started is None:
@@ -67,23 +79,25 @@ class CopyCount:
 
     @contextlib.contextmanager
     def counted(self):
-        """Around one copy, its lease check included: begun is stored before the check, so that a
-        decode worker that reads no copy in flight after the lease's end knows that any copy
-        begun later saw the lease ended (a store reaches other cores long before the margin's second)."""
-        with self.lock:
-            self.begun += 1
+        """Around one copy, its lease check included (see the module's docstring)."""
+        slot = getattr(self.thread_slot, "slot", None)
+        if slot is None:
+            slot = self.thread_slot.slot = next(self.slots_given) % SLOTS
+        with self.locks[slot]:
+            self.begun[slot] += 1
             if self.view is not None:
-                self.view[0] = self.begun
-        try:
-            yield
-        finally:
-            with self.lock:
-                self.ended += 1
+                self.view[2 * slot] = self.begun[slot]
+            try:
+                yield
+            finally:
+                self.ended[slot] += 1
                 if self.view is not None:
-                    self.view[1] = self.ended
+                    self.view[2 * slot + 1] = self.ended[slot]
 
     def close(self):
-        if self.path is not None:
+        """Remove the file at exit, unless a copy is still running (a daemon copier thread runs on
+        while the interpreter shuts down) or this is a forked child: _sweep removes it later."""
+        if self.path is not None and os.getpid() == self.pid and self.begun == self.ended:
             with contextlib.suppress(OSError):
                 os.unlink(self.path)
             self.path = None
@@ -111,25 +125,34 @@ def counted() -> contextlib.AbstractContextManager:
     return _this_process.counted()
 
 
-def copies_in_flight(pid: int) -> int:
-    """How many copies process pid of this host was inside at one moment between this call's start
-    and end: 0 if it counts none (not a writer, exited, or no /proc here). Ended is read before
-    begun, so that copies begun and ended between the two reads never hide one still running."""
+def counts_of(pid: int) -> list[tuple[int, int]]:
+    """Process pid's (begun, ended) per slot, ended read first; [] if it counts nothing (not a
+    writer, exited, or no /proc here)."""
     started = _started(pid)
     if started is None:
-        return 0
+        return []
     try:
         fd = os.open(_path(pid, started), os.O_RDONLY)
     except OSError:
-        return 0
+        return []
     try:
         with mmap.mmap(fd, _SIZE, prot=mmap.PROT_READ) as m:
             view = memoryview(m).cast("Q")
-            ended = view[1]
-            begun = view[0]
+            ended = view[1::2].tolist()
+            begun = view[0::2].tolist()
             view.release()
     except (OSError, ValueError):  # a file cut short: not one of ours
-        return 0
+        return []
     finally:
         os.close(fd)
-    return begun - ended
+    return list(zip(begun, ended))
+
+
+def in_flight(counts: list[tuple[int, int]]) -> dict[int, int]:
+    """The slots of counts_of() with a copy in flight: slot -> the copies begun there by then."""
+    return {slot: begun for slot, (begun, ended) in enumerate(counts) if begun > ended}
+
+
+def ended_since(counts: list[tuple[int, int]], waited: dict[int, int]) -> bool:
+    """Whether every copy in flight when `waited` (in_flight()) was read has ended, by counts_of() now."""
+    return all(slot >= len(counts) or counts[slot][1] >= begun for slot, begun in waited.items())
