@@ -42,6 +42,13 @@ class Worker:
     prefix_index: PrefixIndex | CacheMirror | None = None  # prefix_affine: what its prefix cache holds
     max_model_len: int = 0  # the context it serves, prompt and output (0: not said)
 
+    def lost(self) -> None:
+        """Gone, dead or left: nothing of its last heartbeat stands (its requests move elsewhere, its
+        pool is dropped), so its gauges and status read idle until it registers again."""
+        self.alive = False
+        self.queued = self.running = self.held = 0
+        self.free_blocks = self.total_blocks
+
     def describe(self, now: float) -> dict:
         return {"worker_id": self.worker_id, "role": self.role, "incarnation": self.incarnation,
                 "device": self.device, "alive": self.alive, "leaving": self.leaving, "queued": self.queued,

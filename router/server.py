@@ -601,7 +601,7 @@ class Router:
 
     def worker_lost(self, w: Worker, why: str, died: bool = True):
         """w is gone (died: not by leaving gracefully): what it held is re-dispatched."""
-        w.alive = False
+        w.lost()
         if died:
             self.metrics.worker_deaths.inc()
         (log.warning if died else log.info)("worker %s %s (%s); %d requests to recover", w.worker_id,

@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 openai = pytest.importorskip("openai")  # a test extra; the GPU machine's image lacks it, and its gpu tests are elsewhere
 
+from common import protocol as P  # noqa: E402
 from common.engine import Engine  # noqa: E402
 from common.sampling_params import SamplingParams, choice_seed
 from router.client import Client, RequestError
@@ -729,6 +730,39 @@ def test_metrics_parse_and_count_known_requests(served):
         assert value(after, "pdserve:worker_kv_blocks_used", **worker) == 0
     assert value(after, "pdserve:num_requests_running") == value(after, "pdserve:num_requests_waiting") == 0
     assert all(re.fullmatch(r"pdserve:[a-z0-9_]+", n) for n, _ in after)
+
+
+def test_a_dead_workers_gauges_and_status_read_idle_not_its_last_heartbeat():
+    """A worker declared dead kept its last heartbeat's load in its per-worker gauges and in
+    `status --json` for the 5 minutes it is remembered: a panel summing running requests or KV in
+    use showed load that had moved to other workers, or gone."""
+    from router.metrics import _StateCollector
+    from tests.cluster import scripted_worker, serving_router
+
+    async def scenario():
+        async with serving_router(model=MODEL, heartbeat_timeout_s=0.5) as (router, connect):
+            worker = await scripted_worker(router, connect, "decode-0", role="decode")
+            await worker.send(P.Heartbeat("decode-0", "1", queued=2, running=6, free_blocks=10, total_blocks=64,
+                                          held=1))
+            views = []
+            w = router.registry.workers["decode-0"]
+            for seen in (lambda: w.running == 6, lambda: not w.alive):  # its heartbeat read; then dead
+                deadline = time.monotonic() + 10
+                while not seen():
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.05)
+                gauges = {(m.name, s.labels["worker_id"]): s.value for m in _StateCollector(router, MODEL).collect()
+                          for s in m.samples if "worker_id" in s.labels}
+                views.append((gauges, w.describe(time.monotonic())))
+            return views
+
+    (live, live_status), (dead, dead_status) = asyncio.run(scenario())
+    key = lambda name: (f"pdserve:{name}", "decode-0")  # noqa: E731
+    assert [live[key(n)] for n in ("worker_num_requests_running", "worker_num_requests_waiting",
+                                   "worker_kv_blocks_used")] == [6, 3, 54]
+    assert [dead[key(n)] for n in ("worker_alive", "worker_num_requests_running", "worker_num_requests_waiting",
+                                   "worker_kv_blocks_used", "kv_cache_usage_perc")] == [0, 0, 0, 0, 0]
+    assert (live_status["running"], dead_status["running"], dead_status["free_blocks"]) == (6, 0, 64)
 
 
 def test_request_gauges_count_what_workers_run_and_the_rest_as_waiting():
