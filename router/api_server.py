@@ -74,6 +74,7 @@ class RouterLink:
         self._asked: dict[type, deque[asyncio.Future]] = defaultdict(deque)  # reply type -> who waits for one
         self._tasks: list[asyncio.Task] = []
         self.connection = Connection(self.chan)
+        self.closed = False
 
     def start(self):
         self._tasks = [asyncio.ensure_future(self._read()), asyncio.ensure_future(self.connection.watch(self._lost)),
@@ -84,7 +85,7 @@ class RouterLink:
         (Router._fit_context), and an API server checks max_tokens against it and shows it in
         /v1/models. Within FOLLOW_CONTEXT_S of a change; a longer prompt meanwhile is still refused
         by the router, and a max_tokens past it ends the output there."""
-        while True:
+        while not self.closed:  # (a cancel that meets the reply in asyncio.wait_for is lost, before Python 3.12)
             try:
                 reply = await self._ask(P.StatusRequest(), P.StatusReply)
             except ApiError:  # the router is busy or away: keep the last context
@@ -96,6 +97,7 @@ class RouterLink:
             await asyncio.sleep(FOLLOW_CONTEXT_S)
 
     async def close(self):
+        self.closed = True
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -126,7 +128,7 @@ class RouterLink:
 
     async def health(self) -> tuple[int, list[str]]:
         reply = await self._ask(P.StatusRequest(), P.StatusReply)
-        return sum(bool(w.get("alive")) for w in reply.workers), list(reply.missing)
+        return sum(bool(w.get("alive")) and not w.get("leaving") for w in reply.workers), list(reply.missing)
 
     async def metrics(self) -> bytes:
         return (await self._ask(P.MetricsRequest(), P.MetricsReply)).text

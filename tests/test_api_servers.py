@@ -409,3 +409,29 @@ def test_the_router_admits_the_least_context_its_live_workers_serve(caplog):
     with caplog.at_level("INFO", logger="pdserve.router"):
         assert asyncio.run(scenario()) == [256, 128, 128, 128, 256, 256, 512, 64, 64, 512, 64, 512]
     assert "no worker known serves less than 512 tokens now: the router admits 512 again" in caplog.text
+
+
+def test_an_api_servers_health_counts_the_workers_that_take_work_as_the_routers_own_does():
+    """/health's worker count: a worker that is leaving (draining, taking no new work) was counted
+    by an API server, not by the router's own HTTP front."""
+    from router.api_server import RouterLink
+    from router.http import LocalBackend
+
+    async def scenario():
+        async with serving_router() as (router, connect):
+            await scripted_worker(router, connect, "mono-0")
+            leaving = await scripted_worker(router, connect, "mono-1")
+            await leaving.send(P.Leaving("mono-1"))
+            deadline = time.monotonic() + 10
+            while not router.registry.workers["mono-1"].leaving:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.02)
+            link = RouterLink(router.frontend.address, router.cfg.model, router.cfg.max_queue)
+            link.start()
+            try:
+                return await LocalBackend(router).health(), await link.health()
+            finally:
+                await link.close()
+
+    local, remote = asyncio.run(scenario())
+    assert local == remote == (1, [])
