@@ -396,8 +396,8 @@ def status(router_address, as_json):
                           "in_flight": reply.in_flight, "context": reply.context, "missing": reply.missing}))
         return
     serves = f"cannot serve: no live {' or '.join(reply.missing)} worker" if reply.missing else "serving"
-    print_table(f"router {router_address} ({reply.model}): {serves}; {reply.queued} queued, {reply.in_flight} in "
-                f"flight; admits a context of {reply.context} tokens",
+    print_table(f"router {router_address} ({reply.model}): {serves}; {reply.queued} queued in the router, "
+                f"{reply.in_flight} with workers; admits a context of {reply.context} tokens",
                 ["worker", "role", "device", "alive", "queued", "held", "running", "free blocks", "total blocks",
                  "context", "KV by", "heartbeat age s"],
                 [[w["worker_id"], w["role"], w["device"], "leaving" if w.get("leaving") and w["alive"] else w["alive"],
