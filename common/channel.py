@@ -143,12 +143,13 @@ class Channel:
         if to is not None:
             return self._post_to(to, parts)
         if not self._waiting:
+            self._settle_soon()  # (also when the send raises: it may have taken the edge all the same)
             try:
                 self._raw.send_multipart(parts, zmq.NOBLOCK)
             except zmq.Again:
                 pass
             else:
-                return self._settle_soon()
+                return
         self._waiting += 1
         self.sock.send_multipart(parts).add_done_callback(self._sent)
 
@@ -161,9 +162,10 @@ class Channel:
         its request's only end."""
         backlog = self._backlogs.get(peer)
         if backlog is None:
+            self._settle_soon()  # a send to a gone peer also takes the edge, before it raises
             try:
                 self._raw.send_multipart(parts, zmq.NOBLOCK)  # a gone peer raises (ROUTER_MANDATORY)
-                return self._settle_soon()
+                return
             except zmq.Again:
                 backlog = self._backlogs[peer] = Backlog(deque(), time.monotonic())
                 self._retry_soon()

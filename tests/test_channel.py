@@ -131,6 +131,42 @@ def test_a_receive_pending_while_posts_go_out_still_wakes(pair):
     asyncio.run(main())
 
 
+def test_a_receive_pending_while_a_post_to_a_gone_peer_fails_still_wakes(pair):
+    """A post to a peer that is gone raises (ROUTER_MANDATORY) but may take the edge all the same:
+    a new SDK client's request, arriving as the router found the last client gone, sat unread in
+    the router's socket until something else woke it (8 s, its client's timeout)."""
+    router, peer = pair
+    ctx = zmq.Context()
+
+    async def main():
+        await _handshake(router, peer)
+        for round_ in range(100):
+            gone = Channel.connect(ctx, zmq.DEALER, router.address, identity=f"gone-{round_}".encode())
+            gone.send(P.Cancel("bye"))
+            assert (await asyncio.wait_for(router.arecv(), 5)).sender == f"gone-{round_}".encode()
+            gone.close()
+            deadline = time.monotonic() + 5
+            while True:  # until the router's socket knows it is gone
+                try:
+                    router.post(P.Cancel("late"), to=f"gone-{round_}".encode())
+                except zmq.ZMQError:
+                    break
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.001)
+            pending = asyncio.ensure_future(router.arecv())
+            await asyncio.sleep(0)  # the receive now waits on the socket's edge
+            peer.send(P.Cancel(f"in-{round_}"))
+            time.sleep(0.002)  # without yielding: ZeroMQ's I/O thread has raised the edge by now
+            with pytest.raises(zmq.ZMQError):  # a send that fails may take the edge the arrival raised
+                router.post(P.Cancel("late"), to=f"gone-{round_}".encode())
+            env = await asyncio.wait_for(pending, 2)
+            assert env.msg.request_id == f"in-{round_}"
+    try:
+        asyncio.run(main())
+    finally:
+        ctx.destroy(linger=0)
+
+
 def test_try_send_gives_up_on_a_peer_that_never_reads_and_then_fails_at_once():
     """A worker whose router died (its queue full) or never answered (a CURVE handshake that
     fails: nothing connected) must go on looping, to handle SIGTERM: it once blocked forever."""
