@@ -31,6 +31,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import os
+import threading
 import time
 import uuid
 from collections import defaultdict, deque
@@ -314,10 +316,14 @@ class _Requests:
     yet) and `_replies` (what came for each, not yet read)."""
 
     closed = False
+    pid = 0  # the process that made it: its sockets are not a forked child's
 
     def _check_open(self) -> None:
         if self.closed:
             raise RuntimeError(f"this {type(self).__name__} is closed; make another")
+        if self.pid != os.getpid():
+            raise RuntimeError(f"this {type(self).__name__} was made in process {self.pid}, before a fork; make one "
+                               "in this process")
 
     def _open_id(self, msg) -> str | None:
         """The id of the open request, or status or metrics call, a reply is for; None if none is
@@ -340,7 +346,11 @@ class _Requests:
     @contextlib.contextmanager
     def _opening(self, request_id: str):
         """Around a request's send: it is open from before it (the first reply may be read while an
-        async send is awaited), and not if the send fails."""
+        async send is awaited), and not if the send fails. An id already open on this client is
+        refused here: the router's refusal, carrying the same id, would end the first request too."""
+        if request_id in self._open:
+            raise RequestError("INVALID_ARGUMENT", f"request_id={request_id!r} is already in flight on this client",
+                               request_id)
         self._open.add(request_id)
         try:
             yield
@@ -357,8 +367,12 @@ class _Requests:
 
 
 class Client(_Requests):
+    """A blocking client for one thread at a time (its ZeroMQ socket is not to be shared between
+    threads: make a Client per thread, or use AsyncClient for many requests at once)."""
+
     def __init__(self, address: str, timeout: float | None = 120.0):
-        self.address, self.timeout = address, timeout
+        self.address, self.timeout, self.pid = address, timeout, os.getpid()
+        self._in_use = threading.Lock()  # held while a call uses the socket (_one_thread)
         self.ctx = zmq.Context()
         self.chan = _connect(self.ctx, address)
         self.connection = Connection(self.chan)
@@ -392,9 +406,21 @@ class Client(_Requests):
         error = self.connection.unreachable(self.address, 0.0, request_id)  # down that long already: queue nothing
         if error is not None:
             raise error
-        with self._opening(request_id):
+        with self._one_thread(), self._opening(request_id):
             self.chan.send(message)
         return request_id
+
+    @contextlib.contextmanager
+    def _one_thread(self):
+        """Around a call's use of the socket: a second thread's, meanwhile, is refused by name (two
+        threads on one socket lost replies, and a call waited out its timeout, or forever)."""
+        if not self._in_use.acquire(blocking=False):
+            raise RuntimeError("this Client is in use by another thread; a Client serves one thread at a time: make "
+                               "one per thread, or use AsyncClient for many requests at once")
+        try:
+            yield
+        finally:
+            self._in_use.release()
 
     def cancel(self, request_id: str) -> None:
         """Ask the router to cancel it; its stream then ends with finish_reason "cancelled"."""
@@ -411,6 +437,11 @@ class Client(_Requests):
         """The next message for `key`, reading (and filing) others' messages meanwhile. After
         CONNECT_TIMEOUT_S of this call with no connection to the router, UNAVAILABLE (and the
         request, queued for a router that may yet come, is cancelled): nothing would come."""
+        self._check_open()  # (a stream read after its client closed)
+        with self._one_thread():
+            return self._next_unshared(key, deadline)
+
+    def _next_unshared(self, key: str | None, deadline: "Deadline"):
         since = time.monotonic()
         if not self._replies[key]:
             self._take_events()  # what the monitor holds, before deciding anything; later, as the poll finds it
@@ -492,13 +523,14 @@ class Client(_Requests):
         """A status or metrics call's reply, filed under the call's id."""
         self._check_open()
         with self._asking() as ask_id:
-            self.chan.send(request(ask_id))
+            with self._one_thread():
+                self.chan.send(request(ask_id))
             return self._next(ask_id, self._deadline(timeout))
 
 
 class AsyncClient(_Requests):
     def __init__(self, address: str, timeout: float | None = 120.0):
-        self.address, self.timeout = address, timeout
+        self.address, self.timeout, self.pid = address, timeout, os.getpid()
         self.ctx = zmq.asyncio.Context()
         self.chan = _connect(self.ctx, address)
         self.connection = Connection(self.chan)
@@ -568,6 +600,7 @@ class AsyncClient(_Requests):
         _cancel_nowait(self.chan, request_id)
 
     async def _next(self, key, timeout):
+        self._check_open()  # (a stream read after its client closed)
         since = time.monotonic()
         deadline = None if timeout is None else since + timeout
         while True:

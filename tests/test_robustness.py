@@ -141,6 +141,46 @@ def test_oversized_message_is_refused_with_its_size(fuzz_cluster):
             client.submit([1, 2], request_id=12345)  # the router could not name it: the call would wait its timeout
 
 
+def test_an_sdk_client_misused_says_so_and_loses_nothing(fuzz_cluster):
+    """What an application may do by mistake fails at once, by name: a second thread on a
+    Client's socket (replies were lost: calls waited out their timeout, or forever), an id already
+    in flight (the router's refusal ended the first request too), a stream read after its client
+    closed (a raw ZMQError; async, a hang) and a Client used in a forked child (it spun a core)."""
+    import os
+    import threading
+
+    with Client(fuzz_cluster.address, timeout=120) as client:
+        long = client.submit([1, 2, 3], stream=False, max_tokens=1000, ignore_eos=True)  # seconds on a CPU
+        refused = []
+
+        def other_thread():
+            time.sleep(0.3)  # this thread waits on the socket for the long request meanwhile
+            try:
+                client.generate([4, 5], max_tokens=2)
+            except RuntimeError as e:
+                refused.append(str(e))
+        t = threading.Thread(target=other_thread)
+        t.start()
+        assert len(client.wait(long).token_ids) == 1000
+        t.join(30)
+        assert refused and "in use by another thread" in refused[0], refused
+        first = client.submit([1, 2], request_id="job-1", max_tokens=50, ignore_eos=True)
+        with pytest.raises(RequestError, match="request_id='job-1' is already in flight on this client"):
+            client.submit([3, 4], request_id="job-1", max_tokens=2)
+        assert len(client.wait(first).token_ids) == 50  # the first is not lost
+        pid = os.fork()
+        if pid == 0:
+            try:
+                client.generate([1], max_tokens=1, timeout=5)
+            except RuntimeError as e:
+                os._exit(0 if "before a fork; make one in this process" in str(e) else 1)
+            os._exit(1)
+        assert os.waitpid(pid, 0)[1] == 0
+        stream = client.stream([1, 2], max_tokens=50)
+    with pytest.raises(RuntimeError, match="this Client is closed"):
+        next(stream)
+
+
 def test_a_client_that_stops_reading_has_its_requests_stopped_and_reads_their_ends_when_it_reads_again(
         fuzz_cluster):
     """A client that read nothing for the router's 5 s with its queue full has its requests ended
