@@ -48,7 +48,10 @@ set -u
 # since 2026-11-29 the matmul partials' 16-byte accesses (gpu.txt: partials_accesses), a streamed
 # step's block ids kept for every request it streams, and a cuda_ipc transfer refused when its
 # writer has died; later that day, top logprobs by one topk over int64 keys (the logprob's bits,
-# then the lower id) where it was topk over the float logprobs (the async logprobs test runs it).
+# then the lower id) where it was topk over the float logprobs (the async logprobs test runs it);
+# since 2026-11-29 (twentieth session), every shm/cuda_ipc copy is counted for its decode worker
+# (common/kv_transport/copy_count.py: a per-thread slot's lock held through the copy, a cuda_ipc
+# copy to another GPU included, which synchronizes inside it): the cuda_ipc gpu tests run it.
 # A helper counted 60-70 us of Python a streamed piece on the cuda_ipc path, not
 # the ~330 us measured: transfer-layers' --profile should name the call that blocks (an event's
 # record, wait_event, set_device, the Triton launcher's pointer checks, or garbage collection).
