@@ -55,6 +55,7 @@ def freeze_startup_objects() -> None:
     thirty lines of "leaked" types at exit."""
     gc.collect()
     gc.freeze()
+    atexit.unregister(gc.unfreeze)  # once, however often frozen
     atexit.register(gc.unfreeze)
 
 

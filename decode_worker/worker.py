@@ -436,13 +436,21 @@ class DecodeWorker(WorkerBase):
                 del self.reservations[rid]
                 self.arriving.pop(rid, None)
                 self._free(rid, r, writer_done=False)
-        check_writers = self.fenced and now - self.writers_checked >= WRITERS_CHECKED_S
+        if self.fenced:
+            self._release_fenced(now)
+        for receiver in self.receivers.values():
+            receiver.poll(now)
+
+    def _release_fenced(self, now: float):
+        """Fenced blocks come back once no copy can write them: a cuda_ipc header's copies end with
+        its event; no copy starts once the writer exited, nor past the lease, and past it, the
+        copies the writer was inside at its end must have ended. Writers are looked up (in /proc,
+        and their counts' files) every WRITERS_CHECKED_S, each once a check."""
+        check_writers = now - self.writers_checked >= WRITERS_CHECKED_S
         if check_writers:
             self.writers_checked = now
-        counts = functools.cache(counts_of)  # each writer's file read once a check
+            counts = functools.cache(counts_of)
         for key, r in list(self.fenced.items()):
-            # no copy starts past the lease, nor once its writer exited; a cuda_ipc header's copies end with its
-            # event; the lease ended, one begun before may still run while the writer is inside a copy
             if (r.inbox is not None and r.inbox.fence is not None and not r.inbox.writing()) \
                     or (check_writers and (r.writer_gone() or (now > r.expires and r.copies_ended(counts)))):
                 del self.fenced[key]
@@ -452,8 +460,6 @@ class DecodeWorker(WorkerBase):
                 log.warning("the %d KV blocks of %s (attempt %d) still wait, a lease past its end, for writer %s "
                             "pid %d: it has been inside a copy into them since before that end (stopped?)",
                             len(r.block_ids), key[0], key[1], *r.writer)
-        for receiver in self.receivers.values():
-            receiver.poll(now)
 
     def drop_all_work(self):
         self.queued.clear()

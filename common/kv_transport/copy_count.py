@@ -57,47 +57,47 @@ class CopyCount:
     def __init__(self):
         self.pid = os.getpid()
         self.locks = [threading.Lock() for _ in range(SLOTS)]  # held through a copy: a slot's never overlap
-        self.begun, self.ended = [0] * SLOTS, [0] * SLOTS
         self.thread_slot = threading.local()
         self.slots_given = itertools.count()
-        self.path, self.view = None, None
+        self.path, self.view = None, None  # the file, and its counts: view[2 * slot] begun, view[2 * slot + 1] ended
         started = _started(self.pid)
         if started is None:
             return  # no /proc: peers cannot look either, and take blocks back at the lease's end
         _sweep()
+        path = _path(self.pid, started)
         try:
-            fd = os.open(_path(self.pid, started), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         except OSError:
             return  # likewise
-        self.path = _path(self.pid, started)
         try:
             os.write(fd, bytes(_SIZE))
             self.view = memoryview(mmap.mmap(fd, _SIZE)).cast("Q")  # 8-byte aligned: each store is whole
         finally:
             os.close(fd)
+        self.path = path
         atexit.register(self.close)
 
     @contextlib.contextmanager
     def counted(self):
         """Around one copy, its lease check included (see the module's docstring)."""
+        view = self.view
+        if view is None:
+            yield
+            return
         slot = getattr(self.thread_slot, "slot", None)
         if slot is None:
             slot = self.thread_slot.slot = next(self.slots_given) % SLOTS
         with self.locks[slot]:
-            self.begun[slot] += 1
-            if self.view is not None:
-                self.view[2 * slot] = self.begun[slot]
+            view[2 * slot] += 1
             try:
                 yield
             finally:
-                self.ended[slot] += 1
-                if self.view is not None:
-                    self.view[2 * slot + 1] = self.ended[slot]
+                view[2 * slot + 1] += 1
 
     def close(self):
         """Remove the file at exit, unless a copy is still running (a daemon copier thread runs on
         while the interpreter shuts down) or this is a forked child: _sweep removes it later."""
-        if self.path is not None and os.getpid() == self.pid and self.begun == self.ended:
+        if self.path is not None and os.getpid() == self.pid and not in_flight(_pairs(self.view)):
             with contextlib.suppress(OSError):
                 os.unlink(self.path)
             self.path = None
@@ -106,10 +106,18 @@ class CopyCount:
 def _sweep():
     """Remove the files of writers that have exited (a killed one cannot)."""
     for path in glob.glob(_path("*", "*")):
-        pid, _, started = path[len(_path("", "")) - 1:].partition("-")
+        pid, _, started = os.path.basename(path)[len(PREFIX) + 1:].partition("-")
         if pid.isdigit() and _started(int(pid)) != started:
             with contextlib.suppress(OSError):
                 os.unlink(path)
+
+
+def _pairs(view: memoryview) -> list[tuple[int, int]]:
+    """(begun, ended) per slot of a counts file's view, ended read first: copies begun and ended
+    between the two reads never hide one that was running."""
+    ended = view[1::2].tolist()
+    begun = view[0::2].tolist()
+    return list(zip(begun, ended))
 
 
 _this_process: CopyCount | None = None
@@ -126,8 +134,8 @@ def counted() -> contextlib.AbstractContextManager:
 
 
 def counts_of(pid: int) -> list[tuple[int, int]]:
-    """Process pid's (begun, ended) per slot, ended read first; [] if it counts nothing (not a
-    writer, exited, or no /proc here)."""
+    """Process pid's (begun, ended) per slot (_pairs); [] if it counts nothing (not a writer,
+    exited, or no /proc here)."""
     started = _started(pid)
     if started is None:
         return []
@@ -138,14 +146,13 @@ def counts_of(pid: int) -> list[tuple[int, int]]:
     try:
         with mmap.mmap(fd, _SIZE, prot=mmap.PROT_READ) as m:
             view = memoryview(m).cast("Q")
-            ended = view[1::2].tolist()
-            begun = view[0::2].tolist()
+            pairs = _pairs(view)
             view.release()
     except (OSError, ValueError):  # a file cut short: not one of ours
         return []
     finally:
         os.close(fd)
-    return list(zip(begun, ended))
+    return pairs
 
 
 def in_flight(counts: list[tuple[int, int]]) -> dict[int, int]:
