@@ -399,6 +399,7 @@ class Client(_Requests):
 
     def submit(self, prompt: str | list[int] | None = None, stream: bool = True, request_id: str | None = None,
                messages: list[dict] | None = None, **sampling) -> str:
+        """Send a request and return its id at once: read it with wait() (stream=False) or cancel() it."""
         self._check_open()
         request_id = _request_id(request_id) or self._new_id()
         message = _generate(request_id, prompt, messages, sampling, stream)
@@ -486,13 +487,16 @@ class Client(_Requests):
         return Deadline(None if timeout is None else time.monotonic() + timeout, timeout)
 
     def stream(self, prompt=None, timeout: float | None = None, **sampling) -> Stream:
+        """Iterator of Chunks as the tokens come; `.result` once exhausted."""
         return Stream(self, self.submit(prompt, stream=True, **sampling), self.timeout if timeout is None else timeout)
 
     def generate(self, prompt=None, timeout: float | None = None, **sampling) -> Result:
+        """The whole output of one request (submit, then wait)."""
         rid = self.submit(prompt, stream=False, **sampling)
         return self.wait(rid, timeout)
 
     def wait(self, request_id: str, timeout: float | None = None) -> Result:
+        """The Result of a request submitted with stream=False (its tokens, if it streams, are skipped)."""
         deadline = self._deadline(timeout)
         try:
             while True:
@@ -513,6 +517,7 @@ class Client(_Requests):
                 self._abandon(rid)
 
     def status(self, timeout: float | None = 10.0) -> P.StatusReply:
+        """The router's view of its workers and requests (what `pdserve status` prints)."""
         return self._ask(P.StatusRequest, timeout)
 
     def metrics(self, timeout: float | None = 10.0) -> bytes:
@@ -529,6 +534,9 @@ class Client(_Requests):
 
 
 class AsyncClient(_Requests):
+    """The asyncio client: Client's calls, awaited, with any number of requests in flight from the
+    tasks of one event loop."""
+
     def __init__(self, address: str, timeout: float | None = 120.0):
         self.address, self.timeout, self.pid = address, timeout, os.getpid()
         self.ctx = zmq.asyncio.Context()
@@ -588,6 +596,7 @@ class AsyncClient(_Requests):
 
     async def submit(self, prompt=None, stream: bool = True, request_id: str | None = None,
                      messages: list[dict] | None = None, **sampling) -> str:
+        """Send a request and return its id at once: read it with wait() (stream=False) or cancel() it."""
         self._start()
         request_id = _request_id(request_id) or self._new_id()
         message = _generate(request_id, prompt, messages, sampling, stream)
@@ -629,21 +638,42 @@ class AsyncClient(_Requests):
         return AsyncStream(self, prompt, timeout, sampling)
 
     async def generate(self, prompt=None, timeout: float | None = None, **sampling) -> Result:
-        rid = await self.submit(prompt, stream=False, **sampling)
+        """The whole output of one request (submit, then wait)."""
+        return await self.wait(await self.submit(prompt, stream=False, **sampling), timeout)
+
+    async def wait(self, request_id: str, timeout: float | None = None) -> Result:
+        """The Result of a request submitted with stream=False (its tokens, if it streams, are skipped)."""
         timeout = self.timeout if timeout is None else timeout
         try:
             while True:
-                msg = await self._next(rid, timeout)
+                msg = await self._next(request_id, timeout)
                 if isinstance(msg, P.Done):
                     return _result(msg)
         finally:  # cancelled (asyncio.wait_for, a task's cancel), or an error: nobody waits for it
-            self._abandon(rid)
+            self._abandon(request_id)
 
     async def generate_many(self, prompts: list, timeout: float | None = None, **sampling) -> list[Result]:
-        return list(await asyncio.gather(*(self.generate(p, timeout, **sampling) for p in prompts)))
+        """All prompts in flight at once; results in prompt order. The first failure raises (and
+        cancels the others), as Client.generate_many."""
+        tasks = [asyncio.ensure_future(self.generate(p, timeout, **sampling)) for p in prompts]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def status(self, timeout: float | None = 10.0) -> P.StatusReply:
+        """The router's view of its workers and requests (what `pdserve status` prints)."""
+        return await self._ask(P.StatusRequest, timeout)
+
+    async def metrics(self, timeout: float | None = 10.0) -> bytes:
+        """The router's Prometheus metrics, as its HTTP /metrics serves them."""
+        return (await self._ask(P.MetricsRequest, timeout)).text
+
+    async def _ask(self, request: type, timeout: float | None):
+        """A status or metrics call's reply, filed under the call's id."""
         self._start()
         with self._asking() as ask_id:
-            await self.chan.send(P.StatusRequest(ask_id))
-            return await self._next(ask_id, timeout)
+            await self.chan.send(request(ask_id))
+            return await self._next(ask_id, self.timeout if timeout is None else timeout)

@@ -223,6 +223,18 @@ def test_a_request_its_caller_stops_waiting_for_is_cancelled(tmp_path):
             result = await client.generate([9] * 10, max_tokens=4, ignore_eos=True)  # its replies still come
             assert len(result.token_ids) == 4
             assert not client._replies  # the abandoned requests' late replies were not kept for nobody
+            with pytest.raises(RequestError) as refused:  # the first failure cancels the others, as Client's does
+                await client.generate_many([[7] * 30, [10 ** 6]], max_tokens=1000, ignore_eos=True)
+            assert refused.value.code == "INVALID_ARGUMENT" and not client._open  # (before: the first ran on)
+            with Client(address) as watcher:
+                deadline = time.monotonic() + 10
+                while in_flight(watcher) and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+                assert in_flight(watcher) == 0
+            rid = await client.submit([9] * 10, stream=False, max_tokens=3, ignore_eos=True)
+            assert len((await client.wait(rid)).token_ids) == 3
+            assert "pdserve:generation_tokens_total" in (await client.metrics()).decode()
+            assert (await client.status()).in_flight == 0
 
     with cluster(tmp_path) as c, Client(c.address, timeout=60) as client:
         for chunk in client.stream([5] * 30, max_tokens=1000, ignore_eos=True):
