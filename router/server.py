@@ -428,7 +428,8 @@ class Router:
             return self.done(req, reason)
         placed = self.placement.place(req)
         if placed is None:
-            req.state, req.deadline = "queued", req.arrival + self.cfg.queue_timeout_s
+            if req.state != "queued" or math.isinf(req.deadline):  # it waits --queue-timeout from now, not arrival
+                req.state, req.deadline = "queued", time.monotonic() + self.cfg.queue_timeout_s
             return
         p, d = placed
         if p is d and p.role == "decode":

@@ -126,6 +126,28 @@ def test_with_no_prefill_worker_alive_a_decode_worker_prefills_unless_disaggrega
     assert asyncio.run(scenario()) == (["prefill"] if enforce else [])
 
 
+def test_a_request_older_than_the_queue_timeout_whose_worker_dies_waits_the_queue_timeout_for_another():
+    """Back in the queue after its worker died, a request waits --queue-timeout from then: before,
+    the wait counted from its arrival, and one decoding for longer failed at once while its only
+    worker restarted, its message saying it had waited the whole timeout."""
+    async def scenario():
+        async with serving_router(queue_timeout_s=2.0, heartbeat_timeout_s=60) as (router, connect):
+            first = await scripted_worker(router, connect, "mono-0")
+            client = connect(router.frontend.address)
+            await client.send(P.Generate("old", [1, 2, 3], {**GREEDY, "max_tokens": 100}, True))
+            _, work = await next_work({"mono-0": first})
+            await first.send(P.WorkerTokens(work.request_id, work.attempt, 0, [5], None))
+            assert (await reply(client)).token_ids == [5]
+            router.requests[work.request_id].arrival -= 60  # decoding for a minute
+            router.worker_lost(router.registry.workers["mono-0"], "killed by the test")
+            await asyncio.sleep(0.5)  # some monitor ticks: it is still queued, waiting for a worker
+            assert router.requests[work.request_id].state == "queued"
+            second = await scripted_worker(router, connect, "mono-1")
+            _, moved = await next_work({"mono-1": second})
+            assert moved.token_ids == [1, 2, 3, 5] and moved.request_id == work.request_id
+    asyncio.run(scenario())
+
+
 def test_prefix_affine_prefills_a_conversation_s_next_turn_where_its_decode_worker_holds_it():
     """A decode worker's prefix cache holds the prompts it was sent and the outputs it decoded: the
     next turn (the conversation so far and a new message) goes to it, with its 22 uncached tokens
