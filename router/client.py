@@ -99,7 +99,8 @@ def _request_id(request_id) -> str | None:
 
 def _generate(request_id: str, prompt, messages, sampling: dict, stream: bool) -> P.Generate:
     if (prompt is None) == (messages is None):
-        raise ValueError("give exactly one of prompt (text or token ids) or messages (chat)")
+        raise InvalidArgument(f"prompt={short_repr(prompt)} with messages={short_repr(messages)} is invalid; allowed: "
+                              "exactly one of prompt (text or token ids) or messages (chat)", param="prompt")
     bias = sampling.get("logit_bias")
     if isinstance(bias, dict):  # the protocol's maps take string keys only: [token, bias] pairs
         sampling = {**sampling, "logit_bias": [[t, b] for t, b in bias.items()]}
@@ -509,8 +510,10 @@ class Client(_Requests):
     def generate_many(self, prompts: list, timeout: float | None = None, **sampling) -> list[Result]:
         """All prompts in flight at once; results in prompt order. The first failure raises (and
         cancels the others)."""
-        ids = [self.submit(p, stream=False, **sampling) for p in prompts]
-        try:
+        ids = []
+        try:  # a submit that fails (a bad prompt) cancels those sent before it
+            for p in prompts:
+                ids.append(self.submit(p, stream=False, **sampling))
             return [self.wait(rid, timeout) for rid in ids]
         finally:
             for rid in ids:

@@ -144,8 +144,8 @@ def test_oversized_message_is_refused_with_its_size(fuzz_cluster):
 def test_an_sdk_client_misused_says_so_and_loses_nothing(fuzz_cluster):
     """What an application may do by mistake fails at once, by name: a second thread on a
     Client's socket (replies were lost: calls waited out their timeout, or forever), an id already
-    in flight (the router's refusal ended the first request too), a stream read after its client
-    closed (a raw ZMQError; async, a hang) and a Client used in a forked child (it spun a core)."""
+    in flight (the router's refusal ended the first request too), a bad prompt in generate_many (those
+    before it ran on), a stream read after its client closed (a raw ZMQError; async, a hang) and a Client used in a forked child (it spun a core)."""
     import os
     import threading
 
@@ -168,6 +168,9 @@ def test_an_sdk_client_misused_says_so_and_loses_nothing(fuzz_cluster):
         with pytest.raises(RequestError, match="request_id='job-1' is already in flight on this client"):
             client.submit([3, 4], request_id="job-1", max_tokens=2)
         assert len(client.wait(first).token_ids) == 50  # the first is not lost
+        with pytest.raises(InvalidArgument, match="exactly one of prompt"):  # and what was sent before it is cancelled
+            client.generate_many([[1, 2, 3], None], max_tokens=1000, ignore_eos=True)
+        assert not client._open and client.status().in_flight == 0
         pid = os.fork()
         if pid == 0:
             try:
