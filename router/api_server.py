@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import logging
 import os
 import signal
@@ -34,7 +35,6 @@ import socket
 import subprocess
 import sys
 import time
-from collections import defaultdict, deque
 from typing import Callable
 
 import zmq
@@ -71,7 +71,8 @@ class RouterLink:
         self.chan = Channel.connect(self.ctx, zmq.DEALER, address, identity=identity, max_frame_bytes=-1,
                                     max_header_bytes=TRUSTED_REPLY_BYTES, monitor=Connection.EVENTS)
         self._routes: dict[str, Callable[[object], None]] = {}  # request id -> its reply_to, until Done or Error
-        self._asked: dict[type, deque[asyncio.Future]] = defaultdict(deque)  # reply type -> who waits for one
+        self._asked: dict[str, asyncio.Future] = {}  # a status or metrics call's ask_id -> its caller's reply
+        self._ask_ids = itertools.count()
         self._tasks: list[asyncio.Task] = []
         self.connection = Connection(self.chan)
         self.closed = False
@@ -87,7 +88,7 @@ class RouterLink:
         by the router, and a max_tokens past it ends the output there."""
         while not self.closed:  # (a cancel that meets the reply in asyncio.wait_for is lost, before Python 3.12)
             try:
-                reply = await self._ask(P.StatusRequest(), P.StatusReply)
+                reply = await self._ask(P.StatusRequest)
             except ApiError:  # the router is busy or away: keep the last context
                 pass
             else:
@@ -127,25 +128,25 @@ class RouterLink:
         self.chan.post(P.Rejected(code))
 
     async def health(self) -> tuple[int, list[str]]:
-        reply = await self._ask(P.StatusRequest(), P.StatusReply)
+        reply = await self._ask(P.StatusRequest)
         return sum(bool(w.get("alive")) and not w.get("leaving") for w in reply.workers), list(reply.missing)
 
     async def metrics(self) -> bytes:
-        return (await self._ask(P.MetricsRequest(), P.MetricsReply)).text
+        return (await self._ask(P.MetricsRequest)).text
 
-    async def _ask(self, msg, reply_type: type):
-        future = asyncio.get_running_loop().create_future()
-        waiting = self._asked[reply_type]
-        waiting.append(future)
-        self.chan.post(msg)
+    async def _ask(self, request: type):
+        """A status or metrics call's reply, matched by its ask_id: one that comes after its call
+        gave up is dropped, not given to the next call."""
+        ask_id = f"ask-{next(self._ask_ids)}"
+        future = self._asked[ask_id] = asyncio.get_running_loop().create_future()
+        self.chan.post(request(ask_id))
         try:
             return await asyncio.wait_for(future, ASK_TIMEOUT_S)
         except asyncio.TimeoutError:
-            raise ApiError("UNAVAILABLE", f"the router did not answer a {type(msg).__name__} "
+            raise ApiError("UNAVAILABLE", f"the router did not answer a {request.__name__} "
                                           f"within {ASK_TIMEOUT_S:.0f}s") from None
         finally:
-            if future in waiting:
-                waiting.remove(future)
+            self._asked.pop(ask_id, None)
 
     async def _read(self):
         while True:
@@ -163,13 +164,10 @@ class RouterLink:
                     log.exception("could not deliver %s", type(msg).__name__)
 
     def _deliver(self, msg):
-        waiting = self._asked.get(type(msg))
-        if waiting is not None:
-            while waiting:
-                future = waiting.popleft()
-                if not future.done():
-                    future.set_result(msg)
-                    break
+        if isinstance(msg, (P.StatusReply, P.MetricsReply)):
+            future = self._asked.pop(msg.ask_id, None)
+            if future is not None and not future.done():
+                future.set_result(msg)
             return
         rid = getattr(msg, "request_id", None)
         final = isinstance(msg, (P.Done, P.Error))

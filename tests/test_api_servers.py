@@ -18,12 +18,15 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+import zmq
+import zmq.asyncio
 from click.testing import CliRunner
 
 from common import protocol as P
 from common.cli import main
 from common.errors import InvalidArgument
 from router.client import Client, RequestError
+from router.openai_api import ApiError
 from router.server import DEAD_WORKER_MEMORY_S, Router, RouterConfig
 from tests.cluster import cluster, router_children, running, scripted_worker, serving_router, wait_blocks_free
 
@@ -435,3 +438,41 @@ def test_an_api_servers_health_counts_the_workers_that_take_work_as_the_routers_
 
     local, remote = asyncio.run(scenario())
     assert local == remote == (1, [])
+
+
+def test_an_api_servers_status_call_that_gave_up_does_not_answer_the_next_one(monkeypatch):
+    """A router's reply that comes after its call timed out is dropped: it answered the next call
+    (replies were matched by type, first in first out, not by the call's ask_id)."""
+    import router.api_server as api_server
+    from common.channel import Channel
+
+    monkeypatch.setattr(api_server, "ASK_TIMEOUT_S", 0.3)
+
+    async def late_first_router(chan):
+        n = 0
+        while True:
+            env = await chan.arecv()
+            if isinstance(env.msg, P.StatusRequest):
+                n += 1
+                if n == 1:
+                    await asyncio.sleep(0.5)
+                alive = [{"alive": True, "leaving": False}] * n  # reply n counts n workers
+                chan.post(P.StatusReply(alive, queued=0, in_flight=0, ask_id=env.msg.ask_id), to=env.sender)
+
+    async def scenario():
+        ctx = zmq.asyncio.Context()
+        router = Channel.bind(ctx, zmq.ROUTER, "tcp://127.0.0.1:0")
+        serving = asyncio.ensure_future(late_first_router(router))
+        link = api_server.RouterLink(router.address, "dummy:nanogpt", 10)
+        link._tasks = [asyncio.ensure_future(link._read())]  # no other status calls (start's context follower)
+        try:
+            with pytest.raises(ApiError, match="did not answer a StatusRequest"):
+                await link.health()
+            return [(await link.health())[0] for _ in range(2)]
+        finally:
+            serving.cancel()
+            await link.close()
+            router.close()
+            ctx.term()
+
+    assert asyncio.run(scenario()) == [2, 3]
