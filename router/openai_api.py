@@ -265,7 +265,7 @@ def parse_completion(body, served_model: Served) -> Job:
         raise InvalidArgument(f"prompt={short_repr(prompt)} is invalid; allowed: a string, a list of token ids, "
                               "or a non-empty list of either", param="prompt")
     n = body.get("n") or 1
-    _get(body, "best_of", (lambda v: v == n, f"null or n ({n}): no best-of selection"))
+    _get(body, "best_of", (lambda v: _is_int(v) and v == n, f"null or n ({n}): no best-of selection"))
     echo = _get(body, "echo", BOOL, False)
     logprobs = _get(body, "logprobs", LOGPROBS)
     sampling = _sampling(body, 16, logprobs=logprobs, prompt_logprobs=logprobs if echo else None)  # OpenAI's 16

@@ -137,6 +137,8 @@ def test_response_formats_become_structured_outputs():
     ({"prompt": "x", "seed": 2**63}, "seed", "an integer in [-2**63, 2**63 - 1]"),
     ({"prompt": "x", "user": 5}, "user", "a string"),
     ({"prompt": "x", "best_of": 3}, "best_of", "no best-of"),
+    ({"prompt": "x", "best_of": True}, "best_of", "no best-of"),  # True == 1, as n=True is refused
+    ({"prompt": "x", "n": 2, "best_of": 2.0}, "best_of", "no best-of"),
     ({"prompt": "x", "frequency_penalty": 3}, "frequency_penalty", "frequency_penalty=3 is invalid; allowed: a number in [-2, 2]"),
     ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty", "a number in (0, 10000]"),
     ({"prompt": "x", "min_p": -0.1}, "min_p", "a number in [0, 1]"),
