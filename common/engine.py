@@ -37,7 +37,7 @@ from common.speculative import Drafter
 from common.structured_output import Grammars
 from common.scheduler import ScheduledSeq, Scheduler
 from common.text import TextStream, output_text
-from common.tokenizer import check_encoded, check_prompt_length
+from common.tokenizer import check_encoded, check_prompt_length, check_token_ids
 from common.sequence import PENDING, PREFILLED, Sequence, Status
 
 _CPU_KV_CACHE_GB = 1.0
@@ -69,7 +69,7 @@ class RequestOutput:
     finish_reason: str | None = None
     text: str | None = None  # set once finished, when the model has a tokenizer
     metrics: dict = field(default_factory=dict)
-    logprobs: list | None = None  # of the tokens sampled here (SamplingParams.logprobs), in order
+    all_logprobs: list | None = field(default=None, repr=False)  # the request's own list (SamplingParams.logprobs)
     prompt_logprobs: list | None = None  # SamplingParams.prompt_logprobs: with the first token sampled here, and the last
     all_token_ids: list[int] = field(default_factory=list, repr=False)  # the request's own list: prompt, then output
 
@@ -79,6 +79,17 @@ class RequestOutput:
         only grows, so that a step does not copy every running request's output."""
         start = len(self.prompt_token_ids)
         return self.all_token_ids[start:start + self.num_tokens]
+
+    @property
+    def logprobs(self) -> list | None:
+        """token_ids' logprobs (None unless SamplingParams.logprobs asks), sliced as token_ids is."""
+        return None if self.all_logprobs is None else self.all_logprobs[:self.num_tokens]
+
+    @property
+    def new_logprobs(self) -> list | None:
+        """new_token_ids' logprobs (None unless SamplingParams.logprobs asks)."""
+        end = self.num_tokens
+        return None if self.all_logprobs is None else self.all_logprobs[end - len(self.new_token_ids):end]
 
 
 class Engine:
@@ -96,10 +107,7 @@ class Engine:
         mc = self.model_config
         self.grammars = Grammars(self.tokenizer, mc.vocab_size, mc.eos_token_ids)
         self.grammars.warm_up()
-        if config.max_model_len is not None and config.max_model_len > mc.max_position_embeddings:
-            raise InvalidArgument(f"--max-model-len {config.max_model_len}; allowed: 2..{mc.max_position_embeddings} "
-                                  f"(the context of model {config.model!r}: positions past it were never trained)")
-        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        self.max_model_len = mc.served_context(config.max_model_len, config.model)
         bs = config.block_size
         if config.num_blocks:
             self.num_blocks = config.num_blocks
@@ -240,13 +248,7 @@ class Engine:
             check_encoded(ids, self.model_config.vocab_size)
         elif isinstance(prompt, (list, tuple)):
             ids = list(prompt)
-            V = self.model_config.vocab_size
-            # exact ints within the vocabulary, tested in C (a decode worker checks 1,000 ids a handoff);
-            # an int subclass (not bool) fails the fast test but is allowed
-            if ids and not (set(map(type, ids)) <= {int} and min(ids) >= 0 and max(ids) < V):
-                bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < V]
-                if bad:
-                    raise InvalidArgument(f"prompt token ids {bad[:5]} are invalid; allowed: integers in [0, {V})")
+            check_token_ids(ids, self.model_config.vocab_size)
         else:
             raise InvalidArgument(f"prompt of type {type(prompt).__name__} is invalid; allowed: text or a list of token ids")
         check_prompt_length(ids, self.max_model_len)
@@ -329,10 +331,6 @@ class Engine:
                                  prefill_only)
         self.scheduler.add(seq)
 
-    def read_kv(self, block_ids: list[int], layer: int) -> torch.Tensor:
-        """(2, blocks, block_size, kv_heads, head_dim) copy of one layer's KV in these blocks."""
-        return self.kv_cache[layer].index_select(1, self.runner._tensor(block_ids))
-
     def kv_granted(self, request_id: str) -> None:
         """A decode worker has reserved blocks for this prefill-only request's KV (see the
         scheduler's admission of requests still awaiting that)."""
@@ -374,10 +372,6 @@ class Engine:
     def unreserve(self, block_ids: list[int]) -> None:
         self.num_reserved_seqs -= 1
         self.block_manager.release_blocks(block_ids)
-
-    def write_kv(self, block_ids: list[int], layer: int, data: torch.Tensor) -> None:
-        """data: (2, blocks, block_size, kv_heads, head_dim), as read_kv returns it."""
-        self.kv_cache[layer].index_copy_(1, self.runner._tensor(block_ids), data.to(self.kv_cache.device))
 
     def add_prefilled(self, request_id: str, token_ids: list[int], num_prompt_tokens: int,
                       params: SamplingParams, seed: int, block_ids: list[int]) -> None:

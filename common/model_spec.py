@@ -77,6 +77,15 @@ class ModelConfig:
                 raise InvalidArgument(f"end-of-sequence token id {i} is invalid; allowed: an id of the vocabulary "
                                       f"(0..{self.vocab_size - 1})")
 
+    def served_context(self, max_model_len: int | None, spec: str) -> int:
+        """The context served (vLLM's --max-model-len): at most, and by default, the model's own;
+        positions past it were never trained."""
+        full = self.max_position_embeddings
+        if max_model_len is not None and not 2 <= max_model_len <= full:
+            raise InvalidArgument(f"--max-model-len {max_model_len}; allowed: 2..{full} (the context of model "
+                                  f"{spec!r}: positions past it were never trained)")
+        return max_model_len or full
+
     @property
     def kv_values_per_token(self) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim

@@ -50,8 +50,9 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_cached_tokens = 0  # of those, found by prefix caching at admission
         self.num_preemptions = 0
-        # Logprobs of the tokens sampled here, and of the prompt's tokens (the first has none).
-        self.logprobs: list | None = [] if params.logprobs is not None else None
+        # Logprobs of the output's tokens (None for those given, sampled elsewhere), and of the
+        # prompt's tokens (the first has none).
+        self.logprobs: list | None = [None] * len(output_token_ids) if params.logprobs is not None else None
         self.prompt_logprobs: list | None = None if params.prompt_logprobs is None else [None] * self.num_prompt_tokens
         self.arrival_time = time.monotonic()
         self.scheduled_time: float | None = None  # first admitted to the running batch

@@ -24,6 +24,17 @@ def check_encoded(ids: list[int], vocab_size: int) -> None:
                               f"[0, {vocab_size}): its tokenizer and weights disagree", param="prompt")
 
 
+def check_token_ids(ids: list[int], vocab_size: int) -> None:
+    """Token ids a client (or a peer) sent must be ints that index the model's embedding."""
+    # exact ints within the vocabulary, tested in C (a decode worker checks 1,000 ids a handoff);
+    # an int subclass (not bool) fails the fast test but is allowed
+    if ids and not (set(map(type, ids)) <= {int} and min(ids) >= 0 and max(ids) < vocab_size):
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidArgument(f"prompt token ids {bad[:5]} are invalid; allowed: integers in [0, {vocab_size})",
+                                  param="prompt")
+
+
 def check_prompt_length(ids: list[int], max_model_len: int) -> None:
     """A prompt must have a token, and leave one of the context for the output. The words are
     OpenAI's and vLLM's, which clients look for."""

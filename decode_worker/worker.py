@@ -410,14 +410,13 @@ class DecodeWorker(WorkerBase):
                 continue
             index = out.num_tokens - len(out.new_token_ids)
             reason = out.finish_reason if out.finished else None
-            new = len(out.new_token_ids)
             prefilled = out.request_id in self.prefilling  # its first output here, even after a migration
             if prefilled:  # work received -> first token, the prefill time a prefill worker reports too
                 self.prefilling.discard(out.request_id)
                 timings.update(prefill_s=out.metrics["ttft_s"], cached_tokens=out.metrics["num_cached_tokens"])
             sends.append(P.WorkerTokens(out.request_id, attempt, index, out.new_token_ids, reason,
                                         timings if out.finished or prefilled else {},
-                                        out.logprobs and out.logprobs[-new:],
+                                        out.new_logprobs,
                                         out.prompt_logprobs if index == 0 else None))  # prefilled here: with the first
             if out.finished:  # (past its first output: no longer in prefilling)
                 del self.streams[out.request_id]

@@ -56,6 +56,7 @@ from common.kv_transport import Handle, Outgoing, TransportError, choose, make_s
 from common.kv_transport.mapped import HOSTNAME
 from common.sampling_params import SamplingParams
 from common.scheduler import ScheduledSeq
+from common.sequence import PREFILLED
 from common.worker import WorkerBase
 
 log = logging.getLogger("pdserve.prefill")
@@ -187,10 +188,10 @@ class PrefillWorker(WorkerBase):
             t = self.transfers.get(out.request_id)
             if t is not None and t.stream_s:
                 timings["kv_stream_host_s"] = t.stream_s
-            done = out.finish_reason != "prefilled"  # finished at its first token: nothing to transfer
+            done = out.finish_reason != PREFILLED  # finished at its first token: nothing to transfer
             self.to_router(P.WorkerTokens(out.request_id, work.attempt, index, [first],
                                           out.finish_reason if done else None, timings,
-                                          out.logprobs and out.logprobs[-1:], out.prompt_logprobs))
+                                          out.new_logprobs, out.prompt_logprobs))
             if done:  # a one-sided writer may still be copying its streamed layers: as a cancel does
                 self._drop(out.request_id)
                 continue

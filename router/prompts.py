@@ -8,7 +8,7 @@ from common.errors import InvalidArgument
 from common.model_spec import load_tokenizer, model_config
 from common.sampling_params import SamplingParams
 from common.text import output_text
-from common.tokenizer import check_encoded, check_prompt_length
+from common.tokenizer import check_encoded, check_prompt_length, check_token_ids
 
 
 class Prompts:
@@ -18,10 +18,7 @@ class Prompts:
         self.model = model
         self.tokenizer = load_tokenizer(model)
         self.model_config = model_config(model)
-        full = self.model_config.max_position_embeddings
-        if max_model_len is not None and not 2 <= max_model_len <= full:  # more: positions it never learned
-            raise InvalidArgument(f"--max-model-len {max_model_len}; allowed: 2..{full} (the context of model {model!r})")
-        self.context = max_model_len or full
+        self.context = self.model_config.served_context(max_model_len, model)
 
     def validate(self, prompt: str | list[int], messages: list[dict] | None, sampling: dict | SamplingParams,
                  max_tokens_field: str | None = None, tools: list[dict] | None = None,
@@ -42,11 +39,7 @@ class Prompts:
         limit = self.context
         check_prompt_length(ids, limit)  # before reading ids one by one: a client may send millions
         if ids is prompt:
-            V = self.model_config.vocab_size
-            bad = [t for t in ids if not 0 <= t < V]
-            if bad:
-                raise InvalidArgument(f"prompt token ids {bad[:5]} are invalid; allowed: integers in [0, {V})",
-                                      param="prompt")
+            check_token_ids(ids, self.model_config.vocab_size)
         else:
             check_encoded(ids, self.model_config.vocab_size)
         if max_tokens_field is not None and len(ids) + params.max_tokens > limit:

@@ -323,6 +323,19 @@ def test_logprobs_of_prompt_and_output_do_not_depend_on_chunking_or_the_prefix_c
     assert_all_blocks_free(engine)
 
 
+def test_each_step_s_output_holds_the_logprobs_of_its_own_tokens():
+    """An output kept past later steps still holds its own tokens' logprobs, as its token_ids are
+    its own: before, every output shared the request's growing list."""
+    engine = Engine(model="dummy:nanogpt")
+    engine.add_request([1, 2, 3], SamplingParams(temperature=0.8, seed=3, max_tokens=4, ignore_eos=True, logprobs=1))
+    kept = []
+    while engine.has_unfinished():
+        kept += engine.step()
+    assert [len(o.token_ids) for o in kept] == [1, 2, 3, 4]
+    assert [len(o.logprobs) for o in kept] == [1, 2, 3, 4]
+    assert [o.new_logprobs for o in kept] == [[e] for e in kept[-1].logprobs]
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_each_output_keeps_the_tokens_of_its_step(async_scheduling):
     """An output reads its tokens from the request's list on access (not a copy a step): what it

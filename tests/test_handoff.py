@@ -3,6 +3,7 @@ token, its blocks are copied into blocks a decode engine reserved, and the decod
 the request with exactly the monolithic engine's tokens."""
 
 import pytest
+import torch
 
 from common.engine import Engine
 from common.sampling_params import SamplingParams
@@ -28,8 +29,9 @@ def handoff(prefill: Engine, decode: Engine, ps, params, migrate_after: int = 0)
             assert blocks is not None
             src_blocks = prefill.held[out.request_id].block_table
             assert len(src_blocks) <= len(blocks)
-            for layer in range(prefill.model_config.num_layers):
-                decode.write_kv(blocks[:len(src_blocks)], layer, prefill.read_kv(src_blocks, layer))
+            src, dst = torch.tensor(src_blocks), torch.tensor(blocks[:len(src_blocks)])
+            for layer in range(prefill.model_config.num_layers):  # (2, blocks, block_size, kv_heads, head_dim)
+                decode.kv_cache[layer].index_copy_(1, dst, prefill.kv_cache[layer].index_select(1, src))
             assert prefill.release(out.request_id)
             decode.add_prefilled(out.request_id, tokens, len(ps[i]), params[i], seeds[i], blocks)
     while decode.has_unfinished():
