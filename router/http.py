@@ -23,9 +23,11 @@ and what is allowed, as every pdserve error does). aiohttp's client also drives
 
 Errors are OpenAI's shape, {"error": {"message", "type", "param", "code"}}, with our codes:
 INVALID_ARGUMENT 400 (malformed JSON too), UNAUTHENTICATED 401, FORBIDDEN 403 (a CORS preflight
-from an origin not allowed), NOT_FOUND 404 (model or route),
+from an origin not allowed), NOT_FOUND 404 (model or route), METHOD_NOT_ALLOWED 405,
 REQUEST_TIMEOUT 408 (a body not all sent within router/http_conns.py's deadline),
-TOO_LARGE 413 (a body over --max-message-bytes), OVERLOADED 429 with Retry-After, UNAVAILABLE 503.
+TOO_LARGE 413 (a body over --max-message-bytes), OVERLOADED 429 with Retry-After, INTERNAL 500,
+UNAVAILABLE 503, TIMEOUT 504. Refusals before the router (a bad body, key, method or /v1/ route)
+count in request_errors_total as its own do.
 A stream sends its headers with its first token, so an error before it still gets its status; one
 after it comes as an SSE event {"error": ...}, then [DONE].
 """
@@ -198,7 +200,10 @@ class HttpFront:
         except InvalidArgument as e:
             return error_response(ApiError("INVALID_ARGUMENT", str(e), e.param))
         except web.HTTPException as e:  # aiohttp's own: no route, wrong method, body too large
-            return error_response(self._http_error(request, e))
+            error = self._http_error(request, e)
+            if e.status in (404, 405) and request.path.startswith("/v1/"):  # the API's misuse, not a stray URL's
+                self.backend.rejected(error.code)
+            return error_response(error)
         except ConnectionError:  # the client went away: this answer will not reach it (aiohttp takes that quietly)
             return web.Response(status=499, text="client closed the connection")
         except Exception as e:
@@ -210,6 +215,7 @@ class HttpFront:
         # surrogateescape: a header's bytes that are not UTF-8 (aiohttp decodes them so) are a wrong key, not a 500
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode("utf-8", "surrogateescape"),
                                                                   self.api_key):
+            self.backend.rejected("UNAUTHENTICATED")
             raise ApiError("UNAUTHENTICATED", "a valid API key is required: send the header "
                                               "'Authorization: Bearer <key>'")
 
