@@ -44,7 +44,7 @@ from common import protocol as P
 from common.channel import Channel
 from common.errors import PdserveError
 from common.sampling_params import SamplingParams
-from router.client import LOST, Connection, replies
+from router.connection import LOST, Connection, replies
 from router.launcher import HEALTHY_S, die_with_parent, restart_delay
 from router.openai_api import ApiError, OutputParsers
 from router.prompts import Prompts
@@ -129,7 +129,7 @@ class RouterLink:
 
     async def health(self) -> tuple[int, list[str]]:
         reply = await self._ask(P.StatusRequest)
-        return sum(bool(w.get("alive")) and not w.get("leaving") for w in reply.workers), list(reply.missing)
+        return reply.serving, list(reply.missing)
 
     async def metrics(self) -> bytes:
         return (await self._ask(P.MetricsRequest)).text

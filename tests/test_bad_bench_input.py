@@ -19,6 +19,7 @@ import pytest
 from click.testing import CliRunner
 
 import bench.transfer as B
+import router.connection
 import router.client
 from bench.report import print_table
 from bench.serve import compare_frontends, run_serve_bench
@@ -45,7 +46,7 @@ def run_cli(monkeypatch, capsys, *args) -> tuple[int, str, str]:
 # ----------------------------------------------------------------------------- bench serve
 
 def test_serve_to_no_router_says_unavailable_before_it_measures(monkeypatch, capsys):
-    monkeypatch.setattr(router.client, "CONNECT_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(router.connection, "CONNECT_TIMEOUT_S", 0.5)
     address = f"tcp://127.0.0.1:{free_port()}"  # nothing listens there
     started = time.monotonic()
     code, out, err = run_cli(monkeypatch, capsys, "bench", "serve", "--scenarios", "smoke_test", "--router", address)
@@ -70,7 +71,7 @@ def test_a_run_whose_requests_all_failed_prints_its_table(monkeypatch, capsys):
     """The requests fail (no router, found out only once they are sent): each row counts them
     failed and shows "-" for what it could not measure, and the router's overhead line, which
     has no figure to take, is left out (it raised TypeError on the None)."""
-    monkeypatch.setattr(router.client, "CONNECT_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(router.connection, "CONNECT_TIMEOUT_S", 0.3)
     # pass the early check, which also names the router's model (one other than --model: it is said)
     monkeypatch.setattr(router.client.Client, "status", lambda self, timeout=None: P.StatusReply([], 0, 0, model="m2"))
     address = f"tcp://127.0.0.1:{free_port()}"

@@ -360,11 +360,11 @@ def test_unavailable_when_no_worker_ever_registered(tmp_path):
 
 
 def test_a_client_with_no_router_to_reach_says_so_instead_of_waiting_out_its_timeout(monkeypatch):
-    import router.client
+    import router.connection
     from common.errors import InvalidArgument
     from router.launcher import free_port
 
-    monkeypatch.setattr(router.client, "CONNECT_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(router.connection, "CONNECT_TIMEOUT_S", 0.5)
     address = f"tcp://127.0.0.1:{free_port()}"  # nothing listens there
     with Client(address, timeout=60) as client:
         started = time.monotonic()
@@ -389,10 +389,10 @@ def test_a_client_idle_past_the_connect_timeout_or_across_a_router_restart_serve
     import subprocess
     import sys
 
-    import router.client
+    import router.connection
     from router.launcher import free_port
 
-    monkeypatch.setattr(router.client, "CONNECT_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(router.connection, "CONNECT_TIMEOUT_S", 0.5)
     port, worker_port = free_port(), free_port()
     argv = [sys.executable, "-m", "common.cli", "router", "--port", str(port), "--worker-port", str(worker_port)]
 

@@ -16,7 +16,7 @@ import zmq.auth
 from common import protocol as P
 from common.errors import InvalidArgument
 from common.security import create_keys
-import router.client
+import router.connection
 from router.client import Client, RequestError
 from tests.cluster import cluster
 
@@ -83,11 +83,11 @@ def test_curve_keeps_unknown_peers_out(tmp_path, monkeypatch):
             with pytest.raises(RequestError) as e, Client(c.address, timeout=60) as intruder:
                 intruder.generate([1, 2, 3], max_tokens=2)
             assert e.value.code == "UNAVAILABLE" and why in e.value.message, e.value
-            assert time.monotonic() - began < router.client.CONNECT_TIMEOUT_S / 2
+            assert time.monotonic() - began < router.connection.CONNECT_TIMEOUT_S / 2
         # Nor does one without keys hang: it used to send a Cancel on a socket left with no
         # connection (the refused handshake), and that send waited for good (6 runs in 20).
         monkeypatch.delenv("PDSERVE_CURVE_DIR")
-        monkeypatch.setattr(router.client, "CONNECT_TIMEOUT_S", 0.25)  # the router never answers these
+        monkeypatch.setattr(router.connection, "CONNECT_TIMEOUT_S", 0.25)  # the router never answers these
         outcomes = []
 
         def keyless():
