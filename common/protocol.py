@@ -122,7 +122,7 @@ class Done:
 @dataclass
 class Error:
     request_id: str | None
-    code: str  # INVALID_ARGUMENT, OVERLOADED, UNAVAILABLE, CANCELLED, TIMEOUT, INTERNAL; to a worker, ALREADY_EXISTS
+    code: str  # INVALID_ARGUMENT, OVERLOADED, UNAVAILABLE, TOO_LARGE, INTERNAL; to a worker, ALREADY_EXISTS
     message: str
 
 
@@ -137,6 +137,7 @@ class StatusReply:
     ask_id: str = ""  # the StatusRequest's
     policy: str = ""  # the router's --policy (bench serve --router reads its counters by it)
     kv_events: bool = True  # whether its prefix_affine hears the workers' cache events (not --no-kv-events)
+    serving: int = 0  # workers that take work: alive and not leaving (its /health's count)
 
 
 @dataclass

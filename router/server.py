@@ -307,10 +307,10 @@ class Router:
             now = time.monotonic()
             workers = [w.describe(now) for w in sorted(self.registry.workers.values(), key=lambda w: w.worker_id)]
             queued = sum(r.state == "queued" for r in self.requests.values())
-            missing = self.placement.missing(self.registry.serving(PREFILL_ROLES + DECODE_ROLES))
+            serving = self.registry.serving(PREFILL_ROLES + DECODE_ROLES)
             self._send(self.frontend, P.StatusReply(workers, queued, len(self.requests) - queued, self.prompts.context,
-                                                    missing, self.cfg.model, msg.ask_id, self.cfg.policy,
-                                                    self.cfg.kv_events), env.sender)
+                                                    self.placement.missing(serving), self.cfg.model, msg.ask_id,
+                                                    self.cfg.policy, self.cfg.kv_events, len(serving)), env.sender)
         elif isinstance(msg, P.MetricsRequest):
             self._send(self.frontend, P.MetricsReply(self.metrics.render(), msg.ask_id), env.sender)
         elif isinstance(msg, P.Rejected):

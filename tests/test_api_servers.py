@@ -456,8 +456,8 @@ def test_an_api_servers_status_call_that_gave_up_does_not_answer_the_next_one(mo
                 n += 1
                 if n == 1:
                     await asyncio.sleep(0.5)
-                alive = [{"alive": True, "leaving": False}] * n  # reply n counts n workers
-                chan.post(P.StatusReply(alive, queued=0, in_flight=0, ask_id=env.msg.ask_id), to=env.sender)
+                chan.post(P.StatusReply([], queued=0, in_flight=0, ask_id=env.msg.ask_id, serving=n),  # reply n: n
+                          to=env.sender)
 
     async def scenario():
         ctx = zmq.asyncio.Context()
