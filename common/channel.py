@@ -32,7 +32,6 @@ from common.security import secure
 
 log = logging.getLogger(__name__)
 
-LOOPBACK = "127.0.0.1"
 DEFAULT_MAX_FRAME_BYTES = 64 * 2**20  # every socket has a cap; KV ingress sets its own, larger
 SEND_WAIT_S = 5.0  # try_send's wait for a peer that does not take a message (a slow one catches up by then)
 RETRY_S = 0.005  # how often post() offers a peer at its high-water mark what waits for it

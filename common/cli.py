@@ -25,8 +25,6 @@ from common.speculative import SpeculativeConfig
               help="CURVE key directory (pdserve keys): encrypt and authenticate every socket")
 def main(curve_dir):
     """pdserve: LLM serving with disaggregated prefill and decode."""
-    import os
-
     if curve_dir:
         from common.security import CurveKeys
 

@@ -16,7 +16,7 @@ Extensions, as vLLM has them: top_k, min_p, repetition_penalty, min_tokens, stop
 ignore_eos, include_stop_str_in_output, structured_outputs (json, json_object, regex, choice,
 grammar) and return_tokens_as_token_ids ("token_id:N" in logprobs, where token texts could collide).
 
-n > 1 makes n requests whose seeds are seed + i (vLLM's rule; common/sampling.py choice_seed): our
+n > 1 makes n requests whose seeds are seed + i (vLLM's rule; common/sampling_params.py choice_seed): our
 noise is keyed by (seed, position), so n copies under one seed would be n equal answers. Without a
 seed each choice draws its own.
 """
