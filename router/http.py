@@ -9,7 +9,7 @@ An HTTP request becomes one or more router requests (a batch of prompts, n choic
 router process (LocalBackend) they are admitted in-process: no extra socket hop, the same
 validation, dispatch, recovery and stop strings as a ZeroMQ client gets. In an API server they go
 to the router as a ZeroMQ client's do (RouterLink). Either way their replies land in an asyncio
-queue that the handler turns into OpenAI's shapes (router/openai_api.py). A client that goes away
+queue that the handler turns into OpenAI's shapes (router/openai_responses.py). A client that goes away
 (its connection closes) cancels every one of its requests at once: aiohttp cancels the handler,
 and the handler's `finally` cancels the work on the workers, which free its KV blocks.
 
@@ -49,8 +49,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from common import protocol as P
 from common.errors import InvalidArgument, short_repr
 from common.sampling_params import SamplingParams
-from router.openai_api import (RETRY_AFTER_S, ApiError, Choice, Envelope, Job, OutputParsers, check_model, parse_chat,
-                               parse_completion, parse_detokenize, parse_tokenize, served_names, usage)
+from router.openai_api import (RETRY_AFTER_S, ApiError, Job, OutputParsers, check_model, parse_chat, parse_completion,
+                               parse_detokenize, parse_tokenize, served_names)
+from router.openai_responses import Choice, Envelope, usage
 from router.http_conns import KEEPALIVE_S, HeaderDeadline, capped, connection_cap, quiet_bad_requests, read_body
 from router.prompts import Prompts
 from router.registry import DECODE_ROLES, PREFILL_ROLES

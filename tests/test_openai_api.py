@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from common.errors import InvalidArgument
 from common.sampling_params import SamplingParams, choice_seed
 from common.tokenizer import ByteTokenizer, HFTokenizer
-from router.openai_api import CHAT_FIELDS, COMPLETION_FIELDS, ApiError, parse_chat, parse_completion, token_text
+from router.openai_api import CHAT_FIELDS, COMPLETION_FIELDS, ApiError, parse_chat, parse_completion
+from router.openai_responses import token_text
 from common.text import TextStream
 from tests.checkpoints import VOCAB, write_tokenizer
 
@@ -253,7 +254,7 @@ def bpe(tmp_path_factory):
 def test_special_tokens_show_their_text_in_logprobs_and_on_request(bpe):
     """As vLLM's: a special token's logprob entry is its text (two of them would otherwise share
     the key "" in top_logprobs), and decode keeps them when asked (/detokenize asks)."""
-    from router.openai_api import token_shown
+    from router.openai_responses import token_shown
 
     bos, eos = bpe.encode("x")[0], 1
     assert [token_shown(bpe, t, False) for t in (bos, eos)] == [("<s>", b"<s>"), ("</s>", b"</s>")]
@@ -295,7 +296,7 @@ def test_text_offsets_index_the_text_across_multibyte_characters(stream):
     included): a byte inside a character starts where the character does. Counting each token's
     own decoded length (1 for a lone byte's U+FFFD) ran past the end of the text."""
     from common import protocol as P
-    from router.openai_api import Choice
+    from router.openai_responses import Choice
 
     tok = ByteTokenizer()
     prompt, completion = "Café 日本", "語 ok"
