@@ -585,7 +585,8 @@ def test_web_pages_of_allowed_origins_may_call_it(allowed):
 
     from router.http import HttpFront
 
-    backend = types.SimpleNamespace(prompts=types.SimpleNamespace(model=MODEL))
+    refused = []
+    backend = types.SimpleNamespace(prompts=types.SimpleNamespace(model=MODEL), rejected=refused.append)
     front = HttpFront(backend, "127.0.0.1", 0, "sekrit", 2**20, allowed_origins=allowed)
 
     async def scenario():
@@ -604,6 +605,7 @@ def test_web_pages_of_allowed_origins_may_call_it(allowed):
     assert status_a == 204 and a["Access-Control-Allow-Origin"] == allowed
     assert "POST" in a["Access-Control-Allow-Methods"] and a["Access-Control-Allow-Headers"] == "authorization, content-type"
     assert (status, headers["Access-Control-Allow-Origin"]) == (401, allowed)
+    assert refused == ["UNAUTHENTICATED"]  # counted once; the preflights are not refusals
     status_b, b = preflights["https://b.example"]
     if allowed == "*":
         assert status_b == 204 and b["Access-Control-Allow-Origin"] == "*"
