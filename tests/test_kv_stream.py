@@ -141,7 +141,7 @@ def test_a_shm_stream_says_it_is_done_only_after_its_last_copy(tmp_path, wide_kv
 
     slow = JobThread("slow-copier")
     monkeypatch.setattr(MappedSender, "send", lambda self, out, handle, layers, blocks: handle.futures.append(
-        slow.submit(time.sleep, 0.3)))
+        slow.submit(time.sleep, 0.15)))  # 12 copies: queued well past the prefill's end
     prompt = [(5 * i) % 300 for i in range(1000)]
     max_tokens = 1 if end == "first token" else 2
     with decode_worker(tmp_path, "shm", wide_kv_model) as d:
