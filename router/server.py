@@ -53,6 +53,7 @@ CLIENT_PORT = ("this is the router's client port; workers connect to its worker 
 TICK_S = 0.05  # how often the router checks deadlines and heartbeats
 LOOP_LAG_S = 0.5  # a tick this late: the event loop was held up (a huge request), not the workers
 STOP_LINGER_MS = 100  # a stopping router's cancels go at once to live workers; not to wait on gone ones
+DECODE_FAULTS = ("NO_ROOM", "LAYOUT_MISMATCH")  # WorkerError codes that say the decode worker cannot take it
 
 
 @dataclass
@@ -785,9 +786,6 @@ class Router:
             if len(req.tokens) > 1:
                 t["tpot_s"] = (now - req.first_token_at) / (len(req.tokens) - 1)
         return t
-
-
-DECODE_FAULTS = ("NO_ROOM", "LAYOUT_MISMATCH")  # WorkerError codes that say the decode worker cannot take it
 
 
 def run_router(cfg: RouterConfig):
