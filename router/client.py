@@ -37,6 +37,7 @@ import time
 import uuid
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
+
 import zmq
 import zmq.asyncio
 
