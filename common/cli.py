@@ -179,6 +179,9 @@ def _end(status: int):
     memory, process groups): the interpreter's own teardown aborts (std::terminate, exit -6) with
     what torch.distributed's gloo leaves of its threads (about half the runs with --kv-transport
     gloo), and with a torch whose import a stop cut short."""
+    copy_count = sys.modules.get("common.kv_transport.copy_count")  # (loaded: this process may have counted)
+    if copy_count is not None:
+        copy_count.close()  # its file, which atexit would remove
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -40,7 +40,7 @@ from common.channel import Channel, Envelope
 from common.engine import RequestOutput
 from common.errors import InvalidArgument
 from common.kv_transport import Inbox, make_receivers, offered, tune_malloc
-from common.kv_transport.copy_count import counts_of, ended_since, in_flight
+from common.kv_transport.copy_count import counts_of, ended_since, in_flight, sweep as sweep_copy_counts
 from common.kv_transport.mapped import HOSTNAME, process_gone
 from common.sampling_params import SamplingParams
 from common.worker import STALLED_POLL_MS, WorkerBase
@@ -107,6 +107,7 @@ class DecodeWorker(WorkerBase):
                                         required=not mono and cfg.engine.kv_transport != "auto", wake=self.wake)
         self.offer = {name: r.advert() for name, r in self.receivers.items()}
         self.one_sided = any(r.one_sided for r in self.receivers.values())
+        sweep_copy_counts()  # killed writers' files, whichever transport this host's clusters use now
         self.ingress = Channel.bind(self.ctx, zmq.ROUTER, f"tcp://{cfg.host}:{cfg.kv_port}", max_frame_bytes=cfg.max_kv_frame_bytes,
                                     end="kv_ingress")
         self.kv_address = self.ingress.address

@@ -410,6 +410,8 @@ def test_cluster_on_each_transport_matches_monolithic(tmp_path, transport):
     assert f"by {used}" in (tmp_path / "logs" / "prefill-0.log").read_text()
     # stopped, they exit cleanly (gloo's threads aborted the interpreter's teardown in about half the runs)
     assert [w.proc.returncode for w in c.workers] == [0, 0]
+    # and take their copy counts with them (a worker's os._exit skipped the atexit that removes it)
+    assert not [path for w in c.workers for path in glob.glob(f"/dev/shm/pdserve-copies-{w.proc.pid}-*")]
 
 
 @pytest.mark.parametrize("enforce", [True, False], ids=["enforce-disagg", "fallback"])
@@ -567,7 +569,7 @@ def writer_inside_a_copy():
 
 
 def test_the_copies_a_writer_is_inside_are_seen_from_another_process_and_a_dead_ones_file_is_swept():
-    from common.kv_transport.copy_count import _sweep
+    from common.kv_transport.copy_count import sweep
 
     with writer_inside_a_copy() as (writer, leave):
         counts = counts_of(writer.pid)
@@ -583,7 +585,7 @@ def test_the_copies_a_writer_is_inside_are_seen_from_another_process_and_a_dead_
         pass  # killed inside its copy: its file stays, counting one in flight
     (stale,) = glob.glob(f"/dev/shm/pdserve-copies-{killed.pid}-*")
     assert counts_of(killed.pid) == []  # it has exited: it copies nothing
-    _sweep()  # as a writer starting does: the files of writers that have exited go
+    sweep()  # as a writer or a decode worker starting does: the files of writers that have exited go
     assert not os.path.exists(stale)
 
 

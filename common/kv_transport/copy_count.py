@@ -63,7 +63,7 @@ class CopyCount:
         started = _started(self.pid)
         if started is None:
             return  # no /proc: peers cannot look either, and take blocks back at the lease's end
-        _sweep()
+        sweep()
         path = _path(self.pid, started)
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -96,14 +96,14 @@ class CopyCount:
 
     def close(self):
         """Remove the file at exit, unless a copy is still running (a daemon copier thread runs on
-        while the interpreter shuts down) or this is a forked child: _sweep removes it later."""
+        while the interpreter shuts down) or this is a forked child: sweep() removes it later."""
         if self.path is not None and os.getpid() == self.pid and not in_flight(_pairs(self.view)):
             with contextlib.suppress(OSError):
                 os.unlink(self.path)
             self.path = None
 
 
-def _sweep():
+def sweep():
     """Remove the files of writers that have exited (a killed one cannot)."""
     for path in glob.glob(_path("*", "*")):
         pid, _, started = os.path.basename(path)[len(PREFIX) + 1:].partition("-")
@@ -131,6 +131,13 @@ def counted() -> contextlib.AbstractContextManager:
         if _this_process is None or _this_process.pid != os.getpid():
             _this_process = CopyCount()
     return _this_process.counted()
+
+
+def close() -> None:
+    """At this process's end: its file goes (CopyCount.close), also where the end skips atexit
+    (a worker's os._exit)."""
+    if _this_process is not None:
+        _this_process.close()
 
 
 def counts_of(pid: int) -> list[tuple[int, int]]:
