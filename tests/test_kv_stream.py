@@ -141,7 +141,10 @@ def test_a_shm_stream_says_it_is_done_only_after_its_last_copy(tmp_path, wide_kv
 
     slow = JobThread("slow-copier")
     monkeypatch.setattr(MappedSender, "send", lambda self, out, handle, layers, blocks: handle.futures.append(
-        slow.submit(time.sleep, 0.15)))  # 12 copies: queued well past the prefill's end
+        slow.submit(time.sleep, 0.15)))
+    finish, queued_at_end = MappedSender.finish, []
+    monkeypatch.setattr(MappedSender, "finish", lambda self, handle, release=False: (
+        queued_at_end.append(not all(f.done() for f in handle.futures)), finish(self, handle, release))[1])
     prompt = [(5 * i) % 300 for i in range(1000)]
     max_tokens = 1 if end == "first token" else 2
     with decode_worker(tmp_path, "shm", wide_kv_model) as d:
@@ -163,6 +166,7 @@ def test_a_shm_stream_says_it_is_done_only_after_its_last_copy(tmp_path, wide_kv
             else:
                 spin(prefill, lambda: "r1" not in prefill.transfers)
             assert released == [True]
+            assert queued_at_end[:1] == [True]  # the race this test is for: copies were queued when it ended
         finally:
             prefill.close()
             slow.shutdown()

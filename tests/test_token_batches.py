@@ -5,7 +5,8 @@ last token, and a client that did not ask gets a Token per stream as before."""
 import asyncio
 
 from common import protocol as P
-from router.client import Client, replies
+from router.client import Client
+from router.connection import replies
 from tests.cluster import cluster, scripted_worker, serving_router
 
 
