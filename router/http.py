@@ -54,7 +54,6 @@ from router.openai_api import (RETRY_AFTER_S, ApiError, Job, OutputParsers, chec
 from router.openai_responses import Choice, Envelope, usage
 from router.http_conns import KEEPALIVE_S, HeaderDeadline, capped, connection_cap, quiet_bad_requests, read_body
 from router.prompts import Prompts
-from router.registry import DECODE_ROLES, PREFILL_ROLES
 
 log = logging.getLogger("pdserve.http")
 HTTP_CLIENT = "http"  # the Router.submit client of every HTTP request (their request ids are unique)
@@ -87,8 +86,8 @@ class LocalBackend:
         self.router.metrics.on_error(code)
 
     async def health(self) -> tuple[int, list[str]]:
-        serving = self.router.registry.serving(PREFILL_ROLES + DECODE_ROLES)
-        return len(serving), self.router.placement.missing(serving)
+        serving, missing = self.router.serving()
+        return len(serving), missing
 
     async def metrics(self) -> bytes:
         return self.router.metrics.render()
@@ -254,7 +253,11 @@ class HttpFront:
 
     async def model_card(self, request: web.Request) -> web.Response:
         name = request.match_info["model"]
-        check_model(name, self.names)
+        try:
+            check_model(name, self.names)
+        except ApiError as e:  # a /v1/ refusal, counted as the others are
+            self.backend.rejected(e.code)
+            raise
         return web.json_response(self._card(name))
 
     async def version(self, request: web.Request) -> web.Response:

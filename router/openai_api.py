@@ -325,7 +325,7 @@ def parse_chat(body, served_model: Served, context: int, parsers: OutputParsers 
     return dataclasses.replace(job, tools=tools, template_kwargs=template_kwargs, reasoning=reasoning)
 
 
-# ----------------------------------------------------------------------------- responses
+# ----------------------------------------------------------------------------- tokenize
 
 
 def parse_tokenize(body, served_model: Served) -> tuple[str | None, list | None]:

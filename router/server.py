@@ -180,6 +180,12 @@ class Router:
 
     # ------------------------------------------------------------------ plumbing
 
+    def serving(self) -> tuple[list[Worker], list[str]]:
+        """The workers that take work (alive, not leaving), and the roles they lack to serve: what
+        /health, `pdserve status` and a request that waited for a worker in vain all report."""
+        serving = self.registry.serving(PREFILL_ROLES + DECODE_ROLES)
+        return serving, self.placement.missing(serving)
+
     def _send(self, chan: Channel, msg, to: bytes) -> bool:
         try:
             chan.post(msg, to=to)
@@ -308,10 +314,10 @@ class Router:
             now = time.monotonic()
             workers = [w.describe(now) for w in sorted(self.registry.workers.values(), key=lambda w: w.worker_id)]
             queued = sum(r.state == "queued" for r in self.requests.values())
-            serving = self.registry.serving(PREFILL_ROLES + DECODE_ROLES)
+            serving, missing = self.serving()
             self._send(self.frontend, P.StatusReply(workers, queued, len(self.requests) - queued, self.prompts.context,
-                                                    self.placement.missing(serving), self.cfg.model, msg.ask_id,
-                                                    self.cfg.policy, self.cfg.kv_events, len(serving)), env.sender)
+                                                    missing, self.cfg.model, msg.ask_id, self.cfg.policy,
+                                                    self.cfg.kv_events, len(serving)), env.sender)
         elif isinstance(msg, P.MetricsRequest):
             self._send(self.frontend, P.MetricsReply(self.metrics.render(), msg.ask_id), env.sender)
         elif isinstance(msg, P.Rejected):
@@ -752,7 +758,7 @@ class Router:
             if now < req.deadline:
                 continue
             if req.state == "queued":
-                missing = self.placement.missing(self.registry.serving(PREFILL_ROLES + DECODE_ROLES))
+                missing = self.serving()[1]
                 self.error(req, "UNAVAILABLE", f"no live {' or '.join(missing) or 'worker'} worker "
                                                f"for {self.cfg.queue_timeout_s}s")
             else:

@@ -706,6 +706,7 @@ def test_metrics_parse_and_count_known_requests(served):
     assert http(served, "GET", "/v1/models", key="wrong")[0] == 401  # refused before the router: counted too
     assert http(served, "GET", "/v1/completions")[0] == 405
     assert http(served, "GET", "/v1/embeddings")[0] == 404
+    assert http(served, "GET", "/v1/models/gpt-4")[0] == 404  # a model not served
     assert http(served, "GET", "/favicon.ico", key=None)[0] == 404  # not the API's: not counted
     time.sleep(0.6)  # a heartbeat or two carries the workers' counters
     after = scrape(served)
@@ -715,8 +716,8 @@ def test_metrics_parse_and_count_known_requests(served):
 
     assert grew("pdserve:request_success_total", finished_reason="length") == 3
     assert grew("pdserve:request_errors_total", code="INVALID_ARGUMENT") == 1
-    for code in ("UNAUTHENTICATED", "METHOD_NOT_ALLOWED", "NOT_FOUND"):
-        assert grew("pdserve:request_errors_total", code=code) == 1, code
+    for code, n in (("UNAUTHENTICATED", 1), ("METHOD_NOT_ALLOWED", 1), ("NOT_FOUND", 2)):
+        assert grew("pdserve:request_errors_total", code=code) == n, code
     assert grew("pdserve:prompt_tokens_total") == 2 * 99 + 3
     assert grew("pdserve:generation_tokens_total") == 5 + 5 + 7
     assert grew("pdserve:request_prompt_tokens_sum") == 2 * 99 + 3  # vLLM's per-request histograms
