@@ -180,10 +180,7 @@ class DecodeWorker(WorkerBase):
 
     def _free(self, rid: str, r: Reservation, writer_done: bool):
         """Unreserve r's blocks, or fence them while a peer may still be writing them."""
-        if self.one_sided and not writer_done:
-            held = self.fenced.get((rid, r.attempt))
-            if held is not None:  # (a reservation is never granted under a fenced key: kept whole all the same)
-                r.block_ids, r.expires = held.block_ids + r.block_ids, max(held.expires, r.expires)
+        if self.one_sided and not writer_done:  # (never twice under a key: _reserve grants none under a fenced one)
             self.fenced[(rid, r.attempt)] = r
         else:
             self.engine.unreserve(r.block_ids)
@@ -257,8 +254,9 @@ class DecodeWorker(WorkerBase):
         held = self._attempt(rid)
         if held is not None and held > msg.attempt:  # a late ask of an attempt the router has replaced
             return refuse("CANCELLED", f"attempt {msg.attempt} was replaced by attempt {held}, held here")
-        if (rid, msg.attempt) in self.fenced:  # a renewal too late: its blocks may still be written, not granted again
-            return refuse("TIMEOUT", f"the lease of attempt {msg.attempt} ended here before it was renewed")
+        if (rid, msg.attempt) in self.fenced:  # too late: its blocks may still be written, and are not granted again
+            return refuse("TIMEOUT", f"attempt {msg.attempt} was let go here (its lease ended, or it was cancelled) "
+                                     "before this ask")
         old = self.reservations.get(rid)
         if old is not None and old.attempt == msg.attempt:  # asked again (a renewal): the same blocks, a new lease
             old.expires = max(old.expires, now + self.cfg.kv_lease_s)
