@@ -183,7 +183,7 @@ class AsyncStream(_Abandonable):
     def __init__(self, client: "AsyncClient", prompt, timeout: float | None, sampling: dict):
         self.client, self.request_id = client, None
         self._submit = (prompt, sampling)
-        self.timeout = client.timeout if timeout is None else timeout
+        self.timeout = client.timeout_of(timeout)
         self.result: Result | None = None
 
     def __aiter__(self):
@@ -224,6 +224,11 @@ class _Requests:
 
     closed = False
     pid = 0  # the process that made it: its sockets are not a forked child's
+    timeout: float | None = None  # the client's: a call's timeout=None means this one
+
+    def timeout_of(self, timeout: float | None) -> float | None:
+        """A call's timeout: its own, else the client's."""
+        return self.timeout if timeout is None else timeout
 
     def _check_open(self) -> None:
         if self.closed:
@@ -390,12 +395,12 @@ class Client(_Requests):
         return msg
 
     def _deadline(self, timeout) -> "Deadline":
-        timeout = self.timeout if timeout is None else timeout
+        timeout = self.timeout_of(timeout)
         return Deadline(None if timeout is None else time.monotonic() + timeout, timeout)
 
     def stream(self, prompt=None, timeout: float | None = None, **sampling) -> Stream:
         """Iterator of Chunks as the tokens come; `.result` once exhausted."""
-        return Stream(self, self.submit(prompt, stream=True, **sampling), self.timeout if timeout is None else timeout)
+        return Stream(self, self.submit(prompt, stream=True, **sampling), self.timeout_of(timeout))
 
     def generate(self, prompt=None, timeout: float | None = None, **sampling) -> Result:
         """The whole output of one request (submit, then wait)."""
@@ -552,7 +557,7 @@ class AsyncClient(_Requests):
 
     async def wait(self, request_id: str, timeout: float | None = None) -> Result:
         """The Result of a request submitted with stream=False (its tokens, if it streams, are skipped)."""
-        timeout = self.timeout if timeout is None else timeout
+        timeout = self.timeout_of(timeout)
         try:
             while True:
                 msg = await self._next(request_id, timeout)
@@ -585,4 +590,4 @@ class AsyncClient(_Requests):
         self._start()
         with self._asking() as ask_id:
             await self.chan.send(request(ask_id))
-            return await self._next(ask_id, self.timeout if timeout is None else timeout)
+            return await self._next(ask_id, self.timeout_of(timeout))
