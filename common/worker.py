@@ -200,29 +200,35 @@ class WorkerBase:
 
     def _say_if_unanswered(self, now: float):
         """A worker whose registrations no router answers (a --router naming another port, or a
-        router not started yet) says so every NO_ROUTER_S, rather than waiting in silence."""
+        router not started yet) says so every NO_ROUTER_S, rather than waiting in silence. A router
+        that refuses its handshake (CURVE keys) is said at once: waiting cannot change that."""
+        refused = self._refused
+        while self.router.monitor.poll(0):
+            event = recv_monitor_message(self.router.monitor)["event"]
+            self._refused = refusal(event, "worker") if event != zmq.EVENT_HANDSHAKE_SUCCEEDED else None
         if self._unanswered_since is None:
             self._unanswered_since = self._said_unanswered = now
-        elif now - self._said_unanswered >= NO_ROUTER_S:
-            self._said_unanswered = now
-            while self.router.monitor.poll(0):
-                event = recv_monitor_message(self.router.monitor)["event"]
-                self._refused = refusal(event, "worker") if event != zmq.EVENT_HANDSHAKE_SUCCEEDED else None
-            if self._refused is not None:
-                log.error("%s: the router at %s refuses to talk: %s; still trying", self.worker_id, self.cfg.router,
-                          self._refused)
-                return
-            log.warning("%s: no router has answered at %s for %.0f s; still trying. Is that the router's worker "
-                        "port (its --worker-port: by default its --port + 1; the launchers print 'workers join "
-                        "at ...')?", self.worker_id, self.cfg.router, now - self._unanswered_since)
+        newly_refused = self._refused is not None and self._refused != refused
+        if not newly_refused and now - self._said_unanswered < NO_ROUTER_S:
+            return
+        self._said_unanswered = now
+        if self._refused is not None:
+            log.error("%s: the router at %s refuses to talk: %s; still trying", self.worker_id, self.cfg.router,
+                      self._refused)
+            return
+        log.warning("%s: no router has answered at %s for %.0f s; still trying. Is that the router's worker "
+                    "port (its --worker-port: by default its --port + 1; the launchers print 'workers join "
+                    "at ...')?", self.worker_id, self.cfg.router, now - self._unanswered_since)
 
     def _register(self, now: float):
         self._last_register = now
         e = self.engine
-        self.to_router(P.Register(self.role, self.worker_id, self.incarnation, str(e.config.torch_device),
-                                  e.num_blocks, e.config.block_size, self.kv_address, e.model_config.fingerprint,
-                                  self.kv_transports(), e.config.dtype, e.batch_invariant,
-                                  e.config.enable_prefix_caching, e.max_model_len))
+        # never waits: one the socket cannot take now goes again in 0.5 s, and a router that is not
+        # there, or refuses this worker, must not hold the loop (_say_if_unanswered says which)
+        self.router.send_nowait(P.Register(self.role, self.worker_id, self.incarnation, str(e.config.torch_device),
+                                           e.num_blocks, e.config.block_size, self.kv_address,
+                                           e.model_config.fingerprint, self.kv_transports(), e.config.dtype,
+                                           e.batch_invariant, e.config.enable_prefix_caching, e.max_model_len))
 
     # ------------------------------------------------------------------ the loop
 

@@ -144,3 +144,35 @@ def test_a_worker_no_router_answers_says_so_every_few_seconds(monkeypatch, caplo
         assert "--worker-port" in said[0]
     finally:
         worker.close()
+
+
+def test_a_worker_the_router_refuses_says_so_at_once_then_every_few_seconds(monkeypatch, caplog):
+    """A refused handshake (the router does not authorize this worker's CURVE key) cannot mend by
+    waiting: the worker says so when its socket's monitor reports it, not NO_ROUTER_S later."""
+    import zmq
+    from common import worker as worker_module
+
+    class Monitor:
+        events = [zmq.EVENT_HANDSHAKE_FAILED_AUTH]
+
+        def poll(self, timeout):
+            return bool(self.events)
+
+    monitor = Monitor()
+    monkeypatch.setattr(worker_module, "recv_monitor_message", lambda sock: {"event": monitor.events.pop(0)})
+    worker = LoopUnderTest()
+    real_monitor, worker.router.monitor = worker.router.monitor, monitor
+    try:
+        with caplog.at_level("WARNING", logger="pdserve.worker"):
+            for now in (100.0, 100.6):
+                worker._tick(now)
+            said = [r.getMessage() for r in caplog.records]
+            assert len(said) == 1 and "refuses to talk: it refused this worker's CURVE key" in said[0], said
+            monitor.events.append(zmq.EVENT_HANDSHAKE_FAILED_AUTH)  # each retry fails the same way
+            for now in (101.2, 101.8, 110.1):
+                worker._tick(now)
+        said = [r.getMessage() for r in caplog.records]
+        assert len(said) == 2 and "refuses to talk" in said[1], said
+    finally:
+        worker.router.monitor = real_monitor
+        worker.close()
