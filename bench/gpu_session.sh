@@ -58,6 +58,8 @@ set -u
 # Cluster stages serve 4,096-token contexts: sized for llama-1b's whole 131,072, each worker would set
 # GBs aside for one step's attention partials (a GPU test starts a cluster with no flag at all).
 CTX=--worker-arg=--max-model-len=4096
+# pytest in one process, whether pytest-xdist is here or not (pyproject's addopts ask for it: -n auto)
+ONE_PROCESS="-p no:xdist -o addopts="
 stage=${1:?usage: bench/gpu_session.sh first|check|engine|cluster|serve|prefix|overlap|profile|tiles|prefill-rows|verify|scaling|router|speculative}
 OUT=${OUT:-/tmp/pdserve-gpu}
 mkdir -p "$OUT"
@@ -88,7 +90,7 @@ case $stage in
 first)
     # (the CPU suite compiles every Triton kernel for sm_90 already: tests/triton_aot.py)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt"
-    run gpu-tests 360 python3 -m pytest -m gpu tests -v --tb=short -p no:cacheprovider --timeout 200 -rf \
+    run gpu-tests 360 python3 -m pytest $ONE_PROCESS -m gpu tests -v --tb=short -p no:cacheprovider --timeout 200 -rf \
         --durations=15 --junitxml="$OUT/gpu-tests.xml" --continue-on-collection-errors
     run engine 170 pdserve bench engine --device cuda:0 --model dummy:llama-1b --max-model-len 4096 \
         --batch-sizes 1,64 --kv-lens 512 --steps 32 --num-requests 16 --output-len 32
@@ -99,7 +101,7 @@ check)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt"
     python3 -c "import torch, triton; print(torch.__version__, triton.__version__)" >> "$OUT/gpu.txt"
     run aot 120 python3 -m tests.triton_aot
-    run gpu-tests 420 python3 -m pytest -m gpu tests -v --tb=short -p no:cacheprovider --timeout 300 -rf \
+    run gpu-tests 420 python3 -m pytest $ONE_PROCESS -m gpu tests -v --tb=short -p no:cacheprovider --timeout 300 -rf \
         --durations=15 --junitxml="$OUT/gpu-tests.xml" --continue-on-collection-errors
     tail -n 15 "$OUT/gpu-tests.log"
     ;;
@@ -173,7 +175,7 @@ verify)
     python3 -c "import torch, triton; print(torch.__version__, triton.__version__)
 from tests.triton_aot import split_kernel_loads, partials_accesses; print(split_kernel_loads())
 print(partials_accesses())" >> "$OUT/gpu.txt" 2>&1
-    run gpu-tests "$(left 260)" python3 -m pytest -m gpu tests -q --tb=short -p no:cacheprovider --timeout 200 -rf \
+    run gpu-tests "$(left 260)" python3 -m pytest $ONE_PROCESS -m gpu tests -q --tb=short -p no:cacheprovider --timeout 200 -rf \
         --durations=5 --continue-on-collection-errors
     run step-profile "$(left 100)" pdserve bench step-profile --device cuda:0 --model dummy:llama-1b \
         --max-model-len 4096 --batch-sizes 1,64,256 --kv-len 512 --steps 16 --top 12 --prefill-len 2048
@@ -228,8 +230,8 @@ run()"
     done
     run invariance-64w2 240 python3 -c "import sys, pytest, common.attention.triton_paged as tp
 tp.choose_prefill_tile = lambda *a, **k: ((64, 2), ['forced by gpu_session.sh'])  # auto's engines
-sys.exit(pytest.main(['-m', 'gpu', 'tests/test_gpu.py', '-q', '-p', 'no:cacheprovider', '-k',
-                      'chunking or batch_invariant or graph_replay']))"
+sys.exit(pytest.main('$ONE_PROCESS -p no:cacheprovider -m gpu tests/test_gpu.py -q'.split() +
+                    ['-k', 'chunking or batch_invariant or graph_replay']))"
     tail -n 3 "$OUT/invariance-64w2.log"
     ;;
 tiles)

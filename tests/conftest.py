@@ -21,6 +21,16 @@ if not torch.cuda.is_available():
     patch_once_per_launch()
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config):
+    """How many processes `-n auto` (pyproject.toml's addopts) runs the tests in: one a core, up to
+    4 (each test starts a few processes of its own, and each holds a copy of torch), or none beside a
+    GPU: its tests share one device, and each engine sizes its KV pool by the memory left free."""
+    if torch.cuda.is_available():
+        return 0
+    return min(len(os.sched_getaffinity(0)), 4)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
