@@ -172,12 +172,14 @@ def test_an_sdk_client_misused_says_so_and_loses_nothing(fuzz_cluster):
             client.generate_many([[1, 2, 3], None], max_tokens=1000, ignore_eos=True)
         assert not client._open and client.status().in_flight == 0
         pid = os.fork()
-        if pid == 0:
+        if pid == 0:  # a copy of this test's process: it must end here, whatever the client does
+            said = ""
             try:
                 client.generate([1], max_tokens=1, timeout=5)
-            except RuntimeError as e:
-                os._exit(0 if "before a fork; make one in this process" in str(e) else 1)
-            os._exit(1)
+            except BaseException as e:
+                said = str(e)
+            finally:
+                os._exit(0 if "before a fork; make one in this process" in said else 1)
         assert os.waitpid(pid, 0)[1] == 0
         stream = client.stream([1, 2], max_tokens=50)
     with pytest.raises(RuntimeError, match="this Client is closed"):
