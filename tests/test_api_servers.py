@@ -294,7 +294,7 @@ def test_a_dead_api_server_s_requests_are_cancelled_at_once_streamed_or_not(tmp_
                 os.kill(victim, signal.SIGKILL)
                 killed = time.monotonic()
                 while (left := sdk.status().in_flight) > 8 - held[victim]:
-                    assert time.monotonic() - killed < 1.5, f"{left} requests in flight; the victim held {held[victim]}"
+                    assert time.monotonic() - killed < 3, f"{left} requests in flight; the victim held {held[victim]}"
                     await asyncio.sleep(0.05)
                 answers = await asyncio.gather(*posts, return_exceptions=True)
                 return held[victim], left, [a for a in answers if not isinstance(a, Exception)]

@@ -172,15 +172,15 @@ def test_try_send_gives_up_on_a_peer_that_never_reads_and_then_fails_at_once():
     fails: nothing connected) must go on looping, to handle SIGTERM: it once blocked forever."""
     ctx = zmq.Context()
     gone = Channel.connect(ctx, zmq.DEALER, f"tcp://127.0.0.1:{free_port()}")  # nothing listens there
-    gone.send_wait_s = 0.3
+    gone.send_wait_s = 2
     for sent in range(10_000):  # its queue takes the high-water mark's worth, then none
         t0 = time.monotonic()
         if not gone.try_send(P.Cancel("a")):
             break
-    assert 0 < sent < 10_000 and 0.25 <= time.monotonic() - t0 < 3
+    assert 0 < sent < 10_000 and 1.9 <= time.monotonic() - t0 < 6
     t0 = time.monotonic()
     assert gone.try_send(P.Cancel("b")) is False  # stalled: no second wait
-    assert time.monotonic() - t0 < 0.1
+    assert time.monotonic() - t0 < 1
     server = Channel.bind(ctx, zmq.ROUTER, "tcp://127.0.0.1:0")
     late = Channel.connect(ctx, zmq.DEALER, server.address)
     late.send_wait_s = 5

@@ -151,7 +151,11 @@ def test_the_chain_is_the_block_managers():
 def settled(client: Client):
     """Once the workers' heartbeats say nothing waits: loads are the router's own again."""
     deadline = time.monotonic() + 10
-    while any(w["queued"] or w["running"] for w in client.status().workers) and time.monotonic() < deadline:
+    while True:
+        workers = client.status().workers
+        if not any(w["queued"] or w["running"] for w in workers):
+            return
+        assert time.monotonic() < deadline, f"the workers were still busy after 10 s: {workers}"
         time.sleep(0.05)
 
 
