@@ -240,16 +240,21 @@ def test_a_transfer_benchs_children_ignore_ctrl_c_and_leave_through_finally_when
     was killed after 10 s, its shared memory left to the resource tracker's warning."""
     path = str(tmp_path / "left")
     proc = B._spawn(sleep_in_try, path)
-    os.kill(proc.pid, signal.SIGINT)  # while it starts: deaf from its first instruction
-    deadline = time.monotonic() + 30
-    while not os.path.exists(path + ".started") and time.monotonic() < deadline:
-        time.sleep(0.05)
-    os.kill(proc.pid, signal.SIGINT)
-    proc.join(0.3)
-    assert proc.is_alive()
-    started = time.monotonic()
-    B._stop(proc, grace_s=0.0)
-    assert time.monotonic() - started < 4 and proc.exitcode == 1
+    try:
+        os.kill(proc.pid, signal.SIGINT)  # while it starts: deaf from its first instruction
+        deadline = time.monotonic() + 30
+        while not os.path.exists(path + ".started") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGINT)
+        proc.join(0.3)
+        assert proc.is_alive()
+        started = time.monotonic()
+        B._stop(proc, grace_s=0.0)
+        assert time.monotonic() - started < 4 and proc.exitcode == 1
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
     assert Path(path).read_text() == "finally ran"
 
 

@@ -12,7 +12,7 @@ from bench.chaos import leaked_blocks, run_chaos
 from common.engine import Engine
 from common.sampling_params import SamplingParams
 from router.client import Client, RequestError
-from tests.cluster import cluster
+from tests.cluster import cluster, stop
 from tests.test_cluster import HAVE_LLGUIDANCE
 from tests.test_scaling import REPO, pdserve_cmd
 
@@ -186,5 +186,4 @@ def test_a_second_worker_with_a_live_workers_id_waits_and_joins_once_that_one_is
             assert client.generate([1, 2, 3], max_tokens=20, temperature=0, ignore_eos=True).token_ids == \
                 results[0].token_ids
         finally:
-            second.terminate()
-            second.wait(30)
+            stop(second)

@@ -20,7 +20,7 @@ from common.engine import Engine
 from common.sampling_params import SamplingParams
 from router.client import AsyncClient, Client, RequestError
 from tests.checkpoints import VOCAB, write_checkpoint
-from tests.cluster import cluster, hand_made_cluster, scripted_worker, serving_router, wait_blocks_free
+from tests.cluster import cluster, hand_made_cluster, scripted_worker, serving_router, stop, wait_blocks_free
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -89,16 +89,17 @@ def check_cluster_matches(address, model, n=50, seed=0, vocab=256):
         assert "".join(c.text for c in chunks) == (result.text or "")
 
 
-@pytest.mark.parametrize("shape", [(1, 1), (2, 2)])
-def test_cluster_matches_monolithic_nanogpt(tmp_path, shape):
-    with cluster(tmp_path, prefill=shape[0], decode=shape[1]) as c:
+def test_cluster_of_two_of_each_role_matches_monolithic_nanogpt(tmp_path):
+    """(1P1D, on each KV transport: tests/test_kv_transport.py)"""
+    with cluster(tmp_path, prefill=2, decode=2) as c:
         check_cluster_matches(c.address, "dummy:nanogpt")
         with Client(c.address) as client:
             workers = wait_blocks_free(client)
-            assert sorted(w["role"] for w in workers) == sorted(["prefill"] * shape[0] + ["decode"] * shape[1])
+            assert sorted(w["role"] for w in workers) == ["decode", "decode", "prefill", "prefill"]
             assert all(w["free_blocks"] == w["total_blocks"] for w in workers)
-            if shape == (2, 2):  # both of each role took work
-                assert all(w["alive"] for w in workers)
+            assert all(w["alive"] for w in workers)
+            # each prefill worker took work (a decode worker's status says nothing of what it served)
+            assert all(sum(w["kv_sent"].values()) > 0 for w in workers if w["role"] == "prefill"), workers
 
 
 def test_cluster_matches_monolithic_llama_checkpoint(tmp_path):
@@ -355,8 +356,7 @@ def test_unavailable_when_no_worker_ever_registered(tmp_path):
                     assert e.code == "UNAVAILABLE" and "no prefill worker has registered" in e.message
                     break
     finally:
-        router.terminate()
-        router.wait(10)
+        stop(router)
 
 
 def test_a_client_with_no_router_to_reach_says_so_instead_of_waiting_out_its_timeout(monkeypatch):
@@ -427,8 +427,7 @@ def test_a_client_idle_past_the_connect_timeout_or_across_a_router_restart_serve
                     return (await late.status()).in_flight
             assert asyncio.run(idle_async_client()) == 0
     finally:
-        proc.terminate()
-        proc.wait(10)
+        stop(proc)
 
 
 def test_round_robin_takes_turns_within_each_role():

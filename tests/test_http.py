@@ -24,7 +24,7 @@ from common import protocol as P  # noqa: E402
 from common.engine import Engine  # noqa: E402
 from common.sampling_params import SamplingParams, choice_seed
 from router.client import Client, RequestError
-from tests.cluster import cluster, router_children, wait_blocks_free
+from tests.cluster import cluster, router_children, stop, wait_blocks_free
 
 pytestmark = pytest.mark.timeout(600)
 MODEL = "dummy:nanogpt"
@@ -444,7 +444,7 @@ def test_sdk_gets_logprobs_too(served, engine):
         streamed = [lp for chunk in sdk.stream(PROMPT_IDS, max_tokens=5, temperature=0, ignore_eos=True, logprobs=3)
                     for lp in chunk.logprobs]
     want = reference(engine, PROMPT_IDS, max_tokens=5, temperature=0, ignore_eos=True, logprobs=3)
-    assert res.token_ids == want.token_ids and len(res.logprobs) == 5
+    assert res.token_ids == want.token_ids and len(res.logprobs) == len(want.logprobs) == len(streamed) == 5
     for got, exp, s in zip(res.logprobs, want.logprobs, streamed):
         assert got[1] == exp[1] == s[1] and got[0] == pytest.approx(exp[0], abs=1e-4)
 
@@ -708,8 +708,7 @@ def test_metrics_parse_and_count_known_requests(served):
     assert http(served, "GET", "/v1/embeddings")[0] == 404
     assert http(served, "GET", "/v1/models/gpt-4")[0] == 404  # a model not served
     assert http(served, "GET", "/favicon.ico", key=None)[0] == 404  # not the API's: not counted
-    time.sleep(0.6)  # a heartbeat or two carries the workers' counters
-    after = scrape(served)
+    after = settled(served)  # the workers' counters come with their heartbeats
 
     def grew(name, **labels):
         return value(after, name, **labels) - value(before, name, **labels)
@@ -863,8 +862,7 @@ def test_health_and_requests_are_503_without_workers(tmp_path, api_servers):
         status, _, body = http(Bare, "POST", "/v1/completions", dict(prompt="hi"), key=None)
         assert status == 503 and "no prefill worker has registered" in body["error"]["message"]
     finally:
-        router.terminate()
-        router.wait(10)
+        stop(router)
 
 
 def test_migration_after_a_worker_death_keeps_tokens_and_logprobs_exact(tmp_path, engine):

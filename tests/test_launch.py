@@ -231,6 +231,11 @@ def test_a_worker_that_dies_under_no_restart_is_reported_once(tmp_path, how):
         assert "mono-0 exited with " in lines[-1] and "(--no-restart)" in lines[-1]
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
-        output = proc.communicate(timeout=60)[0]
+        try:
+            output = proc.communicate(timeout=60)[0]
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise
     assert output.count("not restarted") == 0, output  # said once, before the stop
     assert not processes_mentioning(f"--port {port}")

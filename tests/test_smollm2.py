@@ -237,5 +237,6 @@ def test_cluster_serves_smollm2_like_the_monolithic_engine(tmp_path, engine):
                 assert chat.wait(30) == 0, chat.stderr.read()
             finally:
                 chat.kill()
+                chat.wait()
             workers = wait_blocks_free(client)  # the stopped answer's request was cancelled
             assert all(w["free_blocks"] == w["total_blocks"] for w in workers) and client.status().in_flight == 0
