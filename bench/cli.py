@@ -8,7 +8,8 @@ from pathlib import Path
 
 import click
 
-from common.cli_options import COUNT, FLOAT, NON_NEGATIVE, POSITIVE, Counts, devices_option, engine_options, given_flags
+from common.cli_options import (COUNT, FLOAT, NON_NEGATIVE, POSITIVE, Counts, devices_option, engine_options,
+                                given_flags, threads_option)
 from common.protocol import KV_TRANSPORTS
 
 @click.group()
@@ -33,6 +34,7 @@ def bench():
 @click.option("--transformers-cache", default="static", show_default=True, type=click.Choice(["static", "dynamic"]),
               help="transformers' KV cache with --vs-transformers")
 @engine_options
+@threads_option
 def bench_engine(num_requests, prompt_len, output_len, batch_sizes, kv_lens, prefill_len, steps, seed, vs_transformers,
                  transformers_cache, engine_kwargs):
     """Offline throughput of the monolithic engine, a decode sweep over batch and KV length, and a
@@ -49,6 +51,7 @@ def bench_engine(num_requests, prompt_len, output_len, batch_sizes, kv_lens, pre
 @click.option("--rounds", default=3, show_default=True, type=COUNT, help="alternating rounds of every kind")
 @click.option("--seed", default=0, show_default=True, type=int)
 @engine_options
+@threads_option
 def bench_structured(batch, max_tokens, rounds, seed, engine_kwargs):
     """What structured outputs (regex, JSON schema, any JSON object) cost a decode against free
     output, the same prompts side by side."""
@@ -64,6 +67,7 @@ def bench_structured(batch, max_tokens, rounds, seed, engine_kwargs):
 @click.option("--temperature", default=0.0, show_default=True, type=NON_NEGATIVE)
 @click.option("--seed", default=0, show_default=True, type=int)
 @engine_options
+@threads_option
 def bench_speculative(batch_sizes, max_tokens, rounds, temperature, seed, engine_kwargs):
     """What n-gram speculative decoding (--speculative-config; default: 4 tokens from 3- or 2-grams)
     gains against plain decoding, on answers that repeat their prompt and answers that do not."""
@@ -83,6 +87,7 @@ def bench_speculative(batch_sizes, max_tokens, rounds, temperature, seed, engine
               help="also profile one prompt of this many tokens' prefill (0: none)")
 @click.option("--seed", default=0, show_default=True, type=int)
 @engine_options
+@threads_option
 def bench_step_profile(batch_sizes, kv_len, steps, top, modes, prefill_len, seed, engine_kwargs):
     """Where a decode step's time goes: the forward's graph and the sampler on the device, the host's
     rest and its Python functions, and the forward's kernels by device time; with --prefill-len,

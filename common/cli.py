@@ -14,7 +14,7 @@ import click
 from bench.cli import bench, plan
 from common.cli_options import (COUNT, ENGINE_PARAMS, NON_NEGATIVE, PORT, POSITIVE, devices_option, engine_argv,
                                 engine_options, given_flags, http_options, http_router_argv, parse_ints, policy_option,
-                                router_argv, router_options, sampling_options, setup_logging)
+                                router_argv, router_options, sampling_options, setup_logging, threads_option)
 from common.errors import InvalidArgument, PdserveError, port_free
 from common.signals import DRAIN_TIMEOUT_S
 from common.speculative import SpeculativeConfig
@@ -62,6 +62,7 @@ def pull(name):
 @click.option("--router", "router_address", default=None, help="generate through a running router instead")
 @sampling_options
 @engine_options
+@threads_option
 def generate(prompts, prompt_ids, chats, as_json, router_address, sampling, engine_kwargs):
     """Generate text for one or more prompts: in-process, or through a cluster with --router."""
     requests = ([{"prompt": p} for p in prompts] + [{"prompt": parse_ints(p)} for p in prompt_ids]
@@ -108,6 +109,7 @@ def refuse_engine_flags() -> None:
 @click.option("--system", default=None, help="a system message to start the conversation with")
 @sampling_options(max_tokens=512)
 @engine_options
+@threads_option
 def chat(router_address, system, sampling, engine_kwargs):
     """Talk to a model, streaming each answer: in-process (--model), or through a cluster (--router).
     Ctrl-C stops an answer, not the session; /clear starts over; Ctrl-D or /bye ends."""

@@ -108,6 +108,20 @@ POSITIVE = Finite(min=0, min_open=True)
 NON_NEGATIVE = Finite(min=0)
 COUNT = click.IntRange(min=1)  # of requests, tokens, steps, workers, threads: with 0 there is nothing to run
 PORT = click.IntRange(0, 65535)
+
+
+def _set_threads(ctx, param, threads):
+    if threads is not None:
+        import torch  # here, not at import: the CLI starts light
+
+        torch.set_num_threads(threads)
+
+
+# the engine in this process (a worker's own --threads goes to its WorkerConfig): torch's default of a
+# thread a core is slow beside other busy processes, over 50x on a shared 2-core machine
+threads_option = click.option("--threads", default=None, type=COUNT, expose_value=False, callback=_set_threads,
+                              help="torch threads [default: torch's, one a core; 1 where other processes share "
+                                   "the cores]")
 ROUTER_OPTIONS = [  # (flag, default, type, help): the router's limits and placement, on `router` and `launch` alike
     ("--max-queue", 1024, click.IntRange(min=1), "requests held at once; more are OVERLOADED"),
     # workers heartbeat every 0.2 s (common/worker.py): less than 0.5 s of silence is no death

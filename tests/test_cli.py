@@ -30,6 +30,25 @@ def test_generate_json_matches_engine():
     assert [line["text"] for line in lines] == [e.text for e in expected]
 
 
+def test_commands_that_run_the_engine_in_their_own_process_take_threads():
+    """generate, chat and the engine benches: --threads sets torch's threads in their process (they
+    had none, and torch's default of a thread a core ran 50x slower beside busy processes)."""
+    import torch
+    from click.testing import CliRunner
+    from common.cli import main
+
+    before = torch.get_num_threads()
+    try:
+        r = CliRunner().invoke(main, ["generate", "--prompt-ids", "1,2", "--max-tokens", "1", "--threads", "3"])
+        assert r.exit_code == 0, r.output
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
+    for command in (["chat"], ["bench", "engine"], ["bench", "structured"], ["bench", "speculative"],
+                    ["bench", "step-profile"]):
+        assert "--threads INTEGER RANGE" in CliRunner().invoke(main, command + ["--help"]).output, command
+
+
 def test_generate_takes_every_logit_adjustment():
     r = pdserve("generate", "--prompt-ids", "1,2,3", "--max-tokens", "8", "--repetition-penalty", "1.3",
                 "--frequency-penalty", "0.5", "--presence-penalty", "0.2", "--min-p", "0.05", "--min-tokens", "3",
