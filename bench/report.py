@@ -7,8 +7,10 @@ import contextlib
 import json
 import math
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 
 
@@ -56,18 +58,29 @@ def pct(values: list[float], q: float) -> float:
 
 @contextlib.contextmanager
 def cluster_logs():
-    """A directory for a bench's cluster logs, removed when the bench ends well or is stopped, and
-    kept when it fails, whose error points into it (a temporary directory was gone by then)."""
+    """A directory for a bench's cluster logs, removed when the bench ends well or is stopped (Ctrl-C
+    or SIGTERM, which leaves through the bench's finally blocks, as Ctrl-C does), and kept when it
+    fails, whose error points into it (a temporary directory was gone by then)."""
     logs = tempfile.mkdtemp(prefix="pdserve-bench-")
+    told = None
+    if threading.current_thread() is threading.main_thread():
+        told = signal.signal(signal.SIGTERM, _leave)
     try:
         yield logs
     except Exception:
         print(f"[bench] the clusters' logs are kept in {logs}", file=sys.stderr, flush=True)
         raise
-    except BaseException:  # Ctrl-C
+    except BaseException:  # Ctrl-C, SIGTERM
         shutil.rmtree(logs, ignore_errors=True)
         raise
+    finally:
+        if told is not None:
+            signal.signal(signal.SIGTERM, told)
     shutil.rmtree(logs, ignore_errors=True)
+
+
+def _leave(signum, frame):
+    raise SystemExit(128 + signum)
 
 
 class Progress:

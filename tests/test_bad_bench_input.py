@@ -368,6 +368,12 @@ def test_a_failed_bench_keeps_the_cluster_logs_its_error_points_to(capsys):
     with pytest.raises(KeyboardInterrupt), cluster_logs() as stopped:
         raise KeyboardInterrupt
     assert not pathlib.Path(stopped).exists()
+    told = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as left, cluster_logs() as terminated:
+        os.kill(os.getpid(), signal.SIGTERM)  # left through the bench's finally blocks: not killed outright
+        time.sleep(30)
+    assert left.value.code == 128 + signal.SIGTERM and not pathlib.Path(terminated).exists()
+    assert signal.getsignal(signal.SIGTERM) == told
     with pytest.raises(RuntimeError), cluster_logs() as failed:
         pathlib.Path(failed, "prefill-0.log").write_text("the cause")
         raise RuntimeError(f"see {failed}/prefill-0.log")
