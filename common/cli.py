@@ -372,10 +372,12 @@ def launch(prefill, decode, mono, devices, host, port, worker_port, policy, log_
 @click.option("--decode", default=1, type=int)
 @click.option("--mono", default=0, type=int)
 @devices_option()
+@policy_option
 @click.argument("worker_args", nargs=-1, type=click.UNPROCESSED)
-def gpu_shares(prefill, decode, mono, devices, worker_args):
+def gpu_shares(prefill, decode, mono, devices, policy, worker_args):
     """Each worker's --gpu-memory-utilization as launch splits its device, one line per worker in
-    launch order ('-' off a GPU, or when WORKER_ARGS size the pool): deploy/launch.sh splits with it."""
+    launch order ('-' off a GPU, or when WORKER_ARGS size the pool): deploy/launch.sh splits with it,
+    and has it refuse what no launch may start (--policy checked here too, so that --dry-run does)."""
     from common.memory import launch_plan
     from router.launcher import check_worker_count
 

@@ -114,11 +114,12 @@ if [[ -z $THREADS ]]; then
 fi
 # Each worker's share of its GPU, in launch order ("-" off a GPU, or when the worker args size the
 # pool), as pdserve launch splits them.
-# It refuses, by name, what no launch may start (more than 64 workers on one host).
+# It refuses, by name, what no launch may start (more than 64 workers on one host, a --policy it lacks).
 refused=$(mktemp)
 shares=$($PDSERVE gpu-shares --prefill "$PREFILL" --decode "$DECODE" --mono "$MONO" \
-  --devices "$DEVICES" -- "${WORKER_ARGS[@]}" 2>"$refused") ||
-  { echo "launch.sh: $(sed 's/^error \[[A-Z_]*\]: //' "$refused")" >&2; rm -f "$refused"; exit 2; }
+  --devices "$DEVICES" --policy "$POLICY" -- "${WORKER_ARGS[@]}" 2>"$refused") ||
+  { echo "launch.sh: $(grep -v '^Usage: \|^Try \|^$' "$refused" | sed 's/^error \[[A-Z_]*\]: //; s/^Error: //')" >&2
+    rm -f "$refused"; exit 2; }
 rm -f "$refused"
 mapfile -t SHARES <<<"$shares"
 ((${#SHARES[@]} == WORKERS)) || { echo "launch.sh: could not split the devices ($PDSERVE gpu-shares)" >&2; exit 1; }
@@ -157,7 +158,7 @@ supervise() {
     $PDSERVE "$@" >>"$LOG_DIR/$name.log" 2>&1 &
     child=$!
     started=$SECONDS
-    wait "$child"
+    wait "$child" 2>/dev/null  # (bash's own "Killed" line: the one below says it)
     local rc=$?
     echo "$name $rc $offset" >>"$EXITS"  # the readiness check below fails the start on any
     ((RESTART)) || { echo "[launch.sh] $name exited with $rc; not restarted (--no-restart)" | tee -a "$LOG_DIR/$name.log" >&2; return; }

@@ -298,6 +298,8 @@ LAUNCH_REFUSED = [  # (args, the error line)
     (["--prefill", "0", "--enforce-disagg"], "--prefill 0 --decode 1 with --enforce-disagg: no worker may prefill; "
                                              "allowed: --prefill >= 1, or decode workers alone without "
                                              "--enforce-disagg (they prefill)"),
+    (["--policy", "bogus", "--dry-run"], "Invalid value for '--policy': 'bogus' is not one of 'least_loaded', "
+                                         "'round_robin', 'prefix_affine'."),
     (["--max-model-len", "256"], "unknown option --max-model-len; a worker's or engine's flag goes after --, to "
                                  "every worker (launch.sh --prefill 1 -- --max-model-len ...; see --help)"),
 ]

@@ -238,4 +238,5 @@ def test_a_worker_that_dies_under_no_restart_is_reported_once(tmp_path, how):
             proc.communicate()
             raise
     assert output.count("not restarted") == 0, output  # said once, before the stop
+    assert "Killed" not in "".join(lines) + output  # launch.sh's own line says it, not bash's job notice too
     assert not processes_mentioning(f"--port {port}")
