@@ -223,7 +223,8 @@ def _job(body: dict, served_model: Served, chat: bool, prompts: list, messages: 
     options = _get(body, "stream_options", (lambda v: isinstance(v, dict), "an object"))
     if options is not None:
         if not stream:
-            raise InvalidArgument("stream_options is only allowed with stream=true", param="stream_options")
+            raise InvalidArgument(f"stream_options={short_repr(options)} with stream=false; allowed: "
+                                  "stream_options only with stream=true", param="stream_options")
         try:
             _check_fields(options, {"include_usage", *STREAM_NEUTRAL}, STREAM_NEUTRAL)
         except InvalidArgument as e:
@@ -298,7 +299,8 @@ def parse_chat(body, served_model: Served, context: int, parsers: OutputParsers 
     want = _get(body, "logprobs", BOOL, False)
     top = _get(body, "top_logprobs", LOGPROBS)
     if top and not want:  # (0 is what some clients send by default: as vLLM, allowed)
-        raise InvalidArgument(f"top_logprobs={top} needs logprobs=true", param="top_logprobs")
+        raise InvalidArgument(f"top_logprobs={top} with logprobs=false; allowed: top_logprobs only with "
+                              "logprobs=true (or top_logprobs=0)", param="top_logprobs")
     logprobs = (top or 0) if want else None
     sampling = _sampling(body, context, logprobs=logprobs)  # by default up to the context's end, as vLLM
     if body.get("max_completion_tokens") is not None:

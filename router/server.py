@@ -361,7 +361,8 @@ class Router:
         # request waits (dispatch queues it) up to queue_timeout_s.
         never = self.placement.missing(self.registry.workers.values())
         if never:
-            return refuse("UNAVAILABLE", f"no {never[0]} worker has registered")
+            return refuse("UNAVAILABLE", "no worker has registered" if len(never) == 2 else
+                          f"no {never[0]} worker has registered")
         req = Request(str(next(self._ids)), client, client_request_id, ids, params,
                       params.seed if params.seed is not None else fresh_seed(), stream, reply_to, arrival=received)
         if params.logprobs is not None:

@@ -135,6 +135,8 @@ def test_response_formats_become_structured_outputs():
     ({"prompt": "x", "echo": "yes"}, "echo", "true or false"),
     ({"prompt": "x", "stream": 1}, "stream", "true or false"),
     ({"prompt": "x", "stream": True, "stream_options": {"include_usage": True, "x": 1}}, "stream_options", "include_usage"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options",
+     "stream_options={'include_usage': True} with stream=false; allowed: stream_options only with stream=true"),
     ({"prompt": "x", "seed": 2**63}, "seed", "an integer in [-2**63, 2**63 - 1]"),
     ({"prompt": "x", "user": 5}, "user", "a string"),
     ({"prompt": "x", "best_of": 3}, "best_of", "no best-of"),
@@ -176,7 +178,7 @@ def test_bad_completion_fields_are_named(body, param, text):
 @pytest.mark.parametrize("body, param, text", [
     ({"messages": "hi"}, "messages", "non-empty list"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs",
-     "top_logprobs=2 needs logprobs=true"),
+     "top_logprobs=2 with logprobs=false; allowed: top_logprobs only with logprobs=true (or top_logprobs=0)"),
     ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, "max_completion_tokens",
      "max_completion_tokens=0"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools",
