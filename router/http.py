@@ -57,8 +57,8 @@ from router.prompts import Prompts
 
 log = logging.getLogger("pdserve.http")
 HTTP_CLIENT = "http"  # the Router.submit client of every HTTP request (their request ids are unique)
-ROUTES = ("GET /health, GET /metrics, GET /version, GET /v1/models, GET /v1/models/{model}, POST /v1/completions, "
-          "POST /v1/chat/completions, POST /tokenize, POST /detokenize")
+ROUTES = ("GET /health, GET or POST /ping, GET /metrics, GET /version, GET /v1/models, GET /v1/models/{model}, "
+          "POST /v1/completions, POST /v1/chat/completions, POST /tokenize, POST /detokenize")
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 SHUTDOWN_GRACE_S = 2.0  # for handlers to answer their requests' UNAVAILABLE when the server stops
 TOKENS_PER_WRITE = 65536  # /tokenize: ids serialized between two turns of the event loop
@@ -113,6 +113,8 @@ class HttpFront:
         self.app = web.Application(client_max_size=max_body_bytes, middlewares=[self._guard])
         self.app.on_response_prepare.append(self._cors_headers)
         self.app.router.add_get("/health", self.health)
+        for method in ("GET", "POST"):  # vLLM's, for SageMaker's health checks
+            self.app.router.add_route(method, "/ping", self.health)
         self.app.router.add_get("/metrics", self.metrics)
         self.app.router.add_get("/v1/models", self.models)
         self.app.router.add_get("/v1/models/{model:.+}", self.model_card)

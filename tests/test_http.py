@@ -478,7 +478,7 @@ def test_errors_have_openais_shape_and_the_server_serves_on(served):
         # counted before any prompt is tokenized or checked (900,000 one-letter prompts took 2 s)
         (dict(body=base | {"prompt": [[999]] * 40}), 400, "INVALID_ARGUMENT", "prompt", "max_queue"),
         (dict(body=base | {"stream_options": {"include_usage": True}}), 400, "INVALID_ARGUMENT", "stream_options",
-         "only allowed with stream"),
+         "with stream=false; allowed: stream_options only with stream=true"),
         (dict(body=base | {"model": "gpt-4"}), 404, "NOT_FOUND", "model", "'gpt-4' does not exist"),
         (dict(raw=b'{"prompt": "' + b"x" * (4 * 2**20) + b'"}'), 413, "TOO_LARGE", None, "over the limit"),
         (dict(raw=b'{"prompt": "hi"}', headers={"Content-Encoding": "gzip"}), 400, "INVALID_ARGUMENT", None,
@@ -555,8 +555,9 @@ def test_api_key_guards_v1_but_not_health_and_metrics(served):
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=served.http_url + "/v1", api_key="wrong", max_retries=0).models.list()
     assert [m.id for m in api(served).models.list().data] == [ALIAS, MODEL]
-    status, _, body = http(served, "GET", "/health", key=None)
-    assert (status, body) == (200, {"status": "ok", "workers": 2})
+    for method, path in (("GET", "/health"), ("GET", "/ping"), ("POST", "/ping")):  # /ping: vLLM's, SageMaker's
+        status, _, body = http(served, method, path, key=None)
+        assert (status, body) == (200, {"status": "ok", "workers": 2}), (method, path)
     assert http(served, "GET", "/metrics", key=None)[0] == 200
 
 
@@ -859,6 +860,7 @@ def test_health_and_requests_are_503_without_workers(tmp_path, api_servers):
                 assert time.monotonic() < deadline and router.poll() is None
                 time.sleep(0.2)
         assert status == 503 and body["error"]["code"] == "UNAVAILABLE"
+        assert http(Bare, "POST", "/ping", key=None)[0] == 503
         status, _, body = http(Bare, "POST", "/v1/completions", dict(prompt="hi"), key=None)
         assert status == 503 and body["error"]["message"] == "no worker has registered"
     finally:
