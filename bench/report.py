@@ -62,9 +62,8 @@ def cluster_logs():
     or SIGTERM, which leaves through the bench's finally blocks, as Ctrl-C does), and kept when it
     fails, whose error points into it (a temporary directory was gone by then)."""
     logs = tempfile.mkdtemp(prefix="pdserve-bench-")
-    told = None
-    if threading.current_thread() is threading.main_thread():
-        told = signal.signal(signal.SIGTERM, _leave)
+    main = threading.current_thread() is threading.main_thread()  # (where a handler can be set)
+    told = signal.signal(signal.SIGTERM, _leave) if main else None
     try:
         yield logs
     except Exception:
@@ -74,8 +73,8 @@ def cluster_logs():
         shutil.rmtree(logs, ignore_errors=True)
         raise
     finally:
-        if told is not None:
-            signal.signal(signal.SIGTERM, told)
+        if main:  # (None: a handler not set from Python, which cannot be put back; the default then)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if told is None else told)
     shutil.rmtree(logs, ignore_errors=True)
 
 

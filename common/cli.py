@@ -96,9 +96,9 @@ def generate(prompts, prompt_ids, chats, as_json, router_address, sampling, engi
 
 
 def refuse_engine_flags() -> None:
-    """With --router the cluster's workers run the model: a --model or engine flag given too would
-    be ignored, so it is refused."""
-    given = given_flags(ENGINE_PARAMS)
+    """With --router the cluster's workers run the model: a --model, engine flag or --threads given
+    too would be ignored, so it is refused."""
+    given = given_flags(ENGINE_PARAMS + ("threads",))
     if given:
         raise click.UsageError(f"{', '.join(given)}: the cluster's workers choose the model and the engine; with "
                                "--router, leave them out")

@@ -108,20 +108,6 @@ POSITIVE = Finite(min=0, min_open=True)
 NON_NEGATIVE = Finite(min=0)
 COUNT = click.IntRange(min=1)  # of requests, tokens, steps, workers, threads: with 0 there is nothing to run
 PORT = click.IntRange(0, 65535)
-
-
-def _set_threads(ctx, param, threads):
-    if threads is not None:
-        import torch  # here, not at import: the CLI starts light
-
-        torch.set_num_threads(threads)
-
-
-# the engine in this process (a worker's own --threads goes to its WorkerConfig): torch's default of a
-# thread a core is slow beside other busy processes, over 50x on a shared 2-core machine
-threads_option = click.option("--threads", default=None, type=COUNT, expose_value=False, callback=_set_threads,
-                              help="torch threads [default: torch's, one a core; 1 where other processes share "
-                                   "the cores]")
 ROUTER_OPTIONS = [  # (flag, default, type, help): the router's limits and placement, on `router` and `launch` alike
     ("--max-queue", 1024, click.IntRange(min=1), "requests held at once; more are OVERLOADED"),
     # workers heartbeat every 0.2 s (common/worker.py): less than 0.5 s of silence is no death
@@ -417,6 +403,22 @@ def devices_option(default: str | None = "cpu", help: str = "comma-separated, as
             raise click.BadParameter(f"{text!r} has an empty entry; give devices like cpu,cuda:0,cuda:1")
         return devices
     return click.option("--devices", default=default, show_default=default is not None, callback=parse, help=help)
+
+
+def threads_option(f):
+    """--threads for a command that runs the engine in its own process (a worker's goes to its
+    WorkerConfig): torch's default of a thread a core is slow beside other busy processes, over 50x
+    on a shared 2-core machine. The command does not take it; it is set before the command runs."""
+    @functools.wraps(f)
+    def command(*args, threads, **kwargs):
+        if threads is not None:
+            import torch  # here, not at import: the CLI starts light
+
+            torch.set_num_threads(threads)
+        return f(*args, **kwargs)
+    return click.option("--threads", default=None, type=COUNT,
+                        help="torch threads [default: torch's, one a core; 1 where other processes share the "
+                             "cores]")(command)
 
 
 def engine_kwargs_from(worker_args: list[str]) -> dict:

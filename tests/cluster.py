@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import signal
 import subprocess
 import sys
@@ -172,15 +171,13 @@ def hand_made_cluster(tmp_path: Path, router_args: list[str], workers: list[tupl
             stop(proc)
 
 
-def stop(proc: subprocess.Popen, grace_s: float = 20.0, group: bool = False):
-    """A test's child process stopped and reaped: SIGTERM, then SIGKILL if it has not exited within
-    grace_s (group: to its whole process group, one it leads)."""
-    def signal_it(sig):
-        if proc.poll() is None:
-            os.killpg(proc.pid, sig) if group else proc.send_signal(sig)
-    signal_it(signal.SIGTERM)
+def stop(proc: subprocess.Popen):
+    """A test's child process stopped and reaped: SIGTERM, then SIGKILL if it has not exited 20 s
+    later."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
     try:
-        proc.wait(grace_s)
+        proc.wait(20)
     except subprocess.TimeoutExpired:
-        signal_it(signal.SIGKILL)
+        proc.kill()
         proc.wait()

@@ -157,6 +157,7 @@ def test_bad_addresses_keys_and_backends_are_one_line_errors(tmp_path):
         (["chat", "--router", "tcp://127.0.0.1:9", "--model", "smollm2"], "--model: the cluster's workers choose"),
         (["generate", "--router", "tcp://127.0.0.1:9", "--prompt", "x", "--no-prefix-caching", "--no-batch-invariant"],
          "--no-prefix-caching, --no-batch-invariant: the cluster's workers choose"),
+        (["chat", "--router", "tcp://127.0.0.1:9", "--threads", "2"], "--threads: the cluster's workers choose"),
     ]
     as_users_run_it = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the tests interpret Triton
     for args, message in cases:
