@@ -12,9 +12,10 @@ import sys
 import click
 
 from bench.cli import bench, plan
-from common.cli_options import (COUNT, ENGINE_PARAMS, NON_NEGATIVE, PORT, POSITIVE, devices_option, engine_argv,
-                                engine_options, given_flags, http_options, http_router_argv, parse_ints, policy_option,
-                                router_argv, router_options, sampling_options, setup_logging, threads_option)
+from common.cli_options import (COUNT, ENGINE_PARAMS, NON_NEGATIVE, PORT, POSITIVE, default_worker_port,
+                                devices_option, engine_argv, engine_options, given_flags, http_options,
+                                http_router_argv, parse_ints, policy_option, router_argv, router_options,
+                                sampling_options, setup_logging, threads_option)
 from common.errors import InvalidArgument, PdserveError, port_free
 from common.signals import DRAIN_TIMEOUT_S
 from common.speculative import SpeculativeConfig
@@ -134,7 +135,8 @@ def chat(router_address, system, sampling, engine_kwargs):
 @click.option("--model", default="dummy:nanogpt", show_default=True, help="for tokenizing and validating requests")
 @click.option("--host", default="127.0.0.1", show_default=True, help="bind address (loopback unless set)")
 @click.option("--port", default=7100, show_default=True, type=PORT, help="client port")
-@click.option("--worker-port", default=None, type=PORT, help="worker port [default: port + 1]")
+@click.option("--worker-port", default=None, type=PORT,
+              help="worker port [default: port + 1; any free port with --port 0]")
 @click.option("--max-model-len", default=None, type=int,
               help="longest prompt + output admitted; give workers the same [default: the model's context]")
 @policy_option
@@ -148,7 +150,8 @@ def router(model, host, port, worker_port, max_model_len, policy, router_kwargs,
 
     setup_logging(log_level)
     k = router_kwargs
-    run_router(RouterConfig(model=model, host=host, port=port, worker_port=worker_port or port + 1, policy=policy,
+    run_router(RouterConfig(model=model, host=host, port=port, worker_port=default_worker_port(port, worker_port),
+                            policy=policy,
                             max_queue=k["max_queue"], heartbeat_timeout_s=k["heartbeat_timeout"],
                             max_attempts=k["max_attempts"], prefill_timeout_s=k["prefill_timeout"],
                             decode_stall_timeout_s=k["decode_stall_timeout"], queue_timeout_s=k["queue_timeout"],
@@ -345,10 +348,7 @@ def launch(prefill, decode, mono, devices, host, port, worker_port, policy, log_
     decode = (0 if mono else 1) if decode is None else decode
     if drain_timeout is not None:
         worker_args = (*worker_args, f"--drain-timeout={drain_timeout:g}")
-    if worker_port is None:
-        if port == 65535:
-            raise click.UsageError("--port 65535 leaves no port + 1 for the workers; give --worker-port")
-        worker_port = port + 1 if port else 0
+    worker_port = default_worker_port(port, worker_port)
     if engine_kwargs["model"] in NAMED_MODELS:
         named_model_path(engine_kwargs["model"])  # not pulled yet: say so here, not in every child's log
 

@@ -108,6 +108,16 @@ POSITIVE = Finite(min=0, min_open=True)
 NON_NEGATIVE = Finite(min=0)
 COUNT = click.IntRange(min=1)  # of requests, tokens, steps, workers, threads: with 0 there is nothing to run
 PORT = click.IntRange(0, 65535)
+
+
+def default_worker_port(port: int, worker_port: int | None) -> int:
+    """Where workers join a router serving clients at `port`: --worker-port, else port + 1, or
+    any free port (0) where the client port is any free one."""
+    if worker_port is not None:
+        return worker_port
+    if port == 65535:
+        raise click.UsageError("--port 65535 leaves no port + 1 for the workers; give --worker-port")
+    return port + 1 if port else 0
 ROUTER_OPTIONS = [  # (flag, default, type, help): the router's limits and placement, on `router` and `launch` alike
     ("--max-queue", 1024, click.IntRange(min=1), "requests held at once; more are OVERLOADED"),
     # workers heartbeat every 0.2 s (common/worker.py): less than 0.5 s of silence is no death

@@ -136,11 +136,27 @@ def test_launch_refuses_flags_it_would_silently_ignore():
     assert r.returncode == 2 and "--served-model-name is for the HTTP API: give --http-port too" in r.stderr
     r = pdserve("router", "--host", "nosuchhost.invalid", "--port", "0", timeout=30)  # ZeroMQ: "No such device"
     assert r.returncode == 2 and "host 'nosuchhost.invalid' is not an address of this machine" in r.stderr, r.stderr
+    r = pdserve("router", "--port", "65535", timeout=30)
+    assert r.returncode == 2 and "--port 65535 leaves no port + 1 for the workers; give --worker-port" in r.stderr
     r = pdserve("launch", "--log-dir", "/proc/pdserve-logs", "--port", "0", timeout=30)  # no folder can be made there
     assert r.returncode == 2 and "--log-dir '/proc/pdserve-logs': No such file or directory; allowed: a folder" in \
         r.stderr, r.stderr
     r = pdserve("generate", "--prompt", "x", "--max-model-len", "5000")  # dummy:nanogpt's context is 1,024
     assert r.returncode == 2 and "--max-model-len 5000; allowed: 2..1024" in r.stderr, r.stderr
+
+
+def test_a_router_on_any_free_port_takes_any_free_worker_port():
+    """--port 0 without --worker-port: both ports free ones (port + 1 would be port 1)."""
+    from tests.cluster import stop
+
+    proc = subprocess.Popen([sys.executable, "-m", "common.cli", "router", "--port", "0"], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = proc.stdout.readline()  # router: clients at tcp://127.0.0.1:P, workers at tcp://127.0.0.1:W
+        ports = [int(part.split(":")[-1].split(",")[0]) for part in line.strip().split(" at ")[1:]]
+        assert len(ports) == 2 and min(ports) > 1024 and ports[0] != ports[1], line
+    finally:
+        stop(proc)
 
 
 def test_bad_addresses_keys_and_backends_are_one_line_errors(tmp_path):
