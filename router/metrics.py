@@ -7,9 +7,9 @@ has no counterpart for (KV handoff, migrations, per-worker state) use the same s
 
 Request metrics are observed by the router as requests move (it sees every token). Gauges are
 read at scrape time from the router's state: nothing to keep in step. Per-worker figures come
-with heartbeats; a worker's counters (prefix cache, KV bytes) count from its start, so the router
-adds the increase since the previous heartbeat to counters of its own, which never go down when a
-worker restarts.
+with heartbeats; a worker's counters (prefix cache, KV bytes) count from its incarnation's start
+(a new one each time it registers), so the router adds the increase since the previous heartbeat to
+counters of its own, which never go down when a worker restarts.
 
 Each Router has a registry of its own (tests run several routers in one process).
 """

@@ -3,9 +3,11 @@ prefill worker's are while their KV is in transfer), and runs it as soon as bloc
 
 import gc
 import signal
+import time
 
 import pytest
 
+from common import protocol as P
 from common.sampling_params import SamplingParams
 from common.worker import IDLE_POLL_MS, STALLED_POLL_MS, WorkerBase, WorkerConfig
 from common.config import EngineConfig
@@ -175,4 +177,29 @@ def test_a_worker_the_router_refuses_says_so_at_once_then_every_few_seconds(monk
         assert len(said) == 2 and "refuses to talk" in said[1], said
     finally:
         worker.router.monitor = real_monitor
+        worker.close()
+
+
+def test_a_heartbeat_counts_from_its_incarnations_start():
+    """A worker that registers anew (the router declared it dead, or restarted) starts a new
+    incarnation, whose counters the router takes from zero: they must not carry the process's
+    past, which the router has counted already."""
+    worker = LoopUnderTest()
+    sent = []
+    worker.to_router = sent.append
+
+    def beat(kv_bytes: int, queries: int):
+        worker.kv_bytes["shm"], worker.engine.block_manager.prefix_queries = kv_bytes, queries
+        worker.registered, worker._last_heartbeat = True, 0.0
+        worker._tick(time.monotonic())
+        beats = [m for m in sent if isinstance(m, P.Heartbeat)]
+        return beats[-1].incarnation, beats[-1].kv_bytes["shm"], beats[-1].prefix_queries
+
+    try:
+        first, kv, queries = beat(1000, 64)
+        assert (kv, queries) == (1000, 64)  # the first incarnation's counters are the process's
+        worker._connect_router()  # as the router's "re-register" has it do
+        again, kv, queries = beat(1500, 80)
+        assert again != first and (kv, queries) == (500, 16)
+    finally:
         worker.close()
