@@ -235,7 +235,7 @@ def _check_worker_addresses(role: str, router_address: str, host: str, kv_port: 
 def worker_command(role: str):
     @click.option("--router", "router_address", default="tcp://127.0.0.1:7101", show_default=True,
                   help="the router's worker address")
-    @click.option("--worker-id", default=None, help="[default: ROLE-PID]")
+    @click.option("--worker-id", default=None, help="[default: ROLE-HOSTNAME-PID]")
     @click.option("--host", default="127.0.0.1", show_default=True, help="where the KV ingress binds (decode, mono)")
     @click.option("--kv-port", default=0, show_default=True, type=PORT,
                   help="the KV ingress's port (decode, mono; 0: any free one, which the router learns). zmq, shm "

@@ -23,6 +23,7 @@ import logging
 import math
 import os
 import signal
+import socket
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -82,7 +83,8 @@ class WorkerBase:
         self.cfg = cfg
         self.engine = Engine(cfg.engine)
         self.engine.finds_stop_strings = False  # the router finds them for the whole cluster
-        self.worker_id = cfg.worker_id or f"{self.role}-{os.getpid()}"
+        # the host's name too: in containers every worker may be PID 1
+        self.worker_id = cfg.worker_id or f"{self.role}-{socket.gethostname()}-{os.getpid()}"
         self.ctx = zmq.Context()
         self.poller = zmq.Poller()
         self.waker = Waker()  # wake(): news from another thread ends the poll at once

@@ -203,3 +203,15 @@ def test_a_heartbeat_counts_from_its_incarnations_start():
         assert again != first and (kv, queries) == (500, 16)
     finally:
         worker.close()
+
+
+def test_workers_in_containers_of_one_router_take_distinct_default_ids(monkeypatch):
+    """Each container's worker is often PID 1: its default id names its host (the container) too.
+    (Both workers here have this process's PID, as two containers' would have 1.)"""
+    ids = []
+    for host in ("3f2a9c1d0b7e", "8c41d2e9aa03"):
+        monkeypatch.setattr("socket.gethostname", lambda host=host: host)
+        worker = LoopUnderTest()
+        ids.append(worker.worker_id)
+        worker.close()
+    assert ids[0] != ids[1] and all(i.startswith("decode-") for i in ids), ids
