@@ -135,6 +135,8 @@ ROUTER_OPTIONS = [  # (flag, default, type, help): the router's limits and place
      "themselves, whatever their length (0: never)"),
     ("--enforce-disagg", False, bool, "never prefill on a decode worker; without it, decode workers prefill what no "
                                       "prefill worker can take (none alive), as Dynamo's router does"),
+    ("--log-requests", False, bool, "log a line as each request is admitted, refused and finished, and each HTTP "
+                                    "request (vLLM's --enable-log-requests); failures are logged without it"),
     ("--no-kv-events", False, bool, "prefix_affine: guess what each worker's prefix cache holds from the prompts sent "
                                     "to it, instead of being told by the workers (Dynamo's flag)"),
 ]

@@ -15,7 +15,7 @@
 #                    [--policy least_loaded|round_robin|prefix_affine] [--no-kv-events]
 #                    [--max-queue N] [--heartbeat-timeout S] [--max-attempts N] [--prefill-timeout S]
 #                    [--decode-stall-timeout S] [--queue-timeout S] [--max-message-bytes N]
-#                    [--max-local-prefill-length N] [--max-prefill-queue N] [--enforce-disagg]
+#                    [--max-local-prefill-length N] [--max-prefill-queue N] [--enforce-disagg] [--log-requests]
 #                    [--log-dir DIR] [--no-restart] [--dry-run] [-- WORKER_ARGS...]
 #
 # The flags are `pdserve launch`'s; engine flags (--kv-transport, --max-num-seqs, ...) go to the
@@ -67,7 +67,7 @@ while (($#)); do
     --threads) int_value 1 "$@"; THREADS=$((10#$2)); shift 2 ;;
     --api-key) has_value "$@"; API_KEY=$2; shift 2 ;;
     --allowed-origins|--served-model-name|--tool-call-parser|--reasoning-parser) has_value "$@"; ROUTER_LIMITS+=("$1" "$2"); shift 2 ;;
-    --enable-auto-tool-choice|--enforce-disagg|--no-kv-events) ROUTER_LIMITS+=("$1"); shift ;;
+    --enable-auto-tool-choice|--enforce-disagg|--no-kv-events|--log-requests) ROUTER_LIMITS+=("$1"); shift ;;
     # the router's limits, as ROUTER_OPTIONS in common/cli_options.py bounds them
     --max-queue|--max-attempts) int_value 1 "$@"; ROUTER_LIMITS+=("$1" "$2"); shift 2 ;;
     --max-message-bytes) int_value 4096 "$@"; ROUTER_LIMITS+=("$1" "$2"); shift 2 ;;

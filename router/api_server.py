@@ -186,7 +186,7 @@ async def serve(args):
     host, port = sock.getsockname()[:2]
     front = HttpFront(link, host, port, os.environ.get("PDSERVE_API_KEY") or None, args.max_body_bytes, sock=sock,
                       allowed_origins=args.allowed_origins, served_model_names=args.served_model_name or (),
-                      parsers=OutputParsers(args.tool_call_parser, args.reasoning_parser))
+                      parsers=OutputParsers(args.tool_call_parser, args.reasoning_parser), access_log=args.log_requests)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)  # not SIGINT, ignored below: Ctrl-C is the router's
@@ -218,6 +218,7 @@ def main(argv=None):
     parser.add_argument("--served-model-name", action="append", help="the model's names in the API (repeated)")
     parser.add_argument("--tool-call-parser", default=None, help="how the model writes tool calls (auto tool choice)")
     parser.add_argument("--reasoning-parser", default=None, help="how the model writes its reasoning")
+    parser.add_argument("--log-requests", action="store_true", help="a log line for each HTTP request")
     parser.add_argument("--index", type=int, default=0)
     parser.add_argument("--parent", type=int, default=None, help="exit if this process is no longer the parent")
     parser.add_argument("--ready-fd", type=int, default=None, help="a pipe to write a byte to once serving")
@@ -255,7 +256,7 @@ class ApiServers:
     def __init__(self, count: int, router_address: str, model: str, host: str, port: int, max_queue: int,
                  max_body_bytes: int, api_key: str | None, max_model_len: int, allowed_origins: str = "*",
                  served_model_names: tuple[str, ...] = (), parsers: OutputParsers = OutputParsers(),
-                 on_exit: Callable[[bytes], None] = lambda identity: None):
+                 on_exit: Callable[[bytes], None] = lambda identity: None, access_log: bool = False):
         """on_exit(identity): an API server died; its requests have nobody to go to (Router._client_gone)."""
         self.on_exit = on_exit
         self.sock = socket.create_server((host, port), backlog=4096)
@@ -270,7 +271,7 @@ class ApiServers:
                      "--max-body-bytes", str(max_body_bytes), "--allowed-origins", allowed_origins,
                      "--parent", str(os.getpid())]
         self.argv += [a for name in served_model_names for a in ("--served-model-name", name)]
-        self.argv += parsers.argv()
+        self.argv += parsers.argv() + (["--log-requests"] if access_log else [])
         self.procs: list[subprocess.Popen | None] = [None] * count
         self.started = [0.0] * count
         self.restarts = [0] * count  # of each server, in a row

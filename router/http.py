@@ -38,6 +38,7 @@ import asyncio
 import hmac
 import json
 import logging
+import re
 import socket
 import time
 import uuid
@@ -62,6 +63,11 @@ ROUTES = ("GET /health, GET or POST /ping, GET /metrics, GET /version, GET /v1/m
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 SHUTDOWN_GRACE_S = 2.0  # for handlers to answer their requests' UNAVAILABLE when the server stops
 TOKENS_PER_WRITE = 65536  # /tokenize: ids serialized between two turns of the event loop
+REQUEST_ID = "pdserve_request_id"  # the request's key for the X-Request-Id its response carries
+REQUEST_ID_ALLOWED = "1 to 128 printable ASCII characters, no spaces"
+# the access log (--log-requests): who, the request line, status, bytes, seconds, and the request's id
+ACCESS_LOG_FORMAT = '%a "%r" %s %b %Tf "%{X-Request-Id}o"'
+access_log = logging.getLogger("pdserve.http.access")
 
 
 class LocalBackend:
@@ -96,16 +102,19 @@ class LocalBackend:
 class HttpFront:
     def __init__(self, backend, host: str, port: int, api_key: str | None, max_body_bytes: int,
                  sock: socket.socket | None = None, allowed_origins: str = "*",
-                 served_model_names: tuple[str, ...] = (), parsers: OutputParsers = OutputParsers()):
+                 served_model_names: tuple[str, ...] = (), parsers: OutputParsers = OutputParsers(),
+                 access_log: bool = False):
         """Serves backend (LocalBackend or RouterLink) on host:port, or on sock, a listening socket
         that API server processes share. allowed_origins: the web origins whose pages may call it
         (CORS), comma-separated; "*" any, as vLLM's default. served_model_names: what requests may
         call the model (vLLM's --served-model-name), the first shown; by default its --model.
-        parsers: how the model writes tool calls and reasoning (--tool-call-parser, --reasoning-parser)."""
+        parsers: how the model writes tool calls and reasoning (--tool-call-parser, --reasoning-parser).
+        access_log: a line for each HTTP request (the router's --log-requests)."""
         self.backend, self.host, self.port, self.sock = backend, host, port, sock
         self.names = served_names(served_model_names, backend.prompts.model)
         self.model = self.names[0]
         self.parsers = parsers
+        self.access_log = access_log
         self.api_key = api_key.encode() if api_key else None
         self.max_body_bytes = max_body_bytes
         self.created = int(time.time())
@@ -134,8 +143,9 @@ class HttpFront:
         return f"http://{self.host}:{self.port}"
 
     async def start(self):
-        self.runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
-                                    shutdown_timeout=SHUTDOWN_GRACE_S, keepalive_timeout=KEEPALIVE_S)
+        self.runner = web.AppRunner(self.app, handler_cancellation=True, shutdown_timeout=SHUTDOWN_GRACE_S,
+                                    keepalive_timeout=KEEPALIVE_S, access_log=access_log if self.access_log else None,
+                                    access_log_format=ACCESS_LOG_FORMAT)
         await self.runner.setup()
         quiet_bad_requests()
         self.headers_due = HeaderDeadline(self.runner)
@@ -176,6 +186,8 @@ class HttpFront:
             response.headers["Access-Control-Allow-Origin"] = allowed
         if "Origin" in request.headers and self.origins and "*" not in self.origins:
             response.headers["Vary"] = "Origin"  # a cache must not give one origin's answer to another
+        if REQUEST_ID in request:
+            response.headers["X-Request-Id"] = request[REQUEST_ID]
 
     def _preflight(self, request: web.Request) -> web.Response:
         """A browser's CORS preflight: answered before the API key is asked for, as vLLM's is."""
@@ -310,6 +322,10 @@ class HttpFront:
     async def _serve(self, request: web.Request, parse) -> web.StreamResponse:
         backend, prompts = self.backend, self.backend.prompts
         try:
+            # the client's X-Request-Id, or one of ours: in the response's id and header, and the router's log
+            given = given_request_id(request)
+            base = f"{given}-{uuid.uuid4().hex[:8]}" if given else uuid.uuid4().hex  # unique if the client's repeat
+            request[REQUEST_ID] = given or base
             body = await _json(request, self.max_body_bytes)
             # off the event loop: tokenizing megabytes of text, or compiling a structured output's
             # grammar, would stall every stream (and, in the router's own process, its reading of
@@ -325,7 +341,6 @@ class HttpFront:
             prompt_text = (prompt if isinstance(prompt, str) else prompts.text(ids) or "") if job.echo else ""
             choices.append(Choice(i, job, prompts.tokenizer, ids, prompt_text))
         queue: asyncio.Queue = asyncio.Queue()
-        base = uuid.uuid4().hex
         self._inflight.add(queue)
         try:
             for c in choices:
@@ -337,14 +352,15 @@ class HttpFront:
             if isinstance(first[1], P.Error):
                 raise ApiError(first[1].code, first[1].message)
             if job.stream:
-                return await self._stream(request, job, choices, queue, first)
-            return await self._collect(job, choices, queue, first)
+                return await self._stream(request, job, choices, queue, first, base)
+            return await self._collect(job, choices, queue, first, base)
         finally:  # done, failed, or the client went away: nothing of it goes on
             self._inflight.discard(queue)
             for c in choices:
                 backend.cancel(f"{base}-{c.index}")
 
-    async def _collect(self, job: Job, choices: list[Choice], queue: asyncio.Queue, item) -> web.Response:
+    async def _collect(self, job: Job, choices: list[Choice], queue: asyncio.Queue, item,
+                       request_id: str) -> web.Response:
         entries: list[dict | None] = [None] * len(choices)
         remaining = len(choices)
         while True:
@@ -357,12 +373,12 @@ class HttpFront:
                 if not remaining:
                     break
             item = await queue.get()
-        return web.json_response(Envelope(job).response(job, choices, entries))
+        return web.json_response(Envelope(job, request_id).response(job, choices, entries))
 
     async def _stream(self, request: web.Request, job: Job, choices: list[Choice], queue: asyncio.Queue,
-                      item) -> web.StreamResponse:
+                      item, request_id: str) -> web.StreamResponse:
         response = web.StreamResponse(headers=SSE_HEADERS)
-        envelope = Envelope(job)
+        envelope = Envelope(job, request_id)
         remaining, batch, last = len(choices), [item], False
         try:
             await response.prepare(request)  # its headers go out with the first chunk
@@ -428,6 +444,15 @@ def _prepare(parse, body, prompts, max_queue: int) -> tuple[Job, list]:
     tools = job.tools.tools if job.tools else None
     return job, [prompts.validate(prompt, job.messages, job.params, job.max_tokens_field, tools, job.template_kwargs)
                  for prompt in job.prompts]
+
+
+def given_request_id(request: web.Request) -> str | None:
+    """The client's X-Request-Id (vLLM's), checked: it is written into log lines."""
+    given = request.headers.get("X-Request-Id")
+    if given is not None and not re.fullmatch(r"[!-~]{1,128}", given):
+        raise ApiError("INVALID_ARGUMENT", f"X-Request-Id: {short_repr(given)} is invalid; allowed: "
+                                           f"{REQUEST_ID_ALLOWED}")
+    return given
 
 
 def error_response(e: ApiError) -> web.Response:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-import uuid
 
 from common import protocol as P
 from common.text import TextStream
@@ -202,8 +201,9 @@ def usage(job: Job, choices: list[Choice]) -> dict:
 class Envelope:
     """The fields every response and chunk of one request shares, serialized once."""
 
-    def __init__(self, job: Job):
-        self.id = f"{'chatcmpl' if job.chat else 'cmpl'}-{uuid.uuid4().hex}"
+    def __init__(self, job: Job, request_id: str):
+        """request_id: what the router's log names the request by (router/http.py), as vLLM's id has it."""
+        self.id = f"{'chatcmpl' if job.chat else 'cmpl'}-{request_id}"
         self.created = int(time.time())
         self.object = "chat.completion" if job.chat else "text_completion"
         self.chunk_object = "chat.completion.chunk" if job.chat else "text_completion"

@@ -40,6 +40,7 @@ from router.placement import Placement, asks_prompt_logprobs
 from router.prefix_affinity import PromptChain, take_events
 from router.prompts import Prompts
 from router.registry import DECODE_ROLES, PREFILL_ROLES, Registry, Worker, invariance_split, layout_conflict
+from router.request_log import RequestLog
 from common.text import TextStream
 
 log = logging.getLogger("pdserve.router")
@@ -84,6 +85,7 @@ class RouterConfig:
     enforce_disagg: bool = False  # never prefill on a decode worker, not even while no prefill worker can
     max_prefill_queue: int = 0  # while every prefill worker holds this many, decode workers prefill (0: never)
     kv_events: bool = True  # prefix_affine: workers tell what their prefix caches hold (else it is guessed)
+    log_requests: bool = False  # a log line as each request is admitted, refused and finished; HTTP's access log
 
 
 @dataclass
@@ -157,6 +159,7 @@ class Router:
                                         max_frame_bytes=hard_cap, max_header_bytes=cfg.max_message_bytes,
                                         end="router_workers")
         self.metrics = RouterMetrics(self)
+        self.request_log = RequestLog(cfg.log_requests)
         # While a worker's token batch is handled: each client's Tokens, held to go as one TokenBatch
         self._held: dict[bytes, list[P.Token]] | None = None
         self._gone: set[bytes] = set()  # clients found unreachable, their requests about to be cancelled
@@ -170,13 +173,13 @@ class Router:
                 self.api_servers = ApiServers(cfg.api_server_count, address, cfg.model, cfg.host,
                                               cfg.http_port, cfg.max_queue, cfg.max_message_bytes, cfg.api_key,
                                               self.prompts.context, cfg.allowed_origins, cfg.served_model_names,
-                                              cfg.parsers, on_exit=self._client_gone)
+                                              cfg.parsers, on_exit=self._client_gone, access_log=cfg.log_requests)
         elif cfg.http_port is not None:
             from router.http import HttpFront, LocalBackend  # aiohttp is imported only where HTTP is served
 
             self.http = HttpFront(LocalBackend(self), cfg.host, cfg.http_port, cfg.api_key, cfg.max_message_bytes,
                                   allowed_origins=cfg.allowed_origins, served_model_names=cfg.served_model_names,
-                                  parsers=cfg.parsers)
+                                  parsers=cfg.parsers, access_log=cfg.log_requests)
 
     # ------------------------------------------------------------------ plumbing
 
@@ -186,12 +189,14 @@ class Router:
         serving = self.registry.serving(PREFILL_ROLES + DECODE_ROLES)
         return serving, self.placement.missing(serving)
 
-    def _send(self, chan: Channel, msg, to: bytes) -> bool:
+    def _send(self, chan: Channel, msg, to: bytes, quiet: bool = False) -> bool:
+        """quiet: the caller says the peer is gone in a line of its own."""
         try:
             chan.post(msg, to=to)
             return True
         except zmq.ZMQError as e:  # the peer is gone (ROUTER_MANDATORY)
-            log.warning("dropped %s to %r: %s", type(msg).__name__, to, e)
+            if not quiet:
+                log.warning("dropped %s to %r: %s", type(msg).__name__, to, e)
             return False
 
     def _client_gone(self, client: bytes):
@@ -208,13 +213,10 @@ class Router:
         _post_to): its requests end with UNAVAILABLE, after what waits for it, which it reads if it
         reads again (an API server then fails its HTTP requests), and their work stops: what waits
         for it grows no more."""
-        reqs = self._requests_of(client)
-        for req in reqs:
+        for req in self._requests_of(client):  # (each said in the log as it fails)
             self._cancel_work(req)
             self.error(req, "UNAVAILABLE", f"the router stopped this request: its client read nothing for "
                                            f"{self.frontend.send_wait_s:.0f} s")
-        if reqs:
-            log.warning("client %r took nothing: its %d requests end with UNAVAILABLE", client, len(reqs))
 
     def _requests_of(self, client: bytes) -> list[Request]:
         return [self.requests[rid] for (c, _), rid in self.by_client.items() if c == client]
@@ -225,7 +227,7 @@ class Router:
             self.cancel(client, req.client_request_id)
         self._gone.discard(client)
         if reqs:
-            log.warning("client %r is gone: cancelled its %d requests", client, len(reqs))
+            self.request_log.clients_requests_cancelled(client, reqs, "is gone")
 
     def reply(self, req: Request, msg):
         req.reply_to(msg)
@@ -233,6 +235,7 @@ class Router:
     def error(self, req: Request, code: str, message: str):
         self.reply(req, P.Error(req.client_request_id, code, message))
         self.metrics.on_error(code)
+        self.request_log.failed(req, code, message)
         self._finish(req)
 
     def done(self, req: Request, reason: str):
@@ -245,6 +248,7 @@ class Router:
         self.reply(req, P.Done(req.client_request_id, reason, req.tokens, text, req.prompt_ids, self._timings(req),
                                req.logprobs, req.prompt_logprobs, stop_reason))
         self.metrics.on_done(req, reason)
+        self.request_log.finished(req, reason)
         self.placement.finished(req)
         self._finish(req)
 
@@ -335,6 +339,7 @@ class Router:
             ids, params = self.prompts.validate(msg.prompt, msg.messages, msg.sampling)
         except InvalidArgument as e:
             self.metrics.on_error(e.code)
+            self.request_log.refused(client, msg.request_id, e.code, str(e))
             return self._send(self.frontend, P.Error(msg.request_id, e.code, str(e)), client)
         self.submit(client, msg.request_id, ids, params, msg.stream, received=received,
                     reply_to=functools.partial(self._reply_zmq, client, msg.token_batches))
@@ -350,6 +355,7 @@ class Router:
         def refuse(code, text):
             reply_to(P.Error(client_request_id, code, text))
             self.metrics.on_error(code)
+            self.request_log.refused(client, client_request_id, code, text)
             return False
 
         if (client, client_request_id) in self.by_client:
@@ -371,6 +377,7 @@ class Router:
             req.text = TextStream.for_params(self.prompts.tokenizer, params, self.prompts.model_config.eos_token_ids)
         self.requests[req.rid] = req
         self.by_client[(client, client_request_id)] = req.rid
+        self.request_log.admitted(req)
         self.dispatch(req)
         if req.dispatched_at is not None:
             req.router_s += time.monotonic() - received
@@ -396,7 +403,7 @@ class Router:
         """Send to a ZeroMQ client, unless it is gone; one found gone has its requests cancelled."""
         if client in self._gone:
             return False
-        if self._send(self.frontend, msg, client):
+        if self._send(self.frontend, msg, client, quiet=True):  # _cancel_gone says it
             return True
         self._client_gone(client)
         return False
@@ -462,9 +469,10 @@ class Router:
             w.assigned.discard(req.rid)
         if req.attempt >= self.cfg.max_attempts:
             return self.error(req, "UNAVAILABLE", f"gave up after {req.attempt} attempts; last: {why}")
-        log.info("request %s attempt %d failed (%s); re-dispatching", req.rid, req.attempt, why)
         self.metrics.on_retry(req)
+        failed_attempt = req.attempt
         self.dispatch(req)
+        self.request_log.redispatched(req, failed_attempt, why)
 
     # ------------------------------------------------------------------ workers
 

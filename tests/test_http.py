@@ -877,9 +877,12 @@ def test_migration_after_a_worker_death_keeps_tokens_and_logprobs_exact(tmp_path
     with cluster(tmp_path, prefill=1, decode=2, router_args=failover, http=True) as c:
         client = openai.OpenAI(base_url=c.http_url + "/v1", api_key="none", max_retries=0, timeout=120)
         streams = [client.completions.create(model=MODEL, prompt=p, max_tokens=80, temperature=0.8, seed=i, logprobs=2,
-                                             stream=True, extra_body=dict(ignore_eos=True, return_tokens_as_token_ids=True))
+                                             stream=True, extra_headers={"X-Request-Id": f"job-{i}"},
+                                             extra_body=dict(ignore_eos=True, return_tokens_as_token_ids=True))
                    for i, p in enumerate(prompts)]
         firsts = [next(iter(s)) for s in streams]  # every request is decoding
+        assert [f.id.rsplit("-", 1)[0] for f in firsts] == [f"cmpl-job-{i}" for i in range(4)]
+        assert [s.response.headers["X-Request-Id"] for s in streams] == [f"job-{i}" for i in range(4)]
         c.workers[1].proc.send_signal(signal.SIGKILL)  # decode-0
         for s, first, w in zip(streams, firsts, want):
             chunks = [first] + list(s)
@@ -892,6 +895,11 @@ def test_migration_after_a_worker_death_keeps_tokens_and_logprobs_exact(tmp_path
         metrics = scrape(c)
         assert value(metrics, "pdserve:request_migrations_total", MODEL) >= 1
         assert value(metrics, "pdserve:worker_deaths_total", MODEL) == 1
+    # the router's log names each migrated request by the client's X-Request-Id, and where it went
+    moved = re.findall(r"request (job-\d)-\w+-0 \(#\d+\) attempt 1 failed \(worker decode-0 [^)]*\); attempt 2 on "
+                       r"prefill-0 -> decode-1, carrying its \d+ delivered tokens",
+                       (tmp_path / "logs" / "router.log").read_text())
+    assert moved and set(moved) <= {f"job-{i}" for i in range(4)}, moved
 
 
 def test_a_restarted_worker_is_one_death_and_a_stalled_router_loses_no_worker(tmp_path):

@@ -1,0 +1,82 @@
+"""The router's log of requests (router/request_log.py): each line names the request by the id its
+client knows. A failed request is logged whether or not --log-requests is given; with it, each
+request as it is admitted, refused and finished."""
+
+import asyncio
+import logging
+
+import pytest
+
+from common import protocol as P
+from tests.cluster import scripted_worker, serving_router
+
+pytestmark = pytest.mark.timeout(60)
+SAMPLING = {"max_tokens": 2, "ignore_eos": True}
+
+
+async def reply(chan):
+    return (await asyncio.wait_for(chan.arecv(), 10)).msg
+
+
+def router_lines(caplog) -> list[tuple[str, str]]:
+    return [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "pdserve.router"
+            and r.getMessage().startswith(("request ", "client ", "dropped "))]
+
+
+def test_failures_are_logged_by_the_clients_ids_and_the_rest_only_with_log_requests(caplog):
+    caplog.set_level(logging.INFO, logger="pdserve.router")
+
+    async def scenario(log_requests: bool):
+        async with serving_router(log_requests=log_requests) as (router, connect):
+            worker = await scripted_worker(router, connect, "mono-0")
+            client = connect(router.frontend.address)
+            await client.send(P.Generate("fine-1", [7, 8], SAMPLING, False))
+            work = await reply(worker)
+            await worker.send(P.WorkerTokens(work.request_id, work.attempt, 0, [5, 6], "length"))
+            assert isinstance(await reply(client), P.Done)
+            await client.send(P.Generate("bad-2", [7, 8], SAMPLING, False))
+            work = await reply(worker)
+            await worker.send(P.WorkerError(work.request_id, work.attempt, "INVALID_ARGUMENT", "no such thing"))
+            assert isinstance(await reply(client), P.Error)
+            # a client that goes away with two requests in flight: one line, naming both
+            gone = connect(router.frontend.address)
+            for rid in ("left-3", "left-4"):
+                await gone.send(P.Generate(rid, [7, 8], {"max_tokens": 1000, "ignore_eos": True}, True))
+                work = await reply(worker)
+            gone.close()
+            await worker.send(P.WorkerTokens(work.request_id, work.attempt, 0, [5], None))  # finds it gone
+            while not isinstance(await reply(worker), P.CancelWork):
+                pass
+            await asyncio.sleep(0.1)
+
+    asyncio.run(scenario(False))
+    quiet = router_lines(caplog)
+    assert [level for level, _ in quiet] == ["WARNING", "WARNING"], quiet
+    assert "request bad-2 (#1) failed after 0 tokens: INVALID_ARGUMENT: no such thing" in quiet[0][1]
+    assert quiet[1][1].startswith("client ") and quiet[1][1].endswith(
+        "is gone: its 2 requests cancelled: left-3, left-4"), quiet[1]
+
+    caplog.clear()
+    asyncio.run(scenario(True))
+    said = [text for _, text in router_lines(caplog)]
+    assert any(t.startswith("request fine-1 (#0) admitted from ") and "2 prompt tokens, max_tokens 2" in t
+               for t in said), said
+    assert any(t.startswith("request fine-1 (#0) finished (length): 2 tokens in ") for t in said), said
+    assert any(t.startswith("request left-3 (#2) cancelled by its client: 0 tokens") for t in said), said
+
+
+def test_a_refused_request_is_logged_with_log_requests(caplog):
+    caplog.set_level(logging.INFO, logger="pdserve.router")
+
+    async def scenario():
+        async with serving_router(log_requests=True) as (router, connect):
+            await scripted_worker(router, connect, "mono-0")
+            client = connect(router.frontend.address)
+            await client.send(P.Generate("twice", [7, 8], SAMPLING, False))
+            await client.send(P.Generate("twice", [7, 8], SAMPLING, False))
+            assert isinstance(await reply(client), P.Error)
+
+    asyncio.run(scenario())
+    assert any(text.startswith("request twice from ") and
+               text.endswith("refused: INVALID_ARGUMENT: request_id='twice' is already in flight")
+               for _, text in router_lines(caplog)), router_lines(caplog)
