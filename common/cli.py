@@ -391,7 +391,8 @@ def gpu_shares(prefill, decode, mono, devices, policy, worker_args):
 @click.option("--router", "router_address", default="tcp://127.0.0.1:7100", show_default=True)
 @click.option("--json", "as_json", is_flag=True)
 def status(router_address, as_json):
-    """Print the router's live registry of workers."""
+    """Print the router's live registry of workers; exit status 1 while it cannot serve (a role has
+    no live worker), for scripts and health checks."""
     from bench.report import print_table
     from router.client import Client
 
@@ -400,7 +401,7 @@ def status(router_address, as_json):
     if as_json:
         print(json.dumps({"model": reply.model, "workers": reply.workers, "queued": reply.queued,
                           "in_flight": reply.in_flight, "context": reply.context, "missing": reply.missing}))
-        return
+        raise SystemExit(1 if reply.missing else 0)
     serves = f"cannot serve: no live {' or '.join(reply.missing)} worker" if reply.missing else "serving"
     print_table(f"router {router_address} ({reply.model}): {serves}; {reply.queued} queued in the router, "
                 f"{reply.in_flight} with workers; admits a context of {reply.context} tokens",
@@ -412,6 +413,7 @@ def status(router_address, as_json):
                   w["total_blocks"], w.get("max_model_len") or "-", ",".join(w.get("kv_transports", [])) or "-",
                   w["heartbeat_age_s"]]
                  for w in reply.workers])
+    raise SystemExit(1 if reply.missing else 0)
 
 
 @main.command()

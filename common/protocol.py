@@ -186,6 +186,7 @@ class Heartbeat:
     kv_bytes: dict = field(default_factory=dict)  # KV transport -> bytes sent by it
     spec_decode: list = field(default_factory=list)  # speculative decoding's [drafts, draft tokens, accepted tokens]
     held: int = 0  # prefilled, their KV kept for a decode worker (waiting for its room, or on the way)
+    preemptions: int = 0  # requests its scheduler preempted: their blocks freed for other decodes, recomputed later
 
 
 @dataclass

@@ -322,9 +322,10 @@ class WorkerBase:
         if self.registered and now - self._last_heartbeat > self.cfg.heartbeat_interval_s:
             self._last_heartbeat = now
             s, bm = self.engine.scheduler, self.engine.block_manager
-            queries, hits, kv_bytes, spec_decode = self._counters_since_registering()
+            queries, hits, kv_bytes, spec_decode, preemptions = self._counters_since_registering()
             beat = P.Heartbeat(self.worker_id, self.incarnation, len(s.waiting), len(s.running), bm.num_free_blocks,
-                               bm.num_blocks, queries, hits, kv_bytes, spec_decode, held=len(self.engine.held))
+                               bm.num_blocks, queries, hits, kv_bytes, spec_decode, held=len(self.engine.held),
+                               preemptions=preemptions)
             self.to_router(beat)
             self._beat, said = beat, True
         if self.registered and now - self._last_holding > HOLDING_S:
@@ -337,18 +338,20 @@ class WorkerBase:
             self.pulse.repeat(self.identity, *filter(None, (self._beat, self._held)))
         self.on_tick(now)
 
-    def _counters(self) -> tuple[int, int, dict[str, int], list[int]]:
+    def _counters(self) -> tuple[int, int, dict[str, int], list[int], int]:
         """The counters a heartbeat carries, as they stand since the process started."""
         bm, drafter = self.engine.block_manager, self.engine.drafter
-        return bm.prefix_queries, bm.prefix_hits, dict(self.kv_bytes), drafter.counters() if drafter else []
+        return (bm.prefix_queries, bm.prefix_hits, dict(self.kv_bytes), drafter.counters() if drafter else [],
+                self.engine.scheduler.num_preemptions)
 
-    def _counters_since_registering(self) -> tuple[int, int, dict[str, int], list[int]]:
+    def _counters_since_registering(self) -> tuple[int, int, dict[str, int], list[int], int]:
         """The counters since this incarnation began: the router adds what they grow by to its own
         and starts from zero for a new incarnation (one that registers anew after the router lost
         it or restarted), which would otherwise count the process's whole past again."""
-        (queries, hits, kv_bytes, spec), (queries0, hits0, kv_bytes0, spec0) = self._counters(), self._counted_before
+        (queries, hits, kv_bytes, spec, preempted), (queries0, hits0, kv_bytes0, spec0, preempted0) = \
+            self._counters(), self._counted_before
         return (queries - queries0, hits - hits0, {t: n - kv_bytes0.get(t, 0) for t, n in kv_bytes.items()},
-                [n - (spec0[i] if i < len(spec0) else 0) for i, n in enumerate(spec)])
+                [n - (spec0[i] if i < len(spec0) else 0) for i, n in enumerate(spec)], preempted - preempted0)
 
     @staticmethod
     def handle(handler, env: Envelope) -> None:

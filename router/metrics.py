@@ -2,8 +2,11 @@
 the router process or, asked for them, by its API server processes (router/api_server.py).
 
 Names follow vLLM's (`vllm:time_to_first_token_seconds` is `pdserve:time_to_first_token_seconds`,
-with the same `model_name` label) so a vLLM dashboard adapts by a change of prefix; metrics vLLM
-has no counterpart for (KV handoff, migrations, per-worker state) use the same style.
+with the same `model_name` label), so a vLLM dashboard's panels of request latency, tokens,
+queues, KV use, preemptions and speculative decoding adapt by a change of prefix; vLLM's own
+internals (iteration tokens, cache config) have none here. Metrics vLLM has no counterpart for (KV
+handoff, migrations, per-worker state) use the same style. The router process's own (process_*,
+python_gc_*) are there too, as prometheus_client's default registry has them.
 
 Request metrics are observed by the router as requests move (it sees every token). Gauges are
 read at scrape time from the router's state: nothing to keep in step. Per-worker figures come
@@ -19,7 +22,8 @@ from __future__ import annotations
 import time
 
 import prometheus_client
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (GC_COLLECTOR, CollectorRegistry, Counter, GCCollector, Histogram, PlatformCollector,
+                               ProcessCollector, generate_latest)
 from prometheus_client.core import GaugeMetricFamily
 
 from common import protocol as P
@@ -34,6 +38,9 @@ ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15
                1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+FINISH_REASONS = ("stop", "length", "abort")  # request_success_total's, as vLLM's
 
 
 def token_buckets(context: int) -> tuple[int, ...]:
@@ -89,6 +96,8 @@ class RouterMetrics:
         self.prefix_mispredicted = counter("prefix_cache_mispredicted_tokens",
                                            "prefix_affine: prompt tokens the router took for cached where it sent "
                                            "them and the worker did not find, or the other way round")
+        self.preemptions = counter("num_preemptions", "Requests preempted by workers' schedulers (their blocks freed "
+                                                      "for other decodes; recomputed once there is room)")
         self.kv_event_resyncs = counter("kv_event_resyncs", "Workers asked for their whole prefix cache, a KV event "
                                                             "having gone missing")
         # vLLM's spec_decode counters, summed over the workers that speculate
@@ -102,7 +111,13 @@ class RouterMetrics:
         self._kv_bytes = Counter("pdserve:kv_transfer_bytes", "KV bytes sent from prefill to decode workers",
                                  ["model_name", "transport"], **reg)
         self._model = model
+        for reason in FINISH_REASONS:  # each series there from the start, as vLLM's: rate() and absent() work at once
+            self._success.labels(model, reason)
         self.registry.register(_StateCollector(router, model))
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        if GC_COLLECTOR is not None:  # (None where the interpreter has no gc statistics)
+            GCCollector(registry=self.registry)
 
     # ------------------------------------------------------------------ events
 
@@ -157,7 +172,9 @@ class RouterMetrics:
                 if grew > 0:
                     self._kv_bytes.labels(self._model, str(transport)).inc(grew)
                 last[("kv_bytes", transport)] = sent
-        last["prefix_queries"], last["prefix_hits"] = msg.prefix_queries, msg.prefix_hits
+        self.preemptions.inc(max(0, msg.preemptions - last.get("preemptions", 0)))
+        last["prefix_queries"], last["prefix_hits"], last["preemptions"] = (msg.prefix_queries, msg.prefix_hits,
+                                                                            msg.preemptions)
         for i, (metric, value) in enumerate(zip(self.spec_decode, msg.spec_decode)):
             if isinstance(value, int):
                 metric.inc(max(0, value - last.get(("spec_decode", i), 0)))
@@ -192,7 +209,8 @@ class _StateCollector:
             ("worker_num_requests_waiting", "Requests in the worker and not in its running batch: queued for a step, "
              "or prefilled and their KV kept for a decode worker", lambda w: w.queued + w.held),
         ]
-        workers = sorted(router.registry.workers.values(), key=lambda w: w.worker_id)
+        # one that stopped as it was told is no outage: a "worker down" alert must not fire on a scale-down
+        workers = sorted((w for w in router.registry.workers.values() if not w.left), key=lambda w: w.worker_id)
         for name, doc, value in per_worker:
             g = GaugeMetricFamily(f"pdserve:{name}", doc, labels=["model_name", "worker_id", "role"])
             for w in workers:

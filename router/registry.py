@@ -37,6 +37,7 @@ class Worker:
     assigned: set[str] = field(default_factory=set)  # router request ids in this worker's hands
     alive: bool = True
     leaving: bool = False  # told to stop, it finishes what it holds and takes no new work (P.Leaving)
+    left: bool = False  # stopped as it was told: not an outage (its gauges are left out of the metrics)
     counters: dict = field(default_factory=dict)  # its heartbeat's counters, last seen (router/metrics.py)
     prefix_caching: bool = True  # it keeps a prefix cache (started without --no-prefix-caching)
     prefix_index: PrefixIndex | CacheMirror | None = None  # prefix_affine: what its prefix cache holds

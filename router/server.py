@@ -699,7 +699,7 @@ class Router:
     def on_leaving(self, w: Worker, msg: P.Leaving):
         """w was told to stop: no new work for it; once gone, what it held is re-dispatched now."""
         if msg.gone:
-            w.leaving = True  # (an idle worker leaves at once, without saying it is leaving first)
+            w.leaving = w.left = True  # (an idle worker leaves at once, without saying it is leaving first)
             if msg.idle:  # what it prefilled for another worker is that one's now
                 w.assigned = {rid for rid in w.assigned if (req := self.requests.get(rid)) is not None
                               and req.decode_worker == w.worker_id}

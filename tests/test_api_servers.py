@@ -147,7 +147,7 @@ def test_a_gone_client_s_request_that_ends_is_counted_once():
 
     metrics = asyncio.run(scenario())
     finished = re.findall(r'pdserve:request_success_total\{finished_reason="(\w+)",model_name="[^"]*"\} (\S+)', metrics)
-    assert finished == [("length", "1.0")], finished
+    assert [f for f in finished if f[1] != "0.0"] == [("length", "1.0")], finished
 
 
 @pytest.mark.parametrize("api_servers", [1, 2], ids=["in-router", "api-servers"])

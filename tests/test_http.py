@@ -683,13 +683,15 @@ def value(samples, name, model_name=ALIAS, **labels) -> float:
 
 def settled(c) -> dict:
     """The metrics once the workers' counters stop moving: an earlier test's cancelled requests may
-    still be leaving the workers, and their counters come with the next heartbeats."""
+    still be leaving the workers, and their counters come with the next heartbeats. (The router
+    process's own, process_* and python_gc_*, move all the time.)"""
+    ours = lambda samples: {k: v for k, v in samples.items() if k[0].startswith("pdserve:")}  # noqa: E731
     deadline = time.monotonic() + 10
     last = scrape(c)
     while True:
         time.sleep(0.5)  # two heartbeats or more
         now = scrape(c)
-        if now == last or time.monotonic() > deadline:
+        if ours(now) == ours(last) or time.monotonic() > deadline:
             return now
         last = now
 
@@ -738,7 +740,8 @@ def test_metrics_parse_and_count_known_requests(served):
         assert value(after, "pdserve:worker_kv_blocks_total", **worker) > 0
         assert value(after, "pdserve:worker_kv_blocks_used", **worker) == 0
     assert value(after, "pdserve:num_requests_running") == value(after, "pdserve:num_requests_waiting") == 0
-    assert all(re.fullmatch(r"pdserve:[a-z0-9_]+", n) for n, _ in after)
+    # ours, and the router process's own (as prometheus_client's default registry has them)
+    assert all(re.fullmatch(r"pdserve:[a-z0-9_]+|(process|python)_[a-z0-9_]+", n) for n, _ in after)
 
 
 def test_a_dead_workers_gauges_and_status_read_idle_not_its_last_heartbeat():
@@ -774,6 +777,41 @@ def test_a_dead_workers_gauges_and_status_read_idle_not_its_last_heartbeat():
     assert (live_status["running"], dead_status["running"], dead_status["free_blocks"]) == (6, 0, 64)
 
 
+def test_metrics_have_every_finish_reason_preemptions_the_process_and_no_worker_that_left():
+    """As vLLM's: request_success_total's finish reasons there from the start (rate() and absent()
+    work at once), num_preemptions_total from the workers' heartbeats, the process's own metrics. A
+    worker stopped as it was told leaves the per-worker gauges: a scale-down is no outage."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.cluster import scripted_worker, serving_router
+
+    def samples(router) -> dict:
+        return {(s.name, s.labels.get("finished_reason") or s.labels.get("worker_id")): s.value
+                for family in text_string_to_metric_families(router.metrics.render().decode())
+                for s in family.samples}
+
+    async def scenario():
+        async with serving_router(model=MODEL) as (router, connect):
+            fresh = samples(router)
+            staying = await scripted_worker(router, connect, "decode-0", role="decode")
+            leaving = await scripted_worker(router, connect, "decode-1", role="decode")
+            for preempted in (3, 5):  # counted since the worker registered
+                await staying.send(P.Heartbeat("decode-0", "1", 0, 0, 64, 64, preemptions=preempted))
+            await leaving.send(P.Leaving("decode-1", gone=True, idle=True))
+            deadline = time.monotonic() + 10
+            while not router.registry.workers["decode-1"].left or samples(router)[
+                    ("pdserve:num_preemptions_total", None)] < 5:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.02)
+            return fresh, samples(router)
+
+    fresh, after = asyncio.run(scenario())
+    assert [fresh[("pdserve:request_success_total", r)] for r in ("stop", "length", "abort")] == [0, 0, 0]
+    assert fresh[("process_resident_memory_bytes", None)] > 0 and ("python_gc_collections_total", None) in fresh
+    assert after[("pdserve:num_preemptions_total", None)] == 5
+    assert after[("pdserve:worker_alive", "decode-0")] == 1 and ("pdserve:worker_alive", "decode-1") not in after
+
+
 def test_request_gauges_count_what_workers_run_and_the_rest_as_waiting():
     """vLLM's meanings: running is what the workers' batches hold (their heartbeats), waiting the
     rest the router admitted: in its queue, in a worker's queue, or waiting for decode room. They
@@ -783,8 +821,8 @@ def test_request_gauges_count_what_workers_run_and_the_rest_as_waiting():
     from router.metrics import _StateCollector
 
     worker = lambda running, alive=True: SimpleNamespace(  # noqa: E731
-        worker_id=f"w{running}", role="decode", alive=alive, running=running, queued=1, held=running // 3,
-        total_blocks=8, free_blocks=8)
+        worker_id=f"w{running}", role="decode", alive=alive, left=False, running=running, queued=1,
+        held=running // 3, total_blocks=8, free_blocks=8)
     router = SimpleNamespace(cfg=SimpleNamespace(model=MODEL), requests=dict.fromkeys(range(536)),
                              registry=SimpleNamespace(workers={"a": worker(64), "b": worker(3), "c": worker(9, False)}))
     gauges = {m.name: m.samples[0].value for m in _StateCollector(router, MODEL).collect()

@@ -238,8 +238,10 @@ def test_with_its_prefill_worker_dead_a_cluster_serves_on_its_decode_worker_unle
         from click.testing import CliRunner
 
         from common.cli import main
-        title = CliRunner().invoke(main, ["status", "--router", c.address]).output.splitlines()[0]
+        status = CliRunner().invoke(main, ["status", "--router", c.address])
+        title = status.output.splitlines()[0]
         assert ("cannot serve: no live prefill worker;" if enforce else ": serving;") in title, title
+        assert status.exit_code == (1 if enforce else 0)  # for scripts and health checks
         prompt, sampling = list(range(1, 60)), dict(max_tokens=12, ignore_eos=True, temperature=0)
         if enforce:
             with pytest.raises(RequestError) as e:

@@ -188,19 +188,20 @@ def test_a_heartbeat_counts_from_its_incarnations_start():
     sent = []
     worker.to_router = sent.append
 
-    def beat(kv_bytes: int, queries: int):
+    def beat(kv_bytes: int, queries: int, preemptions: int):
         worker.kv_bytes["shm"], worker.engine.block_manager.prefix_queries = kv_bytes, queries
+        worker.engine.scheduler.num_preemptions = preemptions
         worker.registered, worker._last_heartbeat = True, 0.0
         worker._tick(time.monotonic())
-        beats = [m for m in sent if isinstance(m, P.Heartbeat)]
-        return beats[-1].incarnation, beats[-1].kv_bytes["shm"], beats[-1].prefix_queries
+        last = [m for m in sent if isinstance(m, P.Heartbeat)][-1]
+        return last.incarnation, (last.kv_bytes["shm"], last.prefix_queries, last.preemptions)
 
     try:
-        first, kv, queries = beat(1000, 64)
-        assert (kv, queries) == (1000, 64)  # the first incarnation's counters are the process's
+        first, counted = beat(1000, 64, 2)
+        assert counted == (1000, 64, 2)  # the first incarnation's counters are the process's
         worker._connect_router()  # as the router's "re-register" has it do
-        again, kv, queries = beat(1500, 80)
-        assert again != first and (kv, queries) == (500, 16)
+        again, counted = beat(1500, 80, 7)
+        assert again != first and counted == (500, 16, 5)
     finally:
         worker.close()
 
