@@ -64,7 +64,7 @@ SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 SHUTDOWN_GRACE_S = 2.0  # for handlers to answer their requests' UNAVAILABLE when the server stops
 TOKENS_PER_WRITE = 65536  # /tokenize: ids serialized between two turns of the event loop
 REQUEST_ID = "pdserve_request_id"  # the request's key for the X-Request-Id its response carries
-REQUEST_ID_ALLOWED = "1 to 128 printable ASCII characters, no spaces"
+REQUEST_ID_ALLOWED = "1 to 256 printable ASCII characters, no spaces, quotes or backslashes"
 # the access log (--log-requests): who, the request line, status, bytes, seconds, and the request's id
 ACCESS_LOG_FORMAT = '%a "%r" %s %b %Tf "%{X-Request-Id}o"'
 access_log = logging.getLogger("pdserve.http.access")
@@ -333,7 +333,11 @@ class HttpFront:
             job, prepared = await asyncio.to_thread(_prepare, parse, body, prompts, backend.max_queue)
             total = len(prepared) * job.n
         except (ApiError, InvalidArgument, web.HTTPRequestEntityTooLarge, web.HTTPRequestTimeout) as e:
-            backend.rejected((self._http_error(request, e) if isinstance(e, web.HTTPException) else e).code)
+            error = self._http_error(request, e) if isinstance(e, web.HTTPException) else e
+            backend.rejected(error.code)
+            if self.access_log:  # as the router says of the requests it refuses itself
+                log.info("request %s refused: %s: %s", request.get(REQUEST_ID, "-"), error.code,
+                         getattr(error, "message", None) or str(error))
             raise
         choices = []
         for i in range(total):
@@ -449,7 +453,7 @@ def _prepare(parse, body, prompts, max_queue: int) -> tuple[Job, list]:
 def given_request_id(request: web.Request) -> str | None:
     """The client's X-Request-Id (vLLM's), checked: it is written into log lines."""
     given = request.headers.get("X-Request-Id")
-    if given is not None and not re.fullmatch(r"[!-~]{1,128}", given):
+    if given is not None and not re.fullmatch(r"[!#-\[\]-~]{1,256}", given):
         raise ApiError("INVALID_ARGUMENT", f"X-Request-Id: {short_repr(given)} is invalid; allowed: "
                                            f"{REQUEST_ID_ALLOWED}")
     return given

@@ -4,8 +4,10 @@ beside the router's own number, which the workers' lines use.
 
 Always: a request that fails after it was admitted (WARNING: its code and why), and where a
 failed attempt goes next. With --log-requests (vLLM's --enable-log-requests): each request as it
-is admitted, refused and finished, cancelled included. A ZeroMQ client found gone is one line
-naming its requests.
+is admitted, refused and finished, cancelled included. A ZeroMQ client found gone, or that read
+nothing for too long, is one line naming its requests. A client's id is its own text: a line shows
+it as it is only where it is short and printable, else quoted and cut (a newline in an SDK's
+request_id would forge a line of its own).
 """
 
 from __future__ import annotations
@@ -13,12 +15,22 @@ from __future__ import annotations
 import logging
 import time
 
+from common import protocol as P
+from common.errors import short_repr
+
 log = logging.getLogger("pdserve.router")
 NAMED_AT_MOST = 8  # ids a line about many requests names
+ID_CHARS = 128  # the longest id a line shows whole
+
+
+def shown(client_request_id) -> str:
+    """A client's request id as a log line may show it."""
+    text = str(client_request_id)
+    return text if len(text) <= ID_CHARS and text.isprintable() else short_repr(text, ID_CHARS)
 
 
 def label(req) -> str:
-    return f"{req.client_request_id} (#{req.rid})"
+    return f"{shown(req.client_request_id)} (#{req.rid})"
 
 
 def client_name(client) -> str:
@@ -29,7 +41,7 @@ def client_name(client) -> str:
 
 
 def _ids(reqs) -> str:
-    names = [r.client_request_id for r in reqs[:NAMED_AT_MOST]]
+    names = [shown(r.client_request_id) for r in reqs[:NAMED_AT_MOST]]
     return ", ".join(names) + (f" and {len(reqs) - NAMED_AT_MOST} more" if len(reqs) > NAMED_AT_MOST else "")
 
 
@@ -45,7 +57,8 @@ class RequestLog:
 
     def refused(self, client, client_request_id: str, code: str, message: str):
         if self.verbose:
-            log.info("request %s from %s refused: %s: %s", client_request_id, client_name(client), code, message)
+            log.info("request %s from %s refused: %s: %s", shown(client_request_id), client_name(client), code,
+                     message)
 
     def finished(self, req, reason: str):
         if not self.verbose:
@@ -56,20 +69,32 @@ class RequestLog:
         log.info("request %s %s: %d tokens in %.3f s%s, %d attempt%s", label(req), how, len(req.tokens), e2e, first,
                  req.attempt, "" if req.attempt == 1 else "s")
 
-    def failed(self, req, code: str, message: str):
-        log.warning("request %s failed after %d tokens: %s: %s", label(req), len(req.tokens), code, message)
+    def failed(self, req, code: str, message: str, always: bool = True):
+        """always: False where a line about many requests says it (client_stalled)."""
+        if always or self.verbose:
+            log.warning("request %s failed after %d tokens: %s: %s", label(req), len(req.tokens), code, message)
 
     def redispatched(self, req, failed_attempt: int, why: str):
         """After Router.dispatch: where the next attempt went, or that it waits for a worker."""
+        carried = f", carrying its {len(req.tokens)} delivered tokens" if req.tokens else ""
         if req.state == "done":
-            where = "the tokens it delivered end it"
+            where, carried = f"the {len(req.tokens)} tokens it delivered end it", ""
         elif req.attempt > failed_attempt:
             where = f"attempt {req.attempt} on {req.prefill_worker}" + \
                     ("" if req.prefill_worker == req.decode_worker else f" -> {req.decode_worker}")
         else:
             where = "it waits for a live worker"
-        carried = f", carrying its {len(req.tokens)} delivered tokens" if req.tokens else ""
         log.info("request %s attempt %d failed (%s); %s%s", label(req), failed_attempt, why, where, carried)
 
-    def clients_requests_cancelled(self, client, reqs: list, why: str):
-        log.warning("client %s %s: its %d requests cancelled: %s", client_name(client), why, len(reqs), _ids(reqs))
+    def client_gone(self, client, reqs: list, dropped=None):
+        """dropped: the message a send of which found it gone, if one did."""
+        lost = ""
+        if dropped is not None:
+            about = P.reply_id(dropped)
+            lost = f" ({type(dropped).__name__}{f' of {shown(about)}' if about else ''} not delivered)"
+        log.warning("client %s is gone%s%s", client_name(client), lost,
+                    f": its {len(reqs)} requests cancelled: {_ids(reqs)}" if reqs else "")
+
+    def client_stalled(self, client, reqs: list, wait_s: float):
+        log.warning("client %s read nothing for %.0f s: its %d requests end with UNAVAILABLE: %s", client_name(client),
+                    wait_s, len(reqs), _ids(reqs))

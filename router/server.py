@@ -199,43 +199,48 @@ class Router:
                 log.warning("dropped %s to %r: %s", type(msg).__name__, to, e)
             return False
 
-    def _client_gone(self, client: bytes):
+    def _client_gone(self, client: bytes, dropped=None):
         """A ZeroMQ client that can no longer be reached (its socket closed, its process died: an
         SDK client, an API server) has its requests cancelled, since nobody would read their
         tokens: on the loop's next turn, outside the handler that found it gone (a done() replying,
-        a worker's batch); until then what is sent to it goes nowhere."""
+        a worker's batch); until then what is sent to it goes nowhere. dropped: the message a send
+        of which found it gone (None: an API server's process exited)."""
         if client not in self._gone:
             self._gone.add(client)
-            asyncio.get_running_loop().call_soon(self._cancel_gone, client)
+            asyncio.get_running_loop().call_soon(self._cancel_gone, client, dropped)
 
     def _client_stalled(self, client: bytes):
         """A ZeroMQ client that took nothing for SEND_WAIT_S with its queue full (common/channel.py:
         _post_to): its requests end with UNAVAILABLE, after what waits for it, which it reads if it
         reads again (an API server then fails its HTTP requests), and their work stops: what waits
         for it grows no more."""
-        for req in self._requests_of(client):  # (each said in the log as it fails)
+        reqs = self._requests_of(client)
+        for req in reqs:
             self._cancel_work(req)
             self.error(req, "UNAVAILABLE", f"the router stopped this request: its client read nothing for "
-                                           f"{self.frontend.send_wait_s:.0f} s")
+                                           f"{self.frontend.send_wait_s:.0f} s", logged=False)
+        if reqs:
+            self.request_log.client_stalled(client, reqs, self.frontend.send_wait_s)
 
     def _requests_of(self, client: bytes) -> list[Request]:
         return [self.requests[rid] for (c, _), rid in self.by_client.items() if c == client]
 
-    def _cancel_gone(self, client: bytes):
+    def _cancel_gone(self, client: bytes, dropped=None):
         reqs = self._requests_of(client)
         for req in reqs:  # their replies go nowhere: _to_client skips a client in _gone
             self.cancel(client, req.client_request_id)
         self._gone.discard(client)
-        if reqs:
-            self.request_log.clients_requests_cancelled(client, reqs, "is gone")
+        if reqs or dropped is not None:
+            self.request_log.client_gone(client, reqs, dropped)
 
     def reply(self, req: Request, msg):
         req.reply_to(msg)
 
-    def error(self, req: Request, code: str, message: str):
+    def error(self, req: Request, code: str, message: str, logged: bool = True):
+        """logged: False where the caller logs one line for many."""
         self.reply(req, P.Error(req.client_request_id, code, message))
         self.metrics.on_error(code)
-        self.request_log.failed(req, code, message)
+        self.request_log.failed(req, code, message, always=logged)
         self._finish(req)
 
     def done(self, req: Request, reason: str):
@@ -405,7 +410,7 @@ class Router:
             return False
         if self._send(self.frontend, msg, client, quiet=True):  # _cancel_gone says it
             return True
-        self._client_gone(client)
+        self._client_gone(client, msg)
         return False
 
     def cancel(self, client, client_request_id: str):

@@ -44,7 +44,7 @@ def served(request, tmp_path_factory):
     processes beside it (--api-server-count 2): they must not differ."""
     with cluster(tmp_path_factory.mktemp("http"), http=True, api_key=KEY, api_servers=request.param,
                  router_args=["--max-queue", "16", "--served-model-name", ALIAS, "--served-model-name", MODEL,
-                              "--tool-call-parser", "hermes"]) as c:
+                              "--tool-call-parser", "hermes", "--log-requests"]) as c:
         yield c
 
 
@@ -546,6 +546,36 @@ def test_overload_is_429_with_retry_after_and_a_disconnect_frees_every_block(ser
         value(before, "pdserve:request_errors_total", code="OVERLOADED") == 1
     log = served.router.log_path.read_text()
     assert "Traceback" not in log and "ERROR" not in log, log[-3000:]
+
+
+def test_x_request_id_names_the_response_and_the_log_lines_and_a_bad_one_is_refused(served):
+    """vLLM's X-Request-Id: echoed, in the response's id, and in the router's and the access log's
+    lines (--log-requests), from the router process and from API servers alike."""
+    body = dict(model=MODEL, prompt="hi", max_tokens=2)
+    status, headers, answer = http(served, "POST", "/v1/completions", body, headers={"X-Request-Id": "trace-7"})
+    assert status == 200 and headers["X-Request-Id"] == "trace-7", headers
+    assert re.fullmatch(r"cmpl-trace-7-[0-9a-f]{8}", answer["id"]), answer["id"]
+    status, headers, answer = http(served, "POST", "/v1/completions", body)  # none given: ours, alike
+    assert status == 200 and answer["id"] == f"cmpl-{headers['X-Request-Id']}"
+    for bad in ("a b", "x" * 257, 'q"uote'):
+        status, headers, answer = http(served, "POST", "/v1/completions", body, headers={"X-Request-Id": bad})
+        assert status == 400 and "X-Request-Id" not in headers, (bad, status, headers)
+        assert answer["error"]["message"].startswith("X-Request-Id: ") and \
+            "allowed: 1 to 256 printable ASCII characters" in answer["error"]["message"]
+    status, _, _ = http(served, "POST", "/v1/completions", dict(body, max_tokens=-1), headers={"X-Request-Id": "no-9"})
+    assert status == 400
+    deadline = time.monotonic() + 10
+    while True:
+        log = served.router.log_path.read_text()
+        said = [re.search(pattern, log) for pattern in (
+            r"request trace-7-[0-9a-f]{8}-0 \(#\d+\) admitted from \S+: \d+ prompt tokens, max_tokens 2",
+            r"request trace-7-[0-9a-f]{8}-0 \(#\d+\) finished \(length\): 2 tokens in ",
+            r'"POST /v1/completions HTTP/1.1" 200 \d+ [0-9.]+ "trace-7"',  # the access log
+            r"request no-9 refused: INVALID_ARGUMENT: max_tokens=-1")]
+        if all(said) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert all(said), (said, log[-3000:])
 
 
 def test_api_key_guards_v1_but_not_health_and_metrics(served):

@@ -242,6 +242,7 @@ def test_with_its_prefill_worker_dead_a_cluster_serves_on_its_decode_worker_unle
         title = status.output.splitlines()[0]
         assert ("cannot serve: no live prefill worker;" if enforce else ": serving;") in title, title
         assert status.exit_code == (1 if enforce else 0)  # for scripts and health checks
+        assert CliRunner().invoke(main, ["status", "--router", c.address, "--json"]).exit_code == status.exit_code
         prompt, sampling = list(range(1, 60)), dict(max_tokens=12, ignore_eos=True, temperature=0)
         if enforce:
             with pytest.raises(RequestError) as e:

@@ -54,7 +54,7 @@ def test_failures_are_logged_by_the_clients_ids_and_the_rest_only_with_log_reque
     assert [level for level, _ in quiet] == ["WARNING", "WARNING"], quiet
     assert "request bad-2 (#1) failed after 0 tokens: INVALID_ARGUMENT: no such thing" in quiet[0][1]
     assert quiet[1][1].startswith("client ") and quiet[1][1].endswith(
-        "is gone: its 2 requests cancelled: left-3, left-4"), quiet[1]
+        "is gone (Token of left-4 not delivered): its 2 requests cancelled: left-3, left-4"), quiet[1]
 
     caplog.clear()
     asyncio.run(scenario(True))
@@ -80,3 +80,31 @@ def test_a_refused_request_is_logged_with_log_requests(caplog):
     assert any(text.startswith("request twice from ") and
                text.endswith("refused: INVALID_ARGUMENT: request_id='twice' is already in flight")
                for _, text in router_lines(caplog)), router_lines(caplog)
+
+
+def test_a_client_gone_before_its_answer_and_an_id_that_would_write_lines_of_its_own(caplog):
+    """A client gone once its one request ended: its Done, not delivered, is said (no request is
+    left to name). An SDK's request_id with a newline is quoted in the line, not written as two."""
+    caplog.set_level(logging.INFO, logger="pdserve.router")
+    forged = "x\n2026-11-29 14:00:00,000 pdserve.router WARNING worker decode-9 lost"
+
+    async def scenario():
+        async with serving_router(log_requests=True) as (router, connect):
+            worker = await scripted_worker(router, connect, "mono-0")
+            gone = connect(router.frontend.address)
+            await gone.send(P.Generate("only-1", [7, 8], SAMPLING, False))
+            work = await reply(worker)
+            gone.close()
+            await asyncio.sleep(0.2)
+            await worker.send(P.WorkerTokens(work.request_id, work.attempt, 0, [5, 6], "length"))
+            client = connect(router.frontend.address)
+            await client.send(P.Generate(forged, [7, 8], SAMPLING, False))
+            work = await reply(worker)
+            await worker.send(P.WorkerError(work.request_id, work.attempt, "INVALID_ARGUMENT", "no"))
+            assert isinstance(await reply(client), P.Error)
+
+    asyncio.run(scenario())
+    lines = [text for _, text in router_lines(caplog)]
+    assert any(t.startswith("client ") and t.endswith(" is gone (Done of only-1 not delivered)") for t in lines), lines
+    assert not any("\n" in t for t in lines)
+    assert f"request {forged!r} (#1) failed after 0 tokens: INVALID_ARGUMENT: no" in lines, lines

@@ -4,6 +4,7 @@ process serving, token-exact; a burst far past the queue limit is shed with OVER
 accepted requests complete, and memory does not grow from one burst to the next."""
 
 import asyncio
+import re
 import subprocess
 import sys
 import time
@@ -216,6 +217,10 @@ def test_a_client_that_stops_reading_has_its_requests_stopped_and_reads_their_en
     finally:
         sock.close()
         ctx.term()
+    log = fuzz_cluster.router.log_path.read_text()  # one line for them all, naming the client, not one each
+    said = re.findall(rf"client [0-9a-f]+ read nothing for 5 s: its {len(gave_up)} requests end with UNAVAILABLE: s\d+",
+                      log)
+    assert len(said) == 1 and not re.search(r"request s\d+ \(#\d+\) failed", log), log[-3000:]
     with Client(fuzz_cluster.address, timeout=60) as client:
         for _ in range(100):
             status = client.status()
