@@ -185,6 +185,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return F.linear(x, weight, bias)
     lead, k = x.shape[:-1], x.shape[-1]
     a = _rows(x)
+    if weight.stride(1) != 1:  # the kernel steps along a row of the weight by one (a loader's are so)
+        weight = weight.contiguous()
     m, n = a.shape[0], weight.shape[0]
     count, length = segments(n, k)
     split = count > 1 and 0 < m <= SPLIT_ROWS

@@ -399,6 +399,18 @@ def test_triton_passes_the_start_up_check_auto_runs():
     assert err < 1e-5
 
 
+def test_triton_attention_answers_in_rows_of_head_dim_whatever_the_layout_of_its_query():
+    """A query whose head_dim is not its innermost dimension: the output was laid out like it, and
+    the merge, writing rows of head_dim, scrambled it (1e38 off)."""
+    pytest.importorskip("triton")
+    heads, kv_heads, head_dim = 4, 2, 32
+    q, k, v, tables, lens = _paged_batch([5, 16, 9], heads, kv_heads, head_dim, torch.float32, seed=3)
+    want = _triton_decode(q, k, v, tables, lens, head_dim ** -0.5)
+    d_outermost = q.permute(2, 0, 1).contiguous().permute(1, 2, 0)
+    assert d_outermost.stride(2) != 1
+    assert torch.equal(_triton_decode(d_outermost, k, v, tables, lens, head_dim ** -0.5), want)
+
+
 def test_triton_decode_half_precision_is_close_to_sdpa():
     pytest.importorskip("triton")
     heads, kv_heads, head_dim = 8, 2, 32

@@ -340,7 +340,7 @@ def paged_attention(q_THD: torch.Tensor, k_cache_NPKD: torch.Tensor, v_cache_NPK
     tile_shape(group)). decode_launch: the decode tiles' launch options (None: SPLIT_LAUNCH)."""
     T, H, D = q_THD.shape
     N, P, K, _ = k_cache_NPKD.shape
-    out = torch.empty_like(q_THD)
+    out = q_THD.new_empty((T, H, D))  # rows of head_dim contiguous, as the merge writes them (not q's layout)
     if T == 0:
         return out
     if not tiles(P):
