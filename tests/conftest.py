@@ -16,9 +16,10 @@ if not torch.cuda.is_available():
     # Triton kernels run on CPU tensors in Triton's interpreter, which must be chosen before triton
     # is imported: the CPU suite checks the GPU kernels' arithmetic that way (tests/test_attention.py).
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    from tests.triton_interpreter import patch_once_per_launch
+    from tests.triton_interpreter import bfloat16_as_a_gpu_does, patch_once_per_launch
 
     patch_once_per_launch()
+    bfloat16_as_a_gpu_does()
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -420,6 +420,22 @@ def test_triton_decode_half_precision_is_close_to_sdpa():
     assert (got - want).abs().max().item() < 1e-2
 
 
+def test_triton_decode_in_bfloat16_is_close_to_sdpa_and_the_same_bits_in_any_batch():
+    """bfloat16, the GPU's default, as the interpreter computes it like a GPU (tests/conftest.py:
+    bfloat16_as_a_gpu_does): the outputs within bfloat16's rounding of SDPA's in float32, and each
+    row's bits alone what they are in the batch."""
+    pytest.importorskip("triton")
+    heads, kv_heads, head_dim = 8, 2, 32
+    q, k, v, tables, lens = _paged_batch(LENGTHS, heads, kv_heads, head_dim, torch.bfloat16, seed=8,
+                                         shared_prefix_blocks=1)
+    batched = _triton_decode(q, k, v, tables, lens, head_dim ** -0.5)
+    want = _sdpa_decode(q.float(), k.float(), v.float(), tables, lens, heads, kv_heads, head_dim)
+    assert batched.dtype == torch.bfloat16 and (batched.float() - want).abs().max().item() < 2e-2
+    for i, n in enumerate(LENGTHS):
+        alone = _triton_decode(q[i:i + 1], k, v, tables[i:i + 1, :-(-n // 16)], lens[i:i + 1], head_dim ** -0.5)
+        assert torch.equal(alone[0], batched[i]), (i, n)
+
+
 def test_triton_backend_refuses_a_block_size_it_cannot_tile():
     pytest.importorskip("triton")
     q, k, v, tables, lens = _paged_batch([30], 4, 4, 16, torch.float32, seed=1, page=24)
@@ -457,7 +473,7 @@ def test_triton_kernels_compile_for_an_h100():
         assert min(map(int, widths["load"])) >= 8 and set(widths["store"]) == {"16"}, (kernel, widths)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 2, 32), (32, 8, 64), (9, 3, 20)])
 def test_fused_rope_and_kv_store_give_the_unfused_bits(dtype, heads, kv_heads, head_dim):
     """rope_store (one kernel) against apply_rope then store_kv: the same query bits, the same K/V

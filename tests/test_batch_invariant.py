@@ -27,6 +27,20 @@ def test_linear_equals_torch_and_is_the_same_bits_for_any_row_count(n, k, bias):
         assert torch.equal(bi.linear(x[first:first + rows], w, b), full[first:first + rows]), (first, rows)
 
 
+@pytest.mark.parametrize("n, k", [(96, 80), (96, 512)])
+def test_linear_in_bfloat16_is_torchs_within_rounding_and_the_same_bits_for_any_row_count(n, k):
+    """In bfloat16 (as the interpreter computes it like a GPU: tests/conftest.py), one K segment
+    and two."""
+    gen = torch.Generator().manual_seed(k)
+    x = torch.randn(130, k, generator=gen).bfloat16()
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).bfloat16()
+    full = bi.linear(x, w)
+    want = torch.nn.functional.linear(x.float(), w.float())
+    assert full.dtype == torch.bfloat16 and (full.float() - want).abs().max().item() < 3e-2
+    for first, rows in ((0, 1), (64, 1), (37, 5), (2, 128)):
+        assert torch.equal(bi.linear(x[first:first + rows], w), full[first:first + rows]), (first, rows)
+
+
 def test_linear_keeps_leading_dimensions_and_takes_no_rows():
     w = torch.randn(8, 16)
     assert bi.linear(torch.randn(2, 3, 16), w).shape == (2, 3, 8)
@@ -43,7 +57,7 @@ def test_linear_takes_a_weight_stored_column_by_column():
     assert torch.equal(bi.linear(x, by_columns), bi.linear(x, w))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_norms_equal_torch_and_are_the_same_bits_for_any_row_count(dtype):
     gen = torch.Generator().manual_seed(1)
     x = (torch.randn(33, 96, generator=gen) * 3 + 1).to(dtype)
@@ -62,7 +76,7 @@ def test_norms_equal_torch_and_are_the_same_bits_for_any_row_count(dtype):
                            bi.layer_norm(x, ln.weight, ln.bias, ln.eps)[first:first + rows])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_a_norm_with_the_residual_add_gives_the_bits_of_the_add_then_the_norm(dtype):
     """common/model.py's add_norm through the invariant norms' one kernel: the sum written as torch's
     add rounds it, and the norm of that sum."""
@@ -122,7 +136,7 @@ def test_a_gpt2_on_the_invariant_kernels_generates_torchs_tokens():
     assert [o.token_ids for o in engine.generate(ps, params)] == [o.token_ids for o in want]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_partials_left_to_the_next_kernel_give_every_reader_the_linears_bits(dtype):
     """A few rows' product over four K segments left unsummed (common/linear_partials.py): the norm
     after the residual add, SiLU times the gate and the rotary kernel each add them as the matmul
@@ -169,7 +183,7 @@ def test_partials_left_to_the_next_kernel_give_every_reader_the_linears_bits(dty
     assert caches[1].flatten(0, 1)[slots[slots >= 0]].abs().sum() > 0
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_silu_mul_equals_torchs_two_ops_and_gives_a_row_the_same_bits_alone(dtype):
     from common.model import silu_mul
 

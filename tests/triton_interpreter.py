@@ -1,4 +1,5 @@
-"""Triton's interpreter, patched once per launch instead of once per call of a jitted function.
+"""Triton's interpreter, patched once per launch instead of once per call of a jitted function,
+and patched to compute in bfloat16 as a GPU does (bfloat16_as_a_gpu_does, below).
 
 The interpreter swaps triton.language's builtins for numpy versions when a kernel is launched, and
 again whenever the kernel calls a jitted function: tl.zeros, tl.sum and tl.max are such functions
@@ -60,4 +61,44 @@ def patch_once_per_launch() -> bool:
 
     run.__call__ = launch_anew
     call.__call__ = device_call
+    return True
+
+
+def bfloat16_as_a_gpu_does() -> bool:
+    """Triton 3.9's interpreter runs tl.dot over bfloat16 operands as numpy's matmul of their raw
+    16-bit patterns (1e10 off), and casts float32 to bfloat16 by cutting the low bits, where a GPU
+    and torch round to the nearest even: no bfloat16 kernel could be checked on CPU. Widen the
+    operands to float32 first (exactly: a GPU's products accumulate in float32), and round as torch
+    does. False where this Triton's interpreter is not the one it was written for."""
+    try:
+        import numpy as np
+        import torch
+        import triton
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return False
+    version = tuple(int(part) for part in triton.__version__.split(".")[:2] if part.isdigit())
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    if not (3, 3) <= version < (3, 10) or not all(hasattr(builder, f) for f in ("create_dot", "cast_impl")):
+        return False
+    dot, cast = builder.create_dot, builder.cast_impl
+
+    def widened(x):
+        if x.dtype.scalar != tl.bfloat16:
+            return x.data.astype(np.float32)
+        return (x.data.astype(np.uint32) << 16).view(np.float32)  # a bfloat16 is a float32's upper half
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if tl.bfloat16 not in (a.dtype.scalar, b.dtype.scalar):
+            return dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+        return interpreter.TensorHandle(np.matmul(widened(a), widened(b), dtype=d.data.dtype) + d.data, d.dtype.scalar)
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar != tl.float32 or dst_type.scalar != tl.bfloat16:
+            return cast(self, src, dst_type)
+        rounded = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16)
+        return interpreter.TensorHandle(rounded.view(torch.int16).numpy().view(np.uint16), dst_type.scalar)
+
+    builder.create_dot, builder.cast_impl = create_dot, cast_impl
     return True
