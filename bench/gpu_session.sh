@@ -52,6 +52,10 @@ set -u
 # since 2026-11-29 (twentieth session), every shm/cuda_ipc copy is counted for its decode worker
 # (common/kv_transport/copy_count.py: a per-thread slot's lock held through the copy, a cuda_ipc
 # copy to another GPU included, which synchronizes inside it): the cuda_ipc gpu tests run it.
+# since 2026-11-29 (twenty-third session), the paged attention's output is allocated in rows of
+# head_dim whatever its query's layout, the invariant linear copies a weight that is not row-major,
+# and test_triton_decode_on_the_gpu_equals_sdpa_and_is_batch_invariant compares the split kernel's
+# looping variant (tables past LANES splits, and LANES=1) with the one-pass one, bit for bit.
 # A helper counted 60-70 us of Python a streamed piece on the cuda_ipc path, not
 # the ~330 us measured: transfer-layers' --profile should name the call that blocks (an event's
 # record, wait_event, set_device, the Triton launcher's pointer checks, or garbage collection).

@@ -55,9 +55,12 @@ def test_auto_checks_the_triton_attention_in_the_serving_dtype_and_block_size():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_triton_decode_on_the_gpu_equals_sdpa_and_is_batch_invariant(dtype):
+def test_triton_decode_on_the_gpu_equals_sdpa_and_is_batch_invariant(dtype, monkeypatch):
     """llama-1b's attention shapes (32 query heads on 8 KV heads of 64), fragmented tables, shared
-    pages, lengths across pages, tiles and splits."""
+    pages, lengths across pages, tiles and splits; and the same bits from the kernel's variant whose
+    lanes loop over a row's splits (tables wider than LANES splits, as a CUDA graph's are at a long
+    --max-model-len, or one lane), which no other GPU test compiles."""
+    from common.attention import triton_paged
     from tests.test_attention import LENGTHS, _paged_batch, _sdpa_decode, _triton_decode
 
     q, k, v, tables, lens = (t.cuda() for t in _paged_batch(LENGTHS, 32, 8, 64, dtype, seed=3, shared_prefix_blocks=2))
@@ -67,6 +70,11 @@ def test_triton_decode_on_the_gpu_equals_sdpa_and_is_batch_invariant(dtype):
     for i, n in enumerate(LENGTHS):
         alone = _triton_decode(q[i:i + 1], k, v, tables[i:i + 1, :-(-n // 16)], lens[i:i + 1], 64 ** -0.5)
         assert torch.equal(alone[0], got[i]), (i, n)
+    wide = torch.cat([tables, tables.new_zeros(tables.shape[0], 272)], 1)  # 20 splits: past LANES
+    assert triton_paged.max_splits_for(wide.shape[1], 16) > triton_paged.LANES
+    assert torch.equal(_triton_decode(q, k, v, wide, lens, 64 ** -0.5), got)
+    monkeypatch.setattr(triton_paged, "LANES", 1)
+    assert torch.equal(_triton_decode(q, k, v, tables, lens, 64 ** -0.5), got)
 
 
 @pytest.mark.parametrize("n, k", [(3072, 2048), (2048, 8192), (16384, 2048)])
