@@ -86,7 +86,7 @@ def test_a_token_with_prompt_logprobs_goes_alone_after_what_was_held():
     async def scenario():
         async with serving_router() as (router, connect):
             sent = []
-            router._send = lambda chan, msg, to: sent.append((to, msg)) or True  # sent
+            router._send = lambda chan, msg, to, quiet=False: sent.append((to, msg)) or True  # sent
             router._held = {}
             router._reply_zmq(b"c", True, P.Token("a", 0, [1]))
             router._reply_zmq(b"c", True, P.Token("b", 0, [2], prompt_logprobs=[None, [-0.5, [3], [-0.5]]]))
