@@ -219,6 +219,7 @@ def main(argv=None):
     parser.add_argument("--tool-call-parser", default=None, help="how the model writes tool calls (auto tool choice)")
     parser.add_argument("--reasoning-parser", default=None, help="how the model writes its reasoning")
     parser.add_argument("--log-requests", action="store_true", help="a log line for each HTTP request")
+    parser.add_argument("--log-level", default="INFO", help="the router's")
     parser.add_argument("--index", type=int, default=0)
     parser.add_argument("--parent", type=int, default=None, help="exit if this process is no longer the parent")
     parser.add_argument("--ready-fd", type=int, default=None, help="a pipe to write a byte to once serving")
@@ -227,7 +228,7 @@ def main(argv=None):
     if args.parent is not None and os.getppid() != args.parent:
         return  # the router died before this process could ask to die with it
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the router too, which stops us in order
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s api_server[{args.index}] %(message)s")
+    logging.basicConfig(level=args.log_level, format=f"%(asctime)s %(levelname)s api_server[{args.index}] %(message)s")
     uvloop.run(serve(args))
 
 
@@ -272,6 +273,7 @@ class ApiServers:
                      "--parent", str(os.getpid())]
         self.argv += [a for name in served_model_names for a in ("--served-model-name", name)]
         self.argv += parsers.argv() + (["--log-requests"] if access_log else [])
+        self.argv += ["--log-level", logging.getLevelName(logging.getLogger().getEffectiveLevel())]  # the router's
         self.procs: list[subprocess.Popen | None] = [None] * count
         self.started = [0.0] * count
         self.restarts = [0] * count  # of each server, in a row
