@@ -141,6 +141,11 @@ fi
 # Run "$@" as process NAME, restarting it with exponential backoff (0.5 s doubling to 8 s, reset
 # after 30 s of health) until this supervisor is told to stop; but not after a usage error (exit 2:
 # a bad flag or model, which would fail alike again).
+say() { echo "$(date '+%F %T') [launch.sh] $1"; }  # stamped as the processes' own lines are
+ended() {  # how a child ended, in words, as pdserve launch says it: "exited with 1", "was killed by SIGKILL"
+  if (($1 > 128)) && kill -l $(($1 - 128)) >/dev/null 2>&1; then echo "was killed by SIG$(kill -l $(($1 - 128)))"
+  else echo "exited with $1"; fi
+}
 supervise() {
   local name=$1; shift
   local child="" delay=0.5 started
@@ -161,13 +166,13 @@ supervise() {
     wait "$child" 2>/dev/null  # (bash's own "Killed" line: the one below says it)
     local rc=$?
     echo "$name $rc $offset" >>"$EXITS"  # the readiness check below fails the start on any
-    ((RESTART)) || { echo "[launch.sh] $name exited with $rc; not restarted (--no-restart)" | tee -a "$LOG_DIR/$name.log" >&2; return; }
+    ((RESTART)) || { say "$name $(ended "$rc"); not restarted (--no-restart)" | tee -a "$LOG_DIR/$name.log" >&2; return; }
     if ((rc == 2)); then  # (a usage error comes at start, which the readiness check below reports)
-      echo "[launch.sh] $name exited with 2, a usage error; not restarted" >>"$LOG_DIR/$name.log"
+      say "$name exited with 2, a usage error; not restarted" >>"$LOG_DIR/$name.log"
       return
     fi
     ((SECONDS - started > 30)) && delay=0.5
-    echo "[launch.sh] $name exited with $rc; restarting in ${delay}s" | tee -a "$LOG_DIR/$name.log" >&2
+    say "$name $(ended "$rc"); restarting in ${delay}s" | tee -a "$LOG_DIR/$name.log" >&2
     sleep "$delay" & wait $!
     delay=$(awk -v d="$delay" 'BEGIN { d *= 2; print (d > 8 ? 8 : d) }')
   done

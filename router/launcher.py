@@ -121,6 +121,17 @@ def _as_child():
     deaf_to_ctrl_c()
 
 
+def ended(returncode: int) -> str:
+    """How a child process ended, in words, as deploy/launch.sh says it: "exited with 1", or "was
+    killed by SIGKILL" (Python's -9, a shell's 137)."""
+    if returncode < 0:
+        try:
+            return f"was killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            pass
+    return f"exited with {returncode}"
+
+
 @dataclass
 class Child:
     name: str
@@ -259,14 +270,14 @@ class Cluster:
                 continue
             if not self.restart:
                 c.next_start = math.inf  # said once
-                self._say(c, f"[launcher] {c.name} exited with {c.proc.returncode}; not restarted (--no-restart)")
+                self._say(c, f"{c.name} {ended(c.proc.returncode)}; not restarted (--no-restart)")
                 continue
             if c.next_start == 0.0:
                 if now - c.started_at > HEALTHY_S:
                     c.restarts = 0  # it had been healthy: start the backoff over
                 delay = restart_delay(c.restarts)
                 c.next_start = now + delay
-                self._say(c, f"[launcher] {c.name} exited with {c.proc.returncode}; restarting in {delay:.1f}s")
+                self._say(c, f"{c.name} {ended(c.proc.returncode)}; restarting in {delay:.1f}s")
             elif now >= c.next_start:
                 c.restarts += 1
                 c.next_start = 0.0
@@ -274,7 +285,8 @@ class Cluster:
 
     @staticmethod
     def _say(c: Child, line: str) -> None:
-        """On the console and in the child's log."""
+        """On the console and in the child's log, stamped as the processes' own lines are."""
+        line = f"{time.strftime('%Y-%m-%d %H:%M:%S')} [launcher] {line}"
         with open(c.log_path, "a") as f:
             f.write(f"\n{line}\n")
         print(line, file=sys.stderr, flush=True)
