@@ -101,6 +101,7 @@ class Request:
     arrival: float = field(default_factory=time.monotonic)
     state: str = "queued"
     attempt: int = 0
+    moved_by_stops: int = 0  # attempts ended by a worker's planned stop: not counted against max_attempts
     prefill_worker: str | None = None
     decode_worker: str | None = None
     deadline: float = math.inf
@@ -468,12 +469,16 @@ class Router:
         self._send(self.backend, P.PrefillWork(req.rid, req.attempt, req.prompt_ids + req.tokens, len(req.prompt_ids),
                                                sampling, req.seed, d.worker_id, d.kv_address), p.identity)
 
-    def retry(self, req: Request, why: str):
+    def retry(self, req: Request, why: str, planned: bool = False):
+        """planned: a worker's planned stop ended the attempt (SIGTERM, a rolling restart), which is
+        no failure of the request: it does not count against --max-attempts."""
         self._cancel_work(req)
         for w in self.registry.workers.values():
             w.assigned.discard(req.rid)
-        if req.attempt >= self.cfg.max_attempts:
-            return self.error(req, "UNAVAILABLE", f"gave up after {req.attempt} attempts; last: {why}")
+        req.moved_by_stops += planned
+        if req.attempt - req.moved_by_stops >= self.cfg.max_attempts:
+            return self.error(req, "UNAVAILABLE", f"gave up after {req.attempt - req.moved_by_stops} failed attempts "
+                                                  f"(the router's --max-attempts); last: {why}")
         self.metrics.on_retry(req)
         failed_attempt = req.attempt
         self.dispatch(req)
@@ -631,7 +636,7 @@ class Router:
         for rid in sorted(w.assigned):
             req = self.requests.get(rid)
             if req is not None:
-                self.retry(req, f"worker {w.worker_id} {why}")
+                self.retry(req, f"worker {w.worker_id} {why}", planned=not died)
         w.assigned.clear()
 
     def on_tokens(self, w: Worker, msg: P.WorkerTokens):

@@ -19,8 +19,10 @@ LONG = {"max_tokens": 400, "temperature": 0, "ignore_eos": True}
 
 
 def test_the_router_sends_a_leaving_worker_no_new_work_and_moves_its_requests_once_it_is_gone():
+    """... and a move for a planned stop spends none of --max-attempts (here 1): a rolling restart
+    cut streams that met a stopping worker that many times."""
     async def scenario():
-        async with serving_router(heartbeat_timeout_s=60) as (router, connect):
+        async with serving_router(heartbeat_timeout_s=60, max_attempts=1) as (router, connect):
             workers = {name: await scripted_worker(router, connect, name, role)
                        for name, role in (("prefill-0", "prefill"), ("decode-0", "decode"), ("decode-1", "decode"))}
             client = connect(router.frontend.address)
