@@ -40,7 +40,7 @@ from router.placement import Placement, asks_prompt_logprobs
 from router.prefix_affinity import PromptChain, take_events
 from router.prompts import Prompts
 from router.registry import DECODE_ROLES, PREFILL_ROLES, Registry, Worker, invariance_split, layout_conflict
-from router.request_log import RequestLog
+from router.request_log import RequestLog, client_name
 from common.text import TextStream
 
 log = logging.getLogger("pdserve.router")
@@ -165,6 +165,10 @@ class Router:
         self._held: dict[bytes, list[P.Token]] | None = None
         self._gone: set[bytes] = set()  # clients found unreachable, their requests about to be cancelled
         self._next_probe = time.monotonic() + CLIENT_PROBE_S  # when _probe_clients runs next
+        # until then a role no worker has registered for may be one whose workers served an earlier
+        # router and are registering anew (within ~50 ms of its start): requests wait for them
+        self.rejoin_until = 0.0
+        self._told_to_rejoin: set[bytes] = set()  # worker identities told so (said once each)
         self.http = self.api_servers = None
         if cfg.http_port is not None and cfg.api_server_count > 1:
             from router.api_server import ApiServers
@@ -278,6 +282,7 @@ class Router:
             where += f", HTTP at {self.http.url}"
         elif self.api_servers is not None:
             where += f", HTTP at {self.api_servers.url} ({self.cfg.api_server_count} API server processes)"
+        self.rejoin_until = time.monotonic() + min(self.cfg.heartbeat_timeout_s, self.cfg.queue_timeout_s)
         log.info("router ready: %s", where)
         if on_ready is not None:
             on_ready(where)
@@ -369,12 +374,12 @@ class Router:
         if len(self.requests) >= self.cfg.max_queue:
             return refuse("OVERLOADED", f"the router holds {len(self.requests)} requests, its limit "
                                         f"(max_queue={self.cfg.max_queue}); retry later")
-        # None ever registered: say so now. Some did but are down: they may be restarting, so the
-        # request waits (dispatch queues it) up to queue_timeout_s.
-        never = self.placement.missing(self.registry.workers.values())
-        if never:
-            return refuse("UNAVAILABLE", "no worker has registered" if len(never) == 2 else
-                          f"no {never[0]} worker has registered")
+        # None ever registered: say so now, past the time an earlier router's workers take to
+        # rejoin this one. Some did but are down: they may be restarting, so the request waits
+        # (dispatch queues it) up to queue_timeout_s.
+        never = self._never_registered()
+        if never and time.monotonic() >= self.rejoin_until:
+            return refuse("UNAVAILABLE", never)
         req = Request(str(next(self._ids)), client, client_request_id, ids, params,
                       params.seed if params.seed is not None else fresh_seed(), stream, reply_to, arrival=received)
         if params.logprobs is not None:
@@ -421,6 +426,13 @@ class Router:
         req = self.requests[rid]
         self._cancel_work(req)
         self.done(req, "cancelled")
+
+    def _never_registered(self) -> str | None:
+        """What is missing if no worker of a role the requests need has ever registered, else None."""
+        never = self.placement.missing(self.registry.workers.values())
+        if not never:
+            return None
+        return "no worker has registered" if len(never) == 2 else f"no {never[0]} worker has registered"
 
     def _cancel_work(self, req: Request):
         for wid in {req.prefill_worker, req.decode_worker} - {None}:
@@ -518,8 +530,15 @@ class Router:
             return
         elif w is None or not w.alive:
             # A worker we do not know (the router restarted, or it was declared dead): make it
-            # register again, under a new incarnation.
-            self._send(self.backend, P.Shutdown("re-register"), env.sender)
+            # register again, under a new incarnation. Said once: after a restart, each worker's
+            # messages sent while no router was there arrive at once, hundreds of them.
+            sent = self._send(self.backend, P.Shutdown("re-register"), env.sender, quiet=True)
+            if env.sender not in self._told_to_rejoin:
+                if len(self._told_to_rejoin) > 10_000:  # (one a worker incarnation: bounded)
+                    self._told_to_rejoin.clear()
+                self._told_to_rejoin.add(env.sender)
+                log.info("told %s, which this router does not know, to register anew%s",
+                         client_name(env.sender), "" if sent else " (it could not be reached)")
             return
         w.last_seen = time.monotonic()
         if isinstance(msg, P.Heartbeat):
@@ -773,7 +792,11 @@ class Router:
             elif not w.alive and now - w.last_seen > DEAD_WORKER_MEMORY_S:
                 del self.registry.workers[w.worker_id]  # long gone: forget it
                 self._fit_context()
+        never = self._never_registered() if now >= self.rejoin_until else None
         for req in list(self.requests.values()):
+            if never and req.state == "queued":  # admitted while workers might have been rejoining
+                self.error(req, "UNAVAILABLE", never)
+                continue
             if now < req.deadline:
                 continue
             if req.state == "queued":

@@ -359,6 +359,46 @@ def test_unavailable_when_no_worker_ever_registered(tmp_path):
         stop(router)
 
 
+def test_a_fresh_routers_first_requests_wait_for_the_workers_rejoining_it(caplog):
+    """A router restarted under load: the workers of the one before register anew within ~50 ms of
+    its start, each told once (their messages from the outage arrive by the hundred). Requests that
+    came first wait for them; they were refused, 'no worker has registered'. Past the
+    --heartbeat-timeout, a role nobody has registered for is refused, queued requests included."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="pdserve.router")
+    sampling = {"max_tokens": 2, "ignore_eos": True}
+
+    async def scenario():
+        async with serving_router(heartbeat_timeout_s=1.0) as (router, connect):
+            client = connect(router.frontend.address)
+            await client.send(P.Generate("early", [7, 8], sampling, False))
+            stale = connect(router.backend.address, b"mono-0/old")  # the last router's incarnation
+            for _ in range(50):
+                await stale.send(P.Heartbeat("mono-0", "old", 0, 0, 64, 64))
+            await asyncio.sleep(0.2)
+            worker = await scripted_worker(router, connect, "mono-0")
+            work = (await asyncio.wait_for(worker.arecv(), 10)).msg
+            await worker.send(P.WorkerTokens(work.request_id, work.attempt, 0, [5, 6], "length"))
+            served = (await asyncio.wait_for(client.arecv(), 10)).msg
+        async with serving_router(heartbeat_timeout_s=0.5) as (router, connect):
+            await scripted_worker(router, connect, "prefill-0", role="prefill")
+            client = connect(router.frontend.address)
+            await client.send(P.Generate("queued", [7, 8], sampling, False))  # in the rejoin window
+            queued = (await asyncio.wait_for(client.arecv(), 10)).msg
+            await client.send(P.Generate("late", [7, 8], sampling, False))  # past it: at once
+            late = (await asyncio.wait_for(client.arecv(), 10)).msg
+        return served, queued, late
+
+    served, queued, late = asyncio.run(scenario())
+    assert isinstance(served, P.Done) and served.token_ids == [5, 6]
+    for refused in (queued, late):
+        assert isinstance(refused, P.Error) and refused.message == "no decode worker has registered", refused
+    told = [r.getMessage() for r in caplog.records if r.getMessage().startswith("told mono-0/old")]
+    assert told == ["told mono-0/old, which this router does not know, to register anew"], told
+    assert not [r for r in caplog.records if "dropped Shutdown" in r.getMessage()]
+
+
 def test_a_client_with_no_router_to_reach_says_so_instead_of_waiting_out_its_timeout(monkeypatch):
     import router.connection
     from common.errors import InvalidArgument
