@@ -171,7 +171,7 @@ supervise() {
       say "$name exited with 2, a usage error; not restarted" >>"$LOG_DIR/$name.log"
       return
     fi
-    ((SECONDS - started > 30)) && delay=0.5
+    ((SECONDS - started > 30 || rc == 0)) && delay=0.5  # healthy, or left as told (a rolling restart)
     say "$name $(ended "$rc"); restarting in ${delay}s" | tee -a "$LOG_DIR/$name.log" >&2
     sleep "$delay" & wait $!
     delay=$(awk -v d="$delay" 'BEGIN { d *= 2; print (d > 8 ? 8 : d) }')

@@ -273,8 +273,8 @@ class Cluster:
                 self._say(c, f"{c.name} {ended(c.proc.returncode)}; not restarted (--no-restart)")
                 continue
             if c.next_start == 0.0:
-                if now - c.started_at > HEALTHY_S:
-                    c.restarts = 0  # it had been healthy: start the backoff over
+                if now - c.started_at > HEALTHY_S or c.proc.returncode == 0:
+                    c.restarts = 0  # it had been healthy, or left as told (a rolling restart): no backoff
                 delay = restart_delay(c.restarts)
                 c.next_start = now + delay
                 self._say(c, f"{c.name} {ended(c.proc.returncode)}; restarting in {delay:.1f}s")

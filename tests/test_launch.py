@@ -244,3 +244,25 @@ def test_a_worker_that_dies_under_no_restart_is_reported_once(tmp_path, how):
     assert output.count("not restarted") == 0, output  # said once, before the stop
     assert "Killed" not in "".join(lines) + output  # launch.sh's own line says it, not bash's job notice too
     assert not processes_mentioning(f"--port {port}")
+
+
+def test_a_child_that_left_as_told_restarts_without_backoff(tmp_path):
+    """A worker that exited 0 (a rolling restart's SIGTERM: it drained and left) comes back at the
+    first delay however soon it went; one that crashed soon after its start waits twice as long
+    each time (before, a clean exit doubled it too: 0.5, 1, 2, 4, 8 s over a quick rolling restart)."""
+    from router.launcher import Child, Cluster
+
+    cluster = Cluster.__new__(Cluster)  # supervise_once alone: its children and restart flag
+    cluster.restart, cluster.workers = True, []
+    delays = {}
+    for code in (0, 3):
+        child = Child(f"exits-{code}", [sys.executable, "-c", f"raise SystemExit({code})"], tmp_path / f"{code}.log")
+        cluster.router = child
+        for _ in range(3):  # three quick exits in a row
+            child.start()
+            child.proc.wait(30)
+            cluster.supervise_once()  # says when it restarts
+            child.next_start = 0.0
+            child.restarts += 1
+        delays[code] = re.findall(r"restarting in ([0-9.]+)s", child.log_path.read_text())
+    assert delays == {0: ["0.5", "0.5", "0.5"], 3: ["0.5", "1.0", "2.0"]}, delays
