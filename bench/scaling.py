@@ -32,7 +32,7 @@ from bench.serve import drive, parse_topology, placement_argv, random_prompt
 from bench.workloads import Workload, fit, get_workload
 from common.model_spec import model_config
 from common.errors import InvalidArgument, made_dir
-from router.launcher import Cluster, check_worker_count
+from router.launcher import Cluster, check_worker_count, ended
 
 
 @dataclass(frozen=True)
@@ -222,7 +222,7 @@ def check_alive(cluster: Cluster, during: str) -> None:
 
     for c in cluster.children:
         if c.proc.poll() is not None:
-            raise RequestError("UNAVAILABLE", f"{c.name} exited with {c.proc.returncode} during {during}; nothing "
+            raise RequestError("UNAVAILABLE", f"{c.name} {ended(c.proc.returncode)} during {during}; nothing "
                                               f"of this run is saved. Its log, {c.log_path}, ends:\n{c.run_log()}")
 
 

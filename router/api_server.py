@@ -45,7 +45,7 @@ from common.channel import Channel
 from common.errors import PdserveError
 from common.sampling_params import SamplingParams
 from router.connection import LOST, Connection, replies
-from router.launcher import HEALTHY_S, die_with_parent, restart_delay
+from router.launcher import HEALTHY_S, die_with_parent, ended, restart_delay
 from router.openai_api import ApiError, OutputParsers
 from router.prompts import Prompts
 
@@ -300,7 +300,7 @@ class ApiServers:
             for i, (r, _) in enumerate(pipes):
                 got = await _read_byte(r, timeout_s)
                 if got == b"":  # its end of the pipe closed: it exited
-                    raise PdserveError(f"API server {i} exited with {self.procs[i].wait(10)} before it served; "
+                    raise PdserveError(f"API server {i} {ended(self.procs[i].wait(10))} before it served; "
                                        "its error is in the log above")
                 if got is None:
                     raise PdserveError(f"API server {i} did not serve within {timeout_s:.0f}s of its start")
@@ -320,8 +320,8 @@ class ApiServers:
                     continue
                 if time.monotonic() - self.started[i] > HEALTHY_S:
                     self.restarts[i] = 0
-                log.warning("API server %d (pid %d) exited with %s; restarting it in %.0fs", i, proc.pid,
-                            proc.returncode, restart_delay(self.restarts[i], FIRST_RESTART_S))
+                log.warning("API server %d (pid %d) %s; restarting it in %.0fs", i, proc.pid, ended(proc.returncode),
+                            restart_delay(self.restarts[i], FIRST_RESTART_S))
                 self.on_exit(identity(i, proc.pid))
                 self.procs[i] = None
                 self._restart_later(i)

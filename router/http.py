@@ -55,6 +55,7 @@ from router.openai_api import (RETRY_AFTER_S, ApiError, Job, OutputParsers, chec
 from router.openai_responses import Choice, Envelope, usage
 from router.http_conns import KEEPALIVE_S, HeaderDeadline, capped, connection_cap, quiet_bad_requests, read_body
 from router.prompts import Prompts
+from router.request_log import RequestLog
 
 log = logging.getLogger("pdserve.http")
 HTTP_CLIENT = "http"  # the Router.submit client of every HTTP request (their request ids are unique)
@@ -67,7 +68,7 @@ REQUEST_ID = "pdserve_request_id"  # the request's key for the X-Request-Id its 
 REQUEST_ID_ALLOWED = "1 to 256 printable ASCII characters, no spaces, quotes or backslashes"
 # the access log (--log-requests): who, the request line, status, bytes, seconds, and the request's id
 ACCESS_LOG_FORMAT = '%a "%r" %s %b %Tf "%{X-Request-Id}o"'
-access_log = logging.getLogger("pdserve.http.access")
+access_logger = logging.getLogger("pdserve.http.access")
 
 
 class LocalBackend:
@@ -115,6 +116,7 @@ class HttpFront:
         self.model = self.names[0]
         self.parsers = parsers
         self.access_log = access_log
+        self.request_log = RequestLog(access_log)  # the requests it refuses itself, as the router's are
         self.api_key = api_key.encode() if api_key else None
         self.max_body_bytes = max_body_bytes
         self.created = int(time.time())
@@ -144,8 +146,8 @@ class HttpFront:
 
     async def start(self):
         self.runner = web.AppRunner(self.app, handler_cancellation=True, shutdown_timeout=SHUTDOWN_GRACE_S,
-                                    keepalive_timeout=KEEPALIVE_S, access_log=access_log if self.access_log else None,
-                                    access_log_format=ACCESS_LOG_FORMAT)
+                                    keepalive_timeout=KEEPALIVE_S, access_log_format=ACCESS_LOG_FORMAT,
+                                    access_log=access_logger if self.access_log else None)
         await self.runner.setup()
         quiet_bad_requests()
         self.headers_due = HeaderDeadline(self.runner)
@@ -335,9 +337,8 @@ class HttpFront:
         except (ApiError, InvalidArgument, web.HTTPRequestEntityTooLarge, web.HTTPRequestTimeout) as e:
             error = self._http_error(request, e) if isinstance(e, web.HTTPException) else e
             backend.rejected(error.code)
-            if self.access_log:  # as the router says of the requests it refuses itself
-                log.info("request %s refused: %s: %s", request.get(REQUEST_ID, "-"), error.code,
-                         getattr(error, "message", None) or str(error))
+            self.request_log.refused(HTTP_CLIENT, request.get(REQUEST_ID, "-"), error.code,
+                                     getattr(error, "message", None) or str(error))
             raise
         choices = []
         for i in range(total):

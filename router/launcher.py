@@ -250,7 +250,7 @@ class Cluster:
             while time.monotonic() < deadline:
                 for c in self.children:
                     if c.proc.poll() is not None:
-                        raise StartupError(f"{c.name} exited with {c.proc.returncode} during start-up; "
+                        raise StartupError(f"{c.name} {ended(c.proc.returncode)} during start-up; "
                                            f"see {c.log_path}:\n{c.run_log()}")
                 try:
                     status = client.status(timeout=2.0)

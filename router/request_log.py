@@ -69,9 +69,10 @@ class RequestLog:
         log.info("request %s %s: %d tokens in %.3f s%s, %d attempt%s", label(req), how, len(req.tokens), e2e, first,
                  req.attempt, "" if req.attempt == 1 else "s")
 
-    def failed(self, req, code: str, message: str, always: bool = True):
-        """always: False where a line about many requests says it (client_stalled)."""
-        if always or self.verbose:
+    def failed(self, req, code: str, message: str, logged: bool = True):
+        """logged: False where a line about many requests says it (client_stalled); --log-requests
+        still gives each its own."""
+        if logged or self.verbose:
             log.warning("request %s failed after %d tokens: %s: %s", label(req), len(req.tokens), code, message)
 
     def redispatched(self, req, failed_attempt: int, why: str):

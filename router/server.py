@@ -245,7 +245,7 @@ class Router:
         """logged: False where the caller logs one line for many."""
         self.reply(req, P.Error(req.client_request_id, code, message))
         self.metrics.on_error(code)
-        self.request_log.failed(req, code, message, always=logged)
+        self.request_log.failed(req, code, message, logged)
         self._finish(req)
 
     def done(self, req: Request, reason: str):

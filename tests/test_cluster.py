@@ -366,6 +366,8 @@ def test_a_fresh_routers_first_requests_wait_for_the_workers_rejoining_it(caplog
     --heartbeat-timeout, a role nobody has registered for is refused, queued requests included."""
     import logging
 
+    from tests.test_local_prefill import reply
+
     caplog.set_level(logging.INFO, logger="pdserve.router")
     sampling = {"max_tokens": 2, "ignore_eos": True}
 
@@ -380,14 +382,14 @@ def test_a_fresh_routers_first_requests_wait_for_the_workers_rejoining_it(caplog
             worker = await scripted_worker(router, connect, "mono-0")
             work = (await asyncio.wait_for(worker.arecv(), 10)).msg
             await worker.send(P.WorkerTokens(work.request_id, work.attempt, 0, [5, 6], "length"))
-            served = (await asyncio.wait_for(client.arecv(), 10)).msg
+            served = await reply(client)
         async with serving_router(heartbeat_timeout_s=0.5) as (router, connect):
             await scripted_worker(router, connect, "prefill-0", role="prefill")
             client = connect(router.frontend.address)
             await client.send(P.Generate("queued", [7, 8], sampling, False))  # in the rejoin window
-            queued = (await asyncio.wait_for(client.arecv(), 10)).msg
+            queued = await reply(client)
             await client.send(P.Generate("late", [7, 8], sampling, False))  # past it: at once
-            late = (await asyncio.wait_for(client.arecv(), 10)).msg
+            late = await reply(client)
         return served, queued, late
 
     served, queued, late = asyncio.run(scenario())

@@ -571,7 +571,7 @@ def test_x_request_id_names_the_response_and_the_log_lines_and_a_bad_one_is_refu
             r"request trace-7-[0-9a-f]{8}-0 \(#\d+\) admitted from \S+: \d+ prompt tokens, max_tokens 2",
             r"request trace-7-[0-9a-f]{8}-0 \(#\d+\) finished \(length\): 2 tokens in ",
             r'"POST /v1/completions HTTP/1.1" 200 \d+ [0-9.]+ "trace-7"',  # the access log
-            r"request no-9 refused: INVALID_ARGUMENT: max_tokens=-1")]
+            r"request no-9 from http refused: INVALID_ARGUMENT: max_tokens=-1")]
         if all(said) or time.monotonic() > deadline:
             break
         time.sleep(0.1)

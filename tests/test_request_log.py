@@ -10,13 +10,10 @@ import pytest
 
 from common import protocol as P
 from tests.cluster import scripted_worker, serving_router
+from tests.test_local_prefill import reply
 
 pytestmark = pytest.mark.timeout(60)
 SAMPLING = {"max_tokens": 2, "ignore_eos": True}
-
-
-async def reply(chan):
-    return (await asyncio.wait_for(chan.arecv(), 10)).msg
 
 
 def router_lines(caplog) -> list[tuple[str, str]]:

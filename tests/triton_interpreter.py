@@ -17,18 +17,26 @@ import functools
 import inspect
 
 
-def patch_once_per_launch() -> bool:
-    """Install the skip; False where this Triton's interpreter is not the one it was written for
-    (3.3 to 3.9: GridExecutor.__call__ and InterpretedFunction.__call__ patching through _patch_lang)."""
+def _interpreter():
+    """(triton.language, Triton's interpreter module) where this Triton's interpreter is one these
+    patches were written for (3.3 to 3.9: a later one may undo a device call's patches, which
+    patch_once_per_launch skips), else None."""
     try:
         import triton
         import triton.language as tl
         from triton.runtime import interpreter
     except ImportError:
-        return False
+        return None
     version = tuple(int(part) for part in triton.__version__.split(".")[:2] if part.isdigit())
-    if not (3, 3) <= version < (3, 10):  # a later one may undo a device call's patches, which this skips
+    return (tl, interpreter) if (3, 3) <= version < (3, 10) else None
+
+
+def patch_once_per_launch() -> bool:
+    """Install the skip; False where this Triton's interpreter is not the one it was written for
+    (GridExecutor.__call__ and InterpretedFunction.__call__ patching through _patch_lang)."""
+    if (found := _interpreter()) is None:
         return False
+    tl, interpreter = found
     run, call = getattr(interpreter, "GridExecutor", None), getattr(interpreter, "InterpretedFunction", None)
     if run is None or call is None or not hasattr(interpreter, "_patch_lang") or not hasattr(call, "rewrite"):
         return False
@@ -70,17 +78,14 @@ def bfloat16_as_a_gpu_does() -> bool:
     and torch round to the nearest even: no bfloat16 kernel could be checked on CPU. Widen the
     operands to float32 first (exactly: a GPU's products accumulate in float32), and round as torch
     does. False where this Triton's interpreter is not the one it was written for."""
-    try:
-        import numpy as np
-        import torch
-        import triton
-        import triton.language as tl
-        from triton.runtime import interpreter
-    except ImportError:
+    if (found := _interpreter()) is None:
         return False
-    version = tuple(int(part) for part in triton.__version__.split(".")[:2] if part.isdigit())
+    import numpy as np
+    import torch
+
+    tl, interpreter = found
     builder = getattr(interpreter, "InterpreterBuilder", None)
-    if not (3, 3) <= version < (3, 10) or not all(hasattr(builder, f) for f in ("create_dot", "cast_impl")):
+    if not all(hasattr(builder, f) for f in ("create_dot", "cast_impl")):
         return False
     dot, cast = builder.create_dot, builder.cast_impl
 
