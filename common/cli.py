@@ -158,7 +158,7 @@ def router(model, host, port, worker_port, max_model_len, policy, router_kwargs,
                             max_message_bytes=k["max_message_bytes"],
                             max_local_prefill_length=k["max_local_prefill_length"], enforce_disagg=k["enforce_disagg"],
                             max_prefill_queue=k["max_prefill_queue"], kv_events=not k["no_kv_events"],
-                            log_requests=k["log_requests"],
+                            log_requests=k["log_requests"], drain_timeout_s=k["drain_timeout"],
                             http_port=http["http_port"],
                             api_key=http["api_key"], api_server_count=http["api_server_count"],
                             max_model_len=max_model_len, allowed_origins=http["allowed_origins"],
@@ -323,14 +323,11 @@ class _LaunchCommand(click.Command):
 @click.option("--dry-run", is_flag=True, help="print each process's command line and exit")
 @click.option("--worker-arg", "worker_args", multiple=True,
               help="a worker's own flag for every worker, repeatable (e.g. --worker-arg=--no-kv-stream)")
-@click.option("--drain-timeout", default=None, type=NON_NEGATIVE,
-              help=f"on Ctrl-C, seconds each worker finishes what it holds before its requests move (a worker's "
-                   f"flag, given to every worker) [default: {DRAIN_TIMEOUT_S:g}]")
 @router_options
 @http_options
 @engine_options(one_device=False)
 def launch(prefill, decode, mono, devices, host, port, worker_port, policy, log_dir, threads, no_restart, dry_run,
-           worker_args, drain_timeout, router_kwargs, http, engine_kwargs):
+           worker_args, router_kwargs, http, engine_kwargs):
     """Bring up router + workers on this host; stop them all on Ctrl-C. Workers that share a GPU
     split it (decode workers get the larger shares) unless a memory flag sizes their pools."""
     import shlex
@@ -347,8 +344,8 @@ def launch(prefill, decode, mono, devices, host, port, worker_port, policy, log_
         raise click.UsageError(str(e))
     prefill = (0 if mono else 1) if prefill is None else prefill
     decode = (0 if mono else 1) if decode is None else decode
-    if drain_timeout is not None:
-        worker_args = (*worker_args, f"--drain-timeout={drain_timeout:g}")
+    if router_kwargs["drain_timeout"] != DRAIN_TIMEOUT_S:  # the router's flag, and each worker's
+        worker_args = (*worker_args, f"--drain-timeout={router_kwargs['drain_timeout']:g}")
     worker_port = default_worker_port(port, worker_port)
     if engine_kwargs["model"] in NAMED_MODELS:
         named_model_path(engine_kwargs["model"])  # not pulled yet: say so here, not in every child's log
@@ -392,7 +389,7 @@ def gpu_shares(prefill, decode, mono, devices, policy, worker_args):
 @click.option("--json", "as_json", is_flag=True)
 def status(router_address, as_json):
     """Print the router's live registry of workers; exit status 1 while it cannot serve (a role has
-    no live worker), for scripts and health checks."""
+    no live worker, or it is stopping), for scripts and health checks."""
     from bench.report import print_table
     from router.client import Client
 
@@ -400,9 +397,12 @@ def status(router_address, as_json):
         reply = client.status()
     if as_json:
         print(json.dumps({"model": reply.model, "workers": reply.workers, "queued": reply.queued,
-                          "in_flight": reply.in_flight, "context": reply.context, "missing": reply.missing}))
-        raise SystemExit(1 if reply.missing else 0)
+                          "in_flight": reply.in_flight, "context": reply.context, "missing": reply.missing,
+                          "stopping": reply.stopping}))
+        raise SystemExit(1 if reply.missing or reply.stopping else 0)
     serves = f"cannot serve: no live {' or '.join(reply.missing)} worker" if reply.missing else "serving"
+    if reply.stopping:
+        serves = "stopping: it finishes what it holds and admits no new request"
     print_table(f"router {router_address} ({reply.model}): {serves}; {reply.queued} queued in the router, "
                 f"{reply.in_flight} with workers; admits a context of {reply.context} tokens",
                 ["worker", "role", "device", "alive", "queued", "held", "running", "free blocks", "total blocks",
@@ -413,7 +413,7 @@ def status(router_address, as_json):
                   w["total_blocks"], w.get("max_model_len") or "-", ",".join(w.get("kv_transports", [])) or "-",
                   w["heartbeat_age_s"]]
                  for w in reply.workers])
-    raise SystemExit(1 if reply.missing else 0)
+    raise SystemExit(1 if reply.missing or reply.stopping else 0)
 
 
 @main.command()

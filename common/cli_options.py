@@ -12,6 +12,7 @@ import click
 
 from common.errors import InvalidArgument
 from common.protocol import ATTENTION_BACKENDS, KV_TRANSPORTS  # no torch here: the CLI starts light
+from common.signals import DRAIN_TIMEOUT_S
 from router.placement import check_flags  # torch-free too
 from router.registry import POLICIES
 from router.reasoning import PARSERS as REASONING_PARSERS
@@ -137,6 +138,9 @@ ROUTER_OPTIONS = [  # (flag, default, type, help): the router's limits and place
                                       "prefill worker can take (none alive), as Dynamo's router does"),
     ("--log-requests", False, bool, "log a line as each request is admitted, refused and finished, and each HTTP "
                                     "request (vLLM's --enable-log-requests); failures are logged without it"),
+    ("--drain-timeout", DRAIN_TIMEOUT_S, NON_NEGATIVE,
+     "told to stop (SIGTERM, Ctrl-C), seconds it finishes the requests it holds, admitting no new one (vLLM's "
+     "--shutdown-timeout; 0: they end at once; a second signal stops it at once); launch gives its workers the same"),
     ("--no-kv-events", False, bool, "prefix_affine: guess what each worker's prefix cache holds from the prompts sent "
                                     "to it, instead of being told by the workers (Dynamo's flag)"),
 ]

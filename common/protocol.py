@@ -138,6 +138,7 @@ class StatusReply:
     policy: str = ""  # the router's --policy (bench serve --router reads its counters by it)
     kv_events: bool = True  # whether its prefix_affine hears the workers' cache events (not --no-kv-events)
     serving: int = 0  # workers that take work: alive and not leaving (its /health's count)
+    stopping: bool = False  # told to stop, it finishes what it holds and admits no new request
 
 
 @dataclass

@@ -16,20 +16,21 @@
 #                    [--max-queue N] [--heartbeat-timeout S] [--max-attempts N] [--prefill-timeout S]
 #                    [--decode-stall-timeout S] [--queue-timeout S] [--max-message-bytes N]
 #                    [--max-local-prefill-length N] [--max-prefill-queue N] [--enforce-disagg] [--log-requests]
+#                    [--drain-timeout S]
 #                    [--log-dir DIR] [--no-restart] [--dry-run] [-- WORKER_ARGS...]
 #
-# The flags are `pdserve launch`'s; engine flags (--kv-transport, --max-num-seqs, ...) go to the
-# workers after `--`. Prints "ready: router at tcp://HOST:PORT" once every worker has registered,
-# after "workers join at tcp://HOST:WORKER_PORT" and, with --http-port, "HTTP API at http://HOST:P"
-# (--api-key K, or PDSERVE_API_KEY in the environment, sets its key, and --api-server-count N
-# serves it from N processes beside the router); --dry-run prints each process's command line
-# instead and exits.
+# The flags are `pdserve launch`'s (--drain-timeout goes to the router and to every worker); engine
+# flags (--kv-transport, --max-num-seqs, ...) go to the workers after `--`. Prints "ready: router at
+# tcp://HOST:PORT" once every worker has registered, after "workers join at tcp://HOST:WORKER_PORT"
+# and, with --http-port, "HTTP API at http://HOST:P" (--api-key K, or PDSERVE_API_KEY in the
+# environment, sets its key, and --api-server-count N serves it from N processes beside the
+# router); --dry-run prints each process's command line instead and exits.
 set -uo pipefail
 
 PREFILL="" DECODE="" MONO=0 MODEL=dummy:nanogpt DEVICES=cpu HOST=127.0.0.1 PORT=7100 WORKER_PORT="" HTTP_PORT=""
 API_SERVERS=1 POLICY=least_loaded
 LOG_DIR=pdserve-logs DRY_RUN=0 THREADS="" RESTART=1 API_KEY=${PDSERVE_API_KEY:-}
-WORKER_ARGS=() ROUTER_LIMITS=()
+WORKER_ARGS=() ROUTER_LIMITS=() DRAIN=()
 
 # A flag's value, checked as `pdserve launch` checks it; a bad or missing one is a usage error
 # (exit 2) that names the flag, the value and what is allowed. Each takes the loop's "$@". An
@@ -75,10 +76,11 @@ while (($#)); do
     --heartbeat-timeout) number_value ">=" 0.5 "$@"; ROUTER_LIMITS+=("$1" "$2"); shift 2 ;;
     --prefill-timeout|--decode-stall-timeout|--queue-timeout)
       number_value ">" 0 "$@"; ROUTER_LIMITS+=("$1" "$2"); shift 2 ;;
+    --drain-timeout) number_value ">=" 0 "$@"; ROUTER_LIMITS+=("$1" "$2"); DRAIN=("$1" "$2"); shift 2 ;;
     --no-restart) RESTART=0; shift ;;
     --dry-run) DRY_RUN=1; shift ;;
     --) shift; WORKER_ARGS=("$@"); break ;;
-    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
     *) echo "launch.sh: unknown option $1; a worker's or engine's flag goes after --, to every worker" \
          "(launch.sh --prefill 1 -- $1 ...; see --help)" >&2; exit 2 ;;
   esac
@@ -208,7 +210,7 @@ for role in prefill decode mono; do
     memory=()
     [[ ${SHARES[i]:--} != - ]] && memory=(--gpu-memory-utilization "${SHARES[i]}")
     args=("$role" --router "tcp://$HOST:$WORKER_PORT" --worker-id "$role-$n" --model "$MODEL" --device "$device"
-          --host "$HOST" --threads "$THREADS" "${memory[@]}" "${WORKER_ARGS[@]}")
+          --host "$HOST" --threads "$THREADS" "${memory[@]}" "${DRAIN[@]}" "${WORKER_ARGS[@]}")
     if ((DRY_RUN)); then
       echo "$role-$n: $PDSERVE ${args[*]}"
     else

@@ -127,9 +127,9 @@ class RouterLink:
     def rejected(self, code: str):
         self.chan.post(P.Rejected(code))
 
-    async def health(self) -> tuple[int, list[str]]:
+    async def health(self) -> tuple[int, list[str], bool]:
         reply = await self._ask(P.StatusRequest)
-        return reply.serving, list(reply.missing)
+        return reply.serving, list(reply.missing), reply.stopping
 
     async def metrics(self) -> bytes:
         return (await self._ask(P.MetricsRequest)).text

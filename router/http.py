@@ -26,7 +26,7 @@ INVALID_ARGUMENT 400 (malformed JSON too), UNAUTHENTICATED 401, FORBIDDEN 403 (a
 from an origin not allowed), NOT_FOUND 404 (model or route), METHOD_NOT_ALLOWED 405,
 REQUEST_TIMEOUT 408 (a body not all sent within router/http_conns.py's deadline),
 TOO_LARGE 413 (a body over --max-message-bytes), OVERLOADED 429 with Retry-After, INTERNAL 500,
-UNAVAILABLE 503, TIMEOUT 504. Refusals before the router (a bad body, key, method or /v1/ route)
+UNAVAILABLE 503 with Retry-After, TIMEOUT 504. Refusals before the router (a bad body, key, method or /v1/ route)
 count in request_errors_total as its own do.
 A stream sends its headers with its first token, so an error before it still gets its status; one
 after it comes as an SSE event {"error": ...}, then [DONE].
@@ -92,9 +92,10 @@ class LocalBackend:
     def rejected(self, code: str):
         self.router.metrics.on_error(code)
 
-    async def health(self) -> tuple[int, list[str]]:
+    async def health(self) -> tuple[int, list[str], bool]:
+        """The workers that take work, the roles none serves, and whether the router is stopping."""
         serving, missing = self.router.serving()
-        return len(serving), missing
+        return len(serving), missing, self.router.stopping is not None
 
     async def metrics(self) -> bytes:
         return self.router.metrics.render()
@@ -252,7 +253,9 @@ class HttpFront:
     async def health(self, request: web.Request) -> web.Response:
         """200 while the live workers serve: one of each role (prefill or mono, decode or mono), or
         decode workers alone where they prefill too (not --enforce-disagg)."""
-        workers, missing = await self.backend.health()
+        workers, missing, stopping = await self.backend.health()
+        if stopping:
+            raise ApiError("UNAVAILABLE", "the router is stopping: it finishes what it holds and admits no new request")
         if missing:
             raise ApiError("UNAVAILABLE", f"no live {' or '.join(missing)} worker")
         return web.json_response({"status": "ok", "workers": workers})
@@ -461,5 +464,5 @@ def given_request_id(request: web.Request) -> str | None:
 
 
 def error_response(e: ApiError) -> web.Response:
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status == 429 else None
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status in (429, 503) else None
     return web.json_response(e.body(), status=e.status, headers=headers)

@@ -293,11 +293,12 @@ class Cluster:
 
     def stop(self, grace_s: float = 5.0):
         """The workers, then the router: a worker told to stop finishes what it holds (for up to its
-        --drain-timeout), and the tokens reach their clients through the router, still serving.
-        SIGTERM each; one still running grace_s later (after its drain, for a worker) is killed,
+        --drain-timeout), and the tokens reach their clients through the router, still serving; the
+        router then finishes nothing more (no worker is left) and ends what it still holds with an
+        error its clients read. SIGTERM each; one still running grace_s past its drain is killed,
         and named in self.killed."""
         self._stop(self.workers, grace_s + self.drain_s)
-        self._stop([self.router], grace_s)
+        self._stop([self.router], grace_s + self.drain_s)
 
     def _stop(self, children: list[Child], grace_s: float):
         running = [c for c in children if c.proc is not None and c.proc.poll() is None]

@@ -40,7 +40,7 @@ STATUS = {"INVALID_ARGUMENT": 400, "UNAUTHENTICATED": 401, "FORBIDDEN": 403, "NO
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
                405: "invalid_request_error", 408: "timeout_error", 413: "invalid_request_error", 429: "rate_limit_error",
                503: "service_unavailable_error", 504: "timeout_error"}
-RETRY_AFTER_S = 1  # what a 429 asks the client to wait
+RETRY_AFTER_S = 1  # what a 429 or a 503 asks the client to wait
 
 
 class ApiError(Exception):

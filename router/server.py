@@ -33,7 +33,8 @@ from common.channel import Channel, Envelope
 from common.errors import InvalidArgument, port_free
 from common.sampling_params import SamplingParams, fresh_seed
 from common.security import close_context
-from common.signals import stop_signals
+from common.signals import DRAIN_TIMEOUT_S, stop_signals
+from router.drain import Drain, drain, unfinished
 from router.metrics import RouterMetrics
 from router.openai_api import OutputParsers
 from router.placement import Placement, asks_prompt_logprobs
@@ -86,6 +87,7 @@ class RouterConfig:
     max_prefill_queue: int = 0  # while every prefill worker holds this many, decode workers prefill (0: never)
     kv_events: bool = True  # prefix_affine: workers tell what their prefix caches hold (else it is guessed)
     log_requests: bool = False  # a log line as each request is admitted, refused and finished; HTTP's access log
+    drain_timeout_s: float = DRAIN_TIMEOUT_S  # told to stop, it finishes what it holds for up to this long
 
 
 @dataclass
@@ -169,6 +171,7 @@ class Router:
         # router and are registering anew (within ~50 ms of its start): requests wait for them
         self.rejoin_until = 0.0
         self._told_to_rejoin: set[bytes] = set()  # worker identities told so (said once each)
+        self.stopping: Drain | None = None  # told to stop: it admits nothing new (router/drain.py)
         self.http = self.api_servers = None
         if cfg.http_port is not None and cfg.api_server_count > 1:
             from router.api_server import ApiServers
@@ -269,8 +272,10 @@ class Router:
             w.assigned.discard(req.rid)
         req.state = "done"
 
-    async def serve(self, stop: asyncio.Event | None = None, on_ready: Callable[[str], None] | None = None):
-        stop = stop or asyncio.Event()
+    async def serve(self, stop: asyncio.Event | None = None, on_ready: Callable[[str], None] | None = None,
+                    stop_now: asyncio.Event | None = None):
+        """Serve until stop is set, then drain (router/drain.py) until stop_now is, or it is done."""
+        stop, stop_now = stop or asyncio.Event(), stop_now or asyncio.Event()
         if self.http is not None:
             with port_free(self.cfg.host, self.cfg.http_port, "--http-port"):
                 await self.http.start()
@@ -286,9 +291,15 @@ class Router:
         log.info("router ready: %s", where)
         if on_ready is not None:
             on_ready(where)
+        why = "the router was stopped"
         try:
             await stop.wait()
-        finally:  # HTTP first: its requests end with an error, and their cancels still reach the workers
+            why = await drain(self, stop_now)
+        finally:
+            for req in list(self.requests.values()):  # no one is left to take their tokens: workers free them
+                self._cancel_work(req)
+                self.error(req, "UNAVAILABLE", unfinished(why), logged=False)
+            # then HTTP: what its handlers were just told still goes out, and their cancels reach no worker
             if self.http is not None:
                 await self.http.close()
             if self.api_servers is not None:
@@ -296,9 +307,7 @@ class Router:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            for req in list(self.requests.values()):  # no one is left to take their tokens: workers free them
-                self._cancel_work(req)
-            self.frontend.close()
+            self.frontend.close(STOP_LINGER_MS)
             self.backend.close(STOP_LINGER_MS)
             close_context(self.ctx)
 
@@ -332,7 +341,8 @@ class Router:
             serving, missing = self.serving()
             self._send(self.frontend, P.StatusReply(workers, queued, len(self.requests) - queued, self.prompts.context,
                                                     missing, self.cfg.model, msg.ask_id, self.cfg.policy,
-                                                    self.cfg.kv_events, len(serving)), env.sender)
+                                                    self.cfg.kv_events, len(serving), self.stopping is not None),
+                       env.sender)
         elif isinstance(msg, P.MetricsRequest):
             self._send(self.frontend, P.MetricsReply(self.metrics.render(), msg.ask_id), env.sender)
         elif isinstance(msg, P.Rejected):
@@ -369,6 +379,9 @@ class Router:
             self.request_log.refused(client, client_request_id, code, text)
             return False
 
+        if self.stopping is not None:
+            self.stopping.refused += 1
+            return refuse("UNAVAILABLE", self.stopping.refusal())
         if (client, client_request_id) in self.by_client:
             return refuse("INVALID_ARGUMENT", f"request_id={client_request_id!r} is already in flight")
         if len(self.requests) >= self.cfg.max_queue:
@@ -841,10 +854,14 @@ def run_router(cfg: RouterConfig):
 
     async def main():
         router = Router(cfg)
-        stop = asyncio.Event()
+        stop, stop_now = asyncio.Event(), asyncio.Event()
+
+        def signalled():  # the first drains, a second stops at once
+            (stop_now if stop.is_set() else stop).set()
+
         loop = asyncio.get_running_loop()
         for sig in stop_signals():
-            loop.add_signal_handler(sig, stop.set)
-        await router.serve(stop, on_ready=lambda where: print(f"router: {where}", flush=True))
+            loop.add_signal_handler(sig, signalled)
+        await router.serve(stop, on_ready=lambda where: print(f"router: {where}", flush=True), stop_now=stop_now)
 
     uvloop.run(main())

@@ -68,10 +68,11 @@ async def serving_router(**config):
 
 @contextlib.asynccontextmanager
 async def stoppable_router(**config):
-    """serving_router's, and stop(): the router stops serving, the test's sockets stay open."""
+    """serving_router's, and stop(now=False): the router is told to stop, as by a signal (now: as
+    by a second one), and stop() returns once it has; the test's sockets stay open."""
     router = Router(RouterConfig(port=free_port(), worker_port=free_port(), **config))
-    stopped = asyncio.Event()
-    serving = asyncio.ensure_future(router.serve(stopped))
+    stopped, stopped_now = asyncio.Event(), asyncio.Event()
+    serving = asyncio.ensure_future(router.serve(stopped, stop_now=stopped_now))
     ctx = zmq.asyncio.Context()
     chans: list[Channel] = []
 
@@ -79,8 +80,10 @@ async def stoppable_router(**config):
         chans.append(Channel.connect(ctx, zmq.DEALER, address, identity=identity))
         return chans[-1]
 
-    async def stop():
+    async def stop(now: bool = False):
         stopped.set()
+        if now:
+            stopped_now.set()
         await serving
     try:
         yield router, connect, stop
@@ -88,7 +91,7 @@ async def stoppable_router(**config):
         for chan in chans:
             chan.close()
         ctx.term()
-        await stop()
+        await stop(now=True)
 
 
 async def scripted_worker(router: Router, connect, name: str, role: str = "mono", device: str = "cpu",

@@ -26,6 +26,7 @@ from common import protocol as P
 from common.cli import main
 from common.errors import InvalidArgument
 from router.client import Client, RequestError
+from router.drain import Drain
 from router.openai_api import ApiError
 from router.server import DEAD_WORKER_MEMORY_S, Router, RouterConfig
 from tests.cluster import cluster, router_children, running, scripted_worker, serving_router, wait_blocks_free
@@ -151,8 +152,9 @@ def test_a_gone_client_s_request_that_ends_is_counted_once():
 
 
 @pytest.mark.parametrize("api_servers", [1, 2], ids=["in-router", "api-servers"])
-def test_a_stopping_router_ends_its_http_streams_with_unavailable(tmp_path, api_servers):
-    with cluster(tmp_path, prefill=0, decode=0, mono=1, http=True, api_servers=api_servers) as c:
+def test_a_stopping_router_streams_on_through_its_drain_then_ends_with_unavailable(tmp_path, api_servers):
+    with cluster(tmp_path, prefill=0, decode=0, mono=1, http=True, api_servers=api_servers,
+                 router_args=["--drain-timeout", "0.3"]) as c:  # a 1,000-token stream outlasts it
         body = dict(model=MODEL, prompt="x", max_tokens=1000, stream=True, ignore_eos=True)
 
         async def scenario():
@@ -166,6 +168,7 @@ def test_a_stopping_router_ends_its_http_streams_with_unavailable(tmp_path, api_
         started = time.monotonic()
         error, done = asyncio.run(scenario())
         assert done == b"data: [DONE]\n" and b'"code": "UNAVAILABLE"' in error, error
+        assert b"the router stopped before this request finished: its --drain-timeout, 0.3s, passed" in error, error
         assert c.router.proc.wait(10) == 0 and time.monotonic() - started < 8
 
 
@@ -416,7 +419,7 @@ def test_the_router_admits_the_least_context_its_live_workers_serve(caplog):
 
 def test_an_api_servers_health_counts_the_workers_that_take_work_as_the_routers_own_does():
     """/health's worker count: a worker that is leaving (draining, taking no new work) was counted
-    by an API server, not by the router's own HTTP front."""
+    by an API server, not by the router's own HTTP front. Both say whether the router is stopping."""
     from router.api_server import RouterLink
     from router.http import LocalBackend
 
@@ -432,12 +435,14 @@ def test_an_api_servers_health_counts_the_workers_that_take_work_as_the_routers_
             link = RouterLink(router.frontend.address, router.cfg.model, router.cfg.max_queue)
             link.start()
             try:
-                return await LocalBackend(router).health(), await link.health()
+                serving = await LocalBackend(router).health(), await link.health()
+                router.stopping = Drain(held=0, timeout_s=5)
+                return serving, (await LocalBackend(router).health(), await link.health())
             finally:
                 await link.close()
 
-    local, remote = asyncio.run(scenario())
-    assert local == remote == (1, [])
+    serving, stopping = asyncio.run(scenario())
+    assert serving == ((1, [], False),) * 2 and stopping == ((1, [], True),) * 2
 
 
 def test_an_api_servers_status_call_that_gave_up_does_not_answer_the_next_one(monkeypatch):

@@ -288,6 +288,7 @@ LAUNCH_REFUSED = [  # (args, the error line)
     (["--heartbeat-timeout", "0.1"], "--heartbeat-timeout 0.1: allowed: a number >= 0.5"),
     (["--queue-timeout", "0"], "--queue-timeout 0: allowed: a number > 0"),
     (["--prefill-timeout", "soon"], "--prefill-timeout soon: allowed: a number > 0"),
+    (["--drain-timeout", "-1"], "--drain-timeout -1: allowed: a number >= 0"),
     (["--prefill", ""], "--prefill '': allowed: an integer >= 0"),
     (["--max-local-prefill-length", "-5"], "--max-local-prefill-length -5: allowed: an integer >= 0"),
     (["--prefill", "2", "--decode", "0"],
@@ -316,13 +317,15 @@ def test_launch_sh_refuses_a_bad_flag_value_by_name(tmp_path, args, says):
 def test_launch_sh_takes_good_values_as_given():
     r = subprocess.run([*LAUNCH_SH, "--prefill", "2", "--decode", "010", "--threads", "3", "--heartbeat-timeout",
                         "1e3", "--queue-timeout", ".5", "--max-prefill-queue", "2", "--enforce-disagg",
-                        "--no-kv-events", "--dry-run"],
+                        "--no-kv-events", "--drain-timeout", "1.5", "--dry-run", "--", "--drain-timeout", "9"],
                        capture_output=True, text=True, cwd=ROOT, env=CHECKOUT_ENV, timeout=60)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert lines[0].endswith("--heartbeat-timeout 1e3 --queue-timeout .5 --max-prefill-queue 2 --enforce-disagg "
-                             "--no-kv-events")
+                             "--no-kv-events --drain-timeout 1.5")
     assert len(lines) == 1 + 2 + 10 and all("--threads 3" in line for line in lines[1:])  # 010: ten, not octal 8
+    # the router's drain, and each worker's unless one is given to the workers after --, which wins
+    assert all(line.endswith("--drain-timeout 1.5 --drain-timeout 9") for line in lines[1:])
 
 
 def test_launch_sh_does_not_restart_a_process_that_exits_with_a_usage_error(tmp_path):

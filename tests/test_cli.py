@@ -189,12 +189,12 @@ def test_launch_with_mono_workers_runs_only_them_unless_told_otherwise():
     assert names(pdserve("launch", "--dry-run")) == ["router", "prefill-0", "decode-0"]
 
 
-def test_launch_gives_its_drain_timeout_to_every_worker():
+def test_launch_gives_its_drain_timeout_to_the_router_and_every_worker():
     """The README's Ctrl-C paragraph names --drain-timeout: launch takes it and hands it on."""
     r = pdserve("launch", "--dry-run", "--prefill", "1", "--decode", "1", "--mono", "1", "--drain-timeout", "1.5")
     lines = r.stdout.splitlines()
     assert [line.split(":")[0] for line in lines] == ["router", "prefill-0", "decode-0", "mono-0"]
-    assert "--drain-timeout" not in lines[0] and all("--drain-timeout=1.5" in line for line in lines[1:])
+    assert "--drain-timeout 1.5" in lines[0] and all("--drain-timeout=1.5" in line for line in lines[1:]), lines
 
 
 def test_bench_engine_prints_table_and_json():

@@ -4,12 +4,18 @@ other workers at once, not at the heartbeat timeout. A stopping router cancels w
 hold for it."""
 
 import asyncio
+import json
+import logging
 import signal
+import time
+import urllib.error
+import urllib.request
 
 import pytest
 
 from common import protocol as P
-from router.client import Client
+from router.client import Client, RequestError
+from router.launcher import free_port
 from tests.cluster import cluster, scripted_worker, serving_router, stoppable_router
 from tests.test_chaos import reference, wait_for
 from tests.test_local_prefill import GREEDY, next_work
@@ -52,20 +58,122 @@ def test_the_router_sends_a_leaving_worker_no_new_work_and_moves_its_requests_on
     assert 'pdserve:worker_deaths_total{model_name="dummy:nanogpt"} 0.0' in metrics  # it left, it did not die
 
 
-def test_a_stopping_router_cancels_what_its_workers_hold():
-    """Nobody is left to take those requests' tokens: the workers free them rather than decode on."""
+async def reply(chan, kinds=(P.Done, P.Error, P.StatusReply)):
+    """The next message on a client's socket of one of kinds (past the router's probes)."""
+    while True:
+        msg = (await asyncio.wait_for(chan.arecv(), 10)).msg
+        if isinstance(msg, kinds):
+            return msg
+
+
+def http(url: str, body: dict | None = None) -> tuple[int, dict, dict]:
+    """(status, headers, JSON body) of a GET, or of a POST of body."""
+    req = urllib.request.Request(url, data=None if body is None else json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, dict(r.headers), json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), json.loads(e.read())
+
+
+def test_a_stopping_router_finishes_what_it_holds_and_admits_nothing_new(caplog):
+    """As Kubernetes stops a pod: new requests are refused (503 with Retry-After over HTTP) and
+    /health says 503 so a load balancer looks elsewhere, while the request held finishes; the
+    router stops as soon as it has, not at its --drain-timeout."""
     async def scenario():
-        async with stoppable_router(heartbeat_timeout_s=60) as (router, connect, stop):
+        port = free_port()
+        async with stoppable_router(heartbeat_timeout_s=60, drain_timeout_s=60, http_port=port) as (router, connect,
+                                                                                                  stop):
             worker = await scripted_worker(router, connect, "mono-0")
             client = connect(router.frontend.address)
             await client.send(P.Generate("a", list(range(1, 20)), GREEDY, False))
             work = (await asyncio.wait_for(worker.arecv(), 10)).msg
-            await stop()
-            cancel = (await asyncio.wait_for(worker.arecv(), 10)).msg
-            return work, cancel
+            stopping = asyncio.ensure_future(stop())
+            while router.stopping is None:
+                await asyncio.sleep(0.01)
+            await client.send(P.Generate("b", list(range(1, 20)), GREEDY, False))
+            refused = await reply(client)
+            await client.send(P.StatusRequest("s"))
+            status = await reply(client)
+            url = f"http://127.0.0.1:{port}"
+            health = await asyncio.to_thread(http, f"{url}/health")
+            completion = await asyncio.to_thread(http, f"{url}/v1/completions", {"prompt": [1, 2], "max_tokens": 2})
+            assert not stopping.done()  # still draining: "a" is held
+            began = time.monotonic()
+            await worker.send(P.WorkerTokens(work.request_id, work.attempt, 0, [7, 8], "length"))
+            done = await reply(client)
+            await asyncio.wait_for(stopping, 10)
+            return refused, status, health, completion, done, time.monotonic() - began
 
-    work, cancel = asyncio.run(scenario())
-    assert cancel == P.CancelWork(work.request_id, work.attempt)
+    with caplog.at_level(logging.INFO, logger="pdserve.router"):
+        refused, status, health, completion, done, took = asyncio.run(scenario())
+    assert (refused.request_id, refused.code) == ("b", "UNAVAILABLE") and "router is stopping" in refused.message
+    assert status.stopping and status.in_flight + status.queued == 1
+    assert health[0] == 503 and "stopping" in health[2]["error"]["message"] and health[1]["Retry-After"] == "1"
+    assert completion[0] == 503 and "--drain-timeout" in completion[2]["error"]["message"]
+    assert completion[1]["Retry-After"] == "1"
+    assert (done.request_id, done.finish_reason, done.token_ids) == ("a", "length", [7, 8])
+    assert took < 5  # not the 60 s --drain-timeout
+    assert "the 1 requests it held finished" in caplog.text and "refused 2 new ones" in caplog.text
+
+
+@pytest.mark.parametrize("ends", ["drain-timeout", "second-signal", "no-worker-left"])
+def test_what_a_stopping_router_did_not_finish_ends_unavailable_and_its_work_is_cancelled(caplog, ends):
+    """Its clients are told (an SDK client no longer waits to find the connection lost), and its
+    workers free the requests' blocks, since nobody is left to take their tokens. The drain ends at
+    --drain-timeout, at a second signal, or once no worker is left to serve what it holds (as when
+    a launcher has stopped its workers first)."""
+    async def scenario():
+        timeout = 0.5 if ends == "drain-timeout" else 60
+        async with stoppable_router(heartbeat_timeout_s=60, drain_timeout_s=timeout) as (router, connect, stop):
+            worker = await scripted_worker(router, connect, "mono-0")
+            client = connect(router.frontend.address)
+            await client.send(P.Generate("a", list(range(1, 20)), GREEDY, False))
+            work = (await asyncio.wait_for(worker.arecv(), 10)).msg
+            began = time.monotonic()
+            stopping = asyncio.ensure_future(stop())
+            while router.stopping is None:
+                await asyncio.sleep(0.01)
+            if ends == "second-signal":
+                await stop(now=True)
+            elif ends == "no-worker-left":
+                await worker.send(P.Leaving("mono-0", gone=True))
+            await asyncio.wait_for(stopping, 10)
+            failed = await reply(client)
+            # a worker gone (Leaving) is sent nothing more
+            cancel = (await asyncio.wait_for(worker.arecv(), 10)).msg if ends != "no-worker-left" else None
+            return work, failed, cancel, time.monotonic() - began
+
+    with caplog.at_level(logging.INFO, logger="pdserve.router"):
+        work, failed, cancel, took = asyncio.run(scenario())
+    why = {"drain-timeout": "its --drain-timeout, 0.5s, passed", "second-signal": "a second signal came",
+           "no-worker-left": "no live prefill or decode worker is left to serve them"}[ends]
+    assert (failed.request_id, failed.code) == ("a", "UNAVAILABLE")
+    assert failed.message == f"the router stopped before this request finished: {why}"
+    assert cancel == (None if ends == "no-worker-left" else P.CancelWork(work.request_id, work.attempt))
+    assert took < (5 if ends == "drain-timeout" else 2)
+    assert "1 of the 1 requests it held are unfinished after" in caplog.text and why in caplog.text
+
+
+def test_a_router_restarted_under_load_finishes_its_streams_token_exact(tmp_path):
+    """SIGTERM to a real router mid-stream (a restart to change a flag, an upgrade): the stream ends
+    with the monolithic engine's tokens, a request sent meanwhile is refused UNAVAILABLE at once, and
+    the router exits 0 once the stream is done."""
+    prompt = [5, 6, 7, 8]
+    want = reference([prompt], [LONG])[0]
+    with cluster(tmp_path, prefill=0, decode=0, mono=1, router_args=["--drain-timeout", "120"]) as c, \
+            Client(c.address, timeout=60) as client:
+        stream = client.stream(prompt, **LONG)
+        tokens = list(next(stream).token_ids)
+        c.router.proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: client.status().stopping, what="the router to be stopping")
+        with pytest.raises(RequestError) as refused:
+            client.generate([9, 10], **GREEDY)
+        tokens += [t for chunk in stream for t in chunk.token_ids]
+        assert c.router.proc.wait(timeout=30) == 0
+    assert refused.value.code == "UNAVAILABLE" and "router is stopping" in refused.value.message
+    assert tokens == want and stream.result.finish_reason == "length"
 
 
 def test_a_decode_worker_told_to_stop_mid_stream_finishes_it_or_at_a_second_signal_hands_it_on(tmp_path):
