@@ -39,7 +39,7 @@ from common.config import EngineConfig
 from common.engine import Engine, RequestOutput, freeze_startup_objects
 from common.pulse import Pulse
 from common.security import HANDSHAKE_EVENTS, close_context, refusal
-from common.signals import DRAIN_TIMEOUT_S, stop_signals
+from common.signals import DRAIN_TIMEOUT_S, StopSignals, stop_signals
 from common.step_trace import StepTrace
 
 log = logging.getLogger("pdserve.worker")
@@ -93,6 +93,7 @@ class WorkerBase:
         self.router: Channel | None = None
         self.stopping = False
         self.signalled = 0  # SIGTERM / SIGINT received: the first leaves gracefully, a second at once
+        self.stops = StopSignals()  # how they count
         self.leaving: tuple[float, float] | None = None  # (drain deadline, answer deadline): leaving
         self.refused: str | None = None  # why the router sent us away (run() then exits 1)
         self.kv_address = ""
@@ -242,7 +243,7 @@ class WorkerBase:
         for sig in stop_signals():
             signal.signal(sig, self._on_signal)
         if stopped_before():
-            self.signalled += 1
+            self.signalled = self.stops.take()
         log.info("%s %s on %s: %s, %d KV blocks%s", self.role, self.worker_id, self.engine.config.torch_device,
                  self.engine.config.model, self.engine.num_blocks,
                  ", async scheduling" if self.engine.config.async_scheduling else "")
@@ -280,7 +281,7 @@ class WorkerBase:
         return 1 if self.refused else 0
 
     def _on_signal(self, *_):
-        self.signalled += 1
+        self.signalled = self.stops.take()
         self.waker.wake_from_signal()
 
     def _leave(self, now: float):

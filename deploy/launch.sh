@@ -182,13 +182,9 @@ supervise() {
 
 PIDS=()
 EXITS=$(mktemp)  # "NAME RC OFFSET" of each process that exited, as supervise saw it
-stop() {  # the workers (and the watcher), then the router: tokens of what a worker drains reach their clients
+stop() {  # every process at once, each draining: the router carries the tokens of what the workers finish
   trap - INT TERM EXIT
-  if ((${#PIDS[@]})); then
-    kill -TERM "${PIDS[@]:1}" 2>/dev/null
-    wait "${PIDS[@]:1}" 2>/dev/null
-    kill -TERM "${PIDS[0]}" 2>/dev/null
-  fi
+  ((${#PIDS[@]})) && kill -TERM "${PIDS[@]}" 2>/dev/null
   wait
   rm -f "$EXITS"
   echo "stopped"

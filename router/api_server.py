@@ -20,7 +20,11 @@ port can be 0, and the kernel hands each connection to whichever server accepts 
 with the router (PR_SET_PDEATHSIG), and the router restarts one that dies (after 1 s, doubling to
 8 s while it keeps dying); the connections it held are lost with it, and the router cancels their
 requests at once, streamed or not (it knows each server's ZeroMQ identity). When the router stops,
-each API server ends its requests with UNAVAILABLE before it goes.
+each API server ends its requests with UNAVAILABLE before it goes. The router alone stops them:
+by a Shutdown sent after its last replies, which the server so reads first (its word on what it
+did not finish), else by STOP_SIGNAL, which is also what its death sends them. They ignore SIGTERM
+and SIGINT, which a process group's or a systemd unit's stop sends every process, so that they
+serve on while the router drains (router/drain.py).
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ FOLLOW_CONTEXT_S = 1.0  # how often an API server asks the context the router ad
 TRUSTED_REPLY_BYTES = 2**30
 READY_TIMEOUT_S = 120.0  # for an API server to load its tokenizer and serve
 FIRST_RESTART_S = 1.0  # after an API server dies: the first wait (router/launcher.py restart_delay doubles it)
+STOP_SIGNAL = signal.SIGUSR1  # how the router stops an API server (it ignores SIGTERM and SIGINT)
 
 
 class RouterLink:
@@ -76,6 +81,7 @@ class RouterLink:
         self._tasks: list[asyncio.Task] = []
         self.connection = Connection(self.chan)
         self.closed = False
+        self.told_to_stop = asyncio.Event()  # the router's Shutdown: after every reply it sent before it
 
     def start(self):
         self._tasks = [asyncio.ensure_future(self._read()), asyncio.ensure_future(self.connection.watch(self._lost)),
@@ -164,6 +170,9 @@ class RouterLink:
                     log.exception("could not deliver %s", type(msg).__name__)
 
     def _deliver(self, msg):
+        if isinstance(msg, P.Shutdown):
+            self.told_to_stop.set()
+            return
         if isinstance(msg, (P.StatusReply, P.MetricsReply)):
             future = self._asked.pop(msg.ask_id, None)
             if future is not None and not future.done():
@@ -189,7 +198,7 @@ async def serve(args):
                       parsers=OutputParsers(args.tool_call_parser, args.reasoning_parser), access_log=args.log_requests)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGTERM, stop.set)  # not SIGINT, ignored below: Ctrl-C is the router's
+    loop.add_signal_handler(STOP_SIGNAL, stop.set)
     link.start()
     await front.start()
     log.info("API server %d ready: HTTP at %s, router at %s", args.index, front.url, args.router)
@@ -197,7 +206,8 @@ async def serve(args):
         os.write(args.ready_fd, b"1")
         os.close(args.ready_fd)
     try:
-        await stop.wait()
+        await asyncio.wait([asyncio.ensure_future(stop.wait()), asyncio.ensure_future(link.told_to_stop.wait())],
+                           return_when=asyncio.FIRST_COMPLETED)
     finally:
         await front.close()  # its requests end with UNAVAILABLE, and their Cancels go to the router
         await link.close()
@@ -224,10 +234,11 @@ def main(argv=None):
     parser.add_argument("--parent", type=int, default=None, help="exit if this process is no longer the parent")
     parser.add_argument("--ready-fd", type=int, default=None, help="a pipe to write a byte to once serving")
     args = parser.parse_args(argv)
-    die_with_parent()  # here, not in a preexec_fn: the router forks from a threaded process (libzmq's)
+    for sig in (signal.SIGTERM, signal.SIGINT):  # the router's to take: it stops us once it has drained
+        signal.signal(sig, signal.SIG_IGN)
+    die_with_parent(STOP_SIGNAL)  # here, not in a preexec_fn: the router forks from a threaded process (libzmq's)
     if args.parent is not None and os.getppid() != args.parent:
         return  # the router died before this process could ask to die with it
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the router too, which stops us in order
     logging.basicConfig(level=args.log_level, format=f"%(asctime)s %(levelname)s api_server[{args.index}] %(message)s")
     uvloop.run(serve(args))
 
@@ -342,13 +353,23 @@ class ApiServers:
                       restart_delay(self.restarts[i], FIRST_RESTART_S))
             self._restart_later(i)
 
-    async def close(self, grace_s: float = 5.0):
+    def identities(self) -> list[bytes]:
+        """The ZeroMQ identities of the servers running now."""
+        return [identity(i, p.pid) for i, p in enumerate(self.procs) if p is not None and p.poll() is None]
+
+    async def close(self, told_s: float = 2.0, grace_s: float = 5.0):
+        """Stop them: those the router told to (a Shutdown) have told_s to go; the rest are
+        signalled, and killed grace_s later."""
         if self._watch is not None:
             self._watch.cancel()
             await asyncio.gather(self._watch, return_exceptions=True)
         live = [p for p in self.procs if p is not None and p.poll() is None]
+        deadline = time.monotonic() + told_s
+        while any(p.poll() is None for p in live) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
         for p in live:
-            p.terminate()
+            if p.poll() is None:
+                p.send_signal(STOP_SIGNAL)
         deadline = time.monotonic() + grace_s
         while any(p.poll() is None for p in live) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)

@@ -340,11 +340,26 @@ class Client(_Requests):
         _cancel_nowait(self.chan, request_id)
 
     def _take_events(self) -> None:
-        """The connection's news: a drop loses every reply in flight."""
+        """The connection's news: a drop loses every reply in flight, past what the router sent
+        before it went (a stopping router's last tokens, and its word on what it did not finish),
+        which the socket still holds and is filed first."""
         if self.connection.drain():
+            while (env := self.chan.recv(0)) is not None:
+                self._file(env)
             for rid in self._open:
-                self._replies[rid].append(P.Error(rid, "UNAVAILABLE", LOST))
+                if not any(isinstance(msg, (P.Done, P.Error)) for msg in self._replies.get(rid, ())):
+                    self._replies[rid].append(P.Error(rid, "UNAVAILABLE", LOST))
             self._open.clear()
+
+    def _file(self, env) -> str | None:
+        """File a message's replies under their requests; what is wrong with it, if anything."""
+        if env.error is not None:
+            return f"undecodable reply from {self.address} (a router's client port?): {env.error}"
+        msgs, bad = replies(env.msg)
+        for msg in msgs:
+            if (owner := self._open_id(msg)) is not None:
+                self._replies[owner].append(msg)
+        return f"undecodable reply from the router: {bad[0]}" if bad else None
 
     def _next(self, key: str | None, deadline: "Deadline"):
         """The next message for `key`, reading (and filing) others' messages meanwhile. After
@@ -374,17 +389,8 @@ class Client(_Requests):
             if self.chan.sock not in ready:
                 continue
             env = self.chan.recv(0)
-            if env is None:
-                continue
-            if env.error is not None:
-                raise RequestError("INTERNAL", f"undecodable reply from {self.address} (a router's client port?): "
-                                               f"{env.error}")
-            msgs, bad = replies(env.msg)
-            for msg in msgs:
-                if (owner := self._open_id(msg)) is not None:
-                    self._replies[owner].append(msg)
-            if bad:
-                raise RequestError("INTERNAL", f"undecodable reply from the router: {bad[0]}")
+            if env is not None and (problem := self._file(env)) is not None:
+                raise RequestError("INTERNAL", problem)
         msg = self._replies[key].popleft()
         if not self._replies[key]:
             del self._replies[key]
@@ -504,9 +510,16 @@ class AsyncClient(_Requests):
         await self.connection.watch(self._lost)
 
     def _lost(self):
-        for rid in self._open:
+        asyncio.ensure_future(self._lose_open(set(self._open)))
+
+    async def _lose_open(self, lost: set[str]):
+        """What the router sent before it went (a stopping router's last tokens, and its word on
+        what it did not finish) is still in the socket: the reader files it first."""
+        while await self.chan.sock.poll(0):
+            await asyncio.sleep(0)
+        for rid in lost & self._open:  # after its Done, if that came: never read (_next drops the queue at a Done)
             self._replies[rid].put_nowait(P.Error(rid, "UNAVAILABLE", LOST))
-        self._open.clear()
+        self._open -= lost
 
     async def submit(self, prompt=None, stream: bool = True, request_id: str | None = None,
                      messages: list[dict] | None = None, **sampling) -> str:

@@ -2,8 +2,8 @@
 it admits no new request (UNAVAILABLE; over HTTP a 503 with Retry-After, and /health answers 503 so
 that a load balancer sends its traffic elsewhere) and finishes those it holds, for up to its
 --drain-timeout (vLLM's --shutdown-timeout). It stops waiting sooner once no worker is left to
-serve them (a launcher stops its workers first, each draining on its own), and at once on a second
-signal. What it still holds then ends UNAVAILABLE, each client told, and one line says how many.
+serve what it holds (a worker that is leaving still finishes what it holds), and at once on a
+second signal. What it still holds then ends UNAVAILABLE, each client told, and one line says how many.
 
 Why: a router restarted to change a flag or to upgrade it cut every stream in flight, and its SDK
 clients learned of it only when their connection was found lost."""
@@ -32,14 +32,15 @@ class Drain:
         return (f"the router is stopping: it finishes the requests it holds (for up to {self.timeout_s:g}s, its "
                 f"--drain-timeout) and admits no new one; retry once it has restarted, or on another router")
 
-    def why_not_waiting(self, held: int, missing: list[str], now_too: bool) -> str | None:
-        """Why the drain ends now, or None while it waits: held requests, the roles no live
-        worker serves, and whether a second signal came."""
+    def why_not_waiting(self, held: int, with_workers: int, missing: list[str], now_too: bool) -> str | None:
+        """Why the drain ends now, or None while it waits: requests held, how many of them a worker
+        holds (a worker that is leaving still finishes them), the roles no live worker serves, and
+        whether a second signal came."""
         if not held:
             return "done"
         if now_too:
             return "a second signal came"
-        if missing:
+        if missing and not with_workers:
             return f"no live {' or '.join(missing)} worker is left to serve them"
         if time.monotonic() >= self.deadline:
             return f"its --drain-timeout, {self.timeout_s:g}s, passed"
@@ -50,7 +51,7 @@ class Drain:
         took = time.monotonic() - self.started
         refused = f"; it refused {self.refused} new ones meanwhile" if self.refused else ""
         if not held:
-            return f"router stopping: the {self.held} requests it held finished in {took:.1f}s{refused}"
+            return f"router stopping: the {self.held} requests it held ended in {took:.1f}s{refused}"
         return (f"router stopping: {held} of the {self.held} requests it held are unfinished after {took:.1f}s, "
                 f"as {why}; they end UNAVAILABLE{refused}")
 
@@ -68,7 +69,8 @@ async def drain(router, now_too: asyncio.Event) -> str:
         log.info("router stopping: finishing the %d requests it holds, for up to %gs (--drain-timeout); new ones "
                  "are refused; a second signal stops it at once", d.held, d.timeout_s)
     while True:
-        why = d.why_not_waiting(len(router.requests), router.serving()[1], now_too.is_set())
+        with_workers = sum(req.state != "queued" for req in router.requests.values())
+        why = d.why_not_waiting(len(router.requests), with_workers, router.serving()[1], now_too.is_set())
         if why is not None:
             break
         try:

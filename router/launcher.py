@@ -111,8 +111,8 @@ def check_worker_count(n: int) -> None:
                               "own model; more hosts join with pdserve prefill/decode --router)")
 
 
-def die_with_parent():
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+def die_with_parent(sig: signal.Signals = signal.SIGTERM):
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
 
 
 def _as_child():
@@ -292,13 +292,11 @@ class Cluster:
         print(line, file=sys.stderr, flush=True)
 
     def stop(self, grace_s: float = 5.0):
-        """The workers, then the router: a worker told to stop finishes what it holds (for up to its
-        --drain-timeout), and the tokens reach their clients through the router, still serving; the
-        router then finishes nothing more (no worker is left) and ends what it still holds with an
-        error its clients read. SIGTERM each; one still running grace_s past its drain is killed,
-        and named in self.killed."""
-        self._stop(self.workers, grace_s + self.drain_s)
-        self._stop([self.router], grace_s + self.drain_s)
+        """Every process at once, each draining (--drain-timeout): the router admits nothing new and
+        carries the tokens of what the workers finish, then ends what no worker is left to finish
+        with an error its clients read. SIGTERM each; one still running grace_s past its drain is
+        killed, and named in self.killed."""
+        self._stop([*self.workers, self.router], grace_s + self.drain_s)
 
     def _stop(self, children: list[Child], grace_s: float):
         running = [c for c in children if c.proc is not None and c.proc.poll() is None]

@@ -33,7 +33,7 @@ from common.channel import Channel, Envelope
 from common.errors import InvalidArgument, port_free
 from common.sampling_params import SamplingParams, fresh_seed
 from common.security import close_context
-from common.signals import DRAIN_TIMEOUT_S, stop_signals
+from common.signals import DRAIN_TIMEOUT_S, StopSignals, stop_signals
 from router.drain import Drain, drain, unfinished
 from router.metrics import RouterMetrics
 from router.openai_api import OutputParsers
@@ -302,7 +302,9 @@ class Router:
             # then HTTP: what its handlers were just told still goes out, and their cancels reach no worker
             if self.http is not None:
                 await self.http.close()
-            if self.api_servers is not None:
+            if self.api_servers is not None:  # told after the errors above, which they so read first
+                for server in self.api_servers.identities():
+                    self._send(self.frontend, P.Shutdown("the router is stopping"), server, quiet=True)
                 await self.api_servers.close()
             for t in tasks:
                 t.cancel()
@@ -855,9 +857,10 @@ def run_router(cfg: RouterConfig):
     async def main():
         router = Router(cfg)
         stop, stop_now = asyncio.Event(), asyncio.Event()
+        stops = StopSignals()
 
         def signalled():  # the first drains, a second stops at once
-            (stop_now if stop.is_set() else stop).set()
+            (stop if stops.take() == 1 else stop_now).set()
 
         loop = asyncio.get_running_loop()
         for sig in stop_signals():

@@ -14,7 +14,8 @@ import urllib.request
 import pytest
 
 from common import protocol as P
-from router.client import Client, RequestError
+from common.signals import REPEAT_S, StopSignals
+from router.client import AsyncClient, Client, RequestError
 from router.launcher import free_port
 from tests.cluster import cluster, scripted_worker, serving_router, stoppable_router
 from tests.test_chaos import reference, wait_for
@@ -115,7 +116,31 @@ def test_a_stopping_router_finishes_what_it_holds_and_admits_nothing_new(caplog)
     assert completion[1]["Retry-After"] == "1"
     assert (done.request_id, done.finish_reason, done.token_ids) == ("a", "length", [7, 8])
     assert took < 5  # not the 60 s --drain-timeout
-    assert "the 1 requests it held finished" in caplog.text and "refused 2 new ones" in caplog.text
+    assert "the 1 requests it held ended" in caplog.text and "refused 2 new ones" in caplog.text
+
+
+def test_a_stopping_router_waits_for_a_leaving_worker_to_finish_what_it_holds():
+    """Worker and router told to stop together (a launcher's Ctrl-C, a systemd stop): the router
+    lacks a serving worker at once, but the leaving one still finishes its request. The router ended
+    the request at once, the worker's drain wasted."""
+    async def scenario():
+        async with stoppable_router(heartbeat_timeout_s=60, drain_timeout_s=60) as (router, connect, stop):
+            worker = await scripted_worker(router, connect, "mono-0")
+            client = connect(router.frontend.address)
+            await client.send(P.Generate("a", list(range(1, 20)), GREEDY, False))
+            work = (await asyncio.wait_for(worker.arecv(), 10)).msg
+            await worker.send(P.Leaving("mono-0"))
+            assert (await asyncio.wait_for(worker.arecv(), 10)).msg == P.Leaving("mono-0")  # answered
+            stopping = asyncio.ensure_future(stop())
+            await asyncio.sleep(0.5)
+            waited = not stopping.done() and router.serving()[1] != []
+            await worker.send(P.WorkerTokens(work.request_id, work.attempt, 0, [7, 8], "length"))
+            done = await reply(client)
+            await asyncio.wait_for(stopping, 10)
+            return waited, done
+
+    waited, done = asyncio.run(scenario())
+    assert waited and (done.request_id, done.finish_reason, done.token_ids) == ("a", "length", [7, 8])
 
 
 @pytest.mark.parametrize("ends", ["drain-timeout", "second-signal", "no-worker-left"])
@@ -176,6 +201,40 @@ def test_a_router_restarted_under_load_finishes_its_streams_token_exact(tmp_path
     assert tokens == want and stream.result.finish_reason == "length"
 
 
+@pytest.mark.parametrize("sdk", ["Client", "AsyncClient"])
+def test_an_sdk_client_behind_on_its_stream_reads_why_the_stopping_router_did_not_finish_it(tmp_path, sdk):
+    """The router's last tokens and its Error wait in the client's socket when the router exits: a
+    client that reads them late gets them, not "lost the connection" (the drop is seen first)."""
+    prompt = [5, 6, 7, 8]
+    want = reference([prompt], [dict(LONG, max_tokens=1000)])[0]
+    with cluster(tmp_path, prefill=0, decode=0, mono=1, router_args=["--drain-timeout", "0.3"]) as c:
+        if sdk == "Client":
+            with Client(c.address, timeout=60) as client:
+                stream = client.stream(prompt, **dict(LONG, max_tokens=1000))  # it outlasts the drain
+                tokens = list(next(stream).token_ids)
+                c.router.proc.send_signal(signal.SIGTERM)
+                assert c.router.proc.wait(timeout=30) == 0
+                with pytest.raises(RequestError) as ended:
+                    for chunk in stream:
+                        tokens += chunk.token_ids
+        else:
+            tokens = []
+
+            async def read():
+                async with AsyncClient(c.address, timeout=60) as client:
+                    async for chunk in client.stream(prompt, **dict(LONG, max_tokens=1000)):
+                        if not tokens:
+                            c.router.proc.send_signal(signal.SIGTERM)
+                            c.router.proc.wait(timeout=30)  # the loop held up: the drop and the replies wait together
+                        tokens.extend(chunk.token_ids)
+
+            with pytest.raises(RequestError) as ended:
+                asyncio.run(read())
+    assert ended.value.code == "UNAVAILABLE"
+    assert ended.value.message == "the router stopped before this request finished: its --drain-timeout, 0.3s, passed"
+    assert len(tokens) >= 1 and tokens == want[:len(tokens)]
+
+
 def test_a_decode_worker_told_to_stop_mid_stream_finishes_it_or_at_a_second_signal_hands_it_on(tmp_path):
     """SIGTERM to the decode worker streaming a request: it finishes the request itself and exits
     0 (no migration), while a request sent meanwhile goes to another. SIGTERM twice to the next
@@ -193,8 +252,12 @@ def test_a_decode_worker_told_to_stop_mid_stream_finishes_it_or_at_a_second_sign
             proc.send_signal(signal.SIGTERM)
             wait_for(lambda: any(w["leaving"] or not w["alive"] for w in client.status().workers
                                  if w["worker_id"] == holder), what=f"{holder} to leave")
-            if signals == 2:  # once the first is taken: the kernel merges a signal sent while one is pending
+            if signals == 2:  # once the first is taken (the kernel merges a signal sent while one is pending),
+                # and past the time a launcher's child takes a second as the same stop, the stream held
+                proc.send_signal(signal.SIGSTOP)
+                time.sleep(REPEAT_S)
                 proc.send_signal(signal.SIGTERM)
+                proc.send_signal(signal.SIGCONT)
             return tokens, proc
 
         stream = client.stream(prompts[0], **LONG)
@@ -210,3 +273,19 @@ def test_a_decode_worker_told_to_stop_mid_stream_finishes_it_or_at_a_second_sign
         tokens += [t for chunk in stream for t in chunk.token_ids]
         assert (tokens, stream.result.timings["attempts"]) == (want[2], 2)  # moved at once
         assert proc.wait(timeout=30) == 0
+
+
+@pytest.mark.parametrize("launched", [True, False], ids=["launchers-child", "alone"])
+def test_a_launchers_child_takes_a_signal_soon_after_the_first_as_the_same_stop(monkeypatch, launched):
+    """A process group's SIGTERM, then its launcher's: one stop for a launcher's child (SIGINT
+    ignored as it started), two for a process run alone, where a second Ctrl-C means now."""
+    monkeypatch.setattr(signal, "getsignal", lambda sig: signal.SIG_IGN if launched else signal.default_int_handler)
+    clock = [100.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    stops = StopSignals()
+    counts = [stops.take()]
+    clock[0] += REPEAT_S / 2
+    counts.append(stops.take())
+    clock[0] += REPEAT_S
+    counts.append(stops.take())
+    assert counts == ([1, 1, 2] if launched else [1, 2, 3])

@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -124,6 +125,55 @@ def test_launch_answers_and_stops_cleanly(tmp_path, how):
     workers_left = processes_mentioning(str(tmp_path / "logs")) + [
         p for p in processes_mentioning("common.cli") if f":{port}" in p]
     assert workers_left == []
+
+
+def http_stream(url: str, body: dict, first: threading.Event, out: list):
+    """Stream a completion from url, setting `first` at its first event; out gets its last two."""
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    events = []
+    with urllib.request.urlopen(req, timeout=120) as r:
+        for line in r:
+            if line.startswith(b"data: "):
+                events.append(line[6:].strip())
+                first.set()
+    out.extend(events[-2:])
+
+
+@pytest.mark.parametrize("how", ["launch.sh", "pdserve launch"])
+def test_a_process_groups_sigterm_drains_the_cluster_as_ctrl_c_does(tmp_path, how):
+    """systemd stops a unit, and `kill -- -PGID` a group, by SIGTERM to every process: the launcher,
+    which then signals each child, and each child. A child took the launcher's signal as a second
+    one and stopped at once, and the API servers closed at once: every stream was cut. Now an SDK
+    stream and an HTTP stream through an API server both finish."""
+    port, http_port = free_port(), free_port()
+    args = ["--mono", "1", "--port", str(port), "--log-dir", str(tmp_path / "logs"), "--http-port", str(http_port),
+            "--api-server-count", "2", "--drain-timeout", "30"]  # a drain that outlasts a loaded machine's streams
+    proc = start_launcher(how, args)
+    try:
+        address = read_until_ready(proc)
+        first, http_events = threading.Event(), []
+        body = {"model": "dummy:nanogpt", "prompt": [2], "max_tokens": 1000, "temperature": 0, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
+        reader = threading.Thread(target=http_stream, args=(f"http://127.0.0.1:{http_port}/v1/completions", body,
+                                                            first, http_events))
+        reader.start()
+        with Client(address, timeout=60) as client:
+            stream = client.stream([1], max_tokens=1000, temperature=0, ignore_eos=True)
+            got = len(next(stream).token_ids)
+            assert first.wait(60)
+            os.killpg(proc.pid, signal.SIGTERM)
+            got += sum(len(chunk.token_ids) for chunk in stream)
+        reader.join(120)
+        assert (got, stream.result.finish_reason) == (1000, "length")
+        assert http_events[-1] == b"[DONE]" and json.loads(http_events[0])["usage"]["completion_tokens"] == 1000
+        assert proc.wait(timeout=60) == 0 and proc.stdout.read().rstrip().endswith("stopped")
+        logs = {p.name: p.read_text() for p in (tmp_path / "logs").iterdir()}
+        assert "the 2 requests it held ended" in logs["router.log"], logs["router.log"][-3000:]
+        assert "leaving now (a second signal)" not in logs["mono-0.log"]
+        assert "second signal came" not in logs["router.log"]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 @pytest.mark.parametrize("how", ["launch.sh", "pdserve launch"])

@@ -111,9 +111,10 @@ def test_a_signal_handled_inside_a_wake_up_returns_and_wakes_the_loop():
     import types
 
     from common.channel import Waker
+    from common.signals import StopSignals
 
     waker = Waker()
-    worker = types.SimpleNamespace(signalled=0, waker=waker, wake=waker.wake)
+    worker = types.SimpleNamespace(signalled=0, stops=StopSignals(), waker=waker, wake=waker.wake)
 
     def handled_inside_the_lock():
         with waker._lock:  # as wake() holds it when the signal comes
