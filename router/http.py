@@ -64,7 +64,7 @@ ROUTES = ("GET /health, GET or POST /ping, GET /metrics, GET /version, GET /v1/m
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 SHUTDOWN_GRACE_S = 2.0  # for handlers to answer their requests' UNAVAILABLE when the server stops
 TOKENS_PER_WRITE = 65536  # /tokenize: ids serialized between two turns of the event loop
-REQUEST_ID = "pdserve_request_id"  # the request's key for the X-Request-Id its response carries
+REQUEST_ID = web.RequestKey("pdserve_request_id", str)  # the X-Request-Id its response carries
 REQUEST_ID_ALLOWED = "1 to 256 printable ASCII characters, no spaces, quotes or backslashes"
 # the access log (--log-requests): who, the request line, status, bytes, seconds, and the request's id
 ACCESS_LOG_FORMAT = '%a "%r" %s %b %Tf "%{X-Request-Id}o"'
