@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import array
 import enum
+import logging
 import time
 
 from common.prefix_hash import extend_chain
 from common.sampling_params import SamplingParams
 from common.text import TextStream
+
+log = logging.getLogger("pdserve.engine")
 
 
 PREFILLED = "prefilled"  # finish reason of a prefill-only request: KV computed, more to generate
@@ -139,7 +142,12 @@ class Sequence:
             self.first_token_time = time.monotonic()
         ends_text = self.text is not None and self.text.add(token)  # the text sees every token
         if self.matcher is not None and not self.matcher.consume_token(token):
-            self.finish_reason = "abort"  # not expected: its mask allowed only tokens it consumes
+            # its mask allowed the token, but llguidance gave up on the grammar (too many items or
+            # expressions for it): the output ends where it is, said in the log
+            log.warning("request %s: its structured output ends after %d tokens, llguidance could not follow it "
+                        "(%s)", self.request_id, len(self.token_ids) - self.num_prompt_tokens,
+                        self.matcher.get_error().strip().splitlines()[0][:200])
+            self.finish_reason = "abort"
         elif token in self.stop_ids or ends_text or (self.matcher is not None and self.matcher.is_stopped()):
             self.finish_reason = "stop"
         elif len(self.token_ids) >= self.max_len:

@@ -19,9 +19,11 @@ Torch-free: the router checks a request's spec where it enters.
 
 from __future__ import annotations
 
+import array
 import importlib.util
 import json
 import threading
+from collections import OrderedDict
 
 from common.errors import InvalidArgument, short_repr
 
@@ -36,6 +38,10 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 # A spec's compiling runs on the router's loop and each worker's: 50,000 choices (1 MB) took 1.5 s
 # and 2.4 s there, while every other request waited. 64 KiB compiles in about 0.1 s.
 MAX_SPEC_BYTES = 64 * 1024
+# Specs compiled lately, by their JSON: a request's n choices, or the same schema sent again, compile
+# once. Each choice compiled anew held a worker's loop 0.1 s (a 64 KiB spec): n=20 took 2 s, and the
+# router counted the worker dead.
+RECENT_SPECS = 32
 
 
 def _llguidance():
@@ -45,6 +51,34 @@ def _llguidance():
         raise InvalidArgument("structured outputs need the llguidance package on this server "
                               "(pip install llguidance)", param="structured_outputs") from None
     return llguidance
+
+
+class _Recent:
+    """The last RECENT_SPECS things made from specs, by the spec's JSON text; thread-safe (API
+    servers check in threads)."""
+
+    def __init__(self):
+        self._items: OrderedDict[str, object] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: str, make):
+        with self._lock:
+            if key in self._items:
+                self._items.move_to_end(key)
+                return self._items[key]
+        value = make()  # what raises is not kept
+        with self._lock:
+            self._items[key] = value
+            if len(self._items) > RECENT_SPECS:
+                self._items.popitem(last=False)
+        return value
+
+
+_checked_specs = _Recent()
+
+
+def _key(spec: dict) -> str:
+    return json.dumps(spec, ensure_ascii=False, sort_keys=True)
 
 
 class Checked(dict):
@@ -68,7 +102,7 @@ def check(spec, name: str = "structured_outputs", field: str | None = None) -> d
     (kind, value), = given.items()
     field = field or f"{name}.{kind}"
     try:
-        return _checked(kind, value, name, field)
+        return _checked_specs.get(_key({kind: value}), lambda: _checked(kind, value, name, field))
     except InvalidArgument:
         raise
     except (RecursionError, ValueError) as e:  # deep nesting, a lone surrogate, a number past 64 bits
@@ -163,6 +197,7 @@ class Grammars:
         self.tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, list(eos_token_ids)
         self._lltokenizer = None
         self._lock = threading.Lock()
+        self._fresh = _Recent()  # a matcher per spec, that has consumed nothing: a request's is a copy
 
     def warm_up(self) -> None:
         """Build the vocabulary in a thread now, so that the first structured request does not stall
@@ -203,14 +238,26 @@ class Grammars:
         if self.tokenizer is None:
             raise InvalidArgument("structured outputs need the model's tokenizer, and this model has none",
                                   param="structured_outputs")
-        llg = _llguidance()
-        m = llg.LLMatcher(self._vocabulary(), grammar(spec), log_level=0)
-        if m.is_error():
-            raise InvalidArgument(f"structured_outputs does not compile: {_first_lines(m.get_error())}",
-                                  param="structured_outputs")
+        m = self._fresh.get(_key(spec), lambda: self._compiled(spec)).deep_copy()
         if output_ids and not m.consume_tokens(list(output_ids)):
             raise InvalidArgument(f"the request's output so far does not match its structured_outputs "
                                   f"({_first_lines(m.get_error(), 1)})", param="structured_outputs")
+        return m
+
+
+    def _compiled(self, spec: dict):
+        """A fresh matcher for spec, its first mask computed: a grammar llguidance compiles but cannot
+        follow (one that refers only to itself) is refused here, not answered with empty output."""
+        m = _llguidance().LLMatcher(self._vocabulary(), grammar(spec), log_level=0)
+        if m.is_error():
+            raise InvalidArgument(f"structured_outputs does not compile: {_first_lines(m.get_error())}",
+                                  param="structured_outputs")
+        mask = array.array("i", bytes(4 * -(-self.vocab_size // 32)))
+        m.unsafe_compute_mask_ptr(mask.buffer_info()[0], len(mask) * mask.itemsize)
+        if m.is_error():
+            raise InvalidArgument(f"structured_outputs cannot be followed from its start (llguidance: "
+                                  f"{_first_lines(m.get_error(), 1)})",
+                                  param="structured_outputs")
         return m
 
 

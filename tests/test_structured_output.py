@@ -191,9 +191,50 @@ def test_required_tool_calls_keep_each_tools_references(engine):
     with pytest.raises(InvalidArgument, match="does not match"):
         engine.grammars.matcher(spec, engine.tokenizer.encode('[{"name": "tree", "parameters": {"v": 1, "kids": '
                                                               '[{"name": "tree"'))
-    outs = engine.generate([[1, 2, 3]] * 4, [SamplingParams(max_tokens=400, temperature=0.0 if i % 2 else 0.9, seed=i, structured_outputs=spec) for i in range(4)])
+    outs = engine.generate([[1, 2, 3]] * 4, [SamplingParams(max_tokens=400, temperature=0.0 if i % 2 else 0.9, seed=i,
+                                                            structured_outputs=spec) for i in range(4)])
     finished = [o for o in outs if o.finish_reason == "stop"]
     assert finished
     for out in finished:
         for c in json.loads(out.text):
             jsonschema.validate(c["parameters"], {"weather": weather, "tree": tree}[c["name"]])
+
+
+def test_a_spec_compiles_once_for_all_its_choices_and_each_request_has_its_own_state(engine, monkeypatch):
+    """n=20 choices of a 64 KiB spec compiled 20 times: 2 s of a worker's loop, and the router took
+    the worker for dead. Now once, in the router's check and in the worker, and each request gets a
+    copy that moves alone."""
+    import llguidance
+
+    from common import structured_output
+
+    compiled, validated = [], []
+    real_matcher, real_validate = llguidance.LLMatcher, llguidance.LLMatcher.validate_grammar
+    monkeypatch.setattr(structured_output.Grammars, "_compiled", lambda self, spec, real=structured_output.Grammars
+                        ._compiled: compiled.append(1) or real(self, spec))
+    monkeypatch.setattr(llguidance.LLMatcher, "validate_grammar",
+                        staticmethod(lambda g: validated.append(1) or real_validate(g)))
+    spec = {"choice": [f"c{i:05d}" for i in range(6400)]}  # (a spec no other test makes: none is cached yet)
+    for i in range(20):
+        engine.add_sequence(f"n{i}", [1, 2], 2, SamplingParams.from_dict(  # each as it comes from the wire
+            {"max_tokens": 8, "structured_outputs": json.loads(json.dumps(spec))}), seed=i)
+    seqs = [engine.requests[f"n{i}"] for i in range(20)]
+    assert (len(compiled), len(validated)) == (1, 1) and real_matcher is llguidance.LLMatcher
+    seqs[0].matcher.consume_token(list(b"c")[0])
+    assert seqs[1].matcher.compute_ff_tokens() != seqs[0].matcher.compute_ff_tokens()  # copies, not one state
+    for seq in seqs:
+        engine.abort_request(seq.request_id)
+
+
+def test_a_grammar_that_allows_nothing_is_refused_and_one_llguidance_gives_up_on_is_logged(engine, caplog):
+    """A schema that only refers to itself compiles, but allows no text: it came back 200 with empty
+    output. One whose items outgrow llguidance ended 'abort' with nothing in any log."""
+    with pytest.raises(InvalidArgument, match="structured_outputs cannot be followed from its start"):
+        only_itself = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}
+        engine.add_sequence("self", [1, 2], 2, params({"json": only_itself}), seed=0)
+    assert "self" not in engine.requests
+    recursive = {"$ref": "#/$defs/a", "$defs": {"a": {"type": "object", "properties": {"x": {"$ref": "#/$defs/a"}},
+                                                      "required": ["x"]}}}
+    with caplog.at_level("WARNING", logger="pdserve.engine"):
+        out = engine.generate("deep", params({"json": recursive}))[0]
+    assert out.finish_reason == "abort" and "llguidance could not follow it" in caplog.text
