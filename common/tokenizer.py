@@ -35,15 +35,17 @@ def check_token_ids(ids: list[int], vocab_size: int) -> None:
                                   param="prompt")
 
 
-def check_prompt_length(ids: list[int], max_model_len: int) -> None:
+def check_prompt_length(ids: list[int], max_model_len: int, param: str = "prompt",
+                        more_than: bool = False) -> None:
     """A prompt must have a token, and leave one of the context for the output. The words are
-    OpenAI's and vLLM's, which clients look for."""
+    OpenAI's and vLLM's, which clients look for. param: the request's field (a chat's messages);
+    more_than: ids are the tokens of the prompt's head only."""
     if not ids:
-        raise InvalidArgument("prompt is empty; allowed: at least one token", param="prompt")
+        raise InvalidArgument("prompt is empty; allowed: at least one token", param=param)
     if len(ids) >= max_model_len:
-        raise InvalidArgument(f"prompt has {len(ids)} tokens but the model's maximum context length is "
-                              f"{max_model_len} tokens; allowed: at most {max_model_len - 1}, leaving one for the "
-                              "output", param="prompt")
+        raise InvalidArgument(f"prompt has {'more than ' if more_than else ''}{len(ids)} tokens but the model's maximum "
+                              f"context length is {max_model_len} tokens; allowed: at most {max_model_len - 1}, "
+                              "leaving one for the output", param=param)
 
 
 class _ChatMixin:
@@ -53,10 +55,15 @@ class _ChatMixin:
                     tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
         """tools: OpenAI's function tools, for a template that shows them to the model;
         template_kwargs: more of its variables (vLLM's chat_template_kwargs: enable_thinking...)."""
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools, template_kwargs),
+                           add_special_tokens=False)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None, template_kwargs: dict | None = None) -> str:
+        """The text encode_chat tokenizes (without special tokens of its own)."""
         if self.chat_template is None:
             raise InvalidArgument("this model has no chat template; send a prompt instead of messages")
-        text = self.chat_template.render(messages, add_generation_prompt, **(template_kwargs or {}), tools=tools)
-        return self.encode(text, add_special_tokens=False)
+        return self.chat_template.render(messages, add_generation_prompt, **(template_kwargs or {}), tools=tools)
 
     def encode_turn(self, text: str) -> list[int]:
         """text as a user's message through the chat template, or as plain text where the model has none."""

@@ -205,7 +205,7 @@ def check_model(model, served: Served) -> None:
     names = (served,) if isinstance(served, str) else served
     if model not in names:
         shown = repr(names[0]) if len(names) == 1 else ", ".join(map(repr, names))
-        raise ApiError("NOT_FOUND", f"the model {model!r} does not exist; served: {shown}", "model")
+        raise ApiError("NOT_FOUND", f"the model {short_repr(model)} does not exist; served: {shown}", "model")
 
 
 def requested_model(body: dict, served: Served) -> str:

@@ -10,6 +10,12 @@ from common.sampling_params import SamplingParams
 from common.text import output_text
 from common.tokenizer import check_encoded, check_prompt_length, check_token_ids
 
+# A text over (context + 1) x this many characters has its head tokenized first: text averages 3-5
+# characters a token, so a head that already fills the context refuses the whole, and a text whose
+# tokens are longer (a run of spaces) is tokenized whole, as any other.
+HEAD_CHARS_PER_TOKEN = 16
+HEAD_EDGE_TOKENS = 8  # the head's last tokens, which the cut may have split from a longer one
+
 
 class Prompts:
     def __init__(self, model: str, max_model_len: int | None = None):
@@ -37,7 +43,8 @@ class Prompts:
         else:
             ids = prompt
         limit = self.context
-        check_prompt_length(ids, limit)  # before reading ids one by one: a client may send millions
+        # before reading ids one by one: a client may send millions
+        check_prompt_length(ids, limit, "prompt" if messages is None else "messages")
         if ids is prompt:
             check_token_ids(ids, self.model_config.vocab_size)
         else:
@@ -57,11 +64,22 @@ class Prompts:
         param = "prompt" if messages is None else "messages"
         try:
             if messages is None:
-                return self.tokenizer.encode(text)
-            return self.tokenizer.encode_chat(messages, tools=tools, template_kwargs=template_kwargs)
+                return self._encode_bounded(text, True, param)
+            chat = self.tokenizer.render_chat(messages, tools=tools, template_kwargs=template_kwargs)
+            return self._encode_bounded(chat, False, param)
         except InvalidArgument as e:
             e.param = e.param or param
             raise
+
+    def _encode_bounded(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+        """text's ids; a text far longer than the context is refused on its head's tokens, not
+        tokenized whole (4 MB held the router's loop 2.8 s, and /health with it)."""
+        head = (self.context + 1) * HEAD_CHARS_PER_TOKEN
+        if len(text) > head:
+            ids = self.tokenizer.encode(text[:head], add_special_tokens=add_special_tokens)
+            if len(ids) > self.context + HEAD_EDGE_TOKENS:  # the head's last word may split otherwise whole
+                check_prompt_length(ids[:len(ids) - HEAD_EDGE_TOKENS], self.context, param, more_than=True)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def text(self, ids: list[int], skip_special_tokens: bool = True) -> str | None:
         return self.tokenizer.decode(ids, skip_special_tokens) if self.tokenizer is not None else None

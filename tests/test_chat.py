@@ -257,3 +257,27 @@ def test_a_users_turn_goes_through_the_template_where_the_model_has_one():
     plain.chat_template, templated.chat_template = None, ChatTemplate(DUMMY_CHAT_TEMPLATE)
     assert plain.encode_turn("Hi") == plain.encode("Hi")
     assert bytes(templated.encode_turn("Hi")) == b"<|user|>\nHi\n<|assistant|>\n"
+
+
+@pytest.mark.parametrize("messages", [False, True], ids=["prompt", "messages"])
+def test_a_text_far_past_the_context_is_refused_on_its_heads_tokens(monkeypatch, messages):
+    """4 MB of prompt was tokenized whole before being refused: 2.8 s of the router's loop. Its head
+    now says it is too long; the error names the field the text came in."""
+    from router import prompts as prompts_module
+
+    prompts = Prompts("dummy:nanogpt")  # 1,024 tokens of context, a byte a token
+    encoded = []
+    real = prompts.tokenizer.encode
+    monkeypatch.setattr(prompts.tokenizer, "encode", lambda text, **kw: encoded.append(len(text)) or real(text, **kw))
+    text = "ab" * 1_000_000
+    with pytest.raises(InvalidArgument) as e:
+        if messages:
+            prompts.validate(None, [{"role": "user", "content": text}], {"max_tokens": 1})
+        else:
+            prompts.validate(text, None, {"max_tokens": 1})
+    head = (prompts.context + 1) * prompts_module.HEAD_CHARS_PER_TOKEN
+    assert encoded == [head] and e.value.param == ("messages" if messages else "prompt")
+    assert str(e.value).startswith(f"prompt has more than {head - prompts_module.HEAD_EDGE_TOKENS} tokens but the "
+                                   "model's maximum context length is 1024 tokens")
+    encoded.clear()  # a text within the head is tokenized once, whole
+    assert len(prompts.validate("ab" * 500, None, {"max_tokens": 1})[0]) == 1000 and encoded == [1000]

@@ -472,6 +472,9 @@ def test_errors_have_openais_shape_and_the_server_serves_on(served):
         (dict(raw=b'{"model": "%s", "prompt": "a", "stop": ["\\ud800"]}' % MODEL.encode()), 400, "INVALID_ARGUMENT",
          "stop", "lone surrogate"),
         (dict(raw=b"[" * 100_000), 400, "INVALID_ARGUMENT", None, "nests too deeply"),
+        # each of n choices carried them: 16 x 200 kB at n=400 held the router's loop 11.7 s
+        (dict(body=base | {"stop": ["é" * 1024, "x" * 2049]}), 400, "INVALID_ARGUMENT", "stop",
+         "allowed: at most 4096 bytes of text in all (UTF-8); these are 4097"),
         (dict(body=base | {"logprobs": 21}), 400, "INVALID_ARGUMENT", "logprobs", "[0, 20]"),
         (dict(body=base | {"prompt": [1, 999]}), 400, "INVALID_ARGUMENT", "prompt", "[999]"),
         (dict(body=base | {"prompt": [[1]] * 5, "n": 4}), 400, "INVALID_ARGUMENT", "n", "max_queue"),
@@ -480,6 +483,7 @@ def test_errors_have_openais_shape_and_the_server_serves_on(served):
         (dict(body=base | {"stream_options": {"include_usage": True}}), 400, "INVALID_ARGUMENT", "stream_options",
          "with stream=false; allowed: stream_options only with stream=true"),
         (dict(body=base | {"model": "gpt-4"}), 404, "NOT_FOUND", "model", "'gpt-4' does not exist"),
+        (dict(body=base | {"model": "m" * 100_000}), 404, "NOT_FOUND", "model", "'mmmmm"),
         (dict(raw=b'{"prompt": "' + b"x" * (4 * 2**20) + b'"}'), 413, "TOO_LARGE", None, "over the limit"),
         (dict(raw=b'{"prompt": "hi"}', headers={"Content-Encoding": "gzip"}), 400, "INVALID_ARGUMENT", None,
          "could not be decoded (Content-Encoding: gzip)"),
@@ -492,6 +496,7 @@ def test_errors_have_openais_shape_and_the_server_serves_on(served):
         error = body["error"]
         assert set(error) == {"message", "type", "param", "code"}
         assert (error["code"], error["param"]) == (code, param) and text in error["message"], error
+        assert len(error["message"]) < 1000  # nothing the client sent is echoed whole
     too_long = dict(model=MODEL, messages=[{"role": "user", "content": "x"}], max_completion_tokens=5000)
     got, _, body = http(served, "POST", "/v1/chat/completions", too_long)
     assert got == 400 and body["error"]["param"] == "max_completion_tokens", body
