@@ -32,16 +32,18 @@ class Drain:
         return (f"the router is stopping: it finishes the requests it holds (for up to {self.timeout_s:g}s, its "
                 f"--drain-timeout) and admits no new one; retry once it has restarted, or on another router")
 
-    def why_not_waiting(self, held: int, with_workers: int, missing: list[str], now_too: bool) -> str | None:
+    def why_not_waiting(self, held: int, with_workers: int, missing: list[str], now_too: bool,
+                        workers_stopped: bool = False) -> str | None:
         """Why the drain ends now, or None while it waits: requests held, how many of them a worker
-        holds (a worker that is leaving still finishes them), the roles no live worker serves, and
-        whether a second signal came."""
+        holds (a worker that is leaving still finishes them), the roles no live worker serves,
+        whether a second signal came, and whether the workers not alive all stopped as told."""
         if not held:
             return "done"
         if now_too:
             return "a second signal came"
         if missing and not with_workers:
-            return f"no live {' or '.join(missing)} worker is left to serve them"
+            why = f"no live {' or '.join(missing)} worker was left to finish the request"
+            return why + (" (the workers stopped as told, at their --drain-timeout)" if workers_stopped else "")
         if time.monotonic() >= self.deadline:
             return f"its --drain-timeout, {self.timeout_s:g}s, passed"
         return None
@@ -52,8 +54,8 @@ class Drain:
         refused = f"; it refused {self.refused} new ones meanwhile" if self.refused else ""
         if not held:
             return f"router stopping: the {self.held} requests it held ended in {took:.1f}s{refused}"
-        return (f"router stopping: {held} of the {self.held} requests it held are unfinished after {took:.1f}s, "
-                f"as {why}; they end UNAVAILABLE{refused}")
+        return (f"router stopping: {held} of the {self.held} requests it held are unfinished after {took:.1f}s "
+                f"({why}); they end UNAVAILABLE{refused}")
 
 
 def unfinished(why: str) -> str:
@@ -70,7 +72,9 @@ async def drain(router, now_too: asyncio.Event) -> str:
                  "are refused; a second signal stops it at once", d.held, d.timeout_s)
     while True:
         with_workers = sum(req.state != "queued" for req in router.requests.values())
-        why = d.why_not_waiting(len(router.requests), with_workers, router.serving()[1], now_too.is_set())
+        gone = [w for w in router.registry.workers.values() if not w.alive]
+        why = d.why_not_waiting(len(router.requests), with_workers, router.serving()[1], now_too.is_set(),
+                                bool(gone) and all(w.left for w in gone))
         if why is not None:
             break
         try:

@@ -173,7 +173,8 @@ def test_what_a_stopping_router_did_not_finish_ends_unavailable_and_its_work_is_
     with caplog.at_level(logging.INFO, logger="pdserve.router"):
         work, failed, cancel, took = asyncio.run(scenario())
     why = {"drain-timeout": "its --drain-timeout, 0.5s, passed", "second-signal": "a second signal came",
-           "no-worker-left": "no live prefill or decode worker is left to serve them"}[ends]
+           "no-worker-left": "no live prefill or decode worker was left to finish the request (the workers stopped "
+                             "as told, at their --drain-timeout)"}[ends]
     assert (failed.request_id, failed.code) == ("a", "UNAVAILABLE")
     assert failed.message == f"the router stopped before this request finished: {why}"
     assert cancel == (None if ends == "no-worker-left" else P.CancelWork(work.request_id, work.attempt))
