@@ -39,7 +39,7 @@ class Prompts:
             if messages is not None and prompt:
                 raise InvalidArgument("a request with messages must have an empty prompt; send one or the other",
                                       param="prompt")
-            ids = self.encode(prompt, messages, tools, template_kwargs)
+            ids = self.encode(prompt, messages, tools, template_kwargs, within_context=True)
         else:
             ids = prompt
         limit = self.context
@@ -56,17 +56,20 @@ class Prompts:
         return ids, params
 
     def encode(self, text: str | None, messages: list[dict] | None, tools: list[dict] | None = None,
-               template_kwargs: dict | None = None) -> list[int]:
-        """The token ids of text, or of messages through the chat template."""
+               template_kwargs: dict | None = None, within_context: bool = False) -> list[int]:
+        """The token ids of text, or of messages through the chat template. within_context: a
+        text far past the context is refused on its head (_encode_bounded); /tokenize takes any."""
         if self.tokenizer is None:
             raise InvalidArgument(f"model {self.model!r} has no tokenizer; send token ids",
                                   param="prompt" if messages is None else "messages")
         param = "prompt" if messages is None else "messages"
         try:
-            if messages is None:
-                return self._encode_bounded(text, True, param)
-            chat = self.tokenizer.render_chat(messages, tools=tools, template_kwargs=template_kwargs)
-            return self._encode_bounded(chat, False, param)
+            special = messages is None  # a chat's template writes its own
+            if messages is not None:
+                text = self.tokenizer.render_chat(messages, tools=tools, template_kwargs=template_kwargs)
+            if within_context:
+                return self._encode_bounded(text, special, param)
+            return self.tokenizer.encode(text, add_special_tokens=special)
         except InvalidArgument as e:
             e.param = e.param or param
             raise
