@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import re
 from pathlib import Path
 
 import click
@@ -417,6 +418,9 @@ def devices_option(default: str | None = "cpu", help: str = "comma-separated, as
         devices = [d.strip() for d in text.split(",")]
         if not all(devices):
             raise click.BadParameter(f"{text!r} has an empty entry; give devices like cpu,cuda:0,cuda:1")
+        bad = [d for d in devices if not re.fullmatch(r"cpu|cuda(:\d+)?|\d+", d)]
+        if bad:  # here, not in each worker's log as it fails to start (and not past a --dry-run)
+            raise click.BadParameter(f"{bad[0]!r} is not a device; allowed: cpu, cuda, cuda:N or N, comma-separated")
         return devices
     return click.option("--devices", default=default, show_default=default is not None, callback=parse, help=help)
 

@@ -65,6 +65,15 @@ def test_an_empty_device_entry_is_refused_clearly(bench):
     assert "'cpu,,cuda:0' has an empty entry" in r.output
 
 
+@pytest.mark.parametrize("command", [["bench", "serve"], ["launch", "--dry-run"]])
+def test_a_device_that_is_none_is_refused_before_anything_starts(command):
+    """launch --dry-run printed command lines for --devices gpu, and a launch started workers that
+    each failed with it in their logs."""
+    r = CliRunner().invoke(main, [*command, "--devices", "cpu,gpu"])
+    assert r.exit_code == 2 and "router:" not in r.output
+    assert "'gpu' is not a device; allowed: cpu, cuda, cuda:N or N, comma-separated" in r.output
+
+
 def test_a_transport_is_refused_devices_it_cannot_use():
     with pytest.raises(InvalidArgument, match="transport='cuda_ipc' does not work with device='cpu'"):
         B.run_transfer_bench("cuda_ipc", "dummy:nanogpt", 16, 1, devices=["cpu"])
