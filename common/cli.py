@@ -392,6 +392,7 @@ def status(router_address, as_json):
     no live worker, or it is stopping), for scripts and health checks."""
     from bench.report import print_table
     from router.client import Client
+    from router.drain import STOPPING
 
     with Client(router_address) as client:
         reply = client.status()
@@ -402,7 +403,7 @@ def status(router_address, as_json):
         raise SystemExit(1 if reply.missing or reply.stopping else 0)
     serves = f"cannot serve: no live {' or '.join(reply.missing)} worker" if reply.missing else "serving"
     if reply.stopping:
-        serves = "stopping: it finishes what it holds and admits no new request"
+        serves = STOPPING
     print_table(f"router {router_address} ({reply.model}): {serves}; {reply.queued} queued in the router, "
                 f"{reply.in_flight} with workers; admits a context of {reply.context} tokens",
                 ["worker", "role", "device", "alive", "queued", "held", "running", "free blocks", "total blocks",

@@ -10,6 +10,7 @@ import time
 
 from common.prefix_hash import extend_chain
 from common.sampling_params import SamplingParams
+from common.structured_output import first_lines
 from common.text import TextStream
 
 log = logging.getLogger("pdserve.engine")
@@ -146,7 +147,7 @@ class Sequence:
             # expressions for it): the output ends where it is, said in the log
             log.warning("request %s: its structured output ends after %d tokens, llguidance could not follow it "
                         "(%s)", self.request_id, len(self.token_ids) - self.num_prompt_tokens,
-                        self.matcher.get_error().strip().splitlines()[0][:200])
+                        first_lines(self.matcher.get_error(), 1))
             self.finish_reason = "abort"
         elif token in self.stop_ids or ends_text or (self.matcher is not None and self.matcher.is_stopped()):
             self.finish_reason = "stop"

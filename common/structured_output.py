@@ -83,7 +83,8 @@ def _key(spec: dict) -> str:
 
 class Checked(dict):
     """A spec `check` passed: checked again (a copy of its SamplingParams, one per choice of n),
-    it is not compiled again. What comes over the wire is plain data, and checked."""
+    it is passed through at once. What comes over the wire is plain data, checked again, though not
+    compiled again while it is among the recent specs (_checked_specs)."""
 
 
 def check(spec, name: str = "structured_outputs", field: str | None = None) -> dict:
@@ -108,7 +109,7 @@ def check(spec, name: str = "structured_outputs", field: str | None = None) -> d
     except (RecursionError, ValueError) as e:  # deep nesting, a lone surrogate, a number past 64 bits
         allowed = ("nesting at most a few hundred levels deep" if isinstance(e, RecursionError) else
                    "text without lone surrogates" if isinstance(e, UnicodeError) else "numbers that fit 64 bits")
-        raise InvalidArgument(f"{field} cannot be compiled ({type(e).__name__}: {_first_lines(str(e), limit=120)}); "
+        raise InvalidArgument(f"{field} cannot be compiled ({type(e).__name__}: {first_lines(str(e), limit=120)}); "
                               f"allowed: {allowed}", param=name) from None
 
 
@@ -133,7 +134,7 @@ def _checked(kind: str, value, name: str, field: str) -> Checked:
     spec = Checked({kind: value})
     error = _llguidance().LLMatcher.validate_grammar(grammar(spec, name, field))
     if error:
-        raise InvalidArgument(f"{field} does not compile: {_first_lines(error)}; allowed: {allowed}", param=name)
+        raise InvalidArgument(f"{field} does not compile: {first_lines(error)}; allowed: {allowed}", param=name)
     return spec
 
 
@@ -152,7 +153,7 @@ def grammar(spec: dict, name: str = "structured_outputs", field: str = "structur
     try:
         return llg.grammar_from("grammar", value)  # Lark, or GBNF converted to it
     except ValueError as e:
-        raise InvalidArgument(f"{field} does not compile: {_first_lines(str(e))}", param=name) from None
+        raise InvalidArgument(f"{field} does not compile: {first_lines(str(e))}", param=name) from None
 
 
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
@@ -183,7 +184,7 @@ def closed(schema, close: bool = True):
     return out
 
 
-def _first_lines(error: str, n: int = 3, limit: int = 300) -> str:
+def first_lines(error: str, n: int = 3, limit: int = 300) -> str:
     """The compiler's first lines, cut to `limit` characters: they may quote the whole spec."""
     text = " ".join(line.strip() for line in error.strip().splitlines()[:n])
     return text if len(text) <= limit else text[:limit - 3] + "..."
@@ -226,7 +227,7 @@ class Grammars:
                         wrapped = llg.TokenizerWrapper(_Spelled(self.tokenizer, self.vocab_size))
                     self._lltokenizer = llg.LLTokenizer(wrapped, n_vocab=self.vocab_size, eos_token=self.eos_token_ids)
                 except Exception as e:  # llguidance's own errors, from a tokenizer it cannot read
-                    why = _first_lines(str(e), 1)
+                    why = first_lines(str(e), 1)
                     self._lltokenizer = InvalidArgument("structured outputs are not available for this model: "
                                                         f"llguidance cannot read its tokenizer ({why})",
                                                         param="structured_outputs")
@@ -241,22 +242,21 @@ class Grammars:
         m = self._fresh.get(_key(spec), lambda: self._compiled(spec)).deep_copy()
         if output_ids and not m.consume_tokens(list(output_ids)):
             raise InvalidArgument(f"the request's output so far does not match its structured_outputs "
-                                  f"({_first_lines(m.get_error(), 1)})", param="structured_outputs")
+                                  f"({first_lines(m.get_error(), 1)})", param="structured_outputs")
         return m
-
 
     def _compiled(self, spec: dict):
         """A fresh matcher for spec, its first mask computed: a grammar llguidance compiles but cannot
         follow (one that refers only to itself) is refused here, not answered with empty output."""
         m = _llguidance().LLMatcher(self._vocabulary(), grammar(spec), log_level=0)
         if m.is_error():
-            raise InvalidArgument(f"structured_outputs does not compile: {_first_lines(m.get_error())}",
+            raise InvalidArgument(f"structured_outputs does not compile: {first_lines(m.get_error())}",
                                   param="structured_outputs")
         mask = array.array("i", bytes(4 * -(-self.vocab_size // 32)))
         m.unsafe_compute_mask_ptr(mask.buffer_info()[0], len(mask) * mask.itemsize)
         if m.is_error():
             raise InvalidArgument(f"structured_outputs cannot be followed from its start (llguidance: "
-                                  f"{_first_lines(m.get_error(), 1)})",
+                                  f"{first_lines(m.get_error(), 1)})",
                                   param="structured_outputs")
         return m
 

@@ -92,8 +92,7 @@ class WorkerBase:
         self.handlers: dict[zmq.Socket, tuple[Channel, callable]] = {}
         self.router: Channel | None = None
         self.stopping = False
-        self.signalled = 0  # SIGTERM / SIGINT received: the first leaves gracefully, a second at once
-        self.stops = StopSignals()  # how they count
+        self.stops = StopSignals()  # SIGTERM / SIGINT taken: the first leaves gracefully, a second at once
         self.leaving: tuple[float, float] | None = None  # (drain deadline, answer deadline): leaving
         self.refused: str | None = None  # why the router sent us away (run() then exits 1)
         self.kv_address = ""
@@ -243,7 +242,7 @@ class WorkerBase:
         for sig in stop_signals():
             signal.signal(sig, self._on_signal)
         if stopped_before():
-            self.signalled = self.stops.take()
+            self.stops.take()
         log.info("%s %s on %s: %s, %d KV blocks%s", self.role, self.worker_id, self.engine.config.torch_device,
                  self.engine.config.model, self.engine.num_blocks,
                  ", async scheduling" if self.engine.config.async_scheduling else "")
@@ -281,21 +280,21 @@ class WorkerBase:
         return 1 if self.refused else 0
 
     def _on_signal(self, *_):
-        self.signalled = self.stops.take()
+        self.stops.take()
         self.waker.wake_from_signal()
 
     def _leave(self, now: float):
         """Told to stop: leave the router's rotation, finish what it holds, then go (see above)."""
         if self.leaving is None:
-            if self.signalled > 1 or not self.registered or self.cfg.drain_timeout_s <= 0 or self.idle():
+            if self.stops.count > 1 or not self.registered or self.cfg.drain_timeout_s <= 0 or self.idle():
                 self.stopping = True
             else:
                 log.info("%s leaving: no new work; finishing what it holds, for up to %g s (--drain-timeout)",
                          self.worker_id, self.cfg.drain_timeout_s)
                 self.to_router(P.Leaving(self.worker_id))
                 self.leaving = (now + self.cfg.drain_timeout_s, now + LEAVING_ACK_S)
-        elif self.signalled > 1 or self.idle() or now > min(self.leaving):
-            why = ("a second signal" if self.signalled > 1 else "done" if self.idle() else
+        elif self.stops.count > 1 or self.idle() or now > min(self.leaving):
+            why = ("a second signal" if self.stops.count > 1 else "done" if self.idle() else
                    "no answer from the router" if now > self.leaving[1] else "--drain-timeout")
             log.info("%s leaving now (%s)", self.worker_id, why)
             self.stopping = True
@@ -314,7 +313,7 @@ class WorkerBase:
 
     def _tick(self, now: float):
         said = False
-        if self.signalled:
+        if self.stops.count:
             self._leave(now)
         self._send_kv_events(wait=True)  # what the last steps changed, and what changed outside a step
         if not self.registered and now - self._last_register > 0.5:
@@ -369,7 +368,7 @@ class WorkerBase:
     def close(self):
         self.pulse.close()  # its socket first: the context's term() waits for every socket
         for chan, _ in list(self.handlers.values()):
-            chan.close(GOODBYE_LINGER_MS if chan is self.router and self.signalled else 0)
+            chan.close(GOODBYE_LINGER_MS if chan is self.router and self.stops.count else 0)
         close_context(self.ctx)
         self.waker.close()
         gc.unfreeze()  # (run's freeze: a worker in a test's process goes with its last reference)

@@ -15,6 +15,7 @@ import logging
 import time
 
 log = logging.getLogger("pdserve.router")
+STOPPING = "the router is stopping: it finishes the requests it holds and admits no new one"
 POLL_S = 0.05  # how often the drain looks whether what the router holds has finished
 
 
@@ -29,8 +30,8 @@ class Drain:
         self.refused = 0  # new requests refused meanwhile
 
     def refusal(self) -> str:
-        return (f"the router is stopping: it finishes the requests it holds (for up to {self.timeout_s:g}s, its "
-                f"--drain-timeout) and admits no new one; retry once it has restarted, or on another router")
+        return (f"{STOPPING} (it waits up to {self.timeout_s:g}s, its --drain-timeout); retry once it has "
+                "restarted, or on another router")
 
     def why_not_waiting(self, held: int, with_workers: int, missing: list[str], now_too: bool,
                         workers_stopped: bool = False) -> str | None:

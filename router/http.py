@@ -55,6 +55,7 @@ from router.openai_api import (RETRY_AFTER_S, ApiError, Job, OutputParsers, chec
 from router.openai_responses import Choice, Envelope, usage
 from router.http_conns import KEEPALIVE_S, HeaderDeadline, capped, connection_cap, quiet_bad_requests, read_body
 from router.prompts import Prompts
+from router.drain import STOPPING
 from router.request_log import RequestLog
 
 log = logging.getLogger("pdserve.http")
@@ -255,7 +256,7 @@ class HttpFront:
         decode workers alone where they prefill too (not --enforce-disagg)."""
         workers, missing, stopping = await self.backend.health()
         if stopping:
-            raise ApiError("UNAVAILABLE", "the router is stopping: it finishes what it holds and admits no new request")
+            raise ApiError("UNAVAILABLE", STOPPING)
         if missing:
             raise ApiError("UNAVAILABLE", f"no live {' or '.join(missing)} worker")
         return web.json_response({"status": "ok", "workers": workers})

@@ -59,10 +59,9 @@ class Prompts:
                template_kwargs: dict | None = None, within_context: bool = False) -> list[int]:
         """The token ids of text, or of messages through the chat template. within_context: a
         text far past the context is refused on its head (_encode_bounded); /tokenize takes any."""
-        if self.tokenizer is None:
-            raise InvalidArgument(f"model {self.model!r} has no tokenizer; send token ids",
-                                  param="prompt" if messages is None else "messages")
         param = "prompt" if messages is None else "messages"
+        if self.tokenizer is None:
+            raise InvalidArgument(f"model {self.model!r} has no tokenizer; send token ids", param=param)
         try:
             special = messages is None  # a chat's template writes its own
             if messages is not None:

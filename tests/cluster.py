@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import zmq
@@ -43,6 +46,24 @@ def cluster(tmp_path, model="dummy:nanogpt", prefill=1, decode=1, mono=0, worker
         assert not c.killed, f"{c.killed} did not stop on SIGTERM"
         for pid in api_server_pids:  # the router's own children stop with it
             assert not running(pid), f"API server {pid} still running"
+
+
+def http_request(url: str, method: str = "GET", body=None, key: str | None = None, raw: bytes | None = None,
+                 headers: dict | None = None) -> tuple[int, dict, object]:
+    """(status, headers, parsed JSON or text) of one plain HTTP request."""
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    req = urllib.request.Request(url, data=data, method=method, headers=headers or {})
+    if key:
+        req.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            status, headers, text = r.status, dict(r.headers), r.read().decode()
+    except urllib.error.HTTPError as e:
+        status, headers, text = e.code, dict(e.headers), e.read().decode()
+    try:
+        return status, headers, json.loads(text)
+    except ValueError:
+        return status, headers, text
 
 
 def running(pid: int) -> bool:

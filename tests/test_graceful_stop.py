@@ -4,12 +4,9 @@ other workers at once, not at the heartbeat timeout. A stopping router cancels w
 hold for it."""
 
 import asyncio
-import json
 import logging
 import signal
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 
@@ -17,9 +14,9 @@ from common import protocol as P
 from common.signals import REPEAT_S, StopSignals
 from router.client import AsyncClient, Client, RequestError
 from router.launcher import free_port
-from tests.cluster import cluster, scripted_worker, serving_router, stoppable_router
+from tests.cluster import cluster, http_request, scripted_worker, serving_router, stoppable_router
 from tests.test_chaos import reference, wait_for
-from tests.test_local_prefill import GREEDY, next_work
+from tests.test_local_prefill import GREEDY, next_work, reply
 
 pytestmark = pytest.mark.timeout(300)
 LONG = {"max_tokens": 400, "temperature": 0, "ignore_eos": True}
@@ -59,25 +56,6 @@ def test_the_router_sends_a_leaving_worker_no_new_work_and_moves_its_requests_on
     assert 'pdserve:worker_deaths_total{model_name="dummy:nanogpt"} 0.0' in metrics  # it left, it did not die
 
 
-async def reply(chan, kinds=(P.Done, P.Error, P.StatusReply)):
-    """The next message on a client's socket of one of kinds (past the router's probes)."""
-    while True:
-        msg = (await asyncio.wait_for(chan.arecv(), 10)).msg
-        if isinstance(msg, kinds):
-            return msg
-
-
-def http(url: str, body: dict | None = None) -> tuple[int, dict, dict]:
-    """(status, headers, JSON body) of a GET, or of a POST of body."""
-    req = urllib.request.Request(url, data=None if body is None else json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=10) as r:
-            return r.status, dict(r.headers), json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, dict(e.headers), json.loads(e.read())
-
-
 def test_a_stopping_router_finishes_what_it_holds_and_admits_nothing_new(caplog):
     """As Kubernetes stops a pod: new requests are refused (503 with Retry-After over HTTP) and
     /health says 503 so a load balancer looks elsewhere, while the request held finishes; the
@@ -98,8 +76,9 @@ def test_a_stopping_router_finishes_what_it_holds_and_admits_nothing_new(caplog)
             await client.send(P.StatusRequest("s"))
             status = await reply(client)
             url = f"http://127.0.0.1:{port}"
-            health = await asyncio.to_thread(http, f"{url}/health")
-            completion = await asyncio.to_thread(http, f"{url}/v1/completions", {"prompt": [1, 2], "max_tokens": 2})
+            health = await asyncio.to_thread(http_request, f"{url}/health")
+            completion = await asyncio.to_thread(http_request, f"{url}/v1/completions", "POST",
+                                                 {"prompt": [1, 2], "max_tokens": 2})
             assert not stopping.done()  # still draining: "a" is held
             began = time.monotonic()
             await worker.send(P.WorkerTokens(work.request_id, work.attempt, 0, [7, 8], "length"))

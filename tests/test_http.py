@@ -24,7 +24,7 @@ from common import protocol as P  # noqa: E402
 from common.engine import Engine  # noqa: E402
 from common.sampling_params import SamplingParams, choice_seed
 from router.client import Client, RequestError
-from tests.cluster import cluster, router_children, stop, wait_blocks_free
+from tests.cluster import cluster, http_request, router_children, stop, wait_blocks_free
 
 pytestmark = pytest.mark.timeout(600)
 MODEL = "dummy:nanogpt"
@@ -74,20 +74,8 @@ def engine_logprobs(engine, ids: list[int]) -> torch.Tensor:
 
 
 def http(c, method, path, body=None, key=KEY, raw: bytes | None = None, headers: dict | None = None):
-    """(status, headers, parsed JSON or text) of one plain HTTP request."""
-    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-    req = urllib.request.Request(c.http_url + path, data=data, method=method, headers=headers or {})
-    if key:
-        req.add_header("Authorization", f"Bearer {key}")
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            status, headers, text = r.status, dict(r.headers), r.read().decode()
-    except urllib.error.HTTPError as e:
-        status, headers, text = e.code, dict(e.headers), e.read().decode()
-    try:
-        return status, headers, json.loads(text)
-    except ValueError:
-        return status, headers, text
+    """(status, headers, parsed JSON or text) of one plain HTTP request to cluster c."""
+    return http_request(c.http_url + path, method, body, key, raw, headers)
 
 
 # ----------------------------------------------------------------------------- tokens
