@@ -48,6 +48,8 @@ from router.connection import LOST, Connection, RequestError, replies, until
 
 __all__ = ["AsyncClient", "AsyncStream", "Chunk", "Client", "RequestError", "Result", "Stream"]
 
+SEND_RETRY_MS = 50  # a send the socket cannot take yet: how often it looks again, and at the connection
+
 
 @dataclass
 class Chunk:
@@ -320,8 +322,20 @@ class Client(_Requests):
         if error is not None:
             raise error
         with self._one_thread(), self._opening(request_id):
-            self.chan.send(message)
+            self._send(message, request_id)
         return request_id
+
+    def _send(self, message, key: str) -> None:
+        """Send once the socket takes it, or fail UNAVAILABLE as a read would: a DEALER's send
+        waits while it has no connection to queue on, and after a handshake the router refused,
+        libzmq stops trying (a blocking send there waited for good)."""
+        since = time.monotonic()
+        while not self.chan.send_nowait(message):
+            self._take_events()
+            error = self.connection.unreachable(self.address, since, key)
+            if error is not None:
+                raise error
+            self.chan.sock.poll(SEND_RETRY_MS, zmq.POLLOUT)
 
     @contextlib.contextmanager
     def _one_thread(self):
@@ -449,7 +463,7 @@ class Client(_Requests):
         self._check_open()
         with self._asking() as ask_id:
             with self._one_thread():
-                self.chan.send(request(ask_id))
+                self._send(request(ask_id), ask_id)
             return self._next(ask_id, self._deadline(timeout))
 
 
@@ -528,8 +542,17 @@ class AsyncClient(_Requests):
         request_id = _request_id(request_id) or self._new_id()
         message = _generate(request_id, prompt, messages, sampling, stream)
         with self._opening(request_id):
-            await self.chan.send(message)
+            await self._send(message, request_id)
         return request_id
+
+    async def _send(self, message, key: str) -> None:
+        """Client._send's, awaited."""
+        since = time.monotonic()
+        while not self.chan.send_nowait(message):
+            error = self.connection.unreachable(self.address, since, key)
+            if error is not None:
+                raise error
+            await self.chan.sock.poll(SEND_RETRY_MS, zmq.POLLOUT)
 
     async def cancel(self, request_id: str) -> None:
         """Ask the router to cancel it; its stream then ends with finish_reason "cancelled"."""
@@ -602,5 +625,5 @@ class AsyncClient(_Requests):
         """A status or metrics call's reply, filed under the call's id."""
         self._start()
         with self._asking() as ask_id:
-            await self.chan.send(request(ask_id))
+            await self._send(request(ask_id), ask_id)
             return await self._next(ask_id, self.timeout_of(timeout))

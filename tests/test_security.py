@@ -1,8 +1,10 @@
 """Loopback by default, and with CURVE keys every socket is authenticated: an unknown peer can
 neither submit requests, nor register, nor push KV."""
 
+import asyncio
 import os
 import shutil
+import socket
 import stat
 import subprocess
 import sys
@@ -17,7 +19,7 @@ from common import protocol as P
 from common.errors import InvalidArgument
 from common.security import create_keys
 import router.connection
-from router.client import Client, RequestError
+from router.client import AsyncClient, Client, RequestError
 from tests.cluster import cluster
 
 pytestmark = pytest.mark.timeout(300)
@@ -102,6 +104,73 @@ def test_curve_keeps_unknown_peers_out(tmp_path, monkeypatch):
         runner.join(60)
         assert not runner.is_alive(), f"a keyless client hung after {len(outcomes)} refusals"
         assert outcomes == ["UNAVAILABLE"] * 10
+
+
+def test_a_send_after_a_refused_handshake_fails_rather_than_waits(monkeypatch):
+    """After a handshake refused before the first send (1 run in 60 of the keyless loop above,
+    under load), libzmq stops trying, and a send with no connection to queue on waited for good.
+    Made certain here by a peer that greets as a CURVE server and then holds the connection (a
+    router closes it, and a close seen first has libzmq try again)."""
+    monkeypatch.delenv("PDSERVE_CURVE_DIR", raising=False)
+    monkeypatch.setattr(router.connection, "CONNECT_TIMEOUT_S", 3.0)  # longer than the wait for the refusal
+    server, held = socket.create_server(("127.0.0.1", 0)), []
+
+    def greet_as_curve_server():
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:  # closed: the test is over
+                return
+            held.append(conn)  # ZMTP 3.0's greeting: signature, version, mechanism, as-server, filler
+            conn.sendall(b"\xff" + bytes(8) + b"\x7f" + bytes([3, 0]) + b"CURVE".ljust(20, b"\0") + b"\x01" + bytes(31))
+
+    threading.Thread(target=greet_as_curve_server, daemon=True).start()
+    address = "tcp://127.0.0.1:%d" % server.getsockname()[1]
+    try:
+        with Client(address, timeout=60) as client:
+            monkeypatch.setattr(client.connection, "drain", lambda: False)  # the refusal not yet seen
+            time.sleep(1.0)
+            outcomes = []
+
+            def calls():  # libzmq takes messages until it next reads its commands, then none
+                for call in (client.submit, client.submit, client.submit, client.status):
+                    outcomes.append(refused(call, *([[1, 2, 3]] if call == client.submit else [])))
+                    time.sleep(0.1)
+
+            sent = threading.Thread(target=calls, daemon=True)
+            sent.start()
+            sent.join(30)
+            assert not sent.is_alive(), f"a send after a refused handshake waited for good ({outcomes})"
+        assert outcomes[-2:] == ["UNAVAILABLE"] * 2 and set(outcomes) <= {"UNAVAILABLE", "none raised"}, outcomes
+
+        async def submit_async():
+            async with AsyncClient(address, timeout=60) as client:
+                await asyncio.sleep(1.0)
+                errors = []
+                for call in (client.submit([1, 2, 3]), client.submit([1, 2, 3]), client.status()):
+                    try:
+                        await asyncio.wait_for(call, 30)
+                    except RequestError as e:
+                        errors.append(e)
+                    await asyncio.sleep(0.1)
+                return errors
+
+        errors = asyncio.run(submit_async())
+        assert len(errors) >= 2 and all(e.code == "UNAVAILABLE" and "one side uses CURVE keys" in e.message
+                                        for e in errors), errors
+    finally:
+        server.close()
+        for conn in held:
+            conn.close()
+
+
+def refused(call, *args) -> str:
+    """The code of the RequestError a call raised."""
+    try:
+        call(*args)
+    except RequestError as e:
+        return e.code
+    return "none raised"
 
 
 def test_a_worker_whose_key_the_router_refuses_says_so(tmp_path, monkeypatch):
