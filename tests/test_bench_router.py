@@ -26,8 +26,9 @@ def test_a_small_run_delivers_every_stream_whole_and_reports_the_routers_cpu(fro
     assert result["requests_done"] >= 32  # many requests of 24 tokens ran through each level
     for p in result["points"]:
         assert p["delivered_tok_s"] > 0 and p["router_us_per_token"] > 0 and p["router_cores"] > 0
-    # 32 streams on 2 workers: the SDK's client gets each worker step's tokens in one message
-    assert (result["points"][1]["tokens_per_message"] > 2) == (frontend == "zmq"), result["points"]
+    # 32 streams on 2 workers: the SDK's client gets each worker step's tokens in one message (some
+    # 8 at rest, 2 on a machine loaded twice over), the per-token frontend one token a message
+    assert (result["points"][1]["tokens_per_message"] > 1) == (frontend == "zmq"), result["points"]
     assert "router us/token" in r.stdout and "concurrency" in r.stderr  # the table, and progress
 
 

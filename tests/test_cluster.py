@@ -255,12 +255,12 @@ def test_a_request_its_caller_stops_waiting_for_is_cancelled(tmp_path):
 
 def test_requests_queued_for_decode_room_are_waiting_not_lost(tmp_path):
     """A busy cluster is a queue. Its decode worker holds 2 requests at a time and the router's
-    deadlines are 1.2 s; 24 requests of 300 tokens wait for decode room for seconds. Their workers
+    deadlines are 1.2 s; 16 requests of 300 tokens wait for decode room for seconds. Their workers
     say they hold them (Holding), so none is timed out and prefilled again: every one is served on
     its first attempt, with the monolithic engine's tokens. Before, each wait past a deadline was a
     retry, and past --max-attempts a 503 from a healthy cluster."""
     rng = random.Random(5)
-    prompts = [[rng.randrange(1, 200) for _ in range(rng.randrange(8, 40))] for _ in range(24)]
+    prompts = [[rng.randrange(1, 200) for _ in range(rng.randrange(8, 40))] for _ in range(16)]
     params = dict(max_tokens=300, ignore_eos=True, temperature=0)
     with cluster(tmp_path, worker_args=["--max-num-seqs", "2"],
                  router_args=["--prefill-timeout", "1.2", "--decode-stall-timeout", "1.2"]) as c, \

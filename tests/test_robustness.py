@@ -203,7 +203,9 @@ def test_a_client_that_stops_reading_has_its_requests_stopped_and_reads_their_en
         for i in range(n):
             sock.send(P.encode(P.Generate(f"s{i}", [1 + i, 2, 3], {"max_tokens": 1000, "ignore_eos": True,
                                                                    "logprobs": 20}, True)))
-        time.sleep(9)  # reads nothing
+        deadline = time.monotonic() + 120  # reads nothing until the router gives up on it: 5 s after its queue filled
+        while "read nothing for" not in fuzz_cluster.router.log_path.read_text() and time.monotonic() < deadline:
+            time.sleep(0.2)
         ended = {}
         deadline = time.monotonic() + 60
         while len(ended) < n and time.monotonic() < deadline:
