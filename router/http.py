@@ -290,9 +290,9 @@ class HttpFront:
 
     async def tokenize(self, request: web.Request) -> web.Response:
         """vLLM's /tokenize: a prompt's token ids (messages: through the chat template)."""
-        prompt, messages = parse_tokenize(await _json(request, self.max_body_bytes), self.names)
+        prompt, messages, special = parse_tokenize(await _json(request, self.max_body_bytes), self.names)
         prompts = self.backend.prompts
-        ids = await asyncio.to_thread(prompts.encode, prompt, messages)
+        ids = await asyncio.to_thread(prompts.encode, prompt, messages, add_special_tokens=special)
         head = {"count": len(ids), "max_model_len": prompts.context}
         if len(ids) <= TOKENS_PER_WRITE:
             return web.json_response(head | {"tokens": ids})
@@ -400,7 +400,9 @@ class HttpFront:
                         out.append(b"data: " + json.dumps(ApiError(msg.code, msg.message).body()).encode() + b"\n\n")
                         remaining = -1
                         break
-                    out += [envelope.chunk([entry]) for entry in choices[i].chunks(msg)]
+                    choice = choices[i]
+                    out += [envelope.chunk([entry], choice.usage(entry) if job.continuous_usage else None)
+                            for entry in choice.chunks(msg)]
                     remaining -= isinstance(msg, P.Done)
                 last = remaining <= 0
                 if last:
@@ -451,8 +453,8 @@ def _prepare(parse, body, prompts, max_queue: int) -> tuple[Job, list]:
                                            f"allowed: at most {max_queue} (the router's max_queue)",
                        "n" if job.n > 1 else "prompt")
     tools = job.tools.tools if job.tools else None
-    return job, [prompts.validate(prompt, job.messages, job.params, job.max_tokens_field, tools, job.template_kwargs)
-                 for prompt in job.prompts]
+    return job, [prompts.validate(prompt, job.messages, job.params, job.max_tokens_field, tools, job.template_kwargs,
+                                  job.add_special_tokens) for prompt in job.prompts]
 
 
 def given_request_id(request: web.Request) -> str | None:

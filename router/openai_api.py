@@ -86,18 +86,14 @@ NEUTRAL = {
 }
 CHAT_ONLY_NEUTRAL = {"add_generation_prompt", "continue_final_message", "echo"}
 TOOL_FIELDS = {"tools", "tool_choice", "parallel_tool_calls"}  # a completion's are neutral; a chat's: tool_calls.parse
-# vLLM's add_special_tokens, at what each endpoint does: a prompt's text gets them, a chat's
-# template writes its own.
-TEXT_SPECIALS = {"add_special_tokens": ((None, True), "true")}
-CHAT_SPECIALS = {"add_special_tokens": ((None, False), "false (the chat template writes them)")}
-COMPLETION_NEUTRAL = {k: v for k, v in NEUTRAL.items() if k not in CHAT_ONLY_NEUTRAL} | TEXT_SPECIALS
-CHAT_NEUTRAL = {k: v for k, v in NEUTRAL.items() if k not in TOOL_FIELDS} | CHAT_SPECIALS
+COMPLETION_NEUTRAL = {k: v for k, v in NEUTRAL.items() if k not in CHAT_ONLY_NEUTRAL}
+CHAT_NEUTRAL = {k: v for k, v in NEUTRAL.items() if k not in TOOL_FIELDS}
 # OpenAI's obfuscation pads chunks against side channels: ours are not padded, asked or not
-STREAM_NEUTRAL = {"include_obfuscation": ((None, True, False), "true or false"),
-                  "continuous_usage_stats": ((None, False), "false")}
+STREAM_NEUTRAL = {"include_obfuscation": ((None, True, False), "true or false")}
+STREAM_OPTIONS = {"include_usage", "continuous_usage_stats", *STREAM_NEUTRAL}
 IGNORED = ("user", "prompt_cache_key", "safety_identifier")  # strings that ask nothing of the output
 COMMON_FIELDS = {"model", "n", "stream", "stream_options", "return_tokens_as_token_ids", "metadata", *IGNORED,
-                 *SAMPLING, "response_format", "structured_outputs"}
+                 *SAMPLING, "response_format", "structured_outputs", "add_special_tokens"}
 COMPLETION_FIELDS = COMMON_FIELDS | set(COMPLETION_NEUTRAL) | {"prompt", "logprobs", "echo", "best_of"}
 CHAT_FIELDS = (COMMON_FIELDS | set(CHAT_NEUTRAL) | TOOL_FIELDS
                | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "chat_template_kwargs"})
@@ -113,7 +109,7 @@ class Job:
     params: SamplingParams
     n: int
     stream: bool
-    include_usage: bool
+    include_usage: bool  # stream_options': the last chunk's usage
     echo: bool
     logprobs: int | None  # alternatives shown per token, or None: no logprobs
     token_ids_as_text: bool
@@ -122,6 +118,10 @@ class Job:
     tools: Tools | None = None  # a chat's tools: how its output is shown (Tools.message, Tools.stream)
     template_kwargs: dict | None = None  # a chat's chat_template_kwargs: its template's own variables
     reasoning: ReasoningParser | None = None  # a chat's output split into reasoning_content and content
+    continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: each chunk's choice's usage so far
+    # vLLM's add_special_tokens: None, what each endpoint does (a prompt's text gets them, a chat's
+    # template writes its own)
+    add_special_tokens: bool | None = None
 
     def choice_params(self, index: int) -> SamplingParams:
         """Choice index's sampling (choices are prompt-major: prompt index * n + j)."""
@@ -226,10 +226,13 @@ def _job(body: dict, served_model: Served, chat: bool, prompts: list, messages: 
             raise InvalidArgument(f"stream_options={short_repr(options)} with stream=false; allowed: "
                                   "stream_options only with stream=true", param="stream_options")
         try:
-            _check_fields(options, {"include_usage", *STREAM_NEUTRAL}, STREAM_NEUTRAL)
+            _check_fields(options, STREAM_OPTIONS, STREAM_NEUTRAL)
+            _get(options, "include_usage", BOOL)
+            _get(options, "continuous_usage_stats", BOOL)
         except InvalidArgument as e:
             raise InvalidArgument(f"stream_options: {e}", param="stream_options") from None
-    include_usage = _get(options or {}, "include_usage", BOOL, False)
+    include_usage = bool((options or {}).get("include_usage"))
+    continuous_usage = include_usage and bool(options.get("continuous_usage_stats"))  # as vLLM: only with the last
     for name in IGNORED:
         _get(body, name, STRING)
     _get(body, "metadata", (lambda v: isinstance(v, dict), "an object"))
@@ -243,7 +246,8 @@ def _job(body: dict, served_model: Served, chat: bool, prompts: list, messages: 
                                   param="max_completion_tokens") from None
         raise
     given = next((f for f in ("max_completion_tokens", "max_tokens") if body.get(f) is not None), None)
-    return Job(chat, model, prompts, messages, params, n, stream, include_usage, echo, logprobs, as_ids, given)
+    return Job(chat, model, prompts, messages, params, n, stream, include_usage, echo, logprobs, as_ids, given,
+               continuous_usage=continuous_usage, add_special_tokens=_get(body, "add_special_tokens", BOOL))
 
 
 LOGPROBS = (lambda v: _is_int(v) and 0 <= v <= MAX_LOGPROBS, f"an integer in [0, {MAX_LOGPROBS}]")
@@ -330,20 +334,20 @@ def parse_chat(body, served_model: Served, context: int, parsers: OutputParsers 
 # ----------------------------------------------------------------------------- tokenize
 
 
-def parse_tokenize(body, served_model: Served) -> tuple[str | None, list | None]:
-    """(prompt, messages) of a /tokenize body: {"prompt": text} or {"messages": [...]}."""
-    messages = body.get("messages") if isinstance(body, dict) else None
-    neutral = {**(CHAT_SPECIALS if messages is not None else TEXT_SPECIALS),
-               "add_generation_prompt": NEUTRAL["add_generation_prompt"]}
-    _check_fields(body, {"model", "prompt", "messages", *neutral}, neutral)
+def parse_tokenize(body, served_model: Served) -> tuple[str | None, list | None, bool | None]:
+    """(prompt, messages, add_special_tokens) of a /tokenize body: {"prompt": text} or {"messages":
+    [...]}, and vLLM's add_special_tokens (None: as the endpoints do)."""
+    neutral = {"add_generation_prompt": NEUTRAL["add_generation_prompt"]}
+    _check_fields(body, {"model", "prompt", "messages", "add_special_tokens", *neutral}, neutral)
     requested_model(body, served_model)
+    messages = body.get("messages")
     prompt = _get(body, "prompt", STRING)
     if (prompt is None) == (messages is None):
         raise InvalidArgument("give one of prompt (a string) or messages", param="prompt")
     if messages is not None and (not isinstance(messages, list) or not messages):
         raise InvalidArgument(f"messages={short_repr(messages)} is invalid; allowed: a non-empty list of "
                               '{"role": ..., "content": ...} objects', param="messages")
-    return prompt, messages
+    return prompt, messages, _get(body, "add_special_tokens", BOOL)
 
 
 def parse_detokenize(body, served_model: Served, vocab_size: int) -> list[int]:

@@ -46,6 +46,7 @@ class Choice:
         self.prompt_ids, self.prompt_text = prompt_ids, prompt_text  # echo: shown before the completion
         self.started = False  # the first chunk (role, echo) went out
         self.text_len = 0  # characters of the completion streamed
+        self.generated = 0  # tokens of the completion streamed
         # completions logprobs: the text before each token, built as it grows, of the prompt (echo)
         # or of the completion, which are decoded apart; and the characters shown before it
         self.offsets: TextStream | None = None
@@ -126,10 +127,12 @@ class Choice:
         if isinstance(msg, P.Token):
             text, finish = "" if self.job.echo_only else msg.text, None
             logprobs = self.logprobs(msg.token_ids, msg.logprobs, msg.prompt_logprobs)
+            self.generated += 0 if self.job.echo_only else len(msg.token_ids)
         else:
             self.done = msg = self.shown(msg)
             text, finish = (msg.text or "")[self.text_len:], msg.finish_reason
             logprobs = None
+            self.generated = len(msg.token_ids)
         self.text_len += len(text)
         if self.job.echo and not self.started:
             text = self.prompt_text + text
@@ -152,6 +155,13 @@ class Choice:
         if finish is not None:
             out[-1]["stop_reason"] = msg.stop_reason
         return out
+
+    def usage(self, entry: dict) -> dict:
+        """vLLM's continuous usage stats of one of chunks()'s entries: the choice's prompt and the
+        tokens streamed with it (none with a chat's first, which says the role)."""
+        generated = 0 if "role" in entry.get("delta", ()) else self.generated
+        return {"prompt_tokens": len(self.prompt_ids), "completion_tokens": generated,
+                "total_tokens": len(self.prompt_ids) + generated}
 
     def calls_finish(self, finish: str | None, shown: dict) -> str | None:
         """OpenAI's finish_reason for an output shown as tool calls: a whole one's is "tool_calls"

@@ -28,18 +28,20 @@ class Prompts:
 
     def validate(self, prompt: str | list[int], messages: list[dict] | None, sampling: dict | SamplingParams,
                  max_tokens_field: str | None = None, tools: list[dict] | None = None,
-                 template_kwargs: dict | None = None) -> tuple[list[int], SamplingParams]:
+                 template_kwargs: dict | None = None, add_special_tokens: bool | None = None
+                 ) -> tuple[list[int], SamplingParams]:
         """A request's prompt ids and sampling, or InvalidArgument naming what is wrong. Over HTTP
         a max_tokens the body gave (its field: max_tokens_field) must fit in the context with the
         prompt, as vLLM has it; otherwise (a default, an SDK client's) the engine cuts it to fit.
-        tools and template_kwargs: a chat's, for its template."""
+        tools and template_kwargs: a chat's, for its template; add_special_tokens: as encode's."""
         params = sampling if isinstance(sampling, SamplingParams) else SamplingParams.from_dict(sampling)
         params.check_model(self.model_config.vocab_size, self.tokenizer is not None)
         if messages is not None or isinstance(prompt, str):
             if messages is not None and prompt:
                 raise InvalidArgument("a request with messages must have an empty prompt; send one or the other",
                                       param="prompt")
-            ids = self.encode(prompt, messages, tools, template_kwargs, within_context=True)
+            ids = self.encode(prompt, messages, tools, template_kwargs, within_context=True,
+                              add_special_tokens=add_special_tokens)
         else:
             ids = prompt
         limit = self.context
@@ -56,14 +58,17 @@ class Prompts:
         return ids, params
 
     def encode(self, text: str | None, messages: list[dict] | None, tools: list[dict] | None = None,
-               template_kwargs: dict | None = None, within_context: bool = False) -> list[int]:
+               template_kwargs: dict | None = None, within_context: bool = False,
+               add_special_tokens: bool | None = None) -> list[int]:
         """The token ids of text, or of messages through the chat template. within_context: a
-        text far past the context is refused on its head (_encode_bounded); /tokenize takes any."""
+        text far past the context is refused on its head (_encode_bounded); /tokenize takes any.
+        add_special_tokens (vLLM's): the tokenizer's BOS and the like; by default a text's, not a
+        chat's (its template writes its own)."""
         param = "prompt" if messages is None else "messages"
         if self.tokenizer is None:
             raise InvalidArgument(f"model {self.model!r} has no tokenizer; send token ids", param=param)
         try:
-            special = messages is None  # a chat's template writes its own
+            special = messages is None if add_special_tokens is None else add_special_tokens
             if messages is not None:
                 text = self.tokenizer.render_chat(messages, tools=tools, template_kwargs=template_kwargs)
             if within_context:

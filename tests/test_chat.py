@@ -69,6 +69,26 @@ def test_checkpoint_template_renders_and_encodes_as_transformers(checkpoint):
     assert tok.encode_chat(CONVERSATION).count(ref.bos_token_id) == 1  # the template's BOS, not a second one
 
 
+def test_add_special_tokens_is_each_endpoints_own_unless_a_request_says(checkpoint):
+    """vLLM's add_special_tokens: a prompt's text gets the tokenizer's BOS and a chat's template
+    writes its own, unless the request says otherwise, on the HTTP front's path and /tokenize's."""
+    from router.http import _prepare
+    from router.openai_api import parse_chat, parse_completion
+
+    prompts, bos = Prompts(str(checkpoint)), load_tokenizer(str(checkpoint)).encode("", add_special_tokens=True)
+    assert len(bos) == 1
+    text, chat = prompts.encode("hello", None, add_special_tokens=False), prompts.encode("", CONVERSATION)
+    assert text and bos[0] not in text and chat.count(bos[0]) == 1  # the template's
+    for body, ids in (({"prompt": "hello"}, bos + text), ({"prompt": "hello", "add_special_tokens": False}, text),
+                      ({"messages": CONVERSATION}, chat), ({"messages": CONVERSATION, "add_special_tokens": True},
+                                                            bos + chat)):
+        parse = (lambda b: parse_chat(b, "m", 1024)) if "messages" in body else (lambda b: parse_completion(b, "m"))
+        _, [(got, _)] = _prepare(parse, {**body, "max_tokens": 1}, prompts, 16)
+        assert got == ids, body
+        assert prompts.encode(body.get("prompt"), body.get("messages"),
+                              add_special_tokens=body.get("add_special_tokens")) == ids  # /tokenize's
+
+
 _ADDED = {"0": {"content": "<s>", "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
                 "special": True}}
 

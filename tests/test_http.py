@@ -108,6 +108,32 @@ def test_completions_give_the_engines_tokens(served, engine, stream):
             len(want.prompt_token_ids), 12, len(want.prompt_token_ids) + 12)
 
 
+def test_vllms_continuous_usage_stats_count_each_choices_tokens_as_they_stream(served):
+    """stream_options.continuous_usage_stats (with include_usage, as vLLM): every chunk carries its
+    choice's usage so far; the last, the request's."""
+    for chat in (False, True):
+        args = dict(model=MODEL, max_tokens=7, n=2, stream=True, temperature=0.8, seed=3, logprobs=True if chat else 0,
+                    stream_options={"include_usage": True, "continuous_usage_stats": True},
+                    extra_body=dict(ignore_eos=True, return_tokens_as_token_ids=True))
+        client = api(served)
+        if chat:
+            messages = [{"role": "user", "content": "Hi"}]
+            chunks = list(client.chat.completions.create(messages=messages, **args))
+            prompt_len = http(served, "POST", "/tokenize", {"messages": messages})[2]["count"]
+        else:
+            chunks = list(client.completions.create(prompt=PROMPT_IDS, **args))
+            prompt_len = len(PROMPT_IDS)
+        seen = {0: 0, 1: 0}
+        for c in chunks[:-1]:
+            (choice,) = c.choices
+            lp = choice.logprobs
+            seen[choice.index] += len((lp.content if chat else lp.tokens) or []) if lp else 0
+            assert (c.usage.prompt_tokens, c.usage.completion_tokens, c.usage.total_tokens) == (
+                prompt_len, seen[choice.index], prompt_len + seen[choice.index]), (chat, c)
+        assert seen == {0: 7, 1: 7} and not chunks[-1].choices
+        assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (prompt_len, 14)
+
+
 def test_chat_gives_the_engines_tokens_sync_and_async(served, engine):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
     prompt_ids = engine.tokenizer.encode_chat(messages)

@@ -35,34 +35,47 @@ def test_completion_body_becomes_a_job():
 
 
 def test_openais_other_fields_are_taken_where_they_ask_nothing_of_the_output():
-    """Fields OpenAI documents that change nothing here: null (or a cache key, an identifier),
-    vLLM's add_special_tokens at what each endpoint does, and a negative seed (its low 63 bits)."""
+    """Fields OpenAI documents that change nothing here: null (or a cache key, an identifier), and a
+    negative seed (its low 63 bits)."""
     quiet = {"reasoning_effort": None, "verbosity": None, "prediction": None, "audio": None,
              "web_search_options": None, "prompt_cache_key": "k", "safety_identifier": "u1", "seed": -1}
-    job = parse_completion({"prompt": "x", "add_special_tokens": True, **quiet}, MODEL)
+    job = parse_completion({"prompt": "x", **quiet}, MODEL)
     assert job.params.seed == 2**63 - 1
-    chat = parse_chat({"messages": [{"role": "user", "content": "x"}], "add_special_tokens": False, "stream": True,
+    chat = parse_chat({"messages": [{"role": "user", "content": "x"}], "stream": True,
                        "stream_options": {"include_usage": True, "include_obfuscation": True}, **quiet}, MODEL, 1024)
     assert chat.include_usage and chat.params.seed == 2**63 - 1
     for body, param in (({"reasoning_effort": "high"}, "reasoning_effort"), ({"prompt_cache_key": 5}, "prompt_cache_key"),
-                        ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options")):
+                        ({"stream": True, "stream_options": {"continuous_usage_stats": 1}}, "stream_options")):
         with pytest.raises(InvalidArgument) as e:
             parse_chat({"messages": [{"role": "user", "content": "x"}], **body}, MODEL, 1024)
         assert e.value.param == param, str(e.value)
-    with pytest.raises(InvalidArgument, match="add_special_tokens=False is not supported; allowed: true"):
-        parse_completion({"prompt": "x", "add_special_tokens": False}, MODEL)
+
+
+def test_vllms_add_special_tokens_and_continuous_usage_stats_are_taken_either_way():
+    """add_special_tokens: None is each endpoint's own (a text gets them, a chat's template writes
+    them), either value is the caller's; continuous usage only with include_usage, as vLLM."""
     from router.openai_api import parse_tokenize
 
-    messages = [{"role": "user", "content": "x"}]
-    assert parse_tokenize({"messages": messages, "add_generation_prompt": True, "add_special_tokens": False},
-                          MODEL) == (None, messages)
-    for body, param in (({"messages": messages, "add_generation_prompt": False}, "add_generation_prompt"),
-                        ({"prompt": "x", "add_special_tokens": False}, "add_special_tokens")):
-        with pytest.raises(InvalidArgument, match="not supported") as e:
+    chat = [{"role": "user", "content": "x"}]
+    assert parse_completion({"prompt": "x"}, MODEL).add_special_tokens is None
+    for value in (True, False):
+        assert parse_completion({"prompt": "x", "add_special_tokens": value}, MODEL).add_special_tokens is value
+        assert parse_chat({"messages": chat, "add_special_tokens": value}, MODEL, 1024).add_special_tokens is value
+        assert parse_tokenize({"prompt": "x", "add_special_tokens": value}, MODEL) == ("x", None, value)
+    assert parse_tokenize({"messages": chat, "add_generation_prompt": True}, MODEL) == (None, chat, None)
+    for body, param in (({"messages": chat, "add_generation_prompt": False}, "add_generation_prompt"),
+                        ({"prompt": "x", "add_special_tokens": "no"}, "add_special_tokens")):
+        with pytest.raises(InvalidArgument) as e:
             parse_tokenize(body, MODEL)
         assert e.value.param == param
-    with pytest.raises(InvalidArgument, match="add_special_tokens=True is not supported; allowed: false"):
-        parse_chat({"messages": [{"role": "user", "content": "x"}], "add_special_tokens": True}, MODEL, 1024)
+    with pytest.raises(InvalidArgument, match="add_special_tokens='yes' is invalid; allowed: true or false"):
+        parse_chat({"messages": chat, "add_special_tokens": "yes"}, MODEL, 1024)
+    streamed = {"prompt": "x", "stream": True}
+    both = parse_completion({**streamed, "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+                            MODEL)
+    assert both.include_usage and both.continuous_usage
+    alone = parse_completion({**streamed, "stream_options": {"continuous_usage_stats": True}}, MODEL)
+    assert not alone.include_usage and not alone.continuous_usage
 
 
 def test_penalties_bias_and_min_p_reach_the_sampling():
