@@ -125,6 +125,13 @@ class Deadline:
     at: float | None  # time.monotonic() past which a call gives up; None: never
     seconds: float | None  # the timeout it came from, for the message
 
+    def passed(self) -> bool:
+        return self.at is not None and self.at <= time.monotonic()
+
+    def error(self, key: str | None, client: str) -> "RequestError":
+        return RequestError("TIMEOUT", f"no reply within {self.seconds:g}s (the call's timeout=, else "
+                                       f"{client}(timeout=...))", key)
+
 
 class _Abandonable:
     """A stream closed (or dropped) before its end cancels its request (the client's _abandon)."""
@@ -222,7 +229,9 @@ def _connect(ctx, address: str) -> Channel:
 
 class _Requests:
     """What both clients keep of their requests in flight: `_open` (submitted, no Done or Error
-    yet) and `_replies` (what came for each, not yet read)."""
+    yet), `_unsent` (open, its send waiting for the socket: a connection that drops meanwhile
+    does not lose it, since libzmq sends it once connected again) and `_replies` (what came for
+    each, not yet read)."""
 
     closed = False
     pid = 0  # the process that made it: its sockets are not a forked child's
@@ -231,6 +240,10 @@ class _Requests:
     def timeout_of(self, timeout: float | None) -> float | None:
         """A call's timeout: its own, else the client's."""
         return self.timeout if timeout is None else timeout
+
+    def _deadline(self, timeout) -> "Deadline":
+        timeout = self.timeout_of(timeout)
+        return Deadline(None if timeout is None else time.monotonic() + timeout, timeout)
 
     def _check_open(self) -> None:
         if self.closed:
@@ -295,6 +308,7 @@ class Client(_Requests):
         self._poller.register(self.connection.monitor, zmq.POLLIN)
         self._replies: dict[str | None, deque] = defaultdict(deque)
         self._open: set[str] = set()  # submitted, no Done or Error yet
+        self._unsent: set[str] = set()
         self._new_id = _Ids()
 
     def __enter__(self):
@@ -325,17 +339,23 @@ class Client(_Requests):
             self._send(message, request_id)
         return request_id
 
-    def _send(self, message, key: str) -> None:
-        """Send once the socket takes it, or fail UNAVAILABLE as a read would: a DEALER's send
-        waits while it has no connection to queue on, and after a handshake the router refused,
-        libzmq stops trying (a blocking send there waited for good)."""
+    def _send(self, message, key: str, deadline: Deadline | None = None) -> None:
+        """Send once the socket takes it, or fail UNAVAILABLE as a read would (or TIMEOUT at a
+        call's deadline): a DEALER's send waits while it has no connection to queue on, and after
+        a handshake the router refused, libzmq stops trying (a blocking send there waited for good)."""
         since = time.monotonic()
-        while not self.chan.send_nowait(message):
-            self._take_events()
-            error = self.connection.unreachable(self.address, since, key)
-            if error is not None:
-                raise error
-            self.chan.sock.poll(SEND_RETRY_MS, zmq.POLLOUT)
+        self._unsent.add(key)
+        try:
+            while not self.chan.send_nowait(message):
+                self._take_events()
+                error = self.connection.unreachable(self.address, since, key)
+                if error is not None:
+                    raise error
+                if deadline is not None and deadline.passed():
+                    raise deadline.error(key, "Client")
+                self.chan.sock.poll(SEND_RETRY_MS, zmq.POLLOUT)
+        finally:
+            self._unsent.discard(key)
 
     @contextlib.contextmanager
     def _one_thread(self):
@@ -360,10 +380,10 @@ class Client(_Requests):
         if self.connection.drain():
             while (env := self.chan.recv(0)) is not None:
                 self._file(env)
-            for rid in self._open:
+            for rid in self._open - self._unsent:
                 if not any(isinstance(msg, (P.Done, P.Error)) for msg in self._replies.get(rid, ())):
                     self._replies[rid].append(P.Error(rid, "UNAVAILABLE", LOST))
-            self._open.clear()
+            self._open &= self._unsent
 
     def _file(self, env) -> str | None:
         """File a message's replies under their requests; what is wrong with it, if anything."""
@@ -392,10 +412,9 @@ class Client(_Requests):
             if error is not None:
                 self._abandon(key)  # queued for a router that may yet come
                 raise error
-            if deadline.at is not None and deadline.at <= time.monotonic():
+            if deadline.passed():
                 self._abandon(key)
-                raise RequestError("TIMEOUT", f"no reply within {deadline.seconds:g}s (the call's timeout=, else "
-                                              f"Client(timeout=...))", key)
+                raise deadline.error(key, "Client")
             wait = until(deadline.at, self.connection.give_up_at(since))
             ready = dict(self._poller.poll(None if wait is None else max(1, int(wait * 1000) + 1)))
             if self.connection.monitor in ready:
@@ -413,10 +432,6 @@ class Client(_Requests):
         if isinstance(msg, P.Error):
             _raise(msg)
         return msg
-
-    def _deadline(self, timeout) -> "Deadline":
-        timeout = self.timeout_of(timeout)
-        return Deadline(None if timeout is None else time.monotonic() + timeout, timeout)
 
     def stream(self, prompt=None, timeout: float | None = None, **sampling) -> Stream:
         """Iterator of Chunks as the tokens come; `.result` once exhausted."""
@@ -462,9 +477,10 @@ class Client(_Requests):
         """A status or metrics call's reply, filed under the call's id."""
         self._check_open()
         with self._asking() as ask_id:
+            deadline = self._deadline(timeout)
             with self._one_thread():
-                self._send(request(ask_id), ask_id)
-            return self._next(ask_id, self._deadline(timeout))
+                self._send(request(ask_id), ask_id, deadline)
+            return self._next(ask_id, deadline)
 
 
 class AsyncClient(_Requests):
@@ -479,6 +495,7 @@ class AsyncClient(_Requests):
         self._replies: dict[str | None, asyncio.Queue] = defaultdict(asyncio.Queue)
         self._reader: asyncio.Task | None = None
         self._open: set[str] = set()
+        self._unsent: set[str] = set()
         self._new_id = _Ids()
 
     async def __aenter__(self):
@@ -524,7 +541,7 @@ class AsyncClient(_Requests):
         await self.connection.watch(self._lost)
 
     def _lost(self):
-        asyncio.ensure_future(self._lose_open(set(self._open)))
+        asyncio.ensure_future(self._lose_open(self._open - self._unsent))
 
     async def _lose_open(self, lost: set[str]):
         """What the router sent before it went (a stopping router's last tokens, and its word on
@@ -545,14 +562,20 @@ class AsyncClient(_Requests):
             await self._send(message, request_id)
         return request_id
 
-    async def _send(self, message, key: str) -> None:
+    async def _send(self, message, key: str, deadline: Deadline | None = None) -> None:
         """Client._send's, awaited."""
         since = time.monotonic()
-        while not self.chan.send_nowait(message):
-            error = self.connection.unreachable(self.address, since, key)
-            if error is not None:
-                raise error
-            await self.chan.sock.poll(SEND_RETRY_MS, zmq.POLLOUT)
+        self._unsent.add(key)
+        try:
+            while not self.chan.send_nowait(message):
+                error = self.connection.unreachable(self.address, since, key)
+                if error is not None:
+                    raise error
+                if deadline is not None and deadline.passed():
+                    raise deadline.error(key, "AsyncClient")
+                await self.chan.sock.poll(SEND_RETRY_MS, zmq.POLLOUT)
+        finally:
+            self._unsent.discard(key)
 
     async def cancel(self, request_id: str) -> None:
         """Ask the router to cancel it; its stream then ends with finish_reason "cancelled"."""
@@ -625,5 +648,5 @@ class AsyncClient(_Requests):
         """A status or metrics call's reply, filed under the call's id."""
         self._start()
         with self._asking() as ask_id:
-            await self._send(request(ask_id), ask_id)
+            await self._send(request(ask_id), ask_id, self._deadline(timeout))
             return await self._next(ask_id, self.timeout_of(timeout))

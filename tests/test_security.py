@@ -164,6 +164,55 @@ def test_a_send_after_a_refused_handshake_fails_rather_than_waits(monkeypatch):
             conn.close()
 
 
+def test_a_request_whose_send_waits_is_not_lost_when_the_connection_drops_meanwhile(monkeypatch):
+    """A send waiting for the socket (the router reads nothing) when the connection drops goes once
+    the router is back (libzmq keeps it), and its reply is read: it was marked lost, its id closed,
+    and the router ran it to its end for nobody."""
+    monkeypatch.delenv("PDSERVE_CURVE_DIR", raising=False)
+    ctx = zmq.Context()
+    stalled = ctx.socket(zmq.ROUTER)
+    stalled.setsockopt(zmq.LINGER, 0)
+    stalled.setsockopt(zmq.RCVHWM, 1)
+    stalled.setsockopt(zmq.RCVBUF, 4096)
+    port = stalled.bind_to_random_port("tcp://127.0.0.1")
+    sent, stop = [], threading.Event()
+    try:
+        with Client(f"tcp://127.0.0.1:{port}", timeout=60) as client:
+            def fill():
+                while not stop.is_set():
+                    sent.append(client.submit("x" * 20000, max_tokens=1))
+
+            filling = threading.Thread(target=fill, daemon=True)
+            filling.start()
+            counted = -1
+            while counted != len(sent):  # until a send waits: nothing went for a second
+                counted = len(sent)
+                time.sleep(1.0)
+            stop.set()
+            stalled.close()
+            back = ctx.socket(zmq.ROUTER)
+            back.setsockopt(zmq.LINGER, 0)
+            back.bind(f"tcp://127.0.0.1:{port}")
+            try:
+                got = {}
+                while filling.is_alive() or sent[-1] not in got:
+                    if back.poll(30000):
+                        peer, head = back.recv_multipart()
+                        got[P.decode(head).request_id] = peer
+                    else:
+                        assert False, f"the waiting send never came ({len(got)} of {len(sent)} did)"
+                last = sent[-1]
+                back.send_multipart([got[last], P.encode(P.Error(last, "INVALID_ARGUMENT", "from the router"))])
+                with pytest.raises(RequestError) as e:
+                    client.wait(last)
+                assert (e.value.code, e.value.message) == ("INVALID_ARGUMENT", "from the router"), e.value
+            finally:
+                back.close()
+    finally:
+        stalled.close()
+        ctx.term()
+
+
 def refused(call, *args) -> str:
     """The code of the RequestError a call raised."""
     try:
