@@ -358,11 +358,22 @@ def launch(prefill, decode, mono, devices, host, port, worker_port, policy, log_
                           api_server_count=http["api_server_count"])
     except ValueError as e:
         raise click.UsageError(str(e))
+    for role in dict.fromkeys(c.argv[3] for c in cluster.workers):
+        check_worker_args(role, next(c.argv[4:] for c in cluster.workers if c.argv[3] == role), "--worker-arg")
     if dry_run:
         for c in cluster.children:
             print(f"{c.name}: {shlex.join(c.argv)}")
         return
     run_launch(cluster)
+
+
+def check_worker_args(role: str, args: list[str], given_as: str) -> None:
+    """Refuse, by name, worker flags no worker of role would start with: once, where they are
+    given (and past no --dry-run), not in each worker's log as it fails to start."""
+    try:
+        main.commands[role].make_context(role, list(args))
+    except click.ClickException as e:
+        raise click.UsageError(f"{given_as}: the {role} workers would not start: {e.format_message()}") from None
 
 
 @main.command("gpu-shares", hidden=True)
@@ -380,6 +391,9 @@ def gpu_shares(prefill, decode, mono, devices, policy, worker_args):
     from router.launcher import check_worker_count
 
     check_worker_count(prefill + decode + mono)
+    for role, count in (("prefill", prefill), ("decode", decode), ("mono", mono)):
+        if count:
+            check_worker_args(role, ["--router", "tcp://127.0.0.1:1", *worker_args], "the worker flags after --")
     for _, _, share in launch_plan(prefill, decode, mono, devices, list(worker_args)):
         print("-" if share is None else share)
 

@@ -301,6 +301,8 @@ LAUNCH_REFUSED = [  # (args, the error line)
                                              "--enforce-disagg (they prefill)"),
     (["--policy", "bogus", "--dry-run"], "Invalid value for '--policy': 'bogus' is not one of 'least_loaded', "
                                          "'round_robin', 'prefix_affine'."),
+    (["--dry-run", "--", "--max-num-seqs", "x"], "the worker flags after --: the prefill workers would not start: "
+                                                 "Invalid value for '--max-num-seqs': 'x' is not a valid integer."),
     (["--max-model-len", "256"], "unknown option --max-model-len; a worker's or engine's flag goes after --, to "
                                  "every worker (launch.sh --prefill 1 -- --max-model-len ...; see --help)"),
 ]

@@ -126,6 +126,11 @@ def test_launch_refuses_flags_it_would_silently_ignore():
                              "--worker-arg=--no-kv-stream"),  # click offered --no-kv-events
         (["--kv-lease", "3"], "give it to every worker as --worker-arg=--kv-lease=VALUE"),
         (["--bogus"], "No such option '--bogus'"),
+        # a worker's flag it would not start with: here, not in each worker's log (nor past --dry-run)
+        (["--worker-arg=--no-such-flag"], "--worker-arg: the prefill workers would not start: No such option "
+                                          "'--no-such-flag'"),
+        (["--mono", "1", "--worker-arg=--max-num-seqs=x"], "--worker-arg: the mono workers would not start: Invalid "
+                                                           "value for '--max-num-seqs': 'x' is not a valid integer"),
     ]
     for args, message in cases:
         r = pdserve("launch", "--dry-run", *args)
