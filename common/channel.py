@@ -218,13 +218,14 @@ class Channel:
             self.sock.get(zmq.EVENTS)  # zmq.asyncio schedules the waiting receive if a message is there
 
     def send_nowait(self, msg) -> bool:
-        """Send a frameless message if the socket takes it now, else drop it; never blocks, never
-        makes a future, callable outside the event loop's coroutines (a finalizer). On an asyncio
-        socket it then looks at the socket's events, as settle() does. Returns whether it went."""
+        """Send a frameless message (or its bytes, encoded once for many tries) if the socket takes
+        it now, else drop it; never blocks, never makes a future, callable outside the event loop's
+        coroutines (a finalizer). On an asyncio socket it then looks at the socket's events, as
+        settle() does. Returns whether it went."""
         if self.sock.closed:
             return False
         try:
-            self._raw.send(protocol.encode(msg), zmq.NOBLOCK)
+            self._raw.send(msg if isinstance(msg, bytes) else protocol.encode(msg), zmq.NOBLOCK)
         except zmq.ZMQError:
             return False
         if isinstance(self.sock, zmq.asyncio.Socket):

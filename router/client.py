@@ -343,7 +343,7 @@ class Client(_Requests):
         """Send once the socket takes it, or fail UNAVAILABLE as a read would (or TIMEOUT at a
         call's deadline): a DEALER's send waits while it has no connection to queue on, and after
         a handshake the router refused, libzmq stops trying (a blocking send there waited for good)."""
-        since = time.monotonic()
+        since, message = time.monotonic(), P.encode(message)  # once, however many tries
         self._unsent.add(key)
         try:
             while not self.chan.send_nowait(message):
@@ -564,7 +564,7 @@ class AsyncClient(_Requests):
 
     async def _send(self, message, key: str, deadline: Deadline | None = None) -> None:
         """Client._send's, awaited."""
-        since = time.monotonic()
+        since, message = time.monotonic(), P.encode(message)  # once, however many tries
         self._unsent.add(key)
         try:
             while not self.chan.send_nowait(message):

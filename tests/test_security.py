@@ -21,6 +21,7 @@ from common.security import create_keys
 import router.connection
 from router.client import AsyncClient, Client, RequestError
 from tests.cluster import cluster
+from tests.test_chaos import wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -175,6 +176,8 @@ def test_a_request_whose_send_waits_is_not_lost_when_the_connection_drops_meanwh
     stalled.setsockopt(zmq.RCVHWM, 1)
     stalled.setsockopt(zmq.RCVBUF, 4096)
     port = stalled.bind_to_random_port("tcp://127.0.0.1")
+    back = ctx.socket(zmq.ROUTER)
+    back.setsockopt(zmq.LINGER, 0)
     sent, stop = [], threading.Event()
     try:
         with Client(f"tcp://127.0.0.1:{port}", timeout=60) as client:
@@ -184,33 +187,40 @@ def test_a_request_whose_send_waits_is_not_lost_when_the_connection_drops_meanwh
 
             filling = threading.Thread(target=fill, daemon=True)
             filling.start()
-            counted = -1
-            while counted != len(sent):  # until a send waits: nothing went for a second
-                counted = len(sent)
-                time.sleep(1.0)
-            stop.set()
-            stalled.close()
-            back = ctx.socket(zmq.ROUTER)
-            back.setsockopt(zmq.LINGER, 0)
-            back.bind(f"tcp://127.0.0.1:{port}")
             try:
+                counted = -1
+                while counted != len(sent):  # until a send waits: nothing went for a second
+                    counted = len(sent)
+                    time.sleep(1.0)
+                stop.set()
+                stalled.close()
+                wait_for(lambda: rebound(back, port), what="the port to be free again")
                 got = {}
                 while filling.is_alive() or sent[-1] not in got:
-                    if back.poll(30000):
-                        peer, head = back.recv_multipart()
-                        got[P.decode(head).request_id] = peer
-                    else:
-                        assert False, f"the waiting send never came ({len(got)} of {len(sent)} did)"
+                    assert back.poll(30000), f"the waiting send never came ({len(got)} of {len(sent)} did)"
+                    peer, head = back.recv_multipart()
+                    got[P.decode(head).request_id] = peer
                 last = sent[-1]
                 back.send_multipart([got[last], P.encode(P.Error(last, "INVALID_ARGUMENT", "from the router"))])
                 with pytest.raises(RequestError) as e:
                     client.wait(last)
                 assert (e.value.code, e.value.message) == ("INVALID_ARGUMENT", "from the router"), e.value
-            finally:
-                back.close()
+            finally:  # the client's socket is the filling thread's until its send ends (it fails in 10 s)
+                stop.set()
+                filling.join(30)
     finally:
         stalled.close()
+        back.close()
         ctx.term()
+
+
+def rebound(sock: zmq.Socket, port: int) -> bool:
+    """Whether sock could bind the port (a socket closed there a moment ago may still hold it)."""
+    try:
+        sock.bind(f"tcp://127.0.0.1:{port}")
+        return True
+    except zmq.ZMQError:
+        return False
 
 
 def refused(call, *args) -> str:
