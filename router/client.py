@@ -597,8 +597,7 @@ class AsyncClient(_Requests):
             except asyncio.TimeoutError:
                 if deadline is not None and time.monotonic() >= deadline:
                     self._abandon(key)
-                    raise RequestError("TIMEOUT", f"no reply within {timeout:g}s (the call's timeout=, else "
-                                                  f"AsyncClient(timeout=...))", key) from None
+                    raise Deadline(deadline, timeout).error(key, "AsyncClient") from None
         if isinstance(msg, (P.Error, P.Done)):
             self._replies.pop(key, None)
             self._open.discard(key)
