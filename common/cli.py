@@ -358,8 +358,8 @@ def launch(prefill, decode, mono, devices, host, port, worker_port, policy, log_
                           api_server_count=http["api_server_count"])
     except ValueError as e:
         raise click.UsageError(str(e))
-    for role in dict.fromkeys(c.argv[3] for c in cluster.workers):
-        check_worker_args(role, next(c.argv[4:] for c in cluster.workers if c.argv[3] == role), "--worker-arg")
+    for role, args in {c.argv[3]: c.argv[4:] for c in cluster.workers}.items():  # (python -m common.cli ROLE ...)
+        check_worker_args(role, args, "--worker-arg")
     if dry_run:
         for c in cluster.children:
             print(f"{c.name}: {shlex.join(c.argv)}")

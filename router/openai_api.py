@@ -221,18 +221,18 @@ def _job(body: dict, served_model: Served, chat: bool, prompts: list, messages: 
     model = requested_model(body, served_model)
     stream = _get(body, "stream", BOOL, False)
     options = _get(body, "stream_options", (lambda v: isinstance(v, dict), "an object"))
+    include_usage = continuous_usage = False
     if options is not None:
         if not stream:
             raise InvalidArgument(f"stream_options={short_repr(options)} with stream=false; allowed: "
                                   "stream_options only with stream=true", param="stream_options")
         try:
             _check_fields(options, STREAM_OPTIONS, STREAM_NEUTRAL)
-            _get(options, "include_usage", BOOL)
-            _get(options, "continuous_usage_stats", BOOL)
+            include_usage = _get(options, "include_usage", BOOL, False)
+            continuous = _get(options, "continuous_usage_stats", BOOL, False)
         except InvalidArgument as e:
             raise InvalidArgument(f"stream_options: {e}", param="stream_options") from None
-    include_usage = bool((options or {}).get("include_usage"))
-    continuous_usage = include_usage and bool(options.get("continuous_usage_stats"))  # as vLLM: only with the last
+        continuous_usage = include_usage and continuous  # as vLLM: only with the last chunk's
     for name in IGNORED:
         _get(body, name, STRING)
     _get(body, "metadata", (lambda v: isinstance(v, dict), "an object"))
