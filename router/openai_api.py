@@ -97,6 +97,11 @@ COMMON_FIELDS = {"model", "n", "stream", "stream_options", "return_tokens_as_tok
 COMPLETION_FIELDS = COMMON_FIELDS | set(COMPLETION_NEUTRAL) | {"prompt", "logprobs", "echo", "best_of"}
 CHAT_FIELDS = (COMMON_FIELDS | set(CHAT_NEUTRAL) | TOOL_FIELDS
                | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "chat_template_kwargs"})
+# Integer fields take a float that is an integer (2.0, as a client that computed it sends), as vLLM's
+# models do; 2.5, "2" and true stay refused
+INTEGERS = ("n", "max_tokens", "seed", "top_k", "min_tokens")
+COMPLETION_INTEGERS = (*INTEGERS, "logprobs", "best_of")
+CHAT_INTEGERS = (*INTEGERS, "max_completion_tokens", "top_logprobs")
 
 
 @dataclass
@@ -156,6 +161,12 @@ def _check_fields(body, allowed: set[str], neutral: dict | None = None):
         if not any(body[name] == v and type(body[name]) is type(v) for v in values):
             raise InvalidArgument(f"{name}={short_repr(body[name])} is not supported; allowed: {allowed_text}",
                                   param=name)
+
+
+def _integral(body: dict, names: tuple[str, ...]) -> dict:
+    """body, its fields `names` that hold an integral float as ints."""
+    ints = {k: int(body[k]) for k in names if isinstance(body.get(k), float) and body[k].is_integer()}
+    return {**body, **ints} if ints else body
 
 
 def _sampling(body: dict, max_tokens: int, **extra) -> dict:
@@ -255,6 +266,7 @@ LOGPROBS = (lambda v: _is_int(v) and 0 <= v <= MAX_LOGPROBS, f"an integer in [0,
 
 def parse_completion(body, served_model: Served) -> Job:
     _check_fields(body, COMPLETION_FIELDS, COMPLETION_NEUTRAL)  # a completion's echo is its own
+    body = _integral(body, COMPLETION_INTEGERS)
     prompt = body.get("prompt")
     if isinstance(prompt, str) or (_is_token_ids(prompt) and prompt):
         prompts = [prompt]
@@ -296,6 +308,7 @@ class OutputParsers:
 
 def parse_chat(body, served_model: Served, context: int, parsers: OutputParsers = OutputParsers()) -> Job:
     _check_fields(body, CHAT_FIELDS, CHAT_NEUTRAL)
+    body = _integral(body, CHAT_INTEGERS)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidArgument(f"messages={short_repr(messages)} is invalid; allowed: a non-empty list of "

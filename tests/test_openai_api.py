@@ -137,6 +137,18 @@ def test_response_formats_become_structured_outputs():
     assert SamplingParams.from_dict(job.params.to_dict()) == job.params  # as the wire carries it
 
 
+def test_integer_fields_take_floats_that_are_integers_as_vllm_does():
+    job = parse_completion({"prompt": "x", "max_tokens": 10.0, "n": 2.0, "best_of": 2.0, "seed": 3.0, "logprobs": 1.0,
+                            "top_k": 5.0, "min_tokens": 1.0}, MODEL)
+    assert (job.params.max_tokens, job.n, job.params.seed, job.logprobs, job.params.top_k, job.params.min_tokens) == \
+        (10, 2, 3, 1, 5, 1)
+    assert all(type(v) is int for v in (job.params.max_tokens, job.n, job.params.seed, job.logprobs))
+    assert parse_completion({"prompt": "x", "echo": True, "max_tokens": 0.0}, MODEL).echo_only
+    chat = parse_chat({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 7.0, "logprobs": True,
+                       "top_logprobs": 2.0}, MODEL, 64)
+    assert (chat.params.max_tokens, chat.logprobs) == (7, 2)
+
+
 @pytest.mark.parametrize("body, param, text", [
     ({"prompt": "x", "max_tokens": -1}, "max_tokens", "max_tokens=-1 is invalid; allowed: an integer in [1, 2**31 - 1]"),
     ({"prompt": "x", "max_tokens": True}, "max_tokens", "max_tokens=True"),
@@ -154,7 +166,10 @@ def test_response_formats_become_structured_outputs():
     ({"prompt": "x", "user": 5}, "user", "a string"),
     ({"prompt": "x", "best_of": 3}, "best_of", "no best-of"),
     ({"prompt": "x", "best_of": True}, "best_of", "no best-of"),  # True == 1, as n=True is refused
-    ({"prompt": "x", "n": 2, "best_of": 2.0}, "best_of", "no best-of"),
+    ({"prompt": "x", "n": 2, "best_of": 2.5}, "best_of", "no best-of"),
+    ({"prompt": "x", "max_tokens": 2.5}, "max_tokens", "max_tokens=2.5 is invalid; allowed: an integer"),
+    ({"prompt": "x", "max_tokens": "2"}, "max_tokens", "max_tokens='2' is invalid; allowed: an integer"),
+    ({"prompt": "x", "n": float("inf")}, "n", "n=inf is invalid; allowed: an integer >= 1"),
     ({"prompt": "x", "frequency_penalty": 3}, "frequency_penalty", "frequency_penalty=3 is invalid; allowed: a number in [-2, 2]"),
     ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty", "a number in (0, 10000]"),
     ({"prompt": "x", "min_p": -0.1}, "min_p", "a number in [0, 1]"),
