@@ -127,7 +127,9 @@ class DecodeGraphs:
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor,
             tables: torch.Tensor) -> torch.Tensor:
-        """Logits (n, vocab) of a decode batch of n <= max_size rows (device tensors, tables (n, w))."""
+        """Logits (n, vocab) of a decode batch of n <= max_size rows (device tensors, tables (n, w)).
+        Read them (sample, logprobs, the next step's inputs) before the next run: the graphs share
+        one pool, so a larger size's replay may write its scratch over a smaller size's logits."""
         n, w = tables.shape
         size = self.size_for(n)
         self.input_ids[:n].copy_(input_ids)

@@ -143,9 +143,10 @@ def logprobs_on_device(logits_SV: torch.Tensor, token_ids_S: torch.Tensor, k: in
     # not of sorting the vocabulary
     V = logprobs_SV.shape[-1]
     bits = logprobs_SV.view(torch.int32)
-    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()  # a negative float's bits count down
-    lower_first = V - 1 - torch.arange(V, device=bits.device)
-    best_SK = ((ordered << 32) + lower_first).topk(min(k, V), dim=-1).values
+    keys = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()  # a negative float's bits count down
+    keys <<= 32  # in place: at 8 bytes a logit, a batch of 256 rows of 128k is 256 MiB a copy
+    keys += V - 1 - torch.arange(V, device=bits.device)  # the lower id first
+    best_SK = keys.topk(min(k, V), dim=-1).values
     ids_SK = V - 1 - (best_SK & 0xFFFFFFFF)
     return chosen_S, logprobs_SV.gather(1, ids_SK), ids_SK
 

@@ -16,6 +16,7 @@ is one contiguous run of bytes, and a transfer is that run for every (block, lay
 from __future__ import annotations
 
 import logging
+import threading
 
 import torch
 
@@ -71,6 +72,7 @@ def _indexable(pool: torch.Tensor) -> bool:
 
 _IDS: dict[tuple, torch.Tensor] = {}  # recent transfers' block ids on their device, least recently used first
 IDS_KEPT = 1024  # more than a step's streaming requests: a layer's pieces of every request come in turn
+_IDS_LOCK = threading.Lock()  # the engine's thread, a copier thread and a new peer's warm-up all copy
 
 
 def _ids_on(device: torch.device, src_blocks: list[int], dst_blocks: list[int]) -> torch.Tensor:
@@ -82,12 +84,13 @@ def _ids_on(device: torch.device, src_blocks: list[int], dst_blocks: list[int]) 
     allocator in that stream's order."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
     key = (device, stream, tuple(src_blocks), tuple(dst_blocks))
-    ids = _IDS.pop(key, None)
-    if ids is None:
-        if len(_IDS) >= IDS_KEPT:
-            del _IDS[next(iter(_IDS))]
-        ids = upload(torch.tensor([src_blocks, dst_blocks], dtype=torch.int64), device)
-    _IDS[key] = ids  # the most recently used last
+    with _IDS_LOCK:
+        ids = _IDS.pop(key, None)
+        if ids is None:
+            if len(_IDS) >= IDS_KEPT:
+                del _IDS[next(iter(_IDS))]
+            ids = upload(torch.tensor([src_blocks, dst_blocks], dtype=torch.int64), device)
+        _IDS[key] = ids  # the most recently used last
     return ids
 
 
