@@ -8,8 +8,8 @@ from pathlib import Path
 
 import click
 
-from common.cli_options import (COUNT, FLOAT, NON_NEGATIVE, POSITIVE, Counts, devices_option, engine_options,
-                                given_flags, threads_option)
+from common.cli_options import (COUNT, FLOAT, NON_NEGATIVE, POSITIVE, Counts, Integers, devices_option,
+                                engine_options, given_flags, threads_option)
 from common.protocol import KV_TRANSPORTS
 
 @click.group()
@@ -83,7 +83,7 @@ def bench_speculative(batch_sizes, max_tokens, rounds, temperature, seed, engine
 @click.option("--top", default=15, show_default=True, type=COUNT, help="rows of each kernel and function table")
 @click.option("--modes", default="both", show_default=True, type=click.Choice(["both", "invariant", "torch"]),
               help="kernel modes: batch-invariant, torch's ops, or both in turn (a CPU profiles its default only)")
-@click.option("--prefill-len", default=0, show_default=True, type=click.IntRange(min=0),
+@click.option("--prefill-len", default=0, show_default=True, type=Integers(min=0),
               help="also profile one prompt of this many tokens' prefill (0: none)")
 @click.option("--seed", default=0, show_default=True, type=int)
 @engine_options
@@ -145,7 +145,7 @@ def bench_serve(model, topologies, scenarios, router_address, base_url, frontend
 @click.option("--prefill", default=2, show_default=True, type=COUNT)
 @click.option("--decode", default=2, show_default=True, type=COUNT)
 @click.option("--requests", default=500, show_default=True, type=COUNT)
-@click.option("--kills", default=10, show_default=True, type=click.IntRange(min=0),
+@click.option("--kills", default=10, show_default=True, type=Integers(min=0),
               help="faults to inject (SIGKILL, SIGTERM or SIGSTOP)")
 @click.option("--concurrency", default=24, show_default=True, type=COUNT)
 @click.option("--interval", default=1.5, show_default=True, type=NON_NEGATIVE, help="seconds between faults")
@@ -190,7 +190,7 @@ def bench_handoff(model, tokens, requests, transport, seed, worker_args, devices
               help="each worker's step: one token per running request this often (a GPU decode step)")
 @click.option("--seconds", default=3.0, show_default=True, type=POSITIVE, help="measured per level")
 @click.option("--prompt-len", default=16, show_default=True, type=COUNT)
-@click.option("--max-tokens", default=256, show_default=True, type=click.IntRange(min=2))  # as run_router_bench
+@click.option("--max-tokens", default=256, show_default=True, type=Integers(min=2))  # as run_router_bench
 @click.option("--frontend", default="zmq", show_default=True,
               help="the clients' way in: zmq (the SDK: tokens batched per client and step), zmq-per-token (a "
                    "ZeroMQ client that takes a message per token), or http (OpenAI's streaming API)")
@@ -219,7 +219,7 @@ def bench_router(model, concurrencies, workers, step_ms, seconds, prompt_len, ma
 @click.option("--fragmented", is_flag=True, help="scattered block ids on both sides instead of runs")
 @click.option("--layer-groups", default=1, show_default=True, type=COUNT,
               help="send each transfer in this many groups of layers, as layer-wise streaming does")
-@click.option("--profile", default=0, show_default=True, type=click.IntRange(min=0),
+@click.option("--profile", default=0, show_default=True, type=Integers(min=0),
               help="also list this many of the sender's Python functions by their own time (cProfile)")
 def bench_transfer(transport, model, tokens, repeats, block_size, dtype, devices, device, fragmented, layer_groups,
                    profile):

@@ -12,10 +12,10 @@ import sys
 import click
 
 from bench.cli import bench, plan
-from common.cli_options import (COUNT, ENGINE_PARAMS, NON_NEGATIVE, PORT, POSITIVE, default_worker_port,
-                                devices_option, engine_argv, engine_options, given_flags, http_options,
-                                http_router_argv, parse_ints, policy_option, router_argv, router_options,
-                                sampling_options, setup_logging, threads_option)
+from common.cli_options import (COUNT, ENGINE_PARAMS, NON_NEGATIVE, PORT, POSITIVE, Integers, default_worker_port,
+                                devices_option, engine_argv, engine_kwargs_of, engine_options, given_flags,
+                                http_options, http_router_argv, parse_ints, policy_option, router_argv,
+                                router_options, sampling_options, setup_logging, threads_option)
 from common.errors import InvalidArgument, PdserveError, port_free
 from common.signals import DRAIN_TIMEOUT_S
 from common.speculative import SpeculativeConfig
@@ -233,6 +233,14 @@ def _check_worker_addresses(role: str, router_address: str, host: str, kv_port: 
         ctx.term()
 
 
+def role_engine_kwargs(role: str, engine_kwargs: dict) -> dict:
+    """A worker's engine as its role runs it: a prefill worker's steps are all prefill, with no
+    decode step to capture as graphs, or to draft for."""
+    if role == "prefill":
+        return dict(engine_kwargs, enforce_eager=True, speculative_config=None)
+    return engine_kwargs
+
+
 def worker_command(role: str):
     @click.option("--router", "router_address", default="tcp://127.0.0.1:7101", show_default=True,
                   help="the router's worker address")
@@ -264,9 +272,8 @@ def worker_command(role: str):
 
         setup_logging(log_level)
         _check_worker_addresses(role, router_address, host, kv_port)
-        if role == "prefill":  # its steps are all prefill: no decode step to capture as graphs, or to draft for
-            engine_kwargs = dict(engine_kwargs, enforce_eager=True, speculative_config=None)
-        cfg = WorkerConfig(router=router_address, engine=EngineConfig(**engine_kwargs), worker_id=worker_id,
+        cfg = WorkerConfig(router=router_address, engine=EngineConfig(**role_engine_kwargs(role, engine_kwargs)),
+                           worker_id=worker_id,
                            host=host, kv_port=kv_port, threads=threads, kv_stream=not no_kv_stream, step_timeout_s=step_timeout,
                            kv_lease_s=kv_lease, drain_timeout_s=drain_timeout)
         if _told_to_stop_while_starting:  # before the model is built
@@ -307,9 +314,9 @@ class _LaunchCommand(click.Command):
 
 
 @main.command(cls=_LaunchCommand)
-@click.option("--prefill", default=None, type=click.IntRange(min=0), help="prefill workers [default: 1; 0 with --mono]")
-@click.option("--decode", default=None, type=click.IntRange(min=0), help="decode workers [default: 1; 0 with --mono]")
-@click.option("--mono", default=0, show_default=True, type=click.IntRange(min=0), help="monolithic workers")
+@click.option("--prefill", default=None, type=Integers(min=0), help="prefill workers [default: 1; 0 with --mono]")
+@click.option("--decode", default=None, type=Integers(min=0), help="decode workers [default: 1; 0 with --mono]")
+@click.option("--mono", default=0, show_default=True, type=Integers(min=0), help="monolithic workers")
 @devices_option()
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=7100, show_default=True, type=PORT, help="client port (0: any free port)")
@@ -332,8 +339,9 @@ def launch(prefill, decode, mono, devices, host, port, worker_port, policy, log_
     split it (decode workers get the larger shares) unless a memory flag sizes their pools."""
     import shlex
 
-    from common.model_hub import NAMED_MODELS, named_model_path
+    from common.model_spec import model_config
     from router.launcher import Cluster, run_launch
+    from router.server import check_ports
 
     if engine_kwargs["device"] != "cpu":
         raise click.UsageError(f"--device {engine_kwargs['device']} is a worker's flag; launch places its workers "
@@ -347,8 +355,11 @@ def launch(prefill, decode, mono, devices, host, port, worker_port, policy, log_
     if router_kwargs["drain_timeout"] != DRAIN_TIMEOUT_S:  # the router's flag, and each worker's
         worker_args = (*worker_args, f"--drain-timeout={router_kwargs['drain_timeout']:g}")
     worker_port = default_worker_port(port, worker_port)
-    if engine_kwargs["model"] in NAMED_MODELS:
-        named_model_path(engine_kwargs["model"])  # not pulled yet: say so here, not in every child's log
+    try:  # said here, not in every child's log (a named model not pulled yet, a path mistyped)
+        check_ports(port, worker_port, http["http_port"])
+        model_config(engine_kwargs["model"])
+    except PdserveError as e:
+        raise click.UsageError(str(e))
 
     try:
         cluster = Cluster(engine_kwargs["model"], prefill, decode, mono, devices, host, port, worker_port,
@@ -358,8 +369,8 @@ def launch(prefill, decode, mono, devices, host, port, worker_port, policy, log_
                           api_server_count=http["api_server_count"])
     except ValueError as e:
         raise click.UsageError(str(e))
-    for role, args in {c.argv[3]: c.argv[4:] for c in cluster.workers}.items():  # (python -m common.cli ROLE ...)
-        check_worker_args(role, args, "--worker-arg")
+    for c in cluster.workers:  # python -m common.cli ROLE ...
+        check_worker_args(c.argv[3], c.argv[4:], "--worker-arg", devices_here=not dry_run)
     if dry_run:
         for c in cluster.children:
             print(f"{c.name}: {shlex.join(c.argv)}")
@@ -367,34 +378,47 @@ def launch(prefill, decode, mono, devices, host, port, worker_port, policy, log_
     run_launch(cluster)
 
 
-def check_worker_args(role: str, args: list[str], given_as: str) -> None:
+def check_worker_args(role: str, args: list[str], given_as: str, devices_here: bool = True) -> None:
     """Refuse, by name, worker flags no worker of role would start with: once, where they are
-    given (and past no --dry-run), not in each worker's log as it fails to start."""
+    given (and past no --dry-run), not in each worker's log as it fails to start. Each flag's
+    value, then the engine they make together, as EngineConfig checks it; whether this host has
+    its device, only where it starts here (a --dry-run may plan for another host)."""
+    from common.config import EngineConfig
+
     try:
-        main.commands[role].make_context(role, list(args))
+        params = main.commands[role].make_context(role, list(args)).params
+        EngineConfig(**role_engine_kwargs(role, engine_kwargs_of(params)), device_present=devices_here)
     except click.ClickException as e:
         raise click.UsageError(f"{given_as}: the {role} workers would not start: {e.format_message()}") from None
+    except InvalidArgument as e:  # (from given_as, or the launcher's own flags: --devices, engine flags)
+        raise click.UsageError(f"the {role} workers would not start: {e}") from None
 
 
 @main.command("gpu-shares", hidden=True)
 @click.option("--prefill", default=1, type=int)
 @click.option("--decode", default=1, type=int)
 @click.option("--mono", default=0, type=int)
+@click.option("--model", default="dummy:nanogpt")
 @devices_option()
 @policy_option
+@click.option("--dry-run", is_flag=True, help="the devices may be another host's")
 @click.argument("worker_args", nargs=-1, type=click.UNPROCESSED)
-def gpu_shares(prefill, decode, mono, devices, policy, worker_args):
+def gpu_shares(prefill, decode, mono, model, devices, policy, dry_run, worker_args):
     """Each worker's --gpu-memory-utilization as launch splits its device, one line per worker in
     launch order ('-' off a GPU, or when WORKER_ARGS size the pool): deploy/launch.sh splits with it,
-    and has it refuse what no launch may start (--policy checked here too, so that --dry-run does)."""
+    and has it refuse what no launch may start (--model, --policy and each worker's flags checked
+    here too, so that --dry-run does)."""
     from common.memory import launch_plan
+    from common.model_spec import model_config
     from router.launcher import check_worker_count
 
     check_worker_count(prefill + decode + mono)
-    for role, count in (("prefill", prefill), ("decode", decode), ("mono", mono)):
-        if count:
-            check_worker_args(role, ["--router", "tcp://127.0.0.1:1", *worker_args], "the worker flags after --")
-    for _, _, share in launch_plan(prefill, decode, mono, devices, list(worker_args)):
+    model_config(model)
+    plan = launch_plan(prefill, decode, mono, devices, list(worker_args))
+    for role, device, _ in plan:
+        check_worker_args(role, ["--router", "tcp://127.0.0.1:1", "--model", model, "--device", device, *worker_args],
+                          "the worker flags after --", devices_here=not dry_run)
+    for _, _, share in plan:
         print("-" if share is None else share)
 
 

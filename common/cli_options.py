@@ -40,16 +40,16 @@ def engine_options(f=None, *, one_device: bool = True):
         click.option("--model", default="dummy:nanogpt", show_default=True, help=MODEL_HELP),
         click.option("--device", default="cpu", show_default=True, help="cpu, cuda:N or N", hidden=not one_device),
         click.option("--dtype", default=None, help="float32, float16, bfloat16 [default: float32 on CPU, bfloat16 on GPU]"),
-        click.option("--block-size", default=16, show_default=True, type=int),
-        click.option("--num-blocks", default=None, type=int, help="KV pool size [default: from --kv-cache-gb]"),
-        click.option("--kv-cache-gb", default=None, type=FLOAT,
+        click.option("--block-size", default=16, show_default=True, type=BLOCK_SIZE),
+        click.option("--num-blocks", default=None, type=COUNT, help="KV pool size [default: from --kv-cache-gb]"),
+        click.option("--kv-cache-gb", default=None, type=POSITIVE,
                      help="KV pool size [default: 1 on CPU; on GPU from --gpu-memory-utilization]"),
-        click.option("--gpu-memory-utilization", default=None, type=FLOAT,
+        click.option("--gpu-memory-utilization", default=None, type=FRACTION,
                      help="fraction of the GPU's total memory this worker may take, weights, activations and KV "
                           "included [default: 0.9; launch splits it between the workers of a device]"),
-        click.option("--max-num-seqs", default=64, show_default=True, type=int),
-        click.option("--max-num-batched-tokens", default=2048, show_default=True, type=int),
-        click.option("--max-model-len", default=None, type=int),
+        click.option("--max-num-seqs", default=64, show_default=True, type=COUNT),
+        click.option("--max-num-batched-tokens", default=2048, show_default=True, type=COUNT),
+        click.option("--max-model-len", default=None, type=Integers(min=2)),
         click.option("--no-prefix-caching", is_flag=True),
         click.option("--attention-backend", default="auto", show_default=True,
                      type=click.Choice(ATTENTION_BACKENDS),
@@ -79,14 +79,18 @@ def engine_options(f=None, *, one_device: bool = True):
 
     @functools.wraps(f)
     def wrapper(*args, **kwargs):
-        flags = {name: kwargs.pop(name) for name in ENGINE_PARAMS}
-        engine_kwargs = {name: value for name, value in flags.items() if not name.startswith("no_")}
-        engine_kwargs.update(enable_prefix_caching=not flags["no_prefix_caching"])
-        return f(*args, engine_kwargs=engine_kwargs, **kwargs)
+        return f(*args, engine_kwargs=engine_kwargs_of(kwargs), **kwargs)
 
     for opt in reversed(opts):
         wrapper = opt(wrapper)
     return wrapper
+
+
+def engine_kwargs_of(params: dict) -> dict:
+    """engine_options' flags, taken out of a command's params, as EngineConfig's arguments."""
+    flags = {name: params.pop(name) for name in ENGINE_PARAMS}
+    engine_kwargs = {name: value for name, value in flags.items() if not name.startswith("no_")}
+    return dict(engine_kwargs, enable_prefix_caching=not flags["no_prefix_caching"])
 
 
 class Finite(click.FloatRange):
@@ -108,8 +112,28 @@ class Finite(click.FloatRange):
 FLOAT = Finite()
 POSITIVE = Finite(min=0, min_open=True)
 NON_NEGATIVE = Finite(min=0)
-COUNT = click.IntRange(min=1)  # of requests, tokens, steps, workers, threads: with 0 there is nothing to run
-PORT = click.IntRange(0, 65535)
+class Integers(click.IntRange):
+    """click's IntRange, whose refusal of a non-integer says "not a valid integer", not "integer range"."""
+    name = "integer"
+
+
+COUNT = Integers(min=1)  # of requests, tokens, steps, workers, threads: with 0 there is nothing to run
+FRACTION = Finite(min=0, max=1, min_open=True)
+
+
+class PowerOfTwo(Integers):
+    def __init__(self):
+        super().__init__(min=1)
+
+    def convert(self, value, param, ctx):
+        number = super().convert(value, param, ctx)
+        if number & (number - 1):
+            self.fail(f"{number} is not a power of two; allowed: 1, 2, 4, ..., 16, 32, ...", param, ctx)
+        return number
+
+
+BLOCK_SIZE = PowerOfTwo()
+PORT = Integers(0, 65535)
 
 
 def default_worker_port(port: int, worker_port: int | None) -> int:
@@ -121,18 +145,18 @@ def default_worker_port(port: int, worker_port: int | None) -> int:
         raise click.UsageError("--port 65535 leaves no port + 1 for the workers; give --worker-port")
     return port + 1 if port else 0
 ROUTER_OPTIONS = [  # (flag, default, type, help): the router's limits and placement, on `router` and `launch` alike
-    ("--max-queue", 1024, click.IntRange(min=1), "requests held at once; more are OVERLOADED"),
+    ("--max-queue", 1024, Integers(min=1), "requests held at once; more are OVERLOADED"),
     # workers heartbeat every 0.2 s (common/worker.py): less than 0.5 s of silence is no death
     ("--heartbeat-timeout", 2.0, Finite(min=0.5), "seconds of silence before a worker is dead"),
-    ("--max-attempts", 3, click.IntRange(min=1), "dispatches of one request before it fails"),
+    ("--max-attempts", 3, Integers(min=1), "dispatches of one request before it fails"),
     ("--prefill-timeout", 60.0, POSITIVE, "seconds from dispatch to first token, unless a worker holds it"),
     ("--decode-stall-timeout", 30.0, POSITIVE, "longest gap between tokens, unless a worker holds the request"),
     ("--queue-timeout", 30.0, POSITIVE, "longest wait for a live worker"),
-    ("--max-message-bytes", 4 * 2**20, click.IntRange(min=4096), "also the HTTP body limit"),
-    ("--max-local-prefill-length", 0, click.IntRange(min=0),
+    ("--max-message-bytes", 4 * 2**20, Integers(min=4096), "also the HTTP body limit"),
+    ("--max-local-prefill-length", 0, Integers(min=0),
      "a prompt with at most this many tokens to compute (past what its decode worker's prefix cache likely holds) "
      "is prefilled by its decode worker, with no KV handoff (Dynamo's conditional disaggregation)"),
-    ("--max-prefill-queue", 0, click.IntRange(min=0),
+    ("--max-prefill-queue", 0, Integers(min=0),
      "while every prefill worker holds this many requests not yet decoding, decode workers prefill new ones "
      "themselves, whatever their length (0: never)"),
     ("--enforce-disagg", False, bool, "never prefill on a decode worker; without it, decode workers prefill what no "

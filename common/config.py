@@ -4,7 +4,7 @@ the value and what is allowed. A model's own shape is common/model_spec.py's Mod
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 
 import torch
 
@@ -21,14 +21,16 @@ def default_dtype(device_type: str) -> str:
     return "float32" if device_type == "cpu" else "bfloat16"
 
 
-def resolve_device(device: str | int | torch.device) -> torch.device:
-    """'cpu', 'cuda', 'cuda:N' or a bare CUDA index."""
+def resolve_device(device: str | int | torch.device, present: bool = True) -> torch.device:
+    """'cpu', 'cuda', 'cuda:N' or a bare CUDA index; present: one this host has."""
     if isinstance(device, int) or (isinstance(device, str) and device.isdigit()):
         device = f"cuda:{int(device)}"
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as e:
         raise InvalidArgument(f"device={device!r} is not a device; allowed: 'cpu', 'cuda:N', N") from e
+    if dev.type == "cuda" and not present:
+        return torch.device("cuda", dev.index or 0)
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise InvalidArgument(f"device={device!r} asks for CUDA but no CUDA device is available")
@@ -76,12 +78,14 @@ class EngineConfig:
     kv_shared: bool = False  # the KV pool in a named shared-memory segment (CPU): what shm writes into
     # n-gram speculative decoding, vLLM's speculative_config (a dict or its JSON; common/speculative.py)
     speculative_config: str | dict | None = None
+    # False: a device this host need not have (a launcher's --dry-run checks flags for another host)
+    device_present: InitVar[bool] = True
     speculative: SpeculativeConfig | None = field(init=False)
     torch_dtype: torch.dtype = field(init=False)
     torch_device: torch.device = field(init=False)
 
-    def __post_init__(self):
-        self.torch_device = resolve_device(self.device)
+    def __post_init__(self, device_present: bool):
+        self.torch_device = resolve_device(self.device, device_present)
         if self.dtype is None:
             self.dtype = default_dtype(self.torch_device.type)
         self.speculative = SpeculativeConfig.parse(self.speculative_config)

@@ -99,9 +99,13 @@ WORKER_PORT=${WORKER_PORT:-$((PORT + 1))}
 # Whether something accepts connections at HOST PORT (one that hangs, to a host that drops it, does not).
 listening() { timeout 2 bash -c 'exec 3<>"/dev/tcp/$0/$1"' "$1" "$2" 2>/dev/null; }
 # Another router on these ports would answer the readiness check below, and take our workers.
+declare -A PORT_FLAG=()
 for flag_port in "--port $PORT" "--worker-port $WORKER_PORT" ${HTTP_PORT:+"--http-port $HTTP_PORT"}; do
   read -r flag port <<<"$flag_port"
   port_value "$flag" "$port"  # the worker port --port 65535 implies, too
+  [[ -z ${PORT_FLAG[$port]:-} ]] || refuse "$flag" "$port" \
+    "a port of its own, not ${PORT_FLAG[$port]}'s (--worker-port defaults to --port + 1)"
+  PORT_FLAG[$port]=$flag
   # (a port that does not answer counts as free: the router's bind then decides)
   ((DRY_RUN)) || ! listening "$HOST" "$port" ||
     { echo "launch.sh: port $port on $HOST is in use (another pdserve router?); allowed: a free port for $flag" >&2; exit 2; }
@@ -116,10 +120,11 @@ if [[ -z $THREADS ]]; then
 fi
 # Each worker's share of its GPU, in launch order ("-" off a GPU, or when the worker args size the
 # pool), as pdserve launch splits them.
-# It refuses, by name, what no launch may start (more than 64 workers on one host, a --policy it lacks).
+# It refuses, by name, what no launch may start (more than 64 workers on one host, a --model or
+# --policy it lacks, worker flags a worker would refuse).
 refused=$(mktemp)
-shares=$($PDSERVE gpu-shares --prefill "$PREFILL" --decode "$DECODE" --mono "$MONO" \
-  --devices "$DEVICES" --policy "$POLICY" -- "${WORKER_ARGS[@]}" 2>"$refused") ||
+shares=$($PDSERVE gpu-shares --prefill "$PREFILL" --decode "$DECODE" --mono "$MONO" --model "$MODEL" \
+  --devices "$DEVICES" --policy "$POLICY" $( ((DRY_RUN)) && echo --dry-run) -- "${WORKER_ARGS[@]}" 2>"$refused") ||
   { echo "launch.sh: $(grep -v '^Usage: \|^Try \|^$' "$refused" | sed 's/^error \[[A-Z_]*\]: //; s/^Error: //')" >&2
     rm -f "$refused"; exit 2; }
 rm -f "$refused"

@@ -123,17 +123,22 @@ class Request:
     expected_cached: tuple[int, int] | None = None
 
 
+def check_ports(port: int, worker_port: int, http_port: int | None) -> None:
+    """A router's ports, each its own (0: any free one)."""
+    taken: dict[int, str] = {}
+    for flag, number in (("--port", port), ("--worker-port", worker_port), ("--http-port", http_port)):
+        if number and number in taken:
+            raise InvalidArgument(f"{flag} {number} is also {taken[number]} (--worker-port defaults to --port + 1); "
+                                  "allowed: a port of its own", param=flag)
+        taken[number] = flag
+
+
 class Router(WorkerMessages):
     def __init__(self, cfg: RouterConfig):
         if cfg.api_server_count < 1 or (cfg.api_server_count > 1 and cfg.http_port is None):
             raise InvalidArgument(f"api_server_count={cfg.api_server_count} is invalid; allowed: 1 (HTTP in the "
                                   f"router process) or more (that many API server processes) with an http_port")
-        taken: dict[int, str] = {}
-        for flag, port in (("--port", cfg.port), ("--worker-port", cfg.worker_port), ("--http-port", cfg.http_port)):
-            if port and port in taken:
-                raise InvalidArgument(f"{flag} {port} is also {taken[port]} (--worker-port defaults to --port + 1); "
-                                      "allowed: a port of its own", param=flag)
-            taken[port] = flag
+        check_ports(cfg.port, cfg.worker_port, cfg.http_port)
         self.cfg = cfg
         self.prompts = Prompts(cfg.model, cfg.max_model_len)  # its tokenizer and model_config are the router's
         self.configured_context = self.prompts.context  # prompts.context: the least of it and the workers' (_fit_context)

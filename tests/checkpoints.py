@@ -6,6 +6,7 @@ parity test unable to fail)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -93,3 +94,13 @@ def write_checkpoint(path: Path, name: str, seed: int = 0):
     model.save_pretrained(path, max_shard_size="200KB" if "sharded" in name else "2GB")
     write_tokenizer(path)
     return model
+
+
+def write_config_only(path: Path) -> Path:
+    """A checkpoint directory whose config.json reads (what a launcher checks before it starts
+    anything) but which holds no weights: a worker fails at start, as it loads them."""
+    arch, kwargs = CONFIGS["llama-gqa"]
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": arch,
+                                                  "vocab_size": VOCAB, "rms_norm_eps": 1e-5, **kwargs}))
+    return path

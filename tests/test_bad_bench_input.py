@@ -27,6 +27,7 @@ from common import protocol as P
 from common.cli import main, run
 from common.errors import InvalidArgument
 from router.launcher import free_port
+from tests.checkpoints import write_config_only
 from tests.test_launch import CHECKOUT_ENV, processes_mentioning
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -303,6 +304,15 @@ LAUNCH_REFUSED = [  # (args, the error line)
                                          "'round_robin', 'prefix_affine'."),
     (["--dry-run", "--", "--max-num-seqs", "x"], "the worker flags after --: the prefill workers would not start: "
                                                  "Invalid value for '--max-num-seqs': 'x' is not a valid integer."),
+    (["--dry-run", "--", "--max-num-seqs", "0"], "the worker flags after --: the prefill workers would not start: "
+                                                 "Invalid value for '--max-num-seqs': 0 is not in the range x>=1."),
+    (["--dry-run", "--devices", "cuda:0", "--", "--kv-transport", "shm"],  # a GPU this host lacks: its checks still
+     "the prefill workers would not start: kv_transport='shm' does not work with device='cuda:0'; allowed there: "
+     "['auto', 'zmq', 'gloo', 'cuda_ipc', 'nccl']"),
+    (["--dry-run", "--model", "dummy:nope"], "model='dummy:nope': unknown dummy preset; allowed: dummy:nanogpt, "
+                                             "dummy:llama-tiny, dummy:qwen3-tiny, dummy:llama-1b"),
+    (["--dry-run", "--port", "17460", "--http-port", "17460"],
+     "--http-port 17460: allowed: a port of its own, not --port's (--worker-port defaults to --port + 1)"),
     (["--max-model-len", "256"], "unknown option --max-model-len; a worker's or engine's flag goes after --, to "
                                  "every worker (launch.sh --prefill 1 -- --max-model-len ...; see --help)"),
 ]
@@ -334,7 +344,8 @@ def test_launch_sh_does_not_restart_a_process_that_exits_with_a_usage_error(tmp_
     """A model that is not there: each process exits 2, as it would again; the launch stops at once
     with the error, as `pdserve launch` does, without restarting anything first."""
     port = free_port()
-    proc = subprocess.Popen([*LAUNCH_SH, "--model", "smollm9", "--port", str(port), "--log-dir", str(tmp_path)],
+    checkpoint = write_config_only(tmp_path / "no-weights")  # (a model that does not exist: refused before start)
+    proc = subprocess.Popen([*LAUNCH_SH, "--model", str(checkpoint), "--port", str(port), "--log-dir", str(tmp_path)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=CHECKOUT_ENV,
                             start_new_session=True)
     try:
@@ -342,7 +353,7 @@ def test_launch_sh_does_not_restart_a_process_that_exits_with_a_usage_error(tmp_
         _, err = proc.communicate(timeout=45)
         assert proc.returncode != 0 and time.monotonic() - started < 30, err
         assert re.search(r"launch.sh: \S+ exited with 2 during start-up", err), err
-        assert "model='smollm9' is not a dummy preset" in err, err
+        assert "no-weights: no model.safetensors" in err, err
         assert "restarting" not in err + "".join(p.read_text() for p in tmp_path.glob("*.log")), err
     finally:
         if proc.poll() is None:

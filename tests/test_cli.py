@@ -46,7 +46,7 @@ def test_commands_that_run_the_engine_in_their_own_process_take_threads():
         torch.set_num_threads(before)
     for command in (["chat"], ["bench", "engine"], ["bench", "structured"], ["bench", "speculative"],
                     ["bench", "step-profile"]):
-        assert "--threads INTEGER RANGE" in CliRunner().invoke(main, command + ["--help"]).output, command
+        assert "--threads INTEGER" in CliRunner().invoke(main, command + ["--help"]).output, command
 
 
 def test_generate_takes_every_logit_adjustment():
@@ -131,6 +131,18 @@ def test_launch_refuses_flags_it_would_silently_ignore():
                                           "'--no-such-flag'"),
         (["--mono", "1", "--worker-arg=--max-num-seqs=x"], "--worker-arg: the mono workers would not start: Invalid "
                                                            "value for '--max-num-seqs': 'x' is not a valid integer"),
+        # values, and the engine they make together, as a worker checks them at start
+        (["--max-num-seqs", "0"], "Invalid value for '--max-num-seqs': 0 is not in the range x>=1"),
+        (["--worker-arg=--max-num-seqs=0"], "--worker-arg: the prefill workers would not start: Invalid value for "
+                                            "'--max-num-seqs': 0 is not in the range x>=1"),
+        (["--worker-arg=--block-size=7"], "'--block-size': 7 is not a power of two; allowed: 1, 2, 4"),
+        (["--gpu-memory-utilization", "1.5"], "'--gpu-memory-utilization': 1.5 is not in the range 0<x<=1"),
+        (["--worker-arg=--max-num-batched-tokens=8"], "the prefill workers would not start: max_num_batched_tokens=8 "
+                                                      "must be >= max_num_seqs=64"),
+        (["--devices", "cuda:0", "--worker-arg=--kv-transport=shm"],  # a GPU this host lacks: only the device checks
+         "the prefill workers would not start: kv_transport='shm' does not work with device='cuda:0'"),
+        (["--model", "nope"], "model='nope' is not a dummy preset"),
+        (["--port", "17460", "--http-port", "17460"], "--http-port 17460 is also --port"),
     ]
     for args, message in cases:
         r = pdserve("launch", "--dry-run", *args)

@@ -16,6 +16,7 @@ import pytest
 
 from router.client import Client
 from router.launcher import free_port
+from tests.checkpoints import write_config_only
 from tests.cluster import cluster
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -203,24 +204,31 @@ def test_killing_the_launcher_outright_takes_its_cluster_down(tmp_path, how):
 
 @pytest.mark.parametrize("how", ["launch.sh", "pdserve launch"])
 def test_a_process_that_fails_to_start_fails_the_launch_with_its_error(tmp_path, how):
-    """A model that does not load: the launch stops at once with the error from the process's log
-    (launch.sh used to restart it quietly and poll for about 100 minutes), as one error line, not a
-    traceback, and leaves nothing running."""
+    """A checkpoint whose config reads but whose weights are missing (what the launcher checks
+    first, a model that does not exist, is refused before anything starts): the launch stops at
+    once with the error from the process's log (launch.sh used to restart it quietly and poll for
+    about 100 minutes), as one error line, not a traceback, and leaves nothing running."""
     port = free_port()
-    args = ["--model", str(tmp_path / "nope.gguf"), "--port", str(port), "--log-dir", str(tmp_path / "logs")]
+    checkpoint = write_config_only(tmp_path / "no-weights")
+    args = ["--model", str(checkpoint), "--port", str(port), "--log-dir", str(tmp_path / "logs")]
     cmd = launch_cmd(how, args)
     started = time.monotonic()
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=CHECKOUT_ENV, timeout=120)
     assert r.returncode != 0
     assert time.monotonic() - started < 60
-    assert "exited with 2 during start-up" in r.stderr and "nope.gguf' is not a dummy preset" in r.stderr, r.stderr
+    assert "exited with 2 during start-up" in r.stderr and "no-weights: no model.safetensors" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr, r.stderr
     assert not processes_mentioning(f"--port {port}")
     # again into the same logs, which keep the first run's lines: the error shown is this run's alone
-    cmd[cmd.index(str(tmp_path / "nope.gguf"))] = "dummy:nope"
+    (checkpoint / "model.safetensors").write_bytes(b"not safetensors")
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=CHECKOUT_ENV, timeout=120)
-    assert r.returncode != 0 and "'dummy:nope': unknown dummy preset" in r.stderr, r.stderr
-    assert "nope.gguf" not in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert r.returncode != 0 and "exited with 2 during start-up" in r.stderr, r.stderr
+    assert "no model.safetensors" not in r.stderr and "Traceback" not in r.stderr, r.stderr
+    # a model that does not exist: refused before anything starts, not in each worker's log
+    cmd[cmd.index(str(checkpoint))] = "dummy:nope"
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=CHECKOUT_ENV, timeout=120)
+    assert r.returncode == 2 and "'dummy:nope': unknown dummy preset" in r.stderr, r.stderr
+    assert "during start-up" not in r.stderr, r.stderr
 
 
 def test_free_ports_are_never_the_kernels_to_hand_out():
