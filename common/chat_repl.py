@@ -15,6 +15,7 @@ from typing import Callable
 
 from common.errors import InvalidArgument, PdserveError
 from common.text import TextStream
+from common.tokenizer import CONTEXT_FULL
 
 OnText = Callable[[str], None]
 
@@ -132,12 +133,23 @@ def run_chat(backend, system: str | None, sampling: dict) -> None:
                 show(f"unknown command {command}; ")
             show("commands: /clear starts over, /bye (or /exit, /quit, Ctrl-D) ends; Ctrl-C stops an answer\n")
             continue
-        messages.append({"role": "user", "content": line})
-        try:
-            answer, stopped = backend.reply(messages, sampling, show)
-        except (PdserveError, RequestError) as e:  # a bad request (too long, no template): say so, go on
-            messages.pop()
-            show(f"error [{e.code}]: {getattr(e, 'message', e)}\n")
+        sent = messages + [{"role": "user", "content": line}]
+        answer = None
+        while answer is None:
+            try:
+                answer, stopped = backend.reply(sent, sampling, show)
+            except (PdserveError, RequestError) as e:  # a bad request (too long, no template): say so, go on
+                error = f"error [{e.code}]: {getattr(e, 'message', e)}"
+                if CONTEXT_FULL in error and len(sent) > len(start) + 1:  # an exchange to leave out
+                    del sent[len(start):len(start) + 2]  # the oldest: a user message and its answer
+                    continue
+                show(error + "\n")
+                break
+        if answer is None:
             continue
         show(" [stopped]\n" if stopped else "\n")
-        messages.append({"role": "assistant", "content": answer})
+        left_out = len(messages) + 1 - len(sent)
+        if left_out:
+            show(f"(the {left_out} oldest messages were left out: with them the conversation is longer than the "
+                 "model's context; /clear starts over)\n")
+        messages = sent + [{"role": "assistant", "content": answer}]

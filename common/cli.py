@@ -59,15 +59,19 @@ def pull(name):
 @click.option("--prompt", "prompts", multiple=True, help="prompt text (repeatable)")
 @click.option("--prompt-ids", "prompt_ids", multiple=True, help="comma-separated token ids (repeatable)")
 @click.option("--chat", "chats", multiple=True, help="one user message, sent through the model's chat template (repeatable)")
+@click.option("--system", default=None, help="a system message before each --chat message")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object per prompt per line")
 @click.option("--router", "router_address", default=None, help="generate through a running router instead")
 @sampling_options
 @engine_options
 @threads_option
-def generate(prompts, prompt_ids, chats, as_json, router_address, sampling, engine_kwargs):
+def generate(prompts, prompt_ids, chats, system, as_json, router_address, sampling, engine_kwargs):
     """Generate text for one or more prompts: in-process, or through a cluster with --router."""
+    if system is not None and not chats:
+        raise click.UsageError("--system starts a chat: give --chat too (a --prompt is sent as it is)")
+    start = [{"role": "system", "content": system}] if system is not None else []
     requests = ([{"prompt": p} for p in prompts] + [{"prompt": parse_ints(p)} for p in prompt_ids]
-                + [{"messages": [{"role": "user", "content": c}]} for c in chats])
+                + [{"messages": [*start, {"role": "user", "content": c}]} for c in chats])
     if not requests:
         raise click.UsageError("give at least one --prompt, --prompt-ids or --chat")
     if router_address:
@@ -92,7 +96,7 @@ def generate(prompts, prompt_ids, chats, as_json, router_address, sampling, engi
             print(json.dumps({**request, "prompt_token_ids": prompt_ids_, "token_ids": token_ids,
                               "text": text, "finish_reason": reason}), flush=True)
         else:
-            shown = request["messages"][0]["content"] if "messages" in request else request["prompt"]
+            shown = request["messages"][-1]["content"] if "messages" in request else request["prompt"]
             print(f"{shown!r} -> {text if text is not None else token_ids!r}", flush=True)
 
 

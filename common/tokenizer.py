@@ -35,6 +35,9 @@ def check_token_ids(ids: list[int], vocab_size: int) -> None:
                                   param="prompt")
 
 
+CONTEXT_FULL = "maximum context length"  # what a refusal of a prompt too long says, in OpenAI's words
+
+
 def check_prompt_length(ids: list[int], max_model_len: int, param: str = "prompt",
                         more_than: bool = False) -> None:
     """A prompt must have a token, and leave one of the context for the output. The words are
@@ -43,8 +46,8 @@ def check_prompt_length(ids: list[int], max_model_len: int, param: str = "prompt
     if not ids:
         raise InvalidArgument("prompt is empty; allowed: at least one token", param=param)
     if len(ids) >= max_model_len:
-        raise InvalidArgument(f"prompt has {'more than ' if more_than else ''}{len(ids)} tokens but the model's maximum "
-                              f"context length is {max_model_len} tokens; allowed: at most {max_model_len - 1}, "
+        raise InvalidArgument(f"prompt has {'more than ' if more_than else ''}{len(ids)} tokens but the model's "
+                              f"{CONTEXT_FULL} is {max_model_len} tokens; allowed: at most {max_model_len - 1}, "
                               "leaving one for the output", param=param)
 
 

@@ -272,6 +272,30 @@ def test_chat_answers_slash_commands_itself_and_sends_the_rest(monkeypatch, caps
     assert out.count("commands: /clear starts over") == 2 and "unknown command /nope" in out
 
 
+def test_chat_leaves_out_its_oldest_exchanges_once_the_conversation_outgrows_the_context(monkeypatch, capsys):
+    """A conversation longer than the context refused every later turn, until /clear: the oldest
+    exchanges are now left out (the system message stays), and the user told. A message too long
+    alone is refused, and what came before is kept."""
+    from types import SimpleNamespace
+
+    from common.chat_repl import run_chat
+    from common.tokenizer import check_prompt_length
+
+    lines = iter(["a" * 30, "b" * 30, "c" * 30, "d" * 200, "e", "/bye"])
+    monkeypatch.setattr("builtins.input", lambda prompt: next(lines))
+    sent = []
+
+    def reply(messages, sampling, show):  # a context of 100 characters, the answers 10 each
+        check_prompt_length([0] * sum(len(m["content"]) for m in messages), 100, "messages")
+        sent.append([m["content"][:1] for m in messages])
+        return "x" * 10, False
+    run_chat(SimpleNamespace(name="fake", reply=reply), "s", {})
+    out = capsys.readouterr().out
+    assert sent == [["s", "a"], ["s", "a", "x", "b"], ["s", "b", "x", "c"], ["s", "b", "x", "c", "x", "e"]]
+    assert out.count("(the 2 oldest messages were left out") == 1
+    assert "error [INVALID_ARGUMENT]: prompt has 201 tokens but the model's maximum context length is 100" in out
+
+
 def test_a_users_turn_goes_through_the_template_where_the_model_has_one():
     plain, templated = ByteTokenizer(), ByteTokenizer()
     plain.chat_template, templated.chat_template = None, ChatTemplate(DUMMY_CHAT_TEMPLATE)

@@ -30,6 +30,16 @@ def test_generate_json_matches_engine():
     assert [line["text"] for line in lines] == [e.text for e in expected]
 
 
+def test_generates_system_message_goes_before_each_chat_message():
+    r = pdserve("generate", "--chat", "Hi", "--chat", "Yo", "--system", "Be brief.", "--max-tokens", "2", "--json")
+    assert r.returncode == 0, r.stderr
+    lines = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [bytes(line["prompt_token_ids"]) for line in lines] == [
+        b"<|system|>\nBe brief.\n<|user|>\n" + m + b"\n<|assistant|>\n" for m in (b"Hi", b"Yo")]
+    r = pdserve("generate", "--prompt", "Hi", "--system", "Be brief.")
+    assert r.returncode == 2 and "--system starts a chat: give --chat too" in r.stderr, r.stderr
+
+
 def test_commands_that_run_the_engine_in_their_own_process_take_threads():
     """generate, chat and the engine benches: --threads sets torch's threads in their process (they
     had none, and torch's default of a thread a core ran 50x slower beside busy processes)."""
