@@ -45,6 +45,9 @@ class Generate:
     stream: bool = True
     messages: list[dict] | None = None
     token_batches: bool = False  # the client reads TokenBatch: its streams' tokens may come several to a message
+    # vLLM's add_special_tokens for a text or chat prompt: None, a text's tokenizer adds BOS and the like,
+    # a chat's template writes its own (router/prompts.py Prompts.encode)
+    add_special_tokens: bool | None = None
 
 
 @dataclass

@@ -16,7 +16,9 @@ A chat goes as `messages=[{"role": "user", "content": "Hi"}]` instead of a promp
 renders it with the model's chat template. Sampling options are SamplingParams' fields
 (temperature, top_p, top_k, max_tokens, seed, stop_token_ids, ignore_eos, stop, logprobs, ...):
 `stop=["\n\n"]` ends the text at that string (finish_reason "stop"), `logprobs=N` gives each
-token's logprob and N alternatives (Chunk.logprobs, Result.logprobs). Failures raise
+token's logprob and N alternatives (Chunk.logprobs, Result.logprobs). `add_special_tokens`
+(vLLM's) goes with them: False, a text without the tokenizer's BOS; True, a chat with it before
+its template's. Failures raise
 RequestError carrying the router's code (INVALID_ARGUMENT, OVERLOADED, UNAVAILABLE, TIMEOUT, ...)
 and message. Many requests may be in
 flight on one client; replies are matched to them by request id. If the connection to the router
@@ -94,10 +96,13 @@ def _generate(request_id: str, prompt, messages, sampling: dict, stream: bool) -
     if (prompt is None) == (messages is None):
         raise InvalidArgument(f"prompt={short_repr(prompt)} with messages={short_repr(messages)} is invalid; allowed: "
                               "exactly one of prompt (text or token ids) or messages (chat)", param="prompt")
+    sampling = dict(sampling)
+    special = sampling.pop("add_special_tokens", None)  # the prompt's, not the sampling's
     bias = sampling.get("logit_bias")
     if isinstance(bias, dict):  # the protocol's maps take string keys only: [token, bias] pairs
-        sampling = {**sampling, "logit_bias": [[t, b] for t, b in bias.items()]}
-    return P.Generate(request_id, "" if prompt is None else prompt, sampling, stream, messages, token_batches=True)
+        sampling["logit_bias"] = [[t, b] for t, b in bias.items()]
+    return P.Generate(request_id, "" if prompt is None else prompt, sampling, stream, messages, token_batches=True,
+                      add_special_tokens=special)
 
 
 def _raise(msg: P.Error):

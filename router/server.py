@@ -361,7 +361,8 @@ class Router(WorkerMessages):
         """A Generate from a ZeroMQ client."""
         received = time.monotonic()
         try:
-            ids, params = self.prompts.validate(msg.prompt, msg.messages, msg.sampling)
+            ids, params = self.prompts.validate(msg.prompt, msg.messages, msg.sampling,
+                                                add_special_tokens=msg.add_special_tokens)
         except InvalidArgument as e:
             self.metrics.on_error(e.code)
             self.request_log.refused(client, msg.request_id, e.code, str(e))

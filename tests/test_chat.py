@@ -89,6 +89,18 @@ def test_add_special_tokens_is_each_endpoints_own_unless_a_request_says(checkpoi
                               add_special_tokens=body.get("add_special_tokens")) == ids  # /tokenize's
 
 
+def test_an_sdk_request_takes_add_special_tokens_as_an_http_one(checkpoint, tmp_path):
+    prompts, bos = Prompts(str(checkpoint)), load_tokenizer(str(checkpoint)).encode("", add_special_tokens=True)
+    text, chat = prompts.encode("hello", None, add_special_tokens=False), prompts.encode("", CONVERSATION)
+    with cluster(tmp_path, model=str(checkpoint), prefill=0, decode=0, mono=1) as c, Client(c.address) as client:
+        for request, ids in ((dict(prompt="hello"), bos + text), (dict(prompt="hello", add_special_tokens=False), text),
+                             (dict(messages=CONVERSATION), chat),
+                             (dict(messages=CONVERSATION, add_special_tokens=True), bos + chat)):
+            assert client.generate(**request, max_tokens=1).prompt_token_ids == ids, request
+        with pytest.raises(RequestError, match="add_special_tokens"):
+            client.generate("hello", max_tokens=1, add_special_tokens="no")
+
+
 _ADDED = {"0": {"content": "<s>", "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
                 "special": True}}
 

@@ -297,7 +297,7 @@ def test_a_request_the_router_fails_on_is_answered_not_dropped(monkeypatch):
 
     async def scenario():
         async with serving_router() as (router, connect):
-            def broken(*args):
+            def broken(*args, **kwargs):
                 raise RecursionError("maximum recursion depth exceeded")
             monkeypatch.setattr(router.prompts, "validate", broken)
             chan = connect(router.frontend.address)
