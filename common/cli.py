@@ -276,8 +276,8 @@ def worker_command(role: str):
 
         setup_logging(log_level)
         _check_worker_addresses(role, router_address, host, kv_port)
-        cfg = WorkerConfig(router=router_address, engine=EngineConfig(**role_engine_kwargs(role, engine_kwargs)),
-                           worker_id=worker_id,
+        engine = EngineConfig(**role_engine_kwargs(role, engine_kwargs))
+        cfg = WorkerConfig(router=router_address, engine=engine, worker_id=worker_id,
                            host=host, kv_port=kv_port, threads=threads, kv_stream=not no_kv_stream, step_timeout_s=step_timeout,
                            kv_lease_s=kv_lease, drain_timeout_s=drain_timeout)
         if _told_to_stop_while_starting:  # before the model is built

@@ -109,16 +109,9 @@ class Finite(click.FloatRange):
         return "" if self.min is None and self.max is None else super()._describe_range()
 
 
-FLOAT = Finite()
-POSITIVE = Finite(min=0, min_open=True)
-NON_NEGATIVE = Finite(min=0)
 class Integers(click.IntRange):
     """click's IntRange, whose refusal of a non-integer says "not a valid integer", not "integer range"."""
     name = "integer"
-
-
-COUNT = Integers(min=1)  # of requests, tokens, steps, workers, threads: with 0 there is nothing to run
-FRACTION = Finite(min=0, max=1, min_open=True)
 
 
 class PowerOfTwo(Integers):
@@ -132,8 +125,13 @@ class PowerOfTwo(Integers):
         return number
 
 
-BLOCK_SIZE = PowerOfTwo()
+FLOAT = Finite()
+POSITIVE = Finite(min=0, min_open=True)
+NON_NEGATIVE = Finite(min=0)
+FRACTION = Finite(min=0, max=1, min_open=True)
+COUNT = Integers(min=1)  # of requests, tokens, steps, workers, threads: with 0 there is nothing to run
 PORT = Integers(0, 65535)
+BLOCK_SIZE = PowerOfTwo()
 
 
 def default_worker_port(port: int, worker_port: int | None) -> int:
