@@ -48,6 +48,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from common import protocol as P
+from common.channel import SEND_WAIT_S
 from common.errors import InvalidArgument, short_repr
 from common.sampling_params import SamplingParams
 from router.openai_api import (RETRY_AFTER_S, ApiError, Job, OutputParsers, check_model, parse_chat, parse_completion,
@@ -121,6 +122,7 @@ class HttpFront:
         self.request_log = RequestLog(access_log)  # the requests it refuses itself, as the router's are
         self.api_key = api_key.encode() if api_key else None
         self.max_body_bytes = max_body_bytes
+        self.send_wait_s = SEND_WAIT_S  # how long a stream's client may take nothing, as a ZeroMQ client's
         self.created = int(time.time())
         self.origins = {o.strip() for o in allowed_origins.split(",") if o.strip()}
         self.app = web.Application(client_max_size=max_body_bytes, middlewares=[self._guard])
@@ -409,7 +411,14 @@ class HttpFront:
                     if job.include_usage and remaining == 0:
                         out.append(envelope.chunk([], usage(job, choices)))
                     out.append(b"data: [DONE]\n\n")
-                await response.write(b"".join(out))
+                # a client that stops reading: its tokens would wait here for good, its choices decoding
+                try:
+                    await asyncio.wait_for(response.write(b"".join(out)), self.send_wait_s)
+                except asyncio.TimeoutError:
+                    self.request_log.http_client_stalled(request.remote, request_id, len(choices), self.send_wait_s)
+                    if request.transport is not None:
+                        request.transport.abort()
+                    break
                 if not last:
                     batch = [await queue.get()]
         except ConnectionError:  # the client went away (the caller cancels its requests)

@@ -96,6 +96,10 @@ class RequestLog:
         log.warning("client %s is gone%s%s", client_name(client), lost,
                     f": its {len(reqs)} requests cancelled: {_ids(reqs)}" if reqs else "")
 
+    def http_client_stalled(self, remote: str | None, request_id: str, choices: int, wait_s: float):
+        log.warning("HTTP client %s read nothing of stream %s for %.0f s: its %d choices stop and its connection "
+                    "closes", remote, request_id, wait_s, choices)
+
     def client_stalled(self, client, reqs: list, wait_s: float):
         log.warning("client %s read nothing for %.0f s: its %d requests end with UNAVAILABLE: %s", client_name(client),
                     wait_s, len(reqs), _ids(reqs))

@@ -567,6 +567,41 @@ def test_overload_is_429_with_retry_after_and_a_disconnect_frees_every_block(ser
     assert "Traceback" not in log and "ERROR" not in log, log[-3000:]
 
 
+def test_a_stream_whose_client_reads_nothing_stops_and_its_connection_closes(served):
+    """An HTTP client that stopped reading its stream held its choices decoding, and what they made
+    grew in the router (or an API server) for as long as it kept the connection: 5 MB/s and more
+    with logprobs. As a ZeroMQ client's, after 5 s in which it took nothing its choices stop and
+    its connection is closed."""
+    said = lambda: served.router.log_path.read_text().count("read nothing of stream")  # noqa: E731
+    before = said()
+    host, port = served.http_url.removeprefix("http://").rsplit(":", 1)
+    body = json.dumps(dict(model=MODEL, prompt="x", max_tokens=1000, n=16, stream=True, ignore_eos=True,
+                           logprobs=20)).encode()
+    with socket.socket() as sock, Client(served.address, timeout=60) as sdk:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect((host, int(port)))
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        deadline = time.monotonic() + 90
+        while said() == before:
+            assert time.monotonic() < deadline, served.router.log_path.read_text()[-3000:]
+            time.sleep(0.2)
+        assert re.search(r"HTTP client \S+ read nothing of stream \S+ for 5 s: its 16 choices stop and its "
+                         r"connection closes", served.router.log_path.read_text())
+        while sdk.status().in_flight:
+            assert time.monotonic() < deadline, "the stalled stream's choices still in flight"
+            time.sleep(0.1)
+        workers = wait_blocks_free(sdk)
+        assert all(w["free_blocks"] == w["total_blocks"] for w in workers), workers
+        sock.settimeout(30)
+        try:  # what the kernel holds of the stream, then the end of the connection
+            while sock.recv(1 << 20):
+                pass
+        except ConnectionResetError:
+            pass
+    assert api(served).completions.create(model=MODEL, prompt="hi", max_tokens=3).usage.completion_tokens == 3
+
+
 def test_x_request_id_names_the_response_and_the_log_lines_and_a_bad_one_is_refused(served):
     """vLLM's X-Request-Id: echoed, in the response's id, and in the router's and the access log's
     lines (--log-requests), from the router process and from API servers alike."""
