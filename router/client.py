@@ -290,6 +290,14 @@ class _Requests:
             self._open.discard(request_id)
             raise
 
+    def _check_waitable(self, request_id: str) -> None:
+        """A wait for an id that is not this client's (never submitted here, or its result already
+        read) would wait its whole timeout, or for good: nothing will come for it."""
+        if request_id not in self._open and not self._replies.get(request_id):
+            raise RequestError("INVALID_ARGUMENT", f"request_id={short_repr(request_id)} is not in flight on this "
+                                                   "client; allowed: an id its submit returned, until its result "
+                                                   "is read", request_id)
+
     def _abandon(self, request_id: str) -> None:
         """Its caller stopped waiting for it before its end: cancel it, and drop what came for it."""
         if request_id in self._open:
@@ -449,6 +457,7 @@ class Client(_Requests):
 
     def wait(self, request_id: str, timeout: float | None = None) -> Result:
         """The Result of a request submitted with stream=False (its tokens, if it streams, are skipped)."""
+        self._check_waitable(request_id)
         deadline = self._deadline(timeout)
         try:
             while True:
@@ -620,6 +629,7 @@ class AsyncClient(_Requests):
 
     async def wait(self, request_id: str, timeout: float | None = None) -> Result:
         """The Result of a request submitted with stream=False (its tokens, if it streams, are skipped)."""
+        self._check_waitable(request_id)
         timeout = self.timeout_of(timeout)
         try:
             while True:

@@ -169,6 +169,19 @@ def test_an_sdk_client_misused_says_so_and_loses_nothing(fuzz_cluster):
         with pytest.raises(RequestError, match="request_id='job-1' is already in flight on this client"):
             client.submit([3, 4], request_id="job-1", max_tokens=2)
         assert len(client.wait(first).token_ids) == 50  # the first is not lost
+        # an id that is not in flight (never submitted, or its result read): refused at once, not waited for
+        for unknown in ("never-submitted", first):
+            with pytest.raises(RequestError, match=f"request_id='{unknown}' is not in flight on this client"):
+                client.wait(unknown, timeout=None)
+
+        async def wait_async():
+            async with AsyncClient(fuzz_cluster.address, timeout=None) as ac:
+                rid = await ac.submit([1, 2], stream=False, max_tokens=2)
+                assert len((await ac.wait(rid)).token_ids) == 2
+                for unknown in ("never-submitted", rid):
+                    with pytest.raises(RequestError, match=f"request_id='{unknown}' is not in flight"):
+                        await ac.wait(unknown)
+        asyncio.run(asyncio.wait_for(wait_async(), 60))
         with pytest.raises(InvalidArgument, match="exactly one of prompt"):  # and what was sent before it is cancelled
             client.generate_many([[1, 2, 3], None], max_tokens=1000, ignore_eos=True)
         assert not client._open and client.status().in_flight == 0
