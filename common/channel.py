@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 import threading
 import time
 import weakref
@@ -52,6 +53,27 @@ class Envelope:
     msg: object | None
     frames: list = field(default_factory=list)  # zmq.Frame, after the header
     error: ProtocolError | None = None
+
+
+WILDCARD_HOSTS = ("0.0.0.0", "*", "::", "")  # bound there, a socket takes connections on every interface
+
+
+def reachable_host(host: str, toward: str) -> str:
+    """What other machines reach a socket bound at `host` by: host itself, or for a wildcard (an
+    address no peer can connect to) this machine's address on its route toward `toward`
+    (tcp://HOST:PORT: the router's), as the kernel picks it; the router's other hosts reach it
+    there. A decode worker advertises it to prefill workers."""
+    if host not in WILDCARD_HOSTS:
+        return host
+    peer = toward.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((peer, 9))  # a UDP socket's connect sends nothing: it only picks the route
+            return s.getsockname()[0]
+    except OSError as e:
+        log.warning("no route from this machine toward %s (%s): advertising %s, which other machines cannot reach",
+                    toward, e, host)
+        return host
 
 
 class Channel:

@@ -36,7 +36,7 @@ from typing import Callable
 import zmq
 
 from common import protocol as P
-from common.channel import Channel, Envelope
+from common.channel import WILDCARD_HOSTS, Channel, Envelope, reachable_host
 from common.engine import RequestOutput
 from common.errors import InvalidArgument
 from common.kv_transport import Inbox, make_receivers, offered, tune_malloc
@@ -105,12 +105,15 @@ class DecodeWorker(WorkerBase):
         e = self.engine
         self.receivers = make_receivers(names, e.kv_cache, e.kv_segment, e.config.dtype, cfg.host, cfg.kv_lease_s,
                                         required=not mono and cfg.engine.kv_transport != "auto", wake=self.wake)
-        self.offer = {name: r.advert() for name, r in self.receivers.items()}
+        # what prefill workers connect to: bound at 0.0.0.0, this machine's address toward the router
+        host = reachable_host(cfg.host, cfg.router)
+        self.offer = {name: {**a, "host": host} if a.get("host") in WILDCARD_HOSTS else a  # (shm's: a hostname)
+                      for name, a in ((name, r.advert()) for name, r in self.receivers.items())}
         self.one_sided = any(r.one_sided for r in self.receivers.values())
         sweep_copy_counts()  # killed writers' files, whichever transport this host's clusters use now
         self.ingress = Channel.bind(self.ctx, zmq.ROUTER, f"tcp://{cfg.host}:{cfg.kv_port}", max_frame_bytes=cfg.max_kv_frame_bytes,
                                     end="kv_ingress")
-        self.kv_address = self.ingress.address
+        self.kv_address = f"tcp://{host}:{self.ingress.address.rsplit(':', 1)[1]}"
         self.watch(self.ingress, self._on_ingress)
         self.reservations: dict[str, Reservation] = {}
         self.queued: dict[str, Queued] = {}  # request id -> reservation waiting for room, in arrival order

@@ -11,7 +11,7 @@ import zmq
 import zmq.asyncio
 
 from common import protocol as P
-from common.channel import Channel
+from common.channel import Channel, reachable_host
 from router.launcher import free_port
 
 
@@ -209,3 +209,11 @@ def test_closing_with_a_backlog_cancels_its_retries(pair):
         await asyncio.sleep(0.1)  # past several of the retries' turns
     asyncio.run(main())
     assert given_up == [] and errors == [] and not router._backlogs
+
+
+def test_a_wildcard_host_is_advertised_as_this_machines_address_toward_its_peer():
+    """A decode worker bound at 0.0.0.0 advertised 0.0.0.0, which no other machine can connect to
+    (tests/test_multihost.py runs it across network namespaces)."""
+    assert reachable_host("0.0.0.0", "tcp://127.0.0.1:7101") == "127.0.0.1"
+    assert reachable_host("0.0.0.0", "tcp://localhost:7101") == "127.0.0.1"
+    assert reachable_host("10.1.2.3", "tcp://127.0.0.1:7101") == "10.1.2.3"  # a host given is its own

@@ -1,7 +1,8 @@
 """Three hosts on one machine: router, prefill and decode each in its own network namespace,
 joined by veth links to a bridge, talking over real (virtual) Ethernet. The decode worker's link
 is cut during decoding and restored: the router declares it dead, the worker comes back under a
-new incarnation, and the request still finishes with exactly the fault-free tokens.
+new incarnation, and the request still finishes with exactly the fault-free tokens. The decode
+worker binds every interface (0.0.0.0), and prefill reaches it at the address it advertises.
 
 Skipped where namespaces cannot be created (not root, no iproute2)."""
 
@@ -71,8 +72,9 @@ def test_three_hosts_survive_a_cut_link(hosts, tmp_path):
         start("router", "router", "--host", ip["router"], "--port", "7100", "--worker-port", "7101",
               "--heartbeat-timeout", "1", "--queue-timeout", "60")
         start("prefill", "prefill", "--router", f"tcp://{ip['router']}:7101", "--worker-id", "prefill-0", "--threads", "1")
+        # every interface, a port a firewall can open: it advertises its address on the route to the router
         start("decode", "decode", "--router", f"tcp://{ip['router']}:7101", "--worker-id", "decode-0",
-              "--host", ip["decode"], "--kv-port", "7102", "--threads", "1")  # a port a firewall can open
+              "--host", "0.0.0.0", "--kv-port", "7102", "--threads", "1")
         prompt = [9, 8, 7, 6, 5]
         sampling = dict(max_tokens=300, temperature=0.8, seed=3, ignore_eos=True)
         want = Engine(model="dummy:nanogpt").generate([prompt], SamplingParams(**sampling))[0].token_ids
