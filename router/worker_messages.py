@@ -129,6 +129,12 @@ class WorkerMessages:
             self._send(self.backend, P.Shutdown(conflict), identity)
             return
         old = self.registry.workers.get(msg.worker_id)
+        if old is not None and old.alive and old.incarnation == msg.incarnation and old.identity != identity:
+            # a worker's socket is its id and incarnation, for its life: another peer that names them (they
+            # are in `pdserve status`) would take its place, and its requests would wait out their deadlines
+            log.warning("refused a registration from %r as worker %s: that worker is live, on another connection",
+                        identity, msg.worker_id)
+            return
         if old is not None and old.alive and old.incarnation != msg.incarnation:
             if not old.leaving:
                 # Another process with a live worker's id: a second worker started with the same --worker-id

@@ -321,3 +321,22 @@ def test_a_request_the_router_fails_on_is_answered_not_dropped(monkeypatch):
             await chan.send(P.StatusRequest("s1"))  # and it serves on
             assert isinstance((await asyncio.wait_for(chan.arecv(), 10)).msg, P.StatusReply)
     asyncio.run(scenario())
+
+
+def test_a_registration_naming_a_live_workers_incarnation_from_another_connection_is_refused():
+    """A peer that read a live worker's id and incarnation from `pdserve status` and registered
+    them took its place: the worker's messages came from a connection the router no longer knew,
+    and its requests waited out their deadlines."""
+    from common.model_spec import model_config
+    from tests.cluster import scripted_worker, serving_router
+
+    async def scenario():
+        async with serving_router() as (router, connect):
+            await scripted_worker(router, connect, "decode-0", role="decode")
+            spoof = connect(router.backend.address, b"spoof")
+            await spoof.send(P.Register("decode", "decode-0", "1", "cpu", 64, 16, "tcp://127.0.0.1:2",
+                                        model_config(router.cfg.model).fingerprint, []))
+            await asyncio.sleep(0.5)
+            worker = router.registry.workers["decode-0"]
+            assert (worker.identity, worker.kv_address) == (b"decode-0/1", "tcp://127.0.0.1:1")
+    asyncio.run(scenario())
