@@ -21,6 +21,8 @@ serve around in silence.
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import TYPE_CHECKING
 
 from common.errors import InvalidArgument
@@ -29,6 +31,12 @@ from router.registry import PREFILL_ROLES, Registry, Worker, load, missing_roles
 
 if TYPE_CHECKING:
     from router.server import Request
+
+log = logging.getLogger("pdserve.router")
+# A pair whose handoff failed (the prefill worker could not reach the decode worker's KV ingress, or
+# had no acknowledgement in time) is left out of new placements this long, while another can serve:
+# otherwise each request placed there waited out the transfer timeout before its retry elsewhere.
+FAILING_PAIR_S = 60.0
 
 
 def check_flags(max_local_prefill_length: int, max_prefill_queue: int, enforce_disagg: bool) -> None:
@@ -48,6 +56,23 @@ class Placement:
         self.local_limit = max_local_prefill_length
         self.enforce_disagg = enforce_disagg
         self.queue_limit = max_prefill_queue
+        self.failing: dict[tuple[str, str], float] = {}  # (prefill, decode) -> until when it is left out
+
+    def handoff_failed(self, prefill: str, decode: str, why: str) -> None:
+        """A handoff from prefill to decode failed: leave the pair out of new placements for a while."""
+        if self.failing.get((prefill, decode), 0.0) < time.monotonic():
+            log.warning("a handoff from %s to %s failed (%s): new requests avoid that pair for %.0f s where another "
+                        "serves", prefill, decode, why, FAILING_PAIR_S)
+        self.failing[(prefill, decode)] = time.monotonic() + FAILING_PAIR_S
+
+    def forget(self, worker_id: str) -> None:
+        """A worker (re)registered: its pairs' failures were its last incarnation's."""
+        self.failing = {pair: until for pair, until in self.failing.items() if worker_id not in pair}
+
+    def _avoided(self) -> set[tuple[str, str]]:
+        now = time.monotonic()
+        self.failing = {pair: until for pair, until in self.failing.items() if until > now}
+        return set(self.failing)
 
     def missing(self, workers) -> list[str]:
         """The roles these workers lack to serve a request ("prefill", "decode"; none: they serve)."""
@@ -60,10 +85,10 @@ class Placement:
         chain = self._chain(req)
         p = d = self._local(req, decoders, chain)
         if p is None:
-            p = self.registry.pick(PREFILL_ROLES,
-                                   lambda p: any(pairs(req, p, d) for d in ([p] if p.role == "mono" else decoders)),
-                                   prompt=chain)
-            d = p if p is None or p.role == "mono" else self.registry.pick(("decode",), lambda d: pairs(req, p, d))
+            avoid = self._avoided()
+            p, d = self._remote(req, decoders, chain, avoid)
+            if (p is None or d is None) and avoid:  # none but a failing pair: it may work again
+                p, d = self._remote(req, decoders, chain, set())
         if p is None or d is None:
             return None
         req.expected_cached = None
@@ -74,6 +99,15 @@ class Placement:
             if d is not p and self.local_limit:  # the KV it receives joins its prefix cache
                 remember(d, chain)
         return p, d
+
+    def _remote(self, req: Request, decoders: list[Worker], chain: PromptChain | None,
+                avoid: set[tuple[str, str]]) -> tuple[Worker | None, Worker | None]:
+        """A prefill worker and the decode worker it hands req's KV to, by the policy."""
+        def ok(p: Worker, d: Worker) -> bool:
+            return pairs(req, p, d) and (p.worker_id, d.worker_id) not in avoid
+        p = self.registry.pick(PREFILL_ROLES, lambda p: any(ok(p, d) for d in ([p] if p.role == "mono" else decoders)),
+                               prompt=chain)
+        return p, p if p is None or p.role == "mono" else self.registry.pick(("decode",), lambda d: ok(p, d))
 
     def finished(self, req: Request) -> None:
         """req ended on its decode worker, whose prefix cache now holds its output too: the

@@ -27,6 +27,7 @@ DEAD_WORKER_MEMORY_S = 300.0  # how long `pdserve status` still lists a dead wor
 WORKER_PORT = ("this is the router's worker port; clients connect to its client port (--port; the worker port is "
                "--worker-port, by default --port + 1)")
 DECODE_FAULTS = ("NO_ROOM", "LAYOUT_MISMATCH")  # WorkerError codes that say the decode worker cannot take it
+HANDOFF_FAULTS = ("TIMEOUT", "TRANSFER_FAILED")  # a prefill worker's: its KV did not reach the decode worker
 
 
 class WorkerMessages:
@@ -153,6 +154,7 @@ class WorkerMessages:
             self.worker_lost(old, "restarted under a new incarnation")
         self._said_taken.discard((msg.worker_id, msg.incarnation))
         self.registry.workers[msg.worker_id] = w = joining
+        self.placement.forget(msg.worker_id)
         log.info("worker %s registered: role=%s device=%s blocks=%d (%s) kv=%s by %s", msg.worker_id, msg.role,
                  msg.device, msg.total_blocks, w.kv_name(), msg.kv_address or "-", ",".join(msg.kv_transports) or "-")
         self._fit_context()
@@ -290,6 +292,8 @@ class WorkerMessages:
             # the decode worker's own fault (its pool, its model) holds for every prefill worker, and the
             # prefill worker's own pool for every decode worker
             decode_fault, prefill_fault = msg.code in DECODE_FAULTS, msg.code == "PREFILL_NO_ROOM"
+            if msg.code in HANDOFF_FAULTS and req.decode_worker not in (None, w.worker_id):
+                self.placement.handoff_failed(w.worker_id, req.decode_worker, f"{msg.code}: {msg.message}")
             req.failed_pairs.add(("*" if decode_fault else req.prefill_worker,
                                   "*" if prefill_fault else req.decode_worker))
             why = f"{msg.code} from {req.decode_worker if decode_fault else w.worker_id}: {msg.message}"

@@ -77,6 +77,42 @@ def test_a_prompt_short_enough_is_prefilled_by_its_decode_worker():
     assert 'pdserve:local_prefills_total{model_name="dummy:nanogpt"} 1.0' in metrics
 
 
+def test_new_requests_avoid_a_pair_whose_handoff_failed_while_another_serves():
+    """A decode worker the prefill worker cannot reach (an address it cannot connect to, a
+    firewall) was given every other new request, each waiting out the transfer timeout before its
+    retry elsewhere: the pair is now left out of new placements for a while, unless it alone serves."""
+    async def scenario():
+        async with serving_router(heartbeat_timeout_s=60) as (router, connect):
+            workers = {name: await scripted_worker(router, connect, name, role)
+                       for name, role in (("prefill-0", "prefill"), ("decode-0", "decode"), ("decode-1", "decode"))}
+            prefill, client = {"prefill-0": workers["prefill-0"]}, connect(router.frontend.address)
+            await client.send(P.Generate("first", [1, 2, 3], GREEDY, False))
+            _, work = await next_work(prefill)
+            bad, good = work.decode_worker_id, {"decode-0": "decode-1", "decode-1": "decode-0"}[work.decode_worker_id]
+            await workers["prefill-0"].send(P.WorkerError(work.request_id, work.attempt, "TIMEOUT",
+                                                          "no acknowledgement within 30.0s"))
+            _, retried = await next_work(prefill)
+            assert (retried.request_id, retried.decode_worker_id) == (work.request_id, good)
+            for i in range(4):  # least_loaded would send some to the idle one
+                await client.send(P.Generate(f"next-{i}", [1, 2, 3], GREEDY, False))
+                _, work = await next_work(prefill)
+                assert work.decode_worker_id == good, i
+            # the failing pair alone serves: the four moved off the lost worker and a new one go to it
+            router.worker_lost(router.registry.workers[good], "killed by the test")
+            await client.send(P.Generate("alone", [1, 2, 3], GREEDY, False))
+            for _ in range(5):
+                assert (await next_work(prefill))[1].decode_worker_id == bad
+            assert set(router.placement.failing) == {("prefill-0", bad)}
+            router.worker_lost(router.registry.workers[bad], "killed by the test")  # and restarted:
+            again = connect(router.backend.address, f"{bad}/2".encode())
+            await again.send(P.Register("decode", bad, "2", "cpu", 64, 16, "tcp://127.0.0.1:1",
+                                        router.prompts.model_config.fingerprint, []))
+            assert isinstance((await again.arecv()).msg, P.Registered)
+            assert not router.placement.failing  # its last incarnation's failures are forgotten
+
+    asyncio.run(scenario())
+
+
 def test_while_every_prefill_worker_holds_its_queue_limit_a_decode_worker_prefills():
     """--max-prefill-queue 2: the third of three long prompts at once goes to the decode worker;
     once the first has reached its decode worker (its first decode token), the prefill worker
