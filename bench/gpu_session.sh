@@ -57,7 +57,8 @@ set -u
 # and test_triton_decode_on_the_gpu_equals_sdpa_and_is_batch_invariant compares the split kernel's
 # looping variant (tables past LANES splits, and LANES=1) with the one-pass one, bit for bit.
 # since 2026-11-29 (twenty-sixth session), top logprobs build their int64 keys in place (the async
-# logprobs test runs it), and the cached block-id uploads of a cuda_ipc copy take a lock.
+# logprobs test runs it), the cached block-id uploads of a cuda_ipc copy take a lock, and
+# EngineConfig resolves a CUDA device (and torch's dtype) after its other checks, importing torch there.
 # A helper counted 60-70 us of Python a streamed piece on the cuda_ipc path, not
 # the ~330 us measured: transfer-layers' --profile should name the call that blocks (an event's
 # record, wait_event, set_device, the Triton launcher's pointer checks, or garbage collection).

@@ -374,7 +374,7 @@ def launch(prefill, decode, mono, devices, host, port, worker_port, policy, log_
     except ValueError as e:
         raise click.UsageError(str(e))
     for c in cluster.workers:  # python -m common.cli ROLE ...
-        check_worker_args(c.argv[3], c.argv[4:], "--worker-arg", devices_here=not dry_run)
+        check_worker_args(c.argv[3], c.argv[4:], "--worker-arg")
     if dry_run:
         for c in cluster.children:
             print(f"{c.name}: {shlex.join(c.argv)}")
@@ -382,16 +382,16 @@ def launch(prefill, decode, mono, devices, host, port, worker_port, policy, log_
     run_launch(cluster)
 
 
-def check_worker_args(role: str, args: list[str], given_as: str, devices_here: bool = True) -> None:
+def check_worker_args(role: str, args: list[str], given_as: str) -> None:
     """Refuse, by name, worker flags no worker of role would start with: once, where they are
     given (and past no --dry-run), not in each worker's log as it fails to start. Each flag's
-    value, then the engine they make together, as EngineConfig checks it; whether this host has
-    its device, only where it starts here (a --dry-run may plan for another host)."""
+    value, then the engine they make together, as EngineConfig checks it (whether this host has
+    the device, each worker finds as it starts: that takes torch, which the launcher does without)."""
     from common.config import EngineConfig
 
     try:
         params = main.commands[role].make_context(role, list(args)).params
-        EngineConfig(**role_engine_kwargs(role, engine_kwargs_of(params)), device_present=devices_here)
+        EngineConfig(**role_engine_kwargs(role, engine_kwargs_of(params)), device_present=False)
     except click.ClickException as e:
         raise click.UsageError(f"{given_as}: the {role} workers would not start: {e.format_message()}") from None
     except InvalidArgument as e:  # (from given_as, or the launcher's own flags: --devices, engine flags)
@@ -405,9 +405,8 @@ def check_worker_args(role: str, args: list[str], given_as: str, devices_here: b
 @click.option("--model", default="dummy:nanogpt")
 @devices_option()
 @policy_option
-@click.option("--dry-run", is_flag=True, help="the devices may be another host's")
 @click.argument("worker_args", nargs=-1, type=click.UNPROCESSED)
-def gpu_shares(prefill, decode, mono, model, devices, policy, dry_run, worker_args):
+def gpu_shares(prefill, decode, mono, model, devices, policy, worker_args):
     """Each worker's --gpu-memory-utilization as launch splits its device, one line per worker in
     launch order ('-' off a GPU, or when WORKER_ARGS size the pool): deploy/launch.sh splits with it,
     and has it refuse what no launch may start (--model, --policy and each worker's flags checked
@@ -421,7 +420,7 @@ def gpu_shares(prefill, decode, mono, model, devices, policy, dry_run, worker_ar
     plan = launch_plan(prefill, decode, mono, devices, list(worker_args))
     for role, device, _ in plan:
         check_worker_args(role, ["--router", "tcp://127.0.0.1:1", "--model", model, "--device", device, *worker_args],
-                          "the worker flags after --", devices_here=not dry_run)
+                          "the worker flags after --")
     for _, _, share in plan:
         print("-" if share is None else share)
 

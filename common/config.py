@@ -4,15 +4,20 @@ the value and what is allowed. A model's own shape is common/model_spec.py's Mod
 
 from __future__ import annotations
 
+import re
 from dataclasses import InitVar, dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from common.errors import InvalidArgument
 from common.protocol import ATTENTION_BACKENDS, KV_TRANSPORTS
 from common.speculative import SpeculativeConfig
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported where a config is built to run (a launcher checks its workers' flags without
+# it: importing it is 2.4 s of a 2-core machine's CPU, more than a small cluster takes to start)
+DTYPE_NAMES = ("bfloat16", "float16", "float32")
 KV_TRANSPORT_DEVICE = {"shm": "cpu", "cuda_ipc": "cuda", "nccl": "cuda"}  # the others work with any pool
 
 
@@ -21,16 +26,36 @@ def default_dtype(device_type: str) -> str:
     return "float32" if device_type == "cpu" else "bfloat16"
 
 
-def resolve_device(device: str | int | torch.device, present: bool = True) -> torch.device:
-    """'cpu', 'cuda', 'cuda:N' or a bare CUDA index; present: one this host has."""
-    if isinstance(device, int) or (isinstance(device, str) and device.isdigit()):
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of one of DTYPE_NAMES (KeyError for another)."""
+    import torch
+
+    if name not in DTYPE_NAMES:
+        raise KeyError(name)
+    return getattr(torch, name)
+
+
+def device_type(device: str | int | torch.device) -> str:
+    """'cpu' or 'cuda', of a device as resolve_device takes it, without asking whether this host has
+    it (nor importing torch)."""
+    if (isinstance(device, int) and not isinstance(device, bool) and device >= 0) or \
+            (isinstance(device, str) and device.isdigit()):
+        return "cuda"
+    found = re.fullmatch(r"([a-z_]+)(:\d{1,9})?", device if isinstance(device, str) else str(getattr(device, "type", "")))
+    if found is None:
+        raise InvalidArgument(f"device={device!r} is not a device; allowed: 'cpu', 'cuda:N', N")
+    if found[1] not in ("cpu", "cuda"):
+        raise InvalidArgument(f"device={device!r} is not supported; allowed: 'cpu', 'cuda:N'")
+    return found[1]
+
+
+def resolve_device(device: str | int | torch.device) -> torch.device:
+    """'cpu', 'cuda', 'cuda:N' or a bare CUDA index, one this host has."""
+    import torch
+
+    if device_type(device) == "cuda" and str(device).isdigit():
         device = f"cuda:{int(device)}"
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise InvalidArgument(f"device={device!r} is not a device; allowed: 'cpu', 'cuda:N', N") from e
-    if dev.type == "cuda" and not present:
-        return torch.device("cuda", dev.index or 0)
+    dev = torch.device(device)
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise InvalidArgument(f"device={device!r} asks for CUDA but no CUDA device is available")
@@ -38,8 +63,6 @@ def resolve_device(device: str | int | torch.device, present: bool = True) -> to
         if index >= torch.cuda.device_count():
             raise InvalidArgument(f"device={device!r}: only {torch.cuda.device_count()} CUDA devices")
         dev = torch.device("cuda", index)
-    elif dev.type != "cpu":
-        raise InvalidArgument(f"device={device!r} is not supported; allowed: 'cpu', 'cuda:N'")
     return dev
 
 
@@ -81,22 +104,21 @@ class EngineConfig:
     # False: a device this host need not have (a launcher's --dry-run checks flags for another host)
     device_present: InitVar[bool] = True
     speculative: SpeculativeConfig | None = field(init=False)
-    torch_dtype: torch.dtype = field(init=False)
+    torch_dtype: torch.dtype = field(init=False)  # these two unless device_present=False (a check only)
     torch_device: torch.device = field(init=False)
 
     def __post_init__(self, device_present: bool):
-        self.torch_device = resolve_device(self.device, device_present)
+        kind = device_type(self.device)
         if self.dtype is None:
-            self.dtype = default_dtype(self.torch_device.type)
+            self.dtype = default_dtype(kind)
         self.speculative = SpeculativeConfig.parse(self.speculative_config)
         if self.speculative is not None and self.async_scheduling:
             raise InvalidArgument("async_scheduling=True with speculative_config: a draft is looked up from the "
                                   "newest token, which async scheduling has not read yet; allowed: one of them")
         if self.async_scheduling is None:
-            self.async_scheduling = self.torch_device.type == "cuda" and self.speculative is None
-        if self.dtype not in DTYPES:
-            raise InvalidArgument(f"dtype={self.dtype!r} is not supported; allowed: {sorted(DTYPES)}")
-        self.torch_dtype = DTYPES[self.dtype]
+            self.async_scheduling = kind == "cuda" and self.speculative is None
+        if self.dtype not in DTYPE_NAMES:
+            raise InvalidArgument(f"dtype={self.dtype!r} is not supported; allowed: {list(DTYPE_NAMES)}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise InvalidArgument(f"block_size={self.block_size} must be a power of two >= 1")
         if self.num_blocks is not None and self.num_blocks < 1:
@@ -120,11 +142,13 @@ class EngineConfig:
         if self.kv_transport not in KV_TRANSPORTS:
             raise InvalidArgument(f"kv_transport={self.kv_transport!r} is not supported; "
                                   f"allowed: {list(KV_TRANSPORTS)}")
-        kind = self.torch_device.type
         if KV_TRANSPORT_DEVICE.get(self.kv_transport, kind) != kind:
             allowed = [t for t in KV_TRANSPORTS if KV_TRANSPORT_DEVICE.get(t, kind) == kind]
             raise InvalidArgument(f"kv_transport={self.kv_transport!r} does not work with device={self.device!r}; "
                                   f"allowed there: {allowed}")
-        if self.kv_shared and self.torch_device.type != "cpu":
+        if self.kv_shared and kind != "cpu":
             raise InvalidArgument(f"kv_shared=True needs device='cpu', got device={self.device!r} "
                                   "(a CUDA pool is shared by CUDA IPC instead)")
+        if device_present:  # what the engine runs with: torch's, on a device this host has
+            self.torch_device = resolve_device(self.device)
+            self.torch_dtype = torch_dtype(self.dtype)

@@ -124,7 +124,7 @@ fi
 # --policy it lacks, worker flags a worker would refuse).
 refused=$(mktemp)
 shares=$($PDSERVE gpu-shares --prefill "$PREFILL" --decode "$DECODE" --mono "$MONO" --model "$MODEL" \
-  --devices "$DEVICES" --policy "$POLICY" $( ((DRY_RUN)) && echo --dry-run) -- "${WORKER_ARGS[@]}" 2>"$refused") ||
+  --devices "$DEVICES" --policy "$POLICY" -- "${WORKER_ARGS[@]}" 2>"$refused") ||
   { echo "launch.sh: $(grep -v '^Usage: \|^Try \|^$' "$refused" | sed 's/^error \[[A-Z_]*\]: //; s/^Error: //')" >&2
     rm -f "$refused"; exit 2; }
 rm -f "$refused"
