@@ -70,6 +70,8 @@ class Placement:
         self.failing = {pair: until for pair, until in self.failing.items() if worker_id not in pair}
 
     def _avoided(self) -> set[tuple[str, str]]:
+        if not self.failing:
+            return set()
         now = time.monotonic()
         self.failing = {pair: until for pair, until in self.failing.items() if until > now}
         return set(self.failing)
@@ -107,7 +109,9 @@ class Placement:
             return pairs(req, p, d) and (p.worker_id, d.worker_id) not in avoid
         p = self.registry.pick(PREFILL_ROLES, lambda p: any(ok(p, d) for d in ([p] if p.role == "mono" else decoders)),
                                prompt=chain)
-        return p, p if p is None or p.role == "mono" else self.registry.pick(("decode",), lambda d: ok(p, d))
+        if p is None or p.role == "mono":
+            return p, p
+        return p, self.registry.pick(("decode",), lambda d: ok(p, d))
 
     def finished(self, req: Request) -> None:
         """req ended on its decode worker, whose prefix cache now holds its output too: the
