@@ -41,7 +41,8 @@ def device_type(device: str | int | torch.device) -> str:
     if (isinstance(device, int) and not isinstance(device, bool) and device >= 0) or \
             (isinstance(device, str) and device.isdigit()):
         return "cuda"
-    found = re.fullmatch(r"([a-z_]+)(:\d{1,9})?", device if isinstance(device, str) else str(getattr(device, "type", "")))
+    text = device if isinstance(device, str) else str(getattr(device, "type", ""))  # a torch.device's
+    found = re.fullmatch(r"([a-z_]+)(:\d{1,9})?", text)
     if found is None:
         raise InvalidArgument(f"device={device!r} is not a device; allowed: 'cpu', 'cuda:N', N")
     if found[1] not in ("cpu", "cuda"):
@@ -101,7 +102,7 @@ class EngineConfig:
     kv_shared: bool = False  # the KV pool in a named shared-memory segment (CPU): what shm writes into
     # n-gram speculative decoding, vLLM's speculative_config (a dict or its JSON; common/speculative.py)
     speculative_config: str | dict | None = None
-    # False: a device this host need not have (a launcher's --dry-run checks flags for another host)
+    # False: a check only, without torch, of a device this host need not have (a launcher's of its workers' flags)
     device_present: InitVar[bool] = True
     speculative: SpeculativeConfig | None = field(init=False)
     torch_dtype: torch.dtype = field(init=False)  # these two unless device_present=False (a check only)
