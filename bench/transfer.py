@@ -43,7 +43,7 @@ from bench.report import print_json, print_table
 from common import protocol as P
 from common.channel import Channel, Waker
 from common.model_spec import model_config
-from common.config import DTYPE_NAMES, KV_TRANSPORT_DEVICE, default_dtype, resolve_device, torch_dtype
+from common.config import DTYPE_NAMES, KV_TRANSPORT_DEVICE, default_dtype, resolve_device, dtype_of
 from common.errors import InvalidArgument
 from common.kv_cache import SharedSegment, available_bytes
 from common.kv_transport import (Inbox, Outgoing, frame_plan, make_receivers, make_senders, tune_malloc, unit_bytes,
@@ -79,7 +79,7 @@ def kv_shape(spec: str, tokens: int, block_size: int, dtype: str | None, device:
 def check_memory(spec: str, tokens: int, shape, dtype: str, devices: set[torch.device]) -> None:
     """InvalidArgument naming --tokens, before anything is allocated, if POOL_COPIES of a pool of
     this shape do not fit in what one of the devices has available."""
-    block = math.prod(shape) // shape[2] * torch_dtype(dtype).itemsize
+    block = math.prod(shape) // shape[2] * dtype_of(dtype).itemsize
     pool = block * shape[2]
     for device in sorted(devices, key=str):
         available = available_bytes(device)
@@ -122,7 +122,7 @@ def _block_ids(n: int, fragmented: bool, seed: int) -> list[int]:
 
 def _sender_pool(shape, dtype: str, device: torch.device) -> torch.Tensor:
     g = torch.Generator().manual_seed(SEED)
-    return torch.randn(shape, generator=g).to(torch_dtype(dtype)).to(device)
+    return torch.randn(shape, generator=g).to(dtype_of(dtype)).to(device)
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -136,8 +136,8 @@ def _receiver(transport: str, shape, dtype: str, device: str, src: list[int], ds
     torch.set_num_threads(1)
     tune_malloc()
     dev = torch.device(device)
-    segment = SharedSegment.create(shape, torch_dtype(dtype)) if transport == "shm" else None
-    pool = segment.tensor if segment else torch.zeros(shape, dtype=torch_dtype(dtype), device=dev)
+    segment = SharedSegment.create(shape, dtype_of(dtype)) if transport == "shm" else None
+    pool = segment.tensor if segment else torch.zeros(shape, dtype=dtype_of(dtype), device=dev)
     waker = Waker()  # gloo settles off this thread: it wakes us, as it wakes a decode worker
     receiver = make_receivers([transport], pool, segment, dtype, "127.0.0.1", TIMEOUT_S, required=True,
                               wake=waker.wake)[transport]
@@ -397,7 +397,7 @@ def measure(transport: str, shape, dtype: str, device: torch.device, n: int, rep
     """Seconds per repetition of the transport and of each ceiling, taken in turn (this machine's
     speed drifts: interleaving keeps the ratios honest); for a one-sided transport also its host
     phases'. The profiler, if any, runs through the transport's host part of each (TransportRun.one)."""
-    nbytes = math.prod(shape) // shape[2] * n * torch_dtype(dtype).itemsize
+    nbytes = math.prod(shape) // shape[2] * n * dtype_of(dtype).itemsize
     runs = {}
     try:
         runs[transport] = run = TransportRun(transport, shape, dtype, device, n, fragmented, layer_groups, peer)
@@ -449,7 +449,7 @@ def run_transfer_bench(transport: str, spec: str, tokens: int, repeats: int, blo
     check_memory(spec, tokens, shape, dtype, {dev, peer})
     torch.set_num_threads(1)
     tune_malloc()
-    nbytes = math.prod(shape) // shape[2] * n * torch_dtype(dtype).itemsize
+    nbytes = math.prod(shape) // shape[2] * n * dtype_of(dtype).itemsize
     result = {"bench": "transfer", "transport": transport, "model": spec, "tokens": n * block_size, "bytes": nbytes,
               "repeats": repeats, "device": str(dev), "peer_device": str(peer), "dtype": dtype,
               "fragmented": fragmented, "layer_groups": layer_groups}

@@ -18,7 +18,6 @@ from common.cli_options import (COUNT, ENGINE_PARAMS, NON_NEGATIVE, PORT, POSITI
                                 router_options, sampling_options, setup_logging, threads_option)
 from common.errors import InvalidArgument, PdserveError, port_free
 from common.signals import DRAIN_TIMEOUT_S
-from common.speculative import SpeculativeConfig
 
 
 @click.group()
@@ -343,26 +342,20 @@ def launch(prefill, decode, mono, devices, host, port, worker_port, policy, log_
     split it (decode workers get the larger shares) unless a memory flag sizes their pools."""
     import shlex
 
-    from common.model_spec import model_config
     from router.launcher import Cluster, run_launch
     from router.server import check_ports
 
     if engine_kwargs["device"] != "cpu":
         raise click.UsageError(f"--device {engine_kwargs['device']} is a worker's flag; launch places its workers "
                                "with --devices (e.g. --devices cuda:0 or cuda:0,cuda:1)")
-    try:  # JSON a user typed: said here once, not in each worker's log as it fails to start
-        SpeculativeConfig.parse(engine_kwargs["speculative_config"])
-    except InvalidArgument as e:
-        raise click.UsageError(str(e))
     prefill = (0 if mono else 1) if prefill is None else prefill
     decode = (0 if mono else 1) if decode is None else decode
     if router_kwargs["drain_timeout"] != DRAIN_TIMEOUT_S:  # the router's flag, and each worker's
         worker_args = (*worker_args, f"--drain-timeout={router_kwargs['drain_timeout']:g}")
     worker_port = default_worker_port(port, worker_port)
-    try:  # said here, not in every child's log (a named model not pulled yet, a path mistyped)
+    try:
         check_ports(port, worker_port, http["http_port"])
-        model_config(engine_kwargs["model"])
-    except PdserveError as e:
+    except InvalidArgument as e:
         raise click.UsageError(str(e))
 
     try:
@@ -373,13 +366,27 @@ def launch(prefill, decode, mono, devices, host, port, worker_port, policy, log_
                           api_server_count=http["api_server_count"])
     except ValueError as e:
         raise click.UsageError(str(e))
-    for c in cluster.workers:  # python -m common.cli ROLE ...
-        check_worker_args(c.argv[3], c.argv[4:], "--worker-arg")
+    workers = [(c.argv[3], c.argv[4:]) for c in cluster.workers]  # (python -m common.cli ROLE ...)
+    check_launch(engine_kwargs["model"], workers, "--worker-arg")
     if dry_run:
         for c in cluster.children:
             print(f"{c.name}: {shlex.join(c.argv)}")
         return
     run_launch(cluster)
+
+
+def check_launch(model: str, workers: list[tuple[str, list[str]]], given_as: str) -> None:
+    """What a launcher checks before it starts anything, said once here rather than in each
+    child's log as it fails to start: the model (a named one not pulled yet, a path mistyped),
+    then each worker's (role, flags), which given_as names."""
+    from common.model_spec import model_config
+
+    try:
+        model_config(model)
+    except PdserveError as e:
+        raise click.UsageError(str(e))
+    for role, args in workers:
+        check_worker_args(role, args, given_as)
 
 
 def check_worker_args(role: str, args: list[str], given_as: str) -> None:
@@ -412,15 +419,12 @@ def gpu_shares(prefill, decode, mono, model, devices, policy, worker_args):
     and has it refuse what no launch may start (--model, --policy and each worker's flags checked
     here too, so that --dry-run does)."""
     from common.memory import launch_plan
-    from common.model_spec import model_config
     from router.launcher import check_worker_count
 
     check_worker_count(prefill + decode + mono)
-    model_config(model)
     plan = launch_plan(prefill, decode, mono, devices, list(worker_args))
-    for role, device, _ in plan:
-        check_worker_args(role, ["--router", "tcp://127.0.0.1:1", "--model", model, "--device", device, *worker_args],
-                          "the worker flags after --")
+    check_launch(model, [(role, ["--router", "tcp://127.0.0.1:1", "--model", model, "--device", device, *worker_args])
+                         for role, device, _ in plan], "the worker flags after --")
     for _, _, share in plan:
         print("-" if share is None else share)
 

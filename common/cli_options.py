@@ -6,11 +6,11 @@ from __future__ import annotations
 import functools
 import json
 import math
-import re
 from pathlib import Path
 
 import click
 
+from common.config import device_type  # torch-free, as what follows
 from common.errors import InvalidArgument
 from common.protocol import ATTENTION_BACKENDS, KV_TRANSPORTS  # no torch here: the CLI starts light
 from common.signals import DRAIN_TIMEOUT_S
@@ -440,9 +440,12 @@ def devices_option(default: str | None = "cpu", help: str = "comma-separated, as
         devices = [d.strip() for d in text.split(",")]
         if not all(devices):
             raise click.BadParameter(f"{text!r} has an empty entry; give devices like cpu,cuda:0,cuda:1")
-        bad = [d for d in devices if not re.fullmatch(r"cpu|cuda(:\d+)?|\d+", d)]
-        if bad:  # here, not in each worker's log as it fails to start (and not past a --dry-run)
-            raise click.BadParameter(f"{bad[0]!r} is not a device; allowed: cpu, cuda, cuda:N or N, comma-separated")
+        for d in devices:  # here, not in each worker's log as it fails to start (and not past a --dry-run)
+            try:
+                device_type(d)
+            except InvalidArgument:
+                raise click.BadParameter(f"{d!r} is not a device; allowed: cpu, cuda, cuda:N or N, "
+                                         "comma-separated") from None
         return devices
     return click.option("--devices", default=default, show_default=default is not None, callback=parse, help=help)
 

@@ -26,7 +26,7 @@ def default_dtype(device_type: str) -> str:
     return "float32" if device_type == "cpu" else "bfloat16"
 
 
-def torch_dtype(name: str) -> torch.dtype:
+def dtype_of(name: str) -> torch.dtype:
     """The torch dtype of one of DTYPE_NAMES (KeyError for another)."""
     import torch
 
@@ -152,4 +152,4 @@ class EngineConfig:
                                   "(a CUDA pool is shared by CUDA IPC instead)")
         if device_present:  # what the engine runs with: torch's, on a device this host has
             self.torch_device = resolve_device(self.device)
-            self.torch_dtype = torch_dtype(self.dtype)
+            self.torch_dtype = dtype_of(self.dtype)

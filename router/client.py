@@ -293,7 +293,8 @@ class _Requests:
     def _check_waitable(self, request_id: str) -> None:
         """A wait for an id that is not this client's (never submitted here, or its result already
         read) would wait its whole timeout, or for good: nothing will come for it."""
-        if request_id not in self._open and not self._replies.get(request_id):
+        queued = self._replies.get(request_id)  # a deque (Client) or an asyncio.Queue (AsyncClient)
+        if request_id not in self._open and not (queued.qsize() if isinstance(queued, asyncio.Queue) else queued):
             raise RequestError("INVALID_ARGUMENT", f"request_id={short_repr(request_id)} is not in flight on this "
                                                    "client; allowed: an id its submit returned, until its result "
                                                    "is read", request_id)

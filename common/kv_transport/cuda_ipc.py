@@ -40,7 +40,7 @@ import types
 
 import torch
 
-from common.config import torch_dtype
+from common.config import dtype_of
 from common.errors import first_line
 from common.kv_transport.base import Handle, Inbox, Outgoing
 from common.kv_transport.block_copy import warm_up
@@ -72,7 +72,7 @@ class CudaIpcSender(MappedSender):
 
         a = advert["ipc"]
         pool = rebuild_cuda_tensor(torch.Tensor, torch.Size(a[1]), tuple(a[2]), a[3], torch.storage.TypedStorage,
-                                   torch_dtype(a[5]), *a[6:10], False, *a[11:])
+                                   dtype_of(a[5]), *a[6:10], False, *a[11:])
         warm_up(pool)  # the copy kernel compiles at pairing, not in the first transfer
         return types.SimpleNamespace(tensor=pool, pid=advert.get("pid"))
 

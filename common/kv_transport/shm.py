@@ -9,7 +9,7 @@ import os
 
 import torch
 
-from common.config import torch_dtype
+from common.config import dtype_of
 from common.kv_cache import SharedSegment
 from common.kv_transport.mapped import MappedReceiver, MappedSender
 
@@ -22,7 +22,7 @@ class ShmSender(MappedSender):
 
     def _map(self, advert: dict) -> SharedSegment:
         return SharedSegment.attach(advert["segment"], bytes.fromhex(advert["nonce"]), tuple(advert["shape"]),
-                                    torch_dtype(advert["dtype"]))
+                                    dtype_of(advert["dtype"]))
 
     def _gone(self, key: str) -> bool:
         return not os.path.exists(f"/proc/{SharedSegment.creator(key)}")
