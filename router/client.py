@@ -491,6 +491,8 @@ class Client(_Requests):
     def _ask(self, request: type, timeout: float | None):
         """A status or metrics call's reply, filed under the call's id."""
         self._check_open()
+        with self._one_thread():
+            self._take_events()  # as submit's
         with self._asking() as ask_id:
             deadline = self._deadline(timeout)
             with self._one_thread():
@@ -509,6 +511,7 @@ class AsyncClient(_Requests):
         self.connection = Connection(self.chan)
         self._replies: dict[str | None, asyncio.Queue] = defaultdict(asyncio.Queue)
         self._reader: asyncio.Task | None = None
+        self._losing: set[asyncio.Task] = set()  # _lose_open's, kept: the loop holds only a weak reference
         self._open: set[str] = set()
         self._unsent: set[str] = set()
         self._new_id = _Ids()
@@ -525,15 +528,18 @@ class AsyncClient(_Requests):
             return
         self.closed = True
         if self._reader is not None and self._reader.get_loop() is asyncio.get_running_loop():
-            self._reader.cancel()
-            await asyncio.gather(self._reader, return_exceptions=True)
+            for task in (self._reader, *self._losing):
+                task.cancel()
+            await asyncio.gather(self._reader, *self._losing, return_exceptions=True)
         self.connection.close()
         self.chan.close()
         self.ctx.term()
 
     def _start(self):
         """Start reading replies, in the event loop of the client's first call: it serves that loop only
-        (a second asyncio.run would wait for replies the first loop's reader can no longer read)."""
+        (a second asyncio.run would wait for replies the first loop's reader can no longer read).
+        A drop the watcher has not seen yet (the loop ran only during calls) loses what was in
+        flight then, not the call starting now, which goes out on the connection there is now."""
         self._check_open()
         if self._reader is not None and self._reader.get_loop() is not asyncio.get_running_loop():
             raise RuntimeError("this AsyncClient serves the event loop of its first call; make one in each "
@@ -542,6 +548,8 @@ class AsyncClient(_Requests):
             self._reader = asyncio.ensure_future(asyncio.gather(self._read(), self._watch()))
             # ended by its loop's end (asyncio.run cancels what runs) rather than close(): not an error to report
             self._reader.add_done_callback(lambda f: f.cancelled() or f.exception())
+        if self.connection.drain():
+            self._lost()
 
     async def _read(self):
         while True:
@@ -556,7 +564,9 @@ class AsyncClient(_Requests):
         await self.connection.watch(self._lost)
 
     def _lost(self):
-        asyncio.ensure_future(self._lose_open(self._open - self._unsent))
+        task = asyncio.ensure_future(self._lose_open(self._open - self._unsent))
+        self._losing.add(task)
+        task.add_done_callback(self._losing.discard)
 
     async def _lose_open(self, lost: set[str]):
         """What the router sent before it went (a stopping router's last tokens, and its word on

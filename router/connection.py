@@ -10,6 +10,7 @@ import time
 from typing import Callable
 
 import zmq
+import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
 
 from common import protocol as P
@@ -59,6 +60,10 @@ class Connection:
     def __init__(self, chan: Channel):
         self.chan = chan
         self.monitor = chan.monitor
+        # drain()'s: an async client's loop may not have run since the router restarted (a notebook's
+        # cells, run_until_complete), so each call takes the monitor's news first, without awaiting
+        self._sync_monitor = (zmq.Socket.shadow(chan.monitor.underlying)
+                              if isinstance(chan.monitor, zmq.asyncio.Socket) else chan.monitor)
         self.down_since: float | None = time.monotonic()  # None while connected
         self.refused: str | None = None  # why the router refused our handshake (libzmq then stops trying)
         self.dropped = 0  # handshakes the router dropped in a row: it cannot read our hello (another server.key)
@@ -80,10 +85,10 @@ class Connection:
         return True
 
     def drain(self) -> bool:
-        """Take every event waiting on a sync monitor, without waiting; True if the connection dropped."""
+        """Take every event waiting on the monitor, without waiting; True if the connection dropped."""
         dropped = False
-        while self.monitor.poll(0):
-            dropped |= self.on_event(recv_monitor_message(self.monitor))
+        while self._sync_monitor.poll(0):
+            dropped |= self.on_event(recv_monitor_message(self._sync_monitor))
         return dropped
 
     def give_up_at(self, since: float) -> float | None:

@@ -459,7 +459,9 @@ def test_a_client_idle_past_the_connect_timeout_or_across_a_router_restart_serve
             proc.terminate()
             proc.wait(10)
             proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            status_when_up(client)
+            with Client(f"tcp://127.0.0.1:{port}", timeout=30) as probe:
+                status_when_up(probe)
+            assert client.status().in_flight == 0  # its first call since the restart
             time.sleep(1.0)
             assert client.status().in_flight == 0
 
@@ -468,6 +470,19 @@ def test_a_client_idle_past_the_connect_timeout_or_across_a_router_restart_serve
                     await asyncio.sleep(1.0)  # made long before its first call
                     return (await late.status()).in_flight
             assert asyncio.run(idle_async_client()) == 0
+
+            # An AsyncClient whose loop runs only during its calls (run_until_complete, a notebook's
+            # cells) learns of a restart at its next call: that call is not failed for the old connection.
+            loop = asyncio.new_event_loop()
+            between = AsyncClient(f"tcp://127.0.0.1:{port}", timeout=30)
+            assert loop.run_until_complete(between.status()).in_flight == 0
+            stop(proc)
+            proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            with Client(f"tcp://127.0.0.1:{port}", timeout=30) as probe:
+                status_when_up(probe)
+            assert loop.run_until_complete(between.status()).in_flight == 0
+            loop.run_until_complete(between.close())
+            loop.close()
     finally:
         stop(proc)
 
