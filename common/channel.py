@@ -257,26 +257,30 @@ class Channel:
                 pass
         return True
 
-    def try_send(self, msg, frames=(), to: bytes | None = None) -> bool:
+    def try_send(self, msg, frames=(), to: bytes | None = None, track: bool = False):
         """Send, or log and return False if the peer is gone (ROUTER) or does not take it within
         self.send_wait_s: it stopped reading (its queue is at the high-water mark), or it never
         connected (a DEALER has nowhere to queue). Once a send has been given up, the next ones fail
         at once until one goes through: a dead router must not freeze the worker that sends to it
-        (its loop, and with it SIGTERM's handling, goes on)."""
-        parts = self._head(msg, to) + list(frames)
+        (its loop, and with it SIGTERM's handling, goes on). With track=True, as send()'s: a
+        Released that covers every frame, or None if it did not go."""
+        # Frames made first: once the header is out, nothing but the socket may fail mid-message.
+        parts = self._head(msg, to) + ([zmq.Frame(f, copy=False) for f in frames] if track else list(frames))
         try:
             sent = self._send_now(parts) or (
                 not self._stalled and self._raw.poll(int(self.send_wait_s * 1e3), zmq.POLLOUT) != 0
                 and self._send_now(parts))
         except zmq.ZMQError as e:
             log.warning("could not send %s to %r: %s", type(msg).__name__, to or self.peer_name, e)
-            return False
+            return None if track else False
         if not sent and not self._stalled:
-            log.warning("could not send %s to %r: nothing took it for %.0f s; dropping what this socket sends "
+            log.warning("could not send %s to %r: nothing took it for %g s; dropping what this socket sends "
                         "until its peer reads again", type(msg).__name__, to or self.peer_name, self.send_wait_s)
         elif sent and self._stalled:
             log.info("%r reads again", to or self.peer_name)
         self._stalled = not sent
+        if track:
+            return Released(frames) if sent else None
         return sent
 
     def _send_now(self, parts: list) -> bool:

@@ -67,6 +67,9 @@ LEASE_MARGIN_S = 1.0  # never start writing a peer's blocks closer than this to 
 STREAM_MIN_BYTES = 1 << 20  # layer-wise streaming sends groups of layers at least this big (but the last)
 SWEEP_S = 1.0  # how often the senders look for peers whose process exited (Sender.sweep)
 PEER_IDLE_S = 300.0  # what we hold for a decode worker not used this long is dropped (remade on demand)
+# How long a decode worker may take nothing from our full socket to it (1,000 messages queued here,
+# as many in its own): then it is stuck or gone, and what we send it fails, at once until it reads again.
+PEER_SEND_WAIT_S = 1.0
 
 
 @dataclass
@@ -207,7 +210,7 @@ class PrefillWorker(WorkerBase):
         chan = self.peers.get(address)
         if chan is None:
             chan = Channel.connect(self.ctx, zmq.DEALER, address, end="kv_sender")
-            chan.send_wait_s = 0  # a full queue (a stuck peer) fails a send, never blocks us
+            chan.send_wait_s = PEER_SEND_WAIT_S
             self.peers[address] = chan
             self.watch(chan, self._on_peer)
         return chan
@@ -239,13 +242,10 @@ class PrefillWorker(WorkerBase):
             self._ask(rid, t)  # one lost goes again a third of a lease later
 
     def _ask(self, rid: str, t: Transfer) -> bool:
-        try:
-            self._peer(t.work.decode_kv_address).send(
-                P.KVReserve(rid, t.work.attempt, len(t.work.token_ids), self.engine.kv_layout, t.max_len, HOSTNAME,
-                            os.getpid()))
-            return True
-        except zmq.ZMQError:  # our queue to it is full: unlogged (20 a second to a stuck peer)
-            return False
+        """False if our queue to the decode worker is full: unlogged (20 a second to a stuck peer)."""
+        return self._peer(t.work.decode_kv_address).send_nowait(
+            P.KVReserve(rid, t.work.attempt, len(t.work.token_ids), self.engine.kv_layout, t.max_len, HOSTNAME,
+                        os.getpid()))
 
     def _release_reservation(self, rid: str):
         t = self.transfers.pop(rid, None)
@@ -379,7 +379,7 @@ class PrefillWorker(WorkerBase):
             try:
                 t.transport = choose(self.senders, t.offer, w.decode_worker_id, self.cfg.engine.kv_transport)
                 t.out = Outgoing(rid, w.attempt, self.engine.kv_cache, list(src_blocks), t.block_ids[:len(src_blocks)],
-                                 t.offer[t.transport], self._sender_to(w.decode_kv_address, w.decode_worker_id),
+                                 t.offer[t.transport], self._sender_to(w.decode_kv_address),
                                  t.write_by)
                 t.handle = self.senders[t.transport].open(t.out)
             except TransportError as e:
@@ -393,16 +393,9 @@ class PrefillWorker(WorkerBase):
         t.failure = t.transport_failure()
         return t.failure is None
 
-    def _sender_to(self, address: str, worker_id: str):
+    def _sender_to(self, address: str):
         chan = self._peer(address)
-
-        def send(msg, frames):
-            try:
-                return chan.send(msg, frames, track=True)
-            except zmq.ZMQError as e:
-                log.warning("could not send %s to %s: %s", type(msg).__name__, worker_id, e)
-                return None
-        return send
+        return lambda msg, frames: chan.try_send(msg, frames, track=True)  # None: not taken (logged)
 
     def _send_kv(self, rid: str, t: Transfer):
         """Prefilled and granted: send what streaming has not, then the header."""

@@ -180,6 +180,7 @@ def test_try_send_gives_up_on_a_peer_that_never_reads_and_then_fails_at_once():
     assert 0 < sent < 10_000 and 1.9 <= time.monotonic() - t0 < 6
     t0 = time.monotonic()
     assert gone.try_send(P.Cancel("b")) is False  # stalled: no second wait
+    assert gone.try_send(P.Cancel("b"), [memoryview(bytearray(8))], track=True) is None  # a KV chunk's send
     assert time.monotonic() - t0 < 1
     server = Channel.bind(ctx, zmq.ROUTER, "tcp://127.0.0.1:0")
     late = Channel.connect(ctx, zmq.DEALER, server.address)
@@ -187,6 +188,13 @@ def test_try_send_gives_up_on_a_peer_that_never_reads_and_then_fails_at_once():
     assert late.try_send(P.Cancel("c")) is True  # a peer that connects in time takes it
     env = server.recv(5000)
     assert env is not None and env.msg == P.Cancel("c")
+    released = late.try_send(P.Cancel("d"), [memoryview(bytearray(b"frame"))], track=True)
+    env = server.recv(5000)
+    assert env is not None and env.msg == P.Cancel("d") and bytes(env.frames[0].buffer) == b"frame"
+    deadline = time.monotonic() + 5
+    while not released.done:  # zmq let go of the frame once it was sent
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
     for chan in (gone, late, server):
         chan.close()
     ctx.term()

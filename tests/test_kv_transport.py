@@ -768,6 +768,36 @@ def test_decode_killed_mid_transfer_leaves_prefill_no_blocks(tmp_path, transport
             prefill.close()
 
 
+def test_a_decode_peer_that_takes_nothing_never_blocks_the_prefill_worker():
+    """A decode worker whose KV ingress is gone (nothing listens: its process died), with more
+    reservations for it than our socket to it holds: each times out, and the prefill worker's
+    loop goes on. A send at the socket's high-water mark once blocked it for good; it stopped
+    heartbeating and never came back."""
+    from router.launcher import free_port
+
+    ctx = zmq.Context()
+    router = Channel.bind(ctx, zmq.ROUTER, "tcp://127.0.0.1:0")
+    prefill = PrefillWorker(WorkerConfig(router=router.address, worker_id="prefill-test", transfer_timeout_s=2.0,
+                                         engine=EngineConfig(model="dummy:nanogpt")))
+    gone, n = f"tcp://127.0.0.1:{free_port()}", 1100
+    accepted = threading.Event()
+
+    def accept_all():
+        for i in range(n):
+            prefill.accept(P.PrefillWork(f"r{i}", 1, [1, 2, 3, i % 200], 4, {"max_tokens": 4}, 7, "decode-x", gone))
+        accepted.set()
+    try:
+        threading.Thread(target=accept_all, daemon=True).start()
+        assert accepted.wait(60), "the prefill worker blocked in a send to a decode worker that takes nothing"
+        spin(prefill, lambda: not prefill.transfers, timeout=120)
+        codes = [env.msg.code for env in iter(lambda: router.recv(100), None) if isinstance(env.msg, P.WorkerError)]
+        assert codes == ["TIMEOUT"] * n
+        assert prefill.engine.block_manager.num_free_blocks == prefill.engine.block_manager.num_blocks
+    finally:
+        prefill.close()
+        ctx.destroy(linger=0)
+
+
 @pytest.mark.parametrize("transport", CPU_TRANSPORTS)
 def test_an_idle_decode_peer_is_dropped_and_made_again_when_needed(tmp_path, transport):
     """What a prefill worker holds for a decode worker (socket, shared-pool mapping, gloo pair)
