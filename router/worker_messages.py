@@ -130,6 +130,10 @@ class WorkerMessages:
             self._send(self.backend, P.Shutdown(conflict), identity)
             return
         old = self.registry.workers.get(msg.worker_id)
+        if old is not None and old.alive and old.incarnation == msg.incarnation and old.identity == identity:
+            # its Register again, sent before our Registered reached it (a worker asks every 0.5 s until
+            # answered): its record stays, and with it the requests it holds, re-dispatched if it dies
+            return self._registered(msg, identity)
         if old is not None and old.alive and old.incarnation == msg.incarnation and old.identity != identity:
             # a worker's socket is its id and incarnation, for its life: another peer that names them (they
             # are in `pdserve status`) would take its place, and its requests would wait out their deadlines
@@ -163,6 +167,9 @@ class WorkerMessages:
             log.warning("workers disagree on batch invariance (on: %s; off: %s): a request's tokens then depend on "
                         "the workers it meets. Start every worker with the same --batch-invariant or --no-batch-invariant",
                         ", ".join(split[0]), ", ".join(split[1]))
+        self._registered(msg, identity)
+
+    def _registered(self, msg: P.Register, identity: bytes):
         self._send(self.backend, P.Registered(msg.worker_id, msg.incarnation, self.kv_events and msg.prefix_caching),
                    identity)
 
