@@ -345,12 +345,13 @@ class Client(_Requests):
         self._check_open()
         request_id = _request_id(request_id) or self._new_id()
         message = _generate(request_id, prompt, messages, sampling, stream)
-        self._take_events()  # a drop seen now loses what was sent before it, not this request
-        error = self.connection.unreachable(self.address, 0.0, request_id)  # down that long already: queue nothing
-        if error is not None:
-            raise error
-        with self._one_thread(), self._opening(request_id):
-            self._send(message, request_id)
+        with self._one_thread():
+            self._take_events()  # a drop seen now loses what was sent before it, not this request
+            error = self.connection.unreachable(self.address, 0.0, request_id)  # down that long already: queue nothing
+            if error is not None:
+                raise error
+            with self._opening(request_id):
+                self._send(message, request_id)
         return request_id
 
     def _send(self, message, key: str, deadline: Deadline | None = None) -> None:
@@ -385,7 +386,8 @@ class Client(_Requests):
 
     def cancel(self, request_id: str) -> None:
         """Ask the router to cancel it; its stream then ends with finish_reason "cancelled"."""
-        _cancel_nowait(self.chan, request_id)
+        with self._one_thread():
+            _cancel_nowait(self.chan, request_id)
 
     def _take_events(self) -> None:
         """The connection's news: a drop loses every reply in flight, past what the router sent
@@ -523,10 +525,15 @@ class AsyncClient(_Requests):
         await self.close()
 
     async def close(self):
-        """Close the sockets (again: nothing)."""
+        """Close the sockets (again: nothing). What is in flight is cancelled on the router, and its
+        callers' waits (other tasks') fail at once."""
         if self.closed:
             return
         self.closed = True
+        for rid in self._open:
+            _cancel_nowait(self.chan, rid)
+            self._replies[rid].put_nowait(P.Error(rid, "UNAVAILABLE", "its AsyncClient was closed meanwhile"))
+        self._open.clear()
         if self._reader is not None and self._reader.get_loop() is asyncio.get_running_loop():
             for task in (self._reader, *self._losing):
                 task.cancel()

@@ -156,15 +156,16 @@ def test_an_sdk_client_misused_says_so_and_loses_nothing(fuzz_cluster):
 
         def other_thread():
             time.sleep(0.3)  # this thread waits on the socket for the long request meanwhile
-            try:
-                client.generate([4, 5], max_tokens=2)
-            except RuntimeError as e:
-                refused.append(str(e))
+            for call in (lambda: client.generate([4, 5], max_tokens=2), lambda: client.cancel(long)):
+                try:
+                    call()
+                except RuntimeError as e:
+                    refused.append(str(e))
         t = threading.Thread(target=other_thread)
         t.start()
         assert len(client.wait(long).token_ids) == 1000
         t.join(30)
-        assert refused and "in use by another thread" in refused[0], refused
+        assert len(refused) == 2 and all("in use by another thread" in r for r in refused), refused
         first = client.submit([1, 2], request_id="job-1", max_tokens=50, ignore_eos=True)
         with pytest.raises(RequestError, match="request_id='job-1' is already in flight on this client"):
             client.submit([3, 4], request_id="job-1", max_tokens=2)
@@ -181,6 +182,12 @@ def test_an_sdk_client_misused_says_so_and_loses_nothing(fuzz_cluster):
                 for unknown in ("never-submitted", rid):
                     with pytest.raises(RequestError, match=f"request_id='{unknown}' is not in flight"):
                         await ac.wait(unknown)
+                # closed by one task while another waits: that wait fails at once (it waited for good)
+                waiting = asyncio.ensure_future(ac.generate([1, 2, 3], max_tokens=1000, ignore_eos=True))
+                await asyncio.sleep(0.3)
+                await ac.close()
+                with pytest.raises(RequestError, match="UNAVAILABLE: its AsyncClient was closed meanwhile"):
+                    await asyncio.wait_for(waiting, 10)
         asyncio.run(asyncio.wait_for(wait_async(), 60))
         with pytest.raises(InvalidArgument, match="exactly one of prompt"):  # and what was sent before it is cancelled
             client.generate_many([[1, 2, 3], None], max_tokens=1000, ignore_eos=True)
@@ -339,4 +346,46 @@ def test_a_registration_naming_a_live_workers_incarnation_from_another_connectio
             await asyncio.sleep(0.5)
             worker = router.registry.workers["decode-0"]
             assert (worker.identity, worker.kv_address) == (b"decode-0/1", "tcp://127.0.0.1:1")
+    asyncio.run(scenario())
+
+
+def test_a_worker_registering_again_before_its_answer_keeps_the_requests_it_holds():
+    """A worker asks to register every 0.5 s until answered, so a router slow to answer hears it
+    twice or more (12 times in 16 ms from one started before its router). The second replaced the
+    worker's record, and with it the list of requests it held: at its death they were not
+    re-dispatched, and waited out their deadline (here 30 s)."""
+    from common.model_spec import model_config
+    from tests.cluster import scripted_worker, serving_router
+
+    async def scenario():
+        async with serving_router(heartbeat_timeout_s=0.5, prefill_timeout_s=30.0) as (router, connect):
+            a = await scripted_worker(router, connect, "mono-a")
+            client = connect(router.frontend.address)
+            await client.send(P.Generate("r", [1, 2, 3], {"max_tokens": 1}, False))
+            while not isinstance((await asyncio.wait_for(a.arecv(), 5)).msg, P.PrefillWork):
+                pass
+            await a.send(P.Register("mono", "mono-a", "1", "cpu", 64, 16, "tcp://127.0.0.1:1",
+                                    model_config(router.cfg.model).fingerprint, []))
+            assert isinstance((await asyncio.wait_for(a.arecv(), 5)).msg, P.Registered)  # answered again
+            b = await scripted_worker(router, connect, "mono-b")  # mono-a now goes silent: it died
+
+            async def beat():
+                while True:
+                    await b.send(P.Heartbeat("mono-b", "1", 0, 0, 64, 64))
+                    await asyncio.sleep(0.1)
+
+            async def serve():
+                while True:
+                    work = (await b.arecv()).msg
+                    if isinstance(work, P.PrefillWork):
+                        await b.send(P.WorkerTokens(work.request_id, work.attempt, 0, [7], "length"))
+            tasks, t0 = [asyncio.ensure_future(beat()), asyncio.ensure_future(serve())], time.monotonic()
+            try:
+                while isinstance(reply := (await asyncio.wait_for(client.arecv(), 40)).msg, P.Probe):
+                    pass
+            finally:
+                for task in tasks:
+                    task.cancel()
+            assert isinstance(reply, P.Done) and reply.token_ids == [7], reply
+            assert time.monotonic() - t0 < 10, "re-dispatched only at the request's deadline"
     asyncio.run(scenario())
