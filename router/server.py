@@ -21,6 +21,7 @@ import functools
 import itertools
 import logging
 import math
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -149,7 +150,9 @@ class Router(WorkerMessages):
         self.kv_events = cfg.kv_events and cfg.policy == "prefix_affine"  # workers tell their prefix caches
         self.requests: dict[str, Request] = {}
         self.by_client: dict[tuple[bytes, str], str] = {}
-        self._ids = itertools.count()
+        # Request ids, with a tag of this router's: a worker that still holds a request of the router
+        # before it (a step that outlasted the restart) must not take this router's for it.
+        self._ids = map(f"{secrets.token_hex(3)}-{{}}".format, itertools.count())
         self.ctx = zmq.asyncio.Context()
         # Messages over max_message_bytes get an error naming the limit; ZeroMQ itself drops a peer
         # sending frames over 4x that, before they are buffered whole.
@@ -398,7 +401,7 @@ class Router(WorkerMessages):
         never = self._never_registered()
         if never and time.monotonic() >= self.rejoin_until:
             return refuse("UNAVAILABLE", never)
-        req = Request(str(next(self._ids)), client, client_request_id, ids, params,
+        req = Request(next(self._ids), client, client_request_id, ids, params,
                       params.seed if params.seed is not None else fresh_seed(), stream, reply_to, arrival=received)
         if params.logprobs is not None:
             req.logprobs = []
