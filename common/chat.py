@@ -123,6 +123,10 @@ def check_messages(messages) -> list[dict]:
             if key not in ("role", "content"):
                 _check_data(value, f"messages[{i}].{key}")
         m = {**{key: value for key, value in m.items() if value is not None}, "content": content}
+        if role == "assistant":  # its reasoning under both names (router/openai_responses.py): templates read either
+            for name, other in (("reasoning", "reasoning_content"), ("reasoning_content", "reasoning")):
+                if name in m and other not in m:
+                    m[other] = m[name]
         if role == "assistant" and isinstance(m.get("tool_calls"), list):
             m["tool_calls"] = [_arguments_parsed(call, f"messages[{i}].tool_calls[{j}]")
                                for j, call in enumerate(m["tool_calls"])]

@@ -379,8 +379,8 @@ def http_options(f):
         click.option("--reasoning-parser", default=None, type=click.Choice(list(REASONING_PARSERS)),
                      help="how the model writes its reasoning (vLLM's flag and names): qwen3 (Qwen3's hybrid models: "
                           "<think>...</think>), deepseek_r1 (DeepSeek-R1, its distills, QwQ, Qwen3 Thinking-2507: "
-                          "the template opens <think>). A chat's response shows it as reasoning_content, apart from "
-                          "the answer's content"),
+                          "the template opens <think>). A chat's response shows it as reasoning (and reasoning_content), "
+                          "apart from the answer's content"),
         click.option("--enable-auto-tool-choice", is_flag=True,
                      help="vLLM's flag, taken for its command lines: --tool-call-parser, which it needs, is what "
                           "turns tool_choice \"auto\" on"),

@@ -62,12 +62,13 @@ from router.request_log import RequestLog
 log = logging.getLogger("pdserve.http")
 HTTP_CLIENT = "http"  # the Router.submit client of every HTTP request (their request ids are unique)
 ROUTES = ("GET /health, GET or POST /ping, GET /metrics, GET /version, GET /v1/models, GET /v1/models/{model}, "
-          "POST /v1/completions, POST /v1/chat/completions, POST /tokenize, POST /detokenize")
+          "POST /v1/completions, POST /v1/chat/completions, POST /invocations, POST /tokenize, POST /detokenize")
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 SHUTDOWN_GRACE_S = 2.0  # for handlers to answer their requests' UNAVAILABLE when the server stops
 TOKENS_PER_WRITE = 65536  # /tokenize: ids serialized between two turns of the event loop
 REQUEST_ID = web.RequestKey("pdserve_request_id", str)  # the X-Request-Id its response carries
 REQUEST_ID_ALLOWED = "1 to 256 printable ASCII characters, no spaces, quotes or backslashes"
+REQUEST_ID_PATTERN = r"[!#-\[\]-~]{1,256}"
 # the access log (--log-requests): who, the request line, status, bytes, seconds, and the request's id
 ACCESS_LOG_FORMAT = '%a "%r" %s %b %Tf "%{X-Request-Id}o"'
 access_logger = logging.getLogger("pdserve.http.access")
@@ -138,6 +139,7 @@ class HttpFront:
         self.app.router.add_post("/detokenize", self.detokenize)
         self.app.router.add_post("/v1/completions", self.completions)
         self.app.router.add_post("/v1/chat/completions", self.chat_completions)
+        self.app.router.add_post("/invocations", self.invocations)
         self.runner: web.AppRunner | None = None
         self.listener: asyncio.Server | None = None
         self.headers_due: HeaderDeadline | None = None
@@ -212,7 +214,7 @@ class HttpFront:
         try:
             if request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers:
                 return self._preflight(request)
-            if self.api_key is not None and request.path.startswith("/v1/"):
+            if self.api_key is not None and (request.path.startswith("/v1/") or request.path == "/invocations"):
                 self._authorize(request)
             return await handler(request)
         except ApiError as e:
@@ -325,6 +327,20 @@ class HttpFront:
         context = self.backend.prompts.context
         return await self._serve(request, lambda body: parse_chat(body, self.names, context, self.parsers))
 
+    async def invocations(self, request: web.Request) -> web.StreamResponse:
+        """SageMaker's inference route (vLLM serves it, beside /ping): a chat's body or a completion's,
+        told apart by its messages or prompt."""
+        context = self.backend.prompts.context
+
+        def parse(body):
+            if isinstance(body, dict) and "messages" in body:
+                return parse_chat(body, self.names, context, self.parsers)
+            if isinstance(body, dict) and "prompt" in body:
+                return parse_completion(body, self.names)
+            raise InvalidArgument("the body holds neither messages nor prompt; allowed: a /v1/chat/completions "
+                                  "body or a /v1/completions body")
+        return await self._serve(request, parse)
+
     # ------------------------------------------------------------------ requests
 
     async def _serve(self, request: web.Request, parse) -> web.StreamResponse:
@@ -332,9 +348,11 @@ class HttpFront:
         try:
             # the client's X-Request-Id, or one of ours: in the response's id and header, and the router's log
             given = given_request_id(request)
-            base = f"{given}-{uuid.uuid4().hex[:8]}" if given else uuid.uuid4().hex  # unique if the client's repeat
-            request[REQUEST_ID] = given or base
+            request[REQUEST_ID] = given or uuid.uuid4().hex
             body = await _json(request, self.max_body_bytes)
+            given = given or body_request_id(body)
+            base = f"{given}-{uuid.uuid4().hex[:8]}" if given else request[REQUEST_ID]  # unique if the client's repeat
+            request[REQUEST_ID] = given or base
             # off the event loop: tokenizing megabytes of text, or compiling a structured output's
             # grammar, would stall every stream (and, in the router's own process, its reading of
             # workers' heartbeats)
@@ -478,9 +496,18 @@ def _prepare(parse, body, prompts, max_queue: int) -> tuple[Job, list]:
 def given_request_id(request: web.Request) -> str | None:
     """The client's X-Request-Id (vLLM's), checked: it is written into log lines."""
     given = request.headers.get("X-Request-Id")
-    if given is not None and not re.fullmatch(r"[!#-\[\]-~]{1,256}", given):
+    if given is not None and not re.fullmatch(REQUEST_ID_PATTERN, given):
         raise ApiError("INVALID_ARGUMENT", f"X-Request-Id: {short_repr(given)} is invalid; allowed: "
                                            f"{REQUEST_ID_ALLOWED}")
+    return given
+
+
+def body_request_id(body) -> str | None:
+    """A body's request_id (vLLM's), as X-Request-Id, which comes first."""
+    given = body.get("request_id") if isinstance(body, dict) else None
+    if given is not None and not (isinstance(given, str) and re.fullmatch(REQUEST_ID_PATTERN, given)):
+        raise ApiError("INVALID_ARGUMENT", f"request_id={short_repr(given)} is invalid; allowed: "
+                                           f"{REQUEST_ID_ALLOWED}", "request_id")
     return given
 
 

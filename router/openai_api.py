@@ -83,6 +83,15 @@ NEUTRAL = {
     "skip_special_tokens": ((None, True), "true"), "spaces_between_special_tokens": ((None, True), "true"),
     "add_generation_prompt": ((None, True), "true"), "continue_final_message": ((None, False), "false"),
     "echo": ((None, False), "false (in chat)"),
+    # ... and those a client that fills in vLLM's whole request sends at their defaults
+    "use_beam_search": ((None, False), "false"), "length_penalty": ((None, 1, 1.0), "1.0"),
+    "priority": ((None, 0), "0"), "truncate_prompt_tokens": ((None,), "null"),
+    "prompt_logprobs": ((None,), "null (echo with logprobs scores a completion's prompt)"),
+    "allowed_token_ids": ((None,), "null"), "bad_words": ((None, []), "null or []"),
+    "include_reasoning": ((None, True), "true"), "cache_salt": ((None,), "null"),
+    "return_token_ids": ((None, False), "false"), "kv_transfer_params": ((None,), "null"),
+    "vllm_xargs": ((None,), "null"), "logits_processors": ((None,), "null"), "mm_processor_kwargs": ((None,), "null"),
+    "thinking_token_budget": ((None,), "null"),
 }
 CHAT_ONLY_NEUTRAL = {"add_generation_prompt", "continue_final_message", "echo"}
 TOOL_FIELDS = {"tools", "tool_choice", "parallel_tool_calls"}  # a completion's are neutral; a chat's: tool_calls.parse
@@ -93,7 +102,8 @@ STREAM_NEUTRAL = {"include_obfuscation": ((None, True, False), "true or false")}
 STREAM_OPTIONS = {"include_usage", "continuous_usage_stats", *STREAM_NEUTRAL}
 IGNORED = ("user", "prompt_cache_key", "safety_identifier")  # strings that ask nothing of the output
 COMMON_FIELDS = {"model", "n", "stream", "stream_options", "return_tokens_as_token_ids", "metadata", *IGNORED,
-                 *SAMPLING, "response_format", "structured_outputs", "add_special_tokens"}
+                 *SAMPLING, "response_format", "structured_outputs", "add_special_tokens",
+                 "request_id"}  # vLLM's, as X-Request-Id (router/http.py)
 COMPLETION_FIELDS = COMMON_FIELDS | set(COMPLETION_NEUTRAL) | {"prompt", "logprobs", "echo", "best_of"}
 CHAT_FIELDS = (COMMON_FIELDS | set(CHAT_NEUTRAL) | TOOL_FIELDS
                | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "chat_template_kwargs"})
@@ -239,7 +249,7 @@ def _job(body: dict, served_model: Served, chat: bool, prompts: list, messages: 
                                   "stream_options only with stream=true", param="stream_options")
         try:
             _check_fields(options, STREAM_OPTIONS, STREAM_NEUTRAL)
-            include_usage = _get(options, "include_usage", BOOL, False)
+            include_usage = _get(options, "include_usage", BOOL, True)  # vLLM's default, once stream_options is given
             continuous = _get(options, "continuous_usage_stats", BOOL, False)
         except InvalidArgument as e:
             raise InvalidArgument(f"stream_options: {e}", param="stream_options") from None

@@ -146,7 +146,7 @@ class Choice:
                 delta = self.calls.delta(text, finish is not None)
                 finish = self.calls_finish(finish, delta)
             if reasoning:
-                delta = {"reasoning_content": reasoning, **delta}
+                delta = {**reasoning_fields(reasoning), **delta}
             if not delta and finish is None and not (logprobs and logprobs["content"]):
                 return out  # nothing to say yet (text held back for a stop string, a partial character)
             out.append({"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
@@ -189,11 +189,17 @@ class Choice:
                 message = self.job.tools.message(text)
                 finish = self.calls_finish(finish, message)
             if self.job.reasoning is not None:
-                message["reasoning_content"] = reasoning
+                message.update(reasoning_fields(reasoning))
             return {"index": self.index, "message": message, "logprobs": logprobs, "finish_reason": finish,
                     "stop_reason": done.stop_reason}
         return {"index": self.index, "text": (self.prompt_text if self.job.echo else "") + text,
                 "logprobs": logprobs, "finish_reason": done.finish_reason, "stop_reason": done.stop_reason}
+
+
+def reasoning_fields(reasoning: str | None) -> dict:
+    """A message's (or delta's) reasoning under both its names: `reasoning`, vLLM's since it followed
+    OpenAI's guidance, and `reasoning_content`, DeepSeek's, which SGLang and many clients read."""
+    return {"reasoning": reasoning, "reasoning_content": reasoning}
 
 
 def usage(job: Job, choices: list[Choice]) -> dict:

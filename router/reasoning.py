@@ -1,5 +1,6 @@
 """A reasoning model's thinking split from its answer (`--reasoning-parser`, vLLM's flag and
-names), shown as the message's `reasoning_content` (DeepSeek's and vLLM's field) beside `content`:
+names), shown as the message's `reasoning` and `reasoning_content` (vLLM's field and DeepSeek's)
+beside `content`:
 
 - qwen3 (Qwen3's hybrid models): the output opens `<think>` itself when it thinks (a chat
   template given `enable_thinking: false` writes an empty `<think></think>` into the prompt

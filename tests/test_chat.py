@@ -243,6 +243,17 @@ def test_a_refusal_part_is_its_text():
     assert checked[1]["content"] == "I see.\nI won't."
 
 
+def test_an_assistants_reasoning_reaches_the_template_under_both_names():
+    """Clients send a turn's reasoning back as `reasoning` (vLLM's) or `reasoning_content`
+    (DeepSeek's); templates read one or the other (Qwen3's: reasoning_content)."""
+    template = ChatTemplate("{% for m in messages %}[{{ m.reasoning_content }}|{{ m.reasoning }}]{% endfor %}")
+    for name in ("reasoning", "reasoning_content"):
+        turn = {"role": "assistant", "content": "4", name: "2+2"}
+        assert template.render([{"role": "user", "content": "2+2?"}, turn]) == "[|][2+2|2+2]"
+    both = {"role": "assistant", "content": "4", "reasoning": "a", "reasoning_content": "b"}
+    assert template.render([both]) == "[b|a]"  # each as given
+
+
 def test_dummy_template():
     tok = ByteTokenizer()
     text = tok.chat_template.render([{"role": "system", "content": "You are terse."},

@@ -294,12 +294,14 @@ def test_reasoning_is_shown_apart_from_the_answer_and_its_calls(tmp_path):
                                                            "chat_template_kwargs": {"enable_thinking": True}})
         r = client.chat.completions.create(**body)
         message = r.choices[0].message
-        assert (message.reasoning_content, message.content) == ("The user wants weather.", None)
+        assert (message.reasoning, message.reasoning_content, message.content) == (
+            "The user wants weather.", "The user wants weather.", None)  # vLLM's name, and DeepSeek's
         assert [(t.function.name, json.loads(t.function.arguments)) for t in message.tool_calls] == [
             ("get_weather", {"city": "Paris", "days": 1})]
         assert r.choices[0].finish_reason == "tool_calls"
         chunks = [ch.choices[0] for ch in client.chat.completions.create(stream=True, **body) if ch.choices]
-        assert "".join(getattr(ch.delta, "reasoning_content", None) or "" for ch in chunks) == "The user wants weather."
+        for name in ("reasoning", "reasoning_content"):
+            assert "".join(getattr(ch.delta, name, None) or "" for ch in chunks) == "The user wants weather."
         assert not any(ch.delta.content for ch in chunks)
         assert [t.function.name for ch in chunks for t in ch.delta.tool_calls or []] == ["get_weather"]
         body["extra_body"] = {"structured_outputs": {"regex": "Plain answer"}}  # no <think>: all content
@@ -609,6 +611,14 @@ def test_x_request_id_names_the_response_and_the_log_lines_and_a_bad_one_is_refu
     status, headers, answer = http(served, "POST", "/v1/completions", body, headers={"X-Request-Id": "trace-7"})
     assert status == 200 and headers["X-Request-Id"] == "trace-7", headers
     assert re.fullmatch(r"cmpl-trace-7-[0-9a-f]{8}", answer["id"]), answer["id"]
+    status, headers, answer = http(served, "POST", "/v1/completions", dict(body, request_id="trace-8"))  # vLLM's
+    assert status == 200 and headers["X-Request-Id"] == "trace-8", headers
+    assert re.fullmatch(r"cmpl-trace-8-[0-9a-f]{8}", answer["id"]), answer["id"]
+    status, headers, answer = http(served, "POST", "/v1/completions", dict(body, request_id="trace-8"),
+                                   headers={"X-Request-Id": "trace-9"})  # the header's comes first, as in vLLM
+    assert status == 200 and headers["X-Request-Id"] == "trace-9" and "trace-9" in answer["id"], answer
+    status, _, answer = http(served, "POST", "/v1/completions", dict(body, request_id="a b"))
+    assert status == 400 and answer["error"]["param"] == "request_id", answer
     status, headers, answer = http(served, "POST", "/v1/completions", body)  # none given: ours, alike
     assert status == 200 and answer["id"] == f"cmpl-{headers['X-Request-Id']}"
     for bad in ("a b", "x" * 257, 'q"uote'):
@@ -622,8 +632,8 @@ def test_x_request_id_names_the_response_and_the_log_lines_and_a_bad_one_is_refu
     while True:
         log = served.router.log_path.read_text()
         said = [re.search(pattern, log) for pattern in (
-            r"request trace-7-[0-9a-f]{8}-0 \(#\d+\) admitted from \S+: \d+ prompt tokens, max_tokens 2",
-            r"request trace-7-[0-9a-f]{8}-0 \(#\d+\) finished \(length\): 2 tokens in ",
+            r"request trace-7-[0-9a-f]{8}-0 \(#[0-9a-f]{6}-\d+\) admitted from \S+: \d+ prompt tokens, max_tokens 2",
+            r"request trace-7-[0-9a-f]{8}-0 \(#[0-9a-f]{6}-\d+\) finished \(length\): 2 tokens in ",
             r'"POST /v1/completions HTTP/1.1" 200 \d+ [0-9.]+ "trace-7"',  # the access log
             r"request no-9 from http refused: INVALID_ARGUMENT: max_tokens=-1")]
         if all(said) or time.monotonic() > deadline:
@@ -643,6 +653,16 @@ def test_api_key_guards_v1_but_not_health_and_metrics(served):
         status, _, body = http(served, method, path, key=None)
         assert (status, body) == (200, {"status": "ok", "workers": 2}), (method, path)
     assert http(served, "GET", "/metrics", key=None)[0] == 200
+    # SageMaker's inference route, beside its /ping: either body, told apart by what it holds; behind the key
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "temperature": 0}
+    completion = {"prompt": "Hi", "max_tokens": 3, "temperature": 0}
+    for body, path in ((chat, "/v1/chat/completions"), (completion, "/v1/completions")):
+        status, _, answer = http(served, "POST", "/invocations", body)
+        _, _, want = http(served, "POST", path, body)
+        assert status == 200 and answer["object"] == want["object"] and answer["choices"] == want["choices"], answer
+        assert http(served, "POST", "/invocations", body, key=None)[0] == 401
+    status, _, answer = http(served, "POST", "/invocations", {"input": "Hi"})
+    assert status == 400 and "neither messages nor prompt" in answer["error"]["message"], answer
 
 
 def test_a_key_that_is_not_utf8_is_a_401_and_a_malformed_header_keeps_the_key_out_of_the_log(served):
@@ -1018,8 +1038,8 @@ def test_migration_after_a_worker_death_keeps_tokens_and_logprobs_exact(tmp_path
         assert value(metrics, "pdserve:request_migrations_total", MODEL) >= 1
         assert value(metrics, "pdserve:worker_deaths_total", MODEL) == 1
     # the router's log names each migrated request by the client's X-Request-Id, and where it went
-    moved = re.findall(r"request (job-\d)-\w+-0 \(#\d+\) attempt 1 failed \(worker decode-0 [^)]*\); attempt 2 on "
-                       r"prefill-0 -> decode-1, carrying its \d+ delivered tokens",
+    moved = re.findall(r"request (job-\d)-\w+-0 \(#[0-9a-f]{6}-\d+\) attempt 1 failed \(worker decode-0 [^)]*\); "
+                       r"attempt 2 on prefill-0 -> decode-1, carrying its \d+ delivered tokens",
                        (tmp_path / "logs" / "router.log").read_text())
     assert moved and set(moved) <= {f"job-{i}" for i in range(4)}, moved
 

@@ -44,7 +44,16 @@ def test_openais_other_fields_are_taken_where_they_ask_nothing_of_the_output():
     chat = parse_chat({"messages": [{"role": "user", "content": "x"}], "stream": True,
                        "stream_options": {"include_usage": True, "include_obfuscation": True}, **quiet}, MODEL, 1024)
     assert chat.include_usage and chat.params.seed == 2**63 - 1
+    # the rest of vLLM's request, as a client that fills all of it in sends it: at its defaults
+    vllms = {"use_beam_search": False, "length_penalty": 1.0, "priority": 0, "truncate_prompt_tokens": None,
+             "prompt_logprobs": None, "allowed_token_ids": None, "bad_words": [], "include_reasoning": True,
+             "cache_salt": None, "return_token_ids": False, "kv_transfer_params": None, "vllm_xargs": None,
+             "logits_processors": None, "mm_processor_kwargs": None, "thinking_token_budget": None, "request_id": "r-1"}
+    assert parse_completion({"prompt": "x", **vllms}, MODEL).params.max_tokens == 16
+    parse_chat({"messages": [{"role": "user", "content": "x"}], **vllms}, MODEL, 1024)
     for body, param in (({"reasoning_effort": "high"}, "reasoning_effort"), ({"prompt_cache_key": 5}, "prompt_cache_key"),
+                        ({"use_beam_search": True}, "use_beam_search"), ({"bad_words": ["no"]}, "bad_words"),
+                        ({"prompt_logprobs": 1}, "prompt_logprobs"), ({"priority": 1}, "priority"),
                         ({"stream": True, "stream_options": {"continuous_usage_stats": 1}}, "stream_options")):
         with pytest.raises(InvalidArgument) as e:
             parse_chat({"messages": [{"role": "user", "content": "x"}], **body}, MODEL, 1024)
@@ -75,7 +84,12 @@ def test_vllms_add_special_tokens_and_continuous_usage_stats_are_taken_either_wa
                             MODEL)
     assert both.include_usage and both.continuous_usage
     alone = parse_completion({**streamed, "stream_options": {"continuous_usage_stats": True}}, MODEL)
-    assert not alone.include_usage and not alone.continuous_usage
+    assert alone.include_usage and alone.continuous_usage  # include_usage is true by default, as vLLM's
+    assert parse_completion({**streamed, "stream_options": {}}, MODEL).include_usage
+    off = parse_completion({**streamed, "stream_options": {"include_usage": False, "continuous_usage_stats": True}},
+                           MODEL)
+    assert not off.include_usage and not off.continuous_usage
+    assert not parse_completion(streamed, MODEL).include_usage  # no stream_options: none, as OpenAI's
 
 
 def test_penalties_bias_and_min_p_reach_the_sampling():
