@@ -17,6 +17,7 @@ from common.cli_options import (COUNT, ENGINE_PARAMS, NON_NEGATIVE, PORT, POSITI
                                 http_options, http_router_argv, parse_ints, policy_option, router_argv,
                                 router_options, sampling_options, setup_logging, threads_option)
 from common.errors import InvalidArgument, PdserveError, port_free
+from common.generation_config import parse_overrides
 from common.signals import DRAIN_TIMEOUT_S
 
 
@@ -162,6 +163,8 @@ def router(model, host, port, worker_port, max_model_len, policy, router_kwargs,
                             max_local_prefill_length=k["max_local_prefill_length"], enforce_disagg=k["enforce_disagg"],
                             max_prefill_queue=k["max_prefill_queue"], kv_events=not k["no_kv_events"],
                             log_requests=k["log_requests"], drain_timeout_s=k["drain_timeout"],
+                            generation_config=k["generation_config"],
+                            override_generation_config=parse_overrides(k["override_generation_config"]),
                             http_port=http["http_port"],
                             api_key=http["api_key"], api_server_count=http["api_server_count"],
                             max_model_len=max_model_len, allowed_origins=http["allowed_origins"],

@@ -12,6 +12,7 @@ import click
 
 from common.config import device_type  # torch-free, as what follows
 from common.errors import InvalidArgument
+from common.generation_config import parse_overrides
 from common.protocol import ATTENTION_BACKENDS, KV_TRANSPORTS  # no torch here: the CLI starts light
 from common.signals import DRAIN_TIMEOUT_S
 from router.placement import check_flags  # torch-free too
@@ -166,6 +167,11 @@ ROUTER_OPTIONS = [  # (flag, default, type, help): the router's limits and place
      "--shutdown-timeout; 0: they end at once; a second signal stops it at once); launch gives its workers the same"),
     ("--no-kv-events", False, bool, "prefix_affine: guess what each worker's prefix cache holds from the prompts sent "
                                     "to it, instead of being told by the workers (Dynamo's flag)"),
+    ("--generation-config", "auto", str,
+     "the sampling (temperature, top_p, top_k, min_p, repetition_penalty) a request that leaves it out takes, as "
+     "vLLM's flag: auto, the model's generation_config.json; vllm, none; or a directory holding one"),
+    ("--override-generation-config", None, str,
+     "sampling fields set over --generation-config's, as a JSON object ('{\"temperature\": 0.5}')"),
 ]
 
 
@@ -201,6 +207,7 @@ def router_options(f):
         try:  # before any process starts (launch), not in the router's log
             check_flags(router_kwargs["max_local_prefill_length"], router_kwargs["max_prefill_queue"],
                         router_kwargs["enforce_disagg"])
+            parse_overrides(router_kwargs["override_generation_config"])
         except InvalidArgument as e:
             raise click.UsageError(str(e))
         return f(*args, router_kwargs=router_kwargs, **kwargs)

@@ -11,7 +11,8 @@
 #                    [--host ADDR] [--port P] [--worker-port P] [--http-port P] [--api-server-count N]
 #                    [--api-key K] [--allowed-origins O,O] [--served-model-name NAME]... [--threads N]
 #                    [--tool-call-parser hermes|llama3_json] [--enable-auto-tool-choice]
-#                    [--reasoning-parser qwen3|deepseek_r1]
+#                    [--reasoning-parser qwen3|deepseek_r1] [--generation-config auto|vllm|DIR]
+#                    [--override-generation-config JSON]
 #                    [--policy least_loaded|round_robin|prefix_affine] [--no-kv-events]
 #                    [--max-queue N] [--heartbeat-timeout S] [--max-attempts N] [--prefill-timeout S]
 #                    [--decode-stall-timeout S] [--queue-timeout S] [--max-message-bytes N]
@@ -67,7 +68,8 @@ while (($#)); do
     --log-dir) has_value "$@"; LOG_DIR=$2; shift 2 ;;
     --threads) int_value 1 "$@"; THREADS=$((10#$2)); shift 2 ;;
     --api-key) has_value "$@"; API_KEY=$2; shift 2 ;;
-    --allowed-origins|--served-model-name|--tool-call-parser|--reasoning-parser) has_value "$@"; ROUTER_LIMITS+=("$1" "$2"); shift 2 ;;
+    --allowed-origins|--served-model-name|--tool-call-parser|--reasoning-parser|--generation-config|\
+    --override-generation-config) has_value "$@"; ROUTER_LIMITS+=("$1" "$2"); shift 2 ;;
     --enable-auto-tool-choice|--enforce-disagg|--no-kv-events|--log-requests) ROUTER_LIMITS+=("$1"); shift ;;
     # the router's limits, as ROUTER_OPTIONS in common/cli_options.py bounds them
     --max-queue|--max-attempts) int_value 1 "$@"; ROUTER_LIMITS+=("$1" "$2"); shift 2 ;;
@@ -80,7 +82,7 @@ while (($#)); do
     --no-restart) RESTART=0; shift ;;
     --dry-run) DRY_RUN=1; shift ;;
     --) shift; WORKER_ARGS=("$@"); break ;;
-    -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
     *) echo "launch.sh: unknown option $1; a worker's or engine's flag goes after --, to every worker" \
          "(launch.sh --prefill 1 -- $1 ...; see --help)" >&2; exit 2 ;;
   esac

@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+import json
 import logging
 import os
 import signal
@@ -67,8 +68,8 @@ class RouterLink:
     LocalBackend is the router in-process."""
 
     def __init__(self, address: str, model: str, max_queue: int, identity: bytes | None = None,
-                 max_model_len: int | None = None):
-        self.prompts = Prompts(model, max_model_len)
+                 max_model_len: int | None = None, sampling_defaults: dict | None = None):
+        self.prompts = Prompts(model, max_model_len, sampling_defaults)
         self.max_queue = max_queue
         self.ctx = zmq.asyncio.Context()
         # Its own router's replies are trusted, and as large as in-process replies may be (a Done
@@ -190,7 +191,8 @@ class RouterLink:
 async def serve(args):
     from router.http import HttpFront
 
-    link = RouterLink(args.router, args.model, args.max_queue, identity(args.index, os.getpid()), args.max_model_len)
+    link = RouterLink(args.router, args.model, args.max_queue, identity(args.index, os.getpid()), args.max_model_len,
+                      json.loads(args.sampling_defaults))
     sock = socket.socket(fileno=args.fd)
     host, port = sock.getsockname()[:2]
     front = HttpFront(link, host, port, os.environ.get("PDSERVE_API_KEY") or None, args.max_body_bytes, sock=sock,
@@ -229,6 +231,7 @@ def main(argv=None):
     parser.add_argument("--tool-call-parser", default=None, help="how the model writes tool calls (auto tool choice)")
     parser.add_argument("--reasoning-parser", default=None, help="how the model writes its reasoning")
     parser.add_argument("--log-requests", action="store_true", help="a log line for each HTTP request")
+    parser.add_argument("--sampling-defaults", default="{}", help="the router's, resolved: a JSON object")
     parser.add_argument("--log-level", default="INFO", help="the router's")
     parser.add_argument("--index", type=int, default=0)
     parser.add_argument("--parent", type=int, default=None, help="exit if this process is no longer the parent")
@@ -268,7 +271,8 @@ class ApiServers:
     def __init__(self, count: int, router_address: str, model: str, host: str, port: int, max_queue: int,
                  max_body_bytes: int, api_key: str | None, max_model_len: int, allowed_origins: str = "*",
                  served_model_names: tuple[str, ...] = (), parsers: OutputParsers = OutputParsers(),
-                 on_exit: Callable[[bytes], None] = lambda identity: None, access_log: bool = False):
+                 on_exit: Callable[[bytes], None] = lambda identity: None, access_log: bool = False,
+                 sampling_defaults: dict | None = None):
         """on_exit(identity): an API server died; its requests have nobody to go to (Router._client_gone)."""
         self.on_exit = on_exit
         self.sock = socket.create_server((host, port), backlog=4096)
@@ -284,6 +288,7 @@ class ApiServers:
                      "--parent", str(os.getpid())]
         self.argv += [a for name in served_model_names for a in ("--served-model-name", name)]
         self.argv += parsers.argv() + (["--log-requests"] if access_log else [])
+        self.argv += ["--sampling-defaults", json.dumps(sampling_defaults or {})]
         self.argv += ["--log-level", logging.getLevelName(logging.getLogger().getEffectiveLevel())]  # the router's
         self.procs: list[subprocess.Popen | None] = [None] * count
         self.started = [0.0] * count

@@ -117,6 +117,7 @@ class HttpFront:
         access_log: a line for each HTTP request (the router's --log-requests)."""
         self.backend, self.host, self.port, self.sock = backend, host, port, sock
         self.names = served_names(served_model_names, backend.prompts.model)
+        self.defaults = backend.prompts.defaults  # the model's sampling, where a request gives none
         self.model = self.names[0]
         self.parsers = parsers
         self.access_log = access_log
@@ -321,11 +322,12 @@ class HttpFront:
         return web.json_response({"prompt": text})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._serve(request, lambda body: parse_completion(body, self.names))
+        return await self._serve(request, lambda body: parse_completion(body, self.names, self.defaults))
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         context = self.backend.prompts.context
-        return await self._serve(request, lambda body: parse_chat(body, self.names, context, self.parsers))
+        return await self._serve(request, lambda body: parse_chat(body, self.names, context, self.parsers,
+                                                                   self.defaults))
 
     async def invocations(self, request: web.Request) -> web.StreamResponse:
         """SageMaker's inference route (vLLM serves it, beside /ping): a chat's body or a completion's,
@@ -334,9 +336,9 @@ class HttpFront:
 
         def parse(body):
             if isinstance(body, dict) and "messages" in body:
-                return parse_chat(body, self.names, context, self.parsers)
+                return parse_chat(body, self.names, context, self.parsers, self.defaults)
             if isinstance(body, dict) and "prompt" in body:
-                return parse_completion(body, self.names)
+                return parse_completion(body, self.names, self.defaults)
             raise InvalidArgument("the body holds neither messages nor prompt; allowed: a /v1/chat/completions "
                                   "body or a /v1/completions body")
         return await self._serve(request, parse)

@@ -179,9 +179,10 @@ def _integral(body: dict, names: tuple[str, ...]) -> dict:
     return {**body, **ints} if ints else body
 
 
-def _sampling(body: dict, max_tokens: int, **extra) -> dict:
-    """The SamplingParams fields of a body (SamplingParams checks them), max_tokens by default."""
-    return {"max_tokens": max_tokens, **{k: body[k] for k in SAMPLING if body.get(k) is not None},
+def _sampling(body: dict, max_tokens: int, defaults: dict, **extra) -> dict:
+    """The SamplingParams fields of a body (SamplingParams checks them): max_tokens, and the
+    served model's defaults (common/generation_config.py), where it gives none."""
+    return {"max_tokens": max_tokens, **defaults, **{k: body[k] for k in SAMPLING if body.get(k) is not None},
             "structured_outputs": _structured(body), **extra}
 
 
@@ -274,7 +275,7 @@ def _job(body: dict, served_model: Served, chat: bool, prompts: list, messages: 
 LOGPROBS = (lambda v: _is_int(v) and 0 <= v <= MAX_LOGPROBS, f"an integer in [0, {MAX_LOGPROBS}]")
 
 
-def parse_completion(body, served_model: Served) -> Job:
+def parse_completion(body, served_model: Served, defaults: dict | None = None) -> Job:
     _check_fields(body, COMPLETION_FIELDS, COMPLETION_NEUTRAL)  # a completion's echo is its own
     body = _integral(body, COMPLETION_INTEGERS)
     prompt = body.get("prompt")
@@ -289,7 +290,8 @@ def parse_completion(body, served_model: Served) -> Job:
     _get(body, "best_of", (lambda v: _is_int(v) and v == n, f"null or n ({n}): no best-of selection"))
     echo = _get(body, "echo", BOOL, False)
     logprobs = _get(body, "logprobs", LOGPROBS)
-    sampling = _sampling(body, 16, logprobs=logprobs, prompt_logprobs=logprobs if echo else None)  # OpenAI's 16
+    sampling = _sampling(body, 16, defaults or {}, logprobs=logprobs,  # OpenAI's 16
+                         prompt_logprobs=logprobs if echo else None)
     # max_tokens 0 with echo scores a prompt (its logprobs, as evaluation harnesses ask): vLLM runs
     # it with one token and shows none, and so do we
     echo_only = _is_int(body.get("max_tokens")) and body["max_tokens"] == 0
@@ -316,7 +318,8 @@ class OutputParsers:
                 + (["--reasoning-parser", self.reasoning] if self.reasoning else []))
 
 
-def parse_chat(body, served_model: Served, context: int, parsers: OutputParsers = OutputParsers()) -> Job:
+def parse_chat(body, served_model: Served, context: int, parsers: OutputParsers = OutputParsers(),
+               defaults: dict | None = None) -> Job:
     _check_fields(body, CHAT_FIELDS, CHAT_NEUTRAL)
     body = _integral(body, CHAT_INTEGERS)
     messages = body.get("messages")
@@ -329,7 +332,7 @@ def parse_chat(body, served_model: Served, context: int, parsers: OutputParsers 
         raise InvalidArgument(f"top_logprobs={top} with logprobs=false; allowed: top_logprobs only with "
                               "logprobs=true (or top_logprobs=0)", param="top_logprobs")
     logprobs = (top or 0) if want else None
-    sampling = _sampling(body, context, logprobs=logprobs)  # by default up to the context's end, as vLLM
+    sampling = _sampling(body, context, defaults or {}, logprobs=logprobs)  # by default up to the context's end, as vLLM
     if body.get("max_completion_tokens") is not None:
         sampling["max_tokens"] = body["max_completion_tokens"]
     tools = tool_calls.parse(body, _get(body, "parallel_tool_calls", BOOL, True), parsers.tool_call)

@@ -17,11 +17,20 @@ HEAD_CHARS_PER_TOKEN = 16
 HEAD_EDGE_TOKENS = 8  # the head's last tokens, which the cut may have split from a longer one
 
 
+def with_defaults(sampling, defaults: dict):
+    """A request's sampling fields, and defaults' where it gives none (null is none, as over HTTP)."""
+    if not defaults or not isinstance(sampling, dict):
+        return sampling
+    return {**defaults, **{k: v for k, v in sampling.items() if v is not None}}
+
+
 class Prompts:
-    def __init__(self, model: str, max_model_len: int | None = None):
+    def __init__(self, model: str, max_model_len: int | None = None, sampling_defaults: dict | None = None):
         """max_model_len: the served context (vLLM's --max-model-len), prompt and output; at most,
-        and by default, the model's."""
+        and by default, the model's. sampling_defaults: what a request leaves out takes
+        (common/generation_config.py)."""
         self.model = model
+        self.defaults = dict(sampling_defaults or {})
         self.tokenizer = load_tokenizer(model)
         self.model_config = model_config(model)
         self.context = self.model_config.served_context(max_model_len, model)
@@ -34,7 +43,9 @@ class Prompts:
         a max_tokens the body gave (its field: max_tokens_field) must fit in the context with the
         prompt, as vLLM has it; otherwise (a default, an SDK client's) the engine cuts it to fit.
         tools and template_kwargs: a chat's, for its template; add_special_tokens: as encode's."""
-        params = sampling if isinstance(sampling, SamplingParams) else SamplingParams.from_dict(sampling)
+        if not isinstance(sampling, SamplingParams):
+            sampling = SamplingParams.from_dict(with_defaults(sampling, self.defaults))
+        params = sampling
         params.check_model(self.model_config.vocab_size, self.tokenizer is not None)
         if messages is not None or isinstance(prompt, str):
             if messages is not None and prompt:

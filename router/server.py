@@ -32,6 +32,7 @@ import zmq.asyncio
 from common import protocol as P
 from common.channel import Channel, Envelope
 from common.errors import InvalidArgument, port_free
+from common.generation_config import describe, sampling_defaults
 from common.sampling_params import SamplingParams, fresh_seed
 from common.security import close_context
 from common.signals import DRAIN_TIMEOUT_S, StopSignals, stop_signals
@@ -86,6 +87,9 @@ class RouterConfig:
     kv_events: bool = True  # prefix_affine: workers tell what their prefix caches hold (else it is guessed)
     log_requests: bool = False  # a log line as each request is admitted, refused and finished; HTTP's access log
     drain_timeout_s: float = DRAIN_TIMEOUT_S  # told to stop, it finishes what it holds for up to this long
+    # the sampling a request that leaves it out takes (common/generation_config.py)
+    generation_config: str = "auto"  # the model's generation_config.json; "vllm": none; or a directory's
+    override_generation_config: dict = field(default_factory=dict)  # fields set over it
 
 
 @dataclass
@@ -141,7 +145,11 @@ class Router(WorkerMessages):
                                   f"router process) or more (that many API server processes) with an http_port")
         check_ports(cfg.port, cfg.worker_port, cfg.http_port)
         self.cfg = cfg
-        self.prompts = Prompts(cfg.model, cfg.max_model_len)  # its tokenizer and model_config are the router's
+        defaults = sampling_defaults(cfg.model, cfg.generation_config, cfg.override_generation_config)
+        if defaults:
+            log.info("requests that leave them out sample with %s (the model's generation config; "
+                     "--generation-config vllm for none)", describe(defaults))
+        self.prompts = Prompts(cfg.model, cfg.max_model_len, defaults)  # its tokenizer and model_config are the router's
         self.configured_context = self.prompts.context  # prompts.context: the least of it and the workers' (_fit_context)
         self.registry = Registry(cfg.policy)
         self._said_taken: set[tuple[str, str]] = set()  # (worker id, incarnation) refused as a live worker's id
@@ -186,7 +194,8 @@ class Router(WorkerMessages):
                 self.api_servers = ApiServers(cfg.api_server_count, address, cfg.model, cfg.host,
                                               cfg.http_port, cfg.max_queue, cfg.max_message_bytes, cfg.api_key,
                                               self.prompts.context, cfg.allowed_origins, cfg.served_model_names,
-                                              cfg.parsers, on_exit=self._client_gone, access_log=cfg.log_requests)
+                                              cfg.parsers, on_exit=self._client_gone, access_log=cfg.log_requests,
+                                              sampling_defaults=self.prompts.defaults)
         elif cfg.http_port is not None:
             from router.http import HttpFront, LocalBackend  # aiohttp is imported only where HTTP is served
 
