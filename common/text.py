@@ -38,8 +38,9 @@ def utf8(text: str) -> bytes:
 
 class TextStream:
     def __init__(self, tokenizer, stop: list[str] = (), include_stop: bool = False, min_tokens: int = 0,
-                 stop_ids: set[int] = frozenset()):
+                 stop_ids: set[int] = frozenset(), skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
+        self.skip_special = skip_special_tokens  # an output's text leaves them out; an echoed prompt's keeps them
         self.stop, self.include_stop, self.min_tokens = list(stop), include_stop, min_tokens
         self.stop_ids = stop_ids  # tokens that end the output without text of theirs
         self.holdback = max(map(len, self.stop), default=1) - 1
@@ -60,14 +61,27 @@ class TextStream:
         if token in self.stop_ids:
             return False  # it ends the output, which its caller sees
         self.ids.append(token)
-        before = self.tokenizer.decode(self.ids[self.prefix:self.read])
-        after = self.tokenizer.decode(self.ids[self.prefix:])
+        before, after = self._window()
         if len(after) <= len(before) or after.endswith("\ufffd"):
             return False  # nothing new yet, or inside a multi-byte character
         old = len(self.text)
         self.text += after[len(before):]
         self.prefix, self.read = self.read, len(self.ids)
         return self._stopped_after(old)
+
+    def _window(self) -> tuple[str, str]:
+        """The window's text without and with the tokens not yet in self.text."""
+        def decode(ids):
+            return self.tokenizer.decode(ids) if self.skip_special else self.tokenizer.decode(ids, False)
+        return decode(self.ids[self.prefix:self.read]), decode(self.ids[self.prefix:])
+
+    def whole_chars(self) -> int:
+        """len(text), and the whole characters the tokens held back (inside a character) begin
+        with: ' \xf0\x9f' holds its space until the character is whole, yet the space is there."""
+        if self.read == len(self.ids):
+            return len(self.text)
+        before, after = self._window()
+        return len(self.text) + max(0, len(after.rstrip("\ufffd")) - len(before))
 
     def _stopped_after(self, old: int) -> bool:
         """Whether text grown from old characters now holds a stop string; if so, cut it there."""
@@ -99,8 +113,8 @@ class TextStream:
         "xa" before its partial character; then stop_reason is set)."""
         if self.stop_reason is None and self.read < len(self.ids):
             old = len(self.text)
-            before = self.tokenizer.decode(self.ids[self.prefix:self.read])
-            self.text += self.tokenizer.decode(self.ids[self.prefix:])[len(before):].rstrip("\ufffd")
+            before, after = self._window()
+            self.text += after[len(before):].rstrip("\ufffd")
             self.prefix = self.read = len(self.ids)
             self._stopped_after(old)
         return self.text

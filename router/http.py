@@ -369,7 +369,8 @@ class HttpFront:
         choices = []
         for i in range(total):
             prompt, (ids, _) = job.prompts[i // job.n], prepared[i // job.n]
-            prompt_text = (prompt if isinstance(prompt, str) else prompts.text(ids) or "") if job.echo else ""
+            # an echoed prompt of token ids shows its special tokens, as vLLM's (and its logprobs) do
+            prompt_text = (prompt if isinstance(prompt, str) else prompts.text(ids, False) or "") if job.echo else ""
             choices.append(Choice(i, job, prompts.tokenizer, ids, prompt_text))
         queue: asyncio.Queue = asyncio.Queue()
         self._inflight.add(queue)

@@ -63,9 +63,11 @@ class Choice:
         if self.tokenizer is None:
             return 0
         if self.offsets is None or self.offsets_of_prompt != prompt:
-            self.offsets, self.offsets_of_prompt = TextStream(self.tokenizer), prompt
+            # an echoed prompt's text keeps its special tokens (vLLM's), an output's leaves them out
+            self.offsets = TextStream(self.tokenizer, skip_special_tokens=not prompt)
+            self.offsets_of_prompt = prompt
             self.offset_base = len(self.prompt_text) if self.job.echo and not prompt else 0
-        at = self.offset_base + len(self.offsets.text)
+        at = self.offset_base + self.offsets.whole_chars()
         self.offsets.add(token)
         return at
 

@@ -422,6 +422,16 @@ def test_echo_with_max_tokens_0_scores_the_prompt_alone(served, stream):
         client.completions.create(model=MODEL, prompt="x", max_tokens=0)
 
 
+def test_an_echoed_prompt_shows_its_special_tokens_where_its_logprobs_do(served):
+    """A prompt of token ids holding BOS (<s>) is echoed with it, as vLLM echoes it, and each
+    prompt token's text_offset is where its text starts in that echo (the text left <s> out, and
+    the offsets counted the text without it)."""
+    r = api(served).completions.create(model=MODEL, prompt=[256, 104, 105], echo=True, logprobs=0, max_tokens=1)
+    choice = r.choices[0]
+    assert choice.text.startswith("<s>hi") and choice.logprobs.tokens[:3] == ["<s>", "h", "i"], choice
+    assert choice.logprobs.text_offset[:4] == [0, 3, 4, 5], choice.logprobs
+
+
 def test_logprobs_are_log_softmax_of_the_engines_logits(served, engine):
     client = api(served)
     r = client.completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=6, temperature=0.7, seed=3, logprobs=5,

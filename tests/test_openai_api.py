@@ -436,6 +436,16 @@ class PieceTokenizer:
         return b"".join(self.PIECES[i] for i in ids).decode("utf-8", errors="replace")
 
 
+def test_the_whole_characters_of_tokens_held_back_count_where_the_next_token_starts():
+    """text_offset of a token that continues a character: where the character starts, after what
+    the token before it began with ("a" of b"a\xc3"), not where the text stood before both."""
+    ts = TextStream(PieceTokenizer())
+    assert ts.whole_chars() == 0 and not ts.add(1) and ts.whole_chars() == 1
+    assert not ts.add(2) and ts.text == "x" and ts.whole_chars() == 2  # "a" is whole, "é" is not yet
+    ts.add(3)
+    assert ts.text == "xaé" and ts.whole_chars() == 3
+
+
 def test_a_stop_string_completed_by_a_token_ending_in_a_partial_character_is_found_at_the_end():
     """The text of b"a\\xc3" waits for the character's next byte; if the output ends first, the
     final text still holds the "a" that completes "xa", and must stop there, not show it."""
