@@ -143,6 +143,7 @@ def default_worker_port(port: int, worker_port: int | None) -> int:
     if port == 65535:
         raise click.UsageError("--port 65535 leaves no port + 1 for the workers; give --worker-port")
     return port + 1 if port else 0
+METRICS_PREFIXES = ("pdserve", "vllm")
 ROUTER_OPTIONS = [  # (flag, default, type, help): the router's limits and placement, on `router` and `launch` alike
     ("--max-queue", 1024, Integers(min=1), "requests held at once; more are OVERLOADED"),
     # workers heartbeat every 0.2 s (common/worker.py): less than 0.5 s of silence is no death
@@ -172,6 +173,9 @@ ROUTER_OPTIONS = [  # (flag, default, type, help): the router's limits and place
      "vLLM's flag: auto, the model's generation_config.json; vllm, none; or a directory holding one"),
     ("--override-generation-config", None, str,
      "sampling fields set over --generation-config's, as a JSON object ('{\"temperature\": 0.5}')"),
+    ("--metrics-prefix", "pdserve", click.Choice(METRICS_PREFIXES),
+     "/metrics' names: pdserve:num_requests_waiting, or vllm:num_requests_waiting for dashboards, autoscalers "
+     "and gateways made for vLLM's"),
 ]
 
 

@@ -12,7 +12,7 @@
 #                    [--api-key K] [--allowed-origins O,O] [--served-model-name NAME]... [--threads N]
 #                    [--tool-call-parser hermes|llama3_json] [--enable-auto-tool-choice]
 #                    [--reasoning-parser qwen3|deepseek_r1] [--generation-config auto|vllm|DIR]
-#                    [--override-generation-config JSON]
+#                    [--override-generation-config JSON] [--metrics-prefix pdserve|vllm]
 #                    [--policy least_loaded|round_robin|prefix_affine] [--no-kv-events]
 #                    [--max-queue N] [--heartbeat-timeout S] [--max-attempts N] [--prefill-timeout S]
 #                    [--decode-stall-timeout S] [--queue-timeout S] [--max-message-bytes N]
@@ -70,6 +70,8 @@ while (($#)); do
     --api-key) has_value "$@"; API_KEY=$2; shift 2 ;;
     --allowed-origins|--served-model-name|--tool-call-parser|--reasoning-parser|--generation-config|\
     --override-generation-config) has_value "$@"; ROUTER_LIMITS+=("$1" "$2"); shift 2 ;;
+    --metrics-prefix) has_value "$@"; [[ $2 == pdserve || $2 == vllm ]] || refuse "$1" "$2" "pdserve or vllm"
+      ROUTER_LIMITS+=("$1" "$2"); shift 2 ;;
     --enable-auto-tool-choice|--enforce-disagg|--no-kv-events|--log-requests) ROUTER_LIMITS+=("$1"); shift ;;
     # the router's limits, as ROUTER_OPTIONS in common/cli_options.py bounds them
     --max-queue|--max-attempts) int_value 1 "$@"; ROUTER_LIMITS+=("$1" "$2"); shift 2 ;;

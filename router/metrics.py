@@ -3,8 +3,10 @@ the router process or, asked for them, by its API server processes (router/api_s
 
 Names follow vLLM's (`vllm:time_to_first_token_seconds` is `pdserve:time_to_first_token_seconds`,
 with the same `model_name` label), so a vLLM dashboard's panels of request latency, tokens,
-queues, KV use, preemptions and speculative decoding adapt by a change of prefix; vLLM's own
-internals (iteration tokens, cache config) have none here. Metrics vLLM has no counterpart for (KV
+queues, KV use, preemptions and speculative decoding adapt by a change of prefix, and
+`--metrics-prefix vllm` makes that change here: an autoscaler or gateway that reads
+`vllm:num_requests_waiting` or `vllm:kv_cache_usage_perc` reads ours as they are (KV use is one series
+a worker, labelled worker_id and role). vLLM's own internals (iteration tokens, cache config) have none here. Metrics vLLM has no counterpart for (KV
 handoff, migrations, per-worker state) use the same style. The router process's own (process_*,
 python_gc_*) are there too, as prometheus_client's default registry has them.
 
@@ -60,12 +62,13 @@ class RouterMetrics:
         self.registry = CollectorRegistry()
         model = served_names(router.cfg.served_model_names, router.cfg.model)[0]  # as the HTTP API names it
         reg = dict(registry=self.registry)
+        self.prefix = prefix = router.cfg.metrics_prefix
 
         def histogram(name, doc, buckets):
-            return Histogram(f"pdserve:{name}", doc, ["model_name"], buckets=buckets, **reg).labels(model)
+            return Histogram(f"{prefix}:{name}", doc, ["model_name"], buckets=buckets, **reg).labels(model)
 
         def counter(name, doc):
-            return Counter(f"pdserve:{name}", doc, ["model_name"], **reg).labels(model)
+            return Counter(f"{prefix}:{name}", doc, ["model_name"], **reg).labels(model)
 
         self.ttft = histogram("time_to_first_token_seconds", "Arrival at the router to the first token", TTFT_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Between deliveries of a request's tokens", ITL_BUCKETS)
@@ -104,16 +107,16 @@ class RouterMetrics:
         self.spec_decode = [counter("spec_decode_num_drafts", "Speculative decodes that had a draft"),
                             counter("spec_decode_num_draft_tokens", "Draft tokens fed to speculative decodes"),
                             counter("spec_decode_num_accepted_tokens", "Draft tokens kept (the model sampled them)")]
-        self._success = Counter("pdserve:request_success", "Finished requests by finish reason",
+        self._success = Counter(f"{prefix}:request_success", "Finished requests by finish reason",
                                 ["model_name", "finished_reason"], **reg)
-        self._errors = Counter("pdserve:request_errors", "Requests ended by an error, by code",
+        self._errors = Counter(f"{prefix}:request_errors", "Requests ended by an error, by code",
                                ["model_name", "code"], **reg)
-        self._kv_bytes = Counter("pdserve:kv_transfer_bytes", "KV bytes sent from prefill to decode workers",
+        self._kv_bytes = Counter(f"{prefix}:kv_transfer_bytes", "KV bytes sent from prefill to decode workers",
                                  ["model_name", "transport"], **reg)
         self._model = model
         for reason in FINISH_REASONS:  # each series there from the start, as vLLM's: rate() and absent() work at once
             self._success.labels(model, reason)
-        self.registry.register(_StateCollector(router, model))
+        self.registry.register(_StateCollector(router, model, prefix))
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
         if GC_COLLECTOR is not None:  # (None where the interpreter has no gc statistics)
@@ -184,19 +187,19 @@ class RouterMetrics:
 class _StateCollector:
     """Gauges read from the router when scraped: its queue, and each worker as last heard from."""
 
-    def __init__(self, router, model: str):
-        self.router, self.model = router, model
+    def __init__(self, router, model: str, prefix: str = "pdserve"):
+        self.router, self.model, self.prefix = router, model, prefix
 
     def collect(self):
         """vLLM's meanings: running, in a batch a worker steps (prefill or decode, as its last
         heartbeat said); waiting, admitted and not in one (queued in the router or in a worker, or
         waiting for decode room or for its KV to arrive)."""
-        router, model = self.router, self.model
+        router, model, prefix = self.router, self.model, self.prefix
         running = min(len(router.requests), sum(w.running for w in router.registry.workers.values() if w.alive))
         for name, doc, value in (("num_requests_running", "Requests in a worker's running batch", running),
                                  ("num_requests_waiting", "Requests admitted and not in a running batch",
                                   len(router.requests) - running)):
-            g = GaugeMetricFamily(f"pdserve:{name}", doc, labels=["model_name"])
+            g = GaugeMetricFamily(f"{prefix}:{name}", doc, labels=["model_name"])
             g.add_metric([model], value)
             yield g
         per_worker = [
@@ -212,7 +215,7 @@ class _StateCollector:
         # one that stopped as it was told is no outage: a "worker down" alert must not fire on a scale-down
         workers = sorted((w for w in router.registry.workers.values() if not w.left), key=lambda w: w.worker_id)
         for name, doc, value in per_worker:
-            g = GaugeMetricFamily(f"pdserve:{name}", doc, labels=["model_name", "worker_id", "role"])
+            g = GaugeMetricFamily(f"{prefix}:{name}", doc, labels=["model_name", "worker_id", "role"])
             for w in workers:
                 g.add_metric([model, w.worker_id, w.role], value(w))
             yield g

@@ -90,6 +90,7 @@ class RouterConfig:
     # the sampling a request that leaves it out takes (common/generation_config.py)
     generation_config: str = "auto"  # the model's generation_config.json; "vllm": none; or a directory's
     override_generation_config: dict = field(default_factory=dict)  # fields set over it
+    metrics_prefix: str = "pdserve"  # /metrics' names: pdserve:..., or vllm:... for tools made for vLLM's
 
 
 @dataclass

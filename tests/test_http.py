@@ -926,6 +926,24 @@ def test_metrics_have_every_finish_reason_preemptions_the_process_and_no_worker_
     assert after[("pdserve:worker_alive", "decode-0")] == 1 and ("pdserve:worker_alive", "decode-1") not in after
 
 
+def test_metrics_take_vllms_prefix_for_tools_made_for_vllm():
+    """--metrics-prefix vllm: an autoscaler's query (KEDA's vllm:num_requests_waiting) or a
+    gateway's (vllm:kv_cache_usage_perc) finds ours under vLLM's names, and no pdserve: name is left."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.cluster import scripted_worker, serving_router
+
+    async def scenario():
+        async with serving_router(model=MODEL, metrics_prefix="vllm") as (router, connect):
+            await scripted_worker(router, connect, "decode-0", role="decode")
+            return {s.name for f in text_string_to_metric_families(router.metrics.render().decode()) for s in f.samples}
+
+    names = asyncio.run(scenario())
+    assert {"vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
+            "vllm:time_to_first_token_seconds_bucket", "vllm:request_success_total"} <= names, names
+    assert not any(n.startswith("pdserve:") for n in names), names
+
+
 def test_request_gauges_count_what_workers_run_and_the_rest_as_waiting():
     """vLLM's meanings: running is what the workers' batches hold (their heartbeats), waiting the
     rest the router admitted: in its queue, in a worker's queue, or waiting for decode room. They
