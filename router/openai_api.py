@@ -106,7 +106,7 @@ COMMON_FIELDS = {"model", "n", "stream", "stream_options", "return_tokens_as_tok
                  "request_id"}  # vLLM's, as X-Request-Id (router/http.py)
 COMPLETION_FIELDS = COMMON_FIELDS | set(COMPLETION_NEUTRAL) | {"prompt", "logprobs", "echo", "best_of"}
 CHAT_FIELDS = (COMMON_FIELDS | set(CHAT_NEUTRAL) | TOOL_FIELDS
-               | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "chat_template_kwargs"})
+               | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "chat_template_kwargs", "documents"})
 # Integer fields take a float that is an integer (2.0, as a client that computed it sends), as vLLM's
 # models do; 2.5, "2" and true stay refused
 INTEGERS = ("n", "max_tokens", "seed", "top_k", "min_tokens")
@@ -272,6 +272,11 @@ def _job(body: dict, served_model: Served, chat: bool, prompts: list, messages: 
                continuous_usage=continuous_usage, add_special_tokens=_get(body, "add_special_tokens", BOOL))
 
 
+def _is_documents(v) -> bool:
+    return isinstance(v, list) and all(isinstance(d, dict) and all(isinstance(x, str) for x in d.values()) for d in v)
+
+
+DOCUMENTS = (_is_documents, 'a list of objects of strings ({"title": ..., "text": ...})')
 LOGPROBS = (lambda v: _is_int(v) and 0 <= v <= MAX_LOGPROBS, f"an integer in [0, {MAX_LOGPROBS}]")
 
 
@@ -350,6 +355,9 @@ def parse_chat(body, served_model: Served, context: int, parsers: OutputParsers 
     except InvalidArgument as e:
         e.param = "chat_template_kwargs"
         raise
+    documents = _get(body, "documents", DOCUMENTS)  # vLLM's: for a RAG template (Command R's, Granite's)
+    if documents is not None:
+        template_kwargs = {**(template_kwargs or {}), "documents": documents}
     # held to JSON from its first token by response_format or a forced call (not by a grammar of its
     # own, which may hold <think>), the output thinks not at all
     json_only = sampling["structured_outputs"] is not None and body.get("structured_outputs") is None

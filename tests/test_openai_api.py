@@ -60,6 +60,17 @@ def test_openais_other_fields_are_taken_where_they_ask_nothing_of_the_output():
         assert e.value.param == param, str(e.value)
 
 
+def test_a_chats_documents_reach_its_template_as_vllm_passes_them():
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    docs = [{"title": "Paris", "text": "The capital of France."}]
+    job = parse_chat({**chat, "documents": docs, "chat_template_kwargs": {"enable_thinking": False}}, MODEL, 1024)
+    assert job.template_kwargs == {"enable_thinking": False, "documents": docs}
+    assert parse_chat(chat, MODEL, 1024).template_kwargs is None
+    for bad in ([{"title": 1}], {"text": "x"}, ["x"]):
+        with pytest.raises(InvalidArgument, match="documents=.* is invalid; allowed: a list of objects of strings"):
+            parse_chat({**chat, "documents": bad}, MODEL, 1024)
+
+
 def test_vllms_add_special_tokens_and_continuous_usage_stats_are_taken_either_way():
     """add_special_tokens: None is each endpoint's own (a text gets them, a chat's template writes
     them), either value is the caller's; continuous usage only with include_usage, as vLLM."""
