@@ -83,8 +83,13 @@ def gguf_tokenizer(g) -> HFTokenizer:
     source = g.get("tokenizer.chat_template", None)
     template = None
     if isinstance(source, str):
+        # the other special tokens GGUF names (llama.cpp's keys, "seperator" as spelled there), as
+        # transformers gives a template them
+        others = {name: found[0] for name, key in (("unk_token", "unknown"), ("sep_token", "seperator"),
+                                                   ("pad_token", "padding"))
+                  if (found := _special(g, tokens, key)) is not None}
         template = ChatTemplate(source, bos[0] if bos else "", eos[0] if eos else "",
-                                origin=f"{g.path}: tokenizer.chat_template")
+                                origin=f"{g.path}: tokenizer.chat_template", **others)
     return HFTokenizer(tok, template)
 
 

@@ -81,6 +81,9 @@ def test_greedy_tokens_and_logits_equal_transformers(engine, reference):
     model, tok = reference
     prompts = [list(tok.apply_chat_template(c, add_generation_prompt=True, return_dict=False)) for c in CHATS]
     assert [engine.tokenizer.encode_chat(c) for c in CHATS] == prompts
+    # the special tokens a template sees: transformers' (pad_token and unk_token too, for templates that write them)
+    theirs = {name: getattr(tok, name) for name in ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token")}
+    assert engine.tokenizer.chat_template.tokens == {k: v for k, v in theirs.items() if v}, theirs
     prompts += [tok.encode(t) for t in TEXTS]
     assert len(prompts) == 8 and max(len(p) for p in prompts) > 1000 > sorted(len(p) for p in prompts)[-2]
     expected = []
