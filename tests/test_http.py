@@ -701,7 +701,7 @@ def test_web_pages_of_allowed_origins_may_call_it(allowed):
     from router.http import HttpFront
 
     refused = []
-    backend = types.SimpleNamespace(prompts=types.SimpleNamespace(model=MODEL), rejected=refused.append)
+    backend = types.SimpleNamespace(prompts=types.SimpleNamespace(model=MODEL, defaults={}), rejected=refused.append)
     front = HttpFront(backend, "127.0.0.1", 0, "sekrit", 2**20, allowed_origins=allowed)
 
     async def scenario():
