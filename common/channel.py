@@ -192,6 +192,11 @@ class Channel:
                 self._retry_soon()
         backlog.waiting.append(parts)
 
+    def stalled(self, peer: bytes) -> bool:
+        """Whether on_stalled was told of peer, and it has taken nothing since."""
+        backlog = self._backlogs.get(peer)
+        return backlog is not None and backlog.told
+
     def _retry_soon(self) -> None:
         if self._retrying is None:
             self._retrying = asyncio.get_running_loop().call_later(RETRY_S, self._retry)

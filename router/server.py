@@ -373,6 +373,12 @@ class Router(WorkerMessages):
     def admit(self, client: bytes, msg: P.Generate):
         """A Generate from a ZeroMQ client."""
         received = time.monotonic()
+        if self.frontend.stalled(client):  # its requests were stopped (_client_stalled): so is each new one
+            text = (f"this client has read nothing for {self.frontend.send_wait_s:.0f} s: what the router sent it "
+                    "waits; read it, then send again")
+            self.metrics.on_error("UNAVAILABLE")
+            self.request_log.refused(client, msg.request_id, "UNAVAILABLE", text)
+            return self._send(self.frontend, P.Error(msg.request_id, "UNAVAILABLE", text), client)
         try:
             ids, params = self.prompts.validate(msg.prompt, msg.messages, msg.sampling,
                                                 add_special_tokens=msg.add_special_tokens)

@@ -228,15 +228,20 @@ def test_a_client_that_stops_reading_has_its_requests_stopped_and_reads_their_en
         while fuzz_cluster.router.log_path.read_text().count("read nothing for") == said_before \
                 and time.monotonic() < deadline:
             time.sleep(0.2)
+        late = [f"l{i}" for i in range(4)]  # sent while it still reads nothing: refused, not run for nobody
+        for rid in late:
+            sock.send(P.encode(P.Generate(rid, [5, 6, 7], {"max_tokens": 1000, "ignore_eos": True}, True)))
         ended = {}
         deadline = time.monotonic() + 60
-        while len(ended) < n and time.monotonic() < deadline:
+        while len(ended) < n + len(late) and time.monotonic() < deadline:
             if sock.poll(1000):
                 msg = P.decode(sock.recv())
                 if isinstance(msg, (P.Done, P.Error)):
                     ended[msg.request_id] = msg
-        assert sorted(ended) == sorted(f"s{i}" for i in range(n))  # every request ended
-        gave_up = [m for m in ended.values() if isinstance(m, P.Error)]
+        assert sorted(ended) == sorted([f"s{i}" for i in range(n)] + late)  # every request ended
+        assert all(isinstance(ended[rid], P.Error) and ended[rid].code == "UNAVAILABLE" and "has read nothing for 5 s"
+                   in ended[rid].message for rid in late), [ended[rid] for rid in late]
+        gave_up = [m for rid, m in ended.items() if isinstance(m, P.Error) and rid not in late]
         assert gave_up and all(m.code == "UNAVAILABLE" and "read nothing for 5 s" in m.message for m in gave_up)
     finally:
         sock.close()
