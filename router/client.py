@@ -51,6 +51,9 @@ from router.connection import LOST, Connection, RequestError, replies, until
 __all__ = ["AsyncClient", "AsyncStream", "Chunk", "Client", "RequestError", "Result", "Stream"]
 
 SEND_RETRY_MS = 50  # a send the socket cannot take yet: how often it looks again, and at the connection
+# Requests cancelled whose end came and was never read: the newest this many are kept for a wait();
+# older ones are forgotten (submit, then cancel, and no wait, is the usual way to drop one)
+CANCELLED_ENDS_KEPT = 1024
 
 
 @dataclass
@@ -241,6 +244,36 @@ class _Requests:
     closed = False
     pid = 0  # the process that made it: its sockets are not a forked child's
     timeout: float | None = None  # the client's: a call's timeout=None means this one
+    _cancelled: set[str]  # open, and cancel() was called for it
+    _cancelled_ends: deque  # of those, the ids whose end came, oldest first
+
+    def _init_requests(self, queue: type):
+        """queue: what holds one request's replies (a deque, or an AsyncClient's asyncio.Queue)."""
+        self._replies = defaultdict(queue)
+        self._open: set[str] = set()  # submitted, no Done or Error read yet
+        self._unsent: set[str] = set()
+        self._cancelled, self._cancelled_ends = set(), deque()
+        self._new_id = _Ids()
+
+    def _filed(self, owner: str, msg) -> None:
+        """After a reply was filed: a cancelled request's end is kept for a wait() that may come,
+        up to CANCELLED_ENDS_KEPT of them; the oldest beyond are forgotten."""
+        if owner in self._cancelled and isinstance(msg, (P.Done, P.Error)):
+            self._cancelled_ends.append(owner)
+            while len(self._cancelled_ends) > CANCELLED_ENDS_KEPT:
+                old = self._cancelled_ends.popleft()
+                if old in self._cancelled:  # (else read meanwhile, and maybe its id used again)
+                    self._forget(old)
+
+    def _forget(self, request_id: str) -> None:
+        self._open.discard(request_id)
+        self._cancelled.discard(request_id)
+        self._replies.pop(request_id, None)
+
+    def _cancelling(self, request_id: str) -> None:
+        if request_id in self._open:
+            self._cancelled.add(request_id)
+        _cancel_nowait(self.chan, request_id)
 
     def timeout_of(self, timeout: float | None) -> float | None:
         """A call's timeout: its own, else the client's."""
@@ -302,8 +335,7 @@ class _Requests:
     def _abandon(self, request_id: str) -> None:
         """Its caller stopped waiting for it before its end: cancel it, and drop what came for it."""
         if request_id in self._open:
-            self._open.discard(request_id)
-            self._replies.pop(request_id, None)
+            self._forget(request_id)
             _cancel_nowait(self.chan, request_id)
 
 
@@ -320,10 +352,7 @@ class Client(_Requests):
         self._poller = zmq.Poller()
         self._poller.register(self.chan.sock, zmq.POLLIN)
         self._poller.register(self.connection.monitor, zmq.POLLIN)
-        self._replies: dict[str | None, deque] = defaultdict(deque)
-        self._open: set[str] = set()  # submitted, no Done or Error yet
-        self._unsent: set[str] = set()
-        self._new_id = _Ids()
+        self._init_requests(deque)
 
     def __enter__(self):
         return self
@@ -387,7 +416,7 @@ class Client(_Requests):
     def cancel(self, request_id: str) -> None:
         """Ask the router to cancel it; its stream then ends with finish_reason "cancelled"."""
         with self._one_thread():
-            _cancel_nowait(self.chan, request_id)
+            self._cancelling(request_id)
 
     def _take_events(self) -> None:
         """The connection's news: a drop loses every reply in flight, past what the router sent
@@ -409,6 +438,7 @@ class Client(_Requests):
         for msg in msgs:
             if (owner := self._open_id(msg)) is not None:
                 self._replies[owner].append(msg)
+                self._filed(owner, msg)
         return f"undecodable reply from the router: {bad[0]}" if bad else None
 
     def _next(self, key: str | None, deadline: "Deadline"):
@@ -444,7 +474,7 @@ class Client(_Requests):
         if not self._replies[key]:
             del self._replies[key]
         if isinstance(msg, (P.Error, P.Done)):
-            self._open.discard(key)
+            self._forget(key)
         if isinstance(msg, P.Error):
             _raise(msg)
         return msg
@@ -511,12 +541,9 @@ class AsyncClient(_Requests):
         self.ctx = zmq.asyncio.Context()
         self.chan = _connect(self.ctx, address)
         self.connection = Connection(self.chan)
-        self._replies: dict[str | None, asyncio.Queue] = defaultdict(asyncio.Queue)
+        self._init_requests(asyncio.Queue)
         self._reader: asyncio.Task | None = None
         self._losing: set[asyncio.Task] = set()  # _lose_open's, kept: the loop holds only a weak reference
-        self._open: set[str] = set()
-        self._unsent: set[str] = set()
-        self._new_id = _Ids()
 
     async def __aenter__(self):
         return self
@@ -566,6 +593,7 @@ class AsyncClient(_Requests):
             for msg in replies(env.msg)[0]:  # a bad item is skipped, as an undecodable reply is
                 if (owner := self._open_id(msg)) is not None:
                     self._replies[owner].put_nowait(msg)
+                    self._filed(owner, msg)
 
     async def _watch(self):
         await self.connection.watch(self._lost)
@@ -611,7 +639,7 @@ class AsyncClient(_Requests):
 
     async def cancel(self, request_id: str) -> None:
         """Ask the router to cancel it; its stream then ends with finish_reason "cancelled"."""
-        _cancel_nowait(self.chan, request_id)
+        self._cancelling(request_id)
 
     async def _next(self, key, timeout):
         self._check_open()  # (a stream read after its client closed)
@@ -631,8 +659,7 @@ class AsyncClient(_Requests):
                     self._abandon(key)
                     raise Deadline(deadline, timeout).error(key, "AsyncClient") from None
         if isinstance(msg, (P.Error, P.Done)):
-            self._replies.pop(key, None)
-            self._open.discard(key)
+            self._forget(key)
         if isinstance(msg, P.Error):
             _raise(msg)
         return msg

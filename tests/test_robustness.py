@@ -206,6 +206,41 @@ def test_an_sdk_client_misused_says_so_and_loses_nothing(fuzz_cluster):
         next(stream)
 
 
+def test_requests_cancelled_and_never_waited_for_are_not_kept_for_good(fuzz_cluster, monkeypatch):
+    """submit, then cancel, with no wait(): the usual way to drop a request. Their ends were kept
+    for a wait() that never came, one each for the client's life (soak audit: 300 of 300 after 300
+    such). The newest CANCELLED_ENDS_KEPT are kept, for a wait() after the cancel; older ones go."""
+    import router.client
+
+    monkeypatch.setattr(router.client, "CANCELLED_ENDS_KEPT", 2)
+
+    async def async_client():
+        async with AsyncClient(fuzz_cluster.address, timeout=60) as ac:
+            ids = [await ac.submit([1, 2, 3 + i], stream=False, max_tokens=1000, ignore_eos=True) for i in range(4)]
+            for rid in ids:
+                await ac.cancel(rid)
+            while (await ac.status()).in_flight or len(ac._open) > 2:
+                await asyncio.sleep(0.05)
+            for rid in ids[:2]:
+                with pytest.raises(RequestError, match="is not in flight on this client"):
+                    await ac.wait(rid)
+            assert [(await ac.wait(rid)).finish_reason for rid in ids[2:]] == ["cancelled"] * 2
+            return ac._open, ac._replies
+    assert asyncio.run(asyncio.wait_for(async_client(), 60)) == (set(), {})
+
+    with Client(fuzz_cluster.address, timeout=60) as client:
+        ids = [client.submit([1, 2, 3 + i], stream=False, max_tokens=1000, ignore_eos=True) for i in range(4)]
+        for rid in ids:
+            client.cancel(rid)
+        deadline = time.monotonic() + 30
+        while client.status().in_flight:  # (a call reads what came meanwhile)
+            assert time.monotonic() < deadline
+        client.status()
+        assert set(client._replies) <= set(ids[2:]) and client._open == set(ids[2:])
+        assert [client.wait(rid).finish_reason for rid in ids[2:]] == ["cancelled"] * 2
+        assert not client._open and not client._replies
+
+
 def test_a_client_that_stops_reading_has_its_requests_stopped_and_reads_their_ends_when_it_reads_again(
         fuzz_cluster):
     """A client that read nothing for the router's 5 s with its queue full has its requests ended
