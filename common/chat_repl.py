@@ -58,8 +58,9 @@ class EngineChat:
 
         engine = self.engine
         params = SamplingParams(**sampling)
-        rid = engine.add_request(chat_prompt_ids(engine, messages), params)
-        text = TextStream.for_params(engine.tokenizer, params, engine.model_config.eos_token_ids)
+        prompt = chat_prompt_ids(engine, messages)
+        rid = engine.add_request(prompt, params)
+        text = TextStream.for_params(engine.tokenizer, params, engine.model_config.eos_token_ids, prompt)
         with _CtrlC() as ctrl_c:
             while not ctrl_c.hit:
                 for out in engine.step():

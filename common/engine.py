@@ -274,7 +274,7 @@ class Engine:
                        output_ids, prefill_only)
         if params.stop and self.finds_stop_strings and self.tokenizer is not None and not prefill_only:
             # The same text the router builds, so a request stops at the same token wherever it runs.
-            seq.text = TextStream.for_params(self.tokenizer, params, self.model_config.eos_token_ids)
+            seq.text = TextStream.for_params(self.tokenizer, params, self.model_config.eos_token_ids, prompt_ids)
             for token in output_ids:
                 seq.text.add(token)
         if params.structured_outputs is not None:
@@ -500,7 +500,8 @@ class Engine:
             if seq.text is not None:
                 text, seq.finish_reason = seq.text.final(), seq.text.finish_reason(seq.finish_reason)
             else:
-                text = output_text(self.tokenizer, seq.output_token_ids, seq.params, self.model_config.eos_token_ids)
+                text = output_text(self.tokenizer, seq.output_token_ids, seq.params, self.model_config.eos_token_ids,
+                                   seq.prompt_token_ids)
         metrics = {}
         if first or finished:  # a worker reports its prefill time and prefix hit with the first token
             # Prompt tokens found cached (a re-prefill after a migration also finds output it recomputes)

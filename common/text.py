@@ -38,23 +38,26 @@ def utf8(text: str) -> bytes:
 
 class TextStream:
     def __init__(self, tokenizer, stop: list[str] = (), include_stop: bool = False, min_tokens: int = 0,
-                 stop_ids: set[int] = frozenset(), skip_special_tokens: bool = True):
+                 stop_ids: set[int] = frozenset(), skip_special_tokens: bool = True, prompt: list[int] = ()):
+        """prompt: the ids the output follows; its last few are decoded before the output's first
+        token (context_of)."""
         self.tokenizer = tokenizer
         self.skip_special = skip_special_tokens  # an output's text leaves them out; an echoed prompt's keeps them
         self.stop, self.include_stop, self.min_tokens = list(stop), include_stop, min_tokens
         self.stop_ids = stop_ids  # tokens that end the output without text of theirs
         self.holdback = max(map(len, self.stop), default=1) - 1
-        self.ids: list[int] = []
-        self.prefix = self.read = 0  # the window: ids[prefix:read] is decoded already
+        self.ids: list[int] = context_of(tokenizer, prompt)  # the prompt's tail, then the output's
+        self.primed = len(self.ids)
+        self.prefix, self.read = 0, len(self.ids)  # the window: ids[prefix:read] is decoded already
         self.text = ""
         self.sent = 0  # characters of text handed out by delta()
         self.stop_reason: str | None = None  # the stop string that ended the text
 
     @classmethod
-    def for_params(cls, tokenizer, params, eos_token_ids=()) -> "TextStream":
+    def for_params(cls, tokenizer, params, eos_token_ids=(), prompt: list[int] = ()) -> "TextStream":
         """The text of a request with these SamplingParams, of a model with these EOS ids."""
         return cls(tokenizer, params.stop, params.include_stop_str_in_output, params.min_tokens,
-                   textless_ids(params, eos_token_ids))
+                   textless_ids(params, eos_token_ids), prompt=prompt)
 
     def add(self, token: int) -> bool:
         """Take the next token; True if the text now reaches a stop string (then add no more)."""
@@ -85,7 +88,7 @@ class TextStream:
 
     def _stopped_after(self, old: int) -> bool:
         """Whether text grown from old characters now holds a stop string; if so, cut it there."""
-        if not self.stop or len(self.ids) <= self.min_tokens:
+        if not self.stop or len(self.ids) - self.primed <= self.min_tokens:
             return False
         # each string where it would take a new character (vLLM's rule): one within the text of the
         # first min_tokens tokens, never searched, is not found later either
@@ -134,7 +137,21 @@ def textless_ids(params, eos_token_ids) -> frozenset[int]:
     return frozenset() if params.include_stop_str_in_output else frozenset(params.stop_ids(eos_token_ids))
 
 
-def output_text(tokenizer, ids: list[int], params, eos_token_ids=()) -> str:
+CONTEXT_TOKENS = 5  # vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET
+
+
+def context_of(tokenizer, prompt: list[int]) -> list[int]:
+    """The prompt's last tokens that an output's text is decoded after, as vLLM's detokenizer does:
+    a SentencePiece decoder drops the space that begins the first piece it decodes ("▁Paris" alone
+    is "Paris", after "The capital is" it is " Paris"). None where their text ends inside a
+    character (a prompt of token ids), which the output's first token would then complete."""
+    context = list(prompt[-CONTEXT_TOKENS:])
+    if context and tokenizer.decode(context).endswith("\ufffd"):
+        return []
+    return context
+
+
+def output_text(tokenizer, ids: list[int], params, eos_token_ids=(), prompt: list[int] = ()) -> str:
     """A whole output's text, the text TextStream builds token by token: without the text of a stop
     token that ended it, nor of a character it ends inside of. Decoded at once where that is the
     same text, which holds no U+FFFD; else streamed: a byte-fallback decoder (SentencePiece's
@@ -142,10 +159,12 @@ def output_text(tokenizer, ids: list[int], params, eos_token_ids=()) -> str:
     complete characters before that one included."""
     if ids and ids[-1] in textless_ids(params, eos_token_ids):
         ids = ids[:-1]
-    text = tokenizer.decode(ids)
-    if "\ufffd" not in text:
-        return text
-    stream = TextStream(tokenizer)
+    context = context_of(tokenizer, prompt)
+    head = tokenizer.decode(context) if context else ""
+    text = tokenizer.decode(context + ids)
+    if "\ufffd" not in text and text.startswith(head):
+        return text[len(head):]
+    stream = TextStream(tokenizer, prompt=context)
     for token in ids:
         stream.add(token)
     return stream.final()

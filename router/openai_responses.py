@@ -64,7 +64,8 @@ class Choice:
             return 0
         if self.offsets is None or self.offsets_of_prompt != prompt:
             # an echoed prompt's text keeps its special tokens (vLLM's), an output's leaves them out
-            self.offsets = TextStream(self.tokenizer, skip_special_tokens=not prompt)
+            self.offsets = TextStream(self.tokenizer, skip_special_tokens=not prompt,
+                                      prompt=() if prompt else self.prompt_ids)
             self.offsets_of_prompt = prompt
             self.offset_base = len(self.prompt_text) if self.job.echo and not prompt else 0
         at = self.offset_base + self.offsets.whole_chars()

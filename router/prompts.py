@@ -102,6 +102,8 @@ class Prompts:
     def text(self, ids: list[int], skip_special_tokens: bool = True) -> str | None:
         return self.tokenizer.decode(ids, skip_special_tokens) if self.tokenizer is not None else None
 
-    def output_text(self, ids: list[int], params: SamplingParams) -> str | None:
+    def output_text(self, ids: list[int], params: SamplingParams, prompt: list[int] = ()) -> str | None:
         """An output's text, as a TextStream of it ends (common/text.py)."""
-        return output_text(self.tokenizer, ids, params, self.model_config.eos_token_ids) if self.tokenizer else None
+        if self.tokenizer is None:
+            return None
+        return output_text(self.tokenizer, ids, params, self.model_config.eos_token_ids, prompt)

@@ -268,7 +268,8 @@ class Router(WorkerMessages):
 
     def done(self, req: Request, reason: str):
         """Finish req with its tokens so far: Done to the client."""
-        text = req.text.final() if req.text is not None else self.prompts.output_text(req.tokens, req.params)
+        text = (req.text.final() if req.text is not None else
+                self.prompts.output_text(req.tokens, req.params, req.prompt_ids))
         stop_reason = req.text.stop_reason if req.text is not None else None
         reason = req.text.finish_reason(reason) if req.text is not None else reason
         if stop_reason is None and reason == "stop" and req.tokens and req.tokens[-1] in req.params.stop_token_ids:
@@ -422,7 +423,8 @@ class Router(WorkerMessages):
         if params.logprobs is not None:
             req.logprobs = []
         if self.prompts.tokenizer is not None and (stream or params.stop):
-            req.text = TextStream.for_params(self.prompts.tokenizer, params, self.prompts.model_config.eos_token_ids)
+            req.text = TextStream.for_params(self.prompts.tokenizer, params, self.prompts.model_config.eos_token_ids,
+                                             ids)
         self.requests[req.rid] = req
         self.by_client[(client, client_request_id)] = req.rid
         self.request_log.admitted(req)

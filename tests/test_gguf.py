@@ -183,6 +183,19 @@ def test_sentencepiece_tokenizer_matches_transformers(tmp_path):
     ids = tok.encode(text)
     assert tok.token_bytes(ids[0]) == b"<s>" and b"".join(map(tok.token_bytes, ids[1:])) == b" " + text.encode()
     assert [tok.token_bytes(i) for i in tok.encode("日")[-3:]] == [b"\xe6", b"\x97", b"\xa5"]
+    # an output's text after its prompt keeps the space its first piece begins with, as transformers'
+    # decode of both and vLLM's detokenizer have it ("▁fox" alone decodes to "fox")
+    from common.sampling_params import SamplingParams
+    from common.text import TextStream, output_text
+
+    prompt, out = tok.encode("the quick brown"), tok.encode("fox jumps 日本", add_special_tokens=False)
+    want = ref.decode(prompt + out, skip_special_tokens=True)[len(ref.decode(prompt, skip_special_tokens=True)):]
+    assert want.startswith(" fox") and output_text(tok, out, SamplingParams(), prompt=prompt) == want
+    stream, streamed = TextStream(tok, prompt=prompt), ""
+    for token in out:
+        stream.add(token)
+        streamed += stream.delta()
+    assert stream.final() == want and want.startswith(streamed) and streamed.startswith(" fox")
 
 
 def _added_tokens_gguf(tmp_path, extra: dict, pre: str = "gpt-2", more_merges: list[str] = ()):
