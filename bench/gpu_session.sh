@@ -59,6 +59,9 @@ set -u
 # since 2026-11-29 (twenty-sixth session), top logprobs build their int64 keys in place (the async
 # logprobs test runs it), the cached block-id uploads of a cuda_ipc copy take a lock, and
 # EngineConfig resolves a CUDA device (and torch's dtype) after its other checks, importing torch there.
+# since 2026-11-30 (twenty-seventh session), a prefill worker's KV messages to a decode worker go by
+# try_send(track=True), at most PEER_SEND_WAIT_S (1 s) at a full queue (nccl's announce included), and
+# KVReserve by send_nowait: bench handoff and the cluster GPU tests run it.
 # A helper counted 60-70 us of Python a streamed piece on the cuda_ipc path, not
 # the ~330 us measured: transfer-layers' --profile should name the call that blocks (an event's
 # record, wait_event, set_device, the Triton launcher's pointer checks, or garbage collection).
