@@ -278,7 +278,8 @@ class TransportRun:
         if profiler is not None:
             profiler.enable()
         t0 = time.perf_counter()
-        out = Outgoing(rid, 0, self.pool, self.src, self.dst, self.advert, lambda m, f: self.chan.send(m, f, track=True))
+        send = lambda m, f: self.chan.try_send(m, f, track=True)  # noqa: E731 (the prefill worker's send)
+        out = Outgoing(rid, 0, self.pool, self.src, self.dst, self.advert, send)
         handle = self.sender.open(out)
         opened = time.perf_counter()
         for layers, blocks in pieces or self.pieces:

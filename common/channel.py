@@ -138,21 +138,10 @@ class Channel:
         """The bound address with the real port (after binding port 0)."""
         return self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
-    def send(self, msg, frames=(), to: bytes | None = None, track: bool = False):
-        """Frames go without copying; the header is copied (it is small). With track=True, returns
-        a Released that covers every frame: the frames must be fresh memoryview slices (or other
-        weakly referable buffers) that the caller does not keep. Otherwise returns the asyncio
-        future of an async socket."""
-        head = self._head(msg, to)
-        if not track:
-            return self.sock.send_multipart(head + list(frames), copy=False)
-        # Frames made first: once the header is out, nothing but the socket may fail mid-message.
-        parts = head + [zmq.Frame(f, copy=False) for f in frames]
-        released = Released(frames)
-        for part in parts[:-1]:
-            self.sock.send(part, zmq.SNDMORE)
-        self.sock.send(parts[-1], 0)
-        return released
+    def send(self, msg, frames=(), to: bytes | None = None):
+        """Frames go without copying; the header is copied (it is small). Returns the asyncio future
+        of an async socket. (A send whose frames' release matters: try_send(track=True).)"""
+        return self.sock.send_multipart(self._head(msg, to) + list(frames), copy=False)
 
     def post(self, msg, to: bytes | None = None) -> None:
         """Send a frameless message on an asyncio channel without making a future: at once when no
@@ -267,8 +256,9 @@ class Channel:
         self.send_wait_s: it stopped reading (its queue is at the high-water mark), or it never
         connected (a DEALER has nowhere to queue). Once a send has been given up, the next ones fail
         at once until one goes through: a dead router must not freeze the worker that sends to it
-        (its loop, and with it SIGTERM's handling, goes on). With track=True, as send()'s: a
-        Released that covers every frame, or None if it did not go."""
+        (its loop, and with it SIGTERM's handling, goes on). With track=True: a Released that covers
+        every frame, or None if it did not go; the frames must be fresh memoryview slices (or other
+        weakly referable buffers) that the caller does not keep."""
         # Frames made first: once the header is out, nothing but the socket may fail mid-message.
         parts = self._head(msg, to) + ([zmq.Frame(f, copy=False) for f in frames] if track else list(frames))
         try:

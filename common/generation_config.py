@@ -68,6 +68,11 @@ def sampling_defaults(model: str, source: str = "auto", overrides: dict | None =
     return {**found, **(overrides or {})}
 
 
+def with_defaults(sampling: dict, defaults: dict) -> dict:
+    """A request's sampling fields, and defaults' where it gives none (null is none, as over HTTP)."""
+    return {**defaults, **{k: v for k, v in sampling.items() if v is not None}}
+
+
 def _checked(fields: dict, origin: str) -> dict:
     """fields, if SamplingParams takes each (its error names the field and what is allowed)."""
     from common.sampling_params import SamplingParams
@@ -78,6 +83,3 @@ def _checked(fields: dict, origin: str) -> dict:
         raise InvalidArgument(f"{origin}: {e}") from None
     return dict(fields)
 
-
-def describe(defaults: dict) -> str:
-    return ", ".join(f"{k}={v}" for k, v in defaults.items())

@@ -74,9 +74,10 @@ class TextStream:
 
     def _window(self) -> tuple[str, str]:
         """The window's text without and with the tokens not yet in self.text."""
-        def decode(ids):
-            return self.tokenizer.decode(ids) if self.skip_special else self.tokenizer.decode(ids, False)
-        return decode(self.ids[self.prefix:self.read]), decode(self.ids[self.prefix:])
+        return self._decode(self.ids[self.prefix:self.read]), self._decode(self.ids[self.prefix:])
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids) if self.skip_special else self.tokenizer.decode(ids, False)
 
     def whole_chars(self) -> int:
         """len(text), and the whole characters the tokens held back (inside a character) begin

@@ -68,7 +68,6 @@ SHUTDOWN_GRACE_S = 2.0  # for handlers to answer their requests' UNAVAILABLE whe
 TOKENS_PER_WRITE = 65536  # /tokenize: ids serialized between two turns of the event loop
 REQUEST_ID = web.RequestKey("pdserve_request_id", str)  # the X-Request-Id its response carries
 REQUEST_ID_ALLOWED = "1 to 256 printable ASCII characters, no spaces, quotes or backslashes"
-REQUEST_ID_PATTERN = r"[!#-\[\]-~]{1,256}"
 # the access log (--log-requests): who, the request line, status, bytes, seconds, and the request's id
 ACCESS_LOG_FORMAT = '%a "%r" %s %b %Tf "%{X-Request-Id}o"'
 access_logger = logging.getLogger("pdserve.http.access")
@@ -117,7 +116,6 @@ class HttpFront:
         access_log: a line for each HTTP request (the router's --log-requests)."""
         self.backend, self.host, self.port, self.sock = backend, host, port, sock
         self.names = served_names(served_model_names, backend.prompts.model)
-        self.defaults = backend.prompts.defaults  # the model's sampling, where a request gives none
         self.model = self.names[0]
         self.parsers = parsers
         self.access_log = access_log
@@ -322,26 +320,29 @@ class HttpFront:
         return web.json_response({"prompt": text})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._serve(request, lambda body: parse_completion(body, self.names, self.defaults))
+        return await self._serve(request, self._completion)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        context = self.backend.prompts.context
-        return await self._serve(request, lambda body: parse_chat(body, self.names, context, self.parsers,
-                                                                   self.defaults))
+        return await self._serve(request, self._chat)
 
     async def invocations(self, request: web.Request) -> web.StreamResponse:
         """SageMaker's inference route (vLLM serves it, beside /ping): a chat's body or a completion's,
         told apart by its messages or prompt."""
-        context = self.backend.prompts.context
-
         def parse(body):
             if isinstance(body, dict) and "messages" in body:
-                return parse_chat(body, self.names, context, self.parsers, self.defaults)
+                return self._chat(body)
             if isinstance(body, dict) and "prompt" in body:
-                return parse_completion(body, self.names, self.defaults)
+                return self._completion(body)
             raise InvalidArgument("the body holds neither messages nor prompt; allowed: a /v1/chat/completions "
                                   "body or a /v1/completions body")
         return await self._serve(request, parse)
+
+    def _completion(self, body) -> Job:
+        return parse_completion(body, self.names, self.backend.prompts.defaults)
+
+    def _chat(self, body) -> Job:
+        prompts = self.backend.prompts
+        return parse_chat(body, self.names, prompts.context, self.parsers, prompts.defaults)
 
     # ------------------------------------------------------------------ requests
 
@@ -499,18 +500,18 @@ def _prepare(parse, body, prompts, max_queue: int) -> tuple[Job, list]:
 def given_request_id(request: web.Request) -> str | None:
     """The client's X-Request-Id (vLLM's), checked: it is written into log lines."""
     given = request.headers.get("X-Request-Id")
-    if given is not None and not re.fullmatch(REQUEST_ID_PATTERN, given):
-        raise ApiError("INVALID_ARGUMENT", f"X-Request-Id: {short_repr(given)} is invalid; allowed: "
-                                           f"{REQUEST_ID_ALLOWED}")
-    return given
+    return _checked_request_id(given, f"X-Request-Id: {short_repr(given)}")
 
 
 def body_request_id(body) -> str | None:
     """A body's request_id (vLLM's), as X-Request-Id, which comes first."""
     given = body.get("request_id") if isinstance(body, dict) else None
-    if given is not None and not (isinstance(given, str) and re.fullmatch(REQUEST_ID_PATTERN, given)):
-        raise ApiError("INVALID_ARGUMENT", f"request_id={short_repr(given)} is invalid; allowed: "
-                                           f"{REQUEST_ID_ALLOWED}", "request_id")
+    return _checked_request_id(given, f"request_id={short_repr(given)}", "request_id")
+
+
+def _checked_request_id(given, shown: str, param: str | None = None) -> str | None:
+    if given is not None and not (isinstance(given, str) and re.fullmatch(r"[!#-\[\]-~]{1,256}", given)):
+        raise ApiError("INVALID_ARGUMENT", f"{shown} is invalid; allowed: {REQUEST_ID_ALLOWED}", param)
     return given
 
 

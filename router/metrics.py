@@ -5,8 +5,9 @@ Names follow vLLM's (`vllm:time_to_first_token_seconds` is `pdserve:time_to_firs
 with the same `model_name` label), so a vLLM dashboard's panels of request latency, tokens,
 queues, KV use, preemptions and speculative decoding adapt by a change of prefix, and
 `--metrics-prefix vllm` makes that change here: an autoscaler or gateway that reads
-`vllm:num_requests_waiting` or `vllm:kv_cache_usage_perc` reads ours as they are (KV use is one series
-a worker, labelled worker_id and role). vLLM's own internals (iteration tokens, cache config) have none here. Metrics vLLM has no counterpart for (KV
+`vllm:num_requests_waiting` or `vllm:kv_cache_usage_perc` reads ours as they are (KV use is one
+series a worker, labelled worker_id and role). vLLM's own internals (iteration tokens, cache
+config) have none here. Metrics vLLM has no counterpart for (KV
 handoff, migrations, per-worker state) use the same style. The router process's own (process_*,
 python_gc_*) are there too, as prometheus_client's default registry has them.
 

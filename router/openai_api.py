@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from common import structured_output
 from common.chat import check_template_kwargs
 from common.errors import InvalidArgument, short_repr
+from common.generation_config import with_defaults
 from common.sampling_params import MAX_LOGPROBS, SamplingParams, choice_seed
 from router import tool_calls
 from router.reasoning import PARSERS as REASONING_PARSERS, ReasoningParser
@@ -182,7 +183,7 @@ def _integral(body: dict, names: tuple[str, ...]) -> dict:
 def _sampling(body: dict, max_tokens: int, defaults: dict, **extra) -> dict:
     """The SamplingParams fields of a body (SamplingParams checks them): max_tokens, and the
     served model's defaults (common/generation_config.py), where it gives none."""
-    return {"max_tokens": max_tokens, **defaults, **{k: body[k] for k in SAMPLING if body.get(k) is not None},
+    return {"max_tokens": max_tokens, **with_defaults({k: body[k] for k in SAMPLING if k in body}, defaults),
             "structured_outputs": _structured(body), **extra}
 
 
@@ -337,7 +338,7 @@ def parse_chat(body, served_model: Served, context: int, parsers: OutputParsers 
         raise InvalidArgument(f"top_logprobs={top} with logprobs=false; allowed: top_logprobs only with "
                               "logprobs=true (or top_logprobs=0)", param="top_logprobs")
     logprobs = (top or 0) if want else None
-    sampling = _sampling(body, context, defaults or {}, logprobs=logprobs)  # by default up to the context's end, as vLLM
+    sampling = _sampling(body, context, defaults or {}, logprobs=logprobs)  # by default to the context's end (vLLM)
     if body.get("max_completion_tokens") is not None:
         sampling["max_tokens"] = body["max_completion_tokens"]
     tools = tool_calls.parse(body, _get(body, "parallel_tool_calls", BOOL, True), parsers.tool_call)

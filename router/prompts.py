@@ -5,6 +5,7 @@ HTTP requests, so both say the same thing about the same bad prompt."""
 from __future__ import annotations
 
 from common.errors import InvalidArgument
+from common.generation_config import with_defaults
 from common.model_spec import load_tokenizer, model_config
 from common.sampling_params import SamplingParams
 from common.text import output_text
@@ -15,13 +16,6 @@ from common.tokenizer import check_encoded, check_prompt_length, check_token_ids
 # tokens are longer (a run of spaces) is tokenized whole, as any other.
 HEAD_CHARS_PER_TOKEN = 16
 HEAD_EDGE_TOKENS = 8  # the head's last tokens, which the cut may have split from a longer one
-
-
-def with_defaults(sampling, defaults: dict):
-    """A request's sampling fields, and defaults' where it gives none (null is none, as over HTTP)."""
-    if not defaults or not isinstance(sampling, dict):
-        return sampling
-    return {**defaults, **{k: v for k, v in sampling.items() if v is not None}}
 
 
 class Prompts:
@@ -43,9 +37,9 @@ class Prompts:
         a max_tokens the body gave (its field: max_tokens_field) must fit in the context with the
         prompt, as vLLM has it; otherwise (a default, an SDK client's) the engine cuts it to fit.
         tools and template_kwargs: a chat's, for its template; add_special_tokens: as encode's."""
-        if not isinstance(sampling, SamplingParams):
-            sampling = SamplingParams.from_dict(with_defaults(sampling, self.defaults))
-        params = sampling
+        if isinstance(sampling, dict):
+            sampling = with_defaults(sampling, self.defaults)
+        params = sampling if isinstance(sampling, SamplingParams) else SamplingParams.from_dict(sampling)
         params.check_model(self.model_config.vocab_size, self.tokenizer is not None)
         if messages is not None or isinstance(prompt, str):
             if messages is not None and prompt:

@@ -32,7 +32,7 @@ import zmq.asyncio
 from common import protocol as P
 from common.channel import Channel, Envelope
 from common.errors import InvalidArgument, port_free
-from common.generation_config import describe, sampling_defaults
+from common.generation_config import sampling_defaults
 from common.sampling_params import SamplingParams, fresh_seed
 from common.security import close_context
 from common.signals import DRAIN_TIMEOUT_S, StopSignals, stop_signals
@@ -149,8 +149,8 @@ class Router(WorkerMessages):
         defaults = sampling_defaults(cfg.model, cfg.generation_config, cfg.override_generation_config)
         if defaults:
             log.info("requests that leave them out sample with %s (the model's generation config; "
-                     "--generation-config vllm for none)", describe(defaults))
-        self.prompts = Prompts(cfg.model, cfg.max_model_len, defaults)  # its tokenizer and model_config are the router's
+                     "--generation-config vllm for none)", ", ".join(f"{k}={v}" for k, v in defaults.items()))
+        self.prompts = Prompts(cfg.model, cfg.max_model_len, defaults)  # its tokenizer and model_config: the router's
         self.configured_context = self.prompts.context  # prompts.context: the least of it and the workers' (_fit_context)
         self.registry = Registry(cfg.policy)
         self._said_taken: set[tuple[str, str]] = set()  # (worker id, incarnation) refused as a live worker's id
@@ -374,12 +374,6 @@ class Router(WorkerMessages):
     def admit(self, client: bytes, msg: P.Generate):
         """A Generate from a ZeroMQ client."""
         received = time.monotonic()
-        if self.frontend.stalled(client):  # its requests were stopped (_client_stalled): so is each new one
-            text = (f"this client has read nothing for {self.frontend.send_wait_s:.0f} s: what the router sent it "
-                    "waits; read it, then send again")
-            self.metrics.on_error("UNAVAILABLE")
-            self.request_log.refused(client, msg.request_id, "UNAVAILABLE", text)
-            return self._send(self.frontend, P.Error(msg.request_id, "UNAVAILABLE", text), client)
         try:
             ids, params = self.prompts.validate(msg.prompt, msg.messages, msg.sampling,
                                                 add_special_tokens=msg.add_special_tokens)
@@ -409,6 +403,9 @@ class Router(WorkerMessages):
             return refuse("UNAVAILABLE", self.stopping.refusal())
         if (client, client_request_id) in self.by_client:
             return refuse("INVALID_ARGUMENT", f"request_id={client_request_id!r} is already in flight")
+        if self.frontend.stalled(client):  # its requests were stopped (_client_stalled): so is each new one
+            return refuse("UNAVAILABLE", f"this client has read nothing for {self.frontend.send_wait_s:.0f} s: "
+                                         "what the router sent it waits; read it, then send again")
         if len(self.requests) >= self.cfg.max_queue:
             return refuse("OVERLOADED", f"the router holds {len(self.requests)} requests, its limit "
                                         f"(max_queue={self.cfg.max_queue}); retry later")

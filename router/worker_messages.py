@@ -130,11 +130,11 @@ class WorkerMessages:
             self._send(self.backend, P.Shutdown(conflict), identity)
             return
         old = self.registry.workers.get(msg.worker_id)
-        if old is not None and old.alive and old.incarnation == msg.incarnation and old.identity == identity:
-            # its Register again, sent before our Registered reached it (a worker asks every 0.5 s until
-            # answered): its record stays, and with it the requests it holds, re-dispatched if it dies
-            return self._registered(msg, identity)
-        if old is not None and old.alive and old.incarnation == msg.incarnation and old.identity != identity:
+        if old is not None and old.alive and old.incarnation == msg.incarnation:
+            if old.identity == identity:
+                # its Register again, sent before our Registered reached it (a worker asks every 0.5 s until
+                # answered): its record stays, and with it the requests it holds, re-dispatched if it dies
+                return self._registered(msg, identity)
             # a worker's socket is its id and incarnation, for its life: another peer that names them (they
             # are in `pdserve status`) would take its place, and its requests would wait out their deadlines
             log.warning("refused a registration from %r as worker %s: that worker is live, on another connection",
