@@ -197,8 +197,9 @@ class Profiler:
     def mixed(self, lengths: list[int], batch: int, prompt_len: int, step_s: float) -> None:
         """Prompts of every length arriving, one every few steps, while `batch` requests of
         prompt_len tokens decode (step_s: about their step): the mixed steps a monolithic worker runs
-        under load, for its step trace."""
-        spacing = max(0.01, step_s * self.decode_tokens / (len(lengths) + 1))
+        under load, for its step trace. The prompts arrive over the first half of the batch's decode,
+        so that a run up to twice as fast as step_s (a neighbour's load gone) still decodes beside the last."""
+        spacing = max(0.01, step_s * self.decode_tokens / (2 * (len(lengths) + 1)))
         self.run([(0.0, self.prompt(prompt_len), self.decode_tokens) for _ in range(batch)]
                  + [((i + 1) * spacing, self.prompt(n), 2) for i, n in enumerate(lengths)])
         self.say(f"profile (threads {self.threads}): mono: prompts of {len(lengths)} lengths into a decode batch of "

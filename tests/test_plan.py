@@ -140,7 +140,7 @@ def test_plan_profiles_once_then_plans_from_the_saved_profile(tmp_path):
     # the monolithic worker's cost comes from its own steps, prefills inside decode batches among them
     shapes = p["points"]["mono_steps"]
     # the decode runs' prompts (32 and 190 tokens) sum to even prefills; only the mixed run's 253 is odd
-    assert any(b and round(n) % 2 for n, _, b, *_ in shapes) and any(n and not b for n, _, b, *_ in shapes)
+    assert any(b and round(n) % 2 for n, _, b, *_ in shapes) and any(n and not b for n, _, b, *_ in shapes), shapes
     assert "steps with a prefill beside decodes" in first.stderr
     mono = p["worker_model"]["mono_step"]
     assert mono["prefill_base"] == mono["decode_base"] and mono["prefill_base"] + mono["prefill_token"] > 0
