@@ -223,7 +223,7 @@ def test_building_a_model_leaves_torch_dynamo_unloaded():
 def test_text_with_a_lone_surrogate_or_a_value_msgpack_cannot_carry_is_refused_by_name(llama_dir):
     """JSON and Python strings may hold one; UTF-8 and the `tokenizers` library (a TypeError) may not."""
     from common import protocol as P
-    from router.client import _generate
+    from router.client_requests import generate_message
 
     for model in (str(llama_dir), "dummy:nanogpt"):  # a tokenizer.json, and the byte tokenizer
         engine = Engine(model=model)
@@ -233,10 +233,10 @@ def test_text_with_a_lone_surrogate_or_a_value_msgpack_cannot_carry_is_refused_b
     with pytest.raises(InvalidArgument, match="lone surrogate such as"):  # a chat template's rendering
         engine.tokenizer.encode_chat([{"role": "user", "content": "\udfff b"}])
     with pytest.raises(InvalidArgument, match="a string of this Generate holds a lone surrogate"):
-        P.encode(_generate("r", "a\ud800", None, {}, True))
+        P.encode(generate_message("r", "a\ud800", None, {}, True))
     for prompt, sampling in (([1, 2**70], {}), ("a", {"temperature": 2**70}), ("a", {"stop": [object()]})):
         with pytest.raises(InvalidArgument, match="this Generate holds a value that cannot be sent"):
-            P.encode(_generate("r", prompt, None, sampling, True))
+            P.encode(generate_message("r", prompt, None, sampling, True))
 
 
 def test_a_fine_tune_with_the_base_models_config_has_its_own_fingerprint(tmp_path, llama_dir):

@@ -62,11 +62,11 @@ def test_a_prefill_longer_than_the_kv_lease_keeps_its_blocks(tmp_path):
     assert "failed" not in prefill.read_text(), prefill.read_text()[-2000:]
 
 
-def test_a_streams_timeout_is_for_each_chunk_not_the_whole_answer(tmp_path):
+def test_a_streams_timeout_is_for_each_chunk_and_a_waits_for_the_whole_answer(tmp_path):
     """Steps of 0.1 s: a 20-token stream takes 2 s, longer than its 0.8 s timeout, and still ends
     whole in both clients, as a slow answer that keeps coming should (the sync client's stream once
     failed TIMEOUT at 0.8 s; `pdserve client` gave up on long answers at 120 s). A stream whose
-    next chunk takes longer than the timeout fails TIMEOUT."""
+    next chunk takes longer than the timeout fails TIMEOUT, and so does a wait() for the whole answer."""
     slow = SLOWED_STEPS.format(delay=0.1, first_only=False)
     params = dict(max_tokens=20, temperature=0, ignore_eos=True)
     with hand_made_cluster(tmp_path, [], [("mono", [], slow)]) as (client, _):
@@ -81,3 +81,14 @@ def test_a_streams_timeout_is_for_each_chunk_not_the_whole_answer(tmp_path):
         with pytest.raises(RequestError) as e:
             list(client.stream([5, 6, 7], timeout=0.05, **params))
         assert e.value.code == "TIMEOUT"
+
+        # a wait's timeout is for the whole answer, its stream's tokens skipped (AsyncClient's once
+        # began again at each token, as a stream's)
+        async def waited():
+            async with AsyncClient(client.address) as aclient:
+                await aclient.wait(await aclient.submit([5, 6, 7], stream=True, **params), timeout=0.8)
+        for wait in (lambda: asyncio.run(waited()), lambda: client.wait(client.submit([5, 6, 7], **params), 0.8)):
+            started = time.monotonic()
+            with pytest.raises(RequestError) as e:
+                wait()
+            assert e.value.code == "TIMEOUT" and time.monotonic() - started < 1.6

@@ -210,9 +210,9 @@ def test_requests_cancelled_and_never_waited_for_are_not_kept_for_good(fuzz_clus
     """submit, then cancel, with no wait(): the usual way to drop a request. Their ends were kept
     for a wait() that never came, one each for the client's life (soak audit: 300 of 300 after 300
     such). The newest CANCELLED_ENDS_KEPT are kept, for a wait() after the cancel; older ones go."""
-    import router.client
+    import router.client_requests
 
-    monkeypatch.setattr(router.client, "CANCELLED_ENDS_KEPT", 2)
+    monkeypatch.setattr(router.client_requests, "CANCELLED_ENDS_KEPT", 2)
 
     async def async_client():
         async with AsyncClient(fuzz_cluster.address, timeout=60) as ac:
