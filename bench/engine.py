@@ -32,6 +32,22 @@ def sig(x: float, figures: int = 4) -> float:
     return float(f"{x:.{figures}g}")
 
 
+def step_times(engine: Engine, prompts: list[list[int]], params: SamplingParams, counted
+               ) -> tuple[list[float], list[list[int]]]:
+    """Generate prompts to the end: (the seconds of each step whose batch `counted(engine.last_batch)`
+    is true of, each request's output tokens). The speculative and structured benches time their
+    decode steps by it."""
+    ids = [engine.add_request(p, params) for p in prompts]
+    times, done = [], {}
+    while engine.has_unfinished():
+        t0 = time.perf_counter()
+        outs = engine.step()
+        if counted(engine.last_batch):
+            times.append(time.perf_counter() - t0)
+        done.update((o.request_id, o.token_ids) for o in outs if o.finished)
+    return times, [done[i] for i in ids]
+
+
 def _random_prompts(rng: random.Random, n: int, length: int, vocab: int) -> list[list[int]]:
     return [[rng.randrange(vocab) for _ in range(length)] for _ in range(n)]
 

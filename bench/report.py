@@ -50,10 +50,12 @@ def finite(value):
 
 
 def pct(values: list[float], q: float) -> float:
+    """The q-th percentile by nearest rank: the smallest value that q% of them are at or under (NaN
+    for none)."""
     if not values:
         return float("nan")
     values = sorted(values)
-    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
+    return values[min(len(values) - 1, max(0, math.ceil(q / 100 * len(values)) - 1))]
 
 
 @contextlib.contextmanager

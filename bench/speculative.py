@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import statistics
 import sys
-import time
 
+from bench.engine import step_times
 from bench.report import print_json, print_table
 from common.engine import Engine
 from common.sampling_params import SamplingParams
@@ -46,21 +46,6 @@ def _prompts(engine: Engine, task: str, n: int) -> list[list[int]]:
     return [tok.encode_turn(texts[i % len(texts)]) for i in range(n)]
 
 
-def _timed(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> tuple[float, list[list[int]], int]:
-    """(seconds of the steps that only decoded, each request's tokens, those steps) of generating
-    prompts to the end: the prefill's step is the same with speculation or without."""
-    ids = [engine.add_request(p, params) for p in prompts]
-    done, secs, steps = {}, 0.0, 0
-    while engine.has_unfinished():
-        t0 = time.perf_counter()
-        outs = engine.step()
-        if all(s.is_decode or s.draft for s in engine.last_batch):
-            secs += time.perf_counter() - t0
-            steps += 1
-        done.update((o.request_id, o.token_ids) for o in outs if o.finished)
-    return secs, [done[i] for i in ids], steps
-
-
 def run_speculative_bench(engine_kwargs: dict, batch_sizes: list[int], max_tokens: int, rounds: int,
                           temperature: float, seed: int) -> dict:
     spec = engine_kwargs.get("speculative_config") or DEFAULT_CONFIG
@@ -80,8 +65,11 @@ def run_speculative_bench(engine_kwargs: dict, batch_sizes: list[int], max_token
             before = drafter.counters()
             for r in range(rounds):
                 for mode, engine in engines.items():
-                    dt, tokens[mode], steps[mode] = _timed(engine, prompts, params)
-                    secs[mode].append(dt)
+                    # the steps that only decode: the prefill's is the same with speculation or without
+                    times, tokens[mode] = step_times(engine, prompts, params,
+                                                     lambda batch: all(s.is_decode or s.draft for s in batch))
+                    secs[mode].append(sum(times))
+                    steps[mode] = len(times)
                 print(f"{task} batch {batch}: round {r + 1}/{rounds}", file=sys.stderr, flush=True)
             drafts, drafted, accepted = (a - b for a, b in zip(drafter.counters(), before))
             n = sum(map(len, tokens["on"]))

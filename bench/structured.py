@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from bench.engine import step_times
 from bench.report import print_json, print_table
 from common.engine import Engine
 from common.errors import InvalidArgument
@@ -35,20 +36,6 @@ def _prompts(engine: Engine, n: int) -> list[list[int]]:
         raise InvalidArgument(f"--model {engine.config.model}: structured outputs need a model with a tokenizer")
     texts = [f"Describe product number {i} in JSON, with its name, colour and sizes." for i in range(n)]
     return [tok.encode_turn(t) for t in texts]
-
-
-def _decode_steps(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> tuple[list[float], list]:
-    """(the duration of each step in which every request decoded, each request's output tokens)."""
-    ids = [engine.add_request(p, params) for p in prompts]
-    full, done = [], {}
-    while engine.has_unfinished():
-        t0 = time.perf_counter()
-        outs = engine.step()
-        dt = time.perf_counter() - t0
-        if len(engine.last_batch) == len(ids) and all(s.is_decode for s in engine.last_batch):
-            full.append(dt)
-        done.update((o.request_id, o.token_ids) for o in outs if o.finished)
-    return full, [done[i] for i in ids]
 
 
 def _mask_times(engine: Engine, spec: dict, outputs: list[list[int]]) -> list[float]:
@@ -76,7 +63,9 @@ def run_structured_bench(engine_kwargs: dict, batch: int, max_tokens: int, round
     steps, masks, tokens = {kind: [] for kind in KINDS}, {kind: [] for kind in KINDS}, {}
     for r in range(rounds):
         for kind, p in params.items():
-            full, outputs = _decode_steps(engine, prompts, p)
+            # the steps in which every request decoded
+            full, outputs = step_times(engine, prompts, p,
+                                       lambda batch: len(batch) == len(prompts) and all(s.is_decode for s in batch))
             steps[kind] += full
             tokens[kind] = sum(map(len, outputs))
             if KINDS[kind] is not None:

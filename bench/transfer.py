@@ -39,7 +39,7 @@ import time
 import torch
 import zmq
 
-from bench.report import print_json, print_table
+from bench.report import pct, print_json, print_table
 from common import protocol as P
 from common.channel import Channel, Waker
 from common.model_spec import model_config
@@ -428,11 +428,6 @@ def measure(transport: str, shape, dtype: str, device: torch.device, n: int, rep
             run.close()
 
 
-def percentile(times: list[float], q: float) -> float:
-    ordered = sorted(times)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
-
-
 def run_transfer_bench(transport: str, spec: str, tokens: int, repeats: int, block_size: int = 16,
                        dtype: str | None = None, devices: list[str] | None = None, fragmented: bool = False,
                        layer_groups: int = 1, profile: int = 0) -> dict:
@@ -458,7 +453,7 @@ def run_transfer_bench(transport: str, spec: str, tokens: int, repeats: int, blo
     profiler = cProfile.Profile() if profile else None
     for name, times in measure(transport, shape, dtype, dev, n, repeats, fragmented, layer_groups, peer,
                                profiler).items():
-        p50, p99 = percentile(times, 50), percentile(times, 99)
+        p50, p99 = pct(times, 50), pct(times, 99)
         if name in PHASES:
             phases[name] = (p50, p99)
             continue

@@ -83,8 +83,8 @@ class SharedSegment:
         nbytes = math.prod(shape) * dtype.itemsize
         st = os.statvfs(SHM_DIR)
         if nbytes > st.f_bavail * st.f_frsize:
-            raise InvalidArgument(f"a shared KV pool of {nbytes / 2**30:.2f} GiB does not fit in {SHM_DIR} "
-                                  f"({st.f_bavail * st.f_frsize / 2**30:.2f} GiB free); lower kv_cache_gb or "
+            raise InvalidArgument(f"a shared KV pool of {gib(nbytes)} does not fit in {SHM_DIR} "
+                                  f"({gib(st.f_bavail * st.f_frsize)} free); lower kv_cache_gb or "
                                   "num_blocks, enlarge /dev/shm, or use kv_transport='zmq'")
         name = f"{SHM_PREFIX}-{os.getpid()}-{secrets.token_hex(4)}"
         segment = shared_memory.SharedMemory(name, create=True, size=_SHM_HEADER + nbytes)

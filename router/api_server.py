@@ -90,8 +90,8 @@ class RouterLink:
 
     async def _follow_context(self):
         """Admit what the router admits: it lowers its context to the least its workers serve
-        (Router._fit_context), and an API server checks max_tokens against it and shows it in
-        /v1/models. Within FOLLOW_CONTEXT_S of a change; a longer prompt meanwhile is still refused
+        (router/worker_messages.py's _fit_context), and an API server checks max_tokens against it
+        and shows it in /v1/models. Within FOLLOW_CONTEXT_S of a change; a longer prompt meanwhile is still refused
         by the router, and a max_tokens past it ends the output there."""
         while not self.closed:  # (a cancel that meets the reply in asyncio.wait_for is lost, before Python 3.12)
             try:
