@@ -273,7 +273,7 @@ class ApiServers:
                  served_model_names: tuple[str, ...] = (), parsers: OutputParsers = OutputParsers(),
                  on_exit: Callable[[bytes], None] = lambda identity: None, access_log: bool = False,
                  sampling_defaults: dict | None = None):
-        """on_exit(identity): an API server died; its requests have nobody to go to (Router._client_gone)."""
+        """on_exit(identity): an API server died; its requests have nobody to go to (ZmqFront.gone)."""
         self.on_exit = on_exit
         self.sock = socket.create_server((host, port), backlog=4096)
         self.sock.set_inheritable(True)

@@ -17,7 +17,6 @@ The router never carries KV bytes. What it does with each worker message is rout
 from __future__ import annotations
 
 import asyncio
-import functools
 import itertools
 import logging
 import math
@@ -30,7 +29,7 @@ import zmq
 import zmq.asyncio
 
 from common import protocol as P
-from common.channel import Channel, Envelope
+from common.channel import Channel
 from common.errors import InvalidArgument, port_free
 from common.generation_config import sampling_defaults
 from common.sampling_params import SamplingParams, fresh_seed
@@ -45,13 +44,10 @@ from router.prompts import Prompts
 from router.registry import DECODE_ROLES, PREFILL_ROLES, Registry, Worker
 from router.request_log import RequestLog
 from router.worker_messages import DEAD_WORKER_MEMORY_S, WorkerMessages
+from router.zmq_front import ZmqFront
 from common.text import TextStream
 
 log = logging.getLogger("pdserve.router")
-CLIENT_PROBE_S = 1.0  # how often a ZeroMQ client is probed while its requests send it nothing
-# What a worker at the client port is told: it would otherwise wait
-CLIENT_PORT = ("this is the router's client port; workers connect to its worker port (--worker-port, by default "
-               "--port + 1)")
 TICK_S = 0.05  # how often the router checks deadlines and heartbeats
 LOOP_LAG_S = 0.5  # a tick this late: the event loop was held up (a huge request), not the workers
 STOP_LINGER_MS = 100  # a stopping router's cancels go at once to live workers; not to wait on gone ones
@@ -170,17 +166,13 @@ class Router(WorkerMessages):
             self.frontend = Channel.bind(self.ctx, zmq.ROUTER, f"tcp://{cfg.host}:{cfg.port}",
                                          max_frame_bytes=hard_cap, max_header_bytes=cfg.max_message_bytes,
                                          end="router_clients")
-        self.frontend.on_stalled = self._client_stalled
+        self.clients = ZmqFront(self, self.frontend)  # what comes in at that port, and goes back
         with port_free(cfg.host, cfg.worker_port, "--worker-port"):
             self.backend = Channel.bind(self.ctx, zmq.ROUTER, f"tcp://{cfg.host}:{cfg.worker_port}",
                                         max_frame_bytes=hard_cap, max_header_bytes=cfg.max_message_bytes,
                                         end="router_workers")
         self.metrics = RouterMetrics(self)
         self.request_log = RequestLog(cfg.log_requests)
-        # While a worker's token batch is handled: each client's Tokens, held to go as one TokenBatch
-        self._held: dict[bytes, list[P.Token]] | None = None
-        self._gone: set[bytes] = set()  # clients found unreachable, their requests about to be cancelled
-        self._next_probe = time.monotonic() + CLIENT_PROBE_S  # when _probe_clients runs next
         # until then a role no worker has registered for may be one whose workers served an earlier
         # router and are registering anew (within ~50 ms of its start): requests wait for them
         self.rejoin_until = 0.0
@@ -195,7 +187,7 @@ class Router(WorkerMessages):
                 self.api_servers = ApiServers(cfg.api_server_count, address, cfg.model, cfg.host,
                                               cfg.http_port, cfg.max_queue, cfg.max_message_bytes, cfg.api_key,
                                               self.prompts.context, cfg.allowed_origins, cfg.served_model_names,
-                                              cfg.parsers, on_exit=self._client_gone, access_log=cfg.log_requests,
+                                              cfg.parsers, on_exit=self.clients.gone, access_log=cfg.log_requests,
                                               sampling_defaults=self.prompts.defaults)
         elif cfg.http_port is not None:
             from router.http import HttpFront, LocalBackend  # aiohttp is imported only where HTTP is served
@@ -222,39 +214,18 @@ class Router(WorkerMessages):
                 log.warning("dropped %s to %r: %s", type(msg).__name__, to, e)
             return False
 
-    def _client_gone(self, client: bytes, dropped=None):
-        """A ZeroMQ client that can no longer be reached (its socket closed, its process died: an
-        SDK client, an API server) has its requests cancelled, since nobody would read their
-        tokens: on the loop's next turn, outside the handler that found it gone (a done() replying,
-        a worker's batch); until then what is sent to it goes nowhere. dropped: the message a send
-        of which found it gone (None: an API server's process exited)."""
-        if client not in self._gone:
-            self._gone.add(client)
-            asyncio.get_running_loop().call_soon(self._cancel_gone, client, dropped)
-
-    def _client_stalled(self, client: bytes):
-        """A ZeroMQ client that took nothing for SEND_WAIT_S with its queue full (common/channel.py:
-        _post_to): its requests end with UNAVAILABLE, after what waits for it, which it reads if it
-        reads again (an API server then fails its HTTP requests), and their work stops: what waits
-        for it grows no more."""
-        reqs = self._requests_of(client)
-        for req in reqs:
-            self._cancel_work(req)
-            self.error(req, "UNAVAILABLE", f"the router stopped this request: its client read nothing for "
-                                           f"{self.frontend.send_wait_s:.0f} s", logged=False)
-        if reqs:
-            self.request_log.client_stalled(client, reqs, self.frontend.send_wait_s)
-
-    def _requests_of(self, client: bytes) -> list[Request]:
+    def requests_of(self, client: bytes) -> list[Request]:
         return [self.requests[rid] for (c, _), rid in self.by_client.items() if c == client]
 
-    def _cancel_gone(self, client: bytes, dropped=None):
-        reqs = self._requests_of(client)
-        for req in reqs:  # their replies go nowhere: _to_client skips a client in _gone
-            self.cancel(client, req.client_request_id)
-        self._gone.discard(client)
-        if reqs or dropped is not None:
-            self.request_log.client_gone(client, reqs, dropped)
+    def status(self, ask_id: str | None = None) -> P.StatusReply:
+        """What `pdserve status` and the SDK's status() show."""
+        now = time.monotonic()
+        workers = [w.describe(now) for w in sorted(self.registry.workers.values(), key=lambda w: w.worker_id)]
+        queued = sum(r.state == "queued" for r in self.requests.values())
+        serving, missing = self.serving()
+        return P.StatusReply(workers, queued, len(self.requests) - queued, self.prompts.context, missing,
+                             self.cfg.model, ask_id, self.cfg.policy, self.cfg.kv_events, len(serving),
+                             self.stopping is not None)
 
     def reply(self, req: Request, msg):
         req.reply_to(msg)
@@ -297,7 +268,7 @@ class Router(WorkerMessages):
                 await self.http.start()
         if self.api_servers is not None:
             await self.api_servers.start()
-        tasks = [asyncio.ensure_future(t) for t in (self._frontend_loop(), self._backend_loop(), self._monitor_loop())]
+        tasks = [asyncio.ensure_future(t) for t in (self.clients.serve(), self._backend_loop(), self._monitor_loop())]
         where = f"clients at {self.frontend.address}, workers at {self.backend.address}"
         if self.http is not None:
             where += f", HTTP at {self.http.url}"
@@ -329,60 +300,7 @@ class Router(WorkerMessages):
             self.backend.close(STOP_LINGER_MS)
             close_context(self.ctx)
 
-    # ------------------------------------------------------------------ clients
-
-    async def _frontend_loop(self):
-        while True:
-            env = await self.frontend.arecv()
-            try:
-                self.on_client(env)
-            except Exception as e:  # a fault of ours; the client must still hear, or it waits for good
-                log.exception("client message handling failed")
-                if isinstance(env.msg, P.Generate):
-                    self._send(self.frontend, P.Error(env.msg.request_id, "INTERNAL", f"{type(e).__name__}: {e}"),
-                               env.sender)
-
-    def on_client(self, env: Envelope):
-        if env.error is not None:
-            log.info("refused a client message: %s", env.error)
-            self._send(self.frontend, P.Error(env.error.request_id, env.error.code, str(env.error)), env.sender)
-            return
-        msg = env.msg
-        if isinstance(msg, P.Generate):
-            self.admit(env.sender, msg)
-        elif isinstance(msg, P.Cancel):
-            self.cancel(env.sender, msg.request_id)
-        elif isinstance(msg, P.StatusRequest):
-            now = time.monotonic()
-            workers = [w.describe(now) for w in sorted(self.registry.workers.values(), key=lambda w: w.worker_id)]
-            queued = sum(r.state == "queued" for r in self.requests.values())
-            serving, missing = self.serving()
-            self._send(self.frontend, P.StatusReply(workers, queued, len(self.requests) - queued, self.prompts.context,
-                                                    missing, self.cfg.model, msg.ask_id, self.cfg.policy,
-                                                    self.cfg.kv_events, len(serving), self.stopping is not None),
-                       env.sender)
-        elif isinstance(msg, P.MetricsRequest):
-            self._send(self.frontend, P.MetricsReply(self.metrics.render(), msg.ask_id), env.sender)
-        elif isinstance(msg, P.Rejected):
-            if msg.code in P.REJECT_CODES:  # a label per code: not one per string a client can make up
-                self.metrics.on_error(msg.code)
-        else:
-            self._send(self.frontend, P.Error(None, "INVALID_ARGUMENT",
-                                              f"{type(msg).__name__} is not a client message: {CLIENT_PORT}"),
-                       env.sender)
-
-    def admit(self, client: bytes, msg: P.Generate):
-        """A Generate from a ZeroMQ client."""
-        received = time.monotonic()
-        try:
-            ids, params = self.prompts.validate(msg.prompt, msg.messages, msg.sampling,
-                                                add_special_tokens=msg.add_special_tokens)
-        except InvalidArgument as e:
-            self.metrics.on_error(e.code)
-            self.request_log.refused(client, msg.request_id, e.code, str(e))
-            return self._send(self.frontend, P.Error(msg.request_id, e.code, str(e)), client)
-        self.submit(client, msg.request_id, ids, params, msg.stream, received=received,
-                    reply_to=functools.partial(self._reply_zmq, client, msg.token_batches))
+    # ------------------------------------------------------------------ requests
 
     def submit(self, client, client_request_id: str, ids: list[int], params: SamplingParams, stream: bool,
                reply_to: Callable[[object], None] | None = None, received: float | None = None) -> bool:
@@ -390,7 +308,7 @@ class Router(WorkerMessages):
         Error) go to reply_to, in-process (the HTTP front), or else back to the ZeroMQ identity
         client. False if refused (the Error went to reply_to too)."""
         received = received or time.monotonic()
-        reply_to = reply_to or functools.partial(self._reply_zmq, client, False)
+        reply_to = reply_to or self.clients.reply_to(client, False)
 
         def refuse(code, text):
             reply_to(P.Error(client_request_id, code, text))
@@ -403,7 +321,7 @@ class Router(WorkerMessages):
             return refuse("UNAVAILABLE", self.stopping.refusal())
         if (client, client_request_id) in self.by_client:
             return refuse("INVALID_ARGUMENT", f"request_id={client_request_id!r} is already in flight")
-        if self.frontend.stalled(client):  # its requests were stopped (_client_stalled): so is each new one
+        if self.clients.stalled(client):
             return refuse("UNAVAILABLE", f"this client has read nothing for {self.frontend.send_wait_s:.0f} s: "
                                          "what the router sent it waits; read it, then send again")
         if len(self.requests) >= self.cfg.max_queue:
@@ -429,31 +347,6 @@ class Router(WorkerMessages):
         if req.dispatched_at is not None:
             req.router_s += time.monotonic() - received
         return True
-
-    def _reply_zmq(self, client: bytes, batches: bool, msg):
-        """To a ZeroMQ client. If it reads TokenBatch, a Token waits for the rest of its worker's
-        batch (_held); anything else to the client sends what waits first, so each stream stays
-        in order."""
-        held = self._held
-        if held is not None:
-            if batches and type(msg) is P.Token and msg.prompt_logprobs is None:  # those are big: alone
-                held.setdefault(client, []).append(msg)
-                return
-            if client in held and not self._send_held(client, held.pop(client)):
-                return
-        self._to_client(client, msg)
-
-    def _send_held(self, client: bytes, tokens: list[P.Token]) -> bool:
-        return self._to_client(client, tokens[0] if len(tokens) == 1 else P.batch_tokens(tokens))
-
-    def _to_client(self, client: bytes, msg) -> bool:
-        """Send to a ZeroMQ client, unless it is gone; one found gone has its requests cancelled."""
-        if client in self._gone:
-            return False
-        if self._send(self.frontend, msg, client, quiet=True):  # _cancel_gone says it
-            return True
-        self._client_gone(client, msg)
-        return False
 
     def cancel(self, client, client_request_id: str):
         rid = self.by_client.get((client, client_request_id))
@@ -573,18 +466,7 @@ class Router(WorkerMessages):
         for req in list(self.requests.values()):
             if req.state == "queued":
                 self.dispatch(req)
-        if now >= self._next_probe:
-            self._next_probe = now + CLIENT_PROBE_S
-            self._probe_clients()
-
-    def _probe_clients(self):
-        """Find ZeroMQ clients gone while their requests send them nothing: not streamed, or
-        streamed but still queued or prefilling (a stream's tokens find a gone client themselves,
-        once they flow)."""
-        waiting = {req.client for req in self.requests.values()
-                   if isinstance(req.client, bytes) and (not req.stream or not req.tokens)}
-        for client in waiting:
-            self._to_client(client, P.Probe())
+        self.clients.probe(now)
 
     # ------------------------------------------------------------------ text and timings
 

@@ -82,17 +82,12 @@ class WorkerMessages:
         elif isinstance(msg, P.WorkerTokens):
             self.on_tokens(w, msg)
         elif isinstance(msg, P.WorkerTokenBatch):
-            self._held = {}
-            try:
+            with self.clients.batched():
                 for item in P.unbatch_tokens(msg):
                     if isinstance(item, P.ProtocolError):
                         log.warning("dropped a bad item of %s's tokens: %s", w.worker_id, item)
                     else:
                         self.on_tokens(w, item)
-            finally:
-                held, self._held = self._held, None
-                for client, tokens in held.items():
-                    self._send_held(client, tokens)
         elif isinstance(msg, P.WorkerError):
             self.on_worker_error(w, msg)
         elif isinstance(msg, P.Holding):

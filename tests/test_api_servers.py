@@ -109,8 +109,8 @@ def test_an_sdk_client_reads_past_probes():
         async with serving_router() as (router, connect):
             worker = await scripted_worker(router, connect, "mono-0")
             probes = []
-            send = router._to_client
-            router._to_client = lambda client, msg: (probes.append(msg) if isinstance(msg, P.Probe) else None,
+            send = router.clients.send
+            router.clients.send = lambda client, msg: (probes.append(msg) if isinstance(msg, P.Probe) else None,
                                                      send(client, msg))[1]
             client = await asyncio.to_thread(Client, router.frontend.address, 10)
             try:
@@ -135,7 +135,7 @@ def test_a_gone_client_s_request_that_ends_is_counted_once():
     it would find the client gone first.)"""
     async def scenario():
         async with serving_router() as (router, connect):
-            router._next_probe = float("inf")
+            router.clients._next_probe = float("inf")
             worker, work = await gone_client_s_work(router, connect, 1, stream=True)
             await asyncio.sleep(0.3)  # the router's socket drops the peer
             await worker.send(P.WorkerTokens(work.request_id, work.attempt, 0, [5], "length"))

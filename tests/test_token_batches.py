@@ -87,15 +87,17 @@ def test_a_token_with_prompt_logprobs_goes_alone_after_what_was_held():
         async with serving_router() as (router, connect):
             sent = []
             router._send = lambda chan, msg, to, quiet=False: sent.append((to, msg)) or True  # sent
-            router._held = {}
-            router._reply_zmq(b"c", True, P.Token("a", 0, [1]))
-            router._reply_zmq(b"c", True, P.Token("b", 0, [2], prompt_logprobs=[None, [-0.5, [3], [-0.5]]]))
-            router._reply_zmq(b"c", True, P.Token("a", 1, [4]))
-            return sent, router._held
+            reply = router.clients.reply_to(b"c", True)
+            with router.clients.batched():
+                reply(P.Token("a", 0, [1]))
+                reply(P.Token("b", 0, [2], prompt_logprobs=[None, [-0.5, [3], [-0.5]]]))
+                reply(P.Token("a", 1, [4]))
+                held = sent[:]  # what went before the batch's end
+            return held, sent[len(held):]
 
-    sent, held = asyncio.run(scenario())
+    sent, at_end = asyncio.run(scenario())
     assert [(m.request_id, m.index) for _, m in sent] == [("a", 0), ("b", 0)]  # what was held, then "b" alone
-    assert all(type(m) is P.Token for _, m in sent) and [(m.request_id, m.index) for m in held[b"c"]] == [("a", 1)]
+    assert all(type(m) is P.Token for _, m in sent) and [(m.request_id, m.index) for _, m in at_end] == [("a", 1)]
 
 
 def test_a_bad_item_of_a_token_batch_leaves_the_others_to_the_client():
