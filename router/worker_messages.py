@@ -3,7 +3,9 @@ model, dtype or KV layout is refused, a live worker's id is not taken twice), he
 pulses that beat for a long step, the tokens of each attempt put in order and sent on, a worker
 that holds a request, one that is leaving (a planned stop) or is lost, and the errors workers
 report. Router (router/server.py) has these methods from WorkerMessages; the state they act on
-is its own."""
+is its own: its registry, placement, requests, backend socket (the worker port), clients (the
+client port, router/zmq_front.py), prompts, metrics and cfg, and its request methods (reply,
+done, error, retry, _cancel_work)."""
 
 from __future__ import annotations
 
