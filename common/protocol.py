@@ -24,6 +24,7 @@ from common.text import LONE_SURROGATE
 
 PROTOCOL_VERSION = 1
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 2**20  # header frames; KV frames are capped separately
+MAX_MAP_LEN = 4096  # entries of one map in a message: decode refuses more
 KV_TRANSPORTS = ("auto", "zmq", "shm", "gloo", "cuda_ipc", "nccl")  # KVTransfer.transport: common/kv_transport/
 ATTENTION_BACKENDS = ("auto", "sdpa", "triton", "flex")  # common/attention/; here so the CLI need not import torch
 
@@ -404,10 +405,34 @@ def encode(msg) -> bytes:
         return msgpack.packb(body, use_bin_type=True)
     except UnicodeEncodeError:  # Python strings may hold a lone surrogate ('\ud800'); UTF-8 may not
         raise InvalidArgument(f"a string of this {type(msg).__name__} holds {LONE_SURROGATE}") from None
-    except (OverflowError, TypeError) as e:  # an SDK caller's [2**70], or an object msgpack cannot carry
+    except (OverflowError, TypeError, ValueError) as e:  # [2**70], an object msgpack cannot carry, deep nesting
         raise InvalidArgument(f"this {type(msg).__name__} holds a value that cannot be sent ({e}); allowed: "
                               "text, bytes, booleans, None, integers within 64 bits, floats, and lists and maps of them"
                               ) from None
+
+
+def check_maps(value, name: str, param: str | None = None) -> None:
+    """What decode would refuse in data a caller gives (a request's sampling options, a chat's
+    messages, a JSON schema), refused by name before it is sent: a map key that is not text, a map
+    of over MAX_MAP_LEN entries. Sent, the whole message is refused, and a schema that reached the
+    workers so was dropped by each in turn until the request's attempts ran out."""
+    stack, seen = [value], set()
+    while stack:
+        v = stack.pop()
+        if isinstance(v, (dict, list, tuple)):
+            if id(v) in seen:  # (a list that holds itself: msgpack refuses it as nested too deep)
+                continue
+            seen.add(id(v))
+        if isinstance(v, dict):
+            if len(v) > MAX_MAP_LEN:
+                raise InvalidArgument(f"{name} holds a map of {len(v)} entries; allowed: at most {MAX_MAP_LEN}",
+                                      param=param or name)
+            key = next((k for k in v if not isinstance(k, str)), None)
+            if key is not None:
+                raise InvalidArgument(f"{name} holds a map key {_short(key)}; allowed: text keys", param=param or name)
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
 
 
 PEEK_BYTES = 4096  # of a message over the limit, read for the request id it begins with
@@ -435,9 +460,11 @@ def decode(buf: bytes | memoryview, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
     try:
         body = msgpack.unpackb(buf, raw=False, strict_map_key=True,
                                max_str_len=max_bytes, max_bin_len=max_bytes,
-                               max_array_len=max_bytes // 2, max_map_len=4096)
+                               max_array_len=max_bytes // 2, max_map_len=MAX_MAP_LEN)
     except Exception as e:  # msgpack raises several unrelated types for bad input
-        raise ProtocolError(f"message is not valid msgpack ({type(e).__name__}: {e})") from None
+        error = ProtocolError(f"message is not valid msgpack ({type(e).__name__}: {e})")
+        error.request_id = _first_request_id(buf)  # a Generate's: it fails at once, not at its timeout
+        raise error from None
     if not isinstance(body, dict):
         raise ProtocolError(f"message must be a map, got {type(body).__name__}")
     version = body.pop("v", None)

@@ -26,6 +26,7 @@ import threading
 from collections import OrderedDict
 
 from common.errors import InvalidArgument, short_repr
+from common.protocol import check_maps
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 ALLOWED = ("a map with exactly one of: json (a JSON schema, as an object or its text), json_object (true: any "
@@ -131,6 +132,7 @@ def _checked(kind: str, value, name: str, field: str) -> Checked:
     size = len(json.dumps(value, ensure_ascii=False).encode())
     if size > MAX_SPEC_BYTES:
         raise InvalidArgument(f"{field} is {size} bytes as JSON; allowed: at most {MAX_SPEC_BYTES}", param=name)
+    check_maps(value, field, name)  # (its workers would refuse the message that carries it)
     spec = Checked({kind: value})
     error = _llguidance().LLMatcher.validate_grammar(grammar(spec, name, field))
     if error:

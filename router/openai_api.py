@@ -246,7 +246,7 @@ def _job(body: dict, served_model: Served, chat: bool, prompts: list, messages: 
     options = _get(body, "stream_options", (lambda v: isinstance(v, dict), "an object"))
     include_usage = continuous_usage = False
     if options is not None:
-        if not stream:
+        if not stream and options:  # (an empty one asks nothing: vLLM takes it with stream=false)
             raise InvalidArgument(f"stream_options={short_repr(options)} with stream=false; allowed: "
                                   "stream_options only with stream=true", param="stream_options")
         try:

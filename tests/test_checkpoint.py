@@ -2,6 +2,7 @@
 
 import json
 
+import msgpack
 import pytest
 import torch
 
@@ -237,6 +238,24 @@ def test_text_with_a_lone_surrogate_or_a_value_msgpack_cannot_carry_is_refused_b
     for prompt, sampling in (([1, 2**70], {}), ("a", {"temperature": 2**70}), ("a", {"stop": [object()]})):
         with pytest.raises(InvalidArgument, match="this Generate holds a value that cannot be sent"):
             P.encode(generate_message("r", prompt, None, sampling, True))
+    deep = []
+    for _ in range(3000):
+        deep = [deep]
+    with pytest.raises(InvalidArgument, match="this Generate holds a value that cannot be sent"):  # was msgpack's
+        P.encode(generate_message("r", "a", None, {"stop": deep}, True))  # own ValueError
+    # what the router refused whole, naming no request (its caller waited out its timeout): by name, unsent
+    for messages, sampling, text in ((None, {"temperature": {1: 2}}, "temperature holds a map key 1; allowed: text"),
+                                     ([{"role": "user", "content": "hi", **{f"k{i}": "" for i in range(5000)}}], {},
+                                      "messages holds a map of 5002 entries; allowed: at most 4096")):
+        with pytest.raises(InvalidArgument, match=text):
+            generate_message("r", "a" if messages is None else None, messages, sampling, True)
+    # and from a client that does not check: refused under the request's own id, at once
+    for bad in ({1: 2}, {f"k{i}": 0 for i in range(5000)}):
+        buf = msgpack.packb({"request_id": "r7", "prompt": "a", "sampling": {"temperature": bad},
+                             "v": P.PROTOCOL_VERSION, "type": "Generate"})
+        with pytest.raises(P.ProtocolError, match="not valid msgpack") as e:
+            P.decode(buf)
+        assert e.value.request_id == "r7"
 
 
 def test_a_fine_tune_with_the_base_models_config_has_its_own_fingerprint(tmp_path, llama_dir):
@@ -252,3 +271,16 @@ def test_a_fine_tune_with_the_base_models_config_has_its_own_fingerprint(tmp_pat
     base = hf_model_config(llama_dir).fingerprint
     assert hf_model_config(shutil.copytree(llama_dir, tmp_path / "copy")).fingerprint == base
     assert hf_model_config(tuned).fingerprint != base
+
+
+def test_a_long_text_tokenizes_as_a_short_one_does(llama_dir):
+    """Past LONG_TEXT_CHARS the tokenizer's encode_batch runs (it lets go of the GIL, for the
+    event loop beside a /tokenize of megabytes): the same ids as encode's."""
+    from common.model_spec import load_tokenizer
+    from common.tokenizer import LONG_TEXT_CHARS
+
+    tok = load_tokenizer(str(llama_dir))
+    text = "Hello world, 12345 héllo " * (LONG_TEXT_CHARS // 10)
+    assert len(text) > LONG_TEXT_CHARS
+    for special in (True, False):
+        assert tok.encode(text, add_special_tokens=special) == tok.backend.encode(text, add_special_tokens=special).ids

@@ -101,6 +101,7 @@ def test_vllms_add_special_tokens_and_continuous_usage_stats_are_taken_either_wa
                            MODEL)
     assert not off.include_usage and not off.continuous_usage
     assert not parse_completion(streamed, MODEL).include_usage  # no stream_options: none, as OpenAI's
+    assert not parse_completion({"prompt": "x", "stream_options": {}}, MODEL).stream  # asks nothing: taken, as vLLM
 
 
 def test_penalties_bias_and_min_p_reach_the_sampling():

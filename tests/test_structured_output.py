@@ -97,7 +97,10 @@ def test_bad_specs_are_refused_by_name_and_the_engine_serves_on(engine):
                        # once an HTTP 500 and, over ZeroMQ, no answer at all
                        ({"json": "[" * 5000 + "]" * 5000}, "allowed: nesting at most a few hundred levels deep"),
                        ({"choice": ["\ud800"]}, "allowed: text without lone surrogates"),
-                       ({"json": {"type": "integer", "minimum": 10**30}}, "allowed: numbers that fit 64 bits")]:
+                       ({"json": {"type": "integer", "minimum": 10**30}}, "allowed: numbers that fit 64 bits"),
+                       # under 64 KiB, but its message to a worker was refused there, 3 times over 180 s
+                       ({"json": {"type": "object", "properties": {str(i): {} for i in range(4200)}}},
+                        "structured_outputs.json holds a map of 4200 entries; allowed: at most 4096")]:
         with pytest.raises(InvalidArgument, match=re.escape(text)) as e:
             SamplingParams.from_dict({"structured_outputs": spec})
         assert e.value.param == "structured_outputs" and len(str(e.value)) < 600  # no spec quoted whole
