@@ -155,7 +155,8 @@ def grammar(spec: dict, name: str = "structured_outputs", field: str = "structur
     try:
         return llg.grammar_from("grammar", value)  # Lark, or GBNF converted to it
     except ValueError as e:
-        raise InvalidArgument(f"{field} does not compile: {first_lines(str(e))}", param=name) from None
+        raise InvalidArgument(f"{field} does not compile: {first_lines(str(e))}; allowed: a Lark or GBNF grammar",
+                              param=name) from None
 
 
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")

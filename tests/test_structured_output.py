@@ -89,6 +89,8 @@ def test_bad_specs_are_refused_by_name_and_the_engine_serves_on(engine):
                        ({"choice": []}, "a non-empty list of non-empty strings"),
                        ({"json": {"type": "bogus"}}, "Invalid type: bogus"),
                        ({"regex": "a", "choice": ["b"]}, "2 kinds given"),
+                       ({"grammar": "x"}, "structured_outputs.grammar does not compile: Failed to convert the grammar "
+                                          "from GBNF to Lark: Expected ::= at line 1, 'x' ^ ''; allowed: a Lark or GBNF"),
                        ({"json_schema": {}}, "unknown key 'json_schema'"),
                        ("{}", "allowed: a map with exactly one of"),
                        ({"regex": "(" * 2000 + "a" + ")" * 2000}, "structured_outputs.regex does not compile"),
