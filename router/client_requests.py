@@ -71,14 +71,14 @@ def generate_message(request_id: str, prompt, messages, sampling: dict, stream: 
         raise InvalidArgument(f"prompt={short_repr(prompt)} with messages={short_repr(messages)} is invalid; allowed: "
                               "exactly one of prompt (text or token ids) or messages (chat)", param="prompt")
     sampling = dict(sampling)
-    for name, value in sampling.items():  # (the router would refuse the whole message, naming none)
-        P.check_maps(value, name)
-    if messages is not None:
-        P.check_maps(messages, "messages")
     special = sampling.pop("add_special_tokens", None)  # the prompt's, not the sampling's
     bias = sampling.get("logit_bias")
     if isinstance(bias, dict):  # the protocol's maps take string keys only: [token, bias] pairs
         sampling["logit_bias"] = [[t, b] for t, b in bias.items()]
+    for name, value in sampling.items():  # (else the router refuses the whole message, naming no field)
+        P.check_maps(value, name)
+    if messages is not None:
+        P.check_maps(messages, "messages")
     return P.Generate(request_id, "" if prompt is None else prompt, sampling, stream, messages, token_batches=True,
                       add_special_tokens=special)
 
