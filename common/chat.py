@@ -25,7 +25,7 @@ import datetime
 import functools
 import json
 
-from common.errors import InvalidArgument, ModelLoadError, short_repr as _short
+from common.errors import InvalidArgument, ModelLoadError, nested, short_repr as _short
 
 DUMMY_CHAT_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endfor %}"
@@ -149,14 +149,9 @@ def _arguments_parsed(call, name: str):
 
 
 def _check_data(value, name: str) -> None:
-    stack = [value]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, dict) and all(isinstance(key, str) for key in v):
-            stack.extend(v.values())
-        elif isinstance(v, list):
-            stack.extend(v)
-        elif not (v is None or isinstance(v, (str, int, float))):
+    for v in nested(value):
+        if not (v is None or isinstance(v, (str, int, float, list))
+                or isinstance(v, dict) and all(isinstance(key, str) for key in v)):
             raise InvalidArgument(f"{name}={_short(value)} is invalid; allowed: JSON data (strings, numbers, "
                                   "booleans, null, lists, objects with string keys)")
 

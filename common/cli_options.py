@@ -143,6 +143,8 @@ def default_worker_port(port: int, worker_port: int | None) -> int:
     if port == 65535:
         raise click.UsageError("--port 65535 leaves no port + 1 for the workers; give --worker-port")
     return port + 1 if port else 0
+
+
 METRICS_PREFIXES = ("pdserve", "vllm")
 ROUTER_OPTIONS = [  # (flag, default, type, help): the router's limits and placement, on `router` and `launch` alike
     ("--max-queue", 1024, Integers(min=1), "requests held at once; more are OVERLOADED"),

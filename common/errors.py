@@ -55,6 +55,24 @@ def short_repr(value, limit: int = 60) -> str:
     return r if len(r) <= limit else r[:limit - 3] + "..."
 
 
+def nested(value):
+    """value and each value inside its maps, lists and tuples, depth first, each container before
+    what it holds (a check that raises on one looks no deeper); one met again (a list that holds
+    itself) is not walked twice. For the checks of a caller's data that name what is wrong."""
+    stack, seen = [value], set()
+    while stack:
+        v = stack.pop()
+        if isinstance(v, (dict, list, tuple)):
+            if id(v) in seen:
+                continue
+            seen.add(id(v))
+        yield v
+        if isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+
+
 @contextlib.contextmanager
 def port_free(host: str, port: int, flag: str):
     """Binding within turns "address in use" (a socket's OSError, ZeroMQ's ZMQError alike) into

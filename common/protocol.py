@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import msgpack
 
-from common.errors import InvalidArgument, PdserveError, short_repr as _short
+from common.errors import InvalidArgument, PdserveError, nested, short_repr as _short
 from common.text import LONE_SURROGATE
 
 PROTOCOL_VERSION = 1
@@ -416,13 +416,7 @@ def check_maps(value, name: str, param: str | None = None) -> None:
     messages, a JSON schema), refused by name before it is sent: a map key that is not text, a map
     of over MAX_MAP_LEN entries. Sent, the whole message is refused, and a schema that reached the
     workers so was dropped by each in turn until the request's attempts ran out."""
-    stack, seen = [value], set()
-    while stack:
-        v = stack.pop()
-        if isinstance(v, (dict, list, tuple)):
-            if id(v) in seen:  # (a list that holds itself: msgpack refuses it as nested too deep)
-                continue
-            seen.add(id(v))
+    for v in nested(value):
         if isinstance(v, dict):
             if len(v) > MAX_MAP_LEN:
                 raise InvalidArgument(f"{name} holds a map of {len(v)} entries; allowed: at most {MAX_MAP_LEN}",
@@ -430,9 +424,6 @@ def check_maps(value, name: str, param: str | None = None) -> None:
             key = next((k for k in v if not isinstance(k, str)), None)
             if key is not None:
                 raise InvalidArgument(f"{name} holds a map key {_short(key)}; allowed: text keys", param=param or name)
-            stack.extend(v.values())
-        elif isinstance(v, (list, tuple)):
-            stack.extend(v)
 
 
 PEEK_BYTES = 4096  # of a message over the limit, read for the request id it begins with

@@ -172,7 +172,7 @@ class AsyncClient(InFlight):
             queue = self._replies[key]
             if not queue.empty():
                 return self._read_out(key, queue.get_nowait())
-            self._expired(key, since, deadline)
+            self._expired(since, key, deadline)
             try:
                 msg = await asyncio.wait_for(queue.get(), until(deadline.at, self.connection.give_up_at(since)))
             except asyncio.TimeoutError:

@@ -188,7 +188,7 @@ class Client(InFlight):
         if not self._replies[key]:
             self._take_events()  # what the monitor holds, before deciding anything; later, as the poll finds it
         while not self._replies[key]:
-            self._expired(key, since, deadline)
+            self._expired(since, key, deadline)
             wait = until(deadline.at, self.connection.give_up_at(since))
             ready = dict(self._poller.poll(None if wait is None else max(1, int(wait * 1000) + 1)))
             if self.connection.monitor in ready:

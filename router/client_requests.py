@@ -264,24 +264,24 @@ class InFlight:
         self._open -= lost
 
     def _sending(self, since: float, key: str, deadline: Deadline | None) -> None:
-        """Between a send's tries (the socket cannot take it yet): UNAVAILABLE, as a read would
-        fail, once the router has been away too long; TIMEOUT at the call's deadline."""
-        error = self.connection.unreachable(self.address, since, key)
-        if error is not None:
+        """Between a send's tries (the socket cannot take it yet): why it gives up, if it does."""
+        if (error := self._given_up(since, key, deadline)) is not None:
             raise error
-        if deadline is not None and deadline.passed():
-            raise deadline.error(key, type(self).__name__)
 
-    def _expired(self, key: str, since: float, deadline: Deadline) -> None:
-        """While a read waits: UNAVAILABLE after CONNECT_TIMEOUT_S of this call with no connection to
-        the router, TIMEOUT at the call's deadline; either way the request, queued for a router that
-        may yet come, is cancelled."""
-        error = self.connection.unreachable(self.address, since, key)
-        if error is None and deadline.passed():
-            error = deadline.error(key, type(self).__name__)
-        if error is not None:
+    def _expired(self, since: float, key: str, deadline: Deadline) -> None:
+        """While a read waits: why it gives up, if it does; the request, queued for a router that
+        may yet come, is then cancelled."""
+        if (error := self._given_up(since, key, deadline)) is not None:
             self._abandon(key)
             raise error
+
+    def _given_up(self, since: float, key: str, deadline: Deadline | None) -> RequestError | None:
+        """UNAVAILABLE after CONNECT_TIMEOUT_S of a call (since) with no connection to the router;
+        TIMEOUT at the call's deadline."""
+        error = self.connection.unreachable(self.address, since, key)
+        if error is None and deadline is not None and deadline.passed():
+            error = deadline.error(key, type(self).__name__)
+        return error
 
     def _read_out(self, key: str, msg):
         """A message read for `key`: at its end (Done or Error) the request is forgotten, and an

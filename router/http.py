@@ -350,12 +350,13 @@ class HttpFront:
         backend, prompts = self.backend, self.backend.prompts
         try:
             # the client's X-Request-Id, or one of ours: in the response's id and header, and the router's log
+            # (the body's request_id, vLLM's, if no header: a body that fails to parse is logged by ours)
             given = given_request_id(request)
             request[REQUEST_ID] = given or uuid.uuid4().hex
             body = await _json(request, self.max_body_bytes)
-            given = given or body_request_id(body)
+            if given is None and (given := body_request_id(body)) is not None:
+                request[REQUEST_ID] = given
             base = f"{given}-{uuid.uuid4().hex[:8]}" if given else request[REQUEST_ID]  # unique if the client's repeat
-            request[REQUEST_ID] = given or base
             # off the event loop: tokenizing megabytes of text, or compiling a structured output's
             # grammar, would stall every stream (and, in the router's own process, its reading of
             # workers' heartbeats)

@@ -63,7 +63,7 @@ class RouterMetrics:
         self.registry = CollectorRegistry()
         model = served_names(router.cfg.served_model_names, router.cfg.model)[0]  # as the HTTP API names it
         reg = dict(registry=self.registry)
-        self.prefix = prefix = router.cfg.metrics_prefix
+        prefix = router.cfg.metrics_prefix
 
         def histogram(name, doc, buckets):
             return Histogram(f"{prefix}:{name}", doc, ["model_name"], buckets=buckets, **reg).labels(model)

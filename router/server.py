@@ -321,9 +321,8 @@ class Router(WorkerMessages):
             return refuse("UNAVAILABLE", self.stopping.refusal())
         if (client, client_request_id) in self.by_client:
             return refuse("INVALID_ARGUMENT", f"request_id={client_request_id!r} is already in flight")
-        if self.clients.stalled(client):
-            return refuse("UNAVAILABLE", f"this client has read nothing for {self.frontend.send_wait_s:.0f} s: "
-                                         "what the router sent it waits; read it, then send again")
+        if (stalled := self.clients.stalled(client)) is not None:
+            return refuse("UNAVAILABLE", stalled)
         if len(self.requests) >= self.cfg.max_queue:
             return refuse("OVERLOADED", f"the router holds {len(self.requests)} requests, its limit "
                                         f"(max_queue={self.cfg.max_queue}); retry later")

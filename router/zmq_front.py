@@ -128,9 +128,13 @@ class ZmqFront:
         self.gone(client, msg)
         return False
 
-    def stalled(self, client: bytes) -> bool:
-        """It reads nothing, and the router stopped its requests: each new one is refused too."""
-        return self.chan.stalled(client)
+    def stalled(self, client: bytes) -> str | None:
+        """Why a new request of this client is refused, if it reads nothing and the router stopped
+        its requests (each new one would only wait with them)."""
+        if not self.chan.stalled(client):
+            return None
+        return (f"this client has read nothing for {self.chan.send_wait_s:.0f} s: what the router sent it waits; "
+                "read it, then send again")
 
     def gone(self, client: bytes, dropped=None):
         """A client that can no longer be reached has its requests cancelled: on the loop's next
