@@ -24,6 +24,7 @@ from __future__ import annotations
 import datetime
 import functools
 import json
+from dataclasses import dataclass
 
 from common.errors import InvalidArgument, ModelLoadError, nested, short_repr as _short
 
@@ -34,6 +35,7 @@ DUMMY_CHAT_TEMPLATE = (
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 MAX_MESSAGES = 4096
 _TEXT_PARTS = ("text", "refusal")  # a content part's type, and the key that holds its text
+CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' mark of where the last message's content ends
 
 
 class ChatTemplate:
@@ -51,19 +53,52 @@ class ChatTemplate:
         except TemplateError as e:
             raise ModelLoadError(f"{origin}: not a valid Jinja template ({e})") from e
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, continue_final_message: bool = False,
+               **extra) -> str:
         """messages (checked by check_messages) to the prompt text, with the variables transformers'
-        apply_chat_template defines (extra overrides the tokens); a template that fails says why."""
+        apply_chat_template defines (extra overrides the tokens); a template that fails says why.
+        continue_final_message: the prompt ends inside the last message, for the model to go on
+        with it (a prefilled answer), as transformers cuts it: after a tag put at its end."""
         messages = check_messages(messages)
+        if continue_final_message:
+            if add_generation_prompt:
+                raise InvalidArgument("continue_final_message=true with add_generation_prompt=true is invalid: the "
+                                      "prompt cannot both open a new turn and go on with the last; allowed: "
+                                      "add_generation_prompt=false with it", param="continue_final_message")
+            messages[-1] = {**messages[-1], "content": messages[-1]["content"] + CONTINUE_TAG}
         variables = {"tools": None, "documents": None, **self.tokens, **extra}
         try:
-            return self._template.render(variables, messages=messages, add_generation_prompt=add_generation_prompt)
+            text = self._template.render(variables, messages=messages, add_generation_prompt=add_generation_prompt)
         except Exception as e:  # raise_exception, or a Python error in what the template called (a TypeError...)
             raise InvalidArgument(f"messages cannot be rendered by the {self.origin}: "
                                   f"{type(e).__name__}: {e}") from e
+        return _cut_at_tag(text, self.origin) if continue_final_message else text
 
 
-TEMPLATE_OWN = ("messages", "tools", "documents", "add_generation_prompt")  # set by the request's own fields
+def _cut_at_tag(text: str, origin: str) -> str:
+    """A rendered chat cut where its last message's content ended (CONTINUE_TAG); where the
+    template strips a message's trailing space, cut before the space it left."""
+    at = text.rfind(CONTINUE_TAG.strip())
+    if at < 0:
+        raise InvalidArgument(f"continue_final_message=true cannot continue the last message: the {origin} does not "
+                              "end it with its content as given; allowed: add_generation_prompt=true",
+                              param="continue_final_message")
+    return text[:at] if text.startswith(CONTINUE_TAG, at) else text[:at].rstrip()
+
+
+TEMPLATE_OWN = ("messages", "tools", "documents", "add_generation_prompt",
+                "continue_final_message")  # set by the request's own fields
+
+
+@dataclass(frozen=True)
+class TemplateArgs:
+    """What a chat request asks of the chat template beside its messages: OpenAI's tools, vLLM's
+    chat_template_kwargs, and where the prompt ends: a new assistant turn opened
+    (add_generation_prompt) or the last message left open (continue_final_message)."""
+    tools: list[dict] | None = None
+    kwargs: dict | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 def check_template_kwargs(kwargs) -> dict | None:

@@ -58,18 +58,22 @@ class _ChatMixin:
     chat_template: ChatTemplate | None = None
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
+                    tools: list[dict] | None = None, template_kwargs: dict | None = None,
+                    continue_final_message: bool = False) -> list[int]:
         """tools: OpenAI's function tools, for a template that shows them to the model;
-        template_kwargs: more of its variables (vLLM's chat_template_kwargs: enable_thinking...)."""
-        return self.encode(self.render_chat(messages, add_generation_prompt, tools, template_kwargs),
-                           add_special_tokens=False)
+        template_kwargs: more of its variables (vLLM's chat_template_kwargs: enable_thinking...);
+        continue_final_message: the prompt ends inside the last message (ChatTemplate.render)."""
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools, template_kwargs,
+                                            continue_final_message), add_special_tokens=False)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None, template_kwargs: dict | None = None) -> str:
+                    tools: list[dict] | None = None, template_kwargs: dict | None = None,
+                    continue_final_message: bool = False) -> str:
         """The text encode_chat tokenizes (without special tokens of its own)."""
         if self.chat_template is None:
             raise InvalidArgument("this model has no chat template; send a prompt instead of messages")
-        return self.chat_template.render(messages, add_generation_prompt, **(template_kwargs or {}), tools=tools)
+        return self.chat_template.render(messages, add_generation_prompt, continue_final_message,
+                                         **(template_kwargs or {}), tools=tools)
 
     def encode_turn(self, text: str) -> list[int]:
         """text as a user's message through the chat template, or as plain text where the model has none."""

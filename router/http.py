@@ -293,9 +293,9 @@ class HttpFront:
 
     async def tokenize(self, request: web.Request) -> web.Response:
         """vLLM's /tokenize: a prompt's token ids (messages: through the chat template)."""
-        prompt, messages, special = parse_tokenize(await _json(request, self.max_body_bytes), self.names)
+        prompt, messages, template, special = parse_tokenize(await _json(request, self.max_body_bytes), self.names)
         prompts = self.backend.prompts
-        ids = await asyncio.to_thread(prompts.encode, prompt, messages, add_special_tokens=special)
+        ids = await asyncio.to_thread(prompts.encode, prompt, messages, template, add_special_tokens=special)
         head = {"count": len(ids), "max_model_len": prompts.context}
         if len(ids) <= TOKENS_PER_WRITE:
             return web.json_response(head | {"tokens": ids})
@@ -493,8 +493,7 @@ def _prepare(parse, body, prompts, max_queue: int) -> tuple[Job, list]:
         raise ApiError("INVALID_ARGUMENT", f"{len(job.prompts)} prompts x n={job.n} make {total} choices; "
                                            f"allowed: at most {max_queue} (the router's max_queue)",
                        "n" if job.n > 1 else "prompt")
-    tools = job.tools.tools if job.tools else None
-    return job, [prompts.validate(prompt, job.messages, job.params, job.max_tokens_field, tools, job.template_kwargs,
+    return job, [prompts.validate(prompt, job.messages, job.params, job.max_tokens_field, job.template,
                                   job.add_special_tokens) for prompt in job.prompts]
 
 

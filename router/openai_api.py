@@ -27,7 +27,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from common import structured_output
-from common.chat import check_template_kwargs
+from common.chat import TemplateArgs, check_template_kwargs
 from common.errors import InvalidArgument, short_repr
 from common.generation_config import with_defaults
 from common.sampling_params import MAX_LOGPROBS, SamplingParams, choice_seed
@@ -82,7 +82,6 @@ NEUTRAL = {
     "prediction": ((None,), "null"), "audio": ((None,), "null"), "web_search_options": ((None,), "null"),
     # vLLM's extensions, at what we do
     "skip_special_tokens": ((None, True), "true"), "spaces_between_special_tokens": ((None, True), "true"),
-    "add_generation_prompt": ((None, True), "true"), "continue_final_message": ((None, False), "false"),
     "echo": ((None, False), "false (in chat)"),
     # ... and those a client that fills in vLLM's whole request sends at their defaults
     "use_beam_search": ((None, False), "false"), "length_penalty": ((None, 1, 1.0), "1.0"),
@@ -94,7 +93,9 @@ NEUTRAL = {
     "vllm_xargs": ((None,), "null"), "logits_processors": ((None,), "null"), "mm_processor_kwargs": ((None,), "null"),
     "thinking_token_budget": ((None,), "null"),
 }
-CHAT_ONLY_NEUTRAL = {"add_generation_prompt", "continue_final_message", "echo"}
+CHAT_ONLY_NEUTRAL = {"echo"}
+# what a chat says of its template beside the messages (TemplateArgs)
+TEMPLATE_FIELDS = {"chat_template_kwargs", "documents", "add_generation_prompt", "continue_final_message"}
 TOOL_FIELDS = {"tools", "tool_choice", "parallel_tool_calls"}  # a completion's are neutral; a chat's: tool_calls.parse
 COMPLETION_NEUTRAL = {k: v for k, v in NEUTRAL.items() if k not in CHAT_ONLY_NEUTRAL}
 CHAT_NEUTRAL = {k: v for k, v in NEUTRAL.items() if k not in TOOL_FIELDS}
@@ -107,7 +108,7 @@ COMMON_FIELDS = {"model", "n", "stream", "stream_options", "return_tokens_as_tok
                  "request_id"}  # vLLM's, as X-Request-Id (router/http.py)
 COMPLETION_FIELDS = COMMON_FIELDS | set(COMPLETION_NEUTRAL) | {"prompt", "logprobs", "echo", "best_of"}
 CHAT_FIELDS = (COMMON_FIELDS | set(CHAT_NEUTRAL) | TOOL_FIELDS
-               | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "chat_template_kwargs", "documents"})
+               | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", *TEMPLATE_FIELDS})
 # Integer fields take a float that is an integer (2.0, as a client that computed it sends), as vLLM's
 # models do; 2.5, "2" and true stay refused
 INTEGERS = ("n", "max_tokens", "seed", "top_k", "min_tokens")
@@ -132,7 +133,7 @@ class Job:
     max_tokens_field: str | None = None  # the body's max_tokens or max_completion_tokens, if it gave one
     echo_only: bool = False  # echo with max_tokens 0: the prompt (and its logprobs) alone, as vLLM gives it
     tools: Tools | None = None  # a chat's tools: how its output is shown (Tools.message, Tools.stream)
-    template_kwargs: dict | None = None  # a chat's chat_template_kwargs: its template's own variables
+    template: TemplateArgs | None = None  # a chat's: its tools, template variables, where its prompt ends
     reasoning: ReasoningParser | None = None  # a chat's output split into reasoning_content and content
     continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: each chunk's choice's usage so far
     # vLLM's add_special_tokens: None, what each endpoint does (a prompt's text gets them, a chat's
@@ -351,29 +352,36 @@ def parse_chat(body, served_model: Served, context: int, parsers: OutputParsers 
         sampling["structured_outputs"] = structured_output.check(tools.structured_outputs(), "tools",
                                                                   "the tools' parameters (as one schema)")
     job = _job(body, served_model, True, [""], messages, sampling, False, logprobs)
+    template = _template_args(body, tools.tools if tools else None)
+    # held to JSON from its first token by response_format or a forced call (not by a grammar of its
+    # own, which may hold <think>), the output thinks not at all
+    json_only = sampling["structured_outputs"] is not None and body.get("structured_outputs") is None
+    reasoning = None if parsers.reasoning is None or json_only else REASONING_PARSERS[parsers.reasoning]
+    return dataclasses.replace(job, tools=tools, template=template, reasoning=reasoning)
+
+
+def _template_args(body: dict, tools: list[dict] | None = None) -> TemplateArgs:
+    """A chat's TemplateArgs from its body's TEMPLATE_FIELDS."""
     try:
-        template_kwargs = check_template_kwargs(body.get("chat_template_kwargs"))
+        kwargs = check_template_kwargs(body.get("chat_template_kwargs"))
     except InvalidArgument as e:
         e.param = "chat_template_kwargs"
         raise
     documents = _get(body, "documents", DOCUMENTS)  # vLLM's: for a RAG template (Command R's, Granite's)
     if documents is not None:
-        template_kwargs = {**(template_kwargs or {}), "documents": documents}
-    # held to JSON from its first token by response_format or a forced call (not by a grammar of its
-    # own, which may hold <think>), the output thinks not at all
-    json_only = sampling["structured_outputs"] is not None and body.get("structured_outputs") is None
-    reasoning = None if parsers.reasoning is None or json_only else REASONING_PARSERS[parsers.reasoning]
-    return dataclasses.replace(job, tools=tools, template_kwargs=template_kwargs, reasoning=reasoning)
+        kwargs = {**(kwargs or {}), "documents": documents}
+    return TemplateArgs(tools, kwargs, _get(body, "add_generation_prompt", BOOL, True),
+                        _get(body, "continue_final_message", BOOL, False))
 
 
 # ----------------------------------------------------------------------------- tokenize
 
 
-def parse_tokenize(body, served_model: Served) -> tuple[str | None, list | None, bool | None]:
-    """(prompt, messages, add_special_tokens) of a /tokenize body: {"prompt": text} or {"messages":
-    [...]}, and vLLM's add_special_tokens (None: as the endpoints do)."""
-    neutral = {"add_generation_prompt": NEUTRAL["add_generation_prompt"]}
-    _check_fields(body, {"model", "prompt", "messages", "add_special_tokens", *neutral}, neutral)
+def parse_tokenize(body, served_model: Served) -> tuple[str | None, list | None, TemplateArgs, bool | None]:
+    """(prompt, messages, template, add_special_tokens) of a /tokenize body: {"prompt": text} or
+    {"messages": [...]} with a chat's TEMPLATE_FIELDS, and vLLM's add_special_tokens (None: as the
+    endpoints do)."""
+    _check_fields(body, {"model", "prompt", "messages", "add_special_tokens", *TEMPLATE_FIELDS})
     requested_model(body, served_model)
     messages = body.get("messages")
     prompt = _get(body, "prompt", STRING)
@@ -382,7 +390,7 @@ def parse_tokenize(body, served_model: Served) -> tuple[str | None, list | None,
     if messages is not None and (not isinstance(messages, list) or not messages):
         raise InvalidArgument(f"messages={short_repr(messages)} is invalid; allowed: a non-empty list of "
                               '{"role": ..., "content": ...} objects', param="messages")
-    return prompt, messages, _get(body, "add_special_tokens", BOOL)
+    return prompt, messages, _template_args(body), _get(body, "add_special_tokens", BOOL)
 
 
 def parse_detokenize(body, served_model: Served, vocab_size: int) -> list[int]:

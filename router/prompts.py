@@ -4,6 +4,7 @@ HTTP requests, so both say the same thing about the same bad prompt."""
 
 from __future__ import annotations
 
+from common.chat import TemplateArgs
 from common.errors import InvalidArgument
 from common.generation_config import with_defaults
 from common.model_spec import load_tokenizer, model_config
@@ -30,13 +31,12 @@ class Prompts:
         self.context = self.model_config.served_context(max_model_len, model)
 
     def validate(self, prompt: str | list[int], messages: list[dict] | None, sampling: dict | SamplingParams,
-                 max_tokens_field: str | None = None, tools: list[dict] | None = None,
-                 template_kwargs: dict | None = None, add_special_tokens: bool | None = None
-                 ) -> tuple[list[int], SamplingParams]:
+                 max_tokens_field: str | None = None, template: TemplateArgs | None = None,
+                 add_special_tokens: bool | None = None) -> tuple[list[int], SamplingParams]:
         """A request's prompt ids and sampling, or InvalidArgument naming what is wrong. Over HTTP
         a max_tokens the body gave (its field: max_tokens_field) must fit in the context with the
         prompt, as vLLM has it; otherwise (a default, an SDK client's) the engine cuts it to fit.
-        tools and template_kwargs: a chat's, for its template; add_special_tokens: as encode's."""
+        template: a chat's, for its template; add_special_tokens: as encode's."""
         if isinstance(sampling, dict):
             sampling = with_defaults(sampling, self.defaults)
         params = sampling if isinstance(sampling, SamplingParams) else SamplingParams.from_dict(sampling)
@@ -45,8 +45,7 @@ class Prompts:
             if messages is not None and prompt:
                 raise InvalidArgument("a request with messages must have an empty prompt; send one or the other",
                                       param="prompt")
-            ids = self.encode(prompt, messages, tools, template_kwargs, within_context=True,
-                              add_special_tokens=add_special_tokens)
+            ids = self.encode(prompt, messages, template, within_context=True, add_special_tokens=add_special_tokens)
         else:
             ids = prompt
         limit = self.context
@@ -62,9 +61,8 @@ class Prompts:
                                   f"{limit - len(ids)}", param=max_tokens_field)
         return ids, params
 
-    def encode(self, text: str | None, messages: list[dict] | None, tools: list[dict] | None = None,
-               template_kwargs: dict | None = None, within_context: bool = False,
-               add_special_tokens: bool | None = None) -> list[int]:
+    def encode(self, text: str | None, messages: list[dict] | None, template: TemplateArgs | None = None,
+               within_context: bool = False, add_special_tokens: bool | None = None) -> list[int]:
         """The token ids of text, or of messages through the chat template. within_context: a
         text far past the context is refused on its head (_encode_bounded); /tokenize takes any.
         add_special_tokens (vLLM's): the tokenizer's BOS and the like; by default a text's, not a
@@ -75,7 +73,9 @@ class Prompts:
         try:
             special = messages is None if add_special_tokens is None else add_special_tokens
             if messages is not None:
-                text = self.tokenizer.render_chat(messages, tools=tools, template_kwargs=template_kwargs)
+                t = template or TemplateArgs()
+                text = self.tokenizer.render_chat(messages, t.add_generation_prompt, t.tools, t.kwargs,
+                                                  t.continue_final_message)
             if within_context:
                 return self._encode_bounded(text, special, param)
             return self.tokenizer.encode(text, add_special_tokens=special)

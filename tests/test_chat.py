@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from common.chat import DUMMY_CHAT_TEMPLATE, ChatTemplate, check_messages
+from common.chat import DUMMY_CHAT_TEMPLATE, ChatTemplate, TemplateArgs, check_messages
 from common.model_spec import load_tokenizer
 from common.errors import InvalidArgument, ModelLoadError
 from common.tokenizer import ByteTokenizer
@@ -67,6 +67,42 @@ def test_checkpoint_template_renders_and_encodes_as_transformers(checkpoint):
         expected = ref.apply_chat_template(plain, tokenize=True, add_generation_prompt=gen, return_dict=False)
         assert tok.encode_chat(CONVERSATION, add_generation_prompt=gen) == list(expected)
     assert tok.encode_chat(CONVERSATION).count(ref.bos_token_id) == 1  # the template's BOS, not a second one
+
+
+def test_continue_final_message_renders_as_transformers(checkpoint, render_both):
+    """The prompt ends where the last message's text ends, as transformers' apply_chat_template
+    cuts it: in a template that trims the content (TEMPLATE) and one that keeps it whole."""
+    from transformers import AutoTokenizer
+
+    ref = AutoTokenizer.from_pretrained(str(checkpoint))
+    tok = load_tokenizer(str(checkpoint))
+    for source in (TEMPLATE, DUMMY_CHAT_TEMPLATE):
+        template = ChatTemplate(source, **tok.chat_template.tokens)
+        for answer in ("The answer is", "The answer is ", " 4\n"):
+            conversation = [*CONVERSATION[:2], {"role": "assistant", "content": answer}]
+            want = ref.apply_chat_template(conversation, chat_template=source, tokenize=False,
+                                           add_generation_prompt=False, continue_final_message=True)
+            assert template.render(conversation, False, continue_final_message=True) == want, (source, answer)
+    with pytest.raises(InvalidArgument, match="add_generation_prompt=false") as e:
+        tok.encode_chat(CONVERSATION, continue_final_message=True)  # add_generation_prompt is true unless said
+    assert e.value.param == "continue_final_message"
+    with pytest.raises(InvalidArgument, match="does not end it with its content") as e:
+        ChatTemplate("{% for m in messages[:-1] %}{{ m['content'] }}{% endfor %}").render(
+            CONVERSATION, False, continue_final_message=True)
+    # through the HTTP front's path, and /tokenize's
+    from router.http import _prepare
+    from router.openai_api import parse_chat, parse_tokenize
+
+    prompts = Prompts(str(checkpoint))
+    started = [*CONVERSATION, {"role": "assistant", "content": "It is"}]
+    want = tok.encode_chat(started, add_generation_prompt=False, continue_final_message=True)
+    assert tok.decode(want).endswith("<|assistant|>It is")
+    body = {"messages": started, "add_generation_prompt": False, "continue_final_message": True}
+    _, [(ids, _)] = _prepare(lambda b: parse_chat(b, "m", 1024), {**body, "max_tokens": 1}, prompts, 16)
+    assert ids == want == prompts.encode(*parse_tokenize(body, "m")[:3])
+    with pytest.raises(InvalidArgument) as e:
+        _prepare(lambda b: parse_chat(b, "m", 1024), {**body, "add_generation_prompt": True}, prompts, 16)
+    assert e.value.param == "continue_final_message"
 
 
 def test_add_special_tokens_is_each_endpoints_own_unless_a_request_says(checkpoint):
@@ -184,7 +220,7 @@ def test_a_chats_tools_reach_the_template_as_transformers_passes_them(render_bot
     config = json.loads((tmp_path / "tools" / "tokenizer_config.json").read_text())
     (tmp_path / "tools" / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TOOLS_TEMPLATE}))
     prompts = Prompts(str(tmp_path / "tools"))
-    ids, _ = prompts.validate("", messages, {"max_tokens": 1}, tools=tools)
+    ids, _ = prompts.validate("", messages, {"max_tokens": 1}, template=TemplateArgs(tools))
     assert "get_weather" in prompts.text(ids) and "get_weather" not in prompts.text(
         prompts.validate("", messages, {"max_tokens": 1})[0])
 

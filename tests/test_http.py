@@ -749,6 +749,10 @@ def test_vllms_model_card_version_tokenize_and_detokenize_routes(served, engine)
     messages = [{"role": "user", "content": "Hi"}]
     status, _, chat = http(served, "POST", "/tokenize", {"messages": messages})
     assert status == 200 and chat["tokens"] == engine.tokenizer.encode_chat(messages)
+    started = messages + [{"role": "assistant", "content": "Hel"}]
+    status, _, chat = http(served, "POST", "/tokenize", {"messages": started, "add_generation_prompt": False,
+                                                        "continue_final_message": True})
+    assert status == 200 and bytes(chat["tokens"]).endswith(b"<|assistant|>\nHel")
     status, _, text = http(served, "POST", "/detokenize", {"model": MODEL, "tokens": body["tokens"]})
     assert (status, text) == (200, {"prompt": "Hello, world"})
     for path, bad, param in (("/tokenize", {"prompt": "x", "messages": messages}, "prompt"),
@@ -771,10 +775,28 @@ def test_vllms_sampling_extensions_are_taken_at_what_we_do(served):
     r = client.chat.completions.create(messages=messages, model=MODEL,
                                        extra_body=dict(stop_token_ids=[65], logit_bias={"65": 100}))
     assert (r.choices[0].finish_reason, r.usage.completion_tokens) == ("stop", 1)
-    for field, value in (("skip_special_tokens", False), ("add_generation_prompt", False), ("echo", True)):
+    for field, value in (("skip_special_tokens", False), ("echo", True)):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(messages=messages, model=MODEL, max_tokens=2, extra_body={field: value})
         assert e.value.body["param"] == field and "not supported" in e.value.body["message"]
+
+
+def test_a_chat_continues_its_last_message_as_vllms_continue_final_message(served, engine):
+    """continue_final_message: the model goes on with a started answer, its prompt the template's
+    up to where that message's text ends; add_generation_prompt=false alone: no assistant turn opened."""
+    started = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hel"}]
+    client = api(served)
+    for extra in (dict(add_generation_prompt=False, continue_final_message=True), dict(add_generation_prompt=False)):
+        ids = engine.tokenizer.encode_chat(started, **extra)
+        r = client.chat.completions.create(messages=started, model=MODEL, max_tokens=6, temperature=0,
+                                           extra_body=extra)
+        assert r.choices[0].message.content == reference(engine, ids, max_tokens=6, temperature=0).text, extra
+    assert bytes(ids).endswith(b"Hel\n") and not bytes(ids).endswith(b"<|assistant|>\n")
+    with pytest.raises(openai.BadRequestError) as e:  # add_generation_prompt is true unless said
+        client.chat.completions.create(messages=started, model=MODEL, max_tokens=2,
+                                       extra_body=dict(continue_final_message=True))
+    assert e.value.body["param"] == "continue_final_message" and "add_generation_prompt=false" in e.value.body[
+        "message"]
 
 
 # ----------------------------------------------------------------------------- metrics

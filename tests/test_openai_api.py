@@ -8,6 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from common.chat import TemplateArgs
 from common.errors import InvalidArgument
 from common.sampling_params import SamplingParams, choice_seed
 from common.tokenizer import ByteTokenizer, HFTokenizer
@@ -64,8 +65,8 @@ def test_a_chats_documents_reach_its_template_as_vllm_passes_them():
     chat = {"messages": [{"role": "user", "content": "x"}]}
     docs = [{"title": "Paris", "text": "The capital of France."}]
     job = parse_chat({**chat, "documents": docs, "chat_template_kwargs": {"enable_thinking": False}}, MODEL, 1024)
-    assert job.template_kwargs == {"enable_thinking": False, "documents": docs}
-    assert parse_chat(chat, MODEL, 1024).template_kwargs is None
+    assert job.template.kwargs == {"enable_thinking": False, "documents": docs}
+    assert parse_chat(chat, MODEL, 1024).template.kwargs is None
     for bad in ([{"title": 1}], {"text": "x"}, ["x"]):
         with pytest.raises(InvalidArgument, match="documents=.* is invalid; allowed: a list of objects of strings"):
             parse_chat({**chat, "documents": bad}, MODEL, 1024)
@@ -81,9 +82,13 @@ def test_vllms_add_special_tokens_and_continuous_usage_stats_are_taken_either_wa
     for value in (True, False):
         assert parse_completion({"prompt": "x", "add_special_tokens": value}, MODEL).add_special_tokens is value
         assert parse_chat({"messages": chat, "add_special_tokens": value}, MODEL, 1024).add_special_tokens is value
-        assert parse_tokenize({"prompt": "x", "add_special_tokens": value}, MODEL) == ("x", None, value)
-    assert parse_tokenize({"messages": chat, "add_generation_prompt": True}, MODEL) == (None, chat, None)
-    for body, param in (({"messages": chat, "add_generation_prompt": False}, "add_generation_prompt"),
+        assert parse_tokenize({"prompt": "x", "add_special_tokens": value}, MODEL) == ("x", None, TemplateArgs(),
+                                                                                      value)
+    assert parse_tokenize({"messages": chat, "add_generation_prompt": False}, MODEL) == (
+        None, chat, TemplateArgs(add_generation_prompt=False), None)
+    for body, param in (({"messages": chat, "add_generation_prompt": "no"}, "add_generation_prompt"),
+                        ({"messages": chat, "continue_final_message": 1}, "continue_final_message"),
+                        ({"messages": chat, "chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
                         ({"prompt": "x", "add_special_tokens": "no"}, "add_special_tokens")):
         with pytest.raises(InvalidArgument) as e:
             parse_tokenize(body, MODEL)
