@@ -42,7 +42,7 @@ import re
 import socket
 import time
 import uuid
-from typing import Callable
+from collections.abc import Callable, Iterator
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -64,8 +64,10 @@ HTTP_CLIENT = "http"  # the Router.submit client of every HTTP request (their re
 ROUTES = ("GET /health, GET or POST /ping, GET /metrics, GET /version, GET /v1/models, GET /v1/models/{model}, "
           "POST /v1/completions, POST /v1/chat/completions, POST /invocations, POST /tokenize, POST /detokenize")
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+JSON_CONTENT_TYPE = "application/json; charset=utf-8"  # as web.json_response writes it
 SHUTDOWN_GRACE_S = 2.0  # for handlers to answer their requests' UNAVAILABLE when the server stops
-TOKENS_PER_WRITE = 65536  # /tokenize: ids serialized between two turns of the event loop
+TOKENS_PER_PIECE = 65536  # /tokenize: ids serialized as one piece of its body
+BODY_PIECE_BYTES = 1 << 20  # a JSON body serialized between two turns of the event loop
 REQUEST_ID = web.RequestKey("pdserve_request_id", str)  # the X-Request-Id its response carries
 REQUEST_ID_ALLOWED = "1 to 256 printable ASCII characters, no spaces, quotes or backslashes"
 # the access log (--log-requests): who, the request line, status, bytes, seconds, and the request's id
@@ -297,19 +299,13 @@ class HttpFront:
         prompts = self.backend.prompts
         ids = await asyncio.to_thread(prompts.encode, prompt, messages, template, add_special_tokens=special)
         head = {"count": len(ids), "max_model_len": prompts.context}
-        if len(ids) <= TOKENS_PER_WRITE:
-            return web.json_response(head | {"tokens": ids})
-        # Millions of ids are a second of json.dumps holding the GIL: written a piece at a time,
-        # with the event loop (every stream, and the router's own work) run in between.
-        response = web.StreamResponse(headers={"Content-Type": "application/json; charset=utf-8"})
-        await response.prepare(request)
-        await response.write(json.dumps(head)[:-1].encode() + b', "tokens": [')
-        for i in range(0, len(ids), TOKENS_PER_WRITE):
-            await response.write((", " if i else "").encode() + json.dumps(ids[i:i + TOKENS_PER_WRITE])[1:-1].encode())
-            await asyncio.sleep(0)
-        await response.write(b"]}")
-        await response.write_eof()
-        return response
+
+        def pieces():  # millions of ids are a second of json.dumps
+            yield json.dumps(head)[:-1].encode() + b', "tokens": ['
+            for i in range(0, len(ids), TOKENS_PER_PIECE):
+                yield (b", " if i else b"") + json.dumps(ids[i:i + TOKENS_PER_PIECE])[1:-1].encode()
+            yield b"]}"
+        return await self._json_body(request, pieces(), "/tokenize")
 
     async def detokenize(self, request: web.Request) -> web.Response:
         prompts = self.backend.prompts
@@ -387,14 +383,14 @@ class HttpFront:
                 raise ApiError(first[1].code, first[1].message)
             if job.stream:
                 return await self._stream(request, job, choices, queue, first, base)
-            return await self._collect(job, choices, queue, first, base)
+            return await self._collect(request, job, choices, queue, first, base)
         finally:  # done, failed, or the client went away: nothing of it goes on
             self._inflight.discard(queue)
             for c in choices:
                 backend.cancel(f"{base}-{c.index}")
 
-    async def _collect(self, job: Job, choices: list[Choice], queue: asyncio.Queue, item,
-                       request_id: str) -> web.Response:
+    async def _collect(self, request: web.Request, job: Job, choices: list[Choice], queue: asyncio.Queue, item,
+                       request_id: str) -> web.StreamResponse:
         entries: list[dict | None] = [None] * len(choices)
         remaining = len(choices)
         while True:
@@ -406,8 +402,51 @@ class HttpFront:
                 remaining -= 1
                 if not remaining:
                     break
+                await asyncio.sleep(0)  # the next may be queued already: a choice's logprobs are milliseconds
             item = await queue.get()
-        return web.json_response(Envelope(job, request_id).response(job, choices, entries))
+        return await self._json_body(request, Envelope(job, request_id).response(job, choices, entries), request_id,
+                                     len(choices))
+
+    async def _json_body(self, request: web.Request, pieces: Iterator[bytes], request_id: str,
+                         choices: int = 0) -> web.StreamResponse:
+        """A JSON body made by pieces: one response where it is small; otherwise written as it is
+        made, with the event loop (every stream, and the router's own work) run between pieces: a
+        body of 200 MB was seconds of json.dumps holding it."""
+        held, size, response = [], 0, None
+        try:
+            for piece in pieces:
+                held.append(piece)
+                size += len(piece)
+                if size >= BODY_PIECE_BYTES:
+                    if response is None:
+                        response = web.StreamResponse(headers={"Content-Type": JSON_CONTENT_TYPE})
+                        await response.prepare(request)
+                    if not await self._write(request, response, b"".join(held), request_id, choices):
+                        return response
+                    held, size = [], 0
+                    await asyncio.sleep(0)
+            if response is None:
+                return web.Response(body=b"".join(held), headers={"Content-Type": JSON_CONTENT_TYPE})
+            if await self._write(request, response, b"".join(held), request_id, choices):
+                await response.write_eof()
+        except ConnectionError:  # the client went away
+            pass
+        return response
+
+    async def _write(self, request: web.Request, response: web.StreamResponse, data: bytes, request_id: str,
+                     choices: int) -> bool:
+        """data written to the client, or False: it stopped reading, and waited send_wait_s, and its
+        connection is closed (its requests' tokens would wait here for good, their choices decoding)."""
+        if not _write_may_wait(request.transport, len(data)):
+            await response.write(data)  # (a timer a write cost the router a tenth of its HTTP tokens/s)
+            return True
+        try:
+            await asyncio.wait_for(response.write(data), self.send_wait_s)
+            return True
+        except asyncio.TimeoutError:
+            self.request_log.http_client_stalled(request.remote, request_id, choices, self.send_wait_s)
+            request.transport.abort()
+            return False
 
     async def _stream(self, request: web.Request, job: Job, choices: list[Choice], queue: asyncio.Queue,
                       item, request_id: str) -> web.StreamResponse:
@@ -434,17 +473,8 @@ class HttpFront:
                     if job.include_usage and remaining == 0:
                         out.append(envelope.chunk([], usage(job, choices)))
                     out.append(b"data: [DONE]\n\n")
-                data = b"".join(out)
-                if not _write_may_wait(request.transport, len(data)):
-                    await response.write(data)  # (a timer a write cost the router a tenth of its HTTP tokens/s)
-                else:  # a client that stops reading: its tokens would wait here for good, its choices decoding
-                    try:
-                        await asyncio.wait_for(response.write(data), self.send_wait_s)
-                    except asyncio.TimeoutError:
-                        self.request_log.http_client_stalled(request.remote, request_id, len(choices),
-                                                             self.send_wait_s)
-                        request.transport.abort()
-                        break
+                if not await self._write(request, response, b"".join(out), request_id, len(choices)):
+                    break
                 if not last:
                     batch = [await queue.get()]
         except ConnectionError:  # the client went away (the caller cancels its requests)

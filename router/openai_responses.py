@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from collections.abc import Iterator
 
 from common import protocol as P
 from common.text import TextStream
@@ -230,9 +231,14 @@ class Envelope:
         self._chunk_head = json.dumps(head)[:-1].encode() + b', "choices": '
         self._no_usage = b', "usage": null' if job.include_usage else b""  # OpenAI's: every chunk but the last
 
-    def response(self, job: Job, choices: list[Choice], entries: list[dict]) -> dict:
-        return {"id": self.id, "object": self.object, "created": self.created, "model": job.model,
-                "choices": entries, "usage": usage(job, choices)}
+    def response(self, job: Job, choices: list[Choice], entries: list[dict]) -> Iterator[bytes]:
+        """The whole response's JSON, a choice a piece: n choices of echoed logprobs can make
+        hundreds of MB, which the caller writes with the event loop run in between."""
+        head = {"id": self.id, "object": self.object, "created": self.created, "model": job.model}
+        yield json.dumps(head)[:-1].encode() + b', "choices": ['
+        for i, entry in enumerate(entries):
+            yield (b", " if i else b"") + json.dumps(entry).encode()
+        yield b'], "usage": ' + json.dumps(usage(job, choices)).encode() + b"}"
 
     def chunk(self, entries: list[dict], usage_: dict | None = None) -> bytes:
         tail = self._no_usage if usage_ is None else b', "usage": ' + json.dumps(usage_).encode()

@@ -422,6 +422,24 @@ def test_echo_with_max_tokens_0_scores_the_prompt_alone(served, stream):
         client.completions.create(model=MODEL, prompt="x", max_tokens=0)
 
 
+def test_a_response_of_megabytes_is_written_as_it_is_made(served):
+    """n choices of echoed logprobs make megabytes of JSON (201 MB held the router's loop 5.7 s):
+    written a piece at a time, as chunks of one body, the same JSON as a small response's."""
+    body = dict(model=MODEL, prompt="The cat sat on the mat. " * 12, echo=True, logprobs=20, temperature=0,
+                max_tokens=8)
+    status, small_headers, one = http(served, "POST", "/v1/completions", body)
+    assert status == 200 and "Content-Length" in small_headers
+    status, headers, many = http(served, "POST", "/v1/completions", {**body, "n": 8})
+    assert status == 200 and headers.get("Transfer-Encoding") == "chunked", headers
+    assert headers["Content-Type"] == small_headers["Content-Type"] == "application/json; charset=utf-8"
+    assert len(json.dumps(many)) > 1 << 20 and [c["index"] for c in many["choices"]] == list(range(8))
+    alone = one["choices"][0]
+    for c in many["choices"]:  # greedy: each choice the one's (its logprobs to the last bits: batched on a CPU)
+        assert (c["text"], c["logprobs"]["tokens"]) == (alone["text"], alone["logprobs"]["tokens"])
+        assert c["logprobs"]["token_logprobs"][1:] == pytest.approx(alone["logprobs"]["token_logprobs"][1:], abs=1e-4)
+    assert many["usage"]["completion_tokens"] == 8 * one["usage"]["completion_tokens"]
+
+
 def test_an_echoed_prompt_shows_its_special_tokens_where_its_logprobs_do(served):
     """A prompt of token ids holding BOS (<s>) is echoed with it, as vLLM echoes it, and each
     prompt token's text_offset is where its text starts in that echo (the text left <s> out, and
@@ -584,7 +602,7 @@ def test_a_stream_whose_client_reads_nothing_stops_and_its_connection_closes(ser
     grew in the router (or an API server) for as long as it kept the connection: 5 MB/s and more
     with logprobs. As a ZeroMQ client's, after 5 s in which it took nothing its choices stop and
     its connection is closed."""
-    said = lambda: served.router.log_path.read_text().count("read nothing of stream")  # noqa: E731
+    said = lambda: served.router.log_path.read_text().count("read nothing of response")  # noqa: E731
     before = said()
     host, port = served.http_url.removeprefix("http://").rsplit(":", 1)
     body = json.dumps(dict(model=MODEL, prompt="x", max_tokens=1000, n=16, stream=True, ignore_eos=True,
@@ -598,8 +616,8 @@ def test_a_stream_whose_client_reads_nothing_stops_and_its_connection_closes(ser
         while said() == before:
             assert time.monotonic() < deadline, served.router.log_path.read_text()[-3000:]
             time.sleep(0.2)
-        assert re.search(r"HTTP client \S+ read nothing of stream \S+ for 5 s: its 16 choices stop and its "
-                         r"connection closes", served.router.log_path.read_text())
+        assert re.search(r"HTTP client \S+ read nothing of response \S+ for 5 s: its connection closes and its 16 "
+                         r"choices stop", served.router.log_path.read_text())
         while sdk.status().in_flight:
             assert time.monotonic() < deadline, "the stalled stream's choices still in flight"
             time.sleep(0.1)
