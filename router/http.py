@@ -391,14 +391,15 @@ class HttpFront:
 
     async def _collect(self, request: web.Request, job: Job, choices: list[Choice], queue: asyncio.Queue, item,
                        request_id: str) -> web.StreamResponse:
-        entries: list[dict | None] = [None] * len(choices)
+        entries: list[bytes] = [b""] * len(choices)
         remaining = len(choices)
         while True:
             i, msg = item
             if isinstance(msg, P.Error):
                 raise ApiError(msg.code, msg.message)
             if isinstance(msg, P.Done):
-                entries[i] = choices[i].final(msg)
+                # in JSON at once: the dicts of n choices' logprobs would be millions of objects, for the GC to walk
+                entries[i] = json.dumps(choices[i].final(msg)).encode()
                 remaining -= 1
                 if not remaining:
                     break

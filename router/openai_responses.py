@@ -181,9 +181,10 @@ class Choice:
 
     def final(self, done: P.Done) -> dict:
         """The whole choice of a response that was not streamed."""
-        self.done = done = self.shown(done)
+        done = self.shown(done)
         text = done.text or ""
         logprobs = self.logprobs(done.token_ids, done.logprobs, done.prompt_logprobs)
+        self.done = dataclasses.replace(done, logprobs=None, prompt_logprobs=None)  # shown: usage() needs no more
         if self.job.chat:
             reasoning = None
             if self.job.reasoning is not None:
@@ -231,13 +232,14 @@ class Envelope:
         self._chunk_head = json.dumps(head)[:-1].encode() + b', "choices": '
         self._no_usage = b', "usage": null' if job.include_usage else b""  # OpenAI's: every chunk but the last
 
-    def response(self, job: Job, choices: list[Choice], entries: list[dict]) -> Iterator[bytes]:
-        """The whole response's JSON, a choice a piece: n choices of echoed logprobs can make
-        hundreds of MB, which the caller writes with the event loop run in between."""
+    def response(self, job: Job, choices: list[Choice], entries: list[bytes]) -> Iterator[bytes]:
+        """The whole response's JSON, a choice a piece; entries: each choice's final(), in JSON.
+        n choices of echoed logprobs can make hundreds of MB, which the caller writes with the
+        event loop run in between."""
         head = {"id": self.id, "object": self.object, "created": self.created, "model": job.model}
         yield json.dumps(head)[:-1].encode() + b', "choices": ['
         for i, entry in enumerate(entries):
-            yield (b", " if i else b"") + json.dumps(entry).encode()
+            yield b", " + entry if i else entry
         yield b'], "usage": ' + json.dumps(usage(job, choices)).encode() + b"}"
 
     def chunk(self, entries: list[dict], usage_: dict | None = None) -> bytes:
