@@ -35,10 +35,8 @@ after it comes as an SSE event {"error": ...}, then [DONE].
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
-import re
 import socket
 import time
 import uuid
@@ -49,12 +47,13 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from common import protocol as P
 from common.channel import SEND_WAIT_S
-from common.errors import InvalidArgument, short_repr
+from common.errors import InvalidArgument
 from common.sampling_params import SamplingParams
-from router.openai_api import (RETRY_AFTER_S, ApiError, Job, OutputParsers, check_model, parse_chat, parse_completion,
+from router.openai_api import (ApiError, Job, OutputParsers, check_model, parse_chat, parse_completion,
                                parse_detokenize, parse_tokenize, served_names)
 from router.openai_responses import Choice, Envelope, usage
-from router.http_conns import KEEPALIVE_S, HeaderDeadline, capped, connection_cap, quiet_bad_requests, read_body
+from router.http_conns import KEEPALIVE_S, HeaderDeadline, capped, connection_cap, quiet_bad_requests
+from router.http_guard import REQUEST_ID, Guard, body_request_id, given_request_id, read_json
 from router.prompts import Prompts
 from router.drain import STOPPING
 from router.request_log import RequestLog
@@ -68,8 +67,6 @@ JSON_CONTENT_TYPE = "application/json; charset=utf-8"  # as web.json_response wr
 SHUTDOWN_GRACE_S = 2.0  # for handlers to answer their requests' UNAVAILABLE when the server stops
 TOKENS_PER_PIECE = 65536  # /tokenize: ids serialized as one piece of its body
 BODY_PIECE_BYTES = 1 << 20  # a JSON body serialized between two turns of the event loop
-REQUEST_ID = web.RequestKey("pdserve_request_id", str)  # the X-Request-Id its response carries
-REQUEST_ID_ALLOWED = "1 to 256 printable ASCII characters, no spaces, quotes or backslashes"
 # the access log (--log-requests): who, the request line, status, bytes, seconds, and the request's id
 ACCESS_LOG_FORMAT = '%a "%r" %s %b %Tf "%{X-Request-Id}o"'
 access_logger = logging.getLogger("pdserve.http.access")
@@ -122,13 +119,12 @@ class HttpFront:
         self.parsers = parsers
         self.access_log = access_log
         self.request_log = RequestLog(access_log)  # the requests it refuses itself, as the router's are
-        self.api_key = api_key.encode() if api_key else None
         self.max_body_bytes = max_body_bytes
         self.send_wait_s = SEND_WAIT_S  # how long a stream's client may take nothing, as a ZeroMQ client's
         self.created = int(time.time())
-        self.origins = {o.strip() for o in allowed_origins.split(",") if o.strip()}
-        self.app = web.Application(client_max_size=max_body_bytes, middlewares=[self._guard])
-        self.app.on_response_prepare.append(self._cors_headers)
+        self.guard = Guard(backend.rejected, api_key, allowed_origins, max_body_bytes, ROUTES)
+        self.app = web.Application(client_max_size=max_body_bytes, middlewares=[self.guard.middleware])
+        self.app.on_response_prepare.append(self.guard.cors_headers)
         self.app.router.add_get("/health", self.health)
         for method in ("GET", "POST"):  # vLLM's, for SageMaker's health checks
             self.app.router.add_route(method, "/ping", self.health)
@@ -143,7 +139,6 @@ class HttpFront:
         self.app.router.add_post("/invocations", self.invocations)
         self.runner: web.AppRunner | None = None
         self.listener: asyncio.Server | None = None
-        self.headers_due: HeaderDeadline | None = None
         self._sweeping: asyncio.Future | None = None
         self._inflight: set[asyncio.Queue] = set()  # each HTTP request's reply queue
 
@@ -157,8 +152,8 @@ class HttpFront:
                                     access_log=access_logger if self.access_log else None)
         await self.runner.setup()
         quiet_bad_requests()
-        self.headers_due = HeaderDeadline(self.runner)
-        self._sweeping = asyncio.ensure_future(self.headers_due.sweep())
+        self.guard.headers_due = HeaderDeadline(self.runner)
+        self._sweeping = asyncio.ensure_future(self.guard.headers_due.sweep())
         # our own listener, not an aiohttp site: a connection past the cap is refused before aiohttp takes it
         factory, loop = capped(self.runner.server, connection_cap()), asyncio.get_running_loop()
         if self.sock is not None:
@@ -178,81 +173,6 @@ class HttpFront:
             self.listener.close()
         if self.runner is not None:
             await self.runner.cleanup()
-
-    # ------------------------------------------------------------------ errors and auth
-
-    def _origin(self, request: web.Request) -> str | None:
-        """What Access-Control-Allow-Origin says to this request's page, or None (not allowed)."""
-        origin = request.headers.get("Origin")
-        if origin is None or not self.origins:
-            return None
-        return "*" if "*" in self.origins else origin if origin in self.origins else None
-
-    async def _cors_headers(self, request: web.Request, response: web.StreamResponse):
-        """(A signal, not the middleware: before a stream's headers go.)"""
-        allowed = self._origin(request)
-        if allowed is not None:
-            response.headers["Access-Control-Allow-Origin"] = allowed
-        if "Origin" in request.headers and self.origins and "*" not in self.origins:
-            response.headers["Vary"] = "Origin"  # a cache must not give one origin's answer to another
-        if REQUEST_ID in request:
-            response.headers["X-Request-Id"] = request[REQUEST_ID]
-
-    def _preflight(self, request: web.Request) -> web.Response:
-        """A browser's CORS preflight: answered before the API key is asked for, as vLLM's is."""
-        if self._origin(request) is None:
-            raise ApiError("FORBIDDEN", f"origin {request.headers.get('Origin')!r} may not call this API; "
-                                        "allowed: the router's --allowed-origins")
-        return web.Response(status=204, headers={
-            "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
-            "Access-Control-Allow-Headers": request.headers.get("Access-Control-Request-Headers", "*"),
-            "Access-Control-Max-Age": "600"})
-
-    @web.middleware
-    async def _guard(self, request: web.Request, handler):
-        if self.headers_due is not None:  # None: the app served by another runner (tests)
-            self.headers_due.serving(request)
-        try:
-            if request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers:
-                return self._preflight(request)
-            if self.api_key is not None and (request.path.startswith("/v1/") or request.path == "/invocations"):
-                self._authorize(request)
-            return await handler(request)
-        except ApiError as e:
-            return error_response(e)
-        except InvalidArgument as e:
-            return error_response(ApiError("INVALID_ARGUMENT", str(e), e.param))
-        except web.HTTPException as e:  # aiohttp's own: no route, wrong method, body too large
-            error = self._http_error(request, e)
-            if e.status in (404, 405) and request.path.startswith("/v1/"):  # the API's misuse, not a stray URL's
-                self.backend.rejected(error.code)
-            return error_response(error)
-        except ConnectionError:  # the client went away: this answer will not reach it (aiohttp takes that quietly)
-            return web.Response(status=499, text="client closed the connection")
-        except Exception as e:
-            log.exception("HTTP %s %s failed", request.method, request.path)
-            return error_response(ApiError("INTERNAL", f"{type(e).__name__}: {e}"))
-
-    def _authorize(self, request: web.Request):
-        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-        # surrogateescape: a header's bytes that are not UTF-8 (aiohttp decodes them so) are a wrong key, not a 500
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode("utf-8", "surrogateescape"),
-                                                                  self.api_key):
-            self.backend.rejected("UNAUTHENTICATED")
-            raise ApiError("UNAUTHENTICATED", "a valid API key is required: send the header "
-                                              "'Authorization: Bearer <key>'")
-
-    def _http_error(self, request: web.Request, e: web.HTTPException) -> ApiError:
-        if e.status == 413:
-            return ApiError("TOO_LARGE", f"the request body is over the limit of {self.max_body_bytes} bytes (the "
-                                         "router's --max-message-bytes)")
-        if e.status == 408:
-            return ApiError("REQUEST_TIMEOUT", e.reason)
-        if e.status == 405:
-            return ApiError("METHOD_NOT_ALLOWED", f"{request.method} {request.path} is not served; allowed: {ROUTES}")
-        if e.status == 404:
-            return ApiError("NOT_FOUND", f"{request.method} {request.path} is not served; allowed: {ROUTES}")
-        return ApiError("INVALID_ARGUMENT" if e.status < 500 else "INTERNAL", e.reason)
 
     # ------------------------------------------------------------------ routes
 
@@ -295,7 +215,7 @@ class HttpFront:
 
     async def tokenize(self, request: web.Request) -> web.Response:
         """vLLM's /tokenize: a prompt's token ids (messages: through the chat template)."""
-        prompt, messages, template, special = parse_tokenize(await _json(request, self.max_body_bytes), self.names)
+        prompt, messages, template, special = parse_tokenize(await read_json(request, self.max_body_bytes), self.names)
         prompts = self.backend.prompts
         ids = await asyncio.to_thread(prompts.encode, prompt, messages, template, add_special_tokens=special)
         head = {"count": len(ids), "max_model_len": prompts.context}
@@ -309,7 +229,7 @@ class HttpFront:
 
     async def detokenize(self, request: web.Request) -> web.Response:
         prompts = self.backend.prompts
-        ids = parse_detokenize(await _json(request, self.max_body_bytes), self.names, prompts.model_config.vocab_size)
+        ids = parse_detokenize(await read_json(request, self.max_body_bytes), self.names, prompts.model_config.vocab_size)
         text = prompts.text(ids, skip_special_tokens=False)  # as vLLM's: special tokens shown
         if text is None:
             raise InvalidArgument(f"model {self.model!r} has no tokenizer", param="tokens")
@@ -349,7 +269,7 @@ class HttpFront:
             # (the body's request_id, vLLM's, if no header: a body that fails to parse is logged by ours)
             given = given_request_id(request)
             request[REQUEST_ID] = given or uuid.uuid4().hex
-            body = await _json(request, self.max_body_bytes)
+            body = await read_json(request, self.max_body_bytes)
             if given is None and (given := body_request_id(body)) is not None:
                 request[REQUEST_ID] = given
             base = f"{given}-{uuid.uuid4().hex[:8]}" if given else request[REQUEST_ID]  # unique if the client's repeat
@@ -359,7 +279,7 @@ class HttpFront:
             job, prepared = await asyncio.to_thread(_prepare, parse, body, prompts, backend.max_queue)
             total = len(prepared) * job.n
         except (ApiError, InvalidArgument, web.HTTPRequestEntityTooLarge, web.HTTPRequestTimeout) as e:
-            error = self._http_error(request, e) if isinstance(e, web.HTTPException) else e
+            error = self.guard.http_error(request, e) if isinstance(e, web.HTTPException) else e
             backend.rejected(error.code)
             self.request_log.refused(HTTP_CLIENT, request.get(REQUEST_ID, "-"), error.code,
                                      getattr(error, "message", None) or str(error))
@@ -483,32 +403,6 @@ class HttpFront:
         return response
 
 
-# aiohttp's own (its parser refuses br and zstd itself, in plain text, without the libraries they need)
-BODY_ENCODINGS = ("gzip", "deflate", "identity")
-ENCODINGS_ALLOWED = "allowed: one of gzip or deflate, or none"
-
-
-async def _json(request: web.Request, max_bytes: int):
-    encodings = [e.strip().lower() for e in request.headers.get("Content-Encoding", "").split(",") if e.strip()]
-    # else aiohttp would read an unknown one, or a list of them, as identity
-    if len(encodings) > 1 or any(e not in BODY_ENCODINGS for e in encodings):
-        raise ApiError("INVALID_ARGUMENT", f"Content-Encoding: {short_repr(request.headers['Content-Encoding'])} "
-                                           f"is not supported; {ENCODINGS_ALLOWED}")
-    try:
-        raw = await read_body(request, max_bytes)  # 413 over the limit, 408 late
-    except web.RequestPayloadError:  # a body that is not what its Content-Encoding says
-        request.content.feed_eof()  # read no more of it: aiohttp would, after the answer, and log its error
-        encoding = request.headers.get("Content-Encoding", "")
-        raise ApiError("INVALID_ARGUMENT", f"the body could not be decoded (Content-Encoding: {encoding}); "
-                                           f"{ENCODINGS_ALLOWED}") from None
-    try:
-        return json.loads(raw)
-    except ValueError as e:
-        raise ApiError("INVALID_ARGUMENT", f"the body is not valid JSON ({e})") from None
-    except RecursionError:
-        raise ApiError("INVALID_ARGUMENT", "the body nests too deeply to be a request") from None
-
-
 def _write_may_wait(transport, size: int) -> bool:
     """Whether writing size more bytes may wait for the client to read: they take the transport's
     buffer to its high-water mark, where it pauses its writers (None: the connection is gone)."""
@@ -526,26 +420,3 @@ def _prepare(parse, body, prompts, max_queue: int) -> tuple[Job, list]:
                        "n" if job.n > 1 else "prompt")
     return job, [prompts.validate(prompt, job.messages, job.params, job.max_tokens_field, job.template,
                                   job.add_special_tokens) for prompt in job.prompts]
-
-
-def given_request_id(request: web.Request) -> str | None:
-    """The client's X-Request-Id (vLLM's), checked: it is written into log lines."""
-    given = request.headers.get("X-Request-Id")
-    return _checked_request_id(given, f"X-Request-Id: {short_repr(given)}")
-
-
-def body_request_id(body) -> str | None:
-    """A body's request_id (vLLM's), as X-Request-Id, which comes first."""
-    given = body.get("request_id") if isinstance(body, dict) else None
-    return _checked_request_id(given, f"request_id={short_repr(given)}", "request_id")
-
-
-def _checked_request_id(given, shown: str, param: str | None = None) -> str | None:
-    if given is not None and not (isinstance(given, str) and re.fullmatch(r"[!#-\[\]-~]{1,256}", given)):
-        raise ApiError("INVALID_ARGUMENT", f"{shown} is invalid; allowed: {REQUEST_ID_ALLOWED}", param)
-    return given
-
-
-def error_response(e: ApiError) -> web.Response:
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status in (429, 503) else None
-    return web.json_response(e.body(), status=e.status, headers=headers)
