@@ -107,6 +107,11 @@ class ByteTokenizer(_ChatMixin):
         """The bytes one token stands for: a special token's name, b"" for padding."""
         return bytes([token]) if 0 <= token < 256 else self.SPECIALS.get(token, b"")
 
+    def token_strs(self, ids: list[int]) -> list[str]:
+        """Each token as the vocabulary spells it (transformers' convert_ids_to_tokens): a byte as
+        the character of its value, as byte-level vocabularies (ByT5's) spell it."""
+        return [self.token_bytes(i).decode("latin-1") for i in ids]
+
 
 class HFTokenizer(_ChatMixin):
     """A `tokenizers` Tokenizer: a checkpoint's tokenizer.json, or one built in memory (GGUF).
@@ -157,6 +162,10 @@ class HFTokenizer(_ChatMixin):
         if self._spelling and all(c in self._spelling for c in piece):
             return bytes(self._spelling[c] for c in piece)
         return self.decode([token]).encode("utf-8")
+
+    def token_strs(self, ids: list[int]) -> list[str]:
+        """Each token as the vocabulary spells it (transformers' convert_ids_to_tokens: "Ġthe")."""
+        return [self._tok.id_to_token(i) for i in ids]
 
     @functools.cached_property
     def _spelling(self) -> dict[str, int] | str:

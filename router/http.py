@@ -215,16 +215,18 @@ class HttpFront:
 
     async def tokenize(self, request: web.Request) -> web.Response:
         """vLLM's /tokenize: a prompt's token ids (messages: through the chat template)."""
-        prompt, messages, template, special = parse_tokenize(await read_json(request, self.max_body_bytes), self.names)
+        asked = parse_tokenize(await read_json(request, self.max_body_bytes), self.names)
         prompts = self.backend.prompts
-        ids = await asyncio.to_thread(prompts.encode, prompt, messages, template, add_special_tokens=special)
+        ids = await asyncio.to_thread(prompts.encode, asked.prompt, asked.messages, asked.template,
+                                      add_special_tokens=asked.add_special_tokens)
         head = {"count": len(ids), "max_model_len": prompts.context}
 
         def pieces():  # millions of ids are a second of json.dumps
-            yield json.dumps(head)[:-1].encode() + b', "tokens": ['
-            for i in range(0, len(ids), TOKENS_PER_PIECE):
-                yield (b", " if i else b"") + json.dumps(ids[i:i + TOKENS_PER_PIECE])[1:-1].encode()
-            yield b"]}"
+            yield json.dumps(head)[:-1].encode()
+            yield from _list_pieces("tokens", ids)
+            if asked.return_token_strs:
+                yield from _list_pieces("token_strs", ids, prompts.tokenizer.token_strs)
+            yield b"}"
         return await self._json_body(request, pieces(), "/tokenize")
 
     async def detokenize(self, request: web.Request) -> web.Response:
@@ -401,6 +403,14 @@ class HttpFront:
         except ConnectionError:  # the client went away (the caller cancels its requests)
             pass
         return response
+
+
+def _list_pieces(name: str, ids: list[int], shown: Callable[[list[int]], list] = list) -> Iterator[bytes]:
+    """', "name": [...]' of ids (or what shown makes of them), TOKENS_PER_PIECE a piece."""
+    yield f', "{name}": ['.encode()
+    for i in range(0, len(ids), TOKENS_PER_PIECE):
+        yield (b", " if i else b"") + json.dumps(shown(ids[i:i + TOKENS_PER_PIECE]))[1:-1].encode()
+    yield b"]"
 
 
 def _write_may_wait(transport, size: int) -> bool:

@@ -377,11 +377,20 @@ def _template_args(body: dict, tools: list[dict] | None = None) -> TemplateArgs:
 # ----------------------------------------------------------------------------- tokenize
 
 
-def parse_tokenize(body, served_model: Served) -> tuple[str | None, list | None, TemplateArgs, bool | None]:
-    """(prompt, messages, template, add_special_tokens) of a /tokenize body: {"prompt": text} or
-    {"messages": [...]} with a chat's TEMPLATE_FIELDS, and vLLM's add_special_tokens (None: as the
-    endpoints do)."""
-    _check_fields(body, {"model", "prompt", "messages", "add_special_tokens", *TEMPLATE_FIELDS})
+@dataclass(frozen=True)
+class Tokenize:
+    """A /tokenize body: a prompt's text, or a chat's messages with its TemplateArgs; vLLM's
+    add_special_tokens (None: as the endpoints do) and return_token_strs (each token's vocabulary
+    string beside its id)."""
+    prompt: str | None
+    messages: list | None
+    template: TemplateArgs
+    add_special_tokens: bool | None = None
+    return_token_strs: bool = False
+
+
+def parse_tokenize(body, served_model: Served) -> Tokenize:
+    _check_fields(body, {"model", "prompt", "messages", "add_special_tokens", "return_token_strs", *TEMPLATE_FIELDS})
     requested_model(body, served_model)
     messages = body.get("messages")
     prompt = _get(body, "prompt", STRING)
@@ -390,7 +399,8 @@ def parse_tokenize(body, served_model: Served) -> tuple[str | None, list | None,
     if messages is not None and (not isinstance(messages, list) or not messages):
         raise InvalidArgument(f"messages={short_repr(messages)} is invalid; allowed: a non-empty list of "
                               '{"role": ..., "content": ...} objects', param="messages")
-    return prompt, messages, _template_args(body), _get(body, "add_special_tokens", BOOL)
+    return Tokenize(prompt, messages, _template_args(body), _get(body, "add_special_tokens", BOOL),
+                    _get(body, "return_token_strs", BOOL, False))
 
 
 def parse_detokenize(body, served_model: Served, vocab_size: int) -> list[int]:

@@ -67,6 +67,8 @@ def test_checkpoint_template_renders_and_encodes_as_transformers(checkpoint):
         expected = ref.apply_chat_template(plain, tokenize=True, add_generation_prompt=gen, return_dict=False)
         assert tok.encode_chat(CONVERSATION, add_generation_prompt=gen) == list(expected)
     assert tok.encode_chat(CONVERSATION).count(ref.bos_token_id) == 1  # the template's BOS, not a second one
+    ids = tok.encode("the quick fox, é")
+    assert tok.token_strs(ids) == ref.convert_ids_to_tokens(ids)  # /tokenize's return_token_strs
 
 
 def test_continue_final_message_renders_as_transformers(checkpoint, render_both):
@@ -99,7 +101,8 @@ def test_continue_final_message_renders_as_transformers(checkpoint, render_both)
     assert tok.decode(want).endswith("<|assistant|>It is")
     body = {"messages": started, "add_generation_prompt": False, "continue_final_message": True}
     _, [(ids, _)] = _prepare(lambda b: parse_chat(b, "m", 1024), {**body, "max_tokens": 1}, prompts, 16)
-    assert ids == want == prompts.encode(*parse_tokenize(body, "m")[:3])
+    asked = parse_tokenize(body, "m")
+    assert ids == want == prompts.encode(asked.prompt, asked.messages, asked.template)
     with pytest.raises(InvalidArgument) as e:
         _prepare(lambda b: parse_chat(b, "m", 1024), {**body, "add_generation_prompt": True}, prompts, 16)
     assert e.value.param == "continue_final_message"

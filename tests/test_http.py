@@ -761,9 +761,11 @@ def test_vllms_model_card_version_tokenize_and_detokenize_routes(served, engine)
     status, _, body = http(served, "POST", "/tokenize", {"model": MODEL, "prompt": "Hello, world"}, key=None)
     assert status == 200 and body == {"count": len(body["tokens"]), "max_model_len": 1024,
                                       "tokens": engine.tokenizer.encode("Hello, world")}
-    long = "hello world, " * 16000  # past /tokenize's one write: the same JSON, written in pieces
-    status, _, big = http(served, "POST", "/tokenize", {"prompt": long}, key=None)
-    assert status == 200 and big == {"count": len(long), "max_model_len": 1024, "tokens": engine.tokenizer.encode(long)}
+    long = "hello world, é " * 16000  # past /tokenize's one write: the same JSON, written in pieces
+    status, _, big = http(served, "POST", "/tokenize", {"prompt": long, "return_token_strs": True}, key=None)
+    ids = engine.tokenizer.encode(long)
+    assert status == 200 and big == {"count": len(ids), "max_model_len": 1024, "tokens": ids,
+                                     "token_strs": [chr(i) for i in ids]}  # a byte as its value's character
     messages = [{"role": "user", "content": "Hi"}]
     status, _, chat = http(served, "POST", "/tokenize", {"messages": messages})
     assert status == 200 and chat["tokens"] == engine.tokenizer.encode_chat(messages)

@@ -75,21 +75,22 @@ def test_a_chats_documents_reach_its_template_as_vllm_passes_them():
 def test_vllms_add_special_tokens_and_continuous_usage_stats_are_taken_either_way():
     """add_special_tokens: None is each endpoint's own (a text gets them, a chat's template writes
     them), either value is the caller's; continuous usage only with include_usage, as vLLM."""
-    from router.openai_api import parse_tokenize
+    from router.openai_api import Tokenize, parse_tokenize
 
     chat = [{"role": "user", "content": "x"}]
     assert parse_completion({"prompt": "x"}, MODEL).add_special_tokens is None
     for value in (True, False):
         assert parse_completion({"prompt": "x", "add_special_tokens": value}, MODEL).add_special_tokens is value
         assert parse_chat({"messages": chat, "add_special_tokens": value}, MODEL, 1024).add_special_tokens is value
-        assert parse_tokenize({"prompt": "x", "add_special_tokens": value}, MODEL) == ("x", None, TemplateArgs(),
-                                                                                      value)
-    assert parse_tokenize({"messages": chat, "add_generation_prompt": False}, MODEL) == (
-        None, chat, TemplateArgs(add_generation_prompt=False), None)
+        assert parse_tokenize({"prompt": "x", "add_special_tokens": value}, MODEL) == Tokenize("x", None,
+                                                                                           TemplateArgs(), value)
+    assert parse_tokenize({"messages": chat, "add_generation_prompt": False, "return_token_strs": True}, MODEL) == (
+        Tokenize(None, chat, TemplateArgs(add_generation_prompt=False), return_token_strs=True))
     for body, param in (({"messages": chat, "add_generation_prompt": "no"}, "add_generation_prompt"),
                         ({"messages": chat, "continue_final_message": 1}, "continue_final_message"),
                         ({"messages": chat, "chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
-                        ({"prompt": "x", "add_special_tokens": "no"}, "add_special_tokens")):
+                        ({"prompt": "x", "add_special_tokens": "no"}, "add_special_tokens"),
+                        ({"prompt": "x", "return_token_strs": 1}, "return_token_strs")):
         with pytest.raises(InvalidArgument) as e:
             parse_tokenize(body, MODEL)
         assert e.value.param == param
