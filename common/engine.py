@@ -34,7 +34,7 @@ from common.kv_cache import BlockManager, allocate_kv_pool
 from common.model_runner import LaunchedStep, LayerHook, ModelRunner
 from common.sampling_params import MAX_SEED, SamplingParams, fresh_seed
 from common.speculative import Drafter
-from common.structured_output import Grammars
+from common.structured_output import Grammars, free_until
 from common.scheduler import ScheduledSeq, Scheduler
 from common.text import TextStream, output_text
 from common.tokenizer import check_encoded, check_prompt_length, check_token_ids
@@ -278,7 +278,11 @@ class Engine:
             for token in output_ids:
                 seq.text.add(token)
         if params.structured_outputs is not None:
-            seq.matcher = self.grammars.matcher(params.structured_outputs, output_ids)
+            free = free_until(prompt_ids, output_ids, params.structured_outputs_after)
+            if free is None:  # its structured output has not begun
+                seq.held_matcher = self.grammars.matcher(params.structured_outputs)
+            else:
+                seq.matcher = self.grammars.matcher(params.structured_outputs, list(output_ids)[free:])
         # a prefill holds its prompt's KV (and the first token's slot), not its output's
         held = min(len(seq.token_ids) + 1, seq.max_len) if prefill_only else seq.max_len
         need = self.block_manager.blocks_needed(held)
@@ -411,7 +415,8 @@ class Engine:
         batch = self.last_batch = self.scheduler.schedule()
         # a structured output's mask needs its newest token, which prev may still be sampling: the
         # forward is queued now, and the sampling once prev's tokens are read (vLLM's way)
-        defer = prev is not None and any(s.seq.matcher is not None and s.seq.pending for s in batch)
+        defer = prev is not None and any((s.seq.matcher is not None or s.seq.held_matcher is not None)
+                                         and s.seq.pending for s in batch)
         self.inflight = self.runner.launch(batch, on_layer, prev, defer) if batch else None
         outputs = self._collect(prev) if prev is not None else []
         step = self.inflight

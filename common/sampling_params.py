@@ -21,6 +21,7 @@ MAX_STOP_BYTES = 4096
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI's range)
 MAX_BIAS = 100.0  # a logit bias lies in [-100, 100] (OpenAI's range)
 MAX_LOGIT_BIAS = 1024  # entries in one request's logit_bias
+MAX_AFTER_TOKENS = 16  # structured_outputs_after: an end-of-thinking tag, as one token or spelled out
 # A temperature under this is greedy (vLLM's _SAMPLING_EPS): float32 logits over 1e-38 are infinities,
 # whose argmax is the first of them, not the likeliest token.
 GREEDY_BELOW = 1e-5
@@ -62,7 +63,10 @@ class SamplingParams:
 
     structured_outputs: None, or {kind: value} holding the output to a JSON schema, any JSON
     object, a regex, a choice of strings or a grammar (common/structured_output.py); its mask
-    comes before the adjustments above."""
+    comes before the adjustments above. structured_outputs_after: token ids (at most
+    MAX_AFTER_TOKENS) after whose first run in the output the structured output begins, the text
+    before them free: a reasoning model's end of thinking (`</think>`), which the HTTP front sets
+    under --reasoning-parser; empty: from the first token."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -82,6 +86,7 @@ class SamplingParams:
     min_tokens: int = 0
     logit_bias: dict[int, float] = field(default_factory=dict)
     structured_outputs: dict | None = None
+    structured_outputs_after: list[int] = field(default_factory=list)
 
     def __post_init__(self):
         if not _is_number(self.temperature) or self.temperature < 0:
@@ -135,6 +140,13 @@ class SamplingParams:
         self.logit_bias = _logit_bias(self.logit_bias)
         if self.structured_outputs is not None:
             self.structured_outputs = structured_output.check(self.structured_outputs)
+        after = self.structured_outputs_after
+        if not isinstance(after, (list, tuple)) or len(after) > MAX_AFTER_TOKENS or not all(
+                _is_int(t) and 0 <= t <= MAX_COUNT for t in after):
+            raise _bad("structured_outputs_after", after, f"a list of at most {MAX_AFTER_TOKENS} token ids")
+        if after and self.structured_outputs is None:
+            raise _bad("structured_outputs_after", after, "[] without structured_outputs (it says where they begin)")
+        self.structured_outputs_after = list(after)
         for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
             setattr(self, name, float(getattr(self, name)))
         if self.temperature < GREEDY_BELOW:
@@ -162,7 +174,8 @@ class SamplingParams:
         if self.stop and not has_tokenizer:
             raise InvalidArgument(f"stop={self.stop!r} needs the model's tokenizer to find text, and this model has "
                                   "none; allowed: stop_token_ids", param="stop")
-        for name, ids in (("logit_bias", self.logit_bias), ("stop_token_ids", self.stop_token_ids)):
+        for name, ids in (("logit_bias", self.logit_bias), ("stop_token_ids", self.stop_token_ids),
+                          ("structured_outputs_after", self.structured_outputs_after)):
             bad = [t for t in ids if t >= vocab_size]
             if bad:
                 raise InvalidArgument(f"{name} token ids {bad[:5]} are invalid; allowed: integers in "

@@ -64,6 +64,8 @@ class Sequence:
         self.finish_time: float | None = None
         self.text: TextStream | None = None  # the output's text, while stop strings are to be found in it
         self.matcher = None  # params.structured_outputs' state, set by the engine (common/structured_output.py)
+        # ... or held until the output ends its free part with params.structured_outputs_after
+        self.held_matcher = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -142,12 +144,19 @@ class Sequence:
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
         ends_text = self.text is not None and self.text.add(token)  # the text sees every token
-        if self.matcher is not None and not self.matcher.consume_token(token):
+        broken = False
+        if self.held_matcher is not None:  # free text until the run that ends it, which the grammar does not see
+            after = self.params.structured_outputs_after
+            if self.token_ids[-len(after):] == after:
+                self.matcher, self.held_matcher = self.held_matcher, None
+        elif self.matcher is not None and not self.matcher.consume_token(token):
             # its mask allowed the token, but llguidance gave up on the grammar (too many items or
             # expressions for it): the output ends where it is, said in the log
             log.warning("request %s: its structured output ends after %d tokens, llguidance could not follow it "
                         "(%s)", self.request_id, len(self.token_ids) - self.num_prompt_tokens,
                         first_lines(self.matcher.get_error(), 1))
+            broken = True
+        if broken:
             self.finish_reason = "abort"
         elif token in self.stop_ids or ends_text or (self.matcher is not None and self.matcher.is_stopped()):
             self.finish_reason = "stop"

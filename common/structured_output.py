@@ -264,6 +264,21 @@ class Grammars:
         return m
 
 
+def free_until(prompt_ids, output_ids, after: list[int]) -> int | None:
+    """Where a structured output begins in output_ids: after the first run of `after` (a reasoning
+    model's end of thinking) that ends in the output (it may begin in the prompt's last tokens, as
+    Sequence.append_token sees it), at 0 if `after` is empty, or None: not yet."""
+    if not after:
+        return 0
+    n = len(after)
+    ids = list(prompt_ids[len(prompt_ids) - n + 1:] if n > 1 else ()) + list(output_ids)
+    given = len(ids) - len(output_ids)  # of ids, the prompt's
+    for i in range(max(0, given - n + 1), len(ids) - n + 1):
+        if ids[i:i + n] == after:
+            return i + n - given
+    return None
+
+
 def fill_masks(matchers: list, masks_CW) -> None:
     """Row c of masks_CW (an int32 CPU tensor of C rows of ceil(vocabulary / 32) words) gets the
     tokens matchers[c] allows next, a bit each (token t: bit t % 32 of word t // 32)."""

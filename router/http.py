@@ -35,6 +35,7 @@ after it comes as an SSE event {"error": ...}, then [DONE].
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import socket
@@ -55,6 +56,7 @@ from router.openai_responses import Choice, Envelope, usage
 from router.http_conns import KEEPALIVE_S, HeaderDeadline, capped, connection_cap, quiet_bad_requests
 from router.http_guard import REQUEST_ID, Guard, body_request_id, given_request_id, read_json
 from router.prompts import Prompts
+from router.reasoning import thinking_end
 from router.drain import STOPPING
 from router.request_log import RequestLog
 
@@ -428,5 +430,12 @@ def _prepare(parse, body, prompts, max_queue: int) -> tuple[Job, list]:
         raise ApiError("INVALID_ARGUMENT", f"{len(job.prompts)} prompts x n={job.n} make {total} choices; "
                                            f"allowed: at most {max_queue} (the router's max_queue)",
                        "n" if job.n > 1 else "prompt")
-    return job, [prompts.validate(prompt, job.messages, job.params, job.max_tokens_field, job.template,
-                                  job.add_special_tokens) for prompt in job.prompts]
+    prepared = [prompts.validate(prompt, job.messages, job.params, job.max_tokens_field, job.template,
+                                 job.add_special_tokens) for prompt in job.prompts]
+    if job.think_first:  # a chat: one prompt
+        end = thinking_end(prompts.tokenizer, prepared[0][0])
+        if end is None:  # it cannot think first: JSON from its first token, all answer
+            job = dataclasses.replace(job, reasoning=None)
+        else:
+            job.params.structured_outputs_after = end  # (checked: a short run of the model's token ids)
+    return job, prepared

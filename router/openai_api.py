@@ -135,6 +135,7 @@ class Job:
     tools: Tools | None = None  # a chat's tools: how its output is shown (Tools.message, Tools.stream)
     template: TemplateArgs | None = None  # a chat's: its tools, template variables, where its prompt ends
     reasoning: ReasoningParser | None = None  # a chat's output split into reasoning_content and content
+    think_first: bool = False  # its structured output begins when its thinking ends (router/http.py _prepare)
     continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: each chunk's choice's usage so far
     # vLLM's add_special_tokens: None, what each endpoint does (a prompt's text gets them, a chat's
     # template writes its own)
@@ -353,11 +354,12 @@ def parse_chat(body, served_model: Served, context: int, parsers: OutputParsers 
                                                                   "the tools' parameters (as one schema)")
     job = _job(body, served_model, True, [""], messages, sampling, False, logprobs)
     template = _template_args(body, tools.tools if tools else None)
-    # held to JSON from its first token by response_format or a forced call (not by a grammar of its
-    # own, which may hold <think>), the output thinks not at all
-    json_only = sampling["structured_outputs"] is not None and body.get("structured_outputs") is None
-    reasoning = None if parsers.reasoning is None or json_only else REASONING_PARSERS[parsers.reasoning]
-    return dataclasses.replace(job, tools=tools, template=template, reasoning=reasoning)
+    reasoning = None if parsers.reasoning is None else REASONING_PARSERS[parsers.reasoning]
+    # held to JSON by response_format or a forced call (not by a grammar of its own, which may hold
+    # <think>), the output thinks first (router/reasoning.py thinking_end)
+    think_first = reasoning is not None and sampling["structured_outputs"] is not None and body.get(
+        "structured_outputs") is None
+    return dataclasses.replace(job, tools=tools, template=template, reasoning=reasoning, think_first=think_first)
 
 
 def _template_args(body: dict, tools: list[dict] | None = None) -> TemplateArgs:

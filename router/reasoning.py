@@ -10,8 +10,12 @@ beside `content`:
   opens `<think>` in the prompt, so the output is reasoning from its first token up to `</think>`
   (a `<think>` it writes anyway is left out).
 
-A response held to JSON from its first token (response_format, a named or required tool call)
-cannot think first, and is shown as all answer.
+A response held to JSON (response_format, a named or required tool call) thinks first, as vLLM's
+does: its structured output begins after `</think>` (thinking_end), the thinking before it free.
+Where the prompt has closed the thinking already (a template given `enable_thinking: false`), or
+the tags are no short run of the model's tokens, it is held to JSON from its first token and shown
+as all answer. (A grammar of the request's own, structured_outputs, holds the output from its
+first token: it may spell out the thinking itself.)
 
 An output cut before `</think>` is all reasoning, with no answer. The newlines around the tags are
 left out; an output without them is shown as it is. A stream sends each part as it comes, holding back what could begin a tag.
@@ -19,6 +23,7 @@ left out; an output without them is shown as it is. A stream sends each part as 
 
 from __future__ import annotations
 
+from common.sampling_params import MAX_AFTER_TOKENS
 from common.text import partial_tag_at
 
 START, END = "<think>", "</think>"
@@ -89,3 +94,23 @@ class ReasoningStream:
 
 
 PARSERS = {p.name: p for p in (ReasoningParser("qwen3", False), ReasoningParser("deepseek_r1", True))}
+
+
+def thinking_end(tokenizer, prompt_ids: list[int]) -> list[int] | None:
+    """The token ids with which the output ends its thinking, where the prompt leaves the model to
+    think before its structured output (which begins after them: SamplingParams'
+    structured_outputs_after); None where the prompt has closed the thinking already, or the tag
+    is no short run of tokens."""
+    start, end = (tokenizer.encode(tag, add_special_tokens=False) for tag in (START, END))
+    if not end or len(end) > MAX_AFTER_TOKENS:
+        return None
+    return None if _last_run(prompt_ids, end) > _last_run(prompt_ids, start) else end
+
+
+def _last_run(ids: list[int], run: list[int]) -> int:
+    """Where run last begins in ids, or -1."""
+    n = len(run)
+    for i in range(len(ids) - n, -1, -1):
+        if ids[i] == run[0] and ids[i:i + n] == run:
+            return i
+    return -1

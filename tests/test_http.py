@@ -311,6 +311,18 @@ def test_reasoning_is_shown_apart_from_the_answer_and_its_calls(tmp_path):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(**body)
         assert e.value.body["param"] == "chat_template_kwargs" and "sets ['messages']" in e.value.body["message"]
+        # response_format thinks first, as vLLM's: its JSON begins after </think>, here the prompt's "</think"
+        # and the '>' a bias makes its first token (on the prefill worker, the JSON on the decode worker)
+        schema = {"type": "object", "properties": {"a": {"enum": ["x", "y"]}}, "required": ["a"],
+                  "additionalProperties": False}
+        started = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "<think>\nhm\n</think"}]
+        ask = dict(model=MODEL, max_completion_tokens=40, response_format={
+            "type": "json_schema", "json_schema": {"name": "a", "schema": schema}}, extra_body={
+            "add_generation_prompt": False, "continue_final_message": True, "logit_bias": {str(ord(">")): 100}})
+        content = client.chat.completions.create(messages=started, **ask).choices[0].message.content
+        assert content[0] == ">" and json.loads(content[1:])["a"] in ("x", "y"), content
+        started[1]["content"] += ">"  # a prompt that closed the thinking: JSON from the first token
+        assert json.loads(client.chat.completions.create(messages=started, **ask).choices[0].message.content)
 
 
 def test_usage_says_how_much_of_the_prompt_was_found_cached(served):

@@ -7,7 +7,7 @@ import pytest
 from common.chat import ChatTemplate, check_template_kwargs
 from common.errors import InvalidArgument
 from common.tokenizer import ByteTokenizer
-from router.reasoning import PARSERS
+from router.reasoning import PARSERS, thinking_end
 
 CASES = {  # parser: [(output, reasoning, content)]
     "qwen3": [
@@ -52,19 +52,23 @@ def test_reasoning_is_sent_as_it_comes_and_a_possible_end_tag_held_back():
     assert stream.feed("ink>\n\nDone", False) == ("", "Done")
 
 
-def test_a_response_held_to_json_from_its_first_token_is_all_answer():
-    """response_format and forced tool calls hold the output to JSON from its first token: it
-    cannot open <think>, and deepseek_r1 would otherwise take the JSON for reasoning."""
+def test_a_response_held_to_json_thinks_first():
+    """response_format and forced tool calls think first, their JSON after it; a grammar of the
+    request's own holds the output from its first token (it may spell out <think>)."""
     from router.openai_api import OutputParsers, parse_chat
 
     parsers, base = OutputParsers(reasoning="deepseek_r1"), {"messages": [{"role": "user", "content": "x"}]}
     tool = {"type": "function", "function": {"name": "f"}}
-    assert parse_chat(base, "m", 64, parsers).reasoning is PARSERS["deepseek_r1"]
+    job = parse_chat(base, "m", 64, parsers)
+    assert job.reasoning is PARSERS["deepseek_r1"] and not job.think_first
     for free in ({"structured_outputs": {"regex": "a"}}, {"response_format": {"type": "text"}}):
-        assert parse_chat({**base, **free}, "m", 64, parsers).reasoning is not None, free
+        job = parse_chat({**base, **free}, "m", 64, parsers)
+        assert job.reasoning is not None and not job.think_first, free
     for held in ({"response_format": {"type": "json_object"}}, {"tools": [tool], "tool_choice": "required"},
                  {"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "f"}}}):
-        assert parse_chat({**base, **held}, "m", 64, parsers).reasoning is None, held
+        job = parse_chat({**base, **held}, "m", 64, parsers)
+        assert job.reasoning is not None and job.think_first, held
+        assert not parse_chat({**base, **held}, "m", 64).think_first  # no parser: nothing to think
 
 
 def test_chat_template_kwargs_reach_the_template_by_name():
@@ -80,3 +84,16 @@ def test_chat_template_kwargs_reach_the_template_by_name():
                          ({"bos_token": "x"}, "sets ['bos_token']"), ({"x": {1, 2}}, "chat_template_kwargs")]:
         with pytest.raises(InvalidArgument, match=message.replace("[", r"\[")):
             check_template_kwargs(bad)
+
+
+def test_json_begins_where_the_thinking_ends_unless_the_prompt_closed_it():
+    """thinking_end: the run a response_format's JSON begins after, or None (from the first token)."""
+    tok, end = ByteTokenizer(), list(b"</think>")
+    for prompt, want in ((b"<|assistant|>\n", end), (b"<think>\n", end), (b"<think>a</think>\n<think>", end),
+                         (b"<think>\n\n</think>\n\n", None), (b"</thi", end)):
+        assert thinking_end(tok, list(prompt)) == want, prompt
+
+    class Spelled(ByteTokenizer):  # a tag of more tokens than a request may carry
+        def encode(self, text, add_special_tokens=True):
+            return [ord(c) for c in text * 3]
+    assert thinking_end(Spelled(), []) is None

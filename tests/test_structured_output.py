@@ -4,6 +4,7 @@ resumed from its output so far continues as it would have, and bad specs are ref
 without harming the engine. Clusters (test_cluster, test_chaos: prefill to decode, migration) and
 HTTP (test_http) run them too."""
 
+import dataclasses
 import json
 import math
 import re
@@ -81,6 +82,36 @@ def test_a_request_resumed_from_its_output_continues_as_it_would_have(engine):
         while engine.has_unfinished():
             out += [o for o in engine.step() if o.finished]
         assert out[0].token_ids == want
+
+
+def test_a_structured_output_after_a_run_of_tokens_begins_where_it_ends(engine):
+    """structured_outputs_after (a reasoning model's </think>, which the HTTP front sets): the text
+    before the run is free and the structured output begins after it, the run begun in the prompt
+    or not; live, or resumed after the run (a decode worker, a migration); alone, batched, async."""
+    prompt = list(b"<think>\nhmm\n</think")  # the run's last token is the output's first
+    bias = {ord(">"): 100.0}  # the free text's every token, where nothing masks it
+    after = SamplingParams(max_tokens=40, temperature=0.0, structured_outputs={"choice": CHOICES},
+                           structured_outputs_after=list(b"</think>"), logit_bias=bias)
+    never = dataclasses.replace(after, max_tokens=12, structured_outputs_after=list(b"</nope>"))
+    from_start = dataclasses.replace(after, structured_outputs_after=[])
+    outs = engine.generate([prompt] * 3, [after, never, from_start])
+    assert outs[0].text[0] == ">" and outs[0].text[1:] in CHOICES and outs[0].finish_reason == "stop"
+    assert outs[1].text == ">" * 12  # never begun: free
+    assert outs[2].text in CHOICES  # no '>' first: held from its first token
+    engine.add_sequence("resumed", prompt + outs[0].token_ids[:1], len(prompt), after, seed=0)
+    resumed = []
+    while engine.has_unfinished():
+        resumed += [o for o in engine.step() if o.finished]
+    assert resumed[0].token_ids == outs[0].token_ids
+    for kw in ({"async_scheduling": True}, {"async_scheduling": True, "max_num_batched_tokens": 7, "max_num_seqs": 4}):
+        other = Engine(model="dummy:nanogpt", **kw)
+        assert [o.token_ids for o in other.generate([prompt] * 3, [after, never, from_start])] == [
+            o.token_ids for o in outs], kw
+    for bad in ("x", [-1], list(range(17))):
+        with pytest.raises(InvalidArgument, match="structured_outputs_after"):
+            dataclasses.replace(after, structured_outputs_after=bad)
+    with pytest.raises(InvalidArgument, match="without structured_outputs"):
+        SamplingParams(structured_outputs_after=[1])
 
 
 def test_bad_specs_are_refused_by_name_and_the_engine_serves_on(engine):
