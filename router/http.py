@@ -322,12 +322,13 @@ class HttpFront:
             if isinstance(msg, P.Error):
                 raise ApiError(msg.code, msg.message)
             if isinstance(msg, P.Done):
-                # in JSON at once: the dicts of n choices' logprobs would be millions of objects, for the GC to walk
-                entries[i] = json.dumps(choices[i].final(msg)).encode()
+                # in JSON at once: the dicts of n choices' logprobs would be millions of objects, for the GC
+                # to walk; logprobs in a thread, as the GIL lets it, beside the loop (a choice's can be 30 ms)
+                entries[i] = (_final_json(choices[i], msg) if job.logprobs is None else
+                              await asyncio.to_thread(_final_json, choices[i], msg))
                 remaining -= 1
                 if not remaining:
                     break
-                await asyncio.sleep(0)  # the next may be queued already: a choice's logprobs are milliseconds
             item = await queue.get()
         return await self._json_body(request, Envelope(job, request_id).response(job, choices, entries), request_id,
                                      len(choices))
@@ -405,6 +406,10 @@ class HttpFront:
         except ConnectionError:  # the client went away (the caller cancels its requests)
             pass
         return response
+
+
+def _final_json(choice: Choice, done: P.Done) -> bytes:
+    return json.dumps(choice.final(done)).encode()
 
 
 def _list_pieces(name: str, ids: list[int], shown: Callable[[list[int]], list] = list) -> Iterator[bytes]:
