@@ -11,16 +11,13 @@ No pickle anywhere.
 
 from __future__ import annotations
 
-import dataclasses
-import types
-import typing
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgpack
 
 from common.errors import InvalidArgument, PdserveError, nested, short_repr as _short
 from common.text import LONE_SURROGATE
+from common.typed_fields import build, holds, schema
 
 PROTOCOL_VERSION = 1
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 2**20  # header frames; KV frames are capped separately
@@ -398,7 +395,7 @@ def reply_id(msg) -> str | None:
 
 
 def encode(msg) -> bytes:
-    body = {f.name: getattr(msg, f.name) for f in _schema(type(msg))[1]}  # plain data: no deep copy (asdict's)
+    body = {f.name: getattr(msg, f.name) for f in schema(type(msg))[1]}  # plain data: no deep copy (asdict's)
     body["v"] = PROTOCOL_VERSION
     body["type"] = type(msg).__name__
     try:
@@ -466,7 +463,7 @@ def decode(buf: bytes | memoryview, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
     if cls is None:
         raise ProtocolError(f"message type {tag!r} is unknown")
     try:
-        return _build(cls, body)
+        return build(cls, body, ProtocolError)
     except ProtocolError as e:  # the client can then fail that request at once, not at its timeout
         if cls is Generate and isinstance(body.get("request_id"), str):
             e.request_id = body["request_id"]
@@ -486,11 +483,11 @@ def unbatch_tokens(batch: WorkerTokenBatch | TokenBatch) -> list[WorkerTokens | 
     """Each item as the message it stands for, checked as a message of its own is; a bad item is
     its ProtocolError, in its place, and the others stand."""
     cls = ITEMS[type(batch)]
-    fields = _schema(cls)[1]
+    fields = schema(cls)[1]
     checks = [f.check for f in fields]
     out: list = []
     for i, item in enumerate(batch.items):
-        if type(item) is list and len(item) == len(checks) and all(map(_holds, checks, item)):
+        if type(item) is list and len(item) == len(checks) and all(map(holds, checks, item)):
             out.append(cls(*item))  # every field given and of its type: the usual item
             continue
         if not isinstance(item, list) or len(item) > len(fields):
@@ -498,85 +495,7 @@ def unbatch_tokens(batch: WorkerTokenBatch | TokenBatch) -> list[WorkerTokens | 
                                      f"most {len(fields)} {cls.__name__} fields"))
             continue
         try:  # defaults to fill in, or an error to name
-            out.append(_build(cls, {f.name: v for f, v in zip(fields, item)}))
+            out.append(build(cls, {f.name: v for f, v in zip(fields, item)}, ProtocolError))
         except ProtocolError as e:
             out.append(e)
     return out
-
-
-def _holds(check: Callable[[object], bool], value) -> bool:
-    return check(value)
-
-
-@dataclass(frozen=True)
-class _Field:
-    name: str
-    required: bool
-    hint: object
-    check: Callable[[object], bool]
-
-
-_SCHEMAS: dict[type, tuple[frozenset, tuple[_Field, ...]]] = {}
-
-
-def _schema(cls) -> tuple[frozenset, tuple[_Field, ...]]:
-    """A message class's field names and fields, each with its type check made once: decoding
-    runs for every message (32 KV chunks to a 64 MB transfer), and reading type hints is slow."""
-    schema = _SCHEMAS.get(cls)
-    if schema is None:
-        hints = typing.get_type_hints(cls)
-        fields = tuple(_Field(f.name, f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
-                              hints[f.name], _checker(hints[f.name])) for f in dataclasses.fields(cls))
-        schema = _SCHEMAS[cls] = (frozenset(f.name for f in fields), fields)
-    return schema
-
-
-def _build(cls, body: dict):
-    names, fields = _schema(cls)
-    if not names.issuperset(body):
-        unknown = set(body) - names
-        raise ProtocolError(f"{cls.__name__}: unknown fields {sorted(map(str, unknown))}; allowed: {sorted(names)}")
-    for f in fields:
-        if f.name not in body:
-            if f.required:
-                raise ProtocolError(f"{cls.__name__}: missing field {f.name!r}")
-        elif not f.check(body[f.name]):
-            raise ProtocolError(f"{cls.__name__}.{f.name}={_short(body[f.name])} has the wrong type; "
-                                f"allowed: {_type_name(f.hint)}")
-    return cls(**body)
-
-
-_INT = {int}
-
-
-def _checker(hint) -> Callable[[object], bool]:
-    """A test of whether a decoded value is of this type (msgpack gives exact ints, lists and dicts)."""
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(hint)
-        if len(args) == 2 and type(None) in args:  # X | None, most of them: no generator per value
-            check = _checker(next(h for h in args if h is not type(None)))
-            return lambda v: v is None or check(v)
-        checks = [_checker(h) for h in args]
-        return lambda v: any(c(v) for c in checks)
-    if hint is type(None):
-        return lambda v: v is None
-    if origin is list:
-        (item,) = typing.get_args(hint) or (typing.Any,)
-        if item is int:  # token ids: the long lists, checked in C (a generator costs 1.7x)
-            return lambda v: isinstance(v, list) and set(map(type, v)) <= _INT
-        check = _checker(item)
-        return lambda v: isinstance(v, list) and all(check(x) for x in v)
-    if origin is dict or hint is dict:
-        return lambda v: isinstance(v, dict)
-    if hint is typing.Any:
-        return lambda v: True
-    if hint is int:
-        return lambda v: type(v) is int  # msgpack's ints are exact; a bool is not one
-    if hint is float:
-        return lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
-    return lambda v: isinstance(v, hint)
-
-
-def _type_name(hint) -> str:
-    return hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "")
