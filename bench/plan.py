@@ -35,7 +35,7 @@ from bench.goodput import CLEAR_MARGIN, SLO, Point, Search, find_goodput
 from bench.profile import PROFILE_VERSION, model_from_json
 from bench.report import print_json, print_table
 from bench.scaling import Sweep, Topology
-from bench.simulate import Placement, WorkerModel, simulate
+from bench.simulate import Hosting, WorkerModel, simulate
 from bench.workloads import Workload, fit, get_workload
 from common.errors import InvalidArgument
 from router.launcher import threads_per_worker
@@ -101,15 +101,15 @@ class Profile:
         return (f"read profile {str(path)!r}: {self.model} on {self.device}, workers of {threads} thread(s); {age} "
                 "(--reprofile to measure anew)")
 
-    def local(self, t: Topology, background_cores: float = 0.0) -> tuple[WorkerModel, Placement]:
+    def local(self, t: Topology, background_cores: float = 0.0) -> tuple[WorkerModel, Hosting]:
         """A topology on the profiling machine: its workers share the host as the launcher splits
         it, with the router, the clients and background_cores of other work."""
         if self.host_cores is None:  # GPUs: one device per worker, the host's CPU is no limit
-            return next(iter(self.models.values())), Placement()
+            return next(iter(self.models.values())), Hosting()
         threads = threads_per_worker(t.devices, self.host_cores)
         have = min(self.models, key=lambda k: (abs(k - threads), k))
-        return self.models[have], Placement(host_cores=self.host_cores, front_on_host=True,
-                                            background_cores=background_cores)
+        return self.models[have], Hosting(host_cores=self.host_cores, front_on_host=True,
+                                          background_cores=background_cores)
 
     @property
     def device_model(self) -> WorkerModel:
@@ -126,14 +126,14 @@ def start_rate(m: WorkerModel, workload: Workload, t: Topology) -> float:
     return max(1e-3, 0.5 * max(t.mono, t.decode, 1) / one)
 
 
-def predict(m: WorkerModel, placement: Placement, t: Topology, workload: Workload, slo: SLO, sweep: Sweep,
+def predict(m: WorkerModel, hosting: Hosting, t: Topology, workload: Workload, slo: SLO, sweep: Sweep,
             start: float | None = None) -> Search:
     context = m.engine.max_model_len
     mean_output = workload.mean_output_tokens(context)
 
     def measure(rate: float) -> Point:
         reqs = [fit(r, context) for r in workload.requests(rate, sweep.requests_at(rate, slo, mean_output), sweep.seed)]
-        return simulate(m, t.prefill, t.decode, t.mono, placement, rate, reqs, slo, slo.attainment - CLEAR_MARGIN,
+        return simulate(m, t.prefill, t.decode, t.mono, hosting, rate, reqs, slo, slo.attainment - CLEAR_MARGIN,
                         (t.local, t.queue))
 
     return find_goodput(measure, slo.attainment, start or sweep.start_rate or start_rate(m, workload, t),
@@ -193,14 +193,14 @@ class Planner:
         key = (t, background_cores, start)
         if key not in self.searches:
             if t.devices <= self.local_workers:
-                m, placement = self.profile.local(t, background_cores)
-                s = predict(m, placement, t, self.workload, self.slo, self.sweep, start)
+                m, hosting = self.profile.local(t, background_cores)
+                s = predict(m, hosting, t, self.workload, self.slo, self.sweep, start)
             else:  # every host runs the same slice; a load-blind router sends KV off-host (h - 1) / h of the time
                 h = self.hosts(t.devices)
                 part = Topology(t.prefill // h, t.decode // h, t.mono // h, t.local, t.queue)
                 gbps, latency_s = self.network
-                placement = Placement(cross_host=(h - 1) / h, network_gbps=gbps, network_latency_s=latency_s)
-                s = scaled(predict(self.profile.device_model, placement, part, self.workload, self.slo, self.sweep,
+                hosting = Hosting(cross_host=(h - 1) / h, network_gbps=gbps, network_latency_s=latency_s)
+                s = scaled(predict(self.profile.device_model, hosting, part, self.workload, self.slo, self.sweep,
                                    start and start / h), h)
             self.searches[key] = s
             under = f" under {background_cores:.2f} cores of other work" if background_cores else ""

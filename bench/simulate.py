@@ -130,7 +130,7 @@ class WorkerModel:
 
 
 @dataclass(frozen=True)
-class Placement:
+class Hosting:
     """Where the workers run: one host. host_cores None: each worker has a device of its own (no
     CPU contention); else they share the host's cores (with the router and clients, if there)."""
 
@@ -256,12 +256,12 @@ class SimWorker:
 
 
 class Simulation:
-    def __init__(self, model: WorkerModel, prefill: int, decode: int, mono: int, placement: Placement,
+    def __init__(self, model: WorkerModel, prefill: int, decode: int, mono: int, hosting: Hosting,
                  rate: float, requests: list[Request], slo: SLO | None = None, stop_below: float | None = None,
                  local_prefill: tuple[int, int] = (0, 0)):
         if (prefill == 0) != (decode == 0) or prefill + decode + mono == 0 or (mono and prefill):
             raise ValueError(f"topology {prefill}p{decode}d + {mono} mono is not one pdserve runs")
-        self.model, self.placement = model, placement
+        self.model, self.hosting = model, hosting
         # the router's --max-local-prefill-length and --max-prefill-queue (router/placement.py)
         self.local_limit, self.queue_limit = local_prefill
         roles = [("prefill", prefill), ("decode", decode), ("mono", mono)]
@@ -275,7 +275,7 @@ class Simulation:
         mean_out = sum(r.output_tokens for r in requests) / max(1, len(requests))
         self.front_cores = rate * (model.front_cpu_request_s + model.front_cpu_token_s * mean_out)
         # what runs on the host before the workers (host_slowdown): other work, and the router and clients if there
-        self.host_front_cores = placement.background_cores + (self.front_cores if placement.front_on_host else 0.0)
+        self.host_front_cores = hosting.background_cores + (self.front_cores if hosting.front_on_host else 0.0)
         self.slo = slo
         # Give up once so many requests are sure to miss the SLO that attainment is below stop_below.
         self.give_up_at = None if stop_below is None else math.floor((1 - stop_below) * len(requests)) + 1
@@ -368,7 +368,7 @@ class Simulation:
         mixed = w.role == "mono" or (w.role == "decode" and chunks)  # a decode worker's local prefill, too
         cost = self.model.mono_step if mixed and self.model.mono_step else self.model.step
         w.step = Step(batch, cost(chunks, len(lengths), self.model.kv_read(lengths)), self.now)
-        if self.placement.host_cores:
+        if self.hosting.host_cores:
             self.share()
         else:
             self.at(self.now + w.step.work_left, self.step_done, w, w.step, 0)
@@ -377,7 +377,7 @@ class Simulation:
         """The host's cores shared (host_slowdown): a step starting or ending changes how fast every
         step under way progresses; their end events are moved accordingly."""
         stepping = [w for w in self.workers if w.step is not None]
-        slowdown = host_slowdown(len(stepping), self.model.cores, self.host_front_cores, self.placement.host_cores,
+        slowdown = host_slowdown(len(stepping), self.model.cores, self.host_front_cores, self.hosting.host_cores,
                                  self.model.co_run)
         for w in stepping:
             s = w.step
@@ -389,7 +389,7 @@ class Simulation:
         if w.step is not step or step.version != version:
             return  # moved by contention: a later event ends it
         batch, w.step = w.step.batch, None
-        if self.placement.host_cores:
+        if self.hosting.host_cores:
             self.share()
         for seq in w.engine.finish_step(batch):
             r = self.requests[seq.request_id]
@@ -451,8 +451,8 @@ class Simulation:
 
     def handoff(self, r: SimRequest) -> None:
         tokens = r.req.prompt_tokens
-        if self.crossing.random() < self.placement.cross_host:
-            t = self.placement.network_s(tokens * self.model.kv_bytes_per_token)
+        if self.crossing.random() < self.hosting.cross_host:
+            t = self.hosting.network_s(tokens * self.model.kv_bytes_per_token)
         else:
             t = self.model.handoff_s(tokens)
         self.at(self.now + t, self.arrived, r)
@@ -480,14 +480,14 @@ def latency(r: SimRequest, front_latency_s: float, now: float) -> Latency:
                    gaps)
 
 
-def simulate(model: WorkerModel, prefill: int, decode: int, mono: int, placement: Placement, rate: float,
+def simulate(model: WorkerModel, prefill: int, decode: int, mono: int, hosting: Hosting, rate: float,
              requests: list[Request], slo: SLO, stop_below: float | None = None,
              local_prefill: tuple[int, int] = (0, 0)) -> Point:
     """One rate: every request served to its length; the SLO attainment and what was delivered.
     With stop_below, a run whose attainment is sure to end below it stops there: the search only
     needs to know it failed clearly. The requests not finished then count by their latencies so
     far (what they were missing, for `plan.bound`), so such a point's attainment is an upper bound."""
-    sim = Simulation(model, prefill, decode, mono, placement, rate, requests, slo, stop_below, local_prefill)
+    sim = Simulation(model, prefill, decode, mono, hosting, rate, requests, slo, stop_below, local_prefill)
     done = sim.run()
     records = [latency(r, model.front_latency_s, sim.now) for r in done]
     half = model.front_latency_s / 2  # a client sees a worker's token this much later
