@@ -64,8 +64,7 @@ set -u
 # KVReserve by send_nowait: bench handoff and the cluster GPU tests run it.
 # since 2026-11-30 (twenty-ninth session), a step holding a request whose structured output waits for
 # its structured_outputs_after run (reasoning, then JSON) defers its sampling as a masked one does
-# (Engine.step); no GPU test holds such a request yet: tests/test_structured_output.py's run-of-tokens
-# test on cuda:0 would.
+# (Engine.step): test_a_structured_output_after_its_run_on_the_gpu_... runs it, through graphs and async.
 # A helper counted 60-70 us of Python a streamed piece on the cuda_ipc path, not
 # the ~330 us measured: transfer-layers' --profile should name the call that blocks (an event's
 # record, wait_event, set_device, the Triton launcher's pointer checks, or garbage collection).

@@ -226,3 +226,15 @@ def test_penalties_bias_and_min_p_on_the_gpu_give_the_cpus_tokens_through_graphs
     bf16 = dict(model="dummy:llama-tiny", device="cuda:0", dtype="bfloat16", async_scheduling=True)
     alone = [Engine(**bf16).generate([p], sp)[0] for p, sp in zip(ps[:3], params[:3])]
     assert_same_results(Engine(**bf16).generate(ps[:3], params[:3]), alone)
+
+
+def test_a_structured_output_after_its_run_on_the_gpu_gives_the_cpus_tokens_through_graphs_and_async():
+    """A request whose structured output waits for its run (reasoning, then JSON) defers its
+    sampling as a masked one does: under async scheduling the token after the run is masked too."""
+    from tests.test_structured_output import after_a_run
+
+    prompt, params = after_a_run()
+    cpu = Engine(model="dummy:nanogpt").generate([prompt] * 3, params)
+    for on in (False, True):
+        gpu = Engine(model="dummy:nanogpt", device="cuda:0", dtype="float32", async_scheduling=on)
+        assert [o.token_ids for o in gpu.generate([prompt] * 3, params)] == [o.token_ids for o in cpu], on

@@ -84,16 +84,21 @@ def test_a_request_resumed_from_its_output_continues_as_it_would_have(engine):
         assert out[0].token_ids == want
 
 
+def after_a_run() -> tuple[list[int], list[SamplingParams]]:
+    """A prompt that ends inside </think>, and a choice of CHOICES after that run, after a run that
+    never comes, and from the first token; a bias makes '>' every token nothing masks."""
+    prompt = list(b"<think>\nhmm\n</think")  # the run's last token is the output's first
+    after = SamplingParams(max_tokens=40, temperature=0.0, structured_outputs={"choice": CHOICES},
+                           structured_outputs_after=list(b"</think>"), logit_bias={ord(">"): 100.0})
+    return prompt, [after, dataclasses.replace(after, max_tokens=12, structured_outputs_after=list(b"</nope>")),
+                    dataclasses.replace(after, structured_outputs_after=[])]
+
+
 def test_a_structured_output_after_a_run_of_tokens_begins_where_it_ends(engine):
     """structured_outputs_after (a reasoning model's </think>, which the HTTP front sets): the text
     before the run is free and the structured output begins after it, the run begun in the prompt
     or not; live, or resumed after the run (a decode worker, a migration); alone, batched, async."""
-    prompt = list(b"<think>\nhmm\n</think")  # the run's last token is the output's first
-    bias = {ord(">"): 100.0}  # the free text's every token, where nothing masks it
-    after = SamplingParams(max_tokens=40, temperature=0.0, structured_outputs={"choice": CHOICES},
-                           structured_outputs_after=list(b"</think>"), logit_bias=bias)
-    never = dataclasses.replace(after, max_tokens=12, structured_outputs_after=list(b"</nope>"))
-    from_start = dataclasses.replace(after, structured_outputs_after=[])
+    prompt, (after, never, from_start) = after_a_run()
     outs = engine.generate([prompt] * 3, [after, never, from_start])
     assert outs[0].text[0] == ">" and outs[0].text[1:] in CHOICES and outs[0].finish_reason == "stop"
     assert outs[1].text == ">" * 12  # never begun: free
