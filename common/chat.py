@@ -108,12 +108,17 @@ def check_template_kwargs(kwargs) -> dict | None:
         return None
     if not isinstance(kwargs, dict):
         raise InvalidArgument(f"chat_template_kwargs={_short(kwargs)} is invalid; allowed: an object of template "
-                              'variables, e.g. {"enable_thinking": false}')
+                              'variables, e.g. {"enable_thinking": false}', param="chat_template_kwargs")
     taken = sorted(k for k in kwargs if k in TEMPLATE_OWN or k in SPECIAL_TOKENS)
     if taken:
         raise InvalidArgument(f"chat_template_kwargs sets {taken}; allowed: other names ({', '.join(TEMPLATE_OWN)} "
-                              "and the special tokens come from the request and the model)")
-    _check_data(kwargs, "chat_template_kwargs")
+                              "and the special tokens come from the request and the model)",
+                              param="chat_template_kwargs")
+    try:
+        _check_data(kwargs, "chat_template_kwargs")
+    except InvalidArgument as e:
+        e.param = "chat_template_kwargs"
+        raise
     return kwargs
 
 

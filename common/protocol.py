@@ -46,6 +46,11 @@ class Generate:
     # vLLM's add_special_tokens for a text or chat prompt: None, a text's tokenizer adds BOS and the like,
     # a chat's template writes its own (router/prompts.py Prompts.encode)
     add_special_tokens: bool | None = None
+    # a chat's template options (common/chat.py TemplateArgs): vLLM's chat_template_kwargs, and where
+    # its prompt ends
+    chat_template_kwargs: dict | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 @dataclass

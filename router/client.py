@@ -18,7 +18,8 @@ renders it with the model's chat template. Sampling options are SamplingParams' 
 `stop=["\n\n"]` ends the text at that string (finish_reason "stop"), `logprobs=N` gives each
 token's logprob and N alternatives (Chunk.logprobs, Result.logprobs). `add_special_tokens`
 (vLLM's) goes with them: False, a text without the tokenizer's BOS; True, a chat with it before
-its template's. Failures raise
+its template's; so do a chat's template options, as over HTTP: `chat_template_kwargs`
+({"enable_thinking": False}), `add_generation_prompt` and `continue_final_message`. Failures raise
 RequestError carrying the router's code (INVALID_ARGUMENT, OVERLOADED, UNAVAILABLE, TIMEOUT, ...)
 and message. Many requests may be in
 flight on one client; replies are matched to them by request id. If the connection to the router

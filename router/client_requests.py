@@ -66,12 +66,19 @@ def checked_request_id(request_id) -> str | None:
     return request_id
 
 
+CHAT_TEMPLATE_OPTIONS = ("chat_template_kwargs", "add_generation_prompt", "continue_final_message")  # P.Generate's
+
+
 def generate_message(request_id: str, prompt, messages, sampling: dict, stream: bool) -> P.Generate:
     if (prompt is None) == (messages is None):
         raise InvalidArgument(f"prompt={short_repr(prompt)} with messages={short_repr(messages)} is invalid; allowed: "
                               "exactly one of prompt (text or token ids) or messages (chat)", param="prompt")
     sampling = dict(sampling)
     special = sampling.pop("add_special_tokens", None)  # the prompt's, not the sampling's
+    template = {name: sampling.pop(name) for name in CHAT_TEMPLATE_OPTIONS if name in sampling}  # the chat's
+    if template and messages is None:
+        raise InvalidArgument(f"{sorted(template)[0]} without messages is invalid; allowed: with messages (chat)",
+                              param=sorted(template)[0])
     bias = sampling.get("logit_bias")
     if isinstance(bias, dict):  # the protocol's maps take string keys only: [token, bias] pairs
         sampling["logit_bias"] = [[t, b] for t, b in bias.items()]
@@ -79,8 +86,9 @@ def generate_message(request_id: str, prompt, messages, sampling: dict, stream: 
         P.check_maps(value, name)
     if messages is not None:
         P.check_maps(messages, "messages")
+    P.check_maps(template.get("chat_template_kwargs"), "chat_template_kwargs")
     return P.Generate(request_id, "" if prompt is None else prompt, sampling, stream, messages, token_batches=True,
-                      add_special_tokens=special)
+                      add_special_tokens=special, **template)
 
 
 def raise_error(msg: P.Error):

@@ -364,11 +364,7 @@ def parse_chat(body, served_model: Served, context: int, parsers: OutputParsers 
 
 def _template_args(body: dict, tools: list[dict] | None = None) -> TemplateArgs:
     """A chat's TemplateArgs from its body's TEMPLATE_FIELDS."""
-    try:
-        kwargs = check_template_kwargs(body.get("chat_template_kwargs"))
-    except InvalidArgument as e:
-        e.param = "chat_template_kwargs"
-        raise
+    kwargs = check_template_kwargs(body.get("chat_template_kwargs"))
     documents = _get(body, "documents", DOCUMENTS)  # vLLM's: for a RAG template (Command R's, Granite's)
     if documents is not None:
         kwargs = {**(kwargs or {}), "documents": documents}

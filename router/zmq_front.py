@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Callable
 
 from common import protocol as P
 from common.channel import Channel, Envelope
+from common.chat import TemplateArgs, check_template_kwargs
 from common.errors import InvalidArgument
 
 if TYPE_CHECKING:
@@ -79,7 +80,10 @@ class ZmqFront:
     def _admit(self, client: bytes, msg: P.Generate):
         router, received = self.router, time.monotonic()
         try:
-            ids, params = router.prompts.validate(msg.prompt, msg.messages, msg.sampling,
+            template = None if msg.messages is None else TemplateArgs(
+                None, check_template_kwargs(msg.chat_template_kwargs), msg.add_generation_prompt,
+                msg.continue_final_message)
+            ids, params = router.prompts.validate(msg.prompt, msg.messages, msg.sampling, template=template,
                                                   add_special_tokens=msg.add_special_tokens)
         except InvalidArgument as e:
             router.metrics.on_error(e.code)

@@ -2,6 +2,7 @@
 through a real cluster."""
 
 import json
+import re
 import shutil
 
 import pytest
@@ -138,6 +139,20 @@ def test_an_sdk_request_takes_add_special_tokens_as_an_http_one(checkpoint, tmp_
             assert client.generate(**request, max_tokens=1).prompt_token_ids == ids, request
         with pytest.raises(RequestError, match="add_special_tokens"):
             client.generate("hello", max_tokens=1, add_special_tokens="no")
+        # a chat's template options, as over HTTP
+        started = [*CONVERSATION, {"role": "assistant", "content": "It is"}]
+        tok = load_tokenizer(str(checkpoint))
+        for options in (dict(add_generation_prompt=False, continue_final_message=True),
+                        dict(add_generation_prompt=False), dict(chat_template_kwargs={"unused": 1})):
+            want = tok.encode_chat(started, options.get("add_generation_prompt", True),
+                                   continue_final_message=options.get("continue_final_message", False))
+            assert client.generate(messages=started, max_tokens=1, **options).prompt_token_ids == want, options
+        for options, said in ((dict(continue_final_message=True), "add_generation_prompt=false"),
+                              (dict(chat_template_kwargs={"messages": []}), "sets ['messages']")):
+            with pytest.raises(RequestError, match=re.escape(said)):
+                client.generate(messages=started, max_tokens=1, **options)
+        with pytest.raises(InvalidArgument, match="continue_final_message without messages"):
+            client.generate("hello", max_tokens=1, continue_final_message=True)
 
 
 _ADDED = {"0": {"content": "<s>", "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
