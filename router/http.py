@@ -35,10 +35,14 @@ after it comes as an SSE event {"error": ...}, then [DONE].
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
+import fcntl
 import json
 import logging
 import socket
+import struct
+import termios
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -143,6 +147,8 @@ class HttpFront:
         self.listener: asyncio.Server | None = None
         self._sweeping: asyncio.Future | None = None
         self._inflight: set[asyncio.Queue] = set()  # each HTTP request's reply queue
+        # choices' logprobs made JSON (_collect): a thread of their own, not the one that tokenizes new requests
+        self._json_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="http-json")
 
     @property
     def url(self) -> str:
@@ -175,6 +181,7 @@ class HttpFront:
             self.listener.close()
         if self.runner is not None:
             await self.runner.cleanup()
+        self._json_thread.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ routes
 
@@ -324,14 +331,16 @@ class HttpFront:
             if isinstance(msg, P.Done):
                 # in JSON at once: the dicts of n choices' logprobs would be millions of objects, for the GC
                 # to walk; logprobs in a thread, as the GIL lets it, beside the loop (a choice's can be 30 ms)
-                entries[i] = (_final_json(choices[i], msg) if job.logprobs is None else
-                              await asyncio.to_thread(_final_json, choices[i], msg))
+                if job.logprobs is None:
+                    entries[i] = _final_json(choices[i], msg)
+                else:
+                    entries[i] = await asyncio.get_running_loop().run_in_executor(self._json_thread, _final_json,
+                                                                                  choices[i], msg)
                 remaining -= 1
                 if not remaining:
                     break
             item = await queue.get()
-        return await self._json_body(request, Envelope(job, request_id).response(job, choices, entries), request_id,
-                                     len(choices))
+        return await self._json_body(request, Envelope(job, request_id).response(job, choices, entries), request_id)
 
     async def _json_body(self, request: web.Request, pieces: Iterator[bytes], request_id: str,
                          choices: int = 0) -> web.StreamResponse:
@@ -361,18 +370,26 @@ class HttpFront:
 
     async def _write(self, request: web.Request, response: web.StreamResponse, data: bytes, request_id: str,
                      choices: int) -> bool:
-        """data written to the client, or False: it stopped reading, and waited send_wait_s, and its
-        connection is closed (its requests' tokens would wait here for good, their choices decoding)."""
-        if not _write_may_wait(request.transport, len(data)):
+        """data written to the client, or False: it read nothing of what waits for send_wait_s, and
+        its connection is closed (its requests' tokens would wait here for good, their choices
+        decoding). One that reads, however slowly, is waited for."""
+        transport = request.transport
+        if not _write_may_wait(transport, len(data)):
             await response.write(data)  # (a timer a write cost the router a tenth of its HTTP tokens/s)
             return True
-        try:
-            await asyncio.wait_for(response.write(data), self.send_wait_s)
-            return True
-        except asyncio.TimeoutError:
-            self.request_log.http_client_stalled(request.remote, request_id, choices, self.send_wait_s)
-            request.transport.abort()
-            return False
+        writing = asyncio.ensure_future(response.write(data))
+        await asyncio.sleep(0)  # its bytes handed to the transport, which waits for the client
+        waiting = _unread(transport)
+        while not (await asyncio.wait({writing}, timeout=self.send_wait_s))[0]:
+            left = _unread(transport)
+            if left >= waiting:
+                writing.cancel()
+                self.request_log.http_client_stalled(request.remote, request_id, choices, self.send_wait_s)
+                transport.abort()
+                return False
+            waiting = left
+        writing.result()  # (a connection lost meanwhile raises, as a write does)
+        return True
 
     async def _stream(self, request: web.Request, job: Job, choices: list[Choice], queue: asyncio.Queue,
                       item, request_id: str) -> web.StreamResponse:
@@ -418,6 +435,18 @@ def _list_pieces(name: str, ids: list[int], shown: Callable[[list[int]], list] =
     for i in range(0, len(ids), TOKENS_PER_PIECE):
         yield (b", " if i else b"") + json.dumps(shown(ids[i:i + TOKENS_PER_PIECE]))[1:-1].encode()
     yield b"]"
+
+
+def _unread(transport) -> int:
+    """Bytes written to a connection that its client has not read yet: in the transport's buffer,
+    and on Linux in the socket's send queue too, which holds megabytes and takes more from the
+    transport only once much of it is read."""
+    sock = transport.get_extra_info("socket")
+    try:
+        queued = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+    except (AttributeError, OSError, ValueError):  # no socket, or not Linux: the transport's alone
+        queued = 0
+    return transport.get_write_buffer_size() + queued
 
 
 def _write_may_wait(transport, size: int) -> bool:

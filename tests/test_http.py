@@ -644,6 +644,65 @@ def test_a_stream_whose_client_reads_nothing_stops_and_its_connection_closes(ser
     assert api(served).completions.create(model=MODEL, prompt="hi", max_tokens=3).usage.completion_tokens == 3
 
 
+def test_a_body_of_megabytes_is_waited_for_while_its_client_reads_however_slowly():
+    """A body written in 1 MiB pieces is waited for as long as its client reads (a piece that took
+    longer than send_wait_s to a client reading 1.3 MB/s was cut, once the kernel's buffers were
+    full); a client that reads nothing for send_wait_s is cut, its connection closed."""
+    import types
+
+    from aiohttp.test_utils import TestServer
+
+    from router.http import HttpFront
+    from router.prompts import Prompts
+
+    prompts = Prompts(MODEL)
+    front = HttpFront(types.SimpleNamespace(prompts=prompts, rejected=lambda code: None, max_queue=16), "127.0.0.1",
+                      0, None, 2**24)
+    front.send_wait_s = 0.3
+    text = "hello world, " * 96000  # 6 MB of /tokenize's JSON: more than the kernel's buffers hold
+
+    def read(port: int, pause_s: float, first_pause_s: float = 0.0, ask: dict | None = None,
+             window: int = 1 << 16) -> bytes:
+        body = json.dumps(ask or {"prompt": text}).encode()
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, window)
+            sock.connect(("127.0.0.1", port))
+            sock.sendall(b"POST /tokenize HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\n"
+                         + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            time.sleep(first_pause_s)
+            got = []
+            sock.settimeout(30)
+            while True:
+                try:
+                    piece = sock.recv(1 << 16)
+                except ConnectionResetError:
+                    break
+                if not piece:
+                    break
+                got.append(piece)
+                time.sleep(pause_s)
+            return b"".join(got)
+
+    async def scenario():
+        async with TestServer(front.app) as server:
+            slow = await asyncio.to_thread(read, server.port, 0.05)  # 64 KiB a twentieth of a second
+            stopped = await asyncio.to_thread(read, server.port, 0.0, 1.0, None, 4096)  # nothing for 1 s, then all
+            return slow, stopped
+
+    slow, stopped = asyncio.run(scenario())
+    head, _, chunked = slow.partition(b"\r\n\r\n")
+    assert b"Transfer-Encoding: chunked" in head and slow.endswith(b"\r\n0\r\n\r\n"), f"cut after {len(slow)} bytes"
+    body, rest = b"", chunked
+    while True:  # the chunks' sizes, then their bytes
+        size, _, rest = rest.partition(b"\r\n")
+        if int(size, 16) == 0:
+            break
+        body, rest = body + rest[:int(size, 16)], rest[int(size, 16) + 2:]
+    assert json.loads(body)["tokens"] == prompts.encode(text, None)
+    # cut: what the kernel held when the connection was closed (3 MB of 6), and no last chunk
+    assert not stopped.endswith(b"\r\n0\r\n\r\n") and len(stopped) < 0.75 * len(slow)
+
+
 def test_x_request_id_names_the_response_and_the_log_lines_and_a_bad_one_is_refused(served):
     """vLLM's X-Request-Id: echoed, in the response's id, and in the router's and the access log's
     lines (--log-requests), from the router process and from API servers alike."""
