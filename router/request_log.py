@@ -97,8 +97,8 @@ class RequestLog:
                     f": its {len(reqs)} requests cancelled: {_ids(reqs)}" if reqs else "")
 
     def http_client_stalled(self, remote: str | None, request_id: str, choices: int, wait_s: float):
-        log.warning("HTTP client %s read nothing of response %s for %.0f s: its connection closes%s", remote, request_id,
-                    wait_s, f" and its {choices} choices stop" if choices else "")
+        log.warning("HTTP client %s read nothing of response %s for %.0f s: its connection closes%s", remote,
+                    request_id, wait_s, f" and its {choices} choices stop" if choices else "")
 
     def client_stalled(self, client, reqs: list, wait_s: float):
         log.warning("client %s read nothing for %.0f s: its %d requests end with UNAVAILABLE: %s", client_name(client),

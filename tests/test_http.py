@@ -667,8 +667,8 @@ def test_a_body_of_megabytes_is_waited_for_while_its_client_reads_however_slowly
         with socket.socket() as sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, window)
             sock.connect(("127.0.0.1", port))
-            sock.sendall(b"POST /tokenize HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\n"
-                         + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            sock.sendall(b"POST /tokenize HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                         + f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
             time.sleep(first_pause_s)
             got = []
             sock.settimeout(30)
