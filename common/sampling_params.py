@@ -64,9 +64,10 @@ class SamplingParams:
     structured_outputs: None, or {kind: value} holding the output to a JSON schema, any JSON
     object, a regex, a choice of strings or a grammar (common/structured_output.py); its mask
     comes before the adjustments above. structured_outputs_after: token ids (at most
-    MAX_AFTER_TOKENS) after whose first run in the output the structured output begins, the text
-    before them free: a reasoning model's end of thinking (`</think>`), which the HTTP front sets
-    under --reasoning-parser; empty: from the first token."""
+    MAX_AFTER_TOKENS) after whose first run that ends in the output (it may begin in the prompt's
+    last tokens) the structured output begins, the text before them free: a reasoning model's end
+    of thinking (`</think>`), which the HTTP front sets under --reasoning-parser; empty: from the
+    first token."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -186,6 +187,8 @@ class SamplingParams:
         protocol's maps take string keys only."""
         d = asdict(self)
         d["logit_bias"] = [[t, b] for t, b in self.logit_bias.items()]
+        if not self.structured_outputs_after:  # (a worker from before it refuses the field: at its default, left out)
+            del d["structured_outputs_after"]
         return d
 
     @classmethod

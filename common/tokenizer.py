@@ -90,6 +90,7 @@ class ByteTokenizer(_ChatMixin):
     bos_token_id = 256
     eos_token_id = 257
     vocab_size = 258
+    one_spelling = True  # every text is one run of tokens, a byte each, wherever it stands (router/reasoning.py)
     SPECIALS = {256: b"<s>", 257: b"</s>"}
 
     def __init__(self):

@@ -99,12 +99,21 @@ PARSERS = {p.name: p for p in (ReasoningParser("qwen3", False), ReasoningParser(
 def thinking_end(tokenizer, prompt_ids: list[int]) -> list[int] | None:
     """The token ids with which the output ends its thinking, where the prompt leaves the model to
     think before its structured output (which begins after them: SamplingParams'
-    structured_outputs_after); None where the prompt has closed the thinking already, or the tag
-    is no short run of tokens."""
+    structured_outputs_after). None where the prompt has just closed the thinking (`</think>` and
+    only whitespace after it: a template given enable_thinking: false), or where the tags are not
+    single tokens: a tag of several (`</`, `think`, `>`) is spelled otherwise in other text
+    (`>\n\n` one token), and its run might never be seen (vLLM too takes one token), unless the
+    tokenizer spells every text one way (a byte a token)."""
     start, end = (tokenizer.encode(tag, add_special_tokens=False) for tag in (START, END))
-    if not end or len(end) > MAX_AFTER_TOKENS:
+    if not end or len(end) > MAX_AFTER_TOKENS or (
+            max(len(start), len(end)) > 1 and not getattr(tokenizer, "one_spelling", False)):
         return None
-    return None if _last_run(prompt_ids, end) > _last_run(prompt_ids, start) else end
+    closed = _last_run(prompt_ids, end)
+    if closed > _last_run(prompt_ids, start):
+        after = prompt_ids[closed + len(end):]
+        if len(after) <= MAX_AFTER_TOKENS and not tokenizer.decode(after).strip():
+            return None
+    return end
 
 
 def _last_run(ids: list[int], run: list[int]) -> int:

@@ -90,10 +90,15 @@ def test_json_begins_where_the_thinking_ends_unless_the_prompt_closed_it():
     """thinking_end: the run a response_format's JSON begins after, or None (from the first token)."""
     tok, end = ByteTokenizer(), list(b"</think>")
     for prompt, want in ((b"<|assistant|>\n", end), (b"<think>\n", end), (b"<think>a</think>\n<think>", end),
-                         (b"<think>\n\n</think>\n\n", None), (b"</thi", end)):
+                         (b"<think>\n\n</think>\n\n", None), (b"</thi", end),
+                         # an earlier turn's thinking, closed long before this turn's answer (a tool loop)
+                         (b"<think>a</think>\n\ncall<|tool|>\nsunny\n<|assistant|>\n", end)):
         assert thinking_end(tok, list(prompt)) == want, prompt
 
     class Spelled(ByteTokenizer):  # a tag of more tokens than a request may carry
         def encode(self, text, add_special_tokens=True):
             return [ord(c) for c in text * 3]
-    assert thinking_end(Spelled(), []) is None
+
+    class Pieces(ByteTokenizer):  # a tag of several tokens, which other text may spell otherwise
+        one_spelling = False
+    assert thinking_end(Spelled(), []) is None and thinking_end(Pieces(), []) is None
