@@ -62,9 +62,10 @@ set -u
 # since 2026-11-30 (twenty-seventh session), a prefill worker's KV messages to a decode worker go by
 # try_send(track=True), at most PEER_SEND_WAIT_S (1 s) at a full queue (nccl's announce included), and
 # KVReserve by send_nowait: bench handoff and the cluster GPU tests run it.
-# since 2026-11-30 (twenty-ninth session), a step holding a request whose structured output waits for
-# its structured_outputs_after run (reasoning, then JSON) defers its sampling as a masked one does
-# (Engine.step): test_a_structured_output_after_its_run_on_the_gpu_... runs it, through graphs and async.
+# since 2026-11-30 (twenty-ninth session), a request whose structured output waits for its
+# structured_outputs_after run (reasoning, then JSON) has its first mask applied on the device where
+# its pending token ends the run (logits_processing.adjust, no host sync):
+# test_a_structured_output_after_its_run_on_the_gpu_... runs it, through graphs and async.
 # A helper counted 60-70 us of Python a streamed piece on the cuda_ipc path, not
 # the ~330 us measured: transfer-layers' --profile should name the call that blocks (an event's
 # record, wait_event, set_device, the Triton launcher's pointer checks, or garbage collection).

@@ -415,8 +415,8 @@ class Engine:
         batch = self.last_batch = self.scheduler.schedule()
         # a structured output's mask needs its newest token, which prev may still be sampling: the
         # forward is queued now, and the sampling once prev's tokens are read (vLLM's way)
-        defer = prev is not None and any((s.seq.matcher is not None or s.seq.held_matcher is not None)
-                                         and s.seq.pending for s in batch)
+        # (one whose grammar begins if its pending token ends a run is masked on the device: logits_processing.py)
+        defer = prev is not None and any(s.seq.matcher is not None and s.seq.pending for s in batch)
         self.inflight = self.runner.launch(batch, on_layer, prev, defer) if batch else None
         outputs = self._collect(prev) if prev is not None else []
         step = self.inflight

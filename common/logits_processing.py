@@ -45,6 +45,9 @@ def adjust(logits_SV: torch.Tensor, seqs: list[Sequence], rows: list[int], num_d
     out_n, prompt_n, last_src = array.array("q"), array.array("q"), array.array("q")
     bias_r, bias_t, bias_v, stop_r, stop_t = array.array("q"), array.array("q"), [], array.array("q"), array.array("q")
     grammar_r, matchers = array.array("q"), []  # rows held to a structured output, and their matchers
+    # rows whose structured output begins if their pending token ends its run (Sequence.held_matcher):
+    # its first mask, where input_ids[src] (that token, on the device) is the run's last
+    begin_r, begin_src, begin_t, begin_masks = array.array("q"), array.array("q"), array.array("q"), []
     masked_logprobs = False  # one of those rows asks for logprobs
     tokens = array.array("q")  # each row's output tokens, then each row's prompt tokens
     prompts = []
@@ -74,6 +77,12 @@ def adjust(logits_SV: torch.Tensor, seqs: list[Sequence], rows: list[int], num_d
             stops = [t for t in q.stop_ids if t < V]
             stop_t.extend(stops)
             stop_r.extend([j] * len(stops))
+        if q.held_matcher is not None and i < num_decode and q.pending and _run_ends_pending(q, settled):
+            begin_r.append(j)
+            begin_src.append(i)
+            begin_t.append(p.structured_outputs_after[-1])
+            begin_masks.append(q.first_mask(-(-V // 32)))
+            masked_logprobs = masked_logprobs or p.logprobs is not None
         rep.append(p.repetition_penalty)
         freq.append(p.frequency_penalty)
         pres.append(p.presence_penalty)
@@ -81,14 +90,15 @@ def adjust(logits_SV: torch.Tensor, seqs: list[Sequence], rows: list[int], num_d
         log_min_p.append(math.log(p.min_p) if p.min_p > 0 and not p.greedy else -math.inf)
     for prompt in prompts:
         tokens += prompt
-    parts = (array.array("q", rows), out_n, prompt_n, last_src, bias_r, bias_t, stop_r, stop_t, grammar_r, tokens)
+    parts = (array.array("q", rows), out_n, prompt_n, last_src, bias_r, bias_t, stop_r, stop_t, grammar_r, begin_r,
+             begin_src, begin_t, tokens)
     buf = array.array("q")
     for part in parts:
         buf += part
     dev = logits_SV.device
     ints = upload(torch.frombuffer(buf, dtype=torch.int64).clone(), dev)
-    rows_R, out_n_R, prompt_n_R, last_src, bias_r, bias_t, stop_r, stop_t, grammar_r, tokens = ints.split(
-        list(map(len, parts)))
+    (rows_R, out_n_R, prompt_n_R, last_src, bias_r, bias_t, stop_r, stop_t, grammar_r, begin_r, begin_src, begin_t,
+     tokens) = ints.split(list(map(len, parts)))
     floats = upload(torch.tensor(rep + freq + pres + temp + log_min_p + bias_v, dtype=torch.float32), dev)
     rep_R, freq_R, pres_R, temp_R, log_min_p_R = floats[:5 * R].view(5, R).unbind(0)
     x_RV = logits_SV[rows_R].float()  # a copy: the graph's logits stay the raw ones, for logprobs
@@ -97,9 +107,14 @@ def adjust(logits_SV: torch.Tensor, seqs: list[Sequence], rows: list[int], num_d
         masks_CW = torch.empty(len(matchers), -(-V // 32), dtype=torch.int32)
         fill_masks(matchers, masks_CW)
         x_RV[grammar_r] = _allowed_only(x_RV[grammar_r], upload(masks_CW, dev))
-        if masked_logprobs:  # a copy only where one is asked for
-            for_logprobs_SV = logits_SV.float().clone()
-            for_logprobs_SV[rows_R[grammar_r]] = x_RV[grammar_r]
+    if begin_masks:  # no host sync: where the pending token is not the run's end, the logits stay as they are
+        x_BV = x_RV[begin_r]
+        ends_B1 = (input_ids[begin_src] == begin_t)[:, None]
+        x_RV[begin_r] = torch.where(ends_B1, _allowed_only(x_BV, upload(torch.stack(begin_masks), dev)), x_BV)
+    if masked_logprobs:  # a copy only where one is asked for
+        for_logprobs_SV = logits_SV.float().clone()
+        masked_r = torch.cat([grammar_r, begin_r])
+        for_logprobs_SV[rows_R[masked_r]] = x_RV[masked_r]
     if bias_v:
         x_RV.index_put_((bias_r, bias_t), floats[5 * R:], accumulate=True)
     if len(stop_t):
@@ -121,6 +136,13 @@ def adjust(logits_SV: torch.Tensor, seqs: list[Sequence], rows: list[int], num_d
         out_SV = out_SV.clone()
     out_SV[rows_R] = x_RV
     return out_SV, for_logprobs_SV
+
+
+def _run_ends_pending(q: Sequence, settled) -> bool:
+    """Whether q's structured_outputs_after run ends with its pending token, if that token is the
+    run's last: the tokens before it (settled, the newest excluded) end as the run's others."""
+    head = q.params.structured_outputs_after[:-1]
+    return not head or list(settled[len(settled) - len(head):]) == head
 
 
 def _allowed_only(x_CV: torch.Tensor, masks_CW: torch.Tensor) -> torch.Tensor:

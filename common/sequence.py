@@ -8,9 +8,11 @@ import enum
 import logging
 import time
 
+import torch
+
 from common.prefix_hash import extend_chain
 from common.sampling_params import SamplingParams
-from common.structured_output import first_lines
+from common.structured_output import fill_masks, first_lines
 from common.text import TextStream
 
 log = logging.getLogger("pdserve.engine")
@@ -66,6 +68,7 @@ class Sequence:
         self.matcher = None  # params.structured_outputs' state, set by the engine (common/structured_output.py)
         # ... or held until the output ends its free part with params.structured_outputs_after
         self.held_matcher = None
+        self._first_mask = None  # held_matcher's mask before any token (logits_processing.py)
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -136,6 +139,14 @@ class Sequence:
         it again. (A real token that ends it has finished it already.)"""
         n = len(self.token_ids)
         return self.pending and (n >= self.max_len or (self.prefill_only and n > self.num_prompt_tokens))
+
+    def first_mask(self, words: int):
+        """held_matcher's mask before any token, computed once: an int32 CPU tensor of `words`
+        words (common/structured_output.py fill_masks)."""
+        if self._first_mask is None:
+            self._first_mask = torch.empty(1, words, dtype=torch.int32)
+            fill_masks([self.held_matcher], self._first_mask)
+        return self._first_mask[0]
 
     def append_token(self, token: int, logprob=None) -> None:
         self.token_ids.append(token)

@@ -229,12 +229,14 @@ def test_penalties_bias_and_min_p_on_the_gpu_give_the_cpus_tokens_through_graphs
 
 
 def test_a_structured_output_after_its_run_on_the_gpu_gives_the_cpus_tokens_through_graphs_and_async():
-    """A request whose structured output waits for its run (reasoning, then JSON) defers its
-    sampling as a masked one does: under async scheduling the token after the run is masked too."""
+    """A request whose structured output waits for its run (reasoning, then JSON): under async
+    scheduling the token after the run is masked on the device where the pending token ends it,
+    alone and batched."""
     from tests.test_structured_output import after_a_run
 
     prompt, params = after_a_run()
-    cpu = Engine(model="dummy:nanogpt").generate([prompt] * 3, params)
+    cpu = [o.token_ids for o in Engine(model="dummy:nanogpt").generate([prompt] * len(params), params)]
     for on in (False, True):
         gpu = Engine(model="dummy:nanogpt", device="cuda:0", dtype="float32", async_scheduling=on)
-        assert [o.token_ids for o in gpu.generate([prompt] * 3, params)] == [o.token_ids for o in cpu], on
+        assert [o.token_ids for o in gpu.generate([prompt] * len(params), params)] == cpu, on
+        assert [gpu.generate(prompt, p)[0].token_ids for p in params] == cpu, on

@@ -86,35 +86,46 @@ def test_a_request_resumed_from_its_output_continues_as_it_would_have(engine):
 
 def after_a_run() -> tuple[list[int], list[SamplingParams]]:
     """A prompt that ends inside </think>, and a choice of CHOICES after that run, after a run that
-    never comes, and from the first token; a bias makes '>' every token nothing masks."""
+    never comes, from the first token, and after a run (">>") that the second token ends, a decode's
+    (pending on the host when the next step is prepared, under async scheduling); a bias makes '>'
+    every token nothing masks."""
     prompt = list(b"<think>\nhmm\n</think")  # the run's last token is the output's first
     after = SamplingParams(max_tokens=40, temperature=0.0, structured_outputs={"choice": CHOICES},
                            structured_outputs_after=list(b"</think>"), logit_bias={ord(">"): 100.0})
     return prompt, [after, dataclasses.replace(after, max_tokens=12, structured_outputs_after=list(b"</nope>")),
-                    dataclasses.replace(after, structured_outputs_after=[])]
+                    dataclasses.replace(after, structured_outputs_after=[]),
+                    dataclasses.replace(after, structured_outputs_after=list(b">>"))]
 
 
 def test_a_structured_output_after_a_run_of_tokens_begins_where_it_ends(engine):
     """structured_outputs_after (a reasoning model's </think>, which the HTTP front sets): the text
     before the run is free and the structured output begins after it, the run begun in the prompt
     or not; live, or resumed after the run (a decode worker, a migration); alone, batched, async."""
-    prompt, (after, never, from_start) = after_a_run()
-    outs = engine.generate([prompt] * 3, [after, never, from_start])
+    prompt, cases = after_a_run()
+    outs = engine.generate([prompt] * len(cases), cases)
     assert outs[0].text[0] == ">" and outs[0].text[1:] in CHOICES and outs[0].finish_reason == "stop"
     assert outs[1].text == ">" * 12  # never begun: free
     assert outs[2].text in CHOICES  # no '>' first: held from its first token
-    engine.add_sequence("resumed", prompt + outs[0].token_ids[:1], len(prompt), after, seed=0)
-    resumed = []
-    while engine.has_unfinished():
-        resumed += [o for o in engine.step() if o.finished]
-    assert resumed[0].token_ids == outs[0].token_ids
+    assert outs[3].text[:2] == ">>" and outs[3].text[2:] in CHOICES
+    for case, out, given in ((cases[0], outs[0], 1), (cases[3], outs[3], 1), (cases[3], outs[3], 2)):
+        engine.add_sequence("resumed", prompt + out.token_ids[:given], len(prompt), case, seed=0)
+        resumed = []
+        while engine.has_unfinished():
+            resumed += [o for o in engine.step() if o.finished]
+        assert resumed[0].token_ids == out.token_ids
+    # under async scheduling the token after ">>" is sampled while the second '>' is pending on the
+    # host (alone: batched beside a masked request, the step waits for it): masked on the device
+    # where that token is the run's end
     for kw in ({"async_scheduling": True}, {"async_scheduling": True, "max_num_batched_tokens": 7, "max_num_seqs": 4}):
         other = Engine(model="dummy:nanogpt", **kw)
-        assert [o.token_ids for o in other.generate([prompt] * 3, [after, never, from_start])] == [
-            o.token_ids for o in outs], kw
+        assert [o.token_ids for o in other.generate([prompt] * len(cases), cases)] == [o.token_ids for o in outs], kw
+        assert [other.generate(prompt, case)[0].token_ids for case in cases] == [o.token_ids for o in outs], kw
+        begun = other.generate(prompt, dataclasses.replace(cases[3], logprobs=5))[0]  # the mask before the logprobs
+        offered = {t for t, lp in zip(*begun.logprobs[2][1:]) if lp > -math.inf}
+        assert offered == {ord(c[0]) for c in CHOICES}, kw
     for bad in ("x", [-1], list(range(17))):
         with pytest.raises(InvalidArgument, match="structured_outputs_after"):
-            dataclasses.replace(after, structured_outputs_after=bad)
+            dataclasses.replace(cases[0], structured_outputs_after=bad)
     with pytest.raises(InvalidArgument, match="without structured_outputs"):
         SamplingParams(structured_outputs_after=[1])
 
