@@ -81,7 +81,7 @@ def adjust(logits_SV: torch.Tensor, seqs: list[Sequence], rows: list[int], num_d
             begin_r.append(j)
             begin_src.append(i)
             begin_t.append(p.structured_outputs_after[-1])
-            begin_masks.append(q.first_mask(-(-V // 32)))
+            begin_masks.append(q.first_mask(-(-V // 32), logits_SV.device))
             masked_logprobs = masked_logprobs or p.logprobs is not None
         rep.append(p.repetition_penalty)
         freq.append(p.frequency_penalty)
@@ -107,18 +107,22 @@ def adjust(logits_SV: torch.Tensor, seqs: list[Sequence], rows: list[int], num_d
         masks_CW = torch.empty(len(matchers), -(-V // 32), dtype=torch.int32)
         fill_masks(matchers, masks_CW)
         x_RV[grammar_r] = _allowed_only(x_RV[grammar_r], upload(masks_CW, dev))
+    ends_R = None  # rows whose grammar begins now, on the device (begin_r's, where their pending token ends the run)
     if begin_masks:  # no host sync: where the pending token is not the run's end, the logits stay as they are
         x_BV = x_RV[begin_r]
-        ends_B1 = (input_ids[begin_src] == begin_t)[:, None]
-        x_RV[begin_r] = torch.where(ends_B1, _allowed_only(x_BV, upload(torch.stack(begin_masks), dev)), x_BV)
+        ends_B = input_ids[begin_src] == begin_t
+        x_RV[begin_r] = torch.where(ends_B[:, None], _allowed_only(x_BV, torch.stack(begin_masks)), x_BV)
+        ends_R = torch.zeros(R, dtype=torch.bool, device=dev)
+        ends_R[begin_r] = ends_B
     if masked_logprobs:  # a copy only where one is asked for
         for_logprobs_SV = logits_SV.float().clone()
         masked_r = torch.cat([grammar_r, begin_r])
         for_logprobs_SV[rows_R[masked_r]] = x_RV[masked_r]
     if bias_v:
         x_RV.index_put_((bias_r, bias_t), floats[5 * R:], accumulate=True)
-    if len(stop_t):
-        x_RV[stop_r, stop_t] = -math.inf
+    if len(stop_t):  # (where a grammar begins, it says where the output may end, as for a matcher's rows)
+        barred = -math.inf if ends_R is None else torch.where(ends_R[stop_r], x_RV[stop_r, stop_t], -math.inf)
+        x_RV[stop_r, stop_t] = barred
     if any(r != 1.0 for r in rep) or any(freq) or any(pres):
         arange_R = torch.arange(R, device=dev)
         n_out = len(tokens) - sum(map(len, prompts))

@@ -10,6 +10,7 @@ import time
 
 import torch
 
+from common.config import upload
 from common.prefix_hash import extend_chain
 from common.sampling_params import SamplingParams
 from common.structured_output import fill_masks, first_lines
@@ -140,12 +141,14 @@ class Sequence:
         n = len(self.token_ids)
         return self.pending and (n >= self.max_len or (self.prefill_only and n > self.num_prompt_tokens))
 
-    def first_mask(self, words: int):
-        """held_matcher's mask before any token, computed once: an int32 CPU tensor of `words`
-        words (common/structured_output.py fill_masks)."""
-        if self._first_mask is None:
-            self._first_mask = torch.empty(1, words, dtype=torch.int32)
-            fill_masks([self.held_matcher], self._first_mask)
+    def first_mask(self, words: int, device: torch.device) -> torch.Tensor:
+        """held_matcher's mask before any token, `words` int32 words (common/structured_output.py
+        fill_masks) on device, made once: a thinking request asks each step its pending token may
+        end the run."""
+        if self._first_mask is None or self._first_mask.shape[1] != words or self._first_mask.device != device:
+            mask = torch.empty(1, words, dtype=torch.int32)
+            fill_masks([self.held_matcher], mask)
+            self._first_mask = upload(mask, device)
         return self._first_mask[0]
 
     def append_token(self, token: int, logprob=None) -> None:

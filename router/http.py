@@ -73,6 +73,9 @@ JSON_CONTENT_TYPE = "application/json; charset=utf-8"  # as web.json_response wr
 SHUTDOWN_GRACE_S = 2.0  # for handlers to answer their requests' UNAVAILABLE when the server stops
 TOKENS_PER_PIECE = 65536  # /tokenize: ids serialized as one piece of its body
 BODY_PIECE_BYTES = 1 << 20  # a JSON body serialized between two turns of the event loop
+# what a client must read of a response in each send_wait_s (5 s) to keep its connection: 3 KB/s
+MIN_READ_BYTES = 16 * 1024
+JSON_THREADS = 4
 # the access log (--log-requests): who, the request line, status, bytes, seconds, and the request's id
 ACCESS_LOG_FORMAT = '%a "%r" %s %b %Tf "%{X-Request-Id}o"'
 access_logger = logging.getLogger("pdserve.http.access")
@@ -147,8 +150,9 @@ class HttpFront:
         self.listener: asyncio.Server | None = None
         self._sweeping: asyncio.Future | None = None
         self._inflight: set[asyncio.Queue] = set()  # each HTTP request's reply queue
-        # choices' logprobs made JSON (_collect): a thread of their own, not the one that tokenizes new requests
-        self._json_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="http-json")
+        # choices' logprobs made JSON (_collect): threads of their own, not those that tokenize new requests;
+        # several, so that one request's hundred choices interleave with another's one
+        self._json_threads = concurrent.futures.ThreadPoolExecutor(JSON_THREADS, thread_name_prefix="http-json")
 
     @property
     def url(self) -> str:
@@ -181,7 +185,7 @@ class HttpFront:
             self.listener.close()
         if self.runner is not None:
             await self.runner.cleanup()
-        self._json_thread.shutdown(wait=False, cancel_futures=True)
+        self._json_threads.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ routes
 
@@ -334,7 +338,7 @@ class HttpFront:
                 if job.logprobs is None:
                     entries[i] = _final_json(choices[i], msg)
                 else:
-                    entries[i] = await asyncio.get_running_loop().run_in_executor(self._json_thread, _final_json,
+                    entries[i] = await asyncio.get_running_loop().run_in_executor(self._json_threads, _final_json,
                                                                                   choices[i], msg)
                 remaining -= 1
                 if not remaining:
@@ -370,26 +374,31 @@ class HttpFront:
 
     async def _write(self, request: web.Request, response: web.StreamResponse, data: bytes, request_id: str,
                      choices: int) -> bool:
-        """data written to the client, or False: it read nothing of what waits for send_wait_s, and
-        its connection is closed (its requests' tokens would wait here for good, their choices
-        decoding). One that reads, however slowly, is waited for."""
+        """data written to the client, or False: in send_wait_s it read under MIN_READ_BYTES of what
+        waits, and its connection is closed (its requests' tokens would wait here for good, their
+        choices decoding). One that reads, if slowly, is waited for."""
         transport = request.transport
         if not _write_may_wait(transport, len(data)):
             await response.write(data)  # (a timer a write cost the router a tenth of its HTTP tokens/s)
             return True
         writing = asyncio.ensure_future(response.write(data))
-        await asyncio.sleep(0)  # its bytes handed to the transport, which waits for the client
-        waiting = _unread(transport)
-        while not (await asyncio.wait({writing}, timeout=self.send_wait_s))[0]:
-            left = _unread(transport)
-            if left >= waiting:
+        try:
+            await asyncio.sleep(0)  # its bytes handed to the transport, which waits for the client
+            waiting = _unread(transport)
+            while not (await asyncio.wait({writing}, timeout=self.send_wait_s))[0]:
+                left = _unread(transport)
+                if waiting - left < MIN_READ_BYTES:
+                    self.request_log.http_client_stalled(request.remote, request_id, choices, self.send_wait_s)
+                    transport.abort()
+                    return False
+                waiting = left
+            writing.result()  # (a connection lost meanwhile raises, as a write does)
+            return True
+        finally:
+            if not writing.done():  # stalled, or the handler cancelled (the client went away)
                 writing.cancel()
-                self.request_log.http_client_stalled(request.remote, request_id, choices, self.send_wait_s)
-                transport.abort()
-                return False
-            waiting = left
-        writing.result()  # (a connection lost meanwhile raises, as a write does)
-        return True
+            elif not writing.cancelled():
+                writing.exception()  # taken, if any: else asyncio logs it as never retrieved
 
     async def _stream(self, request: web.Request, job: Job, choices: list[Choice], queue: asyncio.Queue,
                       item, request_id: str) -> web.StreamResponse:

@@ -104,6 +104,7 @@ def thinking_end(tokenizer, prompt_ids: list[int]) -> list[int] | None:
     single tokens: a tag of several (`</`, `think`, `>`) is spelled otherwise in other text
     (`>\n\n` one token), and its run might never be seen (vLLM too takes one token), unless the
     tokenizer spells every text one way (a byte a token)."""
+    prompt_ids = list(prompt_ids)
     start, end = (tokenizer.encode(tag, add_special_tokens=False) for tag in (START, END))
     if not end or len(end) > MAX_AFTER_TOKENS or (
             max(len(start), len(end)) > 1 and not getattr(tokenizer, "one_spelling", False)):

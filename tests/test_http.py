@@ -5,6 +5,7 @@ the engine's own logits, echo and usage; every error in OpenAI's shape; a client
 frees every KV block; API keys; /metrics that parse and count right."""
 
 import asyncio
+import gc
 import json
 import pathlib
 import re
@@ -683,13 +684,32 @@ def test_a_body_of_megabytes_is_waited_for_while_its_client_reads_however_slowly
                 time.sleep(pause_s)
             return b"".join(got)
 
+    def reset(port: int) -> None:
+        """Asks, reads nothing, and goes away: its connection reset while the body waits for it."""
+        body = json.dumps({"prompt": text}).encode()
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect(("127.0.0.1", port))
+            sock.sendall(b"POST /tokenize HTTP/1.1\r\nHost: x\r\n"
+                         + f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+            time.sleep(0.15)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\1\0\0\0\0\0\0\0")  # close with a reset
+
+    unhandled = []
+
     async def scenario():
-        async with TestServer(front.app) as server:
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: unhandled.append(context))
+        # as the router runs it: a client that goes away cancels its handler
+        async with TestServer(front.app, handler_cancellation=True) as server:
             slow = await asyncio.to_thread(read, server.port, 0.05)  # 64 KiB a twentieth of a second
             stopped = await asyncio.to_thread(read, server.port, 0.0, 1.0, None, 4096)  # nothing for 1 s, then all
+            await asyncio.to_thread(reset, server.port)
+            await asyncio.sleep(0.5)
+            gc.collect()  # a task whose exception nobody took says so when it is collected
             return slow, stopped
 
     slow, stopped = asyncio.run(scenario())
+    assert not unhandled, unhandled  # the write a cancelled handler left is cancelled with it
     head, _, chunked = slow.partition(b"\r\n\r\n")
     assert b"Transfer-Encoding: chunked" in head and slow.endswith(b"\r\n0\r\n\r\n"), f"cut after {len(slow)} bytes"
     body, rest = b"", chunked

@@ -113,6 +113,9 @@ def test_a_structured_output_after_a_run_of_tokens_begins_where_it_ends(engine):
         while engine.has_unfinished():
             resumed += [o for o in engine.step() if o.finished]
         assert resumed[0].token_ids == out.token_ids
+    early_end = SamplingParams(max_tokens=12, temperature=0.0, structured_outputs={"regex": "a*"}, min_tokens=4,
+                               structured_outputs_after=list(b">>"), logit_bias={ord(">"): 100.0, 257: 50.0})
+    sync_early = engine.generate(prompt, early_end)[0]
     # under async scheduling the token after ">>" is sampled while the second '>' is pending on the
     # host (alone: batched beside a masked request, the step waits for it): masked on the device
     # where that token is the run's end
@@ -123,6 +126,9 @@ def test_a_structured_output_after_a_run_of_tokens_begins_where_it_ends(engine):
         begun = other.generate(prompt, dataclasses.replace(cases[3], logprobs=5))[0]  # the mask before the logprobs
         offered = {t for t, lp in zip(*begun.logprobs[2][1:]) if lp > -math.inf}
         assert offered == {ord(c[0]) for c in CHOICES}, kw
+        # min_tokens holds EOS off the free text, not where the grammar begins: it says where the output ends
+        early = other.generate(prompt, early_end)[0]
+        assert (early.text, early.finish_reason) == (">>", "stop") == (sync_early.text, sync_early.finish_reason), kw
     for bad in ("x", [-1], list(range(17))):
         with pytest.raises(InvalidArgument, match="structured_outputs_after"):
             dataclasses.replace(cases[0], structured_outputs_after=bad)
