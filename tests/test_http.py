@@ -322,6 +322,8 @@ def test_reasoning_is_shown_apart_from_the_answer_and_its_calls(tmp_path):
             "add_generation_prompt": False, "continue_final_message": True, "logit_bias": {str(ord(">")): 100}})
         content = client.chat.completions.create(messages=started, **ask).choices[0].message.content
         assert content[0] == ">" and json.loads(content[1:])["a"] in ("x", "y"), content
+        streamed = client.chat.completions.create(messages=started, stream=True, **ask)
+        assert "".join(ch.choices[0].delta.content or "" for ch in streamed if ch.choices) == content
         started[1]["content"] += ">"  # a prompt that closed the thinking: JSON from the first token
         assert json.loads(client.chat.completions.create(messages=started, **ask).choices[0].message.content)
 
