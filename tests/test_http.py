@@ -317,7 +317,7 @@ def test_reasoning_is_shown_apart_from_the_answer_and_its_calls(tmp_path):
         schema = {"type": "object", "properties": {"a": {"enum": ["x", "y"]}}, "required": ["a"],
                   "additionalProperties": False}
         started = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "<think>\nhm\n</think"}]
-        ask = dict(model=MODEL, max_completion_tokens=40, response_format={
+        ask = dict(model=MODEL, max_completion_tokens=40, temperature=0, response_format={
             "type": "json_schema", "json_schema": {"name": "a", "schema": schema}}, extra_body={
             "add_generation_prompt": False, "continue_final_message": True, "logit_bias": {str(ord(">")): 100}})
         content = client.chat.completions.create(messages=started, **ask).choices[0].message.content
