@@ -244,7 +244,8 @@ class HttpFront:
 
     async def detokenize(self, request: web.Request) -> web.Response:
         prompts = self.backend.prompts
-        ids = parse_detokenize(await read_json(request, self.max_body_bytes), self.names, prompts.model_config.vocab_size)
+        body = await read_json(request, self.max_body_bytes)
+        ids = parse_detokenize(body, self.names, prompts.model_config.vocab_size)
         text = prompts.text(ids, skip_special_tokens=False)  # as vLLM's: special tokens shown
         if text is None:
             raise InvalidArgument(f"model {self.model!r} has no tokenizer", param="tokens")

@@ -108,7 +108,8 @@ class Guard:
         if e.status == 408:
             return ApiError("REQUEST_TIMEOUT", e.reason)
         if e.status == 405:
-            return ApiError("METHOD_NOT_ALLOWED", f"{request.method} {request.path} is not served; allowed: {self.routes}")
+            return ApiError("METHOD_NOT_ALLOWED",
+                            f"{request.method} {request.path} is not served; allowed: {self.routes}")
         if e.status == 404:
             return ApiError("NOT_FOUND", f"{request.method} {request.path} is not served; allowed: {self.routes}")
         return ApiError("INVALID_ARGUMENT" if e.status < 500 else "INTERNAL", e.reason)
