@@ -697,6 +697,21 @@ def test_a_body_of_megabytes_is_waited_for_while_its_client_reads_however_slowly
             time.sleep(0.15)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\1\0\0\0\0\0\0\0")  # close with a reset
 
+    def trickle(port: int) -> None:
+        """Reads 1 KiB a twentieth of a second (20 KB/s: under 16 KiB a send_wait_s, yet some in each), for 2 s."""
+        body = json.dumps({"prompt": text}).encode()
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect(("127.0.0.1", port))
+            sock.sendall(b"POST /tokenize HTTP/1.1\r\nHost: x\r\n"
+                         + f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+            sock.recv(1024)  # the response has begun
+            for _ in range(40):
+                sock.recv(1024)
+                time.sleep(0.05)
+
+    stalls = []
+    front.request_log.http_client_stalled = lambda *args: stalls.append(args)
     unhandled = []
 
     async def scenario():
@@ -705,6 +720,9 @@ def test_a_body_of_megabytes_is_waited_for_while_its_client_reads_however_slowly
         async with TestServer(front.app, handler_cancellation=True) as server:
             slow = await asyncio.to_thread(read, server.port, 0.05)  # 64 KiB a twentieth of a second
             stopped = await asyncio.to_thread(read, server.port, 0.0, 1.0, None, 4096)  # nothing for 1 s, then all
+            assert len(stalls) == 1
+            await asyncio.to_thread(trickle, server.port)
+            assert len(stalls) == 2  # a trickle keeps no connection
             await asyncio.to_thread(reset, server.port)
             await asyncio.sleep(0.5)
             gc.collect()  # a task whose exception nobody took says so when it is collected
