@@ -114,11 +114,7 @@ def check_template_kwargs(kwargs) -> dict | None:
         raise InvalidArgument(f"chat_template_kwargs sets {taken}; allowed: other names ({', '.join(TEMPLATE_OWN)} "
                               "and the special tokens come from the request and the model)",
                               param="chat_template_kwargs")
-    try:
-        _check_data(kwargs, "chat_template_kwargs")
-    except InvalidArgument as e:
-        e.param = "chat_template_kwargs"
-        raise
+    _check_data(kwargs, "chat_template_kwargs", param="chat_template_kwargs")
     return kwargs
 
 
@@ -188,12 +184,12 @@ def _arguments_parsed(call, name: str):
     return {**call, "function": {**function, "arguments": arguments}}
 
 
-def _check_data(value, name: str) -> None:
+def _check_data(value, name: str, param: str | None = None) -> None:
     for v in nested(value):
         if not (v is None or isinstance(v, (str, int, float, list))
                 or isinstance(v, dict) and all(isinstance(key, str) for key in v)):
             raise InvalidArgument(f"{name}={_short(value)} is invalid; allowed: JSON data (strings, numbers, "
-                                  "booleans, null, lists, objects with string keys)")
+                                  "booleans, null, lists, objects with string keys)", param=param)
 
 
 def hf_chat_template(path, bos_token: str = "", eos_token: str = "") -> ChatTemplate | None:

@@ -81,7 +81,7 @@ def adjust(logits_SV: torch.Tensor, seqs: list[Sequence], rows: list[int], num_d
             begin_r.append(j)
             begin_src.append(i)
             begin_t.append(p.structured_outputs_after[-1])
-            begin_masks.append(q.first_mask(-(-V // 32), logits_SV.device))
+            begin_masks.append(_first_mask(q, -(-V // 32), logits_SV.device))
             masked_logprobs = masked_logprobs or p.logprobs is not None
         rep.append(p.repetition_penalty)
         freq.append(p.frequency_penalty)
@@ -147,6 +147,16 @@ def _run_ends_pending(q: Sequence, settled) -> bool:
     run's last: the tokens before it (settled, the newest excluded) end as the run's others."""
     head = q.params.structured_outputs_after[:-1]
     return not head or list(settled[len(settled) - len(head):]) == head
+
+
+def _first_mask(q: Sequence, words: int, device: torch.device) -> torch.Tensor:
+    """q.held_matcher's mask before any token (`words` words, as fill_masks makes them), made and
+    uploaded once: each step of its thinking asks whether its pending token ends the run."""
+    if q.first_mask is None:
+        mask = torch.empty(1, words, dtype=torch.int32)
+        fill_masks([q.held_matcher], mask)
+        q.first_mask = upload(mask, device)[0]
+    return q.first_mask
 
 
 def _allowed_only(x_CV: torch.Tensor, masks_CW: torch.Tensor) -> torch.Tensor:

@@ -8,12 +8,9 @@ import enum
 import logging
 import time
 
-import torch
-
-from common.config import upload
 from common.prefix_hash import extend_chain
 from common.sampling_params import SamplingParams
-from common.structured_output import fill_masks, first_lines
+from common.structured_output import first_lines
 from common.text import TextStream
 
 log = logging.getLogger("pdserve.engine")
@@ -69,7 +66,7 @@ class Sequence:
         self.matcher = None  # params.structured_outputs' state, set by the engine (common/structured_output.py)
         # ... or held until the output ends its free part with params.structured_outputs_after
         self.held_matcher = None
-        self._first_mask = None  # held_matcher's mask before any token (logits_processing.py)
+        self.first_mask = None  # held_matcher's mask before any token, on the device (logits_processing.py)
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -141,15 +138,22 @@ class Sequence:
         n = len(self.token_ids)
         return self.pending and (n >= self.max_len or (self.prefill_only and n > self.num_prompt_tokens))
 
-    def first_mask(self, words: int, device: torch.device) -> torch.Tensor:
-        """held_matcher's mask before any token, `words` int32 words (common/structured_output.py
-        fill_masks) on device, made once: a thinking request asks each step its pending token may
-        end the run."""
-        if self._first_mask is None or self._first_mask.shape[1] != words or self._first_mask.device != device:
-            mask = torch.empty(1, words, dtype=torch.int32)
-            fill_masks([self.held_matcher], mask)
-            self._first_mask = upload(mask, device)
-        return self._first_mask[0]
+    def _grammar_takes(self, token: int) -> bool:
+        """Whether its structured output, if any, takes the newest token. A held one sees none of the
+        free text, and begins once the run (params.structured_outputs_after) that ends it is out."""
+        if self.held_matcher is not None:
+            after = self.params.structured_outputs_after
+            if self.token_ids[-len(after):] == after:
+                self.matcher, self.held_matcher = self.held_matcher, None
+            return True
+        if self.matcher is None or self.matcher.consume_token(token):
+            return True
+        # its mask allowed the token, but llguidance gave up on the grammar (too many items or
+        # expressions for it): the output ends where it is, said in the log
+        log.warning("request %s: its structured output ends after %d tokens, llguidance could not follow it (%s)",
+                    self.request_id, len(self.token_ids) - self.num_prompt_tokens,
+                    first_lines(self.matcher.get_error(), 1))
+        return False
 
     def append_token(self, token: int, logprob=None) -> None:
         self.token_ids.append(token)
@@ -158,19 +162,7 @@ class Sequence:
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
         ends_text = self.text is not None and self.text.add(token)  # the text sees every token
-        broken = False
-        if self.held_matcher is not None:  # free text until the run that ends it, which the grammar does not see
-            after = self.params.structured_outputs_after
-            if self.token_ids[-len(after):] == after:
-                self.matcher, self.held_matcher = self.held_matcher, None
-        elif self.matcher is not None and not self.matcher.consume_token(token):
-            # its mask allowed the token, but llguidance gave up on the grammar (too many items or
-            # expressions for it): the output ends where it is, said in the log
-            log.warning("request %s: its structured output ends after %d tokens, llguidance could not follow it "
-                        "(%s)", self.request_id, len(self.token_ids) - self.num_prompt_tokens,
-                        first_lines(self.matcher.get_error(), 1))
-            broken = True
-        if broken:
+        if not self._grammar_takes(token):
             self.finish_reason = "abort"
         elif token in self.stop_ids or ends_text or (self.matcher is not None and self.matcher.is_stopped()):
             self.finish_reason = "stop"

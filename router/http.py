@@ -347,8 +347,7 @@ class HttpFront:
             item = await queue.get()
         return await self._json_body(request, Envelope(job, request_id).response(job, choices, entries), request_id)
 
-    async def _json_body(self, request: web.Request, pieces: Iterator[bytes], request_id: str,
-                         choices: int = 0) -> web.StreamResponse:
+    async def _json_body(self, request: web.Request, pieces: Iterator[bytes], request_id: str) -> web.StreamResponse:
         """A JSON body made by pieces: one response where it is small; otherwise written as it is
         made, with the event loop (every stream, and the router's own work) run between pieces: a
         body of 200 MB was seconds of json.dumps holding it."""
@@ -361,13 +360,13 @@ class HttpFront:
                     if response is None:
                         response = web.StreamResponse(headers={"Content-Type": JSON_CONTENT_TYPE})
                         await response.prepare(request)
-                    if not await self._write(request, response, b"".join(held), request_id, choices):
+                    if not await self._write(request, response, b"".join(held), request_id, 0):
                         return response
                     held, size = [], 0
                     await asyncio.sleep(0)
             if response is None:
                 return web.Response(body=b"".join(held), headers={"Content-Type": JSON_CONTENT_TYPE})
-            if await self._write(request, response, b"".join(held), request_id, choices):
+            if await self._write(request, response, b"".join(held), request_id, 0):
                 await response.write_eof()
         except ConnectionError:  # the client went away
             pass
@@ -481,5 +480,5 @@ def _prepare(parse, body, prompts, max_queue: int) -> tuple[Job, list]:
         if end is None:  # it cannot think first: JSON from its first token, all answer
             job = dataclasses.replace(job, reasoning=None)
         else:
-            job.params.structured_outputs_after = end  # (checked: a short run of the model's token ids)
+            job = dataclasses.replace(job, params=dataclasses.replace(job.params, structured_outputs_after=end))
     return job, prepared

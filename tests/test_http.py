@@ -664,14 +664,18 @@ def test_a_body_of_megabytes_is_waited_for_while_its_client_reads_however_slowly
     front.send_wait_s = 0.3
     text = "hello world, " * 96000  # 6 MB of /tokenize's JSON: more than the kernel's buffers hold
 
-    def read(port: int, pause_s: float, first_pause_s: float = 0.0, ask: dict | None = None,
-             window: int = 1 << 16) -> bytes:
-        body = json.dumps(ask or {"prompt": text}).encode()
-        with socket.socket() as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, window)
-            sock.connect(("127.0.0.1", port))
-            sock.sendall(b"POST /tokenize HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
-                         + f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+    def asking(port: int, window: int) -> socket.socket:
+        """A connection that has asked /tokenize for `text`, its receive buffer `window` bytes."""
+        body = json.dumps({"prompt": text}).encode()
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, window)
+        sock.connect(("127.0.0.1", port))
+        sock.sendall(b"POST /tokenize HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                     + f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        return sock
+
+    def read(port: int, pause_s: float, first_pause_s: float = 0.0, window: int = 1 << 16) -> bytes:
+        with asking(port, window) as sock:
             time.sleep(first_pause_s)
             got = []
             sock.settimeout(30)
@@ -688,23 +692,13 @@ def test_a_body_of_megabytes_is_waited_for_while_its_client_reads_however_slowly
 
     def reset(port: int) -> None:
         """Asks, reads nothing, and goes away: its connection reset while the body waits for it."""
-        body = json.dumps({"prompt": text}).encode()
-        with socket.socket() as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            sock.connect(("127.0.0.1", port))
-            sock.sendall(b"POST /tokenize HTTP/1.1\r\nHost: x\r\n"
-                         + f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        with asking(port, 4096) as sock:
             time.sleep(0.15)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\1\0\0\0\0\0\0\0")  # close with a reset
 
     def trickle(port: int) -> None:
         """Reads 1 KiB a twentieth of a second (20 KB/s: under 16 KiB a send_wait_s, yet some in each), for 2 s."""
-        body = json.dumps({"prompt": text}).encode()
-        with socket.socket() as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            sock.connect(("127.0.0.1", port))
-            sock.sendall(b"POST /tokenize HTTP/1.1\r\nHost: x\r\n"
-                         + f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        with asking(port, 4096) as sock:
             sock.recv(1024)  # the response has begun
             for _ in range(40):
                 sock.recv(1024)
@@ -719,7 +713,7 @@ def test_a_body_of_megabytes_is_waited_for_while_its_client_reads_however_slowly
         # as the router runs it: a client that goes away cancels its handler
         async with TestServer(front.app, handler_cancellation=True) as server:
             slow = await asyncio.to_thread(read, server.port, 0.05)  # 64 KiB a twentieth of a second
-            stopped = await asyncio.to_thread(read, server.port, 0.0, 1.0, None, 4096)  # nothing for 1 s, then all
+            stopped = await asyncio.to_thread(read, server.port, 0.0, 1.0, 4096)  # nothing for 1 s, then all
             assert len(stalls) == 1
             await asyncio.to_thread(trickle, server.port)
             assert len(stalls) == 2  # a trickle keeps no connection
